@@ -1,0 +1,260 @@
+"""Write a small, deterministic COCO-format instance-segmentation data set.
+
+Each image is a textured background (smooth colour gradient, low-contrast
+stripes and pixel noise) with a few filled shapes painted back to front, so
+later shapes occlude earlier ones. Every class has its own shape and colour
+family (with jitter), object sizes span COCO's "small" and "medium" ranges,
+and the annotations are polygons of the *visible* part of each object.
+
+Layout written under ``--out`` (default ``data/toy_coco``)::
+
+    annotations/instances_train.json
+    annotations/instances_val.json
+    train/000000.png ...
+    val/000000.png ...
+
+The same ``--seed`` and sizes always give byte-identical files.
+
+Example::
+
+    python tools/make_toy_coco.py --out data/toy_coco --num-train 320 --num-val 80
+"""
+import argparse
+import json
+import os
+import os.path as osp
+
+import cv2
+import numpy as np
+from pycocotools import mask as mask_utils
+
+CLASSES = ('circle', 'square', 'triangle', 'star')
+# One base colour per class (BGR, as OpenCV writes it); each object jitters it.
+BASE_COLOURS = {
+    'circle': (40, 40, 220),
+    'square': (40, 200, 40),
+    'triangle': (220, 90, 30),
+    'star': (30, 210, 230),
+}
+MIN_VISIBLE_FRACTION = 0.5
+MIN_VISIBLE_AREA = 30
+
+
+def shape_polygon(name, centre, size, angle):
+    """Outline of one shape as an (K, 2) float array of (x, y) vertices.
+
+    ``size`` is the shape's diameter in pixels, ``angle`` a rotation in radians.
+    """
+    if name == 'circle':
+        t = np.linspace(0, 2 * np.pi, 40, endpoint=False)
+        radii = np.full_like(t, size / 2)
+    elif name == 'square':
+        t = np.arange(4) * np.pi / 2 + np.pi / 4
+        radii = np.full_like(t, size / 2 * np.sqrt(2) * 0.8)
+    elif name == 'triangle':
+        t = np.arange(3) * 2 * np.pi / 3 - np.pi / 2
+        radii = np.full_like(t, size / 2)
+    elif name == 'star':
+        t = np.arange(10) * np.pi / 5 - np.pi / 2
+        radii = np.where(np.arange(10) % 2 == 0, size / 2, size / 5)
+    else:
+        raise ValueError(f'name must be one of {CLASSES}, got {name!r}')
+    t = t + angle
+    xs = centre[0] + radii * np.cos(t)
+    ys = centre[1] + radii * np.sin(t)
+    return np.stack([xs, ys], axis=1)
+
+
+def textured_background(rng, size):
+    """A (size, size, 3) uint8 background: gradient + stripes + noise."""
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
+    c0 = rng.uniform(60, 190, 3)
+    c1 = rng.uniform(60, 190, 3)
+    direction = rng.uniform(0, 2 * np.pi)
+    ramp = (np.cos(direction) * xx + np.sin(direction) * yy + 1) / 2
+    img = c0 * (1 - ramp[..., None]) + c1 * ramp[..., None]
+    period = rng.uniform(6, 24)
+    phase = rng.uniform(0, 2 * np.pi)
+    theta = rng.uniform(0, np.pi)
+    stripes = np.sin((np.cos(theta) * xx + np.sin(theta) * yy) * size /
+                     period * 2 * np.pi + phase)
+    img = img + 12 * stripes[..., None]
+    img = img + rng.normal(0, 6, img.shape)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def rasterize(poly, size):
+    """Binary (size, size) uint8 mask of a polygon."""
+    mask = np.zeros((size, size), np.uint8)
+    pts = np.round(poly * 16).astype(np.int32)  # 4 fractional bits
+    cv2.fillPoly(mask, [pts], 1, lineType=cv2.LINE_8, shift=4)
+    return mask
+
+
+def visible_polygons(mask):
+    """COCO polygons ([x1, y1, x2, y2, ...] lists) of a binary mask."""
+    contours, _ = cv2.findContours(mask, cv2.RETR_EXTERNAL,
+                                   cv2.CHAIN_APPROX_SIMPLE)
+    polys = []
+    for c in contours:
+        if len(c) >= 3:
+            # Pixel-corner convention: a pixel (x, y) covers [x, x+1).
+            polys.append([float(v) + 0.5 for v in c.reshape(-1)])
+    return polys
+
+
+def sample_objects(rng, img_size, max_objects):
+    """Random (class, centre, size, angle, colour) tuples for one image."""
+    n = int(rng.integers(2, max_objects + 1))
+    objects = []
+    for _ in range(n):
+        name = CLASSES[int(rng.integers(len(CLASSES)))]
+        # Log-uniform sizes: many small objects, some medium/large ones.
+        size = float(np.exp(rng.uniform(np.log(0.12), np.log(0.55))) *
+                     img_size)
+        margin = size * 0.3
+        centre = rng.uniform(margin, img_size - margin, 2)
+        angle = float(rng.uniform(0, 2 * np.pi))
+        colour = np.clip(
+            np.array(BASE_COLOURS[name]) + rng.integers(-35, 36, 3), 0, 255)
+        objects.append((name, centre, size, angle, colour))
+    return objects
+
+
+def visible_masks(full_masks):
+    """Visible part of each (H, W) uint8 mask when painted in list order."""
+    covered = 0
+    visible = []
+    for mask in full_masks[::-1]:
+        visible.append(mask & (1 - covered))
+        covered = covered | mask
+    return visible[::-1]
+
+
+def first_hidden(full_masks, visible):
+    """Index of the first object too occluded to annotate, or None."""
+    for i, (mask, vis) in enumerate(zip(full_masks, visible)):
+        if (vis.sum() < MIN_VISIBLE_AREA
+                or vis.sum() < MIN_VISIBLE_FRACTION * mask.sum()):
+            return i
+    return None
+
+
+def render_image(rng, img_size, max_objects):
+    """Image (H, W, 3) uint8 and its annotations [(class index, polys)].
+
+    Objects that would be mostly hidden are dropped before painting, so
+    every visible shape in the image is annotated.
+    """
+    img = textured_background(rng, img_size)
+    objects = sample_objects(rng, img_size, max_objects)
+    full_masks = [
+        rasterize(shape_polygon(name, centre, size, angle), img_size)
+        for name, centre, size, angle, _ in objects
+    ]
+    while True:
+        visible = visible_masks(full_masks)
+        hidden = first_hidden(full_masks, visible)
+        if hidden is None:
+            break
+        del objects[hidden], full_masks[hidden]
+    annotations = []
+    for (name, *_, colour), mask, vis in zip(objects, full_masks, visible):
+        shade = rng.normal(0, 5, img.shape)
+        painted = np.clip(colour + shade, 0, 255).astype(np.uint8)
+        img[mask.astype(bool)] = painted[mask.astype(bool)]
+        polys = visible_polygons(vis)
+        if polys:
+            annotations.append((CLASSES.index(name), polys))
+    return img, annotations
+
+
+def coco_annotation(ann_id, image_id, category_id, polys, img_size):
+    """One COCO annotation dict; bbox and area come from the polygon mask."""
+    rles = mask_utils.frPyObjects(polys, img_size, img_size)
+    rle = mask_utils.merge(rles)
+    x, y, w, h = (float(v) for v in mask_utils.toBbox(rle))
+    return dict(
+        id=ann_id,
+        image_id=image_id,
+        category_id=category_id,
+        segmentation=polys,
+        area=float(mask_utils.area(rle)),
+        bbox=[x, y, w, h],
+        iscrowd=0)
+
+
+def make_split(out_dir, split, num_images, img_size, max_objects, seed):
+    """Write one split's images and annotation file; return the json path."""
+    rng = np.random.default_rng(seed)
+    img_dir = osp.join(out_dir, split)
+    os.makedirs(img_dir, exist_ok=True)
+    images, annotations = [], []
+    for image_id in range(1, num_images + 1):
+        img, anns = render_image(rng, img_size, max_objects)
+        file_name = f'{image_id - 1:06d}.png'
+        cv2.imwrite(osp.join(img_dir, file_name), img)
+        images.append(
+            dict(id=image_id, file_name=file_name, width=img_size,
+                 height=img_size))
+        for label, polys in anns:
+            annotations.append(
+                coco_annotation(
+                    len(annotations) + 1, image_id, label + 1, polys,
+                    img_size))
+    coco = dict(
+        info=dict(description='lapformer_mm toy shapes', version='1.0'),
+        licenses=[],
+        images=images,
+        annotations=annotations,
+        categories=[
+            dict(id=i + 1, name=n, supercategory='shape')
+            for i, n in enumerate(CLASSES)
+        ])
+    ann_dir = osp.join(out_dir, 'annotations')
+    os.makedirs(ann_dir, exist_ok=True)
+    ann_file = osp.join(ann_dir, f'instances_{split}.json')
+    with open(ann_file, 'w') as f:
+        json.dump(coco, f)
+    return ann_file, len(annotations)
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f'expected an integer >= 1, got {text}')
+    return value
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--out', default='data/toy_coco', help='output folder')
+    parser.add_argument('--num-train', type=positive_int, default=320)
+    parser.add_argument('--num-val', type=positive_int, default=80)
+    parser.add_argument(
+        '--img-size', type=positive_int, default=160, help='square side (px)')
+    parser.add_argument(
+        '--max-objects', type=positive_int, default=5,
+        help='most objects painted per image (at least 2 are painted)')
+    parser.add_argument('--seed', type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.img_size < 32:
+        parser.error(f'--img-size must be >= 32, got {args.img_size}')
+    if args.max_objects < 2:
+        parser.error(f'--max-objects must be >= 2, got {args.max_objects}')
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # Different seeds per split so val images are never copies of train ones.
+    for split, num, offset in (('train', args.num_train, 0),
+                               ('val', args.num_val, 1)):
+        ann_file, n_ann = make_split(args.out, split, num, args.img_size,
+                                     args.max_objects,
+                                     [args.seed, offset])
+        print(f'{split}: {num} images, {n_ann} objects -> {ann_file}')
+
+
+if __name__ == '__main__':
+    main()
