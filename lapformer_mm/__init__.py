@@ -1,2 +1,10 @@
-"""LaplacianFormer for OpenMMLab: Laplacian-kernel linear attention backbones."""
+"""LaplacianFormer for OpenMMLab: Laplacian-kernel linear attention backbones.
+
+``import lapformer_mm`` allowlists mmengine's checkpoint contents for
+``torch.load(weights_only=True)``. ``lapformer_mm.ops`` needs only torch (and CuPy on GPU).
+"""
+from .checkpoint import allow_mmengine_checkpoints
+
 __version__ = '0.1.0'
+
+allow_mmengine_checkpoints()

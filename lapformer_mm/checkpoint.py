@@ -1,0 +1,100 @@
+"""Checkpoint loading that keeps ``torch.load(weights_only=True)`` on.
+
+PyTorch >= 2.6 loads with ``weights_only=True`` by default, which refuses the few
+non-tensor objects that mmengine writes into its full checkpoints (resume, ``load_from``,
+``tools/test.py``): the message hub's ``HistoryBuffer``, numpy arrays, scalars and dtypes.
+Turning the safety off for everything would let any downloaded ``.pth`` run code when it is
+unpickled. Instead, :func:`allow_mmengine_checkpoints` adds exactly those data types to
+torch's allowlist, so mmengine's own ``torch.load`` calls keep working and a pickle that
+reaches for ``os.system`` or ``eval`` is still refused.
+
+``HistoryBuffer`` pickles its statistics methods as ``getattr(HistoryBuffer, 'min')``;
+allowing ``builtins.getattr`` itself would open the door again (attribute walks reach any
+module's globals), so a ``getattr`` that resolves only those method names is registered
+under its pickled name instead.
+"""
+import os
+
+import numpy as np
+import torch
+
+TRUST_HINT = (
+    'Only if you trust the file, load it without the safety for one run with '
+    '`TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`, or re-save its tensors as a plain state dict.')
+
+
+def _history_buffer_getattr(obj, name):
+    """``getattr`` restricted to the statistics methods of mmengine's ``HistoryBuffer``."""
+    from mmengine.logging import HistoryBuffer
+
+    allowed = {'min', 'max', 'current', 'mean', *HistoryBuffer._statistics_methods}
+    if obj is HistoryBuffer and name in allowed:
+        return getattr(obj, name)
+    raise pickle_error(f'getattr({obj!r}, {name!r}) is not allowed in a checkpoint')
+
+
+def pickle_error(message):
+    return torch.serialization.pickle.UnpicklingError(message)
+
+
+def _numpy_globals():
+    core = np._core if hasattr(np, '_core') else np.core
+    scalar_dtypes = [type(np.dtype(t)) for t in (
+        np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+        np.uint64, np.float16, np.float32, np.float64)]
+    return [np.ndarray, np.dtype, core.multiarray._reconstruct, core.multiarray.scalar,
+            *scalar_dtypes]
+
+
+def allow_mmengine_checkpoints():
+    """Allowlist the data types of mmengine full checkpoints for ``weights_only`` loading.
+
+    Idempotent. A no-op on torch versions without ``add_safe_globals`` (< 2.4), which also
+    do not default to ``weights_only=True``.
+    """
+    if not hasattr(torch.serialization, 'add_safe_globals'):
+        return
+    safe = _numpy_globals()
+    try:
+        from mmengine.logging import HistoryBuffer
+    except ImportError:
+        pass
+    else:
+        safe += [HistoryBuffer,
+                 (_history_buffer_getattr, 'builtins.getattr'),
+                 (_history_buffer_getattr, '__builtin__.getattr')]
+    torch.serialization.add_safe_globals(safe)
+
+
+def safe_load(filename, map_location='cpu'):
+    """``torch.load`` with ``weights_only=True`` and an error that says what was refused.
+
+    Args:
+        filename (str | os.PathLike): a local checkpoint file.
+        map_location: as for :func:`torch.load`.
+
+    Returns:
+        The loaded object (a state dict or an mmengine checkpoint dict).
+
+    Raises:
+        FileNotFoundError: ``filename`` does not exist.
+        RuntimeError: the file needs unpickling of objects outside the allowlist.
+    """
+    filename = os.fspath(filename)
+    if not os.path.isfile(filename):
+        raise FileNotFoundError(f'checkpoint file {filename!r} does not exist')
+    allow_mmengine_checkpoints()
+    try:
+        return torch.load(filename, map_location=map_location, weights_only=True)
+    except torch.serialization.pickle.UnpicklingError as err:
+        raise RuntimeError(
+            f'Refused to load checkpoint {filename!r}: it contains objects that are not plain '
+            f'weights, and unpickling them could run code. {TRUST_HINT}\n'
+            f'Details: {_refusal_reason(err)}') from err
+
+
+def _refusal_reason(err):
+    """The line of torch's weights-only error that names the refused object."""
+    lines = str(err).splitlines()
+    reasons = [line.strip() for line in lines if 'GLOBAL' in line]
+    return reasons[0] if reasons else (lines[0] if lines else repr(err))
