@@ -1,0 +1,354 @@
+"""LaplacianFormer: a four-stage pyramid of Laplacian-kernel attention blocks.
+
+Layout after SOFT/SOFT++ (see DESIGN.md, section 3): a convolutional stem to
+stride 4, then four stages; stages 2-4 start with a 3x3 stride-2 conv-BN-ReLU.
+Each stage is a stack of pre-norm transformer blocks on the (B, H*W, C) tokens
+of its grid. The API follows mmdet's PVT/Swin backbones.
+"""
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.utils.checkpoint as cp
+from mmengine.logging import MMLogger
+from mmengine.model import BaseModule
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .attention import LaplacianAttention
+from .layers import ConvStem, SoftmaxAttention, TransformerBlock, conv_bn_relu
+from .pretrained import load_backbone_weights
+
+ARCH_SETTINGS: Dict[str, Dict[str, List[int]]] = {
+    'tiny': dict(
+        embed_dims=[64, 128, 320, 512],
+        num_heads=[2, 4, 10, 16],
+        depths=[1, 2, 3, 2]),
+    'small': dict(
+        embed_dims=[64, 128, 320, 512],
+        num_heads=[2, 4, 10, 16],
+        depths=[1, 3, 20, 4]),
+    'medium': dict(
+        embed_dims=[64, 128, 288, 512],
+        num_heads=[2, 4, 9, 16],
+        depths=[1, 3, 29, 5]),
+    'large': dict(
+        embed_dims=[64, 128, 320, 512],
+        num_heads=[2, 4, 10, 16],
+        depths=[1, 3, 40, 5]),
+    'huge': dict(
+        embed_dims=[64, 128, 352, 512],
+        num_heads=[2, 4, 11, 16],
+        depths=[1, 5, 49, 5]),
+}
+ARCH_ALIASES = {'t': 'tiny', 's': 'small', 'm': 'medium', 'l': 'large',
+                'h': 'huge'}
+NUM_STAGES = 4
+STAGE4_ATTENTIONS = ('laplacian', 'softmax')
+
+
+def resolve_arch(arch: Union[str, dict]) -> Dict[str, List]:
+    """Validated per-stage settings of ``arch`` (a name or a dict).
+
+    Returns a dict with four-element lists ``embed_dims``, ``num_heads``,
+    ``depths`` and ``mlp_ratios``.
+    """
+    if isinstance(arch, str):
+        name = ARCH_ALIASES.get(arch.lower(), arch.lower())
+        if name not in ARCH_SETTINGS:
+            raise ValueError(f'arch must be one of {sorted(ARCH_SETTINGS)} '
+                             f'(or {sorted(ARCH_ALIASES)}) or a dict, got '
+                             f'{arch!r}')
+        settings = dict(ARCH_SETTINGS[name], mlp_ratios=4.0)
+    elif isinstance(arch, dict):
+        required = {'embed_dims', 'num_heads', 'depths'}
+        allowed = required | {'mlp_ratios'}
+        if not required <= set(arch) or not set(arch) <= allowed:
+            raise ValueError(f'arch dict must have keys {sorted(required)} '
+                             f'(optional: mlp_ratios), got {sorted(arch)}')
+        settings = dict(arch)
+        settings.setdefault('mlp_ratios', 4.0)
+    else:
+        raise TypeError(f'arch must be a str or a dict, got {type(arch)}')
+    if isinstance(settings['mlp_ratios'], (int, float)):
+        settings['mlp_ratios'] = [float(settings['mlp_ratios'])] * NUM_STAGES
+    for key in ('embed_dims', 'num_heads', 'depths', 'mlp_ratios'):
+        value = settings[key]
+        if not isinstance(value, Sequence) or len(value) != NUM_STAGES:
+            raise ValueError(f'arch[{key!r}] must have {NUM_STAGES} entries, '
+                             f'got {value!r}')
+        if not all(v > 0 for v in value):
+            raise ValueError(f'arch[{key!r}] entries must be positive, got '
+                             f'{value!r}')
+        settings[key] = list(value)
+    for i, (dim, heads) in enumerate(
+            zip(settings['embed_dims'], settings['num_heads'])):
+        if dim % heads != 0:
+            raise ValueError(f"arch: embed_dims[{i}]={dim} is not divisible "
+                             f"by num_heads[{i}]={heads}")
+    return settings
+
+
+def tokens_to_map(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
+    """(B, H*W, C) tokens -> (B, C, H, W) map."""
+    B, _, C = x.shape
+    return x.transpose(1, 2).reshape(B, C, hw[0], hw[1])
+
+
+class LaplacianFormerStage(nn.Module):
+    """Optional stride-2 downsampling conv, then a stack of blocks.
+
+    forward(x): (B, C_in, H, W) -> tokens (B, H' * W', C), (H', W').
+    """
+
+    def __init__(self, downsample: nn.Module, blocks: List[nn.Module],
+                 with_cp: bool = False):
+        super().__init__()
+        self.downsample = downsample
+        self.blocks = nn.ModuleList(blocks)
+        self.with_cp = with_cp
+
+    def forward(self, x: torch.Tensor
+                ) -> Tuple[torch.Tensor, Tuple[int, int]]:
+        x = self.downsample(x)
+        hw = (x.shape[2], x.shape[3])
+        x = x.flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            if self.with_cp and x.requires_grad:
+                x = cp.checkpoint(block, x, hw, use_reentrant=False)
+            else:
+                x = block(x, hw)
+        return x, hw
+
+
+class LaplacianFormer(BaseModule):
+    """LaplacianFormer backbone (Laplacian-kernel linear attention pyramid).
+
+    Args:
+        arch (str | dict): 'tiny', 'small', 'medium', 'large', 'huge' (or
+            't'/'s'/'m'/'l'/'h'), or a dict with four-element lists
+            ``embed_dims``, ``num_heads``, ``depths`` and optional
+            ``mlp_ratios`` (a number or four numbers; default 4).
+        in_channels (int): Input image channels. Default 3.
+        out_indices (Sequence[int]): Stages (0-3) whose maps are returned,
+            at strides 4, 8, 16, 32. Default (0, 1, 2, 3).
+        qkv_bias (bool): Bias in the q/k/v projections. Default True.
+        drop_rate (float): Dropout after the MLP and attention projections.
+        attn_drop_rate (float): Dropout on attention weights.
+        drop_path_rate (float): Stochastic depth at the last block, in
+            [0, 1); rises linearly from 0 over all blocks. Default 0.1.
+        lam, landmark_grid, kernel, normalize, solver, newton_iters, eps,
+            whiten_eps: LaplacianAttention options (see attention.py).
+        qk_shared (bool): Tie keys to queries in the Laplacian attention
+            (SOFT layout). Default True (lands on the paper's Medium size,
+            see docs/model_size.md).
+        stage4_attention (str): 'softmax' (plain multi-head attention with
+            separate q, k, v in stage 4, the SOFT layout; the default, see
+            docs/model_size.md) or 'laplacian' (the same attention as
+            stages 1-3).
+        frozen_stages (int): -1 freezes nothing, 0 the stem, k >= 1 the stem
+            and stages 1..k (with their output norms). At most 4.
+        norm_eval (bool): Keep BatchNorm layers (stem, downsampling) in eval
+            mode during training. Default False.
+        with_cp (bool): Gradient checkpointing of each block. Default False.
+        init_cfg (dict | list[dict] | None): ``dict(type='Pretrained',
+            checkpoint=...)`` loads a plain state dict, an mmengine checkpoint
+            or a classifier/detector checkpoint (``backbone.`` prefix).
+    """
+
+    def __init__(self,
+                 arch: Union[str, dict] = 'tiny',
+                 in_channels: int = 3,
+                 out_indices: Sequence[int] = (0, 1, 2, 3),
+                 qkv_bias: bool = True,
+                 drop_rate: float = 0.0,
+                 attn_drop_rate: float = 0.0,
+                 drop_path_rate: float = 0.1,
+                 lam: float = 4.0,
+                 landmark_grid: int = 7,
+                 kernel: str = 'laplacian',
+                 normalize: str = 'injective',
+                 solver: str = 'newton',
+                 newton_iters: Optional[int] = None,
+                 eps: float = 0.01,
+                 whiten_eps: float = 1e-5,
+                 qk_shared: bool = True,
+                 stage4_attention: str = 'softmax',
+                 frozen_stages: int = -1,
+                 norm_eval: bool = False,
+                 with_cp: bool = False,
+                 init_cfg: Optional[Union[dict, List[dict]]] = None):
+        super().__init__(init_cfg=init_cfg)
+        self.arch_settings = resolve_arch(arch)
+        self.out_indices = self._check_out_indices(out_indices)
+        if not isinstance(frozen_stages, int) or not (
+                -1 <= frozen_stages <= NUM_STAGES):
+            raise ValueError(f'frozen_stages must be an int in [-1, '
+                             f'{NUM_STAGES}], got {frozen_stages!r}')
+        if not 0.0 <= drop_path_rate < 1.0:
+            raise ValueError(
+                f'drop_path_rate must be in [0, 1), got {drop_path_rate!r}')
+        if stage4_attention not in STAGE4_ATTENTIONS:
+            raise ValueError(f'stage4_attention must be one of '
+                             f'{STAGE4_ATTENTIONS}, got {stage4_attention!r}')
+        if not isinstance(in_channels, int) or in_channels < 1:
+            raise ValueError(
+                f'in_channels must be a positive int, got {in_channels!r}')
+        self.frozen_stages = frozen_stages
+        self.norm_eval = norm_eval
+        self.with_cp = with_cp
+        self.stage4_attention = stage4_attention
+        self.qk_shared = qk_shared
+
+        dims = self.arch_settings['embed_dims']
+        depths = self.arch_settings['depths']
+        block_dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        laplacian_options = dict(
+            qkv_bias=qkv_bias,
+            qk_shared=qk_shared,
+            lam=lam,
+            landmark_grid=landmark_grid,
+            kernel=kernel,
+            normalize=normalize,
+            solver=solver,
+            newton_iters=newton_iters,
+            eps=eps,
+            whiten_eps=whiten_eps,
+            attn_drop=attn_drop_rate,
+            proj_drop=drop_rate)
+
+        self.stem = ConvStem(in_channels, dims[0])
+        self.stages = nn.ModuleList()
+        first_block = 0
+        for i in range(NUM_STAGES):
+            heads = self.arch_settings['num_heads'][i]
+            if i == NUM_STAGES - 1 and stage4_attention == 'softmax':
+                make_attn = lambda: SoftmaxAttention(  # noqa: E731
+                    dims[i], heads, qkv_bias, attn_drop_rate, drop_rate)
+            else:
+                make_attn = lambda: LaplacianAttention(  # noqa: E731
+                    dims[i], heads, **laplacian_options)
+            blocks = [
+                TransformerBlock(
+                    dims[i],
+                    make_attn(),
+                    mlp_ratio=self.arch_settings['mlp_ratios'][i],
+                    drop=drop_rate,
+                    drop_path_prob=block_dpr[first_block + j])
+                for j in range(depths[i])
+            ]
+            first_block += depths[i]
+            downsample = (
+                nn.Identity() if i == 0 else conv_bn_relu(
+                    dims[i - 1], dims[i], stride=2))
+            self.stages.append(
+                LaplacianFormerStage(downsample, blocks, with_cp))
+        for i in self.out_indices:
+            self.add_module(f'norm{i}', nn.LayerNorm(dims[i]))
+        self._freeze_stages()
+
+    @staticmethod
+    def _check_out_indices(out_indices: Sequence[int]) -> Tuple[int, ...]:
+        if isinstance(out_indices, int):
+            out_indices = (out_indices, )
+        if (not isinstance(out_indices, Sequence) or not out_indices
+                or not all(isinstance(i, int) for i in out_indices)):
+            raise TypeError('out_indices must be a non-empty sequence of '
+                            f'ints, got {out_indices!r}')
+        out_indices = tuple(i + NUM_STAGES if i < 0 else i
+                            for i in out_indices)
+        if not all(0 <= i < NUM_STAGES for i in out_indices):
+            raise ValueError(f'out_indices must be in [0, {NUM_STAGES}) (or '
+                             f'negative from the end), got {out_indices!r}')
+        if len(set(out_indices)) != len(out_indices):
+            raise ValueError(
+                f'out_indices must not repeat, got {out_indices!r}')
+        return tuple(sorted(out_indices))
+
+    @property
+    def embed_dims(self) -> List[int]:
+        """Channels of the four stage outputs."""
+        return list(self.arch_settings['embed_dims'])
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """(B, C_in, H, W) -> maps (B, C_i, ~H/s_i, ~W/s_i), s_i = 4, 8, 16, 32.
+
+        Spatial sizes round up at each stride-2 step, so any H, W >= 1 works.
+        """
+        x = self.stem(x)
+        outs = []
+        for i, stage in enumerate(self.stages):
+            tokens, hw = stage(x)
+            if i in self.out_indices:
+                tokens = getattr(self, f'norm{i}')(tokens)
+            x = tokens_to_map(tokens, hw)
+            if i in self.out_indices:
+                outs.append(x)
+        return tuple(outs)
+
+    def _frozen_modules(self) -> List[nn.Module]:
+        if self.frozen_stages < 0:
+            return []
+        modules = [self.stem]
+        for i in range(self.frozen_stages):
+            modules.append(self.stages[i])
+            if i in self.out_indices:
+                modules.append(getattr(self, f'norm{i}'))
+        return modules
+
+    def _freeze_stages(self) -> None:
+        for module in self._frozen_modules():
+            module.eval()
+            for param in module.parameters():
+                param.requires_grad = False
+
+    def train(self, mode: bool = True) -> 'LaplacianFormer':
+        """Switch mode, keeping frozen stages and (norm_eval) BNs in eval."""
+        super().train(mode)
+        self._freeze_stages()
+        if mode and self.norm_eval:
+            for module in self.modules():
+                if isinstance(module, _BatchNorm):
+                    module.eval()
+        return self
+
+    def _pretrained_checkpoint(self) -> Optional[str]:
+        cfgs = self.init_cfg
+        if cfgs is None:
+            return None
+        for cfg in cfgs if isinstance(cfgs, list) else [cfgs]:
+            if cfg.get('type') == 'Pretrained':
+                if not cfg.get('checkpoint'):
+                    raise ValueError("init_cfg of type 'Pretrained' needs a "
+                                     f"'checkpoint', got {cfg!r}")
+                return cfg['checkpoint']
+        return None
+
+    def init_weights(self) -> None:
+        """Default initialisation, then the ``Pretrained`` checkpoint if any."""
+        checkpoint = self._pretrained_checkpoint()
+        if self.init_cfg is not None and checkpoint is None:
+            super().init_weights()
+            return
+        self.apply(init_layer)
+        if checkpoint is not None:
+            logger = MMLogger.get_current_instance()
+            load_backbone_weights(self, checkpoint, logger=logger)
+        self._is_init = True
+
+
+def init_layer(module: nn.Module) -> None:
+    """Truncated-normal linears, unit LayerNorm/BN, fan-out convs."""
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, (nn.LayerNorm, _BatchNorm)):
+        if module.weight is not None:
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Conv2d):
+        fan_out = (module.kernel_size[0] * module.kernel_size[1] *
+                   module.out_channels // module.groups)
+        nn.init.normal_(module.weight, 0.0, (2.0 / fan_out)**0.5)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)

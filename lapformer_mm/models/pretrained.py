@@ -1,0 +1,105 @@
+"""Loading backbone weights from the checkpoint layouts people actually have.
+
+Accepted layouts (all loaded without arbitrary pickles):
+- a plain state dict ``{param_name: tensor}``;
+- an mmengine checkpoint ``{'state_dict': {...}, 'meta': {...}, ...}``
+  (also ``{'model': {...}}`` as written by timm/DeiT scripts);
+- a classifier or detector checkpoint whose backbone keys carry a
+  ``backbone.`` prefix (mmpretrain ``ImageClassifier``, mmdet detectors);
+  keys without the prefix (neck, head) are dropped.
+A ``module.`` prefix left by DistributedDataParallel is stripped.
+"""
+from typing import Dict, Mapping, NamedTuple, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..checkpoint import allow_mmengine_checkpoints, safe_load
+
+BACKBONE_PREFIX = 'backbone.'
+DDP_PREFIX = 'module.'
+
+
+def load_checkpoint_file(path_or_url: str,
+                         map_location: str = 'cpu') -> Mapping:
+    """Read a local or http(s) checkpoint with ``weights_only=True``.
+
+    Raises RuntimeError for a file that needs arbitrary pickles (see
+    :func:`lapformer_mm.checkpoint.safe_load`).
+    """
+    if str(path_or_url).startswith(('http://', 'https://')):
+        allow_mmengine_checkpoints()
+        return torch.hub.load_state_dict_from_url(
+            path_or_url, map_location=map_location, weights_only=True)
+    return safe_load(path_or_url, map_location=map_location)
+
+
+def _strip_prefix(state_dict: Mapping[str, torch.Tensor],
+                  prefix: str) -> Dict[str, torch.Tensor]:
+    return {(k[len(prefix):] if k.startswith(prefix) else k): v
+            for k, v in state_dict.items()}
+
+
+def extract_backbone_state_dict(
+        checkpoint: Mapping) -> Dict[str, torch.Tensor]:
+    """Backbone parameters of any accepted checkpoint layout (see module doc)."""
+    if not isinstance(checkpoint, Mapping):
+        raise TypeError('checkpoint must be a mapping (state dict or '
+                        f'mmengine checkpoint), got {type(checkpoint)}')
+    state_dict = checkpoint
+    for key in ('state_dict', 'model'):
+        if isinstance(checkpoint.get(key), Mapping):
+            state_dict = checkpoint[key]
+            break
+    state_dict = _strip_prefix(state_dict, DDP_PREFIX)
+    if any(k.startswith(BACKBONE_PREFIX) for k in state_dict):
+        state_dict = {
+            k[len(BACKBONE_PREFIX):]: v
+            for k, v in state_dict.items() if k.startswith(BACKBONE_PREFIX)
+        }
+    tensors = {k: v for k, v in state_dict.items() if torch.is_tensor(v)}
+    if not tensors:
+        raise ValueError('checkpoint holds no tensors under the accepted '
+                         "layouts (plain, 'state_dict', 'model', "
+                         "'backbone.' prefix)")
+    return tensors
+
+
+class LoadReport(NamedTuple):
+    """Keys of the model not found in the checkpoint and vice versa."""
+    missing_keys: Tuple[str, ...]
+    unexpected_keys: Tuple[str, ...]
+
+
+def load_backbone_weights(module: nn.Module,
+                          path_or_url: str,
+                          logger: Optional[object] = None) -> LoadReport:
+    """Load a checkpoint into ``module`` non-strictly and report key mismatches.
+
+    Shape mismatches are an error (they mean a different arch), missing and
+    unexpected keys are reported through ``logger`` (anything with
+    ``.warning``/``.info``) and returned.
+    """
+    state_dict = extract_backbone_state_dict(
+        load_checkpoint_file(path_or_url))
+    own = module.state_dict()
+    wrong_shape = [
+        f'{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}'
+        for k, v in state_dict.items() if k in own and v.shape != own[k].shape
+    ]
+    if wrong_shape:
+        raise ValueError(f'checkpoint {path_or_url!r} does not fit the model '
+                         '(another arch?): ' + '; '.join(wrong_shape))
+    result = module.load_state_dict(state_dict, strict=False)
+    report = LoadReport(
+        tuple(result.missing_keys), tuple(result.unexpected_keys))
+    if logger is not None:
+        if report.missing_keys:
+            logger.warning(f'missing keys in {path_or_url}: '
+                           f'{", ".join(report.missing_keys)}')
+        if report.unexpected_keys:
+            logger.warning(f'unexpected keys in {path_or_url}: '
+                           f'{", ".join(report.unexpected_keys)}')
+        logger.info(f'loaded {len(state_dict) - len(report.unexpected_keys)}'
+                    f' tensors from {path_or_url}')
+    return report
