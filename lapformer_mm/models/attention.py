@@ -1,0 +1,109 @@
+"""Laplacian-kernel Nyström attention module (DESIGN.md section 2).
+
+``qk_shared`` defaults to **True** (keys tied to queries, the SOFT layout): with
+the arch table of DESIGN.md section 3 and the SOFT-style softmax stage 4, tied
+keys land on the paper's Medium size, while separate keys add about 2.4 M
+parameters (one C×C projection per block of stages 1–3). The backbone measures
+this in docs/model_size.md and passes ``qk_shared`` explicitly.
+"""
+from torch import nn
+
+from ..ops import nystrom_attention, pool_landmarks
+from ..ops._checks import (KERNELS, NORMALIZATIONS, SOLVERS, check_choice,
+                           check_int, check_non_negative, check_optional_int,
+                           check_positive, check_probability)
+from ..ops.landmarks import check_hw
+
+
+class LaplacianAttention(nn.Module):
+    """Multi-head Nyström attention with a Laplacian kernel and a local term.
+
+    For x (B, N, C) on an H×W grid, with h heads of width d = C / h:
+
+    1. ``q, k, v`` by one linear layer (``k = q`` when ``qk_shared``);
+    2. landmarks: the keys average-pooled to at most ``landmark_grid``² points;
+    3. ``o = Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v)`` per head
+       (:func:`lapformer_mm.ops.nystrom_attention`, fp32 even under autocast);
+    4. ``o + dwconv3x3(v)`` on the H×W grid, then the output projection.
+
+    Args:
+        dim (int): Channels C, divisible by ``num_heads``.
+        num_heads (int): Heads h.
+        qkv_bias (bool): Bias in the q/k/v projection. Default True.
+        qk_shared (bool): Tie keys to queries (see the module docstring).
+            Default True. The ``qkv`` layer outputs [q, v] when True and
+            [q, k, v] when False, each C wide, heads contiguous.
+        lam (float): Kernel bandwidth λ > 0. Default 4.0.
+        landmark_grid (int): Landmark grid g (m <= g²). Default 7.
+        kernel (str): 'laplacian' or 'gaussian'.
+        normalize (str): 'injective' or 'none'.
+        solver (str): 'newton', 'exact' or 'cg'.
+        newton_iters (int | None): Iterations of the Newton–Schulz / CG solver;
+            None uses the measured default (``lapformer_mm.ops.DEFAULT_NS_ITERS``).
+        eps (float): Ridge ε >= 0 added to k(L, L). Default 0.01.
+        whiten_eps (float): δ >= 0 of the whitening. Default 1e-5.
+        attn_drop (float): Dropout on the normalised query features.
+        proj_drop (float): Dropout after the output projection.
+    """
+
+    def __init__(self, dim, num_heads, qkv_bias=True, qk_shared=True, lam=4.0,
+                 landmark_grid=7, kernel='laplacian', normalize='injective',
+                 solver='newton', newton_iters=None, eps=0.01, whiten_eps=1e-5,
+                 attn_drop=0.0, proj_drop=0.0):
+        super().__init__()
+        dim = check_int('dim', dim)
+        num_heads = check_int('num_heads', num_heads)
+        if dim % num_heads:
+            raise ValueError(f'dim={dim} must be divisible by num_heads={num_heads}')
+        self.dim = dim
+        self.num_heads = num_heads
+        self.qk_shared = bool(qk_shared)
+        self.lam = check_positive('lam', lam)
+        self.landmark_grid = check_int('landmark_grid', landmark_grid)
+        self.kernel = check_choice('kernel', kernel, KERNELS)
+        self.normalize = check_choice('normalize', normalize, NORMALIZATIONS)
+        self.solver = check_choice('solver', solver, SOLVERS)
+        self.newton_iters = check_optional_int('newton_iters', newton_iters)
+        self.eps = check_non_negative('eps', eps)
+        self.whiten_eps = check_non_negative('whiten_eps', whiten_eps)
+        self.attn_drop = check_probability('attn_drop', attn_drop)
+        num_projections = 2 if self.qk_shared else 3
+        self.qkv = nn.Linear(dim, num_projections * dim, bias=qkv_bias)
+        self.local = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(check_probability('proj_drop', proj_drop))
+
+    def _split_heads(self, t):
+        """(B, N, C) -> (B, h, N, d)."""
+        batch, num_tokens, _ = t.shape
+        return t.view(batch, num_tokens, self.num_heads, -1).transpose(1, 2)
+
+    def _local_term(self, v, hw):
+        """Depth-wise 3×3 convolution of v (B, N, C) on its H×W grid -> (B, N, C)."""
+        batch, num_tokens, channels = v.shape
+        grid = v.transpose(1, 2).reshape(batch, channels, *hw)
+        return self.local(grid).flatten(2).transpose(1, 2)
+
+    def forward(self, x, hw):
+        """x (B, N, C) with hw = (H, W), N = H·W -> (B, N, C)."""
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f'x must be (B, N, {self.dim}), got shape {tuple(x.shape)}')
+        hw = check_hw(hw, x.shape[1])
+        projected = self.qkv(x).chunk(2 if self.qk_shared else 3, dim=-1)
+        v = projected[-1]
+        q = self._split_heads(projected[0])
+        k = q if self.qk_shared else self._split_heads(projected[1])
+        landmarks = pool_landmarks(k, hw, self.landmark_grid)
+        out = nystrom_attention(
+            q, k, self._split_heads(v), landmarks, kernel=self.kernel, lam=self.lam,
+            eps=self.eps, solver=self.solver, iters=self.newton_iters,
+            normalize=self.normalize, whiten_eps=self.whiten_eps,
+            dropout_p=self.attn_drop if self.training else 0.0)
+        out = out.transpose(1, 2).reshape(x.shape) + self._local_term(v, hw)
+        return self.proj_drop(self.proj(out))
+
+    def extra_repr(self):
+        return (f'dim={self.dim}, num_heads={self.num_heads}, qk_shared={self.qk_shared}, '
+                f'kernel={self.kernel!r}, lam={self.lam}, landmark_grid={self.landmark_grid}, '
+                f'normalize={self.normalize!r}, solver={self.solver!r}, '
+                f'newton_iters={self.newton_iters}, eps={self.eps}')

@@ -1,0 +1,95 @@
+"""Argument validation shared by the attention ops.
+
+Every check raises a ``ValueError``/``TypeError`` that names the argument, the
+offending value and what is allowed, so a bad config fails at construction time.
+"""
+import math
+from numbers import Integral, Real
+
+import torch
+
+KERNELS = ('laplacian', 'gaussian')
+NORMALIZATIONS = ('injective', 'none')
+SOLVERS = ('newton', 'exact', 'cg')
+NS_INITS = ('identity', 'authors')
+
+
+def check_choice(name, value, allowed):
+    """Require ``value`` to be one of the strings in ``allowed``."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f'{name}={value!r} is not supported; allowed: '
+                         f'{", ".join(repr(a) for a in allowed)}')
+    return value
+
+
+def _require_real(name, value):
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f'{name} must be a real number, got '
+                        f'{type(value).__name__} {value!r}')
+    return float(value)
+
+
+def check_positive(name, value):
+    """Require a finite real ``value > 0``."""
+    v = _require_real(name, value)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f'{name}={value!r} must be finite and > 0')
+    return v
+
+
+def check_non_negative(name, value):
+    """Require a finite real ``value >= 0``."""
+    v = _require_real(name, value)
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f'{name}={value!r} must be finite and >= 0')
+    return v
+
+
+def check_probability(name, value):
+    """Require a real ``0 <= value < 1`` (a dropout rate)."""
+    v = _require_real(name, value)
+    if not 0.0 <= v < 1.0:
+        raise ValueError(f'{name}={value!r} must be in [0, 1)')
+    return v
+
+
+def check_int(name, value, minimum=1):
+    """Require an integer ``value >= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f'{name} must be an int, got '
+                        f'{type(value).__name__} {value!r}')
+    if value < minimum:
+        raise ValueError(f'{name}={value!r} must be >= {minimum}')
+    return int(value)
+
+
+def check_optional_int(name, value, minimum=1):
+    """``None`` (use the default) or an integer ``>= minimum``."""
+    return None if value is None else check_int(name, value, minimum)
+
+
+def check_float_tensor(name, t, min_dim=2):
+    """Require a floating-point tensor with at least ``min_dim`` dims."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f'{name} must be a torch.Tensor, got '
+                        f'{type(t).__name__}')
+    if not t.is_floating_point():
+        raise TypeError(f'{name} must be a floating-point tensor, got '
+                        f'dtype {t.dtype}')
+    if t.dim() < min_dim:
+        raise ValueError(f'{name} must have at least {min_dim} dims, got '
+                         f'shape {tuple(t.shape)}')
+    return t
+
+
+def check_kernel_pair(x, y):
+    """Validate kernel inputs x (..., N, d) and y (..., M, d)."""
+    check_float_tensor('x', x)
+    check_float_tensor('y', y)
+    if x.shape[:-2] != y.shape[:-2] or x.shape[-1] != y.shape[-1]:
+        raise ValueError(
+            'x (..., N, d) and y (..., M, d) must share batch dims and d; '
+            f'got x {tuple(x.shape)} and y {tuple(y.shape)}')
+    if x.dtype != y.dtype or x.device != y.device:
+        raise ValueError(f'x and y must share dtype and device; got '
+                         f'{x.dtype}/{x.device} and {y.dtype}/{y.device}')

@@ -1,0 +1,27 @@
+"""Numerical precision helpers: full-fp32 matmuls and the fp32 compute dtype."""
+import contextlib
+
+import torch
+
+
+def compute_dtype(dtype):
+    """fp64 stays fp64; every other floating dtype computes in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@contextlib.contextmanager
+def full_precision_matmul():
+    """Disable TF32 (CUDA) and reduced-precision fp32 matmuls, then restore.
+
+    Newton–Schulz squares its residual every step; TF32's 10-bit mantissa
+    caps the reachable residual near 1e-3, so the solve must use full fp32.
+    """
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32
+    saved_precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision('highest')
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved_precision)
+        torch.backends.cuda.matmul.allow_tf32 = saved_tf32

@@ -1,0 +1,37 @@
+"""Landmarks: adaptive average pooling of tokens on their H×W grid."""
+import torch.nn.functional as F
+
+from ._checks import check_float_tensor, check_int
+
+
+def check_hw(hw, num_tokens):
+    """Require hw = (H, W) positive ints with H·W == num_tokens; returns (H, W)."""
+    if not isinstance(hw, (tuple, list)) or len(hw) != 2:
+        raise TypeError(f'hw must be a pair (H, W), got {hw!r}')
+    height, width = (check_int(n, v) for n, v in zip(('hw[0]', 'hw[1]'), hw))
+    if height * width != num_tokens:
+        raise ValueError(f'hw={tuple(hw)} gives H*W={height * width} but the '
+                         f'input has N={num_tokens} tokens')
+    return height, width
+
+
+def landmark_grid_size(hw, grid):
+    """(gh, gw): the grid clipped to the input grid, so gh·gw <= grid²."""
+    return min(grid, hw[0]), min(grid, hw[1])
+
+
+def pool_landmarks(t, hw, grid=7):
+    """Adaptive average pooling of tokens t (B, h, N, d) on an H×W grid.
+
+    Returns (B, h, m, d) with m = min(grid, H) · min(grid, W), in row-major
+    grid order.
+    """
+    check_float_tensor('t', t, min_dim=4)
+    if t.dim() != 4:
+        raise ValueError(f't must be (B, h, N, d), got shape {tuple(t.shape)}')
+    grid = check_int('grid', grid)
+    batch, heads, num_tokens, width = t.shape
+    height_w = check_hw(hw, num_tokens)
+    maps = t.transpose(-1, -2).reshape(batch * heads, width, *height_w)
+    pooled = F.adaptive_avg_pool2d(maps, landmark_grid_size(height_w, grid))
+    return pooled.reshape(batch, heads, width, -1).transpose(-1, -2)

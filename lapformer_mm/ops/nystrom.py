@@ -1,0 +1,94 @@
+"""Nyström kernel attention with Laplacian (or Gaussian) kernel, linear in tokens."""
+import torch
+import torch.nn.functional as F
+
+from ._checks import (KERNELS, NORMALIZATIONS, SOLVERS, check_choice,
+                      check_float_tensor, check_non_negative, check_optional_int,
+                      check_positive, check_probability)
+from ._precision import compute_dtype
+from .kernels import gaussian_kernel, laplacian_kernel, newton_schulz_pinv
+from .normalize import injective_normalize
+from .solvers import cg_solve, exact_solve
+
+_KERNEL_FNS = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
+
+
+def check_attention_inputs(q, k, v, landmarks):
+    """q, k, v (B, h, N, d) and landmarks (B, h, m, d) must agree."""
+    for name, t in (('q', q), ('k', k), ('v', v), ('landmarks', landmarks)):
+        check_float_tensor(name, t, min_dim=3)
+    if k.shape != q.shape:
+        raise ValueError(f'k must have the shape of q {tuple(q.shape)}, got '
+                         f'{tuple(k.shape)}')
+    if v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(f'v must be (..., N, d_v) with the batch dims and N of q '
+                         f'{tuple(q.shape)}, got {tuple(v.shape)}')
+    if landmarks.shape[:-2] != q.shape[:-2] or landmarks.shape[-1] != q.shape[-1]:
+        raise ValueError(f'landmarks must be (..., m, d) with the batch dims and d '
+                         f'of q {tuple(q.shape)}, got {tuple(landmarks.shape)}')
+    devices = {t.device for t in (q, k, v, landmarks)}
+    if len(devices) != 1:
+        raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
+
+
+def solve_landmark_system(P, rhs, solver, iters, backend):
+    """P⁻¹ · rhs for P (..., m, m), rhs (..., m, d) with the named solver."""
+    if solver == 'newton':
+        return torch.matmul(newton_schulz_pinv(P, iters, backend=backend), rhs)
+    if solver == 'exact':
+        return exact_solve(P, rhs)
+    return cg_solve(P, rhs, iters)
+
+
+def _nystrom_fp32(q, k, v, landmarks, kernel, lam, eps, solver, iters, normalize,
+                  whiten_eps, dropout_p, backend):
+    """The attention on already-cast tensors; see :func:`nystrom_attention`."""
+    kernel_fn = _KERNEL_FNS[kernel]
+    c_q = kernel_fn(q, landmarks, lam, backend=backend)
+    # With qk_shared the two kernel matrices coincide; compute it once.
+    c_k = c_q if k is q else kernel_fn(k, landmarks, lam, backend=backend)
+    w = kernel_fn(landmarks, landmarks, lam, backend=backend)
+    p = w + eps * torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
+    # Right to left: (m, d) products only, never N×N or N×m×d.
+    context = solve_landmark_system(p, torch.matmul(c_k.mT, v), solver, iters,
+                                    backend)
+    z = injective_normalize(c_q, whiten_eps) if normalize == 'injective' else c_q
+    if dropout_p > 0:
+        z = F.dropout(z, dropout_p, training=True)
+    return torch.matmul(z, context)
+
+
+def nystrom_attention(q, k, v, landmarks, *, kernel='laplacian', lam=4.0, eps=0.01,
+                      solver='newton', iters=None, normalize='injective',
+                      whiten_eps=1e-5, dropout_p=0.0, backend=None):
+    """Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v), evaluated right to left.
+
+    q, k (B, h, N, d), v (B, h, N, d_v), landmarks L (B, h, m, d) -> (B, h, N, d_v).
+    Cost O(N·m·d + m²·d + m³·iters), memory O(N·m + N·d).
+
+    kernel: 'laplacian' exp(-||·||_1/lam) or 'gaussian' exp(-||·||_2²/lam).
+    normalize: 'injective' (:func:`injective_normalize`) or 'none' (plain Nyström).
+    solver: 'newton' (Newton–Schulz, ``iters`` steps), 'exact' or 'cg'.
+    dropout_p: dropout on the normalised query features Z (attention dropout).
+    The kernels, normalisation and solve run in fp32 (fp64 stays fp64) with
+    autocast disabled; the result is cast back to q's dtype.
+    """
+    check_attention_inputs(q, k, v, landmarks)
+    check_choice('kernel', kernel, KERNELS)
+    check_choice('normalize', normalize, NORMALIZATIONS)
+    check_choice('solver', solver, SOLVERS)
+    lam = check_positive('lam', lam)
+    eps = check_non_negative('eps', eps)
+    whiten_eps = check_non_negative('whiten_eps', whiten_eps)
+    iters = check_optional_int('iters', iters)
+    dropout_p = check_probability('dropout_p', dropout_p)
+    out_dtype = q.dtype
+    dtype = compute_dtype(q.dtype)
+    shared = k is q
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        q32 = q.to(dtype)
+        k32 = q32 if shared else k.to(dtype)
+        out = _nystrom_fp32(q32, k32, v.to(dtype), landmarks.to(dtype), kernel, lam,
+                            eps, solver, iters, normalize, whiten_eps, dropout_p,
+                            backend)
+    return out.to(out_dtype)

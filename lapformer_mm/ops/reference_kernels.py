@@ -1,0 +1,103 @@
+"""Pure-PyTorch Laplacian and Gaussian kernel matrices with hand-written backward.
+
+Both are ``torch.autograd.Function``s whose forward and backward never build an
+(..., N, M, d) tensor: memory is O(N·M + (N+M)·d).
+
+* Laplacian: the ℓ1 distance matrix comes from ``torch.cdist(p=1)`` and its
+  gradient ``sum_j g_ij · sign(x_i - y_j)`` from ``aten._cdist_backward``, both
+  native loops over (i, j) pairs vectorised over d. ``sign(0) = 0`` gives the
+  subgradient 0 of |t| at t = 0.
+* Gaussian: ``||x - y||² = |x|² + |y|² - 2 x·y`` is a batched matmul, and so is
+  its gradient.
+"""
+import torch
+
+
+def _flatten_batch(t):
+    """(..., N, d) -> contiguous (batch, N, d)."""
+    return t.reshape(-1, t.shape[-2], t.shape[-1]).contiguous()
+
+
+def _l1_distance(x3, y3):
+    """ℓ1 distances (batch, N, M) of x3 (batch, N, d) and y3 (batch, M, d)."""
+    return torch.cdist(x3, y3, p=1.0)
+
+
+def _l1_distance_grad(g, a3, b3):
+    """sum_j g[:, i, j] · sign(a_i - b_j): (batch, Na, d) for g (batch, Na, Nb).
+
+    ``aten._cdist_backward`` reads its ``cdist`` argument only for p not in
+    {1, 2, inf}; ``g`` is passed there because it has the required shape.
+    """
+    g = g.contiguous()
+    return torch.ops.aten._cdist_backward(g, a3, b3, 1.0, g)
+
+
+class LaplacianKernel(torch.autograd.Function):
+    """K = exp(-||x_i - y_j||_1 / lam); x (..., N, d), y (..., M, d) -> (..., N, M)."""
+
+    @staticmethod
+    def forward(ctx, x, y, lam):
+        x3, y3 = _flatten_batch(x), _flatten_batch(y)
+        dist = _l1_distance(x3, y3)
+        kernel = torch.exp(dist * (-1.0 / lam))
+        # Saving K (not the distances) lets the backward skip one exp pass.
+        ctx.save_for_backward(x3, y3, kernel)
+        ctx.lam = lam
+        ctx.shapes = (x.shape, y.shape)
+        return kernel.view(*x.shape[:-1], y.shape[-2])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x3, y3, kernel = ctx.saved_tensors
+        x_shape, y_shape = ctx.shapes
+        # dK/dD = -K / lam, so the distance gradient is -g·K/lam.
+        g_dist = (grad.reshape(kernel.shape) * kernel).mul_(-1.0 / ctx.lam)
+        grad_x = grad_y = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _l1_distance_grad(g_dist, x3, y3).view(x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_y = _l1_distance_grad(g_dist.mT, y3, x3).view(y_shape)
+        return grad_x, grad_y, None
+
+
+class GaussianKernel(torch.autograd.Function):
+    """K = exp(-||x_i - y_j||_2^2 / lam); x (..., N, d), y (..., M, d) -> (..., N, M)."""
+
+    @staticmethod
+    def forward(ctx, x, y, lam):
+        x3, y3 = _flatten_batch(x), _flatten_batch(y)
+        sq_x = (x3 * x3).sum(-1, keepdim=True)
+        sq_y = (y3 * y3).sum(-1).unsqueeze(-2)
+        sq_dist = torch.baddbmm(sq_x + sq_y, x3, y3.mT, alpha=-2.0)
+        # Rounding can push |x|²+|y|²-2x·y slightly below 0 when x ≈ y.
+        kernel = sq_dist.clamp_min_(0.0).mul_(-1.0 / lam).exp_()
+        ctx.save_for_backward(x3, y3, kernel)
+        ctx.lam = lam
+        ctx.shapes = (x.shape, y.shape)
+        return kernel.view(*x.shape[:-1], y.shape[-2])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x3, y3, kernel = ctx.saved_tensors
+        x_shape, y_shape = ctx.shapes
+        # d||x-y||²/dx = 2(x - y), weighted by g_sq = -g·K/lam.
+        g_sq = (grad.reshape(kernel.shape) * kernel).mul_(-2.0 / ctx.lam)
+        grad_x = grad_y = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g_sq.sum(-1, keepdim=True) * x3
+                      - torch.bmm(g_sq, y3)).view(x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_y = (g_sq.sum(-2).unsqueeze(-1) * y3
+                      - torch.bmm(g_sq.mT, x3)).view(y_shape)
+        return grad_x, grad_y, None
+
+
+def laplacian_kernel_reference(x, y, lam):
+    """Reference Laplacian kernel matrix (..., N, M); see :class:`LaplacianKernel`."""
+    return LaplacianKernel.apply(x, y, lam)
+
+
+def gaussian_kernel_reference(x, y, lam):
+    """Reference Gaussian kernel matrix (..., N, M); see :class:`GaussianKernel`."""
+    return GaussianKernel.apply(x, y, lam)
