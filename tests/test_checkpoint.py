@@ -1,0 +1,124 @@
+"""Checkpoints under torch's weights_only loading: mmengine's own load, crafted pickles don't."""
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from mmengine.hooks import Hook
+from mmengine.logging import HistoryBuffer
+from mmengine.model import BaseModel
+from mmengine.runner import Runner
+
+import lapformer_mm  # noqa: F401  (allowlists mmengine's checkpoint contents)
+from lapformer_mm.checkpoint import safe_load
+
+
+class TinyModel(BaseModel):
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 1)
+
+    def forward(self, inputs, data_samples=None, mode='tensor'):
+        out = self.linear(inputs)
+        return dict(loss=out.pow(2).mean()) if mode == 'loss' else out
+
+
+def make_runner(work_dir, max_epochs, **kwargs):
+    dataset = [dict(inputs=torch.full((2,), float(i))) for i in range(8)]
+    return Runner(
+        model=TinyModel(), work_dir=str(work_dir),
+        train_dataloader=dict(dataset=dataset, batch_size=2, collate_fn=dict(type='default_collate'),
+                              sampler=dict(type='DefaultSampler', shuffle=True)),
+        optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01)),
+        param_scheduler=[dict(type='MultiStepLR', milestones=[1])],
+        train_cfg=dict(by_epoch=True, max_epochs=max_epochs),
+        default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=1)),
+        randomness=dict(seed=0), **kwargs)
+
+
+@pytest.fixture(scope='module')
+def full_checkpoint(tmp_path_factory):
+    work_dir = tmp_path_factory.mktemp('run')
+    make_runner(work_dir, max_epochs=1).train()
+    return work_dir / 'epoch_1.pth'
+
+
+class RunsCode:
+    """Unpickling this creates a marker file: stands for any code execution."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f'touch {self.marker}',))
+
+
+class WalksAttributes:
+    """A ``getattr`` beyond HistoryBuffer's statistics methods: the first step of an escape."""
+
+    def __reduce__(self):
+        return (getattr, (HistoryBuffer, '__dict__'))
+
+
+def test_mmengine_checkpoint_loads_with_weights_only(full_checkpoint):
+    checkpoint = torch.load(full_checkpoint, weights_only=True)
+    assert {'meta', 'state_dict', 'optimizer', 'message_hub'} <= set(checkpoint)
+    assert isinstance(checkpoint['message_hub']['log_scalars']['train/loss'], HistoryBuffer)
+    assert safe_load(full_checkpoint)['meta']['epoch'] == 1
+
+
+class RecordIterations(Hook):
+
+    def __init__(self):
+        self.iterations = []
+
+    def before_train_iter(self, runner, batch_idx, data_batch=None):
+        self.iterations.append(runner.iter)
+
+
+def test_runner_resumes_from_full_checkpoint(full_checkpoint, tmp_path):
+    record = RecordIterations()
+    runner = make_runner(tmp_path, max_epochs=2, load_from=str(full_checkpoint), resume=True,
+                         custom_hooks=[record])
+    runner.train()
+    assert record.iterations == [4, 5, 6, 7]
+    assert runner.epoch == 2
+
+
+def test_load_checkpoint_into_model(full_checkpoint):
+    from mmengine.runner import load_checkpoint
+
+    model = TinyModel()
+    load_checkpoint(model, str(full_checkpoint))
+    expected = torch.load(full_checkpoint, weights_only=True)['state_dict']['linear.weight']
+    torch.testing.assert_close(model.linear.weight.data, expected)
+
+
+def test_code_executing_pickle_is_refused(tmp_path):
+    marker = tmp_path / 'ran'
+    path = tmp_path / 'evil.pth'
+    torch.save({'state_dict': {}, 'payload': RunsCode(marker)}, path)
+
+    with pytest.raises(RuntimeError, match='Refused to load checkpoint') as info:
+        safe_load(path)
+    assert 'TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD' in str(info.value)
+    assert 'system' in str(info.value)
+    with pytest.raises(Exception, match='Weights only load failed'):
+        torch.load(path)
+    from mmengine.runner import CheckpointLoader
+    with pytest.raises(Exception, match='Weights only load failed'):
+        CheckpointLoader.load_checkpoint(str(path))
+    assert not marker.exists()
+
+
+def test_getattr_is_limited_to_history_buffer_statistics(tmp_path):
+    path = tmp_path / 'walk.pth'
+    torch.save({'x': WalksAttributes()}, path)
+    with pytest.raises(RuntimeError, match='Refused to load checkpoint'):
+        safe_load(path)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match='nope.pth'):
+        safe_load(tmp_path / 'nope.pth')
