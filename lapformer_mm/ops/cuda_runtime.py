@@ -1,0 +1,259 @@
+"""Run-time compilation and launching of the CUDA kernels in ``ops/*.cu``.
+
+The sources are compiled by NVRTC through CuPy's ``RawModule`` on first use,
+once per (device, source, template instantiation), and cached for the life of
+the process. Kernels are launched on PyTorch's current stream of the tensor's
+device; tensors are handed over as raw device pointers (no copy, no
+``__cuda_array_interface__`` synchronisation).
+
+CuPy is imported only when a kernel is first compiled; everything else in this
+module (source lookup, template names, launch geometry) is plain Python so that
+the CPU tests can compile the exact same instantiations with NVRTC and run the
+same launch geometry through the g++ emulation.
+"""
+import functools
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+#: CUDA source files and the headers they include.
+PAIRWISE_SOURCE = 'pairwise_kernel.cu'
+NEWTON_SCHULZ_SOURCE = 'newton_schulz.cu'
+SOURCES = (PAIRWISE_SOURCE, NEWTON_SCHULZ_SOURCE)
+
+#: NVRTC options used at run time and by the CI compile test.
+NVRTC_OPTIONS = ('-std=c++14',)
+
+#: torch dtype -> C++ element type of the kernels.
+ELEMENT_TYPES = {
+    torch.float32: 'float',
+    torch.float64: 'double',
+    torch.float16: 'lap_half',
+    torch.bfloat16: 'lap_bf16',
+}
+
+#: Kernel kinds of ``pairwise_kernel.cu``.
+LAPLACIAN, GAUSSIAN = 0, 1
+KINDS = {'laplacian': LAPLACIAN, 'gaussian': GAUSSIAN}
+
+# Tile geometry; must match the #defines in pairwise_kernel.cu / newton_schulz.cu.
+PW_TILE = 64
+PW_BLOCK = (16, 16, 1)
+PB_TR, PB_TD, PB_TJ = 64, 32, 32
+PB_BLOCK = (16, 16, 1)
+NS_MT = 4
+MAX_GRID_YZ = 65535
+MAX_GRID_X = 2 ** 31 - 1
+
+
+def source_dirs():
+    """Folders searched for the CUDA sources, in order.
+
+    A regular install ships ``ops/*.cu*`` as ``lapformer_mm/_cuda_src``; a
+    source or editable checkout has them in ``<repo>/ops``.
+    """
+    package_root = Path(__file__).resolve().parent.parent
+    return [package_root / '_cuda_src', package_root.parent / 'ops']
+
+
+def find_source(name):
+    """Path of the CUDA source ``name``; FileNotFoundError lists where it looked."""
+    dirs = source_dirs()
+    for folder in dirs:
+        path = folder / name
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f'CUDA source {name!r} not found in any of '
+                            f'{[str(d) for d in dirs]}; reinstall lapformer_mm')
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
+
+
+def load_source(name):
+    """Text of ``name`` with its local ``#include "..."`` lines inlined.
+
+    Inlining (rather than ``-I``) makes the text self-contained, so CuPy's
+    on-disk cache, keyed by the source text, sees header changes too.
+    """
+    path = find_source(name)
+    seen = set()
+
+    def expand(text, folder):
+        def replace(match):
+            header = folder / match.group(1)
+            if header in seen:
+                return ''
+            seen.add(header)
+            return expand(header.read_text(), header.parent)
+        return _INCLUDE.sub(replace, text)
+
+    return expand(path.read_text(), path.parent)
+
+
+def pairwise_forward_name(element_type, kind):
+    """Template instantiation name of the fused kernel-matrix forward."""
+    return f'pairwise_forward<{element_type}, {kind}>'
+
+
+def pairwise_backward_name(element_type, kind, transposed):
+    """Template instantiation name of the kernel-matrix gradient."""
+    return f"pairwise_backward<{element_type}, {kind}, {'true' if transposed else 'false'}>"
+
+
+def newton_schulz_name(scalar_type):
+    """Template instantiation name of the fused Newton–Schulz solve."""
+    return f'newton_schulz<{scalar_type}>'
+
+
+def all_name_expressions():
+    """{source: [every template instantiation the Python side can launch]}."""
+    pairwise = []
+    for element_type in ELEMENT_TYPES.values():
+        for kind in KINDS.values():
+            pairwise.append(pairwise_forward_name(element_type, kind))
+            for transposed in (False, True):
+                pairwise.append(pairwise_backward_name(element_type, kind, transposed))
+    return {
+        PAIRWISE_SOURCE: pairwise,
+        NEWTON_SCHULZ_SOURCE: [newton_schulz_name('float'), newton_schulz_name('double')],
+    }
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def pairwise_forward_launch(batch, n, m):
+    """(grid, block) of ``pairwise_forward`` for C (batch, n, m).
+
+    Columns tiles go on grid.x, row tiles on grid.y and the batch on grid.z;
+    the kernel loops over row tiles and batch entries beyond the grid limits.
+    """
+    grid = (_ceil_div(m, PW_TILE), min(_ceil_div(n, PW_TILE), MAX_GRID_YZ), min(batch, MAX_GRID_YZ))
+    if grid[0] > MAX_GRID_X:
+        raise ValueError(f'pairwise kernel: m={m} columns exceed the grid limit')
+    return grid, PW_BLOCK
+
+
+def pairwise_backward_launch(batch, n_rows, n_red, d, target_blocks):
+    """(grid, block, splits, red_chunk) of ``pairwise_backward``.
+
+    The reduction over ``n_red`` is split into ``splits`` slices of
+    ``red_chunk`` (a multiple of the staging width) until about
+    ``target_blocks`` blocks exist; dy, which reduces over all N queries for
+    only m landmarks, needs this to use more than a handful of SMs.
+    The split count depends only on the shapes, so results are deterministic.
+    """
+    tiles_d = _ceil_div(d, PB_TD)
+    tiles_r = _ceil_div(n_rows, PB_TR)
+    base = tiles_d * tiles_r * batch
+    max_splits = max(1, _ceil_div(n_red, PB_TJ))
+    splits = min(max_splits, max(1, _ceil_div(target_blocks, base)))
+    red_chunk = _ceil_div(_ceil_div(max(n_red, 1), splits), PB_TJ) * PB_TJ
+    splits = max(1, _ceil_div(n_red, red_chunk))
+    grid = (tiles_d * splits, min(tiles_r, MAX_GRID_YZ), min(batch, MAX_GRID_YZ))
+    return grid, PB_BLOCK, splits, red_chunk
+
+
+def newton_schulz_launch(batch, m, itemsize, smem_limit):
+    """(grid, block, shared bytes, p_in_shared) of ``newton_schulz``, or None.
+
+    None means the m x m iterate does not fit in ``smem_limit`` bytes of
+    shared memory per block; the caller then uses batched matmuls.
+    """
+    tiles = _ceil_div(m, NS_MT) ** 2
+    threads = _ceil_div(tiles, 32) * 32
+    if threads > 1024:
+        return None
+    scalar_bytes = itemsize * m * m
+    # + one scalar of static shared memory for the norm, which counts too.
+    if 3 * scalar_bytes + itemsize <= smem_limit:
+        smem, p_in_shared = 3 * scalar_bytes, 1
+    elif 2 * scalar_bytes + itemsize <= smem_limit:
+        smem, p_in_shared = 2 * scalar_bytes, 0
+    else:
+        return None
+    grid = (min(batch, MAX_GRID_X),)
+    return grid, (threads, 1, 1), smem, p_in_shared
+
+
+# ----------------------------------------------------------------------------
+# CuPy side: compile, cache, launch.
+# ----------------------------------------------------------------------------
+
+class CudaOpsError(RuntimeError):
+    """A CUDA kernel failed to compile or launch; the message names kernel and shapes."""
+
+
+def import_cupy():
+    """``import cupy`` with an actionable error."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError('the CUDA ops need CuPy: pip install cupy-cuda12x or cupy-cuda13x '
+                          '(matching your CUDA driver)') from exc
+    return cupy
+
+
+_lock = threading.Lock()
+_functions = {}
+
+
+def get_function(device_index, source, name_expression):
+    """Compiled ``cupy.RawModule`` function, compiled once per (device, source, name)."""
+    key = (device_index, source, name_expression)
+    function = _functions.get(key)
+    if function is not None:
+        return function
+    with _lock:
+        function = _functions.get(key)
+        if function is None:
+            cupy = import_cupy()
+            try:
+                with cupy.cuda.Device(device_index):
+                    module = cupy.RawModule(code=load_source(source), options=NVRTC_OPTIONS,
+                                            name_expressions=[name_expression], backend='nvrtc')
+                    function = module.get_function(name_expression)
+            except Exception as exc:  # CuPy raises CompileException and CUDADriverError
+                raise CudaOpsError(f'compiling {name_expression} from {source} for device '
+                                   f'{device_index} failed: {exc}') from exc
+            _functions[key] = function
+    return function
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_optin(device_index):
+    """Largest dynamic shared memory a block may opt into on this device (bytes)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, 'shared_memory_per_block_optin', 48 * 1024))
+
+
+def pointer(tensor):
+    """Device pointer of a tensor as a kernel argument (no copy)."""
+    return np.uint64(tensor.data_ptr())
+
+
+def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, shapes=''):
+    """Launch a kernel on the current PyTorch stream of ``tensor``'s device.
+
+    ``args`` must already have their exact C types (numpy scalars, pointers
+    from :func:`pointer`). Failures raise :class:`CudaOpsError` naming the
+    kernel, the launch geometry and ``shapes``.
+    """
+    cupy = import_cupy()
+    device_index = tensor.device.index
+    function = get_function(device_index, source, name_expression)
+    stream_ptr = torch.cuda.current_stream(tensor.device).cuda_stream
+    try:
+        with cupy.cuda.Device(device_index):
+            if shared_mem > 48 * 1024:
+                function.max_dynamic_shared_size_bytes = shared_mem
+            stream = cupy.cuda.ExternalStream(stream_ptr)
+            function(grid, block, args, shared_mem=shared_mem, stream=stream)
+    except Exception as exc:
+        raise CudaOpsError(f'launching {name_expression} (grid={grid}, block={block}, '
+                           f'shared_mem={shared_mem}) for {shapes} failed: {exc}') from exc

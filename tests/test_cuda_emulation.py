@@ -1,0 +1,211 @@
+"""The CUDA kernels' logic, run on the CPU.
+
+``ops/*.cu`` are compiled unchanged by g++ under ``tests/cuda_emu/shim.h``
+(threads of a block are std::threads, ``__syncthreads`` a std::barrier,
+``__shared__`` static storage, blocks one at a time) and launched through
+``cupy_ops``'s own host code, with ``cuda_runtime.launch`` replaced by the
+emulator: launch geometry, split-K partial sums, dtype handling and argument
+packing are the ones the GPU gets. Results are compared with dense float64
+formulas and ``torch.linalg.inv``. Shapes are small and odd (N = 1, M = 1,
+d = 17, sizes that are not multiples of the tiles).
+"""
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lapformer_mm.ops import cuda_runtime as rt
+from lapformer_mm.ops import cupy_ops
+
+ROOT = Path(__file__).resolve().parent.parent
+EMU_DIR = ROOT / 'tests' / 'cuda_emu'
+
+_CTYPES = {
+    np.dtype(np.uint64): ctypes.c_uint64,
+    np.dtype(np.int64): ctypes.c_int64,
+    np.dtype(np.int32): ctypes.c_int32,
+    np.dtype(np.float64): ctypes.c_double,
+}
+
+
+@pytest.fixture(scope='module')
+def emu_lib(tmp_path_factory):
+    """The kernels compiled for the CPU as a shared library."""
+    if shutil.which('g++') is None:
+        pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
+    out = tmp_path_factory.mktemp('cuda_emu') / 'emu.so'
+    cmd = ['g++', '-std=c++20', '-O2', '-pthread', '-shared', '-fPIC',
+           '-I', str(ROOT / 'ops'), str(EMU_DIR / 'driver.cpp'), '-o', str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(f'g++ failed to build the emulation:\n{proc.stderr}')
+    lib = ctypes.CDLL(str(out))
+    lib.emu_has_kernel.argtypes = [ctypes.c_char_p]
+    lib.emu_launch_kernel.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_ulonglong]
+    return lib
+
+
+@pytest.fixture
+def emulated(emu_lib, monkeypatch):
+    """Route ``cuda_runtime.launch`` to the CPU emulation; records launches."""
+    launches = []
+
+    def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, shapes=''):
+        values = [_CTYPES[np.asarray(a).dtype](a.item()) for a in args]
+        argv = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        grid3 = (ctypes.c_uint * 3)(*(tuple(grid) + (1, 1))[:3])
+        block3 = (ctypes.c_uint * 3)(*(tuple(block) + (1, 1))[:3])
+        rc = emu_lib.emu_launch_kernel(name_expression.encode(), argv, grid3, block3, shared_mem)
+        assert rc == 0, f'emulation has no kernel {name_expression}'
+        launches.append((name_expression, tuple(grid), tuple(block), shared_mem))
+
+    monkeypatch.setattr(rt, 'launch', launch)
+    return launches
+
+
+def dense_kernel(x, y, lam, kind):
+    """exp(-dist / lam) through an explicit (..., N, M, d) difference tensor."""
+    diff = x.unsqueeze(-2) - y.unsqueeze(-3)
+    dist = diff.abs().sum(-1) if kind == rt.LAPLACIAN else (diff * diff).sum(-1)
+    return torch.exp(-dist / lam)
+
+
+def make_inputs(batch, n, m, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, n, d, generator=gen, dtype=torch.float64)
+    y = torch.randn(batch, m, d, generator=gen, dtype=torch.float64)
+    if n > 1 and m > 1:
+        # Ties x_it == y_jt exercise sign(0) = 0 in the Laplacian gradient.
+        y[:, 0] = x[:, 0]
+        y[:, 1, : d // 2] = x[:, -1, : d // 2]
+    return x.to(dtype), y.to(dtype)
+
+
+def test_every_instantiation_is_emulated(emu_lib):
+    for names in rt.all_name_expressions().values():
+        for name in names:
+            assert emu_lib.emu_has_kernel(name.encode()) == 1, name
+
+
+SHAPES = [(1, 1, 1, 1), (2, 1, 5, 17), (1, 7, 1, 17), (1, 70, 3, 17), (3, 65, 67, 33),
+          (1, 5, 9, 128), (1, 3, 4, 130)]
+
+
+@pytest.mark.parametrize('kind', [rt.LAPLACIAN, rt.GAUSSIAN])
+@pytest.mark.parametrize('shape', SHAPES)
+def test_forward_matches_dense_fp32(emulated, kind, shape):
+    x, y = make_inputs(*shape, torch.float32, seed=sum(shape))
+    lam = 4.0 if kind == rt.LAPLACIAN else 40.0
+    out = cupy_ops.fused_pairwise_forward(x, y, lam, kind)
+    expected = dense_kernel(x.double(), y.double(), lam, kind)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-7)
+    assert emulated and emulated[0][0] == rt.pairwise_forward_name('float', kind)
+
+
+@pytest.mark.parametrize('dtype, rtol, atol', [(torch.float64, 1e-12, 1e-14),
+                                               (torch.float16, 1e-3, 1e-4),
+                                               (torch.bfloat16, 8e-3, 1e-3)])
+@pytest.mark.parametrize('kind', [rt.LAPLACIAN, rt.GAUSSIAN])
+def test_forward_other_dtypes(emulated, kind, dtype, rtol, atol):
+    """16-bit inputs are read exactly, accumulated in fp32 and rounded once on output."""
+    x, y = make_inputs(2, 33, 17, 17, dtype, seed=3)
+    lam = 4.0 if kind == rt.LAPLACIAN else 40.0
+    out = cupy_ops.fused_pairwise_forward(x, y, lam, kind)
+    assert out.dtype == dtype
+    expected = dense_kernel(x.double(), y.double(), lam, kind)
+    torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=atol)
+
+
+def dense_grads(x, y, g, lam, kind):
+    xd = x.double().requires_grad_()
+    yd = y.double().requires_grad_()
+    k = dense_kernel(xd, yd, lam, kind)
+    return torch.autograd.grad(k, (xd, yd), g.double())
+
+
+@pytest.mark.parametrize('blocks', [1, 10_000])
+@pytest.mark.parametrize('kind', [rt.LAPLACIAN, rt.GAUSSIAN])
+@pytest.mark.parametrize('shape', [(1, 1, 1, 1), (2, 1, 5, 17), (1, 70, 3, 17), (2, 97, 66, 33),
+                                   (1, 5, 9, 128)])
+def test_backward_matches_autograd_of_dense(emulated, kind, shape, blocks):
+    """blocks=10000 forces split-K slices on every reduction, blocks=1 none."""
+    x, y = make_inputs(*shape, torch.float32, seed=7 + sum(shape))
+    lam = 4.0 if kind == rt.LAPLACIAN else 40.0
+    kmat = cupy_ops.fused_pairwise_forward(x, y, lam, kind)
+    g = torch.randn(kmat.shape, generator=torch.Generator().manual_seed(1))
+    dx, dy = cupy_ops.fused_pairwise_backward(g, kmat, x, y, lam, kind, True, True, blocks)
+    ex, ey = dense_grads(x, y, g, lam, kind)
+    torch.testing.assert_close(dx.double(), ex, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dy.double(), ey, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_splits_the_long_reduction(emulated):
+    """dy of 1 landmark against many queries is spread over several blocks."""
+    x, y = make_inputs(1, 300, 1, 17, torch.float32, seed=11)
+    kmat = cupy_ops.fused_pairwise_forward(x, y, 4.0, rt.LAPLACIAN)
+    g = torch.ones_like(kmat)
+    _, dy = cupy_ops.fused_pairwise_backward(g, kmat, x, y, 4.0, rt.LAPLACIAN, False, True, 8)
+    name, grid, _, _ = emulated[-1]
+    assert name == rt.pairwise_backward_name('float', rt.LAPLACIAN, True)
+    assert grid[0] > 1
+    _, ey = dense_grads(x, y, g, 4.0, rt.LAPLACIAN)
+    torch.testing.assert_close(dy.double(), ey, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('dtype, rtol', [(torch.float16, 2e-2), (torch.bfloat16, 5e-2),
+                                         (torch.float64, 1e-10)])
+def test_backward_other_dtypes(emulated, dtype, rtol):
+    x, y = make_inputs(2, 33, 17, 17, dtype, seed=5)
+    kmat = cupy_ops.fused_pairwise_forward(x, y, 4.0, rt.LAPLACIAN)
+    g = torch.randn(kmat.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    dx, dy = cupy_ops.fused_pairwise_backward(g, kmat, x, y, 4.0, rt.LAPLACIAN, True, True, 64)
+    assert dx.dtype == dtype and dy.dtype == dtype
+    # The reference takes the same rounded kernel matrix: g * K is formed from it.
+    w = g.double() * kmat.double()
+    sign = torch.sign(x.double().unsqueeze(-2) - y.double().unsqueeze(-3))
+    ex = -(w.unsqueeze(-1) * sign).sum(-2) / 4.0
+    ey = (w.unsqueeze(-1) * sign).sum(-3) / 4.0
+    scale = max(ex.abs().max().item(), ey.abs().max().item())
+    torch.testing.assert_close(dx.double(), ex, rtol=rtol, atol=rtol * scale)
+    torch.testing.assert_close(dy.double(), ey, rtol=rtol, atol=rtol * scale)
+
+
+def spd_batch(batch, m, dtype, seed):
+    """Landmark-like SPD matrices: Laplacian kernel of smooth points + 0.01 I."""
+    gen = torch.Generator().manual_seed(seed)
+    pts = torch.randn(batch, m, 8, generator=gen, dtype=torch.float64).cumsum(1) * 0.3
+    P = dense_kernel(pts, pts, 4.0, rt.LAPLACIAN) + 0.01 * torch.eye(m, dtype=torch.float64)
+    return P.to(dtype)
+
+
+@pytest.mark.parametrize('p_in_shared', [True, False])
+@pytest.mark.parametrize('authors', [False, True])
+@pytest.mark.parametrize('m', [1, 5, 33])
+def test_newton_schulz_matches_matmul_iterations(emulated, m, authors, p_in_shared):
+    P = spd_batch(3, m, torch.float64, seed=m)
+    # Room for exactly 2 or 3 m x m matrices (plus the norm scalar).
+    limit = (3 if p_in_shared else 2) * 8 * m * m + 8
+    out = cupy_ops.fused_newton_schulz(P, 12, authors, smem_limit=limit)
+    assert emulated[-1][3] == (3 if p_in_shared else 2) * 8 * m * m
+    expected = cupy_ops.twin_newton_schulz(P, 12, authors)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_newton_schulz_converges_to_inverse_fp32(emulated):
+    P = spd_batch(2, 20, torch.float32, seed=4)
+    out = cupy_ops.fused_newton_schulz(P, 40, False, smem_limit=48 * 1024)
+    inv = torch.linalg.inv(P.double())
+    residual = torch.linalg.matrix_norm(torch.eye(20) - P.double() @ out.double(), ord=2)
+    assert residual.max() < 1e-3
+    torch.testing.assert_close(out.double(), inv, rtol=1e-3, atol=1e-3 * inv.abs().max().item())
+
+
+def test_newton_schulz_too_large_for_shared_memory_returns_none(emulated):
+    P = spd_batch(1, 64, torch.float32, seed=0)
+    assert cupy_ops.fused_newton_schulz(P, 3, False, smem_limit=2 * 4 * 64 * 64) is None
+    assert not emulated
