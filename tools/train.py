@@ -1,0 +1,120 @@
+"""Train a detector or segmentor from a config (mmdet's ``tools/train.py`` interface).
+
+Works for mmdet and mmseg configs alike (the config's ``default_scope`` picks the
+registries). ``lapformer_mm`` is imported up front so ``LaplacianFormer`` is registered
+even for configs without ``custom_imports``, and so ``load_from``/``--resume`` read
+mmengine checkpoints with ``torch.load(weights_only=True)`` kept on
+(see ``lapformer_mm/checkpoint.py``).
+
+Examples::
+
+    python tools/train.py configs/toy/maskrcnn_lapformer_t_toy.py
+    python tools/train.py CONFIG --work-dir work_dirs/run1 --resume
+    torchrun --nproc_per_node 8 tools/train.py CONFIG --launcher pytorch
+"""
+import argparse
+import os
+import os.path as osp
+import sys
+
+sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.registry import RUNNERS  # noqa: E402
+from mmengine.runner import Runner  # noqa: E402
+
+import lapformer_mm  # noqa: E402,F401  (registers LaplacianFormer)
+from lapformer_mm.checkpoint import allow_mmengine_checkpoints  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description='Train a detector or segmentor')
+    parser.add_argument('config', help='train config file path')
+    parser.add_argument('--work-dir', help='the dir to save logs and models')
+    parser.add_argument(
+        '--amp', action='store_true', default=False,
+        help='enable automatic-mixed-precision training')
+    parser.add_argument(
+        '--auto-scale-lr', action='store_true',
+        help='scale the LR by (total batch size / auto_scale_lr.base_batch_size)')
+    parser.add_argument(
+        '--resume', nargs='?', type=str, const='auto',
+        help='resume from this checkpoint; without a path, from the latest '
+        'checkpoint in the work directory')
+    parser.add_argument(
+        '--cfg-options', nargs='+', action=DictAction,
+        help='override config settings, key=value (e.g. '
+        'train_cfg.max_epochs=1 randomness.seed=3)')
+    parser.add_argument(
+        '--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+        default='none', help='job launcher')
+    # torch.distributed.launch passes --local-rank; torchrun sets LOCAL_RANK.
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args(argv)
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def default_work_dir(config_path):
+    """``./work_dirs/<config name>``, mmdet's default."""
+    return osp.join('./work_dirs', osp.splitext(osp.basename(config_path))[0])
+
+
+def enable_amp(cfg):
+    """Switch the optimizer wrapper to mmengine's AMP wrapper (dynamic scale)."""
+    if cfg.optim_wrapper.get('type', 'OptimWrapper') == 'AmpOptimWrapper':
+        return
+    cfg.optim_wrapper.type = 'AmpOptimWrapper'
+    cfg.optim_wrapper.loss_scale = 'dynamic'
+
+
+def enable_auto_scale_lr(cfg):
+    """Turn on mmengine's LR scaling; the config must say its base batch size."""
+    scale = cfg.get('auto_scale_lr')
+    if not scale or 'base_batch_size' not in scale:
+        raise RuntimeError(
+            '--auto-scale-lr needs `auto_scale_lr = dict(enable=False, '
+            'base_batch_size=N)` in the config')
+    cfg.auto_scale_lr.enable = True
+
+
+def build_cfg(args):
+    """The config with the command line applied."""
+    cfg = Config.fromfile(args.config)
+    cfg.launcher = args.launcher
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = default_work_dir(args.config)
+    if args.amp:
+        enable_amp(cfg)
+    if args.auto_scale_lr:
+        enable_auto_scale_lr(cfg)
+    if args.resume == 'auto':
+        cfg.resume = True
+        cfg.load_from = None
+    elif args.resume is not None:
+        cfg.resume = True
+        cfg.load_from = args.resume
+    return cfg
+
+
+def build_runner(cfg):
+    if 'runner_type' in cfg:
+        return RUNNERS.build(cfg)
+    return Runner.from_cfg(cfg)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    allow_mmengine_checkpoints()
+    cfg = build_cfg(args)
+    runner = build_runner(cfg)
+    runner.train()
+
+
+if __name__ == '__main__':
+    main()
