@@ -1,0 +1,146 @@
+"""Every CUDA source compiles with NVRTC for sm_70, sm_80 and sm_90, without a GPU.
+
+NVRTC is the compiler CuPy uses at run time; here it is loaded from the
+``nvidia-cuda-nvrtc-cu12`` wheel through ctypes (no CUDA driver, toolkit or
+GPU needed). Each source is compiled to SASS (``--gpu-architecture=sm_XX``, so
+ptxas runs too and resource overflows fail) with every template instantiation
+the Python side can launch (``cuda_runtime.all_name_expressions``), using the
+exact source text (headers inlined) and options of the run time. A failure
+prints the compiler log.
+"""
+import ctypes
+import ctypes.util
+import glob
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from lapformer_mm.ops import cuda_runtime as rt
+
+ARCHS = ('sm_70', 'sm_80', 'sm_90')
+NVRTC_PACKAGE = 'nvidia-cuda-nvrtc-cu12'
+
+
+def find_nvrtc():
+    """Path of libnvrtc: $LAPFORMER_NVRTC_LIB, the pip wheel, or the system library."""
+    explicit = os.environ.get('LAPFORMER_NVRTC_LIB')
+    if explicit:
+        return explicit
+    for site in sys.path:
+        hits = sorted(glob.glob(str(Path(site) / 'nvidia' / '**' / 'libnvrtc.so*'), recursive=True))
+        hits = [h for h in hits if 'builtins' not in h and '.alt.' not in h]
+        if hits:
+            return hits[0]
+    return ctypes.util.find_library('nvrtc')
+
+
+class Nvrtc:
+    """The few NVRTC entry points needed to compile a program and read its results."""
+
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+
+    def version(self):
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), 'nvrtcVersion')
+        return major.value, minor.value
+
+    def supported_archs(self):
+        count = ctypes.c_int()
+        self._check(self.lib.nvrtcGetNumSupportedArchs(ctypes.byref(count)), 'archs')
+        archs = (ctypes.c_int * count.value)()
+        self._check(self.lib.nvrtcGetSupportedArchs(archs), 'archs')
+        return {f'sm_{a}' for a in archs}
+
+    def _check(self, status, what):
+        if status != 0:
+            raise RuntimeError(f'{what}: {self.lib.nvrtcGetErrorString(status).decode()}')
+
+    def compile(self, source, name, options, name_expressions):
+        """(status, log, {name expression: lowered name}, cubin size)."""
+        prog = ctypes.c_void_p()
+        self._check(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(),
+                                                0, None, None), 'nvrtcCreateProgram')
+        try:
+            for expr in name_expressions:
+                self._check(self.lib.nvrtcAddNameExpression(prog, expr.encode()), expr)
+            opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+            status = self.lib.nvrtcCompileProgram(prog, len(options), opts)
+            size = ctypes.c_size_t()
+            self._check(self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), 'log size')
+            log = ctypes.create_string_buffer(size.value)
+            self._check(self.lib.nvrtcGetProgramLog(prog, log), 'log')
+            lowered, cubin_size = {}, 0
+            if status == 0:
+                for expr in name_expressions:
+                    out = ctypes.c_char_p()
+                    self._check(self.lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)),
+                                expr)
+                    lowered[expr] = out.value.decode()
+                cubin = ctypes.c_size_t()
+                self._check(self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(cubin)), 'cubin size')
+                cubin_size = cubin.value
+            return status, log.value.decode(errors='replace'), lowered, cubin_size
+        finally:
+            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.fixture(scope='module')
+def nvrtc():
+    path = find_nvrtc()
+    if not path:
+        pytest.fail(f'libnvrtc not found: pip install {NVRTC_PACKAGE} (or set LAPFORMER_NVRTC_LIB)')
+    return Nvrtc(path)
+
+
+def registers_by_function(log):
+    """{mangled entry name: registers} from ptxas -v output."""
+    regs, current = {}, None
+    for line in log.splitlines():
+        entry = re.search(r"Compiling entry function '([^']+)'", line)
+        if entry:
+            current = entry.group(1)
+        used = re.search(r'Used (\d+) registers', line)
+        if used and current:
+            regs[current] = int(used.group(1))
+    return regs
+
+
+@pytest.mark.parametrize('arch', ARCHS)
+@pytest.mark.parametrize('source', rt.SOURCES)
+def test_source_compiles(nvrtc, source, arch):
+    if arch not in nvrtc.supported_archs():
+        pytest.skip(f'NVRTC {nvrtc.version()} cannot target {arch}; pin {NVRTC_PACKAGE}')
+    names = rt.all_name_expressions()[source]
+    options = (f'--gpu-architecture={arch}', '--ptxas-options=-v') + rt.NVRTC_OPTIONS
+    status, log, lowered, cubin_size = nvrtc.compile(rt.load_source(source), source, options, names)
+    assert status == 0, f'NVRTC {nvrtc.version()} failed on {source} for {arch}:\n{log}'
+    assert set(lowered) == set(names) and all(lowered.values())
+    assert cubin_size > 0
+    regs = registers_by_function(log)
+    assert set(regs) == set(lowered.values()), log
+    if source == rt.NEWTON_SCHULZ_SOURCE:
+        # A block of 1024 threads (m = 128) must fit the 64K-register file.
+        assert max(regs.values()) <= 64, log
+
+
+def test_sources_are_found_and_inlined():
+    for source in rt.SOURCES:
+        text = rt.load_source(source)
+        assert '#include "' not in text
+        assert 'struct lap_half' in text
+
+
+def test_every_launched_instantiation_is_compiled():
+    """The names the runtime builds are exactly the ones compiled above."""
+    names = rt.all_name_expressions()
+    for dtype_name in rt.ELEMENT_TYPES.values():
+        for kind in rt.KINDS.values():
+            assert rt.pairwise_forward_name(dtype_name, kind) in names[rt.PAIRWISE_SOURCE]
+            for transposed in (False, True):
+                assert rt.pairwise_backward_name(dtype_name, kind, transposed) in names[rt.PAIRWISE_SOURCE]
+    assert rt.newton_schulz_name('float') in names[rt.NEWTON_SCHULZ_SOURCE]
