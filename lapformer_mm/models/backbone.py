@@ -110,7 +110,7 @@ class LaplacianFormerStage(nn.Module):
     def forward(self, x: torch.Tensor
                 ) -> Tuple[torch.Tensor, Tuple[int, int]]:
         x = self.downsample(x)
-        hw = (x.shape[2], x.shape[3])
+        hw = (int(x.shape[2]), int(x.shape[3]))
         x = x.flatten(2).transpose(1, 2)
         for block in self.blocks:
             if self.with_cp and x.requires_grad:
@@ -220,17 +220,13 @@ class LaplacianFormer(BaseModule):
         self.stages = nn.ModuleList()
         first_block = 0
         for i in range(NUM_STAGES):
-            heads = self.arch_settings['num_heads'][i]
-            if i == NUM_STAGES - 1 and stage4_attention == 'softmax':
-                make_attn = lambda: SoftmaxAttention(  # noqa: E731
-                    dims[i], heads, qkv_bias, attn_drop_rate, drop_rate)
-            else:
-                make_attn = lambda: LaplacianAttention(  # noqa: E731
-                    dims[i], heads, **laplacian_options)
+            use_softmax = (i == NUM_STAGES - 1 and stage4_attention == 'softmax')
             blocks = [
                 TransformerBlock(
                     dims[i],
-                    make_attn(),
+                    self._make_attention(dims[i],
+                                         self.arch_settings['num_heads'][i],
+                                         use_softmax, laplacian_options),
                     mlp_ratio=self.arch_settings['mlp_ratios'][i],
                     drop=drop_rate,
                     drop_path_prob=block_dpr[first_block + j])
@@ -245,6 +241,18 @@ class LaplacianFormer(BaseModule):
         for i in self.out_indices:
             self.add_module(f'norm{i}', nn.LayerNorm(dims[i]))
         self._freeze_stages()
+
+    @staticmethod
+    def _make_attention(dim: int, num_heads: int, use_softmax: bool,
+                        laplacian_options: dict) -> nn.Module:
+        if use_softmax:
+            return SoftmaxAttention(
+                dim,
+                num_heads,
+                qkv_bias=laplacian_options['qkv_bias'],
+                attn_drop=laplacian_options['attn_drop'],
+                proj_drop=laplacian_options['proj_drop'])
+        return LaplacianAttention(dim, num_heads, **laplacian_options)
 
     @staticmethod
     def _check_out_indices(out_indices: Sequence[int]) -> Tuple[int, ...]:

@@ -1,0 +1,165 @@
+"""LaplacianFormer backbone: shapes, API switches, argument checks (CPU, small inputs)."""
+import pytest
+import torch
+
+from lapformer_mm.models import LaplacianFormer
+from lapformer_mm.models.backbone import ARCH_SETTINGS, resolve_arch
+
+TINY_DIMS = ARCH_SETTINGS['tiny']['embed_dims']
+
+
+def ceil_half(n, times):
+    for _ in range(times):
+        n = (n + 1) // 2
+    return n
+
+
+def expected_shapes(h, w, dims, indices=(0, 1, 2, 3)):
+    """Stride-2 convolutions with padding 1 round up: 2 in the stem, 1 per stage 2-4."""
+    return [(1, dims[i], ceil_half(h, 2 + i), ceil_half(w, 2 + i)) for i in indices]
+
+
+@pytest.fixture(scope='module')
+def tiny():
+    torch.manual_seed(0)
+    model = LaplacianFormer('tiny', drop_path_rate=0.0)
+    model.init_weights()
+    return model.eval()
+
+
+@pytest.mark.parametrize('hw', [(224, 224), (97, 131), (31, 33)])
+def test_output_shapes_any_size(tiny, hw):
+    with torch.no_grad():
+        outs = tiny(torch.randn(1, 3, *hw))
+    assert [tuple(o.shape) for o in outs] == expected_shapes(*hw, TINY_DIMS)
+    assert all(torch.isfinite(o).all() for o in outs)
+
+
+def test_input_smaller_than_landmark_grid(tiny):
+    # 8x8 input: stage grids 2x2, 1x1, 1x1, 1x1, all below the 7x7 landmark grid
+    with torch.no_grad():
+        outs = tiny(torch.randn(2, 3, 8, 8))
+    assert [tuple(o.shape[1:]) for o in outs] == [(64, 2, 2), (128, 1, 1),
+                                                  (320, 1, 1), (512, 1, 1)]
+
+
+@pytest.mark.parametrize('indices', [(0, ), (3, ), (1, 2), (-1, )])
+def test_out_indices(indices):
+    model = LaplacianFormer('tiny', out_indices=indices).eval()
+    with torch.no_grad():
+        outs = model(torch.randn(1, 3, 64, 64))
+    wanted = sorted(i % 4 for i in indices)
+    assert [tuple(o.shape) for o in outs] == expected_shapes(64, 64, TINY_DIMS, wanted)
+
+
+@pytest.mark.parametrize('name', ['small', 'medium', 'large', 'huge'])
+def test_other_arches_forward(name):
+    model = LaplacianFormer(name).eval()
+    dims = ARCH_SETTINGS[name]['embed_dims']
+    with torch.no_grad():
+        outs = model(torch.randn(1, 3, 32, 32))
+    assert [tuple(o.shape) for o in outs] == expected_shapes(32, 32, dims)
+
+
+def test_arch_dict_and_alias():
+    arch = dict(embed_dims=[16, 32, 64, 64], num_heads=[1, 1, 2, 2], depths=[1, 1, 1, 1],
+                mlp_ratios=2)
+    model = LaplacianFormer(arch).eval()
+    outs = model(torch.randn(1, 3, 32, 32))
+    assert [o.shape[1] for o in outs] == [16, 32, 64, 64]
+    assert model.stages[0].blocks[0].mlp.fc1.out_features == 32
+    assert resolve_arch('M') == resolve_arch('medium')
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(arch='gigantic'), 'arch'),
+    (dict(arch=dict(embed_dims=[64, 128, 320], num_heads=[2, 4, 10], depths=[1, 1, 1])),
+     'embed_dims'),
+    (dict(arch=dict(embed_dims=[64, 128, 320, 512], num_heads=[3, 4, 10, 16],
+                    depths=[1, 1, 1, 1])), 'num_heads'),
+    (dict(arch=dict(embed_dims=[64, 128, 320, 512], depths=[1, 1, 1, 1])), 'arch dict'),
+    (dict(arch=dict(embed_dims=[64, 128, 320, 512], num_heads=[2, 4, 10, 16],
+                    depths=[1, 1, 1, 1], window=7)), 'arch dict'),
+    (dict(out_indices=(0, 4)), 'out_indices'),
+    (dict(out_indices=(1, 1)), 'out_indices'),
+    (dict(frozen_stages=5), 'frozen_stages'),
+    (dict(frozen_stages=-2), 'frozen_stages'),
+    (dict(drop_path_rate=1.0), 'drop_path_rate'),
+    (dict(drop_path_rate=-0.1), 'drop_path_rate'),
+    (dict(stage4_attention='linear'), 'stage4_attention'),
+    (dict(in_channels=0), 'in_channels'),
+])
+def test_bad_arguments_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LaplacianFormer(**kwargs)
+
+
+def test_bad_types_raise_type_error():
+    with pytest.raises(TypeError, match='arch'):
+        LaplacianFormer(arch=3)
+    with pytest.raises(TypeError, match='out_indices'):
+        LaplacianFormer(out_indices=(0.5, ))
+
+
+@pytest.mark.parametrize('frozen', [0, 2, 4])
+def test_frozen_stages_survive_train(frozen):
+    model = LaplacianFormer('tiny', frozen_stages=frozen)
+    model.train()
+    frozen_modules = [model.stem] + [model.stages[i] for i in range(frozen)]
+    frozen_modules += [getattr(model, f'norm{i}') for i in range(frozen)]
+    for module in frozen_modules:
+        assert not module.training
+        assert all(not p.requires_grad for p in module.parameters())
+    for i in range(frozen, 4):
+        assert model.stages[i].training
+        assert all(p.requires_grad for p in model.stages[i].parameters())
+    # frozen BN statistics do not move in a training step
+    bn = model.stem[0][1]
+    before = bn.running_mean.clone()
+    model(torch.randn(2, 3, 32, 32))
+    assert torch.equal(bn.running_mean, before)
+
+
+def test_norm_eval_keeps_batchnorm_in_eval():
+    model = LaplacianFormer('tiny', norm_eval=True).train()
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(bns) == 6  # three in the stem, one per downsampling
+    assert all(not bn.training for bn in bns)
+    assert model.stages[0].blocks[0].training
+
+
+def test_with_cp_same_outputs_and_grads():
+    torch.manual_seed(0)
+    plain = LaplacianFormer('tiny', drop_path_rate=0.0, norm_eval=True)
+    plain.init_weights()
+    ckpt = LaplacianFormer('tiny', drop_path_rate=0.0, norm_eval=True, with_cp=True)
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 3, 48, 40)
+    grads, outs = [], []
+    for model in (plain, ckpt):
+        model.train()
+        out = model(x)
+        sum(o.square().mean() for o in out).backward()
+        outs.append(out)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
+
+
+def test_eval_output_deterministic(tiny):
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        first = tiny(x)
+        second = tiny(x)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_drop_path_linear_over_blocks():
+    model = LaplacianFormer('tiny', drop_path_rate=0.3)
+    probs = [b.drop_path.drop_prob for s in model.stages for b in s.blocks]
+    expected = torch.linspace(0, 0.3, len(probs)).tolist()
+    assert probs == pytest.approx(expected)

@@ -1,0 +1,134 @@
+"""Pretrained loading: plain, mmengine and classifier checkpoints; unsafe pickles refused."""
+import os
+
+import pytest
+import torch
+
+from lapformer_mm.models import LaplacianFormer
+from lapformer_mm.models.pretrained import extract_backbone_state_dict, load_backbone_weights
+
+ARCH = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
+
+
+def small_model(**kwargs):
+    return LaplacianFormer(ARCH, drop_path_rate=0.0, **kwargs)
+
+
+@pytest.fixture
+def source():
+    torch.manual_seed(1)
+    model = small_model(out_indices=(3, ))
+    model.init_weights()
+    for p in model.parameters():  # make every tensor distinguishable from a fresh init
+        p.data.add_(torch.randn_like(p))
+    return model
+
+
+class RecordingLogger:
+    def __init__(self):
+        self.lines = []
+
+    def warning(self, msg):
+        self.lines.append(msg)
+
+    info = warning
+
+
+def assert_same_weights(model, state_dict):
+    own = model.state_dict()
+    for key, value in state_dict.items():
+        assert torch.equal(own[key], value), key
+
+
+def write_checkpoint(kind, state_dict, path):
+    if kind == 'plain':
+        obj = state_dict
+    elif kind == 'mmengine':
+        obj = dict(meta=dict(epoch=300, mmengine_version='0.10.7'), state_dict=state_dict,
+                   optimizer=dict(state={}, param_groups=[dict(lr=1e-3)]))
+    elif kind == 'classifier':
+        weights = {f'backbone.{k}': v for k, v in state_dict.items()}
+        weights['head.fc.weight'] = torch.randn(1000, 64)
+        weights['head.fc.bias'] = torch.randn(1000)
+        obj = dict(meta=dict(epoch=300), state_dict=weights)
+    elif kind == 'ddp':
+        obj = dict(state_dict={f'module.{k}': v for k, v in state_dict.items()})
+    torch.save(obj, path)
+    return str(path)
+
+
+@pytest.mark.parametrize('kind', ['plain', 'mmengine', 'classifier', 'ddp'])
+def test_pretrained_init_cfg_loads_each_kind(kind, source, tmp_path):
+    path = write_checkpoint(kind, source.state_dict(), tmp_path / f'{kind}.pth')
+    target = small_model(out_indices=(3, ), init_cfg=dict(type='Pretrained', checkpoint=path))
+    target.init_weights()
+    assert_same_weights(target, source.state_dict())
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(target.eval()(x)[0], source.eval()(x)[0])
+
+
+def test_report_lists_missing_and_unexpected_keys(source, tmp_path):
+    path = write_checkpoint('classifier', source.state_dict(), tmp_path / 'cls.pth')
+    # a detection backbone has output norms for stages 0-2 that a classifier lacks
+    target = small_model(out_indices=(0, 1, 2, 3))
+    logger = RecordingLogger()
+    report = load_backbone_weights(target, path, logger=logger)
+    assert set(report.missing_keys) == {f'norm{i}.{p}' for i in range(3) for p in ('weight', 'bias')}
+    assert report.unexpected_keys == ()
+    assert any('missing keys' in line and 'norm0.weight' in line for line in logger.lines)
+
+    plain = source.state_dict()
+    plain['extra.weight'] = torch.zeros(3)
+    path = write_checkpoint('plain', plain, tmp_path / 'extra.pth')
+    report = load_backbone_weights(small_model(out_indices=(3, )), path)
+    assert report.unexpected_keys == ('extra.weight', )
+    assert report.missing_keys == ()
+
+
+def test_wrong_arch_checkpoint_is_an_error(tmp_path):
+    other = LaplacianFormer('tiny', out_indices=(3, ))
+    path = write_checkpoint('plain', other.state_dict(), tmp_path / 'tiny.pth')
+    with pytest.raises(ValueError, match='does not fit'):
+        load_backbone_weights(small_model(out_indices=(3, )), path)
+
+
+def test_extract_rejects_tensorless_checkpoints():
+    with pytest.raises(ValueError, match='no tensors'):
+        extract_backbone_state_dict({'meta': {'epoch': 1}})
+    with pytest.raises(TypeError, match='mapping'):
+        extract_backbone_state_dict([torch.zeros(1)])
+
+
+class CreatesMarker:
+    """Unpickling this opens (creates) a file: stands in for arbitrary code execution."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, 'w'))
+
+
+def test_malicious_pickle_is_refused(source, tmp_path):
+    marker = tmp_path / 'pwned'
+    payload = dict(state_dict=source.state_dict(), hook=CreatesMarker(str(marker)))
+    path = tmp_path / 'evil.pth'
+    torch.save(payload, path)
+
+    target = small_model(out_indices=(3, ), init_cfg=dict(type='Pretrained', checkpoint=str(path)))
+    with pytest.raises(RuntimeError, match='Refused'):
+        target.init_weights()
+    assert not marker.exists()
+
+    # the payload is real: an unsafe load does run it
+    probe = tmp_path / 'probe'
+    torch.save(dict(hook=CreatesMarker(str(probe))), tmp_path / 'probe.pth')
+    torch.load(tmp_path / 'probe.pth', weights_only=False)
+    assert os.path.exists(probe)
+
+
+def test_pretrained_without_checkpoint_is_an_error():
+    model = small_model(init_cfg=dict(type='Pretrained'))
+    with pytest.raises(ValueError, match='checkpoint'):
+        model.init_weights()

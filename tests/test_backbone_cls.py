@@ -1,0 +1,143 @@
+"""ImageNet configs parse, the classifier->backbone converter, param counts, FLOP handlers."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from mmengine.config import Config
+
+from lapformer_mm.models import ARCH_SETTINGS, LaplacianAttention, LaplacianFormer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES = {'t': ('tiny', 0.1), 's': ('small', 0.2), 'm': ('medium', 0.3), 'l': ('large', 0.4),
+         'h': ('huge', 0.5)}
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, 'tools', f'{name}.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize('short', sorted(SIZES))
+def test_in1k_config_parses_with_the_recipe(short):
+    cfg = Config.fromfile(os.path.join(ROOT, 'configs', 'cls', f'lapformer_{short}_in1k.py'))
+    arch, dpr = SIZES[short]
+    backbone = cfg.model.backbone
+    assert (backbone.type, backbone.arch, backbone.drop_path_rate) == ('LaplacianFormer', arch, dpr)
+    assert cfg.model.head.in_channels == ARCH_SETTINGS[arch]['embed_dims'][-1]
+    assert cfg.model.neck.type == 'GlobalAveragePooling'
+    assert cfg.model.head.loss.label_smooth_val == 0.1
+    assert [(a.type, a.alpha) for a in cfg.model.train_cfg.augments] == [('Mixup', 0.8),
+                                                                          ('CutMix', 1.0)]
+    opt = cfg.optim_wrapper
+    assert (opt.optimizer.type, opt.optimizer.lr, opt.optimizer.weight_decay) == ('AdamW', 1e-3, 0.05)
+    assert opt.paramwise_cfg.norm_decay_mult == 0.0 and opt.paramwise_cfg.bias_decay_mult == 0.0
+    assert 'custom_keys' not in opt.paramwise_cfg
+    assert cfg.auto_scale_lr.base_batch_size == 1024
+    warmup, cosine = cfg.param_scheduler
+    assert warmup.type == 'LinearLR' and 5 <= warmup.end <= 10
+    assert cosine.type == 'CosineAnnealingLR' and cosine.begin == warmup.end and cosine.end == 300
+    assert cfg.train_cfg.max_epochs == 300
+    steps = {t.type: t for t in cfg.train_dataloader.dataset.pipeline}
+    assert steps['RandAugment'].magnitude_level == 9
+    assert steps['RandomErasing'].erase_prob == 0.25
+    assert [h.type for h in cfg.custom_hooks] == ['EMAHook']
+    assert cfg.custom_imports.imports == ['lapformer_mm']
+
+
+def test_in1k_backbone_config_builds():
+    cfg = Config.fromfile(os.path.join(ROOT, 'configs', 'cls', 'lapformer_t_in1k.py'))
+    kwargs = {k: v for k, v in cfg.model.backbone.items() if k != 'type'}
+    model = LaplacianFormer(**kwargs).eval()
+    with torch.no_grad():
+        (out, ) = model(torch.randn(1, 3, 32, 32))
+    assert out.shape == (1, cfg.model.head.in_channels, 1, 1)
+
+
+def test_convert_cls_to_backbone(tmp_path):
+    arch = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
+    source = LaplacianFormer(arch, out_indices=(3, ))
+    weights = {f'backbone.{k}': v for k, v in source.state_dict().items()}
+    weights['head.fc.weight'] = torch.randn(1000, 64)
+    src, dst = tmp_path / 'cls.pth', tmp_path / 'out' / 'backbone.pth'
+    torch.save(dict(meta=dict(epoch=300), state_dict=weights), src)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, 'tools', 'convert_cls_to_backbone.py'),
+                             str(src), str(dst)], capture_output=True, text=True, cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stderr
+    converted = torch.load(dst, weights_only=True)['state_dict']
+    assert converted.keys() == source.state_dict().keys()
+    target = LaplacianFormer(arch, out_indices=(3, ),
+                             init_cfg=dict(type='Pretrained', checkpoint=str(dst)))
+    target.init_weights()
+    for key, value in source.state_dict().items():
+        assert torch.equal(target.state_dict()[key], value), key
+
+
+def block_params(c, hidden, attention):
+    """Closed form of one pre-norm block with C channels and MLP width ``hidden``."""
+    norms = 2 * 2 * c
+    mlp = c * hidden + hidden + hidden * c + c
+    if attention == 'softmax':
+        attn = c * 3 * c + 3 * c + c * c + c
+    else:  # [q, v] projection with bias, depth-wise 3x3 local term with bias, output proj
+        attn = c * 2 * c + 2 * c + 9 * c + c + c * c + c
+    return norms + mlp + attn
+
+
+def closed_form_params(arch, out_indices=(3, )):
+    s = ARCH_SETTINGS[arch]
+    dims, depths = s['embed_dims'], s['depths']
+    total = 3 * 9 * 32 + 2 * 32 + 32 * 9 * 32 + 2 * 32 + 32 * 9 * dims[0] + 2 * dims[0]
+    for i in range(4):
+        if i:
+            total += dims[i - 1] * 9 * dims[i] + 2 * dims[i]
+        kind = 'softmax' if i == 3 else 'laplacian'
+        total += depths[i] * block_params(dims[i], 4 * dims[i], kind)
+    return total + sum(2 * dims[i] for i in out_indices)
+
+
+@pytest.mark.parametrize('arch', list(ARCH_SETTINGS))
+def test_param_count_matches_closed_form(arch):
+    model = LaplacianFormer(arch, out_indices=(3, ))
+    assert sum(p.numel() for p in model.parameters()) == closed_form_params(arch)
+
+
+def test_medium_size_close_to_paper():
+    # 46.3 M parameters with a 1000-class head (paper); our layout must be within 3 %
+    with_head = closed_form_params('medium') + 512 * 1000 + 1000
+    assert abs(with_head / 46.3e6 - 1) < 0.03
+
+
+def test_flop_handlers_count_the_attention_core():
+    tool = load_tool('count_params_flops')
+    torch.manual_seed(0)
+    dim, heads, hw, iters = 64, 2, (10, 12), 5
+    attn = LaplacianAttention(dim, heads, newton_iters=iters).eval()
+    x = torch.randn(1, hw[0] * hw[1], dim)
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, x):
+            return self.attn(x, hw)
+
+    from mmengine.analysis import FlopAnalyzer
+    analyzer = FlopAnalyzer(Wrapped(), (x, ))
+    analyzer.set_op_handle(**tool.KERNEL_HANDLES, **tool.SOLVE_HANDLES)
+    analyzer.unsupported_ops_warnings(False)
+    by_op = analyzer.by_operator()
+    n, d, m = hw[0] * hw[1], dim // heads, 7 * 7
+    # qk_shared: k(q, L) once and k(L, L), each N·M·(d + 1)
+    assert by_op['PythonOp.LaplacianKernel'] == heads * (n * m + m * m) * (d + 1)
+    assert by_op['PythonOp.NewtonSchulzInverse'] == heads * (2 * m**3 * iters + m * m)
+    assert by_op['linear'] == n * dim * 2 * dim + n * dim * dim
+    assert by_op['conv'] == n * dim * 9
+    # Ck^T v, P^-1 (Ck^T v), Z (...)
+    assert by_op['matmul'] == heads * (m * n * d + m * m * d + n * m * d)

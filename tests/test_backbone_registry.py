@@ -1,0 +1,34 @@
+"""`import lapformer_mm` makes LaplacianFormer buildable from mmdet, mmseg and mmpretrain configs."""
+import importlib
+
+import pytest
+import torch
+
+import lapformer_mm  # noqa: F401  (registers LaplacianFormer)
+from lapformer_mm.models import LaplacianFormer
+
+CFG = dict(type='LaplacianFormer', arch='tiny', out_indices=(1, 3), frozen_stages=1)
+
+
+def build_and_run(registry):
+    model = registry.build(CFG)
+    assert type(model) is LaplacianFormer
+    assert model.out_indices == (1, 3) and model.frozen_stages == 1
+    with torch.no_grad():
+        outs = model.eval()(torch.randn(1, 3, 32, 32))
+    assert [o.shape[1] for o in outs] == [128, 512]
+
+
+@pytest.mark.parametrize('package', ['mmdet', 'mmseg'])
+def test_build_through_downstream_registry(package):
+    registry = importlib.import_module(f'{package}.registry').MODELS
+    build_and_run(registry)
+
+
+def test_build_through_mmpretrain_registry():
+    try:
+        importlib.import_module('mmpretrain.models')
+    except Exception as err:  # e.g. no torchvision wheel for this torch
+        pytest.skip(f'mmpretrain.models does not import here: {type(err).__name__}: {err}')
+    from mmpretrain.registry import MODELS
+    build_and_run(MODELS)
