@@ -8,7 +8,8 @@ and backward call raw ops registered with ``torch.library.custom_op``:
 * ``lapformer_mm::cuda_pairwise_kernel`` / ``cuda_pairwise_kernel_backward``:
   the fused kernels of ``ops/pairwise_kernel.cu``;
 * ``lapformer_mm::cuda_newton_schulz``: ``ops/newton_schulz.cu`` for m x m
-  iterates that fit in shared memory, batched matmuls otherwise.
+  iterates that fit in shared memory, batched matmuls otherwise;
+  ``cuda_newton_schulz_backward``: the closed form with full-precision bmm.
 
 The custom ops make ``torch.compile`` treat each launch as one opaque graph
 node (with a fake implementation for shape propagation) instead of breaking the
@@ -223,6 +224,22 @@ def _newton_schulz_fake(P, iters, authors):
     return torch.empty_like(P)
 
 
+@torch.library.custom_op('lapformer_mm::cuda_newton_schulz_backward', mutates_args=())
+def newton_schulz_backward_op(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Closed-form gradient ``-Xᵀ G Xᵀ`` for X, G (batch, m, m), full-precision bmm.
+
+    An op of its own so that the TF32 switch inside stays out of Dynamo's trace.
+    """
+    xt = x.mT
+    with full_precision_matmul():
+        return -torch.bmm(torch.bmm(xt, grad), xt)
+
+
+@newton_schulz_backward_op.register_fake
+def _newton_schulz_backward_fake(x, grad):
+    return torch.empty_like(x)
+
+
 # ----------------------------------------------------------------------------
 # Differentiable wrappers.
 # ----------------------------------------------------------------------------
@@ -280,10 +297,7 @@ class NewtonSchulzFunction(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type='cuda')
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        xt = x.mT
-        g3 = grad.reshape(x.shape).to(x.dtype)
-        with full_precision_matmul():
-            grad_p = -torch.bmm(torch.bmm(xt, g3), xt)
+        grad_p = newton_schulz_backward_op(x, grad.reshape(x.shape).to(x.dtype).contiguous())
         return grad_p.view(ctx.p_shape).to(grad.dtype), None, None
 
 
@@ -325,16 +339,28 @@ def _check_pair(func, x, y, lam):
     return lam
 
 
+def apply_pairwise(x, y, lam, kind):
+    """:class:`PairwiseKernelFunction` on checked arguments.
+
+    ``k(L, L)`` passes one tensor twice; Dynamo cannot trace an
+    autograd.Function given the same tensor for two inputs, so y becomes a
+    distinct view of it (same storage, no copy).
+    """
+    if y is x:
+        y = x.view_as(x)
+    return PairwiseKernelFunction.apply(x, y, lam, kind)
+
+
 def laplacian_kernel(x, y, lam=4.0):
     """Fused ``exp(-||x_i - y_j||_1 / lam)``; x (..., N, d), y (..., M, d) CUDA -> (..., N, M)."""
     lam = _check_pair('laplacian_kernel', x, y, lam)
-    return PairwiseKernelFunction.apply(x, y, lam, rt.LAPLACIAN)
+    return apply_pairwise(x, y, lam, rt.LAPLACIAN)
 
 
 def gaussian_kernel(x, y, lam=4.0):
     """Fused ``exp(-||x_i - y_j||_2^2 / lam)``; x (..., N, d), y (..., M, d) CUDA -> (..., N, M)."""
     lam = _check_pair('gaussian_kernel', x, y, lam)
-    return PairwiseKernelFunction.apply(x, y, lam, rt.GAUSSIAN)
+    return apply_pairwise(x, y, lam, rt.GAUSSIAN)
 
 
 def newton_schulz_pinv(P, iters=None, init='identity'):

@@ -1,0 +1,107 @@
+"""The Python wiring of the CUDA ops, tested on the CPU.
+
+The custom ops of ``cupy_ops`` have CPU implementations (PyTorch twins of the
+kernels), so autograd, broadcasting, fake tensors and ``torch.compile`` of the
+wrappers run here; the kernels themselves are covered by
+``test_cuda_emulation.py`` and, on a GPU, ``test_cuda_ops.py``.
+"""
+import pytest
+import torch
+
+from lapformer_mm.ops import cuda_runtime as rt
+from lapformer_mm.ops import cupy_ops
+
+
+def pairwise(x, y, lam, kind):
+    return cupy_ops.apply_pairwise(x, y, lam, kind)
+
+
+@pytest.mark.parametrize('kind', [rt.LAPLACIAN, rt.GAUSSIAN])
+def test_pairwise_gradcheck_with_broadcast_batch(kind):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(1, 3, 4, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: pairwise(a, b, 3.0, kind), (x, y))
+    dense = torch.exp(-(x.unsqueeze(-2) - y.unsqueeze(-3)).abs().sum(-1) / 3.0)
+    if kind == rt.LAPLACIAN:
+        torch.testing.assert_close(pairwise(x, y, 3.0, kind), dense)
+
+
+def test_pairwise_only_requested_gradients():
+    x = torch.randn(1, 4, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(1, 2, 3, dtype=torch.float64)
+    pairwise(x, y, 4.0, rt.LAPLACIAN).sum().backward()
+    assert x.grad.shape == x.shape and y.grad is None
+
+
+def spd(batch, m):
+    gen = torch.Generator().manual_seed(m)
+    a = torch.randn(batch, m, m, generator=gen, dtype=torch.float64)
+    return a @ a.mT / m + torch.eye(m, dtype=torch.float64)
+
+
+def test_newton_schulz_closed_form_gradient():
+    P = spd(2, 6).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda p: cupy_ops.NewtonSchulzFunction.apply((p + p.mT) / 2, 60, 'identity'), (P,))
+
+
+def test_newton_schulz_converges_and_keeps_dtype():
+    P = spd(3, 9).float()
+    x = cupy_ops.NewtonSchulzFunction.apply(P, 40, 'authors')
+    assert x.dtype == torch.float32
+    torch.testing.assert_close(x.double(), torch.linalg.inv(P.double()), rtol=1e-4, atol=1e-5)
+
+
+def test_custom_ops_pass_opcheck():
+    x, y = torch.randn(2, 5, 3), torch.randn(2, 4, 3)
+    kmat = cupy_ops.pairwise_kernel_op(x, y, 4.0, rt.LAPLACIAN)
+    torch.library.opcheck(cupy_ops.pairwise_kernel_op, (x, y, 4.0, rt.LAPLACIAN))
+    torch.library.opcheck(cupy_ops.pairwise_kernel_backward_op,
+                          (torch.randn_like(kmat), kmat, x, y, 4.0, rt.GAUSSIAN, True, False))
+    torch.library.opcheck(cupy_ops.newton_schulz_op, (spd(2, 4).float(), 5, False))
+    torch.library.opcheck(cupy_ops.newton_schulz_backward_op, (spd(2, 4), spd(2, 4)))
+
+
+def test_torch_compile_full_graph_matches_eager():
+    def attention_core(q, landmarks):
+        c = pairwise(q, landmarks, 4.0, rt.LAPLACIAN)
+        w = pairwise(landmarks, landmarks, 4.0, rt.LAPLACIAN)
+        p = w + 0.01 * torch.eye(w.shape[-1])
+        return (c @ cupy_ops.NewtonSchulzFunction.apply(p, 8, 'identity')).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attention_core, fullgraph=True, backend='aot_eager')
+    q = torch.randn(2, 9, 4, requires_grad=True)
+    lm = torch.randn(2, 3, 4, requires_grad=True)
+    out = compiled(q, lm)
+    out.backward()
+    grads = (q.grad.clone(), lm.grad.clone())
+    q.grad = lm.grad = None
+    expected = attention_core(q, lm)
+    expected.backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grads, (q.grad, lm.grad))
+
+
+@pytest.mark.parametrize('call, error', [
+    (lambda: cupy_ops.laplacian_kernel(torch.randn(3, 2), torch.randn(3, 2)), ValueError),
+    (lambda: cupy_ops.gaussian_kernel([1.0], torch.randn(3, 2)), TypeError),
+    (lambda: cupy_ops.newton_schulz_pinv(torch.eye(3)), ValueError),
+])
+def test_public_functions_reject_cpu_tensors(call, error):
+    with pytest.raises(error, match='x|y|P'):
+        call()
+
+
+def test_launch_geometry_covers_grid_limits():
+    grid, _ = rt.pairwise_forward_launch(batch=100_000, n=5_000_000, m=70)
+    assert grid == (2, rt.MAX_GRID_YZ, rt.MAX_GRID_YZ)
+    grid, _, splits, chunk = rt.pairwise_backward_launch(4, 64, 67_200, 32, target_blocks=528)
+    assert splits * chunk >= 67_200 and chunk % rt.PB_TJ == 0 and grid[0] == splits
+    assert rt.newton_schulz_launch(8, 128, 4, 48 * 1024) is None
+    # H100/H200 (227 KiB opt-in): P, X, T in shared memory; A100 (163 KiB): P stays global.
+    assert rt.newton_schulz_launch(8, 128, 4, 227 * 1024) == ((8,), (1024, 1, 1), 3 * 4 * 128 * 128, 1)
+    assert rt.newton_schulz_launch(8, 128, 4, 163 * 1024) == ((8,), (1024, 1, 1), 2 * 4 * 128 * 128, 0)
+    assert rt.newton_schulz_launch(64, 49, 4, 48 * 1024) == ((64,), (192, 1, 1), 3 * 4 * 49 * 49, 1)
+    assert rt.newton_schulz_launch(8, 129, 4, 10 ** 9) is None
