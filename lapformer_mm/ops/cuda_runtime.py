@@ -25,7 +25,7 @@ NEWTON_SCHULZ_SOURCE = 'newton_schulz.cu'
 SOURCES = (PAIRWISE_SOURCE, NEWTON_SCHULZ_SOURCE)
 
 #: NVRTC options used at run time and by the CI compile test.
-NVRTC_OPTIONS = ('-std=c++14',)
+NVRTC_OPTIONS = ('-std=c++17',)
 
 #: torch dtype -> C++ element type of the kernels.
 ELEMENT_TYPES = {

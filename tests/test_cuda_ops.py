@@ -1,0 +1,246 @@
+"""The CUDA kernels on a GPU against independent PyTorch computations.
+
+Marked ``gpu``: skipped without CUDA and CuPy (tests/conftest.py). Imports only
+``lapformer_mm.ops`` so that it runs on a machine without OpenMMLab packages.
+Tolerances: fp32 inputs 1e-5 relative (forward) and 1e-5 relative to the
+largest gradient entry (backward, whose long sums are reordered by the
+tiling); fp16 inputs 1e-3 and bf16 8e-3 relative on the forward (one rounding
+of the fp32 result), 2e-2 / 5e-2 of the largest entry on the backward.
+"""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+DEV = 'cuda'
+
+
+def _ops():
+    from lapformer_mm.ops import cupy_ops
+    return cupy_ops
+
+
+def _rt():
+    from lapformer_mm.ops import cuda_runtime
+    return cuda_runtime
+
+
+def dense_kernel(x, y, lam, kind):
+    diff = x.unsqueeze(-2) - y.unsqueeze(-3)
+    dist = diff.abs().sum(-1) if kind == 'laplacian' else (diff * diff).sum(-1)
+    return torch.exp(-dist / lam)
+
+
+def kernel_fn(kind):
+    return _ops().laplacian_kernel if kind == 'laplacian' else _ops().gaussian_kernel
+
+
+def inputs(shape_x, shape_y, dtype=torch.float32, seed=0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(shape_x, generator=gen, device=DEV, dtype=torch.float64)
+    y = torch.randn(shape_y, generator=gen, device=DEV, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype)
+
+
+def lam_for(kind, d):
+    return 4.0 if kind == 'laplacian' else 2.0 * d
+
+
+SHAPES = [((1, 1, 1), (1, 1, 1)), ((2, 1, 17), (2, 5, 17)), ((1, 70, 17), (1, 1, 17)),
+          ((3, 65, 33), (3, 67, 33)), ((2, 2, 130, 32), (2, 2, 49, 32)),
+          ((1, 5, 128), (1, 9, 128)), ((1, 3, 130), (1, 4, 130))]
+
+
+def assert_grads_close(got, expected, rtol):
+    scale = max(e.abs().max().item() for e in expected) or 1.0
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.double(), e.double(), rtol=rtol, atol=rtol * scale)
+
+
+@pytest.mark.parametrize('kind', ['laplacian', 'gaussian'])
+@pytest.mark.parametrize('shapes', SHAPES)
+def test_forward_backward_fp32_odd_shapes(kind, shapes):
+    x, y = inputs(*shapes, seed=len(shapes[0]))
+    lam = lam_for(kind, x.shape[-1])
+    x.requires_grad_()
+    y.requires_grad_()
+    out = kernel_fn(kind)(x, y, lam)
+    xd, yd = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+    ref = dense_kernel(xd, yd, lam, kind)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-7)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, y), g)
+    expected = torch.autograd.grad(ref, (xd, yd), g.double())
+    assert_grads_close(got, expected, 1e-5)
+
+
+@pytest.mark.parametrize('dtype, rtol_fwd, rtol_bwd', [(torch.float16, 1e-3, 2e-2),
+                                                       (torch.bfloat16, 8e-3, 5e-2)])
+@pytest.mark.parametrize('kind', ['laplacian', 'gaussian'])
+def test_half_precision_inputs(kind, dtype, rtol_fwd, rtol_bwd):
+    x, y = inputs((4, 97, 32), (4, 49, 32), dtype=dtype, seed=3)
+    lam = lam_for(kind, 32)
+    x.requires_grad_()
+    y.requires_grad_()
+    out = kernel_fn(kind)(x, y, lam)
+    assert out.dtype == dtype
+    xd, yd = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+    ref = dense_kernel(xd, yd, lam, kind)
+    torch.testing.assert_close(out.double(), ref, rtol=rtol_fwd, atol=rtol_fwd * 0.1)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, y), g)
+    assert all(t.dtype == dtype for t in got)
+    expected = torch.autograd.grad(ref, (xd, yd), g.double())
+    assert_grads_close(got, expected, rtol_bwd)
+
+
+def test_gradcheck_fp64():
+    x, y = inputs((2, 6, 5), (2, 4, 5), dtype=torch.float64, seed=9)
+    x.requires_grad_()
+    y.requires_grad_()
+    for fn in (_ops().laplacian_kernel, _ops().gaussian_kernel):
+        assert torch.autograd.gradcheck(lambda a, b: fn(a, b, 3.0), (x, y))
+
+
+def test_non_contiguous_and_broadcast_inputs():
+    base_x, base_y = inputs((2, 40, 3, 64), (2, 3, 64, 19))
+    x = base_x.transpose(1, 2)[..., ::2]          # (2, 3, 40, 32), strided
+    y = base_y.transpose(-1, -2)[:1, ..., 1::2]   # (1, 3, 19, 32), broadcast batch
+    assert not x.is_contiguous() and not y.is_contiguous()
+    x.requires_grad_()
+    y.requires_grad_()
+    out = _ops().laplacian_kernel(x, y, 4.0)
+    xd, yd = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+    ref = dense_kernel(xd, yd, 4.0, 'laplacian')
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-7)
+    g = torch.randn_like(out)
+    assert_grads_close(torch.autograd.grad(out, (x, y), g),
+                       torch.autograd.grad(ref, (xd, yd), g.double()), 1e-5)
+
+
+def test_runs_on_the_current_stream():
+    """Inputs written late on a side stream must be seen by the kernel on that stream."""
+    x0, y = inputs((8, 512, 32), (8, 64, 32))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keeps the side stream busy
+        x = x0 * 2.0
+        out = _ops().laplacian_kernel(x, y, 4.0)
+        pinv = _ops().newton_schulz_pinv(_ops().laplacian_kernel(y, y, 4.0) + 0.01 * torch.eye(64, device=DEV), 20)
+    side.synchronize()
+    torch.testing.assert_close(out.double(), dense_kernel(2.0 * x0.double(), y.double(), 4.0, 'laplacian'),
+                               rtol=1e-5, atol=1e-7)
+    w = dense_kernel(y.double(), y.double(), 4.0, 'laplacian') + 0.01 * torch.eye(64, device=DEV)
+    assert (torch.eye(64, device=DEV) - w @ pinv.double()).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize('batch, n, m', [(1, 3136, 49), (70_000, 3, 2)])
+def test_batch_heads_small_and_beyond_grid_limit(batch, n, m):
+    """batch = 70000 exceeds gridDim.z (65535): blocks must loop over the batch."""
+    x, y = inputs((batch, n, 8), (batch, m, 8), seed=5)
+    x.requires_grad_()
+    y.requires_grad_()
+    out = _ops().laplacian_kernel(x, y, 4.0)
+    xd, yd = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+    ref = dense_kernel(xd, yd, 4.0, 'laplacian')
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-7)
+    g = torch.randn_like(out)
+    assert_grads_close(torch.autograd.grad(out, (x, y), g),
+                       torch.autograd.grad(ref, (xd, yd), g.double()), 1e-5)
+
+
+def test_matches_reference_path_at_attention_size():
+    from lapformer_mm.ops.reference_kernels import laplacian_kernel_reference
+    x, y = inputs((64, 3136, 32), (64, 49, 32), seed=2)
+    x.requires_grad_()
+    y.requires_grad_()
+    out = _ops().laplacian_kernel(x, y, 4.0)
+    ref = laplacian_kernel_reference(x, y, 4.0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-7)
+    g = torch.randn_like(out)
+    assert_grads_close(torch.autograd.grad(out, (x, y), g), torch.autograd.grad(ref, (x, y), g), 1e-4)
+
+
+def test_backward_is_deterministic():
+    x, y = inputs((4, 5000, 32), (4, 64, 32), seed=4)
+    x.requires_grad_()
+    y.requires_grad_()
+    g = torch.randn(4, 5000, 64, device=DEV)
+    first = torch.autograd.grad(_ops().laplacian_kernel(x, y, 4.0), (x, y), g)
+    second = torch.autograd.grad(_ops().laplacian_kernel(x, y, 4.0), (x, y), g)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_autocast_runs_in_fp32():
+    x, y = inputs((2, 50, 32), (2, 49, 32))
+    with torch.autocast('cuda', dtype=torch.float16):
+        out = _ops().laplacian_kernel(x.half(), y.half(), 4.0)
+        P = _ops().laplacian_kernel(y, y, 4.0) + 0.01 * torch.eye(49, device=DEV)
+        X = _ops().newton_schulz_pinv(P, 20)
+    assert out.dtype == torch.float32 and X.dtype == torch.float32
+    torch.testing.assert_close(out.double(), dense_kernel(x.half().double(), y.half().double(), 4.0, 'laplacian'),
+                               rtol=1e-5, atol=1e-7)
+
+
+def spd(batch, m, dtype, seed=0):
+    """Landmark-like SPD matrices: Laplacian kernel of smooth points + 0.01 I.
+
+    Condition numbers reach ~1000 at m = 128 (measured on the CPU twin).
+    """
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    pts = torch.randn(batch, m, 32, generator=gen, device=DEV, dtype=torch.float64).cumsum(1) * 0.02
+    return (dense_kernel(pts, pts, 4.0, 'laplacian') + 0.01 * torch.eye(m, device=DEV, dtype=torch.float64)).to(dtype)
+
+
+@pytest.mark.parametrize('init', ['identity', 'authors'])
+@pytest.mark.parametrize('m', [1, 7, 49, 64, 100, 128, 150])
+def test_newton_schulz_equals_inverse(m, init):
+    """m = 150 exceeds the fused solver and takes the batched-matmul path."""
+    P = spd(3, m, torch.float32, seed=m)
+    X = _ops().newton_schulz_pinv(P, 60, init)
+    inv = torch.linalg.inv(P.double())
+    torch.testing.assert_close(X.double(), inv, rtol=1e-3, atol=1e-3 * inv.abs().max().item())
+    twin = _ops().twin_newton_schulz(P, 60, init == 'authors')
+    torch.testing.assert_close(X, twin, rtol=1e-4, atol=1e-4 * twin.abs().max().item())
+
+
+def test_newton_schulz_fp64_and_many_matrices():
+    P = spd(70_000, 5, torch.float64, seed=1)
+    X = _ops().newton_schulz_pinv(P, 40)
+    torch.testing.assert_close(X, torch.linalg.inv(P), rtol=1e-9, atol=1e-9)
+
+
+def test_newton_schulz_backward_closed_form():
+    P = spd(2, 16, torch.float64, seed=3).requires_grad_()
+    X = _ops().newton_schulz_pinv(P, 60)
+    G = torch.randn_like(X)
+    (got,) = torch.autograd.grad(X, P, G)
+    Pd = P.detach().requires_grad_()
+    (expected,) = torch.autograd.grad(torch.linalg.inv(Pd), Pd, G)
+    torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-10)
+
+
+def test_compile_error_names_the_kernel():
+    rt = _rt()
+    with pytest.raises(rt.CudaOpsError, match='no_such_kernel'):
+        rt.get_function(0, rt.PAIRWISE_SOURCE, 'no_such_kernel<float>')
+
+
+def test_torch_compile_on_cuda():
+    x, y = inputs((2, 300, 32), (2, 49, 32))
+    x.requires_grad_()
+
+    def f(a, b):
+        c = _ops().laplacian_kernel(a, b, 4.0)
+        w = _ops().laplacian_kernel(b, b, 4.0) + 0.01 * torch.eye(49, device=DEV)
+        return (c @ _ops().newton_schulz_pinv(w, 16)).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend='aot_eager')
+    out = compiled(x, y)
+    (gx,) = torch.autograd.grad(out, x)
+    expected = f(x, y)
+    (ex,) = torch.autograd.grad(expected, x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx, ex, rtol=1e-5, atol=1e-6)
