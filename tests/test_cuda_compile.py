@@ -144,3 +144,13 @@ def test_every_launched_instantiation_is_compiled():
             for transposed in (False, True):
                 assert rt.pairwise_backward_name(dtype_name, kind, transposed) in names[rt.PAIRWISE_SOURCE]
     assert rt.newton_schulz_name('float') in names[rt.NEWTON_SCHULZ_SOURCE]
+
+
+def test_compile_groups_partition_the_instantiations():
+    """The runtime compiles one module per (source, element type) holding these names."""
+    for source, names in rt.all_name_expressions().items():
+        groups = {tuple(rt.compile_group(source, name)) for name in names}
+        flat = [n for g in groups for n in g]
+        assert sorted(flat) == sorted(names)
+    assert len({tuple(rt.compile_group(rt.PAIRWISE_SOURCE, n))
+                for n in rt.all_name_expressions()[rt.PAIRWISE_SOURCE]}) == len(rt.ELEMENT_TYPES)

@@ -203,26 +203,38 @@ _lock = threading.Lock()
 _functions = {}
 
 
+def compile_group(source, name_expression):
+    """Instantiations compiled together with ``name_expression``: same source, same element type.
+
+    One NVRTC run per (source, element type) keeps the first-use cost to a
+    few compilations instead of one per kernel variant.
+    """
+    element_type = name_expression.split('<', 1)[-1].split(',')[0].rstrip('>').strip()
+    group = [n for n in all_name_expressions().get(source, [])
+             if n.split('<', 1)[-1].split(',')[0].rstrip('>').strip() == element_type]
+    return group if name_expression in group else [name_expression]
+
+
 def get_function(device_index, source, name_expression):
-    """Compiled ``cupy.RawModule`` function, compiled once per (device, source, name)."""
+    """Compiled kernel, from a ``cupy.RawModule`` built once per (device, source, element type)."""
     key = (device_index, source, name_expression)
     function = _functions.get(key)
     if function is not None:
         return function
     with _lock:
-        function = _functions.get(key)
-        if function is None:
+        if key not in _functions:
             cupy = import_cupy()
+            group = compile_group(source, name_expression)
             try:
                 with cupy.cuda.Device(device_index):
                     module = cupy.RawModule(code=load_source(source), options=NVRTC_OPTIONS,
-                                            name_expressions=[name_expression], backend='nvrtc')
-                    function = module.get_function(name_expression)
+                                            name_expressions=group, backend='nvrtc')
+                    functions = {name: module.get_function(name) for name in group}
             except Exception as exc:  # CuPy raises CompileException and CUDADriverError
                 raise CudaOpsError(f'compiling {name_expression} from {source} for device '
                                    f'{device_index} failed: {exc}') from exc
-            _functions[key] = function
-    return function
+            _functions.update({(device_index, source, name): f for name, f in functions.items()})
+    return _functions[key]
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,6 +249,14 @@ def pointer(tensor):
     return np.uint64(tensor.data_ptr())
 
 
+def cupy_stream(cupy, device):
+    """PyTorch's current stream of ``device`` as a CuPy stream (no new stream is created)."""
+    torch_stream = torch.cuda.current_stream(device)
+    if hasattr(cupy.cuda.Stream, 'from_external') and hasattr(torch_stream, '__cuda_stream__'):
+        return cupy.cuda.Stream.from_external(torch_stream)  # CuPy >= 14
+    return cupy.cuda.ExternalStream(torch_stream.cuda_stream, device.index)
+
+
 def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, shapes=''):
     """Launch a kernel on the current PyTorch stream of ``tensor``'s device.
 
@@ -247,13 +267,11 @@ def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, sha
     cupy = import_cupy()
     device_index = tensor.device.index
     function = get_function(device_index, source, name_expression)
-    stream_ptr = torch.cuda.current_stream(tensor.device).cuda_stream
     try:
-        with cupy.cuda.Device(device_index):
+        with cupy.cuda.Device(device_index), cupy_stream(cupy, tensor.device):
             if shared_mem > 48 * 1024:
                 function.max_dynamic_shared_size_bytes = shared_mem
-            stream = cupy.cuda.ExternalStream(stream_ptr)
-            function(grid, block, args, shared_mem=shared_mem, stream=stream)
+            function(grid, block, args, shared_mem=shared_mem)
     except Exception as exc:
         raise CudaOpsError(f'launching {name_expression} (grid={grid}, block={block}, '
                            f'shared_mem={shared_mem}) for {shapes} failed: {exc}') from exc

@@ -1,0 +1,381 @@
+"""Benchmark of the CUDA ops against the PyTorch paths (a script, not a test).
+
+Sections (d = 32 head width throughout):
+
+* ``kernel``: the N x m kernel matrix k(x, L) — fused CUDA kernel
+  (``cupy_ops``), the reference path (``reference_kernels``), and plain
+  ``torch.cdist(p=1)`` + exp; Laplacian and Gaussian; forward and
+  forward+backward.
+* ``attention``: the whole Nyström attention with the cupy and the reference
+  backend vs softmax ``scaled_dot_product_attention`` (fp32 and fp16).
+* ``newton_schulz``: the fused solve vs the same iterations with batched
+  matmuls (``torch.bmm``) and the reference autograd.Function.
+
+For every row: median time (CUDA events), peak extra memory, and for the
+kernel rows the achieved rate of distance terms (one |x_it - y_jt| or
+(x_it - y_jt)^2 accumulation, 2 fp32 flops) as a share of the GPU's fp32 FMA
+peak (SMs x FP32 lanes x 2 x clock). Forward counts 1 pass over the N*m*d
+terms, forward+backward 3 (C, dx, dy).
+
+    PYTHONPATH=. python tools/bench_ops.py --out "$OUT"            # GPU, full grid
+    PYTHONPATH=. python tools/bench_ops.py --device cpu --n 512 --m 49 --bh 2  # smoke run
+
+Writes ``bench_ops.md`` and ``bench_ops.json`` to ``--out``. Runs past
+``--budget-s`` are skipped and marked, never silently dropped.
+"""
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+LAM = 4.0
+FP32_LANES_PER_SM = {(7, 0): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128, (8, 7): 128, (8, 9): 128,
+                     (9, 0): 128, (10, 0): 128, (10, 3): 128, (12, 0): 128}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--device', default='cuda', choices=['cuda', 'cpu'])
+    p.add_argument('--n', type=int, nargs='+', default=[3136, 16384, 67200], help='tokens N')
+    p.add_argument('--m', type=int, nargs='+', default=[49, 64, 128], help='landmarks m')
+    p.add_argument('--bh', type=int, nargs='+', default=[4, 64], help='batch * heads')
+    p.add_argument('--d', type=int, default=32, help='head width')
+    p.add_argument('--sections', nargs='+', default=['kernel', 'attention', 'newton_schulz'],
+                   choices=['kernel', 'attention', 'newton_schulz'])
+    p.add_argument('--budget-s', type=float, default=200.0,
+                   help='stop measuring (rows marked skipped) after this many seconds')
+    p.add_argument('--min-time-s', type=float, default=0.2, help='measure each row at least this long')
+    p.add_argument('--out', type=Path, default=None, help='folder for bench_ops.md / .json')
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------
+# Measurement
+# ----------------------------------------------------------------------------
+
+def _sync(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def time_once(fn, device):
+    """Seconds of one call of fn (CUDA events on GPU, wall clock on CPU)."""
+    if device.type == 'cuda':
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(fn, device, min_time_s):
+    """(median seconds, peak extra bytes or None)."""
+    fn()  # warm-up: compilation, cuBLAS handles, allocator
+    _sync(device)
+    peak = None
+    if device.type == 'cuda':
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    times = [time_once(fn, device)]
+    reps = max(3, min(50, math.ceil(min_time_s / max(times[0], 1e-6))))
+    times += [time_once(fn, device) for _ in range(reps - 1)]
+    return statistics.median(times), peak
+
+
+def forward_fn(op, *inputs):
+    def run():
+        with torch.no_grad():
+            op(*inputs)
+    return run
+
+
+def forward_backward_fn(op, *inputs):
+    """Forward + backward with a fixed upstream gradient for every input needing grad."""
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    with torch.no_grad():
+        grad = torch.randn_like(op(*inputs))
+
+    def run():
+        out = op(*inputs)
+        torch.autograd.grad(out, leaves, grad)
+    return run
+
+
+# ----------------------------------------------------------------------------
+# GPU facts
+# ----------------------------------------------------------------------------
+
+def clock_khz(device):
+    props = torch.cuda.get_device_properties(device)
+    rate = getattr(props, 'clock_rate', None)
+    if rate:
+        return rate
+    try:
+        import cupy
+        return cupy.cuda.runtime.deviceGetAttribute(13, device.index)  # cudaDevAttrClockRate
+    except Exception:
+        return None
+
+
+def fp32_peak_flops(device):
+    """SMs x FP32 lanes x 2 (FMA) x boost clock, or None when unknown."""
+    if device.type != 'cuda':
+        return None
+    props = torch.cuda.get_device_properties(device)
+    lanes = FP32_LANES_PER_SM.get((props.major, props.minor))
+    khz = clock_khz(device)
+    if lanes is None or not khz:
+        return None
+    return props.multi_processor_count * lanes * 2 * khz * 1e3
+
+
+def environment(device):
+    info = {'date_utc': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+            'python': platform.python_version(), 'torch': torch.__version__,
+            'command': ' '.join(sys.argv), 'device': str(device)}
+    if device.type == 'cuda':
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, sms=props.multi_processor_count, cc=f'{props.major}.{props.minor}',
+                    torch_cuda=torch.version.cuda, clock_khz=clock_khz(device))
+        peak = fp32_peak_flops(device)
+        info['fp32_peak_tflops'] = None if peak is None else round(peak / 1e12, 2)
+        try:
+            import cupy
+            info['cupy'] = cupy.__version__
+        except ImportError:
+            info['cupy'] = None
+    return info
+
+
+# ----------------------------------------------------------------------------
+# Sections
+# ----------------------------------------------------------------------------
+
+def cupy_usable(device):
+    if device.type != 'cuda':
+        return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernel_methods(device):
+    from lapformer_mm.ops.reference_kernels import gaussian_kernel_reference, laplacian_kernel_reference
+    methods = {
+        'laplacian reference': lambda x, y: laplacian_kernel_reference(x, y, LAM),
+        'laplacian cdist+exp': lambda x, y: torch.exp(torch.cdist(x, y, p=1.0) * (-1.0 / LAM)),
+        'gaussian reference': lambda x, y: gaussian_kernel_reference(x, y, LAM),
+    }
+    if cupy_usable(device):
+        from lapformer_mm.ops import cupy_ops
+        methods['laplacian fused'] = lambda x, y: cupy_ops.laplacian_kernel(x, y, LAM)
+        methods['gaussian fused'] = lambda x, y: cupy_ops.gaussian_kernel(x, y, LAM)
+    return methods
+
+
+def kernel_rows(args, device):
+    for n in args.n:
+        for m in args.m:
+            for bh in args.bh:
+                for name, op in kernel_methods(device).items():
+                    def make(mode, op=op, n=n, m=m, bh=bh):
+                        x = torch.randn(bh, n, args.d, device=device, requires_grad=True)
+                        y = torch.randn(bh, m, args.d, device=device, requires_grad=True)
+                        return (forward_fn if mode == 'fwd' else forward_backward_fn)(op, x, y)
+                    terms = bh * n * m * args.d
+                    yield dict(section='kernel', method=name, n=n, m=m, bh=bh, dtype='fp32'), make, terms
+
+
+def attention_rows(args, device):
+    from lapformer_mm.ops import nystrom_attention
+    backends = ['reference'] + (['cupy'] if cupy_usable(device) else [])
+    for n in args.n:
+        for bh in args.bh:
+            for m in args.m:
+                for backend in backends:
+                    def make(mode, n=n, m=m, bh=bh, backend=backend):
+                        q, k, v = (torch.randn(1, bh, n, args.d, device=device, requires_grad=True)
+                                   for _ in range(3))
+                        lm = torch.randn(1, bh, m, args.d, device=device, requires_grad=True)
+
+                        def op(q, k, v, lm):
+                            return nystrom_attention(q, k, v, lm, backend=backend)
+                        return (forward_fn if mode == 'fwd' else forward_backward_fn)(op, q, k, v, lm)
+                    yield dict(section='attention', method=f'nystrom {backend}', n=n, m=m, bh=bh,
+                               dtype='fp32'), make, None
+            for dtype in (torch.float32, torch.float16):
+                if dtype == torch.float16 and device.type == 'cpu':
+                    continue
+
+                def make(mode, n=n, bh=bh, dtype=dtype):
+                    q, k, v = (torch.randn(1, bh, n, args.d, device=device, dtype=dtype, requires_grad=True)
+                               for _ in range(3))
+                    return (forward_fn if mode == 'fwd' else forward_backward_fn)(
+                        F.scaled_dot_product_attention, q, k, v)
+                yield dict(section='attention', method='softmax sdpa', n=n, m=None, bh=bh,
+                           dtype=str(dtype).replace('torch.float', 'fp')), make, None
+
+
+def newton_schulz_rows(args, device):
+    from lapformer_mm.ops import DEFAULT_NS_ITERS
+    from lapformer_mm.ops.solvers import newton_schulz_pinv_reference
+    methods = {'reference (autograd.Function)': lambda P: newton_schulz_pinv_reference(P, DEFAULT_NS_ITERS)}
+    if cupy_usable(device):
+        from lapformer_mm.ops import cupy_ops
+        methods['fused'] = lambda P: cupy_ops.newton_schulz_pinv(P, DEFAULT_NS_ITERS)
+        methods['bmm iterations'] = lambda P: cupy_ops.twin_newton_schulz(P, DEFAULT_NS_ITERS, False)
+    for m in args.m:
+        for bh in args.bh:
+            for name, op in methods.items():
+                def make(mode, op=op, m=m, bh=bh):
+                    pts = torch.randn(bh, m, args.d, device=device).cumsum(1) * 0.02
+                    P = torch.exp(-torch.cdist(pts, pts, p=1.0) / LAM) + 0.01 * torch.eye(m, device=device)
+                    P.requires_grad_(mode != 'fwd')
+                    return (forward_fn if mode == 'fwd' else forward_backward_fn)(op, P)
+                modes = ('fwd',) if name == 'bmm iterations' else ('fwd', 'fwd+bwd')
+                yield dict(section='newton_schulz', method=name, n=None, m=m, bh=bh, dtype='fp32',
+                           iters=DEFAULT_NS_ITERS, modes=modes), make, None
+
+
+SECTIONS = {'kernel': kernel_rows, 'attention': attention_rows, 'newton_schulz': newton_schulz_rows}
+
+
+def is_target(row):
+    """Rows of the issue's performance targets; measured first so the budget never skips them."""
+    if row['section'] == 'kernel':
+        return (row['n'], row['m'], row['bh']) == (67200, 64, 4) and row['method'].startswith('laplacian')
+    if row['section'] == 'attention':
+        return row['n'] == 67200 and row['bh'] == 4 and row['m'] in (49, None)
+    return (row['m'], row['bh']) == (64, 64)
+
+
+def run(args):
+    device = torch.device(args.device)
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise SystemExit('--device cuda but torch.cuda.is_available() is False')
+    peak = fp32_peak_flops(device)
+    started = time.monotonic()
+    results = []
+    rows = [r for section in args.sections for r in SECTIONS[section](args, device)]
+    rows.sort(key=lambda r: not is_target(r[0]))
+    for row, make, terms in rows:
+        modes = row.pop('modes', ('fwd', 'fwd+bwd'))
+        for mode in modes:
+            entry = dict(row, mode=mode)
+            if time.monotonic() - started > args.budget_s:
+                entry['status'] = 'skipped (budget)'
+            else:
+                entry.update(run_one(make, mode, device, args.min_time_s, terms, peak))
+            results.append(entry)
+            print(format_row(entry), flush=True)
+    return results
+
+
+def _ms(results, **match):
+    for r in results:
+        if r.get('status') == 'ok' and all(r.get(k) == v for k, v in match.items()):
+            return r['ms']
+    return None
+
+
+def target_summary(results):
+    """The issue's three speed targets as measured ratios (None: not measured)."""
+    def ratio(slow, fast):
+        return None if slow is None or fast is None else slow / fast
+    kernel = dict(section='kernel', n=67200, m=64, bh=4, mode='fwd+bwd')
+    attn = dict(section='attention', n=67200, bh=4, mode='fwd+bwd')
+    ns = dict(section='newton_schulz', m=64, bh=64, mode='fwd')
+    return [
+        ('fused Laplacian fwd+bwd vs reference, N=67200 m=64 d=32 bh=4 (target >= 5x)',
+         ratio(_ms(results, method='laplacian reference', **kernel), _ms(results, method='laplacian fused', **kernel))),
+        ('nystrom cupy fwd+bwd vs softmax SDPA fp32, N=67200 m=49 bh=4 (target > 1x)',
+         ratio(_ms(results, method='softmax sdpa', dtype='fp32', **attn),
+               _ms(results, method='nystrom cupy', m=49, **attn))),
+        ('nystrom cupy fwd+bwd vs softmax SDPA fp16, N=67200 m=49 bh=4 (for reference)',
+         ratio(_ms(results, method='softmax sdpa', dtype='fp16', **attn),
+               _ms(results, method='nystrom cupy', m=49, **attn))),
+        ('fused Newton-Schulz vs bmm iterations, m=64 bh=64 (target >= 3x)',
+         ratio(_ms(results, method='bmm iterations', **ns), _ms(results, method='fused', **ns))),
+    ]
+
+
+def run_one(make, mode, device, min_time_s, terms, peak):
+    try:
+        fn = make(mode)
+        seconds, peak_bytes = measure(fn, device, min_time_s)
+    except torch.cuda.OutOfMemoryError:
+        return {'status': 'OOM'}
+    except Exception as exc:  # a bench row must not stop the others
+        return {'status': f'error: {type(exc).__name__}: {exc}'[:200]}
+    finally:
+        if device.type == 'cuda':
+            torch.cuda.empty_cache()
+    entry = {'status': 'ok', 'ms': seconds * 1e3,
+             'peak_mib': None if peak_bytes is None else peak_bytes / 2 ** 20}
+    if terms is not None:
+        passes = 1 if mode == 'fwd' else 3
+        rate = terms * passes / seconds
+        entry['gterms_per_s'] = rate / 1e9
+        entry['pct_fp32_peak'] = None if peak is None else 100.0 * 2 * rate / peak
+    return entry
+
+
+COLUMNS = ['section', 'method', 'dtype', 'n', 'm', 'bh', 'mode', 'ms', 'peak_mib', 'gterms_per_s',
+           'pct_fp32_peak', 'status']
+
+
+def _cell(value):
+    if value is None:
+        return '-'
+    if isinstance(value, float):
+        return f'{value:.3g}' if value < 100 else f'{value:.0f}'
+    return str(value)
+
+
+def format_row(entry):
+    return '| ' + ' | '.join(_cell(entry.get(c)) for c in COLUMNS) + ' |'
+
+
+def to_markdown(results, env):
+    lines = ['# bench_ops results', '']
+    lines += [f'- {k}: {v}' for k, v in env.items()]
+    lines += ['', '## Targets (speed-up = slower time / faster time)', '']
+    lines += [f'- {name}: ' + ('not measured' if value is None else f'{value:.2f}x')
+              for name, value in target_summary(results)]
+    lines += ['', '| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
+    lines += [format_row(r) for r in results]
+    return '\n'.join(lines) + '\n'
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    env = environment(torch.device(args.device))
+    print('\n'.join(f'# {k}: {v}' for k, v in env.items()))
+    print('| ' + ' | '.join(COLUMNS) + ' |')
+    results = run(args)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / 'bench_ops.md').write_text(to_markdown(results, env))
+        (args.out / 'bench_ops.json').write_text(json.dumps({'env': env, 'results': results}, indent=1))
+    return results
+
+
+if __name__ == '__main__':
+    main()
