@@ -209,3 +209,25 @@ def test_newton_schulz_too_large_for_shared_memory_returns_none(emulated):
     P = spd_batch(1, 64, torch.float32, seed=0)
     assert cupy_ops.fused_newton_schulz(P, 3, False, smem_limit=2 * 4 * 64 * 64) is None
     assert not emulated
+
+
+def test_blocks_loop_beyond_the_grid_limits(emulated, monkeypatch):
+    """With grid.y = grid.z = 1 (and 1 block for Newton–Schulz) every block must loop
+    over row tiles and batch entries, as it does past 65535 on a GPU."""
+    monkeypatch.setattr(rt, 'MAX_GRID_YZ', 1)
+    x, y = make_inputs(3, 130, 66, 17, torch.float32, seed=21)
+    kmat = cupy_ops.fused_pairwise_forward(x, y, 4.0, rt.LAPLACIAN)
+    assert emulated[-1][1] == (2, 1, 1)
+    torch.testing.assert_close(kmat.double(), dense_kernel(x.double(), y.double(), 4.0, rt.LAPLACIAN),
+                               rtol=1e-5, atol=1e-7)
+    g = torch.randn(kmat.shape, generator=torch.Generator().manual_seed(3))
+    dx, dy = cupy_ops.fused_pairwise_backward(g, kmat, x, y, 4.0, rt.LAPLACIAN, True, True, 4)
+    ex, ey = dense_grads(x, y, g, 4.0, rt.LAPLACIAN)
+    torch.testing.assert_close(dx.double(), ex, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dy.double(), ey, rtol=1e-5, atol=1e-6)
+
+    monkeypatch.setattr(rt, 'MAX_GRID_X', 1)
+    P = spd_batch(4, 6, torch.float64, seed=2)
+    out = cupy_ops.fused_newton_schulz(P, 10, False, smem_limit=48 * 1024)
+    assert emulated[-1][1] == (1,)
+    torch.testing.assert_close(out, cupy_ops.twin_newton_schulz(P, 10, False), rtol=1e-10, atol=1e-12)

@@ -105,3 +105,27 @@ def test_launch_geometry_covers_grid_limits():
     assert rt.newton_schulz_launch(8, 128, 4, 163 * 1024) == ((8,), (1024, 1, 1), 2 * 4 * 128 * 128, 0)
     assert rt.newton_schulz_launch(64, 49, 4, 48 * 1024) == ((64,), (192, 1, 1), 3 * 4 * 49 * 49, 1)
     assert rt.newton_schulz_launch(8, 129, 4, 10 ** 9) is None
+
+
+def test_public_functions_trace_in_one_graph(monkeypatch):
+    """Argument checks and the k(L, L) alias handling do not break Dynamo's graph.
+
+    The CUDA-only device check is lifted so that the public path runs on the CPU twins.
+    """
+    monkeypatch.setattr(cupy_ops, '_check_cuda_tensor', lambda *args: None)
+
+    def core(q, landmarks):
+        c = cupy_ops.laplacian_kernel(q, landmarks, 4.0)
+        w = cupy_ops.gaussian_kernel(landmarks, landmarks, 16.0)
+        p = w + 0.01 * torch.eye(w.shape[-1])
+        return (c @ cupy_ops.newton_schulz_pinv(p, 8)).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(core, fullgraph=True, backend='aot_eager')
+    q = torch.randn(2, 9, 4, requires_grad=True)
+    lm = torch.randn(2, 3, 4, requires_grad=True)
+    out = compiled(q, lm)
+    grads = torch.autograd.grad(out, (q, lm))
+    expected = core(q, lm)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grads, torch.autograd.grad(expected, (q, lm)))
