@@ -52,13 +52,47 @@ def test_out_indices(indices):
     assert [tuple(o.shape) for o in outs] == expected_shapes(64, 64, TINY_DIMS, wanted)
 
 
+def block_params(c, hidden, attention):
+    """Closed form of one pre-norm block with C channels and MLP width ``hidden``."""
+    norms = 2 * 2 * c
+    mlp = c * hidden + hidden + hidden * c + c
+    if attention == 'softmax':
+        attn = c * 3 * c + 3 * c + c * c + c
+    else:  # [q, v] projection with bias, depth-wise 3x3 local term with bias, output proj
+        attn = c * 2 * c + 2 * c + 9 * c + c + c * c + c
+    return norms + mlp + attn
+
+
+def closed_form_params(arch, out_indices=(3, )):
+    s = ARCH_SETTINGS[arch]
+    dims, depths = s['embed_dims'], s['depths']
+    total = 3 * 9 * 32 + 2 * 32 + 32 * 9 * 32 + 2 * 32 + 32 * 9 * dims[0] + 2 * dims[0]
+    for i in range(4):
+        if i:
+            total += dims[i - 1] * 9 * dims[i] + 2 * dims[i]
+        kind = 'softmax' if i == 3 else 'laplacian'
+        total += depths[i] * block_params(dims[i], 4 * dims[i], kind)
+    return total + sum(2 * dims[i] for i in out_indices)
+
+
+def test_medium_size_close_to_paper():
+    # 46.3 M parameters with a 1000-class head (paper); our layout must be within 3 %
+    with_head = closed_form_params('medium') + 512 * 1000 + 1000
+    assert abs(with_head / 46.3e6 - 1) < 0.03
+
+
 @pytest.mark.parametrize('name', ['small', 'medium', 'large', 'huge'])
-def test_other_arches_forward(name):
+def test_other_arches_param_count_and_forward(name):
     model = LaplacianFormer(name).eval()
+    assert sum(p.numel() for p in model.parameters()) == closed_form_params(name, (0, 1, 2, 3))
     dims = ARCH_SETTINGS[name]['embed_dims']
     with torch.no_grad():
-        outs = model(torch.randn(1, 3, 32, 32))
-    assert [tuple(o.shape) for o in outs] == expected_shapes(32, 32, dims)
+        outs = model(torch.randn(1, 3, 16, 16))
+    assert [tuple(o.shape) for o in outs] == expected_shapes(16, 16, dims)
+
+
+def test_tiny_param_count(tiny):
+    assert sum(p.numel() for p in tiny.parameters()) == closed_form_params('tiny', (0, 1, 2, 3))
 
 
 def test_arch_dict_and_alias():
@@ -130,9 +164,10 @@ def test_norm_eval_keeps_batchnorm_in_eval():
 
 def test_with_cp_same_outputs_and_grads():
     torch.manual_seed(0)
-    plain = LaplacianFormer('tiny', drop_path_rate=0.0, norm_eval=True)
+    arch = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[2, 1, 1, 2])
+    plain = LaplacianFormer(arch, drop_path_rate=0.0, norm_eval=True)
     plain.init_weights()
-    ckpt = LaplacianFormer('tiny', drop_path_rate=0.0, norm_eval=True, with_cp=True)
+    ckpt = LaplacianFormer(arch, drop_path_rate=0.0, norm_eval=True, with_cp=True)
     ckpt.load_state_dict(plain.state_dict())
     x = torch.randn(2, 3, 48, 40)
     grads, outs = [], []
