@@ -68,6 +68,18 @@ def test_pretrained_init_cfg_loads_each_kind(kind, source, tmp_path):
         torch.testing.assert_close(target.eval()(x)[0], source.eval()(x)[0])
 
 
+def test_explicit_prefix_selects_a_submodule(source, tmp_path):
+    # e.g. a detector checkpoint whose backbone sits under 'student.backbone.'
+    weights = {f'student.backbone.{k}': v for k, v in source.state_dict().items()}
+    weights['teacher.backbone.stem.0.0.weight'] = torch.zeros(1)
+    path = tmp_path / 'kd.pth'
+    torch.save(dict(state_dict=weights), path)
+    target = small_model(out_indices=(3, ), init_cfg=dict(
+        type='Pretrained', checkpoint=str(path), prefix='student.backbone.'))
+    target.init_weights()
+    assert_same_weights(target, source.state_dict())
+
+
 def test_report_lists_missing_and_unexpected_keys(source, tmp_path):
     path = write_checkpoint('classifier', source.state_dict(), tmp_path / 'cls.pth')
     # a detection backbone has output norms for stages 0-2 that a classifier lacks

@@ -152,7 +152,9 @@ class LaplacianFormer(BaseModule):
         with_cp (bool): Gradient checkpointing of each block. Default False.
         init_cfg (dict | list[dict] | None): ``dict(type='Pretrained',
             checkpoint=...)`` loads a plain state dict, an mmengine checkpoint
-            or a classifier/detector checkpoint (``backbone.`` prefix).
+            or a classifier/detector checkpoint (``backbone.`` prefix, or
+            the ``prefix`` given in the dict), loaded with
+            ``weights_only=True``; missing/unexpected keys are logged.
     """
 
     def __init__(self,
@@ -319,7 +321,7 @@ class LaplacianFormer(BaseModule):
                     module.eval()
         return self
 
-    def _pretrained_checkpoint(self) -> Optional[str]:
+    def _pretrained_cfg(self) -> Optional[dict]:
         cfgs = self.init_cfg
         if cfgs is None:
             return None
@@ -328,19 +330,22 @@ class LaplacianFormer(BaseModule):
                 if not cfg.get('checkpoint'):
                     raise ValueError("init_cfg of type 'Pretrained' needs a "
                                      f"'checkpoint', got {cfg!r}")
-                return cfg['checkpoint']
+                return cfg
         return None
 
     def init_weights(self) -> None:
         """Default initialisation, then the ``Pretrained`` checkpoint if any."""
-        checkpoint = self._pretrained_checkpoint()
-        if self.init_cfg is not None and checkpoint is None:
+        pretrained = self._pretrained_cfg()
+        if self.init_cfg is not None and pretrained is None:
             super().init_weights()
             return
         self.apply(init_layer)
-        if checkpoint is not None:
-            logger = MMLogger.get_current_instance()
-            load_backbone_weights(self, checkpoint, logger=logger)
+        if pretrained is not None:
+            load_backbone_weights(
+                self,
+                pretrained['checkpoint'],
+                logger=MMLogger.get_current_instance(),
+                prefix=pretrained.get('prefix'))
         self._is_init = True
 
 

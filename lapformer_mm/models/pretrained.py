@@ -41,8 +41,14 @@ def _strip_prefix(state_dict: Mapping[str, torch.Tensor],
 
 
 def extract_backbone_state_dict(
-        checkpoint: Mapping) -> Dict[str, torch.Tensor]:
-    """Backbone parameters of any accepted checkpoint layout (see module doc)."""
+        checkpoint: Mapping,
+        prefix: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """Backbone parameters of any accepted checkpoint layout (see module doc).
+
+    ``prefix`` (as in mmengine's ``Pretrained`` init) selects the keys that
+    start with it and strips it; by default ``backbone.`` is used when any key
+    carries it.
+    """
     if not isinstance(checkpoint, Mapping):
         raise TypeError('checkpoint must be a mapping (state dict or '
                         f'mmengine checkpoint), got {type(checkpoint)}')
@@ -52,16 +58,18 @@ def extract_backbone_state_dict(
             state_dict = checkpoint[key]
             break
     state_dict = _strip_prefix(state_dict, DDP_PREFIX)
-    if any(k.startswith(BACKBONE_PREFIX) for k in state_dict):
+    if prefix is None and any(k.startswith(BACKBONE_PREFIX) for k in state_dict):
+        prefix = BACKBONE_PREFIX
+    if prefix:
         state_dict = {
-            k[len(BACKBONE_PREFIX):]: v
-            for k, v in state_dict.items() if k.startswith(BACKBONE_PREFIX)
+            k[len(prefix):]: v
+            for k, v in state_dict.items() if k.startswith(prefix)
         }
     tensors = {k: v for k, v in state_dict.items() if torch.is_tensor(v)}
     if not tensors:
         raise ValueError('checkpoint holds no tensors under the accepted '
                          "layouts (plain, 'state_dict', 'model', "
-                         "'backbone.' prefix)")
+                         f"prefix {prefix!r})")
     return tensors
 
 
@@ -73,7 +81,8 @@ class LoadReport(NamedTuple):
 
 def load_backbone_weights(module: nn.Module,
                           path_or_url: str,
-                          logger: Optional[object] = None) -> LoadReport:
+                          logger: Optional[object] = None,
+                          prefix: Optional[str] = None) -> LoadReport:
     """Load a checkpoint into ``module`` non-strictly and report key mismatches.
 
     Shape mismatches are an error (they mean a different arch), missing and
@@ -81,7 +90,7 @@ def load_backbone_weights(module: nn.Module,
     ``.warning``/``.info``) and returned.
     """
     state_dict = extract_backbone_state_dict(
-        load_checkpoint_file(path_or_url))
+        load_checkpoint_file(path_or_url), prefix)
     own = module.state_dict()
     wrong_shape = [
         f'{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}'
