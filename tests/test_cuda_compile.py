@@ -21,6 +21,8 @@ import pytest
 from lapformer_mm.ops import cuda_runtime as rt
 
 ARCHS = ('sm_70', 'sm_80', 'sm_90')
+#: Options CuPy's RawModule adds to ours (cupy/cuda/compiler.py, CuPy 13-14).
+CUPY_ADDED_OPTIONS = ('-ftz=true', '--device-as-default-execution-space')
 NVRTC_PACKAGE = 'nvidia-cuda-nvrtc-cu12'
 
 
@@ -116,7 +118,8 @@ def test_source_compiles(nvrtc, source, arch):
     if arch not in nvrtc.supported_archs():
         pytest.skip(f'NVRTC {nvrtc.version()} cannot target {arch}; pin {NVRTC_PACKAGE}')
     names = rt.all_name_expressions()[source]
-    options = (f'--gpu-architecture={arch}', '--ptxas-options=-v') + rt.NVRTC_OPTIONS
+    options = ((f'--gpu-architecture={arch}', '--ptxas-options=-v') + rt.NVRTC_OPTIONS
+               + CUPY_ADDED_OPTIONS)
     status, log, lowered, cubin_size = nvrtc.compile(rt.load_source(source), source, options, names)
     assert status == 0, f'NVRTC {nvrtc.version()} failed on {source} for {arch}:\n{log}'
     assert set(lowered) == set(names) and all(lowered.values())
@@ -126,6 +129,9 @@ def test_source_compiles(nvrtc, source, arch):
     if source == rt.NEWTON_SCHULZ_SOURCE:
         # A block of 1024 threads (m = 128) must fit the 64K-register file.
         assert max(regs.values()) <= 64, log
+        # The runtime's shared-memory budget reserves this much static memory.
+        static = [int(v) for v in re.findall(r'(\d+) bytes smem', log)]
+        assert static and max(static) <= rt.NS_STATIC_SMEM, log
 
 
 def test_sources_are_found_and_inlined():

@@ -45,6 +45,7 @@ PW_BLOCK = (16, 16, 1)
 PB_TR, PB_TD, PB_TJ = 64, 32, 32
 PB_BLOCK = (16, 16, 1)
 NS_MT = 4
+NS_STATIC_SMEM = 16   # the norm scalar, as reported by ptxas (counts against the limit)
 MAX_GRID_YZ = 65535
 MAX_GRID_X = 2 ** 31 - 1
 
@@ -170,10 +171,9 @@ def newton_schulz_launch(batch, m, itemsize, smem_limit):
     if threads > 1024:
         return None
     scalar_bytes = itemsize * m * m
-    # + one scalar of static shared memory for the norm, which counts too.
-    if 3 * scalar_bytes + itemsize <= smem_limit:
+    if 3 * scalar_bytes + NS_STATIC_SMEM <= smem_limit:
         smem, p_in_shared = 3 * scalar_bytes, 1
-    elif 2 * scalar_bytes + itemsize <= smem_limit:
+    elif 2 * scalar_bytes + NS_STATIC_SMEM <= smem_limit:
         smem, p_in_shared = 2 * scalar_bytes, 0
     else:
         return None
@@ -201,6 +201,7 @@ def import_cupy():
 
 _lock = threading.Lock()
 _functions = {}
+_dynamic_smem_opted = {}
 
 
 def compile_group(source, name_expression):
@@ -239,9 +240,15 @@ def get_function(device_index, source, name_expression):
 
 @functools.lru_cache(maxsize=None)
 def shared_memory_optin(device_index):
-    """Largest dynamic shared memory a block may opt into on this device (bytes)."""
+    """Largest shared memory (static + dynamic) a block may opt into on this device (bytes)."""
     props = torch.cuda.get_device_properties(device_index)
-    return int(getattr(props, 'shared_memory_per_block_optin', 48 * 1024))
+    optin = getattr(props, 'shared_memory_per_block_optin', None)
+    if optin:
+        return int(optin)
+    try:
+        return int(import_cupy().cuda.Device(device_index).attributes['MaxSharedMemoryPerBlockOptin'])
+    except Exception:  # no attribute on this CuPy/driver: the limit every GPU allows
+        return 48 * 1024
 
 
 def pointer(tensor):
@@ -269,8 +276,10 @@ def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, sha
     function = get_function(device_index, source, name_expression)
     try:
         with cupy.cuda.Device(device_index), cupy_stream(cupy, tensor.device):
-            if shared_mem > 48 * 1024:
+            if shared_mem and _dynamic_smem_opted.get(id(function), -1) < shared_mem:
+                # Dynamic + static above 48 KiB needs the opt-in (m = 64 fp32 already does).
                 function.max_dynamic_shared_size_bytes = shared_mem
+                _dynamic_smem_opted[id(function)] = shared_mem
             function(grid, block, args, shared_mem=shared_mem)
     except Exception as exc:
         raise CudaOpsError(f'launching {name_expression} (grid={grid}, block={block}, '
