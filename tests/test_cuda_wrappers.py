@@ -59,6 +59,8 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(cupy_ops.pairwise_kernel_op, (x, y, 4.0, rt.LAPLACIAN))
     torch.library.opcheck(cupy_ops.pairwise_kernel_backward_op,
                           (torch.randn_like(kmat), kmat, x, y, 4.0, rt.GAUSSIAN, True, False))
+    torch.library.opcheck(cupy_ops.pairwise_kernel_backward_op,
+                          (torch.randn_like(kmat), kmat, x, y, 4.0, rt.LAPLACIAN, False, True))
     torch.library.opcheck(cupy_ops.newton_schulz_op, (spd(2, 4).float(), 5, False))
     torch.library.opcheck(cupy_ops.newton_schulz_backward_op, (spd(2, 4), spd(2, 4)))
 

@@ -96,9 +96,8 @@ def fused_pairwise_backward(grad, kmat, x3, y3, lam, kind, need_x, need_y, block
 
     grad and kmat are (batch, n, m) contiguous, in the dtype of x3 and y3.
     """
-    empty = x3.new_empty(0)
-    dx = _pairwise_grad(grad, kmat, x3, y3, lam, kind, False, blocks) if need_x else empty
-    dy = _pairwise_grad(grad, kmat, y3, x3, lam, kind, True, blocks) if need_y else empty
+    dx = _pairwise_grad(grad, kmat, x3, y3, lam, kind, False, blocks) if need_x else x3.new_empty(0)
+    dy = _pairwise_grad(grad, kmat, y3, x3, lam, kind, True, blocks) if need_y else y3.new_empty(0)
     return dx, dy
 
 
@@ -153,9 +152,8 @@ def twin_pairwise_backward(grad, kmat, x3, y3, lam, kind, need_x, need_y):
     a = compute_dtype(x3.dtype)
     w = grad.to(a) * kmat.to(a)
     xa, ya = x3.to(a), y3.to(a)
-    empty = x3.new_empty(0)
-    dx = _twin_grad(w, xa, ya, lam, kind).to(x3.dtype) if need_x else empty
-    dy = _twin_grad(w.mT, ya, xa, lam, kind).to(y3.dtype) if need_y else empty
+    dx = _twin_grad(w, xa, ya, lam, kind).to(x3.dtype) if need_x else x3.new_empty(0)
+    dy = _twin_grad(w.mT, ya, xa, lam, kind).to(y3.dtype) if need_y else y3.new_empty(0)
     return dx, dy
 
 
@@ -204,7 +202,7 @@ def _pairwise_kernel_backward_cpu(grad, kmat, x, y, lam, kind, need_x, need_y):
 @pairwise_kernel_backward_op.register_fake
 def _pairwise_kernel_backward_fake(grad, kmat, x, y, lam, kind, need_x, need_y):
     return (torch.empty_like(x) if need_x else x.new_empty(0),
-            torch.empty_like(y) if need_y else x.new_empty(0))
+            torch.empty_like(y) if need_y else y.new_empty(0))
 
 
 @torch.library.custom_op('lapformer_mm::cuda_newton_schulz', mutates_args=(), device_types='cuda')
