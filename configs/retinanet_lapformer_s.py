@@ -1,0 +1,13 @@
+# RetinaNet + FPN with a LaplacianFormer-S backbone, COCO, 1x schedule.
+# Same recipe as retinanet_lapformer_t.py (pretrained-checkpoint and DDP notes
+# there); only the backbone size, its checkpoint and drop-path rate differ.
+_base_ = ['./retinanet_lapformer_t.py']
+
+arch = 'small'
+pretrained = 'checkpoints/lapformer_small_in1k.pth'  # user-supplied
+model = dict(
+    backbone=dict(
+        arch=arch,
+        drop_path_rate=0.2,
+        init_cfg=dict(type='Pretrained', checkpoint=pretrained)),
+    neck=dict(in_channels=[128, 320, 512]))

@@ -1,0 +1,113 @@
+"""Test (and evaluate) a checkpoint from a config (mmdet's ``tools/test.py`` interface).
+
+Works for mmdet and mmseg configs (the config's ``default_scope`` picks the registries).
+The checkpoint is read with ``torch.load(weights_only=True)`` kept on: importing
+``lapformer_mm`` allowlists exactly the data types mmengine writes into its checkpoints
+(``lapformer_mm/checkpoint.py``), so a file that tries to run code is refused.
+
+Examples::
+
+    python tools/test.py configs/toy/maskrcnn_lapformer_t_toy.py work_dirs/x/epoch_12.pth
+    python tools/test.py CONFIG CKPT --show-dir vis --out results.pkl
+    torchrun --nproc_per_node 8 tools/test.py CONFIG CKPT --launcher pytorch
+"""
+import argparse
+import os
+import os.path as osp
+import sys
+
+sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.registry import RUNNERS  # noqa: E402
+from mmengine.runner import Runner  # noqa: E402
+
+import lapformer_mm  # noqa: E402,F401  (registers LaplacianFormer)
+from lapformer_mm.checkpoint import allow_mmengine_checkpoints  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description='Test (and evaluate) a model')
+    parser.add_argument('config', help='test config file path')
+    parser.add_argument('checkpoint', help='checkpoint file')
+    parser.add_argument(
+        '--work-dir', help='the dir to save the file containing evaluation metrics')
+    parser.add_argument(
+        '--out', type=str,
+        help='detection: dump predictions to this .pkl file; segmentation: '
+        'write predicted label maps into this folder')
+    parser.add_argument('--show', action='store_true', help='show predictions')
+    parser.add_argument(
+        '--show-dir', help='save painted predictions under work_dir/<timestamp>/SHOW_DIR')
+    parser.add_argument(
+        '--wait-time', type=float, default=2, help='the interval of show (s)')
+    parser.add_argument(
+        '--cfg-options', nargs='+', action=DictAction,
+        help='override config settings, key=value')
+    parser.add_argument(
+        '--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+        default='none', help='job launcher')
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args(argv)
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    if args.out is not None and not osp.isdir(args.out) and \
+            osp.splitext(args.out)[1] not in ('', '.pkl', '.pickle'):
+        parser.error(f'--out must be a .pkl/.pickle file or a folder, got {args.out!r}')
+    return args
+
+
+def enable_visualization(cfg, args):
+    """Turn on the scope's visualization hook (mmdet's or mmseg's) for --show/--show-dir."""
+    hook = cfg.get('default_hooks', {}).get('visualization')
+    if hook is None:
+        raise RuntimeError(
+            '--show/--show-dir need a `visualization` entry in default_hooks '
+            '(DetVisualizationHook or SegVisualizationHook)')
+    hook['draw'] = True
+    if args.show:
+        hook['show'] = True
+        hook['wait_time'] = args.wait_time
+    if args.show_dir:
+        if cfg.get('default_scope') == 'mmseg':
+            cfg.visualizer['save_dir'] = args.show_dir
+        else:
+            hook['test_out_dir'] = args.show_dir
+
+
+def build_cfg(args):
+    """The config with the command line applied."""
+    cfg = Config.fromfile(args.config)
+    cfg.launcher = args.launcher
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs',
+                                osp.splitext(osp.basename(args.config))[0])
+    if not osp.isfile(args.checkpoint):
+        raise FileNotFoundError(f'checkpoint {args.checkpoint!r} does not exist')
+    cfg.load_from = args.checkpoint
+    cfg.resume = False
+    if args.show or args.show_dir:
+        enable_visualization(cfg, args)
+    if args.out is not None and cfg.get('default_scope') == 'mmseg':
+        cfg.test_evaluator['output_dir'] = args.out
+        cfg.test_evaluator['keep_results'] = True
+    return cfg
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    allow_mmengine_checkpoints()
+    cfg = build_cfg(args)
+    runner = RUNNERS.build(cfg) if 'runner_type' in cfg else Runner.from_cfg(cfg)
+    if args.out is not None and cfg.get('default_scope') != 'mmseg':
+        from mmdet.evaluation import DumpDetResults
+        runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
+    return runner.test()
+
+
+if __name__ == '__main__':
+    main()
