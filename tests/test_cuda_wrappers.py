@@ -131,3 +131,119 @@ def test_public_functions_trace_in_one_graph(monkeypatch):
     expected = core(q, lm)
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(grads, torch.autograd.grad(expected, (q, lm)))
+
+
+class FakeCupy:
+    """Records what cuda_runtime asks of CuPy (no GPU needed)."""
+
+    def __init__(self, fail_compile=False, fail_launch=False):
+        self.events = []
+        fake = self
+
+        class Device:
+            def __init__(self, index):
+                self.index = index
+
+            def __enter__(self):
+                fake.events.append(('device', self.index))
+
+            def __exit__(self, *exc):
+                return False
+
+        class Stream:
+            def __init__(self, obj):
+                self.obj = obj
+
+            @classmethod
+            def from_external(cls, obj):
+                return cls(obj)
+
+            def __enter__(self):
+                fake.events.append(('stream', self.obj.cuda_stream))
+
+            def __exit__(self, *exc):
+                return False
+
+        class Kernel:
+            def __init__(self, name):
+                self.name = name
+                self.max_dynamic_shared_size_bytes = 0
+
+            def __setattr__(self, key, value):
+                if key == 'max_dynamic_shared_size_bytes' and value:
+                    fake.events.append(('optin', value))
+                object.__setattr__(self, key, value)
+
+            def __call__(self, grid, block, args, shared_mem=0):
+                if fail_launch:
+                    raise RuntimeError('too many resources requested for launch')
+                fake.events.append(('launch', self.name, grid, block, len(args), shared_mem))
+
+        class RawModule:
+            def __init__(self, code, options, name_expressions, backend):
+                fake.events.append(('compile', tuple(name_expressions), options, backend))
+                assert '#include "' not in code
+                if fail_compile:
+                    raise RuntimeError('error: identifier "oops" is undefined')
+
+            def get_function(self, name):
+                return Kernel(name)
+
+        self.cuda = type('cuda', (), {'Device': Device, 'Stream': Stream})
+        self.RawModule = RawModule
+
+
+class FakeTorchStream:
+    cuda_stream = 12345
+
+    def __cuda_stream__(self):
+        return (0, self.cuda_stream)
+
+
+class FakeTensor:
+    device = torch.device('cuda', 1)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    def install(**kwargs):
+        fake = FakeCupy(**kwargs)
+        monkeypatch.setattr(rt, 'import_cupy', lambda: fake)
+        monkeypatch.setattr(rt, '_functions', {})
+        monkeypatch.setattr(rt, '_dynamic_smem_opted', {})
+        monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: FakeTorchStream())
+        return fake
+    return install
+
+
+def test_launch_compiles_once_per_dtype_on_the_tensors_device_and_stream(fake_cupy):
+    fake = fake_cupy()
+    name = rt.pairwise_forward_name('float', rt.LAPLACIAN)
+    for _ in range(2):
+        rt.launch(rt.PAIRWISE_SOURCE, name, FakeTensor(), (1, 2, 3), (16, 16, 1), (1, 2), shapes='x')
+    rt.launch(rt.PAIRWISE_SOURCE, rt.pairwise_backward_name('float', rt.GAUSSIAN, True), FakeTensor(),
+              (1, 1, 1), (16, 16, 1), ())
+    compiles = [e for e in fake.events if e[0] == 'compile']
+    assert len(compiles) == 1 and name in compiles[0][1] and len(compiles[0][1]) == 6
+    assert compiles[0][2] == rt.NVRTC_OPTIONS and compiles[0][3] == 'nvrtc'
+    launches = [e for e in fake.events if e[0] == 'launch']
+    assert launches[0] == ('launch', name, (1, 2, 3), (16, 16, 1), 2, 0) and len(launches) == 3
+    assert ('device', 1) in fake.events and ('stream', FakeTorchStream.cuda_stream) in fake.events
+
+
+def test_launch_opts_into_large_dynamic_shared_memory_once(fake_cupy):
+    fake = fake_cupy()
+    name = rt.newton_schulz_name('float')
+    for _ in range(2):
+        rt.launch(rt.NEWTON_SCHULZ_SOURCE, name, FakeTensor(), (8,), (256, 1, 1), (), shared_mem=49152)
+    assert [e for e in fake.events if e[0] == 'optin'] == [('optin', 49152)]
+
+
+def test_compile_and_launch_failures_name_kernel_and_shapes(fake_cupy):
+    fake_cupy(fail_compile=True)
+    with pytest.raises(rt.CudaOpsError, match=r'pairwise_forward<float, 0>.*oops'):
+        rt.launch(rt.PAIRWISE_SOURCE, rt.pairwise_forward_name('float', 0), FakeTensor(), (1,), (1,), ())
+    fake_cupy(fail_launch=True)
+    with pytest.raises(rt.CudaOpsError, match=r'newton_schulz<float>.*x \(2, 3\).*too many resources'):
+        rt.launch(rt.NEWTON_SCHULZ_SOURCE, rt.newton_schulz_name('float'), FakeTensor(), (1,), (1,), (),
+                  shapes='x (2, 3)')
