@@ -16,10 +16,10 @@ def load_bench():
 def test_bench_cpu_smoke(tmp_path):
     bench = load_bench()
     results = bench.main(['--device', 'cpu', '--n', '40', '--m', '9', '--bh', '2', '--d', '8',
-                          '--min-time-s', '0', '--sections', 'kernel', 'newton_schulz',
+                          '--min-time-s', '0', '--sections', 'kernel', 'attention', 'newton_schulz',
                           '--out', str(tmp_path)])
     assert results and all(r['status'] == 'ok' for r in results), results
-    assert {r['section'] for r in results} == {'kernel', 'newton_schulz'}
+    assert {r['section'] for r in results} == {'kernel', 'attention', 'newton_schulz'}
     saved = json.loads((tmp_path / 'bench_ops.json').read_text())
     assert len(saved['results']) == len(results)
     text = (tmp_path / 'bench_ops.md').read_text()
