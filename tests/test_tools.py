@@ -1,0 +1,235 @@
+"""End-to-end checks of the user-facing tools on a tiny generated data set (CPU).
+
+tools/train.py -> tools/test.py -> tools/train.py --resume, a 2-process torchrun
+(gloo) run, tools/make_toy_coco.py determinism and tools/coco_eval.py against
+pycocotools computed here independently.
+"""
+import contextlib
+import io
+import json
+import os
+import os.path as osp
+import re
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from pycocotools import mask as mask_utils
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TOOLS = osp.join(ROOT, 'tools')
+TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
+sys.path.insert(0, TOOLS)
+
+import coco_eval  # noqa: E402
+import make_toy_coco  # noqa: E402
+
+
+def run_tool(args, cwd, extra_env=None, timeout=600):
+    """Run a tool with this interpreter on one thread; return its stdout+stderr."""
+    env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
+               PYTHONPATH=ROOT, PYTHON=sys.executable)
+    env.update(extra_env or {})
+    proc = subprocess.run(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout
+
+
+def tiny_options(data_root, max_epochs):
+    """--cfg-options that point the toy config at a tiny data set, 1-2 epochs."""
+    ann_val = osp.join(data_root, 'annotations', 'instances_val.json')
+    return [
+        '--cfg-options',
+        f'train_dataloader.dataset.data_root={data_root}/',
+        f'val_dataloader.dataset.data_root={data_root}/',
+        f'test_dataloader.dataset.data_root={data_root}/',
+        f'val_evaluator.ann_file={ann_val}',
+        f'test_evaluator.ann_file={ann_val}',
+        'train_dataloader.batch_size=2',
+        f'train_cfg.max_epochs={max_epochs}',
+        'train_cfg.val_interval=100',
+        'default_hooks.checkpoint.interval=1',
+        'default_hooks.checkpoint.max_keep_ckpts=3',
+        'default_hooks.logger.interval=1',
+        'param_scheduler.0.end=2',
+    ]
+
+
+@pytest.fixture(scope='module')
+def tiny_data(tmp_path_factory):
+    """8 train / 4 val images of 64 px: 4 iterations per epoch at batch 2."""
+    root = str(tmp_path_factory.mktemp('toy') / 'toy_coco')
+    with contextlib.redirect_stdout(io.StringIO()):
+        make_toy_coco.main(['--out', root, '--num-train', '8', '--num-val',
+                            '4', '--img-size', '64', '--max-objects', '3'])
+    return root
+
+
+def test_make_toy_coco_is_deterministic_and_valid(tmp_path):
+    outs = []
+    for name in ('a', 'b'):
+        out = str(tmp_path / name)
+        with contextlib.redirect_stdout(io.StringIO()):
+            make_toy_coco.main(['--out', out, '--num-train', '3', '--num-val',
+                                '2', '--img-size', '96'])
+        outs.append(out)
+    for rel in ('annotations/instances_train.json', 'train/000002.png',
+                'val/000001.png'):
+        with open(osp.join(outs[0], rel), 'rb') as fa, \
+                open(osp.join(outs[1], rel), 'rb') as fb:
+            assert fa.read() == fb.read(), rel
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco = COCO(osp.join(outs[0], 'annotations/instances_train.json'))
+    assert len(coco.getImgIds()) == 3
+    assert [c['name'] for c in coco.loadCats(coco.getCatIds())] == list(
+        make_toy_coco.CLASSES)
+    for ann in coco.loadAnns(coco.getAnnIds()):
+        mask = coco.annToMask(ann)
+        ys, xs = np.nonzero(mask)
+        x, y, w, h = ann['bbox']
+        # bbox and area are those of the polygon mask itself
+        assert ann['area'] == pytest.approx(mask.sum(), abs=1)
+        assert xs.min() >= np.floor(x) and xs.max() <= np.ceil(x + w)
+        assert ys.min() >= np.floor(y) and ys.max() <= np.ceil(y + h)
+
+
+def test_make_toy_coco_rejects_bad_sizes(capsys):
+    with pytest.raises(SystemExit):
+        make_toy_coco.main(['--img-size', '8'])
+    assert '--img-size' in capsys.readouterr().err
+
+
+def write_eval_fixture(tmp_path):
+    """A 2-image GT file and a results file with hits, misses and a dup."""
+    rng = np.random.default_rng(0)
+    images = [dict(id=i, width=80, height=60, file_name=f'{i}.png')
+              for i in (1, 2)]
+    anns, results = [], []
+    for i, (img_id, cat, box) in enumerate([
+            (1, 1, [10, 10, 20, 15]), (1, 2, [40, 5, 30, 40]),
+            (2, 1, [5, 30, 8, 8]), (2, 2, [20, 10, 50, 45])]):
+        x, y, w, h = box
+        poly = [x, y, x + w, y, x + w, y + h, x, y + h]
+        anns.append(dict(id=i + 1, image_id=img_id, category_id=cat,
+                         bbox=box, area=float(w * h), iscrowd=0,
+                         segmentation=[poly]))
+        for _ in range(2):
+            jit = rng.uniform(-3, 3, 4)
+            dx, dy, dw, dh = jit
+            dbox = [x + dx, y + dy, max(w + dw, 1), max(h + dh, 1)]
+            m = np.zeros((60, 80), np.uint8, order='F')
+            m[int(dbox[1]):int(dbox[1] + dbox[3]),
+              int(dbox[0]):int(dbox[0] + dbox[2])] = 1
+            rle = mask_utils.encode(m)
+            rle['counts'] = rle['counts'].decode()
+            results.append(dict(image_id=img_id, category_id=cat,
+                                bbox=[float(v) for v in dbox],
+                                segmentation=rle,
+                                score=float(rng.uniform(0.1, 1))))
+    gt = dict(images=images, annotations=anns,
+              categories=[dict(id=1, name='a'), dict(id=2, name='b')])
+    ann_file, res_file = tmp_path / 'gt.json', tmp_path / 'res.json'
+    ann_file.write_text(json.dumps(gt))
+    res_file.write_text(json.dumps(results))
+    return str(ann_file), str(res_file), results
+
+
+def pycocotools_stats(ann_file, results, iou_type):
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(ann_file)
+        if iou_type == 'segm':  # mask areas, as mmdet's CocoMetric does
+            results = [{k: v for k, v in r.items() if k != 'bbox'}
+                       for r in results]
+        ev = COCOeval(gt, gt.loadRes(results), iou_type)
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    return ev.stats[:6]
+
+
+def test_coco_eval_matches_pycocotools(tmp_path, capsys):
+    ann_file, res_file, results = write_eval_fixture(tmp_path)
+    out_json = str(tmp_path / 'metrics.json')
+    rc = coco_eval.main([ann_file, res_file, '--types', 'bbox', 'segm',
+                         '--out-json', out_json])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert printed.count('Average Precision') == 12
+    with open(out_json) as f:
+        metrics = json.load(f)
+    for iou_type in ('bbox', 'segm'):
+        expected = pycocotools_stats(ann_file, results, iou_type)
+        got = [metrics[iou_type][k] for k in coco_eval.STAT_NAMES]
+        assert got == [float(v) for v in expected]
+    assert 0 < metrics['bbox']['AP'] < 1
+
+
+def test_coco_eval_errors(tmp_path, capsys):
+    ann_file, res_file, results = write_eval_fixture(tmp_path)
+    empty = tmp_path / 'empty.json'
+    empty.write_text('[]')
+    other = tmp_path / 'other.json'
+    other.write_text(json.dumps([dict(results[0], image_id=999)]))
+    cases = [
+        ([str(tmp_path / 'missing.json'), res_file], 'does not exist'),
+        ([ann_file, str(tmp_path / 'missing.json')], 'does not exist'),
+        ([ann_file, str(empty)], 'is empty'),
+        ([ann_file, str(other)], 'another annotation file'),
+    ]
+    for argv, message in cases:
+        assert coco_eval.main(argv) == 2
+        assert message in capsys.readouterr().err
+
+
+def checkpoint_iter(path):
+    from lapformer_mm.checkpoint import safe_load
+    return safe_load(path)['meta']['iter']
+
+
+def test_train_test_resume(tiny_data, tmp_path):
+    work = str(tmp_path / 'work')
+    run_tool([sys.executable, osp.join(TOOLS, 'train.py'), TOY_CONFIG,
+              '--work-dir', work] + tiny_options(tiny_data, 1), cwd=ROOT)
+    ckpt1 = osp.join(work, 'epoch_1.pth')
+    assert checkpoint_iter(ckpt1) == 4
+
+    out_pkl = str(tmp_path / 'preds.pkl')
+    log = run_tool([sys.executable, osp.join(TOOLS, 'test.py'), TOY_CONFIG,
+                    ckpt1, '--work-dir', work, '--out', out_pkl] +
+                   tiny_options(tiny_data, 1), cwd=ROOT)
+    assert 'Load checkpoint from' in log
+    assert re.search(r'coco/bbox_mAP: [-\d.]+', log), log[-2000:]
+    assert osp.isfile(out_pkl)
+
+    log = run_tool([sys.executable, osp.join(TOOLS, 'train.py'), TOY_CONFIG,
+                    '--work-dir', work, '--resume', ckpt1] +
+                   tiny_options(tiny_data, 2), cwd=ROOT)
+    assert 'resumed epoch: 1, iter: 4' in log
+    assert 'Epoch(train) [2][1/4]' in log
+    assert 'Epoch(train) [1]' not in log
+    assert checkpoint_iter(osp.join(work, 'epoch_2.pth')) == 8
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def test_dist_train_two_processes(tiny_data, tmp_path):
+    work = str(tmp_path / 'work')
+    log = run_tool(
+        ['bash', osp.join(TOOLS, 'dist_train.sh'), TOY_CONFIG, '2',
+         '--work-dir', work] + tiny_options(tiny_data, 1),
+        cwd=ROOT, extra_env=dict(PORT=str(free_port())))
+    assert 'Distributed training: True' in log
+    # 8 images, 2 ranks x 2 images per step -> 2 iterations per epoch
+    assert 'Epoch(train) [1][2/2]' in log
+    assert checkpoint_iter(osp.join(work, 'epoch_1.pth')) == 2
+    assert torch.distributed.is_gloo_available()
