@@ -31,7 +31,8 @@ from . import cuda_runtime as rt
 from ._precision import compute_dtype, full_precision_matmul
 
 NS_INITS = ('identity', 'authors')
-_MAX_INT32 = 2 ** 31 - 1
+# Sizes are 32-bit ints in the kernels; the margin keeps "size + tile - 1" from overflowing.
+_MAX_SIZE = 2 ** 31 - 2 ** 16
 
 
 # ----------------------------------------------------------------------------
@@ -41,7 +42,7 @@ _MAX_INT32 = 2 ** 31 - 1
 
 def _check_int32(**sizes):
     for name, value in sizes.items():
-        if value > _MAX_INT32:
+        if value > _MAX_SIZE:
             raise ValueError(f'{name}={value} exceeds the CUDA kernels\' 32-bit index range')
 
 
