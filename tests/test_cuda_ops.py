@@ -230,11 +230,12 @@ def test_compile_error_names_the_kernel():
 def test_torch_compile_on_cuda():
     x, y = inputs((2, 300, 32), (2, 49, 32))
     x.requires_grad_()
+    ops = _ops()
 
     def f(a, b):
-        c = _ops().laplacian_kernel(a, b, 4.0)
-        w = _ops().laplacian_kernel(b, b, 4.0) + 0.01 * torch.eye(49, device=DEV)
-        return (c @ _ops().newton_schulz_pinv(w, 16)).sum()
+        c = ops.laplacian_kernel(a, b, 4.0)
+        w = ops.laplacian_kernel(b, b, 4.0) + 0.01 * torch.eye(49, device=DEV)
+        return (c @ ops.newton_schulz_pinv(w, 16)).sum()
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, backend='aot_eager')
