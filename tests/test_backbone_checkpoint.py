@@ -86,7 +86,8 @@ def test_report_lists_missing_and_unexpected_keys(source, tmp_path):
     target = small_model(out_indices=(0, 1, 2, 3))
     logger = RecordingLogger()
     report = load_backbone_weights(target, path, logger=logger)
-    assert set(report.missing_keys) == {f'norm{i}.{p}' for i in range(3) for p in ('weight', 'bias')}
+    expected = {f'norm{i}.{p}' for i in range(3) for p in ('weight', 'bias')}
+    assert set(report.missing_keys) == expected
     assert report.unexpected_keys == ()
     assert any('missing keys' in line and 'norm0.weight' in line for line in logger.lines)
 

@@ -27,14 +27,16 @@ def test_in1k_config_parses_with_the_recipe(short):
     cfg = Config.fromfile(os.path.join(ROOT, 'configs', 'cls', f'lapformer_{short}_in1k.py'))
     arch, dpr = SIZES[short]
     backbone = cfg.model.backbone
-    assert (backbone.type, backbone.arch, backbone.drop_path_rate) == ('LaplacianFormer', arch, dpr)
+    assert backbone.type == 'LaplacianFormer'
+    assert (backbone.arch, backbone.drop_path_rate) == (arch, dpr)
     assert cfg.model.head.in_channels == ARCH_SETTINGS[arch]['embed_dims'][-1]
     assert cfg.model.neck.type == 'GlobalAveragePooling'
     assert cfg.model.head.loss.label_smooth_val == 0.1
     assert [(a.type, a.alpha) for a in cfg.model.train_cfg.augments] == [('Mixup', 0.8),
                                                                           ('CutMix', 1.0)]
     opt = cfg.optim_wrapper
-    assert (opt.optimizer.type, opt.optimizer.lr, opt.optimizer.weight_decay) == ('AdamW', 1e-3, 0.05)
+    assert opt.optimizer.type == 'AdamW'
+    assert (opt.optimizer.lr, opt.optimizer.weight_decay) == (1e-3, 0.05)
     assert opt.paramwise_cfg.norm_decay_mult == 0.0 and opt.paramwise_cfg.bias_decay_mult == 0.0
     assert 'custom_keys' not in opt.paramwise_cfg
     assert cfg.auto_scale_lr.base_batch_size == 1024
@@ -65,9 +67,9 @@ def test_convert_cls_to_backbone(tmp_path):
     weights['head.fc.weight'] = torch.randn(1000, 64)
     src, dst = tmp_path / 'cls.pth', tmp_path / 'out' / 'backbone.pth'
     torch.save(dict(meta=dict(epoch=300), state_dict=weights), src)
-    result = subprocess.run([sys.executable, os.path.join(ROOT, 'tools', 'convert_cls_to_backbone.py'),
-                             str(src), str(dst)], capture_output=True, text=True, cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
+    tool = os.path.join(ROOT, 'tools', 'convert_cls_to_backbone.py')
+    result = subprocess.run([sys.executable, tool, str(src), str(dst)], capture_output=True,
+                            text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0, result.stderr
     converted = torch.load(dst, weights_only=True)['state_dict']
     assert converted.keys() == source.state_dict().keys()

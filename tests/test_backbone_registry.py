@@ -1,4 +1,4 @@
-"""`import lapformer_mm` makes LaplacianFormer buildable from mmdet, mmseg and mmpretrain configs."""
+"""`import lapformer_mm` makes LaplacianFormer buildable through mmdet/mmseg/mmpretrain MODELS."""
 import importlib
 
 import pytest

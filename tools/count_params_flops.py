@@ -4,6 +4,12 @@ Usage:
     python tools/count_params_flops.py [--arch tiny small ...] [--size 224]
         [--qk-shared | --no-qk-shared] [--stage4-attention softmax|laplacian]
         [--newton-iters N] [--markdown]
+    python tools/count_params_flops.py --arch medium --ns-residual 7 16
+
+``--ns-residual`` instead prints how far Newton–Schulz gets on the landmark
+systems P = k(L, L) + eps·I of a freshly initialised model (random 224² input,
+batch 2, 7×7-landmark blocks only): median and max of ||I - P X||_inf after
+each given number of iterations.
 
 The classifier is the backbone (``out_indices=(3,)``) + global average pooling
 + a 1000-class linear head, as in configs/cls/lapformer_*_in1k.py.
@@ -38,7 +44,8 @@ from mmengine.analysis import FlopAnalyzer
 from mmengine.analysis.jit_handles import get_shape
 from torch import nn
 
-from lapformer_mm.models import ARCH_SETTINGS, LaplacianFormer
+from lapformer_mm.models import ARCH_SETTINGS, LaplacianAttention, LaplacianFormer
+from lapformer_mm.ops import laplacian_kernel, newton_schulz_pinv, pool_landmarks
 from lapformer_mm.ops.solvers import DEFAULT_NS_ITERS
 
 NUM_CLASSES = 1000
@@ -116,6 +123,41 @@ def measure(arch: str, size: int, backbone_kwargs: Dict) -> Dict[str, float]:
         solve=solve / 1e9)
 
 
+def landmark_systems(arch: str, size: int, backbone_kwargs: Dict) -> torch.Tensor:
+    """P = k(L, L) + eps·I of every Laplacian block with a full landmark grid, (K, m, m)."""
+    torch.manual_seed(0)
+    model = LaplacianFormer(arch, out_indices=(3, ), **backbone_kwargs)
+    model.init_weights()
+    systems = []
+
+    def record(attn: LaplacianAttention, inputs: tuple, output: torch.Tensor) -> None:
+        x, hw = inputs
+        batch, tokens, _ = x.shape
+        q = attn.qkv(x)[..., :attn.dim].view(batch, tokens, attn.num_heads, -1).transpose(1, 2)
+        landmarks = pool_landmarks(q, hw, attn.landmark_grid)
+        w = laplacian_kernel(landmarks, landmarks, attn.lam)
+        if w.shape[-1] == attn.landmark_grid**2:
+            systems.append((w + attn.eps * torch.eye(w.shape[-1])).flatten(0, 1))
+
+    for module in model.modules():
+        if isinstance(module, LaplacianAttention):
+            module.register_forward_hook(record)
+    with torch.no_grad():
+        model.eval()(torch.randn(2, 3, size, size))
+    return torch.cat(systems)
+
+
+def print_ns_residuals(arch: str, size: int, backbone_kwargs: Dict, iters: List[int]) -> None:
+    """Median and max of ||I - P X_t||_inf over the landmark systems of ``arch``."""
+    p = landmark_systems(arch, size, backbone_kwargs)
+    eye = torch.eye(p.shape[-1])
+    print(f'{arch}: {p.shape[0]} landmark systems of size {p.shape[-1]}')
+    for t in iters:
+        residual = (eye - p @ newton_schulz_pinv(p, t)).abs().sum(-1).amax(-1)
+        print(f'  {t:3d} iterations: median {residual.median().item():.2e}, '
+              f'max {residual.max().item():.2e}')
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--arch', nargs='+', default=list(ARCH_SETTINGS))
@@ -126,10 +168,16 @@ def main() -> None:
     parser.add_argument('--newton-iters', type=int, default=None,
                         help=f'default: the attention default ({DEFAULT_NS_ITERS})')
     parser.add_argument('--markdown', action='store_true', help='print a markdown table')
+    parser.add_argument('--ns-residual', type=int, nargs='+', metavar='ITERS',
+                        help='print Newton-Schulz residuals after these iteration counts')
     args = parser.parse_args()
     kwargs = {k: v for k, v in dict(qk_shared=args.qk_shared,
                                     stage4_attention=args.stage4_attention,
                                     newton_iters=args.newton_iters).items() if v is not None}
+    if args.ns_residual:
+        for arch in args.arch:
+            print_ns_residuals(arch, args.size, kwargs, args.ns_residual)
+        return
     columns = ['arch', 'params (M)', 'backbone params (M)', 'GFLOPs visible', 'GFLOPs full',
                'kernel GFLOPs', 'solve GFLOPs']
     if args.markdown:
