@@ -1,0 +1,97 @@
+"""Backbones compared in the analyses and benchmarks, built from config dicts.
+
+Names accepted by :func:`build_backbone` (see ``BACKBONE_CONFIGS``):
+``laplacianformer-t``, ``laplacianformer-s`` (ours), ``pvtv2-b1``, ``pvtv2-b2``
+and ``swin-t`` (mmdet 3.3's PyramidVisionTransformerV2 and SwinTransformer with
+the settings of mmdet's own ``configs/pvt`` and ``configs/swin`` files).
+
+Weights are random (each model's ``init_weights``) unless the user passes a
+checkpoint, which is read with ``weights_only=True``
+(:func:`lapformer_mm.checkpoint.safe_load`) and loaded non-strictly. Nothing is
+downloaded.
+"""
+import copy
+
+import torch
+
+BACKBONE_CONFIGS = {
+    'laplacianformer-t': dict(type='LaplacianFormer', arch='tiny', drop_path_rate=0.0),
+    'laplacianformer-s': dict(type='LaplacianFormer', arch='small', drop_path_rate=0.0),
+    'pvtv2-b1': dict(type='PyramidVisionTransformerV2', embed_dims=64,
+                     num_layers=[2, 2, 2, 2], drop_path_rate=0.0),
+    'pvtv2-b2': dict(type='PyramidVisionTransformerV2', embed_dims=64,
+                     num_layers=[3, 4, 6, 3], drop_path_rate=0.0),
+    'swin-t': dict(type='SwinTransformer', embed_dims=96, depths=[2, 2, 6, 2],
+                   num_heads=[3, 6, 12, 24], window_size=7, mlp_ratio=4,
+                   qkv_bias=True, drop_path_rate=0.0, convert_weights=False),
+}
+
+
+def backbone_config(name):
+    """A copy of the config dict of backbone ``name``."""
+    if name not in BACKBONE_CONFIGS:
+        raise ValueError(f'backbone must be one of {sorted(BACKBONE_CONFIGS)}, '
+                         f'got {name!r}')
+    return copy.deepcopy(BACKBONE_CONFIGS[name])
+
+
+def _registry():
+    """mmdet's MODELS with LaplacianFormer registered (import side effect)."""
+    import lapformer_mm  # noqa: F401  registers LaplacianFormer
+    from mmdet.registry import MODELS
+    from mmdet.utils import register_all_modules
+    register_all_modules(init_default_scope=False)
+    return MODELS
+
+
+def _state_dict_of(checkpoint):
+    """The backbone weights in a loaded checkpoint (plain, mmengine, detector)."""
+    state = checkpoint.get('state_dict', checkpoint) if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise ValueError('checkpoint must hold a state dict (optionally under '
+                         f"'state_dict'), got {type(checkpoint).__name__}")
+    if any(key.startswith('backbone.') for key in state):
+        state = {key[len('backbone.'):]: value for key, value in state.items()
+                 if key.startswith('backbone.')}
+    return state
+
+
+def load_weights(model, checkpoint_path):
+    """Load ``checkpoint_path`` safely and non-strictly; returns (missing, unexpected)."""
+    from lapformer_mm.checkpoint import safe_load
+    result = model.load_state_dict(_state_dict_of(safe_load(checkpoint_path)), strict=False)
+    return list(result.missing_keys), list(result.unexpected_keys)
+
+
+def build_backbone(name, checkpoint=None, config_overrides=None):
+    """Build backbone ``name`` in eval mode, randomly initialised or from ``checkpoint``.
+
+    config_overrides (dict | None): keys merged into the config (e.g. a smaller
+    ``arch`` for tests). Returns the module.
+    """
+    cfg = backbone_config(name)
+    cfg.update(config_overrides or {})
+    model = _registry().build(cfg)
+    model.init_weights()
+    if checkpoint is not None:
+        missing, unexpected = load_weights(model, checkpoint)
+        if missing:
+            print(f'{name}: {len(missing)} weights not in {checkpoint} '
+                  f'(e.g. {missing[:3]})')
+        if unexpected:
+            print(f'{name}: {len(unexpected)} checkpoint keys unused '
+                  f'(e.g. {unexpected[:3]})')
+    # Some mmdet backbones' train() returns None, so no chaining.
+    model.eval()
+    return model
+
+
+def count_parameters(model):
+    """Number of parameters of ``model``."""
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def run_backbone(model, images):
+    """Forward ``images`` (B, 3, H, W) through ``model``; returns its outputs."""
+    return model(images)

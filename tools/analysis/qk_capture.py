@@ -1,0 +1,170 @@
+"""Capture the queries and keys of every attention layer with forward hooks.
+
+Nothing in the models is modified: hooks on existing submodules recompute the
+query/key projections from the inputs those submodules receive (one extra
+linear layer per attention call, under ``no_grad``).
+
+Supported backbones and what counts as "the keys" of a query:
+
+* ``LaplacianFormer``: hook on each block's ``attn`` (``LaplacianAttention``
+  or the stage-4 ``SoftmaxAttention``), inputs ``(x, hw)``; q, k from
+  ``attn.qkv``. With ``qk_shared`` the keys are the queries. Pairs: all
+  tokens of the image (global attention).
+* mmdet ``PyramidVisionTransformerV2``: pre-hook on the
+  ``nn.MultiheadAttention`` inside each ``SpatialReductionAttention``; q from
+  the full-resolution tokens, k from the spatially reduced ones, both through
+  ``in_proj_weight``. Pairs: all (query, reduced key) pairs.
+* mmdet ``SwinTransformer``: pre-hook on each ``WindowMSA``, inputs
+  ``(windows, mask)``; q, k from ``w_msa.qkv`` (before the 1/sqrt(d)
+  scaling). Pairs: within a window only, and for shifted windows only the
+  pairs the shift mask lets attend.
+"""
+import contextlib
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class QKRecord:
+    """Queries and keys of one attention call.
+
+    q: (B', h, N, d); k: (B', h, M, d); pair_mask: bool (B', 1, N, M), True
+    where query i attends key j, or None when every pair attends. B' is the
+    batch for global attention and batch × windows for Swin. hw: the query
+    grid (H, W) when the attention is global over an image grid, else None.
+    """
+    stage: int
+    layer: str
+    q: torch.Tensor
+    k: torch.Tensor
+    pair_mask: Optional[torch.Tensor] = None
+    hw: Optional[Tuple[int, int]] = None
+
+
+def split_heads(t, num_heads):
+    """(B, N, h·d) -> (B, h, N, d)."""
+    batch, num_tokens, channels = t.shape
+    return t.reshape(batch, num_tokens, num_heads, channels // num_heads).transpose(1, 2)
+
+
+def laplacian_attention_qk(attn, x):
+    """q, k (B, h, N, d) of a LaplacianAttention or SoftmaxAttention for input x (B, N, C)."""
+    qkv = attn.qkv(x)
+    if getattr(attn, 'qk_shared', False):
+        q = split_heads(qkv.chunk(2, dim=-1)[0], attn.num_heads)
+        return q, q
+    # LaplacianAttention (separate keys) and SoftmaxAttention both lay the
+    # projection out as [q | k | v], heads contiguous within each.
+    q, k, _ = qkv.chunk(3, dim=-1)
+    return split_heads(q, attn.num_heads), split_heads(k, attn.num_heads)
+
+
+def multihead_attention_qk(mha, query, key):
+    """q (B, h, N, d), k (B, h, M, d) of an ``nn.MultiheadAttention`` call.
+
+    query/key are (N, B, C) unless ``mha.batch_first``; the projection is
+    ``in_proj_weight`` split into its query and key thirds.
+    """
+    if not mha._qkv_same_embed_dim:
+        raise ValueError('multihead_attention_qk needs a packed in_proj_weight')
+    if not mha.batch_first:
+        query, key = query.transpose(0, 1), key.transpose(0, 1)
+    w_q, w_k, _ = mha.in_proj_weight.chunk(3)
+    b_q, b_k = (None, None) if mha.in_proj_bias is None else mha.in_proj_bias.chunk(3)[:2]
+    return (split_heads(F.linear(query, w_q, b_q), mha.num_heads),
+            split_heads(F.linear(key, w_k, b_k), mha.num_heads))
+
+
+def window_attention_qk(w_msa, windows, mask):
+    """q, k (B·nW, h, n, d) and pair mask of a Swin ``WindowMSA`` call.
+
+    windows: (B·nW, n, C); mask: (nW, n, n) with 0 where attention is allowed
+    (shifted windows) or None. Returns (q, k, pair_mask (B·nW, 1, n, n) | None).
+    """
+    batch_windows, tokens, channels = windows.shape
+    qkv = w_msa.qkv(windows).reshape(batch_windows, tokens, 3, w_msa.num_heads,
+                                     channels // w_msa.num_heads).permute(2, 0, 3, 1, 4)
+    pair_mask = None
+    if mask is not None:
+        num_windows = mask.shape[0]
+        # Windows are ordered image-major, as WindowMSA's own view() assumes.
+        pair_mask = (mask == 0).repeat(batch_windows // num_windows, 1, 1)[:, None]
+    return qkv[0], qkv[1], pair_mask
+
+
+def _laplacianformer_hooks(model, records):
+    """(module, pre_hook) pairs for every block attention of a LaplacianFormer."""
+    hooks = []
+    for stage_index, stage in enumerate(model.stages):
+        for block_index, block in enumerate(stage.blocks):
+            def hook(module, args, kwargs, stage=stage_index,
+                     name=f'stages.{stage_index}.blocks.{block_index}.attn'):
+                x, hw = args[0], tuple(args[1] if len(args) > 1 else kwargs['hw'])
+                q, k = laplacian_attention_qk(module, x)
+                records.append(QKRecord(stage, name, q, k, None, hw))
+            hooks.append((block.attn, hook))
+    return hooks
+
+
+def _pvt_hooks(model, records):
+    """(module, pre_hook) pairs for every spatial-reduction attention of a PVT(v2)."""
+    hooks = []
+    for stage_index, layer in enumerate(model.layers):
+        for block_index, block in enumerate(layer[1]):
+            def hook(module, args, kwargs, stage=stage_index,
+                     name=f'layers.{stage_index}.1.{block_index}.attn.attn'):
+                query = kwargs['query'] if 'query' in kwargs else args[0]
+                key = kwargs['key'] if 'key' in kwargs else args[1]
+                q, k = multihead_attention_qk(module, query, key)
+                records.append(QKRecord(stage, name, q, k))
+            hooks.append((block.attn.attn, hook))
+    return hooks
+
+
+def _swin_hooks(model, records):
+    """(module, pre_hook) pairs for every window attention of a Swin Transformer."""
+    hooks = []
+    for stage_index, stage in enumerate(model.stages):
+        for block_index, block in enumerate(stage.blocks):
+            def hook(module, args, kwargs, stage=stage_index,
+                     name=f'stages.{stage_index}.blocks.{block_index}.attn.w_msa'):
+                mask = kwargs['mask'] if 'mask' in kwargs else (args[1] if len(args) > 1 else None)
+                q, k, pair_mask = window_attention_qk(module, args[0], mask)
+                records.append(QKRecord(stage, name, q, k, pair_mask))
+            hooks.append((block.attn.w_msa, hook))
+    return hooks
+
+
+def attention_hooks(model, records):
+    """(module, pre_hook) pairs that append a QKRecord to ``records`` per attention call."""
+    from mmdet.models.backbones import PyramidVisionTransformer, SwinTransformer
+
+    from lapformer_mm.models import LaplacianFormer
+    if isinstance(model, LaplacianFormer):
+        return _laplacianformer_hooks(model, records)
+    if isinstance(model, PyramidVisionTransformer):
+        return _pvt_hooks(model, records)
+    if isinstance(model, SwinTransformer):
+        return _swin_hooks(model, records)
+    raise TypeError('model must be a LaplacianFormer, PyramidVisionTransformer(V2) or '
+                    f'SwinTransformer, got {type(model).__name__}')
+
+
+@contextlib.contextmanager
+def capture_qk(model):
+    """Context in which every attention call of ``model`` appends a QKRecord.
+
+    Yields the list of records (in call order); hooks are removed on exit.
+    """
+    records = []
+    handles = [module.register_forward_pre_hook(hook, with_kwargs=True)
+               for module, hook in attention_hooks(model, records)]
+    try:
+        with torch.no_grad():
+            yield records
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,384 @@
+"""Latency and peak memory of LaplacianFormer-T/S against mmdet's PVTv2-b1/b2 and Swin-T.
+
+Timing runs in this one process: every model is built once, then for each
+input size and mode ('fwd' under no_grad in eval mode; 'fwdbwd' in train mode,
+loss = sum of the output means, backward) each model gets one untimed warm-up
+call, followed by ``--repeats`` rounds in which the models are called in
+rotated order (interleaved, so load changes hit all models alike). The table
+reports the median per model, and every model's ratio to LaplacianFormer-T.
+
+Peak memory (``--memory``, measured first): one forked child process per
+(model, size, mode), forked from this process before it builds any model, that
+builds the model, records its resident set (VmRSS), resets the kernel's
+high-water mark (``echo 5 > /proc/self/clear_refs``), makes one call and reads
+VmHWM. Reported: VmHWM - VmRSS before the call, i.e. the extra resident memory
+of the call (activations, autograd buffers, gradients, workspace) on top of
+the built model. Linux only; on CUDA the tool reports
+``torch.cuda.max_memory_allocated`` instead.
+
+Background load matters on shared machines: ``uptime`` is printed before and
+after the timing, and stored in the JSON.
+
+Example::
+
+    python tools/benchmark_backbones.py --sizes 512x512 800x1333 1024x1024 2048x2048 \\
+        --modes fwd fwdbwd --repeats 3 --memory --plot docs/analysis/backbone_cost.png
+    python tools/benchmark_backbones.py --profile laplacianformer-t --sizes 800x1333
+"""
+import argparse
+import json
+import os
+import os.path as osp
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, osp.join(osp.dirname(osp.abspath(__file__)), 'analysis'))
+from model_zoo import BACKBONE_CONFIGS, build_backbone, count_parameters  # noqa: E402
+
+REFERENCE = 'laplacianformer-t'
+MODES = ('fwd', 'fwdbwd')
+DEFAULT_MODELS = ('laplacianformer-t', 'laplacianformer-s', 'pvtv2-b1', 'pvtv2-b2', 'swin-t')
+
+
+def parse_size(text):
+    """'HxW' -> (H, W)."""
+    try:
+        height, width = (int(v) for v in text.lower().split('x'))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'size must be HxW, got {text!r}') from None
+    if height < 1 or width < 1:
+        raise argparse.ArgumentTypeError(f'size must be positive, got {text!r}')
+    return height, width
+
+
+def load_average():
+    """The 1/5/15-minute load averages as a string (the numbers `uptime` shows)."""
+    one, five, fifteen = os.getloadavg()
+    return f'{one:.2f}, {five:.2f}, {fifteen:.2f}'
+
+
+def run_once(model, images, mode):
+    """One forward ('fwd') or forward + backward ('fwdbwd') call of ``model``."""
+    if mode == 'fwd':
+        with torch.no_grad():
+            return model(images)
+    outputs = model(images)
+    loss = sum(out.float().mean() for out in outputs)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return None
+
+
+def set_mode(model, mode):
+    """eval() for 'fwd', train() for 'fwdbwd' (no chaining: some train() return None)."""
+    if mode == 'fwd':
+        model.eval()
+    else:
+        model.train()
+
+
+def synchronize(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def timed_call(model, images, mode, device):
+    """(wall seconds, process CPU seconds) of one call, synchronised on CUDA."""
+    synchronize(device)
+    start, start_cpu = time.perf_counter(), time.process_time()
+    run_once(model, images, mode)
+    synchronize(device)
+    return time.perf_counter() - start, time.process_time() - start_cpu
+
+
+def time_models(models, size, mode, repeats, device, skip):
+    """{name: [(wall s, CPU s), ...]} for one size and mode, models interleaved per round.
+
+    ``skip`` is a set of names not to run (too slow at a smaller size).
+    """
+    images = torch.randn(1, 3, *size, device=device)
+    names = [n for n in models if n not in skip]
+    times = {n: [] for n in names}
+    for name in names:
+        set_mode(models[name], mode)
+        times[name].append(timed_call(models[name], images, mode, device))  # warm-up
+    for round_index in range(repeats):
+        shift = round_index % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:
+            set_mode(models[name], mode)
+            times[name].append(timed_call(models[name], images, mode, device))
+    # The warm-up call is dropped when there are repeats.
+    return {n: (t[1:] if len(t) > 1 else t) for n, t in times.items()}
+
+
+def read_status_kb(key):
+    """A /proc/self/status field in kB (e.g. 'VmHWM', 'VmRSS')."""
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith(key + ':'):
+                return int(line.split()[1])
+    raise RuntimeError(f'{key} not in /proc/self/status')
+
+
+def measure_memory_here(name, size, mode, device):
+    """Peak extra memory (MiB) of one call of ``name`` in this (fresh) process."""
+    model = build_backbone(name).to(device)
+    set_mode(model, mode)
+    images = torch.randn(1, 3, *size, device=device)
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        run_once(model, images, mode)
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
+    before = read_status_kb('VmRSS')
+    with open('/proc/self/clear_refs', 'w') as f:
+        f.write('5')
+    run_once(model, images, mode)
+    return (read_status_kb('VmHWM') - before) / 1024
+
+
+def _memory_child(name, size, mode, device, conn):
+    """Child side of :func:`measure_memory`: send the MiB (or the error) back."""
+    try:
+        conn.send(('ok', measure_memory_here(name, size, mode, device)))
+    except Exception as err:  # reported by the parent, which keeps going
+        conn.send(('error', f'{type(err).__name__}: {err}'))
+    finally:
+        conn.close()
+
+
+def measure_memory(name, size, mode, device, timeout):
+    """:func:`measure_memory_here` in a forked child; (MiB or None, error or None).
+
+    Forked, so the child inherits the imports and starts with the parent's
+    small footprint; call this before the parent allocates large tensors or
+    runs parallel kernels (the parent's thread pools are not forked).
+    """
+    import multiprocessing
+    context = multiprocessing.get_context('fork')
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_memory_child, args=(name, size, mode, device, sender))
+    child.start()
+    sender.close()
+    if not receiver.poll(timeout):
+        child.terminate()
+        child.join()
+        return None, f'timed out after {timeout:.0f} s'
+    try:
+        status, value = receiver.recv()
+    except EOFError:
+        status, value = 'error', 'child died (out of memory?)'
+    child.join()
+    return (value, None) if status == 'ok' else (None, value)
+
+
+def planned_configs(args):
+    """[(mode, size)] that the run will measure, in order."""
+    return [(mode, size) for mode in args.modes for size in args.sizes
+            if not (mode == 'fwdbwd' and args.fwdbwd_max_pixels
+                    and size[0] * size[1] > args.fwdbwd_max_pixels)]
+
+
+def cost_key(device):
+    """The entry field compared across models: CPU time on CPU, wall time on CUDA.
+
+    On a shared CPU, process CPU time (with one intra-op thread) counts the work
+    a model does and not the time it waits for a core; on CUDA the work runs
+    asynchronously, so the synchronised wall time is the cost.
+    """
+    return 'median_cpu_s' if device.type == 'cpu' else 'median_s'
+
+
+def summarise(runs, max_call_s, load, peak_mib):
+    """Result entry of one (mode, size, model) from its [(wall, cpu), ...] runs."""
+    walls, cpus = [w for w, _ in runs], [c for _, c in runs]
+    return dict(median_s=statistics.median(walls), median_cpu_s=statistics.median(cpus),
+                runs_s=walls, runs_cpu_s=cpus, load=load, slow=max(walls) > max_call_s,
+                peak_mib=peak_mib)
+
+
+def format_table(results, params, sizes, modes, key):
+    """Markdown table per size and model: median wall and CPU s, ratio of ``key`` to REFERENCE, memory."""
+    header = ['size', 'model', 'params (M)']
+    for mode in modes:
+        header += [f'{mode} wall (s)', f'{mode} CPU (s)', f'{mode} / LapF-T',
+                   f'{mode} peak (MiB)']
+    lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+    for size in sizes:
+        size_key = f'{size[0]}x{size[1]}'
+        for name in params:
+            row = [size_key, name, f'{params[name] / 1e6:.1f}']
+            for mode in modes:
+                entry = results.get(mode, {}).get(size_key, {}).get(name)
+                ref = results.get(mode, {}).get(size_key, {}).get(REFERENCE)
+                if entry is None:
+                    row += ['-'] * 4
+                    continue
+                ratio = f'{entry[key] / ref[key]:.2f}' if ref else '-'
+                mib = entry.get('peak_mib')
+                row += [f"{entry['median_s']:.3f}", f"{entry['median_cpu_s']:.3f}", ratio,
+                        f'{mib:.0f}' if mib is not None else '-']
+            lines.append('| ' + ' | '.join(row) + ' |')
+    return '\n'.join(lines)
+
+
+def plot_costs(results, sizes, modes, key, path):
+    """Median cost ``key`` and peak memory against megapixels, log-log -> PNG."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8))
+    styles = {'fwd': '-', 'fwdbwd': '--'}
+    names = sorted({n for m in modes for s in results.get(m, {}).values() for n in s})
+    for i, name in enumerate(names):
+        for mode in modes:
+            points = [(s[0] * s[1] / 1e6, results[mode][f'{s[0]}x{s[1]}'][name])
+                      for s in sizes if name in results.get(mode, {}).get(f'{s[0]}x{s[1]}', {})]
+            if not points:
+                continue
+            axes[0].plot([p for p, _ in points], [e[key] for _, e in points], styles[mode],
+                         marker='o', color=f'C{i}', label=f'{name} {mode}')
+            mem = [(p, e['peak_mib']) for p, e in points if e.get('peak_mib') is not None]
+            if mem:
+                axes[1].plot([p for p, _ in mem], [m for _, m in mem], styles[mode],
+                             marker='o', color=f'C{i}', label=f'{name} {mode}')
+    axes[0].set_ylabel('median CPU time (s)' if key == 'median_cpu_s' else 'median latency (s)')
+    axes[1].set_ylabel('peak extra memory (MiB)')
+    for ax in axes:
+        ax.set_xscale('log')
+        ax.set_yscale('log')
+        ax.set_xlabel('input megapixels (batch 1)')
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+
+
+def profile_model(name, size, device, rows=20):
+    """torch.profiler table of one forward of ``name`` (after a warm-up), by self time."""
+    from torch.profiler import ProfilerActivity, profile
+    model = build_backbone(name).to(device)
+    images = torch.randn(1, 3, *size, device=device)
+    run_once(model, images, 'fwd')
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == 'cuda' else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        with torch.profiler.record_function(f'{name} forward'):
+            run_once(model, images, 'fwd')
+    sort_by = 'self_cuda_time_total' if device.type == 'cuda' else 'self_cpu_time_total'
+    return prof.key_averages().table(sort_by=sort_by, row_limit=rows)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS),
+                        choices=sorted(BACKBONE_CONFIGS))
+    parser.add_argument('--sizes', nargs='+', type=parse_size,
+                        default=[(512, 512), (800, 1333), (1024, 1024), (2048, 2048)])
+    parser.add_argument('--modes', nargs='+', default=list(MODES), choices=MODES)
+    parser.add_argument('--fwdbwd-max-pixels', type=float, default=1024 * 1024,
+                        help='skip fwdbwd above this many pixels (CPU time); 0 = no limit')
+    parser.add_argument('--skip', nargs='+', default=[], metavar='MODEL@HxW',
+                        help='configs not to run, e.g. pvtv2-b1@2048x2048 (memory)')
+    parser.add_argument('--repeats', type=int, default=3)
+    parser.add_argument('--max-call-s', type=float, default=300.0,
+                        help='a model whose warm-up call took longer skips larger sizes')
+    parser.add_argument('--threads', type=int, default=None)
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--memory', action='store_true',
+                        help='peak memory per config, one forked child each')
+    parser.add_argument('--memory-timeout', type=float, default=900.0)
+    parser.add_argument('--plot', default=None, help='PNG of cost against resolution')
+    parser.add_argument('--json', default=None, help='write all results here')
+    parser.add_argument('--profile', choices=sorted(BACKBONE_CONFIGS),
+                        help='print a torch.profiler table of this model at each size and exit')
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f'--repeats must be >= 1, got {args.repeats}')
+    for item in args.skip:
+        name, _, size = item.partition('@')
+        if name not in BACKBONE_CONFIGS or not size:
+            parser.error(f'--skip entries must be MODEL@HxW with MODEL in '
+                         f'{sorted(BACKBONE_CONFIGS)}, got {item!r}')
+        parse_size(size)
+    return args
+
+
+def growth(results, mode, name, small, large, key):
+    """Cost ratio large/small of one model, or None when either is missing."""
+    by_size = results.get(mode, {})
+    a = by_size.get(f'{small[0]}x{small[1]}', {}).get(name)
+    b = by_size.get(f'{large[0]}x{large[1]}', {}).get(name)
+    return b[key] / a[key] if a and b else None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if args.profile:
+        for size in args.sizes:
+            print(f'== {args.profile} forward at {size[0]}x{size[1]} on {device}')
+            print(profile_model(args.profile, size, device))
+        return
+    memory = {}
+    if args.memory:
+        # Before any model exists here, so each forked child starts small.
+        for mode, size in planned_configs(args):
+            for name in args.models:
+                if f'{name}@{size[0]}x{size[1]}' in args.skip:
+                    continue
+                mib, error = measure_memory(name, size, mode, device, args.memory_timeout)
+                memory[(mode, f'{size[0]}x{size[1]}', name)] = mib
+                print(f'memory {mode} {size[0]}x{size[1]} {name}: '
+                      f'{error or f"{mib:.0f} MiB"}', flush=True)
+    models = {n: build_backbone(n).to(device) for n in args.models}
+    params = {n: count_parameters(m) for n, m in models.items()}
+    info = dict(device=str(device), threads=torch.get_num_threads(), torch=torch.__version__,
+                memory_method=None if not args.memory else (
+                    'torch.cuda.max_memory_allocated' if device.type == 'cuda' else
+                    'VmHWM - VmRSS of one call in a forked child, /proc/self/clear_refs reset'),
+                load_before=load_average(), started=time.strftime('%Y-%m-%d %H:%M:%S %Z'))
+    print(f"# {info['started']} device={device} threads={info['threads']} "
+          f"load average before: {info['load_before']}", flush=True)
+    results = {}
+    for mode, size in planned_configs(args):
+        key = f'{size[0]}x{size[1]}'
+        too_slow = {n for n in args.models
+                    if any(e.get(n, {}).get('slow') for e in results.get(mode, {}).values())
+                    or f'{n}@{key}' in args.skip}
+        times = time_models(models, size, mode, args.repeats, device, too_slow)
+        for name, runs in times.items():
+            entry = summarise(runs, args.max_call_s, load_average(),
+                              memory.get((mode, key, name)))
+            results.setdefault(mode, {}).setdefault(key, {})[name] = entry
+            print(f'{mode} {key} {name}: wall {[round(w, 2) for w, _ in runs]} s, '
+                  f'CPU {[round(c, 2) for _, c in runs]} s (load {entry["load"]})', flush=True)
+        if args.json:
+            with open(args.json, 'w') as f:
+                json.dump(dict(info=info, params=params, results=results), f, indent=1)
+    info['load_after_timing'] = load_average()
+    info['finished'] = time.strftime('%Y-%m-%d %H:%M:%S %Z')
+    print(f"# load average after timing: {info['load_after_timing']}")
+    key = cost_key(device)
+    info['compared'] = key
+    print(format_table(results, params, args.sizes, args.modes, key))
+    for name in args.models:
+        ratio = growth(results, 'fwd', name, (1024, 1024), (2048, 2048), key)
+        if ratio is not None:
+            print(f'{name}: fwd {key} 2048x2048 / 1024x1024 = {ratio:.2f} (pixels x4)')
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(dict(info=info, params=params, results=results), f, indent=1)
+    if args.plot:
+        os.makedirs(osp.dirname(osp.abspath(args.plot)), exist_ok=True)
+        plot_costs(results, args.sizes, args.modes, key, args.plot)
+        print(f'wrote {args.plot}')
+
+if __name__ == '__main__':
+    main()
