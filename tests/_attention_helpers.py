@@ -1,0 +1,34 @@
+"""Shared helpers of the attention tests: independent dense computations and inputs."""
+import torch
+import torch.nn.functional as F
+
+
+def dense_l1_kernel(x, y, lam):
+    """exp(-||x_i - y_j||_1 / lam) through an explicit (..., N, M, d) tensor."""
+    return torch.exp(-(x.unsqueeze(-2) - y.unsqueeze(-3)).abs().sum(-1) / lam)
+
+
+def dense_gaussian_kernel(x, y, lam):
+    """exp(-||x_i - y_j||_2^2 / lam) through an explicit (..., N, M, d) tensor."""
+    return torch.exp(-((x.unsqueeze(-2) - y.unsqueeze(-3)) ** 2).sum(-1) / lam)
+
+
+def dense_injective(C, whiten_eps):
+    """The DESIGN 2.4 map written out term by term."""
+    m = C.shape[-1]
+    centred = C - C.sum(-1, keepdim=True) / m
+    mean_i = centred.mean(-2, keepdim=True)
+    var = ((centred - mean_i) ** 2).mean(-2, keepdim=True)
+    return centred / torch.sqrt(var + whiten_eps) + 1.0 / m
+
+
+def smooth_tokens(batch, hw, dim, scale, seed, dtype=torch.float64):
+    """Blurred noise tokens (batch, 1, H·W, dim) with std ``scale``."""
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(batch * dim, 1, *hw, generator=gen, dtype=dtype)
+    taps = torch.exp(-torch.arange(-4, 5, dtype=dtype) ** 2 / 8.0)
+    blur = (taps / taps.sum())
+    field = F.conv2d(F.pad(noise, (4, 4, 4, 4), mode='reflect'), blur.view(1, 1, 1, -1))
+    field = F.conv2d(field, blur.view(1, 1, -1, 1)).reshape(batch, dim, *hw)
+    field = field / field.std(dim=(2, 3), keepdim=True)
+    return (scale * field).flatten(2).transpose(1, 2).unsqueeze(1)

@@ -1,0 +1,142 @@
+"""LaplacianAttention module: wiring, shapes, AMP, validation."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lapformer_mm.models.attention import LaplacianAttention
+from lapformer_mm.ops import nystrom_attention, pool_landmarks
+
+
+def _manual_forward(module, x, hw):
+    """The module's computation written out with the public ops."""
+    batch, num_tokens, channels = x.shape
+    heads = module.num_heads
+    parts = F.linear(x, module.qkv.weight, module.qkv.bias).chunk(
+        2 if module.qk_shared else 3, dim=-1)
+
+    def split(t):
+        return t.view(batch, num_tokens, heads, -1).transpose(1, 2)
+
+    q, v = split(parts[0]), parts[-1]
+    k = q if module.qk_shared else split(parts[1])
+    out = nystrom_attention(q, k, split(v), pool_landmarks(k, hw, module.landmark_grid),
+                            lam=module.lam, eps=module.eps)
+    out = out.transpose(1, 2).reshape(batch, num_tokens, channels)
+    local = F.conv2d(v.transpose(1, 2).reshape(batch, channels, *hw), module.local.weight,
+                     module.local.bias, padding=1, groups=channels)
+    out = out + local.flatten(2).transpose(1, 2)
+    return F.linear(out, module.proj.weight, module.proj.bias)
+
+
+@pytest.mark.parametrize('qk_shared', [True, False])
+@pytest.mark.parametrize('hw', [(9, 11), (3, 5), (1, 1)])
+def test_forward_matches_manual_composition(qk_shared, hw):
+    torch.manual_seed(0)
+    module = LaplacianAttention(32, 2, qk_shared=qk_shared).double().eval()
+    x = torch.randn(2, hw[0] * hw[1], 32, dtype=torch.float64)
+    out = module(x, hw)
+    assert out.shape == x.shape
+    torch.testing.assert_close(out, _manual_forward(module, x, hw))
+
+
+def test_qk_shared_drops_the_key_projection():
+    shared = LaplacianAttention(64, 2)
+    separate = LaplacianAttention(64, 2, qk_shared=False)
+    assert shared.qk_shared is True
+    assert shared.qkv.weight.shape == (128, 64)
+    assert separate.qkv.weight.shape == (192, 64)
+    n_shared = sum(p.numel() for p in shared.parameters())
+    n_separate = sum(p.numel() for p in separate.parameters())
+    assert n_separate - n_shared == 64 * 64 + 64
+
+
+def test_gradients_reach_every_parameter():
+    module = LaplacianAttention(32, 4, qk_shared=False)
+    module(torch.randn(2, 64, 32), (8, 8)).square().mean().backward()
+    for name, p in module.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize('kernel', ['laplacian', 'gaussian'])
+@pytest.mark.parametrize('solver', ['newton', 'exact', 'cg'])
+def test_options_run(kernel, solver):
+    module = LaplacianAttention(16, 1, kernel=kernel, solver=solver, normalize='none',
+                                newton_iters=20, attn_drop=0.1, proj_drop=0.1)
+    assert torch.isfinite(module(torch.randn(1, 30, 16), (5, 6))).all()
+
+
+# Relative L2 tolerances of autocast against fp32, measured on this test's input
+# (fp16: output 8e-4, grads 1.5e-2; bf16: output 6e-3, grads 4e-2) with ~2.5x margin.
+AMP_TOL = {torch.float16: (5e-3, 5e-2), torch.bfloat16: (2e-2, 1e-1)}
+
+
+def _rel(a, b):
+    return ((a.float() - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize('qk_shared', [True, False])
+def test_autocast_matches_fp32(dtype, qk_shared):
+    torch.manual_seed(0)
+    module = LaplacianAttention(64, 2, qk_shared=qk_shared)
+    x = torch.randn(2, 196, 64)
+    x32 = x.clone().requires_grad_()
+    ref = module(x32, (14, 14))
+    ref.square().sum().backward()
+    ref_grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    xa = x.clone().requires_grad_()
+    with torch.autocast('cpu', dtype=dtype):
+        out = module(xa, (14, 14))
+    assert out.dtype == dtype
+    out.float().square().sum().backward()
+    out_tol, grad_tol = AMP_TOL[dtype]
+    assert torch.isfinite(out).all() and torch.isfinite(xa.grad).all()
+    assert _rel(out, ref) < out_tol
+    assert _rel(xa.grad, x32.grad) < grad_tol
+    for p, g in zip(module.parameters(), ref_grads):
+        assert torch.isfinite(p.grad).all() and _rel(p.grad, g) < grad_tol
+
+
+def test_attention_core_runs_in_fp32_under_autocast():
+    q, k, v = (torch.randn(1, 2, 49, 8) for _ in range(3))
+    landmarks = pool_landmarks(k, (7, 7), 3)
+    half = [t.half() for t in (q, k, v, landmarks)]
+    with torch.autocast('cpu', dtype=torch.float16):
+        out = nystrom_attention(*half)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, nystrom_attention(*[t.float() for t in half]).half(),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('kwargs,exc,match', [
+    (dict(dim=30, num_heads=4), ValueError, 'dim=30 must be divisible by num_heads=4'),
+    (dict(lam=0), ValueError, 'lam=0 must be finite and > 0'),
+    (dict(lam=float('inf')), ValueError, 'lam=inf'),
+    (dict(eps=-1e-3), ValueError, 'eps=-0.001'),
+    (dict(whiten_eps=float('nan')), ValueError, 'whiten_eps=nan'),
+    (dict(kernel='rbf'), ValueError, "kernel='rbf'.*allowed"),
+    (dict(normalize='softmax'), ValueError, "normalize='softmax'.*allowed"),
+    (dict(solver='svd'), ValueError, "solver='svd'.*allowed"),
+    (dict(landmark_grid=0), ValueError, 'landmark_grid=0'),
+    (dict(newton_iters=0), ValueError, 'newton_iters=0'),
+    (dict(newton_iters=3.0), TypeError, 'newton_iters'),
+    (dict(attn_drop=1.5), ValueError, 'attn_drop=1.5'),
+    (dict(proj_drop=-0.1), ValueError, 'proj_drop=-0.1'),
+    (dict(num_heads=0), ValueError, 'num_heads=0'),
+])
+def test_bad_construction_arguments(kwargs, exc, match):
+    args = dict(dim=32, num_heads=2)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        LaplacianAttention(**args)
+
+
+def test_bad_call_arguments():
+    module = LaplacianAttention(32, 2)
+    with pytest.raises(ValueError, match=r'hw=\(4, 4\) gives H\*W=16 but the input has N=15'):
+        module(torch.randn(1, 15, 32), (4, 4))
+    with pytest.raises(ValueError, match=r'x must be \(B, N, 32\)'):
+        module(torch.randn(1, 16, 30), (4, 4))
+    with pytest.raises(TypeError, match='hw must be a pair'):
+        module(torch.randn(1, 16, 32), 16)

@@ -1,0 +1,99 @@
+"""Laplacian / Gaussian kernel matrices: values, gradients, memory, validation."""
+import math
+
+import pytest
+import torch
+from _attention_helpers import dense_gaussian_kernel, dense_l1_kernel
+
+from lapformer_mm.ops import gaussian_kernel, laplacian_kernel
+from lapformer_mm.ops.profiling import peak_memory_bytes
+
+KERNELS = [(laplacian_kernel, dense_l1_kernel), (gaussian_kernel, dense_gaussian_kernel)]
+
+
+def _pair(shape_x, shape_y, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape_x, generator=gen, dtype=dtype),
+            torch.randn(shape_y, generator=gen, dtype=dtype))
+
+
+@pytest.mark.parametrize('fn,dense', KERNELS)
+def test_values_match_dense_computation(fn, dense):
+    x, y = _pair((2, 3, 7, 5), (2, 3, 4, 5))
+    out = fn(x, y, lam=2.5)
+    assert out.shape == (2, 3, 7, 4)
+    torch.testing.assert_close(out, dense(x, y, 2.5), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize('fn,dense', KERNELS)
+def test_float32_matches_float64(fn, dense):
+    x, y = _pair((3, 50, 32), (3, 49, 32))
+    out = fn(x.float(), y.float(), lam=4.0)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), dense(x, y, 4.0), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize('fn,dense', KERNELS)
+def test_gradcheck(fn, dense):
+    x, y = _pair((2, 5, 3), (2, 4, 3), seed=1)
+    x.requires_grad_()
+    y.requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: fn(a, b, 1.5), (x, y))
+
+
+@pytest.mark.parametrize('fn,dense', KERNELS)
+def test_gradient_matches_autograd_of_dense(fn, dense):
+    x, y = _pair((2, 6, 4), (2, 3, 4), seed=2)
+    g = torch.randn(2, 6, 3, dtype=torch.float64)
+    grads = torch.autograd.grad((fn(x.requires_grad_(), y.requires_grad_(), 3.0) * g).sum(),
+                                (x, y))
+    expected = torch.autograd.grad((dense(x, y, 3.0) * g).sum(), (x, y))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_laplacian_gradient_of_abs_at_zero_is_zero():
+    # x0 coincides with y0 in every coordinate and x1 with y0 in coordinate 0:
+    # those |t| terms have t = 0 and must contribute nothing.
+    y = torch.tensor([[0.5, -1.0, 2.0]], dtype=torch.float64, requires_grad=True)
+    x = torch.tensor([[0.5, -1.0, 2.0], [0.5, 0.0, 0.0]], dtype=torch.float64,
+                     requires_grad=True)
+    laplacian_kernel(x, y, lam=2.0).sum().backward()
+    k1 = math.exp(-(1.0 + 2.0) / 2.0)
+    torch.testing.assert_close(x.grad, torch.tensor(
+        [[0.0, 0.0, 0.0], [0.0, -k1 / 2.0, k1 / 2.0]], dtype=torch.float64))
+    torch.testing.assert_close(y.grad, torch.tensor(
+        [[0.0, k1 / 2.0, -k1 / 2.0]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize('fn', [laplacian_kernel, gaussian_kernel])
+def test_no_n_m_d_tensor_in_forward_or_backward(fn):
+    n, m, d = 8192, 49, 32
+    x, y = _pair((1, n, d), (1, m, d), dtype=torch.float32)
+    x.requires_grad_()
+    y.requires_grad_()
+    peak, _ = peak_memory_bytes(lambda: fn(x, y, 4.0).sum().backward())
+    linear_size = 4 * (n * m + (n + m) * d)
+    # An (N, M, d) tensor alone would be 4·N·M·d bytes = 24x the linear size.
+    assert peak <= 6 * linear_size, (peak, linear_size)
+
+
+@pytest.mark.parametrize('fn', [laplacian_kernel, gaussian_kernel])
+@pytest.mark.parametrize('lam', [0.0, -1.0, float('nan'), float('inf')])
+def test_bad_lam_raises(fn, lam):
+    x, y = _pair((4, 3), (2, 3))
+    with pytest.raises(ValueError, match='lam'):
+        fn(x, y, lam)
+
+
+@pytest.mark.parametrize('fn', [laplacian_kernel, gaussian_kernel])
+def test_bad_inputs_raise(fn):
+    x, y = _pair((4, 3), (2, 3))
+    with pytest.raises(ValueError, match='d'):
+        fn(x, y[:, :2])
+    with pytest.raises(ValueError, match='batch'):
+        fn(x.expand(2, 4, 3), y)
+    with pytest.raises(TypeError, match='floating'):
+        fn(x.long(), y.long())
+    with pytest.raises(TypeError, match='lam'):
+        fn(x, y, lam='4')

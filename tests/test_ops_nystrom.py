@@ -1,0 +1,158 @@
+"""Nyström attention: exact limit, gradients, injectivity, batch independence, validation."""
+import pytest
+import torch
+from _attention_helpers import dense_injective, dense_l1_kernel
+
+from lapformer_mm.ops import (injective_normalize, laplacian_kernel, nystrom_attention,
+                              pool_landmarks, resolve_backend)
+
+
+def qkv(shape, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(shape, generator=gen, dtype=dtype) for _ in range(3))
+
+
+@pytest.mark.parametrize('normalize', ['injective', 'none'])
+def test_exact_limit_equals_dense_attention(normalize):
+    hw = (4, 5)
+    q, k, v = qkv((2, 3, 20, 6))
+    # A landmark grid as large as the input grid pools nothing: L = all keys.
+    landmarks = pool_landmarks(k, hw, grid=5)
+    torch.testing.assert_close(landmarks, k, rtol=0, atol=1e-15)
+    out = nystrom_attention(q, k, v, landmarks, eps=0.0, solver='exact',
+                            normalize=normalize, lam=4.0)
+    dense = dense_l1_kernel(q, k, 4.0)
+    if normalize == 'injective':
+        dense = dense_injective(dense, 1e-5)
+    expected = dense @ v
+    assert ((out - expected).norm() / expected.norm()) < 1e-6
+
+
+def test_newton_solver_approaches_exact_solver():
+    q, k, v = qkv((1, 2, 49, 8), seed=1)
+    landmarks = pool_landmarks(k, (7, 7), grid=3)
+    exact = nystrom_attention(q, k, v, landmarks, solver='exact')
+    newton = nystrom_attention(q, k, v, landmarks, solver='newton', iters=40)
+    cg = nystrom_attention(q, k, v, landmarks, solver='cg')
+    torch.testing.assert_close(newton, exact, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(cg, exact, rtol=1e-7, atol=1e-7)
+
+
+def test_pool_landmarks_averages_blocks_and_clips_grid():
+    t = torch.arange(2 * 1 * 16 * 1, dtype=torch.float64).view(2, 1, 16, 1)
+    pooled = pool_landmarks(t, (4, 4), grid=2)
+    expected = t.view(2, 1, 2, 2, 2, 2).mean((3, 5)).reshape(2, 1, 4, 1)
+    torch.testing.assert_close(pooled, expected)
+    assert pool_landmarks(torch.zeros(1, 2, 15, 3), (3, 5), grid=7).shape == (1, 2, 15, 3)
+    assert pool_landmarks(torch.zeros(1, 2, 99, 3), (9, 11), grid=7).shape == (1, 2, 49, 3)
+
+
+def test_injective_normalize_matches_definition_and_gradcheck():
+    C = torch.rand(2, 3, 9, 4, dtype=torch.float64)
+    torch.testing.assert_close(injective_normalize(C, 1e-3), dense_injective(C, 1e-3))
+    C = C[:1, :1].clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda c: injective_normalize(c, 1e-3), (C,))
+
+
+@pytest.mark.parametrize('kernel', ['laplacian', 'gaussian'])
+@pytest.mark.parametrize('normalize,solver', [('injective', 'newton'), ('none', 'exact'),
+                                              ('injective', 'cg')])
+def test_gradcheck_nystrom_attention(kernel, normalize, solver):
+    q, k, v = qkv((1, 1, 6, 2), seed=2)
+    landmarks = k[..., ::2, :].clone()
+    inputs = tuple(t.requires_grad_() for t in (q, k, v, landmarks))
+    assert torch.autograd.gradcheck(
+        lambda *a: nystrom_attention(*a, kernel=kernel, normalize=normalize, solver=solver,
+                                     iters=40, eps=0.1, lam=2.0), inputs)
+
+
+def test_distinct_queries_give_distinct_attention_rows():
+    q, k, _ = qkv((1, 1, 64, 8), seed=3)
+    landmarks = pool_landmarks(k, (8, 8), grid=4)
+    # Attention rows A = Z · P⁻¹ · Ckᵀ (N×N), obtained by attending to v = I.
+    eye = torch.eye(64, dtype=torch.float64).view(1, 1, 64, 64)
+    rows = nystrom_attention(q, k, eye, landmarks, solver='exact')[0, 0]
+    gaps = torch.cdist(rows, rows) + torch.eye(64, dtype=torch.float64)
+    assert gaps.min() > 1e-4
+    # Queries at equal distance from every landmark map to the same row only
+    # when they are equal: a shifted copy of one query gets a different row.
+    shifted = torch.cat([q, q[..., :1, :] + 0.3], dim=-2)
+    rows = nystrom_attention(shifted, torch.cat([k, k[..., :1, :]], -2),
+                             torch.eye(65, dtype=torch.float64).view(1, 1, 65, 65),
+                             landmarks, solver='exact')[0, 0]
+    assert (rows[0] - rows[-1]).norm() > 1e-4
+
+
+def test_output_of_a_sample_does_not_depend_on_the_others():
+    q, k, v = qkv((3, 2, 25, 4), seed=4)
+    landmarks = pool_landmarks(k, (5, 5))
+    together = nystrom_attention(q, k, v, landmarks)
+    alone = nystrom_attention(q[:1], k[:1], v[:1], landmarks[:1])
+    torch.testing.assert_close(together[:1], alone, rtol=1e-12, atol=1e-12)
+    scaled = nystrom_attention(torch.cat([q[:1], 100 * q[1:]]), torch.cat([k[:1], -k[1:]]),
+                               v, torch.cat([landmarks[:1], 7 * landmarks[1:]]))
+    torch.testing.assert_close(scaled[:1], alone, rtol=1e-12, atol=1e-12)
+
+
+def test_shared_keys_reuse_the_query_kernel():
+    q, _, v = qkv((1, 2, 16, 4), seed=5)
+    landmarks = pool_landmarks(q, (4, 4), grid=2)
+    torch.testing.assert_close(nystrom_attention(q, q, v, landmarks),
+                               nystrom_attention(q, q.clone(), v, landmarks))
+
+
+def test_value_width_may_differ():
+    q, k, _ = qkv((1, 1, 9, 4), seed=6)
+    v = torch.randn(1, 1, 9, 7, dtype=torch.float64)
+    assert nystrom_attention(q, k, v, k[..., :3, :]).shape == (1, 1, 9, 7)
+
+
+@pytest.mark.parametrize('kwargs,exc,match', [
+    (dict(lam=0.0), ValueError, r'lam=0\.0 must be finite and > 0'),
+    (dict(lam=float('nan')), ValueError, 'lam=nan'),
+    (dict(eps=-0.1), ValueError, r'eps=-0\.1 must be finite and >= 0'),
+    (dict(eps=float('inf')), ValueError, 'eps=inf'),
+    (dict(whiten_eps=-1.0), ValueError, 'whiten_eps=-1.0'),
+    (dict(solver='lu'), ValueError, "solver='lu'.*'newton', 'exact', 'cg'"),
+    (dict(kernel='cosine'), ValueError, "kernel='cosine'.*'laplacian', 'gaussian'"),
+    (dict(normalize='l2'), ValueError, "normalize='l2'.*'injective', 'none'"),
+    (dict(iters=-3), ValueError, 'iters=-3'),
+    (dict(dropout_p=1.0), ValueError, 'dropout_p'),
+])
+def test_bad_arguments_raise(kwargs, exc, match):
+    q, k, v = qkv((1, 1, 4, 2))
+    with pytest.raises(exc, match=match):
+        nystrom_attention(q, k, v, k[..., :2, :], **kwargs)
+
+
+def test_mismatched_shapes_raise():
+    q, k, v = qkv((1, 2, 4, 3))
+    with pytest.raises(ValueError, match='k must have the shape of q'):
+        nystrom_attention(q, k[..., :3, :], v, k)
+    with pytest.raises(ValueError, match='v must be'):
+        nystrom_attention(q, k, v[..., :3, :], k)
+    with pytest.raises(ValueError, match='landmarks must be'):
+        nystrom_attention(q, k, v, k[..., :2])
+    with pytest.raises(ValueError, match='landmarks must be'):
+        nystrom_attention(q, k, v, k[:, :1])
+    with pytest.raises(ValueError, match=r'hw=\(2, 3\)'):
+        pool_landmarks(q, (2, 3))
+
+
+def test_resolve_backend(monkeypatch):
+    cpu = torch.zeros(1)
+    monkeypatch.delenv('LAPFORMER_OPS', raising=False)
+    assert resolve_backend(None, cpu) == 'reference'
+    assert resolve_backend('reference', cpu) == 'reference'
+    with pytest.raises(RuntimeError, match="'cupy' needs CUDA tensors"):
+        resolve_backend('cupy', cpu)
+    with pytest.raises(ValueError, match="backend='triton'"):
+        resolve_backend('triton', cpu)
+    monkeypatch.setenv('LAPFORMER_OPS', 'reference')
+    assert resolve_backend(None, cpu) == 'reference'
+    monkeypatch.setenv('LAPFORMER_OPS', 'cupy')
+    with pytest.raises(RuntimeError, match='LAPFORMER_OPS'):
+        laplacian_kernel(cpu.view(1, 1), cpu.view(1, 1))
+    monkeypatch.setenv('LAPFORMER_OPS', 'fast')
+    with pytest.raises(ValueError, match="LAPFORMER_OPS='fast'"):
+        resolve_backend(None, cpu)

@@ -1,0 +1,281 @@
+"""Benchmarks and measurements of the Laplacian Nyström attention (a script, not a test).
+
+Two studies, each printing a table:
+
+``python tools/bench_attention.py speed``
+    Time and peak memory of forward and forward+backward versus the number of
+    tokens N for Laplacian Nyström, Gaussian Nyström, softmax
+    ``scaled_dot_product_attention`` and dense Laplacian attention (while its
+    N×N matrix fits the ``--dense-max`` limit); writes a plot
+    (``--plot``, default docs/bench_attention.png).
+
+``python tools/bench_attention.py ns``
+    Newton–Schulz iterations needed to reach a spectral residual
+    ||I - P X||_2 < tol on landmark matrices P = k(L, L) + eps·I of smooth
+    pooled features, bucketed by condition number; this chose
+    ``lapformer_mm.ops.DEFAULT_NS_ITERS``.
+
+Peak memory is measured with the PyTorch profiler's allocator events
+(``profile_memory=True``), which see every CPU tensor allocation including
+those made inside native kernels.
+"""
+import argparse
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lapformer_mm.ops import (injective_normalize, laplacian_kernel,  # noqa: E402
+                              nystrom_attention, pool_landmarks)
+from lapformer_mm.ops.profiling import peak_memory_bytes  # noqa: E402
+from lapformer_mm.ops.solvers import newton_schulz_iterate  # noqa: E402
+
+
+# ---------------------------------------------------------------- NS study
+def smooth_features(batch, hw, dim, scale, smoothness, generator):
+    """Gaussian-blurred noise (batch, 1, H·W, dim), unit std times ``scale``."""
+    height, width = hw
+    noise = torch.randn(batch * dim, 1, height, width, generator=generator)
+    radius = int(2 * smoothness) + 1
+    taps = torch.arange(-radius, radius + 1, dtype=torch.float32)
+    blur = torch.exp(-taps ** 2 / (2 * smoothness ** 2))
+    blur = blur / blur.sum()
+    padded = F.pad(noise, (radius, radius, radius, radius), mode='reflect')
+    field = F.conv2d(F.conv2d(padded, blur.view(1, 1, 1, -1)), blur.view(1, 1, -1, 1))
+    field = field.reshape(batch, dim, height, width)
+    field = field / field.std(dim=(2, 3), keepdim=True)
+    return (scale * field).flatten(2).transpose(1, 2).unsqueeze(1)
+
+
+def iterations_to_tol(P, init, tol, max_iters):
+    """Per matrix, the first Newton–Schulz step count with ||I - P X||_2 < tol.
+
+    Iterates in fp32 (as the op does) and measures the residual in fp64;
+    -1 where ``max_iters`` steps are not enough.
+    """
+    p64 = P.double()
+    eye = torch.eye(P.shape[-1], dtype=torch.float64)
+    needed = torch.full(P.shape[:-2], -1, dtype=torch.long)
+    for steps in range(max_iters + 1):
+        x = newton_schulz_iterate(P.float(), steps, init).double()
+        residual = torch.linalg.matrix_norm(eye - p64 @ x, ord=2)
+        newly = (residual < tol) & (needed < 0)
+        needed[newly] = steps
+        if (needed >= 0).all():
+            break
+    return needed
+
+
+def ns_study(args):
+    generator = torch.Generator().manual_seed(args.seed)
+    hw = (args.grid_hw, args.grid_hw)
+    conds, needs = [], {'identity': [], 'authors': []}
+    for scale in args.scales:
+        for smoothness in (1.0, 3.0, 6.0):
+            feats = smooth_features(args.samples, hw, args.head_dim, scale, smoothness,
+                                    generator)
+            landmarks = pool_landmarks(feats, hw, args.landmark_grid)
+            w = laplacian_kernel(landmarks.double(), landmarks.double(), args.lam)
+            P = w + args.eps * torch.eye(w.shape[-1], dtype=torch.float64)
+            eig = torch.linalg.eigvalsh(P)
+            conds.append((eig[..., -1] / eig[..., 0]).flatten())
+            for init in needs:
+                needs[init].append(iterations_to_tol(P, init, args.tol,
+                                                     args.max_iters).flatten())
+    cond = torch.cat(conds)
+    needs = {k: torch.cat(v) for k, v in needs.items()}
+    edges = [1, 10, 100, 500, 1000, 2000, 5000]
+    print(f'# Newton-Schulz iterations to ||I - P X||_2 < {args.tol:g} '
+          f'(fp32 iterations, fp64 residual); P = k(L, L) + {args.eps:g} I, '
+          f'm = {args.landmark_grid ** 2}, d = {args.head_dim}, lam = {args.lam:g}')
+    print('| condition number | matrices | identity start: max (median) | '
+          'authors start: max (median) |')
+    print('|---|---|---|---|')
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = (cond >= lo) & (cond < hi)
+        if not sel.any():
+            continue
+        cells = []
+        for init in ('identity', 'authors'):
+            n = needs[init][sel]
+            worst = 'not reached' if (n < 0).any() else str(int(n.max()))
+            cells.append(f'{worst} ({int(n.median())})')
+        print(f'| {lo}-{hi} | {int(sel.sum())} | {cells[0]} | {cells[1]} |')
+    upto = cond < args.cond_limit
+    ident = needs['identity'][upto]
+    print(f'identity start, cond < {args.cond_limit:g}: max iterations '
+          f'{"not reached" if (ident < 0).any() else int(ident.max())} over '
+          f'{int(upto.sum())} matrices (max cond {float(cond[upto].max()):.0f})')
+
+
+# ---------------------------------------------------------------- speed study
+def dense_laplacian_attention(q, k, v, lam):
+    """normalize(k(q, k)) · v with the full N×N kernel matrix (the exact limit)."""
+    return injective_normalize(laplacian_kernel(q, k, lam)) @ v
+
+
+def grid_for(num_tokens):
+    """A near-square (H, W) with H·W = num_tokens."""
+    height = int(math.isqrt(num_tokens))
+    while num_tokens % height:
+        height -= 1
+    return height, num_tokens // height
+
+
+def make_methods(args):
+    """name -> (max N or None, fn(q, k, v, hw))."""
+    def nystrom(kernel):
+        def run(q, k, v, hw):
+            landmarks = pool_landmarks(k, hw, args.landmark_grid)
+            return nystrom_attention(q, k, v, landmarks, kernel=kernel, lam=args.lam)
+        return run
+    return {
+        'laplacian_nystrom': (None, nystrom('laplacian')),
+        'gaussian_nystrom': (None, nystrom('gaussian')),
+        'softmax_sdpa': (args.sdpa_max,
+                         lambda q, k, v, hw: F.scaled_dot_product_attention(q, k, v)),
+        'dense_laplacian': (args.dense_max,
+                            lambda q, k, v, hw: dense_laplacian_attention(q, k, v, args.lam)),
+    }
+
+
+def median_time(fn, repeats):
+    """Median wall time of ``fn()`` over ``repeats`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure(method, num_tokens, args):
+    """(fwd s, fwd+bwd s, fwd+bwd peak bytes) of one method at N tokens."""
+    generator = torch.Generator().manual_seed(args.seed)
+    shape = (args.batch, args.heads, num_tokens, args.head_dim)
+    q, k, v = (torch.randn(shape, generator=generator) for _ in range(3))
+    hw = grid_for(num_tokens)
+
+    def forward():
+        with torch.no_grad():
+            return method(q, k, v, hw)
+
+    def forward_backward():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        method(*leaves, hw).sum().backward()
+        return leaves
+
+    repeats = max(1, args.repeats if num_tokens <= 16384 else args.repeats // 2)
+    t_fwd = median_time(forward, repeats)
+    t_fb = median_time(forward_backward, repeats)
+    peak, _ = peak_memory_bytes(forward_backward)
+    return t_fwd, t_fb, peak
+
+
+def speed_study(args):
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    methods = make_methods(args)
+    rows = []
+    print(f'# B={args.batch} h={args.heads} d={args.head_dim} m<={args.landmark_grid ** 2} '
+          f'lam={args.lam:g} threads={torch.get_num_threads()} torch {torch.__version__} '
+          f'{platform.processor() or platform.machine()}')
+    print('| method | N | fwd ms | fwd+bwd ms | fwd+bwd peak MiB |')
+    print('|---|---|---|---|---|')
+    for num_tokens in args.tokens:
+        for name, (limit, method) in methods.items():
+            if limit is not None and num_tokens > limit:
+                continue
+            t_fwd, t_fb, peak = measure(method, num_tokens, args)
+            rows.append((name, num_tokens, t_fwd, t_fb, peak))
+            print(f'| {name} | {num_tokens} | {t_fwd * 1e3:.1f} | {t_fb * 1e3:.1f} | '
+                  f'{peak / 2 ** 20:.1f} |', flush=True)
+    summarize(rows)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+def summarize(rows):
+    """Print the two targets: 16k -> 64k growth and the speed-up over SDPA at 16k."""
+    fb = {(name, n): t for name, n, _, t, _ in rows}
+    lap = 'laplacian_nystrom'
+    if (lap, 16384) in fb and (lap, 65536) in fb:
+        print(f'laplacian_nystrom fwd+bwd growth 16384 -> 65536: '
+              f'{fb[(lap, 65536)] / fb[(lap, 16384)]:.2f}x (target <= 4.6x)')
+    if (lap, 16384) in fb and ('softmax_sdpa', 16384) in fb:
+        print(f'speed-up over softmax_sdpa at N=16384 (fwd+bwd): '
+              f'{fb[("softmax_sdpa", 16384)] / fb[(lap, 16384)]:.1f}x (target >= 10x)')
+
+
+def plot(rows, path):
+    """Log-log fwd+bwd time and peak memory versus N, one line per method."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r[0] for r in rows):
+        sel = [r for r in rows if r[0] == name]
+        ns = [r[1] for r in sel]
+        ax_t.plot(ns, [r[3] * 1e3 for r in sel], marker='o', label=name)
+        ax_m.plot(ns, [r[4] / 2 ** 20 for r in sel], marker='o', label=name)
+    for ax, label in ((ax_t, 'forward+backward time (ms)'),
+                      (ax_m, 'forward+backward peak memory (MiB)')):
+        ax.set_xscale('log', base=2)
+        ax.set_yscale('log')
+        ax.set_xlabel('tokens N')
+        ax.set_ylabel(label)
+        ax.grid(True, which='both', alpha=0.3)
+    ax_t.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f'plot written to {path}')
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    sub = parser.add_subparsers(dest='study', required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument('--head-dim', type=int, default=32)
+    common.add_argument('--landmark-grid', type=int, default=7)
+    common.add_argument('--lam', type=float, default=4.0)
+    common.add_argument('--seed', type=int, default=0)
+    speed = sub.add_parser('speed', parents=[common], help='time and memory vs N')
+    speed.add_argument('--tokens', type=int, nargs='+',
+                       default=[1024, 4096, 16384, 65536, 262144])
+    speed.add_argument('--batch', type=int, default=1)
+    speed.add_argument('--heads', type=int, default=1)
+    speed.add_argument('--repeats', type=int, default=5)
+    speed.add_argument('--threads', type=int, default=0, help='0: torch default')
+    speed.add_argument('--sdpa-max', type=int, default=16384)
+    speed.add_argument('--dense-max', type=int, default=8192)
+    speed.add_argument('--plot', default='docs/bench_attention.png')
+    ns = sub.add_parser('ns', parents=[common], help='Newton-Schulz iterations study')
+    ns.add_argument('--scales', type=float, nargs='+',
+                    default=[0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0])
+    ns.add_argument('--samples', type=int, default=8)
+    ns.add_argument('--grid-hw', type=int, default=56)
+    ns.add_argument('--eps', type=float, default=0.01)
+    ns.add_argument('--tol', type=float, default=1e-3)
+    ns.add_argument('--cond-limit', type=float, default=2000.0)
+    ns.add_argument('--max-iters', type=int, default=40)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.study == 'speed':
+        speed_study(args)
+    else:
+        ns_study(args)
+
+
+if __name__ == '__main__':
+    main()
