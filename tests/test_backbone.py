@@ -176,9 +176,11 @@ def test_with_cp_same_outputs_and_grads():
         out = model(x)
         sum(o.square().mean() for o in out).backward()
         outs.append(out)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad for n, p in model.named_parameters()})
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
+    # every parameter takes part (DDP without find_unused_parameters)
+    assert all(g is not None for g in grads[0].values())
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
@@ -198,3 +200,14 @@ def test_drop_path_linear_over_blocks():
     probs = [b.drop_path.drop_prob for s in model.stages for b in s.blocks]
     expected = torch.linspace(0, 0.3, len(probs)).tolist()
     assert probs == pytest.approx(expected)
+
+
+def test_autocast_bfloat16_forward_and_backward():
+    torch.manual_seed(0)
+    arch = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
+    model = LaplacianFormer(arch, drop_path_rate=0.0).train()
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        outs = model(torch.randn(2, 3, 40, 36))
+    assert all(torch.isfinite(o.float()).all() for o in outs)
+    sum(o.float().square().mean() for o in outs).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
