@@ -110,6 +110,8 @@ class LaplacianFormerStage(nn.Module):
     def forward(self, x: torch.Tensor
                 ) -> Tuple[torch.Tensor, Tuple[int, int]]:
         x = self.downsample(x)
+        # Python ints: under torch.jit.trace (FLOP counting, export) shapes
+        # would otherwise be tensors, which the attention's checks reject.
         hw = (int(x.shape[2]), int(x.shape[3]))
         x = x.flatten(2).transpose(1, 2)
         for block in self.blocks:
