@@ -1,0 +1,193 @@
+"""Every user config builds its model; the T-size detectors/segmentor train and predict.
+
+Small inputs on CPU; pretrained checkpoints are switched off (none exist here).
+"""
+import copy
+import glob
+import os.path as osp
+import sys
+
+import pytest
+import torch
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from mmengine.config import Config  # noqa: E402
+from mmengine.registry import init_default_scope  # noqa: E402
+
+import lapformer_mm  # noqa: E402,F401
+
+CONFIGS = sorted(
+    glob.glob(osp.join(ROOT, 'configs', '*.py')) +
+    glob.glob(osp.join(ROOT, 'configs', 'toy', '*.py')))
+NECK_INPUT = {'tiny': [64, 128, 320, 512], 'small': [64, 128, 320, 512],
+              'medium': [64, 128, 288, 512], 'large': [64, 128, 320, 512]}
+
+
+def models_registry(scope):
+    init_default_scope(scope)
+    if scope == 'mmseg':
+        from mmseg.registry import MODELS
+    else:
+        from mmdet.registry import MODELS
+    return MODELS
+
+
+def load_cfg(name):
+    return Config.fromfile(osp.join(ROOT, 'configs', name))
+
+
+def test_all_configs_are_collected():
+    names = {osp.relpath(c, osp.join(ROOT, 'configs')) for c in CONFIGS}
+    for size in 'tsml':
+        assert f'maskrcnn_lapformer_{size}.py' in names
+        assert f'maskrcnn_lapformer_{size}_3x.py' in names
+        assert f'retinanet_lapformer_{size}.py' in names
+    for size in 'tsm':
+        assert f'upernet_lapformer_{size}_ade20k.py' in names
+    assert 'toy/maskrcnn_lapformer_t_toy.py' in names
+
+
+@pytest.mark.parametrize(
+    'path', CONFIGS, ids=[osp.relpath(c, ROOT) for c in CONFIGS])
+def test_config_builds_model(path):
+    cfg = Config.fromfile(path)
+    assert cfg.custom_imports['imports'] == ['lapformer_mm']
+    backbone = cfg.model.backbone
+    assert backbone.type == 'LaplacianFormer'
+    model = models_registry(cfg.default_scope).build(cfg.model)
+    arch = model.backbone.arch_settings
+    # the neck/decoder widths must be the backbone's stage widths
+    widths = [arch['embed_dims'][i] for i in backbone.out_indices]
+    head_in = (cfg.model.decode_head.in_channels
+               if cfg.default_scope == 'mmseg' else cfg.model.neck.in_channels)
+    assert list(head_in) == widths
+    if 'toy' not in path:
+        assert backbone.init_cfg.type == 'Pretrained'
+
+
+def test_coco_recipes():
+    """The 1x/3x/RetinaNet recipes the issue fixes: schedule, optimizer, batch."""
+    for name, epochs, steps in (('maskrcnn_lapformer_t.py', 12, [8, 11]),
+                                ('maskrcnn_lapformer_m_3x.py', 36, [27, 33]),
+                                ('retinanet_lapformer_l.py', 12, [8, 11])):
+        cfg = load_cfg(name)
+        assert cfg.train_cfg.max_epochs == epochs
+        assert cfg.param_scheduler[1].milestones == steps
+        opt = cfg.optim_wrapper.optimizer
+        assert (opt.type, opt.lr, opt.weight_decay) == ('AdamW', 1e-4, 0.05)
+        assert cfg.optim_wrapper.paramwise_cfg.norm_decay_mult == 0.0
+        assert cfg.train_dataloader.batch_size == 2
+        assert cfg.auto_scale_lr.base_batch_size == 16
+        if epochs == 12:
+            resize = cfg.train_dataloader.dataset.pipeline[2]
+            assert resize.scale == (1333, 800)
+    ms = load_cfg('maskrcnn_lapformer_t_3x.py').train_pipeline[2]
+    shorts = sorted(s[1] for s in ms.scales)
+    assert ms.type == 'RandomChoiceResize'
+    assert (shorts[0], shorts[-1]) == (480, 800)
+    ade = load_cfg('upernet_lapformer_t_ade20k.py')
+    assert ade.crop_size == (512, 512)
+    assert ade.param_scheduler[1].end == 160000
+    assert ade.optim_wrapper.optimizer.type == 'AdamW'
+
+
+def no_pretrained(cfg):
+    cfg = copy.deepcopy(cfg)
+    cfg.model.backbone.init_cfg = None
+    return cfg
+
+
+def det_inputs(num_classes, size=96, with_mask=True):
+    """Two packed images with two boxes (and masks) each, as PackDetInputs makes."""
+    from mmdet.structures import DetDataSample
+    from mmdet.structures.mask import BitmapMasks
+    from mmengine.structures import InstanceData
+    gen = torch.Generator().manual_seed(0)
+    inputs, samples = [], []
+    for i in range(2):
+        inputs.append(torch.randint(0, 255, (3, size, size), generator=gen,
+                                    dtype=torch.uint8))
+        boxes = torch.tensor([[8., 10., 40., 50.], [30., 20., 90., 70.]])
+        inst = InstanceData(bboxes=boxes,
+                            labels=torch.tensor([i % num_classes, 1]))
+        if with_mask:
+            masks = torch.zeros(2, size, size, dtype=torch.uint8)
+            for j, (x1, y1, x2, y2) in enumerate(boxes.int().tolist()):
+                masks[j, y1:y2, x1:x2] = 1
+            inst.masks = BitmapMasks(masks.numpy(), size, size)
+        sample = DetDataSample(metainfo=dict(
+            img_shape=(size, size), ori_shape=(size, size),
+            pad_shape=(size, size), scale_factor=(1.0, 1.0), img_id=i))
+        sample.gt_instances = inst
+        samples.append(sample)
+    return dict(inputs=inputs, data_samples=samples)
+
+
+def loss_and_predict(model, data):
+    """One optimizer step on the summed losses, then a predict pass."""
+    torch.manual_seed(0)
+    model.init_weights()
+    model.train()
+    batch = model.data_preprocessor(data, True)
+    losses = model(**batch, mode='loss')
+    loss, _ = model.parse_losses(losses)
+    assert torch.isfinite(loss)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(n for n, g in grads.items() if g is None)
+    model.eval()
+    with torch.no_grad():
+        preds = model(**model.data_preprocessor(data, False), mode='predict')
+    return losses, missing, preds
+
+
+def test_maskrcnn_t_loss_and_predict():
+    cfg = no_pretrained(load_cfg('maskrcnn_lapformer_t.py'))
+    model = models_registry('mmdet').build(cfg.model)
+    losses, missing, preds = loss_and_predict(model, det_inputs(80))
+    assert {'loss_rpn_cls', 'loss_cls', 'loss_bbox', 'loss_mask'} <= set(losses)
+    assert not missing
+    assert len(preds) == 2
+    inst = preds[0].pred_instances
+    assert inst.bboxes.shape[1] == 4
+    assert inst.masks.shape[1:] == (96, 96)
+
+
+def test_retinanet_t_loss_predict_and_no_unused_parameters():
+    """Stage 1 is not returned; every parameter still gets a gradient (DDP)."""
+    cfg = no_pretrained(load_cfg('retinanet_lapformer_t.py'))
+    model = models_registry('mmdet').build(cfg.model)
+    losses, missing, preds = loss_and_predict(
+        model, det_inputs(80, with_mask=False))
+    assert {'loss_cls', 'loss_bbox'} <= set(losses)
+    assert missing == []
+    assert cfg.get('find_unused_parameters', False) is False
+    assert preds[0].pred_instances.bboxes.shape[1] == 4
+
+
+def test_upernet_t_loss_and_predict():
+    from mmseg.structures import SegDataSample
+    from mmengine.structures import PixelData
+    cfg = no_pretrained(load_cfg('upernet_lapformer_t_ade20k.py'))
+    # SyncBN needs a process group; plain BN is the same layer on one process
+    for head in ('decode_head', 'auxiliary_head'):
+        cfg.model[head].norm_cfg = dict(type='BN', requires_grad=True)
+    cfg.model.data_preprocessor.size = (64, 64)
+    model = models_registry('mmseg').build(cfg.model)
+    gen = torch.Generator().manual_seed(0)
+    inputs, samples = [], []
+    for _ in range(2):
+        inputs.append(torch.randint(0, 255, (3, 64, 64), generator=gen,
+                                    dtype=torch.uint8))
+        sample = SegDataSample(metainfo=dict(
+            img_shape=(64, 64), ori_shape=(64, 64), pad_shape=(64, 64)))
+        sample.gt_sem_seg = PixelData(data=torch.randint(
+            0, 150, (1, 64, 64), generator=gen))
+        samples.append(sample)
+    losses, missing, preds = loss_and_predict(
+        model, dict(inputs=inputs, data_samples=samples))
+    assert {'decode.loss_ce', 'aux.loss_ce'} <= set(losses)
+    assert not missing
+    assert preds[0].pred_sem_seg.data.shape == (1, 64, 64)
