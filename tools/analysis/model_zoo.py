@@ -12,8 +12,6 @@ downloaded.
 """
 import copy
 
-import torch
-
 BACKBONE_CONFIGS = {
     'laplacianformer-t': dict(type='LaplacianFormer', arch='tiny', drop_path_rate=0.0),
     'laplacianformer-s': dict(type='LaplacianFormer', arch='small', drop_path_rate=0.0),
@@ -90,8 +88,3 @@ def count_parameters(model):
     """Number of parameters of ``model``."""
     return sum(p.numel() for p in model.parameters())
 
-
-@torch.no_grad()
-def run_backbone(model, images):
-    """Forward ``images`` (B, 3, H, W) through ``model``; returns its outputs."""
-    return model(images)
