@@ -145,3 +145,14 @@ def test_pretrained_without_checkpoint_is_an_error():
     model = small_model(init_cfg=dict(type='Pretrained'))
     with pytest.raises(ValueError, match='checkpoint'):
         model.init_weights()
+
+
+def test_deprecated_pretrained_argument(source, tmp_path):
+    path = write_checkpoint('classifier', source.state_dict(), tmp_path / 'cls.pth')
+    with pytest.warns(DeprecationWarning, match='init_cfg'):
+        target = small_model(out_indices=(3, ), pretrained=path)
+    assert target.init_cfg == dict(type='Pretrained', checkpoint=path)
+    target.init_weights()
+    assert_same_weights(target, source.state_dict())
+    with pytest.raises(ValueError, match='pretrained'):
+        small_model(pretrained=path, init_cfg=dict(type='Pretrained', checkpoint=path))

@@ -1,5 +1,8 @@
 """`import lapformer_mm` makes LaplacianFormer buildable through mmdet/mmseg/mmpretrain MODELS."""
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,3 +35,19 @@ def test_build_through_mmpretrain_registry():
         pytest.skip(f'mmpretrain.models does not import here: {type(err).__name__}: {err}')
     from mmpretrain.registry import MODELS
     build_and_run(MODELS)
+
+
+def test_core_imports_without_openmmlab_downstream_packages():
+    # mmcv, mmdet, mmseg and mmpretrain blocked: the backbone needs only torch + mmengine
+    code = ("import sys\n"
+            "for name in ('mmcv', 'mmdet', 'mmseg', 'mmpretrain'):\n"
+            "    sys.modules[name] = None\n"
+            "import lapformer_mm\n"
+            "from lapformer_mm.models import LaplacianFormer\n"
+            "LaplacianFormer('tiny')\n"
+            "print(lapformer_mm.registry.register_modules())\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                            cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == '[]'

@@ -5,6 +5,7 @@ stride 4, then four stages; stages 2-4 start with a 3x3 stride-2 conv-BN-ReLU.
 Each stage is a stack of pre-norm transformer blocks on the (B, H*W, C) tokens
 of its grid. The API follows mmdet's PVT/Swin backbones.
 """
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -152,6 +153,8 @@ class LaplacianFormer(BaseModule):
         norm_eval (bool): Keep BatchNorm layers (stem, downsampling) in eval
             mode during training. Default False.
         with_cp (bool): Gradient checkpointing of each block. Default False.
+        pretrained (str | None): Deprecated spelling of a ``Pretrained``
+            init_cfg (mmseg's ``EncoderDecoder(pretrained=...)`` passes it).
         init_cfg (dict | list[dict] | None): ``dict(type='Pretrained',
             checkpoint=...)`` loads a plain state dict, an mmengine checkpoint
             or a classifier/detector checkpoint (``backbone.`` prefix, or
@@ -180,7 +183,17 @@ class LaplacianFormer(BaseModule):
                  frozen_stages: int = -1,
                  norm_eval: bool = False,
                  with_cp: bool = False,
+                 pretrained: Optional[str] = None,
                  init_cfg: Optional[Union[dict, List[dict]]] = None):
+        if pretrained is not None:
+            if init_cfg is not None:
+                raise ValueError('give either pretrained or init_cfg, not '
+                                 f'both (pretrained={pretrained!r}, '
+                                 f'init_cfg={init_cfg!r})')
+            warnings.warn('LaplacianFormer: pretrained= is deprecated, use '
+                          "init_cfg=dict(type='Pretrained', checkpoint=...)",
+                          DeprecationWarning)
+            init_cfg = dict(type='Pretrained', checkpoint=pretrained)
         super().__init__(init_cfg=init_cfg)
         self.arch_settings = resolve_arch(arch)
         self.out_indices = self._check_out_indices(out_indices)
