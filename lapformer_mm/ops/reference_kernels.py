@@ -3,10 +3,12 @@
 Both are ``torch.autograd.Function``s whose forward and backward never build an
 (..., N, M, d) tensor: memory is O(N·M + (N+M)·d).
 
-* Laplacian: the ℓ1 distance matrix comes from ``torch.cdist(p=1)`` and its
-  gradient ``sum_j g_ij · sign(x_i - y_j)`` from ``aten._cdist_backward``, both
-  native loops over (i, j) pairs vectorised over d. ``sign(0) = 0`` gives the
-  subgradient 0 of |t| at t = 0.
+* Laplacian: the ℓ1 distance matrix comes from ``torch.cdist(p=1)``, and its
+  gradient ``sum_j g_ij · sign(x_i - y_j)`` on CPU from
+  ``aten._cdist_backward``, both native loops over (i, j) pairs vectorised
+  over d. Elsewhere the gradient is a loop over row chunks of bounded size,
+  because the CUDA ``_cdist_backward`` allocates an (N, M, d) buffer.
+  ``sign(0) = 0`` gives the subgradient 0 of |t| at t = 0.
 * Gaussian: ``||x - y||² = |x|² + |y|² - 2 x·y`` is a batched matmul, and so is
   its gradient.
 """
@@ -23,14 +25,43 @@ def _l1_distance(x3, y3):
     return torch.cdist(x3, y3, p=1.0)
 
 
-def _l1_distance_grad(g, a3, b3):
-    """sum_j g[:, i, j] · sign(a_i - b_j): (batch, Na, d) for g (batch, Na, Nb).
+#: Byte budget of the (rows, M, d) sign tensor of the chunked ℓ1 backward.
+CHUNK_BYTES = 32 * 2 ** 20
 
-    ``aten._cdist_backward`` reads its ``cdist`` argument only for p not in
-    {1, 2, inf}; ``g`` is passed there because it has the required shape.
+
+def _l1_distance_grad_native(g, a3, b3):
+    """sum_j g[:, i, j] · sign(a_i - b_j) by ``aten._cdist_backward`` (CPU).
+
+    Its ``cdist`` argument is read only for p not in {1, 2, inf}; ``g`` is
+    passed there because it has the required shape.
     """
     g = g.contiguous()
     return torch.ops.aten._cdist_backward(g, a3, b3, 1.0, g)
+
+
+def _l1_distance_grad_chunked(g, a3, b3, chunk_bytes=CHUNK_BYTES):
+    """sum_j g[:, i, j] · sign(a_i - b_j), rows of a in chunks of bounded size.
+
+    Each step holds one (batch, rows, Nb, d) sign tensor of at most
+    ``chunk_bytes``; used off CPU, where ``_cdist_backward`` allocates a full
+    (batch, Nb, Na, d) buffer.
+    """
+    batch, num_a, width = a3.shape
+    per_row = batch * b3.shape[1] * width * a3.element_size()
+    rows = max(1, chunk_bytes // max(per_row, 1))
+    grad = torch.empty_like(a3)
+    for start in range(0, num_a, rows):
+        stop = min(start + rows, num_a)
+        sign = torch.sign(a3[:, start:stop, None, :] - b3[:, None, :, :])
+        grad[:, start:stop] = torch.einsum('bij,bijd->bid', g[:, start:stop], sign)
+    return grad
+
+
+def _l1_distance_grad(g, a3, b3):
+    """sum_j g[:, i, j] · sign(a_i - b_j): (batch, Na, d) for g (batch, Na, Nb)."""
+    if a3.device.type == 'cpu':
+        return _l1_distance_grad_native(g, a3, b3)
+    return _l1_distance_grad_chunked(g, a3, b3)
 
 
 class LaplacianKernel(torch.autograd.Function):
