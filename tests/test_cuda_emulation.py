@@ -231,3 +231,36 @@ def test_blocks_loop_beyond_the_grid_limits(emulated, monkeypatch):
     out = cupy_ops.fused_newton_schulz(P, 10, False, smem_limit=48 * 1024)
     assert emulated[-1][1] == (1,)
     torch.testing.assert_close(out, cupy_ops.twin_newton_schulz(P, 10, False), rtol=1e-10, atol=1e-12)
+
+
+def test_public_functions_end_to_end_on_emulated_kernels(emulated, monkeypatch):
+    """laplacian_kernel / gaussian_kernel / newton_schulz_pinv with autograd, broadcast
+    and strided inputs, with the custom ops' CPU implementations routed to the kernels."""
+    twin_ns = cupy_ops.twin_newton_schulz
+    monkeypatch.setattr(cupy_ops, '_check_cuda_tensor', lambda *args: None)
+    monkeypatch.setattr(cupy_ops, 'twin_pairwise_forward', cupy_ops.fused_pairwise_forward)
+    monkeypatch.setattr(cupy_ops, 'twin_pairwise_backward',
+                        lambda *args: cupy_ops.fused_pairwise_backward(*args, 16))
+    monkeypatch.setattr(cupy_ops, 'twin_newton_schulz',
+                        lambda P, iters, authors: cupy_ops.fused_newton_schulz(P, iters, authors, 48 * 1024))
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 3, 34, 40, generator=gen).transpose(-1, -2)[..., ::2].requires_grad_()  # (2, 3, 40, 17)
+    y = torch.randn(1, 3, 5, 17, generator=gen).requires_grad_()
+    for fn, kind, lam in ((cupy_ops.laplacian_kernel, rt.LAPLACIAN, 4.0),
+                          (cupy_ops.gaussian_kernel, rt.GAUSSIAN, 30.0)):
+        out = fn(x, y, lam)
+        xd, yd = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+        ref = dense_kernel(xd, yd, lam, kind)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-7)
+        g = torch.randn(out.shape, generator=gen)
+        for got, expected in zip(torch.autograd.grad(out, (x, y), g),
+                                 torch.autograd.grad(ref, (xd, yd), g.double())):
+            torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    names = {launch[0] for launch in emulated}
+    assert rt.pairwise_backward_name('float', rt.GAUSSIAN, True) in names
+
+    P = spd_batch(2, 9, torch.float64, seed=6).requires_grad_()
+    X = cupy_ops.newton_schulz_pinv(P, 40)
+    torch.testing.assert_close(X, torch.linalg.inv(P.detach()), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(X, twin_ns(P.detach(), 40, False), rtol=1e-10, atol=1e-12)
+    assert emulated[-1][0] == rt.newton_schulz_name('double')
