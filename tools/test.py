@@ -12,6 +12,7 @@ Examples::
     torchrun --nproc_per_node 8 tools/test.py CONFIG CKPT --launcher pytorch
 """
 import argparse
+import json
 import os
 import os.path as osp
 import sys
@@ -19,6 +20,7 @@ import sys
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.dist import is_main_process  # noqa: E402
 from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
@@ -36,6 +38,9 @@ def parse_args(argv=None):
         '--out', type=str,
         help='detection: dump predictions to this .pkl file; segmentation: '
         'write predicted label maps into this folder')
+    parser.add_argument(
+        '--metrics-json',
+        help='also write the evaluation metrics (a flat dict) to this file')
     parser.add_argument('--show', action='store_true', help='show predictions')
     parser.add_argument(
         '--show-dir', help='save painted predictions under work_dir/<timestamp>/SHOW_DIR')
@@ -98,6 +103,30 @@ def build_cfg(args):
     return cfg
 
 
+COCO_KEYS = (('AP', 'mAP'), ('AP50', 'mAP_50'), ('AP75', 'mAP_75'),
+             ('APs', 'mAP_s'), ('APm', 'mAP_m'), ('APl', 'mAP_l'))
+
+
+def coco_table(metrics):
+    """Markdown table of CocoMetric's bbox/segm numbers (as fractions), or ''."""
+    rows = []
+    for iou_type, label in (('bbox', 'bbox (APb)'), ('segm', 'segm (APm)')):
+        keys = [f'coco/{iou_type}_{k}' for _, k in COCO_KEYS]
+        if all(k in metrics for k in keys):
+            rows.append(f'| {label} | ' +
+                        ' | '.join(f'{metrics[k]:.3f}' for k in keys) + ' |')
+    if not rows:
+        return ''
+    header = '| | ' + ' | '.join(n for n, _ in COCO_KEYS) + ' |'
+    return '\n'.join([header, '|---' * (len(COCO_KEYS) + 1) + '|'] + rows)
+
+
+def write_metrics(metrics, path):
+    with open(path, 'w') as f:
+        json.dump({k: float(v) if isinstance(v, (int, float)) else v
+                   for k, v in metrics.items()}, f, indent=2)
+
+
 def main(argv=None):
     args = parse_args(argv)
     allow_mmengine_checkpoints()
@@ -106,7 +135,14 @@ def main(argv=None):
     if args.out is not None and cfg.get('default_scope') != 'mmseg':
         from mmdet.evaluation import DumpDetResults
         runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
-    return runner.test()
+    metrics = runner.test()
+    if is_main_process():
+        table = coco_table(metrics)
+        if table:
+            print(table, flush=True)
+        if args.metrics_json:
+            write_metrics(metrics, args.metrics_json)
+    return metrics
 
 
 if __name__ == '__main__':

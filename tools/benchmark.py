@@ -1,0 +1,139 @@
+"""Inference speed and peak memory of a detector/segmentor config (CPU or GPU).
+
+Runs the whole model (``mode='predict'``: backbone, neck, heads, post-processing)
+on random images of a fixed size with random weights (pretrained loading off),
+after ``--warmup`` untimed calls. Reports images/s, median and mean latency per
+batch, and peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the
+timed calls; on CPU the growth of the process's resident high-water mark
+(``ru_maxrss``) over the model's resident size before the first call (Linux).
+Speed on a shared machine depends on its load: ``os.getloadavg()`` is printed.
+
+Example::
+
+    python tools/benchmark.py configs/maskrcnn_lapformer_t.py --shape 800 1333 \\
+        --device cuda --repeats 50
+    python tools/benchmark.py configs/toy/maskrcnn_lapformer_t_toy.py --shape 128 128
+"""
+import argparse
+import os
+import os.path as osp
+import resource
+import statistics
+import sys
+import time
+
+sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+import torch  # noqa: E402
+from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.registry import init_default_scope  # noqa: E402
+
+import lapformer_mm  # noqa: E402,F401  (registers LaplacianFormer)
+
+
+def build_model(cfg, device):
+    scope = cfg.get('default_scope', 'mmdet')
+    init_default_scope(scope)
+    if scope == 'mmseg':
+        from mmseg.registry import MODELS
+    else:
+        from mmdet.registry import MODELS
+    cfg.model.backbone.init_cfg = None
+    model = MODELS.build(cfg.model)
+    model.init_weights()
+    return model.to(device).eval(), scope
+
+
+def random_batch(scope, batch_size, height, width):
+    """Raw uint8 images + data samples, as the test dataloader would give."""
+    meta = dict(img_shape=(height, width), ori_shape=(height, width),
+                pad_shape=(height, width), scale_factor=(1.0, 1.0))
+    if scope == 'mmseg':
+        from mmseg.structures import SegDataSample as Sample
+    else:
+        from mmdet.structures import DetDataSample as Sample
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randint(0, 256, (3, height, width), generator=gen,
+                            dtype=torch.uint8) for _ in range(batch_size)]
+    return dict(inputs=inputs,
+                data_samples=[Sample(metainfo=meta) for _ in range(batch_size)])
+
+
+def max_rss_mib():
+    """Resident high-water mark of this process (MiB, Linux ru_maxrss is KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def benchmark(model, data, repeats, warmup, device):
+    """Latencies (s) of ``repeats`` timed predict calls and peak memory (MiB)."""
+    cuda = torch.device(device).type == 'cuda'
+
+    def call():
+        with torch.no_grad():
+            model.test_step(data)
+        if cuda:
+            torch.cuda.synchronize()
+
+    rss_before = max_rss_mib()
+    for _ in range(warmup):
+        call()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = max_rss_mib() - rss_before
+    return times, peak
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('config')
+    parser.add_argument('--shape', type=int, nargs=2, metavar=('H', 'W'),
+                        help='input size (default 800 1333; 512 512 for mmseg)')
+    parser.add_argument('--batch-size', type=int, default=1)
+    parser.add_argument('--repeats', type=int, default=10)
+    parser.add_argument('--warmup', type=int, default=2)
+    parser.add_argument('--device', default='cuda' if torch.cuda.is_available()
+                        else 'cpu')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction)
+    args = parser.parse_args(argv)
+    for name in ('batch_size', 'repeats'):
+        if getattr(args, name) < 1:
+            parser.error(f'--{name.replace("_", "-")} must be >= 1, got '
+                         f'{getattr(args, name)}')
+    if args.warmup < 0:
+        parser.error(f'--warmup must be >= 0, got {args.warmup}')
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        cfg.merge_from_dict(args.cfg_options)
+    model, scope = build_model(cfg, args.device)
+    height, width = args.shape or ((512, 512) if scope == 'mmseg' else
+                                   (800, 1333))
+    data = random_batch(scope, args.batch_size, height, width)
+    times, peak = benchmark(model, data, args.repeats, args.warmup, args.device)
+    median = statistics.median(times)
+    print(f'config:     {args.config}')
+    print(f'device:     {args.device} (torch threads {torch.get_num_threads()}, '
+          f'load average {os.getloadavg()[0]:.1f})')
+    print(f'input:      {args.batch_size}x3x{height}x{width}, {args.repeats} '
+          f'timed calls after {args.warmup} warm-up')
+    print(f'throughput: {args.batch_size / median:.2f} images/s')
+    print(f'latency:    median {median * 1e3:.1f} ms, mean '
+          f'{statistics.mean(times) * 1e3:.1f} ms per batch')
+    print(f'peak mem:   {peak:.0f} MiB '
+          f'({"max_memory_allocated" if args.device.startswith("cuda") else "RSS growth"})')
+
+
+if __name__ == '__main__':
+    main()
