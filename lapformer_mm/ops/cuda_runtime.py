@@ -131,7 +131,7 @@ def _ceil_div(a, b):
 def pairwise_forward_launch(batch, n, m):
     """(grid, block) of ``pairwise_forward`` for C (batch, n, m).
 
-    Columns tiles go on grid.x, row tiles on grid.y and the batch on grid.z;
+    Column tiles go on grid.x, row tiles on grid.y and the batch on grid.z;
     the kernel loops over row tiles and batch entries beyond the grid limits.
     """
     grid = (_ceil_div(m, PW_TILE), min(_ceil_div(n, PW_TILE), MAX_GRID_YZ), min(batch, MAX_GRID_YZ))
