@@ -247,3 +247,26 @@ def test_compile_and_launch_failures_name_kernel_and_shapes(fake_cupy):
     with pytest.raises(rt.CudaOpsError, match=r'newton_schulz<float>.*x \(2, 3\).*too many resources'):
         rt.launch(rt.NEWTON_SCHULZ_SOURCE, rt.newton_schulz_name('float'), FakeTensor(), (1,), (1,), (),
                   shapes='x (2, 3)')
+
+
+def test_cuda_ops_import_without_openmmlab():
+    """The GPU check machine has torch and CuPy but no OpenMMLab package."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = '''
+import sys
+BLOCKED = {'mmengine', 'mmcv', 'mmdet', 'mmseg', 'mmpretrain'}
+class Absent:
+    def find_spec(self, name, path, target=None):
+        if name.split('.')[0] in BLOCKED:
+            raise ModuleNotFoundError(f'No module named {name!r}', name=name)
+sys.meta_path.insert(0, Absent())
+import lapformer_mm.ops.cupy_ops
+import lapformer_mm.ops.reference_kernels
+print(sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED))
+'''
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, '-c', code], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == '[]'
