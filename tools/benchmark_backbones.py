@@ -9,7 +9,7 @@ reports the median per model, and every model's ratio to LaplacianFormer-T.
 
 Peak memory (``--memory``, measured first): one forked child process per
 (model, size, mode), forked from this process before it builds any model, that
-builds the model, records its resident set (VmRSS), resets the kernel's
+builds the model (one intra-op thread), records its resident set (VmRSS), resets the kernel's
 high-water mark (``echo 5 > /proc/self/clear_refs``), makes one call and reads
 VmHWM. Reported: VmHWM - VmRSS before the call, i.e. the extra resident memory
 of the call (activations, autograd buffers, gradients, workspace) on top of
@@ -143,8 +143,13 @@ def measure_memory_here(name, size, mode, device):
 
 
 def _memory_child(name, size, mode, device, conn):
-    """Child side of :func:`measure_memory`: send the MiB (or the error) back."""
+    """Child side of :func:`measure_memory`: send the MiB (or the error) back.
+
+    One intra-op thread: GNU OpenMP thread pools do not survive fork, so a
+    forked child must not start a parallel region with the parent's pool.
+    """
     try:
+        torch.set_num_threads(1)
         conn.send(('ok', measure_memory_here(name, size, mode, device)))
     except Exception as err:  # reported by the parent, which keeps going
         conn.send(('error', f'{type(err).__name__}: {err}'))
@@ -156,8 +161,8 @@ def measure_memory(name, size, mode, device, timeout):
     """:func:`measure_memory_here` in a forked child; (MiB or None, error or None).
 
     Forked, so the child inherits the imports and starts with the parent's
-    small footprint; call this before the parent allocates large tensors or
-    runs parallel kernels (the parent's thread pools are not forked).
+    small footprint; call this before the parent allocates large tensors (the
+    child runs with one intra-op thread, see :func:`_memory_child`).
     """
     import multiprocessing
     context = multiprocessing.get_context('fork')

@@ -1,0 +1,105 @@
+"""Command-line paths of tools/analysis and the helpers of tools/benchmark_backbones.py
+(tiny inputs; no timing is asserted)."""
+import json
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+sys.path.insert(0, osp.join(ROOT, 'tools', 'analysis'))
+sys.path.insert(0, osp.join(ROOT, 'tools'))
+import attention_maps  # noqa: E402
+import benchmark_backbones as bench  # noqa: E402
+import qk_distances  # noqa: E402
+
+
+def test_qk_distances_cli_writes_plots_and_tables(tmp_path):
+    qk_distances.main(['--models', 'laplacianformer-t', '--num-images', '1', '--size', '32', '32',
+                       '--max-queries', '16', '--max-keys', '16', '--out', str(tmp_path)])
+    assert (tmp_path / 'qk_distances_laplacianformer-t.png').stat().st_size > 0
+    assert (tmp_path / 'qk_distances_normalised.png').stat().st_size > 0
+    data = json.loads((tmp_path / 'qk_distance_stats.json').read_text())
+    stats = data['stats']['laplacianformer-t']
+    assert sorted(stats) == ['0', '1', '2', '3']
+    assert stats['0']['l1']['n'] == 16 * 16 * 2  # one block, 2 heads, 16 x 16 sampled pairs
+    table = (tmp_path / 'qk_distance_stats.md').read_text()
+    assert table.count('| laplacianformer-t |') == 8
+    assert data['weights'] == {'laplacianformer-t': 'random init'}
+
+
+def test_qk_distances_rejects_bad_checkpoint_argument():
+    with pytest.raises(ValueError, match='MODEL=PATH'):
+        qk_distances.parse_checkpoints(['resnet=x.pth'])
+
+
+def test_attention_maps_cli_writes_both_figures(tmp_path):
+    attention_maps.main(['--size', '32', '32', '--stage', '2', '--block', '2',
+                         '--out', str(tmp_path)])
+    assert (tmp_path / 'attention_maps.png').stat().st_size > 0
+    assert (tmp_path / 'kernel_gradients.png').stat().st_size > 0
+
+
+def test_attention_maps_rejects_softmax_stage(tmp_path):
+    with pytest.raises(ValueError, match='not LaplacianAttention'):
+        attention_maps.main(['--size', '32', '32', '--stage', '4', '--out', str(tmp_path)])
+
+
+def _entry(cpu, wall=None):
+    return bench.summarise([(wall or cpu, cpu)] * 3, max_call_s=100, load='0', peak_mib=10.0)
+
+
+def test_benchmark_table_ratios_and_growth():
+    results = {'fwd': {
+        '1024x1024': {'laplacianformer-t': _entry(2.0), 'swin-t': _entry(3.0)},
+        '2048x2048': {'laplacianformer-t': _entry(8.5), 'swin-t': _entry(12.0)}}}
+    params = {'laplacianformer-t': 12e6, 'swin-t': 28e6}
+    table = bench.format_table(results, params, [(1024, 1024), (2048, 2048)], ['fwd'],
+                               'median_cpu_s')
+    assert '| 1024x1024 | swin-t | 28.0 | 3.000 | 3.000 | 1.50 | 10 |' in table
+    assert bench.growth(results, 'fwd', 'laplacianformer-t', (1024, 1024), (2048, 2048),
+                        'median_cpu_s') == pytest.approx(4.25)
+    assert bench.growth(results, 'fwdbwd', 'swin-t', (1024, 1024), (2048, 2048),
+                        'median_cpu_s') is None
+
+
+def test_benchmark_summary_uses_medians():
+    entry = bench.summarise([(5.0, 1.0), (1.0, 3.0), (2.0, 2.0)], max_call_s=4.0,
+                            load='1', peak_mib=None)
+    assert entry['median_s'] == 2.0 and entry['median_cpu_s'] == 2.0
+    assert entry['slow']
+
+
+def test_benchmark_planned_configs_and_argument_checks():
+    args = bench.parse_args(['--sizes', '64x64', '2048x2048', '--modes', 'fwd', 'fwdbwd'])
+    assert bench.planned_configs(args) == [('fwd', (64, 64)), ('fwd', (2048, 2048)),
+                                           ('fwdbwd', (64, 64))]
+    with pytest.raises(SystemExit):
+        bench.parse_args(['--skip', 'resnet@64x64'])
+    with pytest.raises(SystemExit):
+        bench.parse_args(['--sizes', '64by64'])
+
+
+def test_benchmark_fwdbwd_call_leaves_no_gradients():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
+    wrapped = lambda x: (model(x), )  # noqa: E731  backbones return tuples
+    wrapped.zero_grad = model.zero_grad
+    bench.run_once(wrapped, torch.randn(1, 3, 8, 8), 'fwdbwd')
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_benchmark_memory_child_reports_a_positive_peak():
+    # A fresh interpreter: the memory phase forks before any model exists, as main() does.
+    code = ('import torch, benchmark_backbones as b; '
+            "mib, error = b.measure_memory('laplacianformer-t', (64, 64), 'fwd', "
+            "torch.device('cpu'), timeout=600); print('RESULT', mib, error)")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         cwd=osp.join(ROOT, 'tools'), timeout=900,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    result = [line.split() for line in out.stdout.splitlines() if line.startswith('RESULT')]
+    assert result, out.stderr[-2000:]
+    _, mib, error = result[-1]
+    assert error == 'None' and float(mib) > 0
