@@ -31,12 +31,13 @@ def find_nvrtc():
     explicit = os.environ.get('LAPFORMER_NVRTC_LIB')
     if explicit:
         return explicit
+    hits = []
     for site in sys.path:
-        hits = sorted(glob.glob(str(Path(site) / 'nvidia' / '**' / 'libnvrtc.so*'), recursive=True))
-        hits = [h for h in hits if 'builtins' not in h and '.alt.' not in h]
-        if hits:
-            return hits[0]
-    return ctypes.util.find_library('nvrtc')
+        found = glob.glob(str(Path(site) / 'nvidia' / '**' / 'libnvrtc.so*'), recursive=True)
+        hits += [h for h in found if 'builtins' not in h and '.alt.' not in h]
+    # NVRTC 12 first: it is the last one that targets sm_70.
+    hits.sort(key=lambda h: (not h.endswith('.so.12'), h))
+    return hits[0] if hits else ctypes.util.find_library('nvrtc')
 
 
 class Nvrtc:
