@@ -87,11 +87,16 @@ def softmax_attention_flops(inputs: List[Any], outputs: List[Any]) -> int:
     return _batch(q, 2) * q[-2] * k[-2] * (q[-1] + v[-1])
 
 
+# Reference (CPU) and CuPy (CUDA) autograd functions of lapformer_mm.ops.
 KERNEL_HANDLES = {
     'prim::PythonOp.LaplacianKernel': pairwise_kernel_flops,
     'prim::PythonOp.GaussianKernel': pairwise_kernel_flops,
+    'prim::PythonOp.PairwiseKernelFunction': pairwise_kernel_flops,
 }
-SOLVE_HANDLES = {'prim::PythonOp.NewtonSchulzInverse': newton_schulz_flops}
+SOLVE_HANDLES = {
+    'prim::PythonOp.NewtonSchulzInverse': newton_schulz_flops,
+    'prim::PythonOp.NewtonSchulzFunction': newton_schulz_flops,
+}
 VISIBLE_HANDLES = {'aten::scaled_dot_product_attention': softmax_attention_flops}
 
 
