@@ -53,26 +53,44 @@ def test_out_indices(indices):
 
 
 def block_params(c, hidden, attention):
-    """Closed form of one pre-norm block with C channels and MLP width ``hidden``."""
+    """Closed form of one pre-norm block with C channels and MLP width ``hidden``.
+
+    attention: 'softmax' ([q, k, v] and output projection), 'tied' (Laplacian with
+    [q, v]) or 'separate' (Laplacian with [q, k, v]); the Laplacian ones add a
+    depth-wise 3x3 local term with bias.
+    """
     norms = 2 * 2 * c
     mlp = c * hidden + hidden + hidden * c + c
-    if attention == 'softmax':
-        attn = c * 3 * c + 3 * c + c * c + c
-    else:  # [q, v] projection with bias, depth-wise 3x3 local term with bias, output proj
-        attn = c * 2 * c + 2 * c + 9 * c + c + c * c + c
+    projections = 2 if attention == 'tied' else 3
+    attn = c * projections * c + projections * c + c * c + c
+    if attention != 'softmax':
+        attn += 9 * c + c
     return norms + mlp + attn
 
 
-def closed_form_params(arch, out_indices=(3, )):
+DEFAULT_LAYOUT = ('tied', 'tied', 'tied', 'separate')
+
+
+def closed_form_params(arch, out_indices=(3, ), layout=DEFAULT_LAYOUT):
     s = ARCH_SETTINGS[arch]
     dims, depths = s['embed_dims'], s['depths']
     total = 3 * 9 * 32 + 2 * 32 + 32 * 9 * 32 + 2 * 32 + 32 * 9 * dims[0] + 2 * dims[0]
     for i in range(4):
         if i:
             total += dims[i - 1] * 9 * dims[i] + 2 * dims[i]
-        kind = 'softmax' if i == 3 else 'laplacian'
-        total += depths[i] * block_params(dims[i], 4 * dims[i], kind)
+        total += depths[i] * block_params(dims[i], 4 * dims[i], layout[i])
     return total + sum(2 * dims[i] for i in out_indices)
+
+
+@pytest.mark.parametrize('kwargs, layout', [
+    (dict(stage4_attention='softmax'), ('tied', 'tied', 'tied', 'softmax')),
+    (dict(qk_shared=False), ('separate',) * 4),
+    (dict(qk_shared=True), ('tied',) * 4),
+])
+def test_layout_options_param_count(kwargs, layout):
+    model = LaplacianFormer('tiny', **kwargs)
+    assert sum(p.numel() for p in model.parameters()) == closed_form_params(
+        'tiny', (0, 1, 2, 3), layout)
 
 
 def test_medium_size_close_to_paper():
@@ -133,6 +151,8 @@ def test_bad_types_raise_type_error():
         LaplacianFormer(arch=3)
     with pytest.raises(TypeError, match='out_indices'):
         LaplacianFormer(out_indices=(0.5, ))
+    with pytest.raises(TypeError, match='qk_shared'):
+        LaplacianFormer(qk_shared=(True, False))
 
 
 @pytest.mark.parametrize('frozen', [0, 2, 4])

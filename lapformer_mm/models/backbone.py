@@ -141,13 +141,15 @@ class LaplacianFormer(BaseModule):
             [0, 1); rises linearly from 0 over all blocks. Default 0.1.
         lam, landmark_grid, kernel, normalize, solver, newton_iters, eps,
             whiten_eps: LaplacianAttention options (see attention.py).
-        qk_shared (bool): Tie keys to queries in the Laplacian attention
-            (SOFT layout). Default True (lands on the paper's Medium size,
-            see docs/model_size.md).
-        stage4_attention (str): 'softmax' (plain multi-head attention with
-            separate q, k, v in stage 4, the SOFT layout; the default, see
-            docs/model_size.md) or 'laplacian' (the same attention as
-            stages 1-3).
+        qk_shared (bool | Sequence[bool]): Tie keys to queries in the
+            Laplacian attention, for all stages or per stage. Default
+            (True, True, True, False): tied in stages 1-3 (the SOFT layout),
+            separate in stage 4, which lands on the paper's Medium size
+            (docs/model_size.md).
+        stage4_attention (str): 'laplacian' (the same attention as stages
+            1-3, so the cost stays linear in pixels; the default) or
+            'softmax' (plain multi-head attention with separate q, k, v, the
+            SOFT layout).
         frozen_stages (int): -1 freezes nothing, 0 the stem, k >= 1 the stem
             and stages 1..k (with their output norms). At most 4.
         norm_eval (bool): Keep BatchNorm layers (stem, downsampling) in eval
@@ -178,8 +180,9 @@ class LaplacianFormer(BaseModule):
                  newton_iters: Optional[int] = None,
                  eps: float = 0.01,
                  whiten_eps: float = 1e-5,
-                 qk_shared: bool = True,
-                 stage4_attention: str = 'softmax',
+                 qk_shared: Union[bool, Sequence[bool]] = (True, True, True,
+                                                           False),
+                 stage4_attention: str = 'laplacian',
                  frozen_stages: int = -1,
                  norm_eval: bool = False,
                  with_cp: bool = False,
@@ -214,14 +217,13 @@ class LaplacianFormer(BaseModule):
         self.norm_eval = norm_eval
         self.with_cp = with_cp
         self.stage4_attention = stage4_attention
-        self.qk_shared = qk_shared
+        self.qk_shared = self._check_qk_shared(qk_shared)
 
         dims = self.arch_settings['embed_dims']
         depths = self.arch_settings['depths']
         block_dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
         laplacian_options = dict(
             qkv_bias=qkv_bias,
-            qk_shared=qk_shared,
             lam=lam,
             landmark_grid=landmark_grid,
             kernel=kernel,
@@ -243,7 +245,9 @@ class LaplacianFormer(BaseModule):
                     dims[i],
                     self._make_attention(dims[i],
                                          self.arch_settings['num_heads'][i],
-                                         use_softmax, laplacian_options),
+                                         use_softmax,
+                                         dict(laplacian_options,
+                                              qk_shared=self.qk_shared[i])),
                     mlp_ratio=self.arch_settings['mlp_ratios'][i],
                     drop=drop_rate,
                     drop_path_prob=block_dpr[first_block + j])
@@ -270,6 +274,16 @@ class LaplacianFormer(BaseModule):
                 attn_drop=laplacian_options['attn_drop'],
                 proj_drop=laplacian_options['proj_drop'])
         return LaplacianAttention(dim, num_heads, **laplacian_options)
+
+    @staticmethod
+    def _check_qk_shared(qk_shared) -> Tuple[bool, ...]:
+        if isinstance(qk_shared, bool):
+            return (qk_shared, ) * NUM_STAGES
+        if (not isinstance(qk_shared, Sequence) or len(qk_shared) != NUM_STAGES
+                or not all(isinstance(v, bool) for v in qk_shared)):
+            raise TypeError(f'qk_shared must be a bool or {NUM_STAGES} bools '
+                            f'(one per stage), got {qk_shared!r}')
+        return tuple(qk_shared)
 
     @staticmethod
     def _check_out_indices(out_indices: Sequence[int]) -> Tuple[int, ...]:
