@@ -242,8 +242,10 @@ def plot_costs(results, sizes, modes, key, path):
     names = sorted({n for m in modes for s in results.get(m, {}).values() for n in s})
     for i, name in enumerate(names):
         for mode in modes:
-            points = [(s[0] * s[1] / 1e6, results[mode][f'{s[0]}x{s[1]}'][name])
-                      for s in sizes if name in results.get(mode, {}).get(f'{s[0]}x{s[1]}', {})]
+            by_size = results.get(mode, {})
+            points = sorted(((s[0] * s[1] / 1e6, by_size[f'{s[0]}x{s[1]}'][name])
+                             for s in sizes if name in by_size.get(f'{s[0]}x{s[1]}', {})),
+                            key=lambda point: point[0])
             if not points:
                 continue
             axes[0].plot([p for p, _ in points], [e[key] for _, e in points], styles[mode],
@@ -254,28 +256,86 @@ def plot_costs(results, sizes, modes, key, path):
                              marker='o', color=f'C{i}', label=f'{name} {mode}')
     axes[0].set_ylabel('median CPU time (s)' if key == 'median_cpu_s' else 'median latency (s)')
     axes[1].set_ylabel('peak extra memory (MiB)')
+    ticks = []
+    for megapixels in sorted(s[0] * s[1] / 1e6 for s in sizes):
+        if not ticks or megapixels > 1.1 * ticks[-1]:  # 800x1333 and 1024x1024 share one
+            ticks.append(megapixels)
     for ax in axes:
         ax.set_xscale('log')
         ax.set_yscale('log')
-        ax.set_xlabel('input megapixels (batch 1)')
+        ax.set_xticks(ticks, [f'{t:.2f}' for t in ticks], fontsize=7)
+        ax.minorticks_off()
+        ax.set_xlabel('input megapixels (batch 1); slope 1 = linear in pixels')
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=72)
     plt.close(fig)
 
 
-def profile_model(name, size, device, rows=20):
-    """torch.profiler table of one forward of ``name`` (after a warm-up), by self time."""
+def region_label(name):
+    """Profiler label of a submodule, or None: top levels, and attn/mlp merged per stage.
+
+    'stem' -> 'region: stem'; 'stages.3' -> 'region: stages.3';
+    'stages.3.blocks.0.attn' -> 'region: stages.3.attn'.
+    """
+    parts = name.split('.')
+    if not name:
+        return None
+    if len(parts) <= 2:
+        return 'region: ' + name
+    if parts[-1] in ('attn', 'mlp', 'ffn'):
+        return f"region: {'.'.join(parts[:2])}.{parts[-1]}"
+    return None
+
+
+def annotate_regions(model):
+    """Hooks that wrap labelled submodules in profiler ranges; returns the handles."""
+    stack, handles = [], []
+
+    def enter(label):
+        def hook(module, args):
+            stack.append(torch.profiler.record_function(label))
+            stack[-1].__enter__()
+        return hook
+
+    def leave(module, args, output):
+        stack.pop().__exit__(None, None, None)
+
+    for name, module in model.named_modules():
+        label = region_label(name)
+        if label is not None:
+            handles.append(module.register_forward_pre_hook(enter(label)))
+            handles.append(module.register_forward_hook(leave))
+    return handles
+
+
+def profile_model(name, size, device, rows=15):
+    """torch.profiler tables of one forward of ``name`` after a warm-up.
+
+    Returns (ops by self time, regions by total time), both as text.
+    """
     from torch.profiler import ProfilerActivity, profile
     model = build_backbone(name).to(device)
     images = torch.randn(1, 3, *size, device=device)
     run_once(model, images, 'fwd')
+    handles = annotate_regions(model)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == 'cuda' else [])
-    with profile(activities=activities, record_shapes=False) as prof:
-        with torch.profiler.record_function(f'{name} forward'):
-            run_once(model, images, 'fwd')
-    sort_by = 'self_cuda_time_total' if device.type == 'cuda' else 'self_cpu_time_total'
-    return prof.key_averages().table(sort_by=sort_by, row_limit=rows)
+    with profile(activities=activities) as prof:
+        run_once(model, images, 'fwd')
+    for handle in handles:
+        handle.remove()
+    device_key = 'cuda' if device.type == 'cuda' else 'cpu'
+    averages = prof.key_averages()
+    ops = averages.table(sort_by=f'self_{device_key}_time_total', row_limit=rows)
+    regions = sorted((e for e in averages if e.key.startswith('region: ')),
+                     key=lambda e: -getattr(e, f'{device_key}_time_total'))
+    # Self times of all events add up to the whole forward.
+    total = sum(getattr(e, f'self_{device_key}_time_total') for e in averages)
+    lines = [f'{"region":40s} {"total ms":>10s} {"share":>7s}']
+    for e in regions:
+        t = getattr(e, f'{device_key}_time_total')
+        lines.append(f'{e.key[8:]:40s} {t / 1e3:10.1f} {100 * t / max(total, 1):6.1f}%')
+    return ops, '\n'.join(lines)
 
 
 def parse_args(argv=None):
@@ -299,6 +359,8 @@ def parse_args(argv=None):
     parser.add_argument('--memory-timeout', type=float, default=900.0)
     parser.add_argument('--plot', default=None, help='PNG of cost against resolution')
     parser.add_argument('--json', default=None, help='write all results here')
+    parser.add_argument('--from-json', metavar='JSON',
+                        help='print the table and draw the plot of a saved run, run nothing')
     parser.add_argument('--profile', choices=sorted(BACKBONE_CONFIGS),
                         help='print a torch.profiler table of this model at each size and exit')
     args = parser.parse_args(argv)
@@ -321,15 +383,38 @@ def growth(results, mode, name, small, large, key):
     return b[key] / a[key] if a and b else None
 
 
+def report_saved_run(path, plot):
+    """Print the table (and draw ``plot``) of a JSON written by ``--json``."""
+    with open(path) as f:
+        saved = json.load(f)
+    results, params, info = saved['results'], saved['params'], saved['info']
+    key = info.get('compared', 'median_cpu_s' if info['device'] == 'cpu' else 'median_s')
+    modes = [m for m in MODES if m in results]
+    sizes = sorted({parse_size(k) for m in modes for k in results[m]},
+                   key=lambda s: s[0] * s[1])
+    print(f"# {info['started']} device={info['device']} threads={info['threads']} load "
+          f"average before: {info['load_before']}, after timing: {info.get('load_after_timing')}")
+    print(format_table(results, params, sizes, modes, key))
+    if plot:
+        plot_costs(results, sizes, modes, key, plot)
+        print(f'wrote {plot}')
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.from_json:
+        report_saved_run(args.from_json, args.plot)
+        return
     if args.profile:
         for size in args.sizes:
-            print(f'== {args.profile} forward at {size[0]}x{size[1]} on {device}')
-            print(profile_model(args.profile, size, device))
+            ops, regions = profile_model(args.profile, size, device)
+            print(f'== {args.profile} forward at {size[0]}x{size[1]} on {device}, '
+                  f'{torch.get_num_threads()} thread(s), load {load_average()}')
+            print(ops)
+            print(regions)
         return
     memory = {}
     if args.memory:

@@ -1,7 +1,8 @@
 """Backbones compared in the analyses and benchmarks, built from config dicts.
 
 Names accepted by :func:`build_backbone` (see ``BACKBONE_CONFIGS``):
-``laplacianformer-t``, ``laplacianformer-s`` (ours), ``pvtv2-b1``, ``pvtv2-b2``
+``laplacianformer-t``, ``laplacianformer-s`` (ours; ``laplacianformer-t-lap4``
+is Tiny with Laplacian instead of softmax attention in stage 4), ``pvtv2-b1``, ``pvtv2-b2``
 and ``swin-t`` (mmdet 3.3's PyramidVisionTransformerV2 and SwinTransformer with
 the settings of mmdet's own ``configs/pvt`` and ``configs/swin`` files).
 
@@ -15,6 +16,10 @@ import copy
 BACKBONE_CONFIGS = {
     'laplacianformer-t': dict(type='LaplacianFormer', arch='tiny', drop_path_rate=0.0),
     'laplacianformer-s': dict(type='LaplacianFormer', arch='small', drop_path_rate=0.0),
+    # The default stage 4 is SOFT's softmax attention (quadratic in its tokens);
+    # this variant uses the Laplacian attention there too.
+    'laplacianformer-t-lap4': dict(type='LaplacianFormer', arch='tiny', drop_path_rate=0.0,
+                                   stage4_attention='laplacian'),
     'pvtv2-b1': dict(type='PyramidVisionTransformerV2', embed_dims=64,
                      num_layers=[2, 2, 2, 2], drop_path_rate=0.0),
     'pvtv2-b2': dict(type='PyramidVisionTransformerV2', embed_dims=64,
