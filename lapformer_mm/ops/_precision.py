@@ -25,3 +25,23 @@ def full_precision_matmul():
     finally:
         torch.set_float32_matmul_precision(saved_precision)
         torch.backends.cuda.matmul.allow_tf32 = saved_tf32
+
+
+@contextlib.contextmanager
+def single_thread_on_cpu(tensor):
+    """Run small CPU matmuls on one thread; no-op for other devices.
+
+    The landmark solve multiplies m×m matrices (m <= 49). On the 2-core
+    development VM a multi-threaded MKL sgemm of one 49×49 matrix took ~23 ms
+    (thread wake-up under load) against ~5 µs on one thread
+    (docs/attention.md), so the solve pins the intra-op pool to one thread.
+    """
+    if tensor.device.type != 'cpu':
+        yield
+        return
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

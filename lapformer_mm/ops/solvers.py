@@ -11,7 +11,7 @@ caller's dtype.
 import torch
 
 from ._checks import check_float_tensor, check_optional_int
-from ._precision import compute_dtype, full_precision_matmul
+from ._precision import compute_dtype, full_precision_matmul, single_thread_on_cpu
 
 #: Newton–Schulz iterations used when ``iters=None``. Measured with
 #: ``python tools/bench_attention.py ns`` (docs/attention.md): from the identity
@@ -62,7 +62,7 @@ class NewtonSchulzInverse(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, P, iters, init):
-        with full_precision_matmul():
+        with full_precision_matmul(), single_thread_on_cpu(P):
             x = newton_schulz_iterate(P.to(compute_dtype(P.dtype)), iters, init)
         ctx.save_for_backward(x)
         return x.to(P.dtype)
@@ -71,7 +71,7 @@ class NewtonSchulzInverse(torch.autograd.Function):
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         xt = x.mT
-        with full_precision_matmul():
+        with full_precision_matmul(), single_thread_on_cpu(x):
             grad_p = -torch.matmul(torch.matmul(xt, grad.to(x.dtype)), xt)
         return grad_p.to(grad.dtype), None, None
 
