@@ -125,3 +125,13 @@ def test_non_square_raises():
         newton_schulz_pinv(torch.zeros(2, 3, 4))
     with pytest.raises(ValueError, match='B must be'):
         cg_solve(spd(1, 3, seed=8), torch.zeros(1, 4, 1, dtype=torch.float64))
+
+
+def test_small_matmul_gradcheck_and_thread_count_restored():
+    from lapformer_mm.ops.solvers import small_matmul
+    threads = torch.get_num_threads()
+    a = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(small_matmul(a, b), a @ b)
+    assert torch.autograd.gradcheck(small_matmul, (a, b))
+    assert torch.get_num_threads() == threads

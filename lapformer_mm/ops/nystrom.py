@@ -8,7 +8,7 @@ from ._checks import (KERNELS, NORMALIZATIONS, SOLVERS, check_choice,
 from ._precision import compute_dtype
 from .kernels import gaussian_kernel, laplacian_kernel, newton_schulz_pinv
 from .normalize import injective_normalize
-from .solvers import cg_solve, exact_solve
+from .solvers import cg_solve, exact_solve, small_matmul
 
 _KERNEL_FNS = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
 
@@ -34,7 +34,7 @@ def check_attention_inputs(q, k, v, landmarks):
 def solve_landmark_system(P, rhs, solver, iters, backend):
     """P⁻¹ · rhs for P (..., m, m), rhs (..., m, d) with the named solver."""
     if solver == 'newton':
-        return torch.matmul(newton_schulz_pinv(P, iters, backend=backend), rhs)
+        return small_matmul(newton_schulz_pinv(P, iters, backend=backend), rhs)
     if solver == 'exact':
         return exact_solve(P, rhs)
     return cg_solve(P, rhs, iters)

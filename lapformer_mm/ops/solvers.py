@@ -82,6 +82,29 @@ def newton_schulz_pinv_reference(P, iters=None, init='identity'):
     return NewtonSchulzInverse.apply(P, iters, init)
 
 
+class SmallMatmul(torch.autograd.Function):
+    """a @ b for small operands, forward and backward on one CPU thread."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        with single_thread_on_cpu(a):
+            return torch.matmul(a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        with single_thread_on_cpu(a):
+            grad_a = torch.matmul(grad, b.mT) if ctx.needs_input_grad[0] else None
+            grad_b = torch.matmul(a.mT, grad) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+
+def small_matmul(a, b):
+    """a (..., m, k) @ b (..., k, n) with m, k, n small (landmark-sized)."""
+    return SmallMatmul.apply(a, b)
+
+
 def exact_solve(P, B):
     """Solve P X = B exactly; P (..., m, m), B (..., m, k) -> (..., m, k)."""
     check_square('P', P)
