@@ -26,6 +26,7 @@ from mmengine.runner import Runner  # noqa: E402
 
 import lapformer_mm  # noqa: E402,F401  (registers LaplacianFormer)
 from lapformer_mm.checkpoint import allow_mmengine_checkpoints  # noqa: E402
+from train import setup_cpu_distributed  # noqa: E402  (tools/train.py)
 
 
 def parse_args(argv=None):
@@ -131,6 +132,7 @@ def main(argv=None):
     args = parse_args(argv)
     allow_mmengine_checkpoints()
     cfg = build_cfg(args)
+    setup_cpu_distributed(cfg)
     runner = RUNNERS.build(cfg) if 'runner_type' in cfg else Runner.from_cfg(cfg)
     if args.out is not None and cfg.get('default_scope') != 'mmseg':
         from mmdet.evaluation import DumpDetResults

@@ -19,6 +19,8 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
@@ -102,6 +104,28 @@ def build_cfg(args):
     return cfg
 
 
+def setup_cpu_distributed(cfg):
+    """Make ``--launcher pytorch`` work on a machine without CUDA (gloo, CPU DDP).
+
+    mmengine's launcher calls ``torch.cuda.set_device`` and wraps the model
+    in DDP with ``device_ids=[LOCAL_RANK]``; both fail without CUDA. Starting
+    the gloo process group here makes mmengine skip its own start, and an
+    explicit wrapper config without device ids gives CPU DDP.
+    """
+    if cfg.launcher != 'pytorch' or torch.cuda.is_available():
+        return
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend='gloo', rank=int(os.environ['RANK']),
+            world_size=int(os.environ['WORLD_SIZE']))
+    if cfg.get('model_wrapper_cfg') is None:
+        cfg.model_wrapper_cfg = dict(
+            type='MMDistributedDataParallel',
+            device_ids=None,
+            broadcast_buffers=False,
+            find_unused_parameters=cfg.get('find_unused_parameters', False))
+
+
 def build_runner(cfg):
     if 'runner_type' in cfg:
         return RUNNERS.build(cfg)
@@ -112,6 +136,7 @@ def main(argv=None):
     args = parse_args(argv)
     allow_mmengine_checkpoints()
     cfg = build_cfg(args)
+    setup_cpu_distributed(cfg)
     runner = build_runner(cfg)
     runner.train()
 
