@@ -14,13 +14,24 @@ module's globals), so a ``getattr`` that resolves only those method names is reg
 under its pickled name instead.
 """
 import os
+import warnings
 
 import numpy as np
 import torch
 
+TRUST_ENV = 'TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD'
 TRUST_HINT = (
     'Only if you trust the file, load it without the safety for one run with '
-    '`TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`, or re-save its tensors as a plain state dict.')
+    f'`{TRUST_ENV}=1`, or re-save its tensors as a plain state dict.')
+
+
+def trust_requested():
+    """True when the user set torch's opt-out ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` to a true value.
+
+    torch itself honours the variable only where ``weights_only`` is not passed; the
+    loaders here pass it, so they read the variable themselves to keep one switch.
+    """
+    return os.environ.get(TRUST_ENV, '0').lower() in ('1', 'y', 'yes', 'true')
 
 
 def _history_buffer_getattr(obj, name):
@@ -80,9 +91,13 @@ def safe_load(filename, map_location='cpu'):
         FileNotFoundError: ``filename`` does not exist.
         RuntimeError: the file needs unpickling of objects outside the allowlist.
     """
-    filename = os.fspath(filename)
+    filename = os.path.expanduser(os.fspath(filename))
     if not os.path.isfile(filename):
         raise FileNotFoundError(f'checkpoint file {filename!r} does not exist')
+    if trust_requested():
+        warnings.warn(f'{TRUST_ENV}=1: loading {filename!r} with full unpickling '
+                      '(weights_only=False); only do this for files you trust')
+        return torch.load(filename, map_location=map_location, weights_only=False)
     allow_mmengine_checkpoints()
     try:
         return torch.load(filename, map_location=map_location, weights_only=True)
@@ -98,3 +113,75 @@ def _refusal_reason(err):
     lines = str(err).splitlines()
     reasons = [line.strip() for line in lines if 'GLOBAL' in line]
     return reasons[0] if reasons else (lines[0] if lines else repr(err))
+
+
+def atomic_write_bytes(data, filepath):
+    """Write ``data`` to ``filepath`` so that a reader sees the old file or the whole new one.
+
+    The bytes go to a temporary file in the same directory, are flushed and fsynced, and
+    then renamed over ``filepath`` (``os.replace`` is atomic on POSIX and Windows within
+    one file system). A process killed mid-write leaves only a stray ``.tmp`` file.
+    """
+    filepath = os.fspath(filepath)
+    directory = os.path.dirname(os.path.abspath(filepath))
+    os.makedirs(directory, exist_ok=True)
+    tmp_path = os.path.join(directory,
+                            f'.{os.path.basename(filepath)}.{os.getpid()}.tmp')
+    try:
+        with open(tmp_path, 'wb') as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_path, filepath)
+    except BaseException:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        raise
+
+
+def _atomic_local_put(self, obj, filepath):
+    """``LocalBackend.put`` through :func:`atomic_write_bytes`."""
+    atomic_write_bytes(obj, filepath)
+
+
+def enable_atomic_checkpoint_save():
+    """Make mmengine write local checkpoints atomically (write to a temp file, then rename).
+
+    mmengine's ``save_checkpoint`` serialises into memory and hands the bytes to
+    ``LocalBackend.put``, which opens the final path with ``'wb'`` and writes in place: a
+    run killed during the write (SIGKILL, OOM killer, preemption) leaves a truncated
+    ``epoch_N.pth`` that ``--resume`` then fails to read. This replaces
+    ``LocalBackend.put`` (used for every local file mmengine writes through its file
+    backends, checkpoints included) with :func:`atomic_write_bytes`. Idempotent.
+
+    Returns:
+        bool: True when the patch is in place (False without mmengine).
+    """
+    try:
+        from mmengine.fileio.backends.local_backend import LocalBackend
+    except ImportError:
+        return False
+    LocalBackend.put = _atomic_local_put
+    return True
+
+
+def _load_from_local_safe(filename, map_location):
+    """mmengine's local checkpoint loader, through :func:`safe_load`."""
+    return safe_load(filename, map_location=map_location)
+
+
+def install_safe_local_loader():
+    """Route mmengine's local checkpoint loads (``load_from``, ``--resume``, ``tools/test.py``,
+    ``Pretrained`` init of any module) through :func:`safe_load`.
+
+    mmengine's own loader calls ``torch.load`` without ``weights_only``: torch >= 2.6 still
+    refuses a code-running pickle, but with a message about ``torch.load`` arguments that
+    a user of ``tools/test.py`` cannot pass. Through :func:`safe_load` the refusal names the
+    file and says how to allow a trusted one. Idempotent; False without mmengine.
+    """
+    try:
+        from mmengine.runner.checkpoint import CheckpointLoader
+    except ImportError:
+        return False
+    CheckpointLoader.register_scheme(prefixes='', loader=_load_from_local_safe, force=True)
+    return True

@@ -213,6 +213,7 @@ class LaplacianFormer(BaseModule):
         if not isinstance(in_channels, int) or in_channels < 1:
             raise ValueError(
                 f'in_channels must be a positive int, got {in_channels!r}')
+        self.in_channels = in_channels
         self.frozen_stages = frozen_stages
         self.norm_eval = norm_eval
         self.with_cp = with_cp
@@ -313,6 +314,7 @@ class LaplacianFormer(BaseModule):
 
         Spatial sizes round up at each stride-2 step, so any H, W >= 1 works.
         """
+        self._check_input(x)
         x = self.stem(x)
         outs = []
         for i, stage in enumerate(self.stages):
@@ -323,6 +325,19 @@ class LaplacianFormer(BaseModule):
             if i in self.out_indices:
                 outs.append(x)
         return tuple(outs)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        """A floating (B, in_channels, H, W) batch, else an error saying what is wrong."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f'LaplacianFormer input must be a torch.Tensor, got '
+                            f'{type(x).__name__}')
+        if x.dim() != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(
+                f'LaplacianFormer input must be (B, {self.in_channels}, H, W) '
+                f'(in_channels={self.in_channels}), got shape {tuple(x.shape)}')
+        if not x.is_floating_point():
+            raise TypeError(f'LaplacianFormer input must be a floating-point '
+                            f'tensor (normalise images first), got dtype {x.dtype}')
 
     def _frozen_modules(self) -> List[nn.Module]:
         if self.frozen_stages < 0:

@@ -1,0 +1,77 @@
+"""Residuals of the attention's landmark solve, measured on a model's real activations.
+
+Each :class:`~lapformer_mm.models.attention.LaplacianAttention` inverts
+``P = k(L, L) + eps·I`` (m×m per sample and head) with a fixed number of Newton–Schulz
+steps. Whether those steps were enough depends on the conditioning of ``P``, i.e. on
+the data: identical landmarks (a constant image) make ``k(L, L)`` the all-ones matrix
+and ``P`` rests on ``eps`` alone. :func:`landmark_solve_residuals` runs one forward pass
+and reports, per attention module, the worst ``||I - P X||_2`` and the condition number
+of ``P``, recomputing ``P`` and ``X`` from the module's input with the public ops.
+"""
+from typing import Dict, NamedTuple
+
+import torch
+
+from ..ops import (exact_inverse, gaussian_kernel, laplacian_kernel, newton_schulz_pinv,
+                   pool_landmarks)
+from .attention import LaplacianAttention
+
+_KERNELS = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
+
+
+class SolveReport(NamedTuple):
+    """Worst case over the batch and heads of one attention call."""
+    residual: float  # max ||I - P X||_2
+    condition: float  # max cond_2(P)
+    num_landmarks: int  # m
+
+
+def _keys(module: LaplacianAttention, x: torch.Tensor) -> torch.Tensor:
+    """The module's keys (B, h, N, d) for its input x (B, N, C)."""
+    batch, num_tokens, _ = x.shape
+    parts = module.qkv(x).chunk(2 if module.qk_shared else 3, dim=-1)
+    keys = parts[0] if module.qk_shared else parts[1]
+    return keys.view(batch, num_tokens, module.num_heads, -1).transpose(1, 2)
+
+
+def solve_report(module: LaplacianAttention, x: torch.Tensor, hw) -> SolveReport:
+    """:class:`SolveReport` of ``module``'s landmark solve for input x (B, N, C) on hw."""
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        landmarks = pool_landmarks(_keys(module, x.float()), hw, module.landmark_grid)
+        w = _KERNELS[module.kernel](landmarks, landmarks, module.lam)
+        eye = torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
+        p = w + module.eps * eye
+        if module.solver == 'newton':
+            inverse = newton_schulz_pinv(p, module.newton_iters)
+        else:
+            inverse = exact_inverse(p)
+        residual = torch.linalg.matrix_norm(eye - p @ inverse, ord=2)
+        condition = torch.linalg.cond(p.double())
+    return SolveReport(float(residual.max()), float(condition.max()), int(w.shape[-1]))
+
+
+def landmark_solve_residuals(model: torch.nn.Module, *inputs, **kwargs
+                             ) -> Dict[str, SolveReport]:
+    """Run ``model(*inputs, **kwargs)`` once and report every attention's landmark solve.
+
+    Returns ``{module name: SolveReport}`` for each LaplacianAttention that ran; the
+    model's own output is discarded. Hooks are removed afterwards, also on error.
+    """
+    reports: Dict[str, SolveReport] = {}
+    handles = []
+
+    def make_hook(name):
+        def hook(module, args):
+            reports[name] = solve_report(module, args[0], args[1])
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, LaplacianAttention):
+            handles.append(module.register_forward_pre_hook(make_hook(name)))
+    try:
+        with torch.no_grad():
+            model(*inputs, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return reports

@@ -1,0 +1,250 @@
+"""Bad input everywhere a user can reach: module arguments, configs, images, tool arguments.
+
+Every case asserts the exception type and that the message names the offending
+argument (and its value), so a user learns what to change without reading a traceback.
+"""
+import json
+import os.path as osp
+import re
+import sys
+
+import pytest
+import torch
+from mmengine.config import Config
+
+import lapformer_mm  # noqa: F401  (registers LaplacianFormer)
+from lapformer_mm.models import (LaplacianAttention, LaplacianFormer, NeckChannelsCheckHook,
+                                 check_built_model, check_model_cfg)
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TOOLS = osp.join(ROOT, 'tools')
+TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
+UPERNET_CONFIG = osp.join(ROOT, 'configs', 'upernet_lapformer_t_ade20k.py')
+sys.path.insert(0, TOOLS)
+
+import coco_eval  # noqa: E402
+
+
+def load_tool(name):
+    """tools/<name>.py as a module (by path: 'test' would otherwise be the stdlib package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f'tools_{name}', osp.join(TOOLS, f'{name}.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize('kwargs, exc, match', [
+    (dict(landmark_grid=0), ValueError, 'landmark_grid=0 must be >= 1'),
+    (dict(landmark_grid=-3), ValueError, 'landmark_grid=-3 must be >= 1'),
+    (dict(landmark_grid=2.5), TypeError, 'landmark_grid must be an int'),
+    (dict(landmark_grid=True), TypeError, 'landmark_grid must be an int'),
+    (dict(lam=0), ValueError, 'lam=0 must be finite and > 0'),
+    (dict(lam=float('nan')), ValueError, 'lam=nan'),
+    (dict(lam=float('inf')), ValueError, 'lam=inf'),
+    (dict(lam='4'), TypeError, 'lam must be a real number'),
+    (dict(eps=-0.1), ValueError, 'eps=-0.1 must be finite and >= 0'),
+    (dict(whiten_eps=-1), ValueError, 'whiten_eps=-1'),
+    (dict(kernel='cosine'), ValueError, "kernel='cosine' is not supported"),
+    (dict(solver='svd'), ValueError, "solver='svd' is not supported"),
+    (dict(normalize='batch'), ValueError, "normalize='batch' is not supported"),
+    (dict(newton_iters=0), ValueError, 'newton_iters=0 must be >= 1'),
+    (dict(attn_drop=1.0), ValueError, r'attn_drop=1.0 must be in \[0, 1\)'),
+    (dict(proj_drop=-0.1), ValueError, 'proj_drop=-0.1'),
+    (dict(num_heads=0), ValueError, 'num_heads=0 must be >= 1'),
+    (dict(num_heads=3), ValueError, 'dim=64 must be divisible by num_heads=3'),
+])
+def test_attention_arguments_rejected_with_named_errors(kwargs, exc, match):
+    args = dict(dim=64, num_heads=2)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        LaplacianAttention(**args)
+
+
+def test_attention_call_with_wrong_grid_or_width():
+    attn = LaplacianAttention(32, 2)
+    x = torch.randn(1, 12, 32)
+    with pytest.raises(ValueError, match=r'hw=\(3, 5\) gives H\*W=15 but the input has N=12'):
+        attn(x, (3, 5))
+    with pytest.raises(ValueError, match=r'x must be \(B, N, 32\), got shape \(1, 12, 16\)'):
+        attn(torch.randn(1, 12, 16), (3, 4))
+    with pytest.raises(ValueError, match=r'hw\[0\]=0 must be >= 1'):
+        attn(torch.randn(1, 0, 32), (0, 4))
+
+
+@pytest.mark.parametrize('kwargs, exc, match', [
+    (dict(arch='giant'), ValueError, "arch must be one of .* got 'giant'"),
+    (dict(arch=3), TypeError, 'arch must be a str or a dict'),
+    (dict(arch=dict(embed_dims=[64] * 4, num_heads=[2] * 4)), ValueError,
+     r"arch dict must have keys \['depths', 'embed_dims', 'num_heads'\]"),
+    (dict(arch=dict(embed_dims=[64] * 4, num_heads=[2] * 4, depths=[1, 0, 1, 1])),
+     ValueError, r"arch\['depths'\] entries must be positive"),
+    (dict(arch=dict(embed_dims=[64] * 3, num_heads=[2] * 3, depths=[1] * 3)),
+     ValueError, r"arch\['embed_dims'\] must have 4 entries"),
+    (dict(arch=dict(embed_dims=[64, 64, 64, 66], num_heads=[2, 2, 2, 4], depths=[1] * 4)),
+     ValueError, r'embed_dims\[3\]=66 is not divisible by num_heads\[3\]=4'),
+    (dict(landmark_grid=0), ValueError, 'landmark_grid=0 must be >= 1'),
+    (dict(landmark_grid=-1), ValueError, 'landmark_grid=-1 must be >= 1'),
+    (dict(out_indices=(4, )), ValueError, r'out_indices must be in \[0, 4\)'),
+    (dict(out_indices=()), TypeError, 'out_indices must be a non-empty sequence'),
+    (dict(out_indices=(1, 1)), ValueError, 'out_indices must not repeat'),
+    (dict(frozen_stages=5), ValueError, r'frozen_stages must be an int in \[-1, 4\]'),
+    (dict(drop_path_rate=1.0), ValueError, r'drop_path_rate must be in \[0, 1\)'),
+    (dict(stage4_attention='linear'), ValueError, 'stage4_attention must be one of'),
+    (dict(in_channels=0), ValueError, 'in_channels must be a positive int, got 0'),
+    (dict(qk_shared='yes'), TypeError, 'qk_shared must be a bool or 4 bools'),
+    (dict(kernel='rbf'), ValueError, "kernel='rbf' is not supported"),
+    (dict(pretrained='a.pth', init_cfg=dict(type='Pretrained', checkpoint='b.pth')),
+     ValueError, 'give either pretrained or init_cfg'),
+])
+def test_backbone_config_values_rejected_through_the_registry(kwargs, exc, match):
+    """The same errors reach a user who builds from a config (mmdet's MODELS.build)."""
+    from mmdet.registry import MODELS
+    with pytest.raises(exc, match=match):
+        MODELS.build(dict(type='LaplacianFormer', **kwargs))
+
+
+@pytest.mark.parametrize('make, exc, match', [
+    (lambda: torch.rand(1, 1, 32, 32), ValueError,
+     r'must be \(B, 3, H, W\) \(in_channels=3\), got shape \(1, 1, 32, 32\)'),
+    (lambda: torch.rand(3, 32, 32), ValueError, r'got shape \(3, 32, 32\)'),
+    (lambda: torch.zeros(1, 3, 32, 32, dtype=torch.uint8), TypeError,
+     'must be a floating-point tensor .* got dtype torch.uint8'),
+    (lambda: [torch.rand(3, 32, 32)], TypeError, 'must be a torch.Tensor, got list'),
+])
+def test_backbone_input_rejected_with_named_errors(make, exc, match):
+    backbone = LaplacianFormer(arch=dict(embed_dims=[32] * 4, num_heads=[1] * 4,
+                                         depths=[1] * 4))
+    with pytest.raises(exc, match=match):
+        backbone(make())
+
+
+def toy_model_cfg(**neck):
+    cfg = Config.fromfile(TOY_CONFIG)
+    cfg.model.neck.update(neck)
+    return cfg.model
+
+
+def test_neck_in_channels_mismatch_named_before_building():
+    check_model_cfg(toy_model_cfg())
+    with pytest.raises(ValueError) as info:
+        check_model_cfg(toy_model_cfg(in_channels=[64, 128, 256, 512]))
+    message = str(info.value)
+    assert 'model.neck.in_channels=[64, 128, 256, 512] does not match the backbone' in message
+    assert "LaplacianFormer(arch='tiny', out_indices=(0, 1, 2, 3))" in message
+    assert 'set model.neck.in_channels=[64, 128, 320, 512]' in message
+
+
+def test_neck_in_channels_vs_out_indices_subset():
+    model = toy_model_cfg()
+    model.backbone.out_indices = (1, 2, 3)
+    with pytest.raises(ValueError, match=r'set model.neck.in_channels=\[128, 320, 512\]'):
+        check_model_cfg(model)
+    model.neck.in_channels = [128, 320, 512]
+    check_model_cfg(model)
+    model.backbone.arch = 'medium'
+    with pytest.raises(ValueError, match=r'in_channels=\[128, 288, 512\]'):
+        check_model_cfg(model)
+
+
+def test_decode_head_in_channels_checked_for_segmentors():
+    model = Config.fromfile(UPERNET_CONFIG).model
+    check_model_cfg(model)
+    model.decode_head.in_channels = [64, 128, 320]
+    with pytest.raises(ValueError, match=r'model.decode_head.in_channels=\[64, 128, 320\]'):
+        check_model_cfg(model)
+
+
+def test_mmdet_alone_reports_the_mismatch_only_at_forward():
+    """Why the check exists: mmdet builds the bad model and fails deep inside FPN."""
+    from mmdet.registry import MODELS
+    model = MODELS.build(toy_model_cfg(in_channels=[64, 128, 256, 512]))
+    feats = model.backbone(torch.rand(1, 3, 64, 64))
+    with pytest.raises(RuntimeError, match='expected input.* to have 256 channels'):
+        model.neck(feats)
+    with pytest.raises(ValueError, match='does not match the backbone'):
+        check_built_model(model)
+
+
+def test_neck_check_hook_fails_before_the_first_iteration():
+    from mmdet.registry import MODELS
+    from mmengine.registry import HOOKS
+
+    hook = HOOKS.build(dict(type='NeckChannelsCheckHook'))
+    assert isinstance(hook, NeckChannelsCheckHook)
+
+    class FakeRunner:
+        model = MODELS.build(toy_model_cfg(in_channels=[64, 128, 320, 256]))
+
+    with pytest.raises(ValueError, match=r'set model.neck.in_channels=\[64, 128, 320, 512\]'):
+        hook.before_run(FakeRunner())
+
+
+def write_gt(tmp_path):
+    gt = dict(images=[dict(id=1, width=40, height=30, file_name='1.png')],
+              annotations=[dict(id=1, image_id=1, category_id=1, bbox=[5, 5, 10, 10],
+                                area=100.0, iscrowd=0,
+                                segmentation=[[5, 5, 15, 5, 15, 15, 5, 15]])],
+              categories=[dict(id=1, name='a')])
+    path = tmp_path / 'gt.json'
+    path.write_text(json.dumps(gt))
+    return str(path)
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_coco_eval_bad_files_named(tmp_path, capsys):
+    gt = write_gt(tmp_path)
+    good = dict(image_id=1, category_id=1, bbox=[5, 5, 10, 10], score=0.9)
+    cases = [
+        ([str(tmp_path / 'nope.json'), gt], "annotation file '.*nope.json' does not exist"),
+        ([gt, str(tmp_path / 'nope.json')], "results file '.*nope.json' does not exist"),
+        ([gt, write(tmp_path, 'empty.json', '[]')], 'is empty'),
+        ([gt, write(tmp_path, 'blank.json', '')], 'is not valid JSON'),
+        ([gt, write(tmp_path, 'dict.json', '{}')], 'must hold a JSON list of detections'),
+        ([gt, write(tmp_path, 'other_img.json', json.dumps([dict(good, image_id=7)]))],
+         r'image id\(s\) not in the annotation file .*another annotation file'),
+        ([gt, write(tmp_path, 'other_cat.json', json.dumps([dict(good, category_id=9)]))],
+         r'category id\(s\) \[9\] .*another annotation file'),
+        ([gt, write(tmp_path, 'nobox.json', json.dumps([{'image_id': 1, 'category_id': 1,
+                                                         'score': 1.0}]))],
+         "has no 'bbox' field"),
+        ([gt, write(tmp_path, 'noseg.json', json.dumps([good])), '--types', 'segm'],
+         "has no 'segmentation' field, needed for --types segm"),
+    ]
+    for argv, pattern in cases:
+        assert coco_eval.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert re.search(pattern, err), (argv, err)
+        assert 'Traceback' not in err
+
+
+def test_test_tool_missing_checkpoint_and_config(tmp_path):
+    test_tool = load_tool('test')
+    args = test_tool.parse_args([TOY_CONFIG, str(tmp_path / 'missing.pth')])
+    with pytest.raises(FileNotFoundError, match="checkpoint '.*missing.pth' does not exist"):
+        test_tool.build_cfg(args)
+    args = test_tool.parse_args([str(tmp_path / 'nope.py'), str(tmp_path / 'x.pth')])
+    with pytest.raises(FileNotFoundError, match='nope.py'):
+        test_tool.build_cfg(args)
+
+
+def test_test_tool_bad_out_suffix(capsys):
+    test_tool = load_tool('test')
+    with pytest.raises(SystemExit):
+        test_tool.parse_args([TOY_CONFIG, 'x.pth', '--out', 'preds.json'])
+    assert '--out must be a .pkl/.pickle file or a folder' in capsys.readouterr().err
+
+
+def test_train_tool_missing_config_and_bad_auto_scale_lr(tmp_path):
+    train_tool = load_tool('train')
+    with pytest.raises(FileNotFoundError, match='nope.py'):
+        train_tool.build_cfg(train_tool.parse_args([str(tmp_path / 'nope.py')]))
+    cfg_path = tmp_path / 'no_scale.py'
+    cfg_path.write_text(f"_base_ = ['{TOY_CONFIG}']\nauto_scale_lr = None\n")
+    with pytest.raises(RuntimeError, match='--auto-scale-lr needs `auto_scale_lr'):
+        train_tool.build_cfg(train_tool.parse_args([str(cfg_path), '--auto-scale-lr']))
