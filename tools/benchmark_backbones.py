@@ -217,6 +217,8 @@ def format_table(results, params, sizes, modes, key):
     for size in sizes:
         size_key = f'{size[0]}x{size[1]}'
         for name in params:
+            if not any(name in results.get(m, {}).get(size_key, {}) for m in modes):
+                continue
             row = [size_key, name, f'{params[name] / 1e6:.1f}']
             for mode in modes:
                 entry = results.get(mode, {}).get(size_key, {}).get(name)
