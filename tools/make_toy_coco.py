@@ -110,7 +110,7 @@ def sample_objects(rng, img_size, max_objects):
     for _ in range(n):
         name = CLASSES[int(rng.integers(len(CLASSES)))]
         # Log-uniform sizes: many small objects, some medium/large ones.
-        size = float(np.exp(rng.uniform(np.log(0.12), np.log(0.55))) *
+        size = float(np.exp(rng.uniform(np.log(0.2), np.log(0.6))) *
                      img_size)
         margin = size * 0.3
         centre = rng.uniform(margin, img_size - margin, 2)
@@ -232,9 +232,9 @@ def parse_args(argv=None):
     parser.add_argument('--num-train', type=positive_int, default=320)
     parser.add_argument('--num-val', type=positive_int, default=80)
     parser.add_argument(
-        '--img-size', type=positive_int, default=160, help='square side (px)')
+        '--img-size', type=positive_int, default=128, help='square side (px)')
     parser.add_argument(
-        '--max-objects', type=positive_int, default=5,
+        '--max-objects', type=positive_int, default=4,
         help='most objects painted per image (at least 2 are painted)')
     parser.add_argument('--seed', type=int, default=0)
     args = parser.parse_args(argv)
