@@ -21,7 +21,7 @@ _KERNELS = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
 
 class SolveReport(NamedTuple):
     """Worst case over the batch and heads of one attention call."""
-    residual: float  # max ||I - P X||_2
+    residual: float  # max ||I - P X||_2, evaluated in fp64
     condition: float  # max cond_2(P)
     num_landmarks: int  # m
 
@@ -35,9 +35,13 @@ def _keys(module: LaplacianAttention, x: torch.Tensor) -> torch.Tensor:
 
 
 def solve_report(module: LaplacianAttention, x: torch.Tensor, hw) -> SolveReport:
-    """:class:`SolveReport` of ``module``'s landmark solve for input x (B, N, C) on hw."""
+    """:class:`SolveReport` of ``module``'s landmark solve for input x (B, N, C) on hw.
+
+    Computes in fp32 as the attention does (fp64 input and module stay fp64).
+    """
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-        landmarks = pool_landmarks(_keys(module, x.float()), hw, module.landmark_grid)
+        x = x if x.dtype == torch.float64 else x.float()
+        landmarks = pool_landmarks(_keys(module, x), hw, module.landmark_grid)
         w = _KERNELS[module.kernel](landmarks, landmarks, module.lam)
         eye = torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
         p = w + module.eps * eye
@@ -45,8 +49,11 @@ def solve_report(module: LaplacianAttention, x: torch.Tensor, hw) -> SolveReport
             inverse = newton_schulz_pinv(p, module.newton_iters)
         else:
             inverse = exact_inverse(p)
-        residual = torch.linalg.matrix_norm(eye - p @ inverse, ord=2)
-        condition = torch.linalg.cond(p.double())
+        # In fp64: forming I - P X in fp32 would itself add ~cond(P)·m·2^-24 of
+        # round-off and hide how good the fp32 inverse is.
+        p64 = p.double()
+        residual = torch.linalg.matrix_norm(eye.double() - p64 @ inverse.double(), ord=2)
+        condition = torch.linalg.cond(p64)
     return SolveReport(float(residual.max()), float(condition.max()), int(w.shape[-1]))
 
 
