@@ -11,7 +11,7 @@ import model_zoo  # noqa: E402
 import qk_capture  # noqa: E402
 
 TINY_LAPLACIAN = dict(arch=dict(embed_dims=[8, 16, 16, 32], num_heads=[1, 2, 2, 4],
-                                depths=[1, 2, 1, 1]))
+                                depths=[1, 2, 1, 1]), stage4_attention='laplacian')
 TINY_PVT = dict(embed_dims=8, num_layers=[1, 2, 1, 1])
 TINY_SWIN = dict(embed_dims=12, depths=[2, 2, 2, 2], num_heads=[1, 2, 2, 4], window_size=4)
 
@@ -44,9 +44,9 @@ def test_laplacianformer_records_shapes_and_q_fed_to_the_kernel(monkeypatch, qk_
         assert record.q.shape == (2, heads, hw[0] * hw[1], width)
         assert record.k.shape == record.q.shape
         assert record.pair_mask is None
-    assert [r.hw for r in records[:4]] == grids[:4]
-    # Stages 1-3 are Laplacian attention: the captured q/k are what the kernel received.
-    assert len(seen) == 4
+    assert [r.hw for r in records] == grids
+    # Every stage is Laplacian attention here: the captured q/k are what the kernel received.
+    assert len(seen) == 5
     for record, (q, k) in zip(records, seen):
         torch.testing.assert_close(record.q, q)
         torch.testing.assert_close(record.k, k)

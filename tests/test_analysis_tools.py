@@ -43,9 +43,14 @@ def test_attention_maps_cli_writes_both_figures(tmp_path):
     assert (tmp_path / 'kernel_gradients.png').stat().st_size > 0
 
 
-def test_attention_maps_rejects_softmax_stage(tmp_path):
+def test_attention_maps_rejects_softmax_stage():
+    import model_zoo
+    model = model_zoo.build_backbone('laplacianformer-t-softmax4', config_overrides=dict(
+        arch=dict(embed_dims=[8, 8, 8, 8], num_heads=[1, 1, 1, 1], depths=[1, 1, 1, 1])))
     with pytest.raises(ValueError, match='not LaplacianAttention'):
-        attention_maps.main(['--size', '32', '32', '--stage', '4', '--out', str(tmp_path)])
+        attention_maps.capture_block(model, torch.randn(1, 3, 32, 32), stage=4, block=1)
+    with pytest.raises(ValueError, match='--block'):
+        attention_maps.capture_block(model, torch.randn(1, 3, 32, 32), stage=1, block=2)
 
 
 def _entry(cpu, wall=None):

@@ -36,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, osp.join(osp.dirname(osp.abspath(__file__)), 'analysis'))
-from model_zoo import BACKBONE_CONFIGS, build_backbone, count_parameters  # noqa: E402
+from model_zoo import BACKBONE_CONFIGS, build_backbone, count_parameters, describe  # noqa: E402
 
 REFERENCE = 'laplacianformer-t'
 MODES = ('fwd', 'fwdbwd')
@@ -385,6 +385,16 @@ def growth(results, mode, name, small, large, key):
     return b[key] / a[key] if a and b else None
 
 
+def git_commit():
+    """HEAD of the repository this tool runs from, or None (layouts change between commits)."""
+    import subprocess
+    try:
+        return subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
+                              cwd=osp.dirname(osp.abspath(__file__)), timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def report_saved_run(path, plot):
     """Print the table (and draw ``plot``) of a JSON written by ``--json``."""
     with open(path) as f:
@@ -432,6 +442,7 @@ def main(argv=None):
     models = {n: build_backbone(n).to(device) for n in args.models}
     params = {n: count_parameters(m) for n, m in models.items()}
     info = dict(device=str(device), threads=torch.get_num_threads(), torch=torch.__version__,
+                git_commit=git_commit(), layouts={n: describe(m) for n, m in models.items()},
                 memory_method=None if not args.memory else (
                     'torch.cuda.max_memory_allocated' if device.type == 'cuda' else
                     'VmHWM - VmRSS of one call in a forked child, /proc/self/clear_refs reset'),

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
 from images import load_images, read_image, to_tensor  # noqa: E402
-from model_zoo import build_backbone  # noqa: E402
+from model_zoo import BACKBONE_CONFIGS, build_backbone  # noqa: E402
 from qk_capture import capture_qk  # noqa: E402
 
 MAX_DENSE_TOKENS = 8192
@@ -238,7 +238,7 @@ def capture_block(model, tensor, stage, block):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--model', default='laplacianformer-t',
-                        choices=['laplacianformer-t', 'laplacianformer-s'])
+                        choices=[n for n in BACKBONE_CONFIGS if n.startswith('laplacianformer')])
     parser.add_argument('--checkpoint', help='backbone weights (weights_only load)')
     parser.add_argument('--image', help='image file (default: a synthetic texture)')
     parser.add_argument('--seed', type=int, default=0, help='synthetic image seed')

@@ -1,8 +1,9 @@
 """Backbones compared in the analyses and benchmarks, built from config dicts.
 
 Names accepted by :func:`build_backbone` (see ``BACKBONE_CONFIGS``):
-``laplacianformer-t``, ``laplacianformer-s`` (ours; ``laplacianformer-t-lap4``
-is Tiny with Laplacian instead of softmax attention in stage 4), ``pvtv2-b1``, ``pvtv2-b2``
+``laplacianformer-t``, ``laplacianformer-s`` (ours, the backbone's default
+layout; ``laplacianformer-t-softmax4`` is Tiny with SOFT's softmax attention
+in stage 4), ``pvtv2-b1``, ``pvtv2-b2``
 and ``swin-t`` (mmdet 3.3's PyramidVisionTransformerV2 and SwinTransformer with
 the settings of mmdet's own ``configs/pvt`` and ``configs/swin`` files).
 
@@ -16,10 +17,9 @@ import copy
 BACKBONE_CONFIGS = {
     'laplacianformer-t': dict(type='LaplacianFormer', arch='tiny', drop_path_rate=0.0),
     'laplacianformer-s': dict(type='LaplacianFormer', arch='small', drop_path_rate=0.0),
-    # The default stage 4 is SOFT's softmax attention (quadratic in its tokens);
-    # this variant uses the Laplacian attention there too.
-    'laplacianformer-t-lap4': dict(type='LaplacianFormer', arch='tiny', drop_path_rate=0.0,
-                                   stage4_attention='laplacian'),
+    # SOFT's layout: plain softmax attention (quadratic in its tokens) in stage 4.
+    'laplacianformer-t-softmax4': dict(type='LaplacianFormer', arch='tiny', drop_path_rate=0.0,
+                                       stage4_attention='softmax'),
     'pvtv2-b1': dict(type='PyramidVisionTransformerV2', embed_dims=64,
                      num_layers=[2, 2, 2, 2], drop_path_rate=0.0),
     'pvtv2-b2': dict(type='PyramidVisionTransformerV2', embed_dims=64,
@@ -87,6 +87,16 @@ def build_backbone(name, checkpoint=None, config_overrides=None):
     # Some mmdet backbones' train() returns None, so no chaining.
     model.eval()
     return model
+
+
+def describe(model):
+    """The layout choices of a built backbone that change its cost, as a dict."""
+    settings = {'class': type(model).__name__}
+    for attribute in ('stage4_attention', 'qk_shared', 'arch_settings'):
+        if hasattr(model, attribute):
+            value = getattr(model, attribute)
+            settings[attribute] = list(value) if isinstance(value, tuple) else value
+    return settings
 
 
 def count_parameters(model):
