@@ -26,5 +26,6 @@ def test_forward_backward_peak_within_3x_of_inputs_outputs_and_kernels():
     # tensors: k(q, L) and k(k, L), each N×m.
     budget = inputs + _tensor_bytes(q.shape) + inputs + _tensor_bytes((N, M), (N, M))
     peak = inputs + extra
+    print(f'peak {peak / 2**20:.1f} MiB = {peak / budget:.2f} x budget {budget / 2**20:.1f} MiB')
     assert peak <= 3 * budget, f'peak {peak / 2**20:.1f} MiB > 3 x {budget / 2**20:.1f} MiB'
     assert q.grad is not None and landmarks.grad is not None

@@ -31,10 +31,10 @@ def full_precision_matmul():
 def single_thread_on_cpu(tensor):
     """Run small CPU matmuls on one thread; no-op for other devices.
 
-    The landmark solve multiplies m×m matrices (m <= 49). On the 2-core
-    development VM a multi-threaded MKL sgemm of one 49×49 matrix took ~23 ms
-    (thread wake-up under load) against ~5 µs on one thread
-    (docs/attention.md), so the solve pins the intra-op pool to one thread.
+    The landmark solve multiplies m×m matrices (m <= 49): too little work to
+    share, and on the shared 2-core development VM a second thread sometimes
+    arrives milliseconds late (``tools/bench_attention.py micro``,
+    docs/attention.md), so the solve pins the intra-op pool to one thread.
     """
     if tensor.device.type != 'cpu':
         yield
