@@ -1,10 +1,8 @@
 """Laplacian-kernel Nyström attention module (DESIGN.md section 2).
 
-``qk_shared`` defaults to **True** (keys tied to queries, the SOFT layout): with
-the arch table of DESIGN.md section 3 and the SOFT-style softmax stage 4, tied
-keys land on the paper's Medium size, while separate keys add about 2.4 M
-parameters (one C×C projection per block of stages 1–3). The backbone measures
-this in docs/model_size.md and passes ``qk_shared`` explicitly.
+``qk_shared`` defaults to **True** (keys tied to queries, the SOFT layout). The
+backbone passes it per stage: tied in stages 1–3 and separate in stage 4 is the
+layout that lands on the paper's Medium size (docs/model_size.md).
 """
 from torch import nn
 
