@@ -1,0 +1,274 @@
+"""Interrupted training loses nothing; a checkpoint is never left half-written.
+
+Faults injected: SIGKILL of ``tools/train.py`` in the middle of an epoch, and SIGKILL
+in the middle of writing a checkpoint file (with mmengine's in-place write and with
+:func:`lapformer_mm.checkpoint.enable_atomic_checkpoint_save`).
+"""
+import contextlib
+import hashlib
+import io
+import json
+import os
+import os.path as osp
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from lapformer_mm.checkpoint import (atomic_write_bytes, enable_atomic_checkpoint_save,
+                                     safe_load)
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TOOLS = osp.join(ROOT, 'tools')
+TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
+sys.path.insert(0, TOOLS)
+
+import make_toy_coco  # noqa: E402
+
+PROBE = '''
+import hashlib
+import json
+
+import torch
+from mmengine.hooks import Hook
+from mmengine.registry import HOOKS
+
+
+@HOOKS.register_module()
+class ResumeProbeHook(Hook):
+    """Dump what the run holds when training starts (after any resume)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def before_train(self, runner):
+        optimizer = runner.optim_wrapper.optimizer
+        state = {str(i): {k: hashlib.sha256(torch.as_tensor(v).cpu().contiguous().numpy()
+                                            .tobytes()).hexdigest() for k, v in s.items()}
+                 for i, s in enumerate(optimizer.state_dict()['state'].values())}
+        with open(self.out, 'w') as f:
+            json.dump(dict(iter=runner.iter, epoch=runner.epoch,
+                           lr=[g['lr'] for g in optimizer.param_groups], state=state), f)
+'''
+
+
+def tensor_digest(t):
+    """sha256 of a tensor's bytes: bit-exact comparison of optimizer state."""
+    return hashlib.sha256(torch.as_tensor(t).cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def tool_env(extra_path):
+    return dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
+                PYTHONPATH=os.pathsep.join([ROOT, extra_path]))
+
+
+@pytest.fixture(scope='module')
+def run_setup(tmp_path_factory):
+    """Toy data (8 train images: 4 steps of 2 per epoch), a probe hook and a config."""
+    base = tmp_path_factory.mktemp('resume')
+    root = str(base / 'toy_coco')
+    with contextlib.redirect_stdout(io.StringIO()):
+        make_toy_coco.main(['--out', root, '--num-train', '8', '--num-val', '2',
+                            '--img-size', '64', '--max-objects', '2'])
+    (base / 'relprobe.py').write_text(PROBE)
+    config = base / 'toy_probe.py'
+    config.write_text(textwrap.dedent(f'''\
+        _base_ = ['{TOY_CONFIG}']
+        custom_imports = dict(imports=['lapformer_mm', 'relprobe'], allow_failed_imports=False)
+        custom_hooks = [dict(type='ResumeProbeHook', out='{base}/probe.json')]
+        '''))
+    return str(base), root, str(config)
+
+
+def options(root, max_epochs):
+    return ['--cfg-options', f'train_dataloader.dataset.data_root={root}/',
+            'train_dataloader.dataset.pipeline.2.scale=(64,64)',
+            'train_dataloader.batch_size=2', f'train_cfg.max_epochs={max_epochs}',
+            'train_cfg.val_interval=100', 'default_hooks.checkpoint.interval=1',
+            'default_hooks.checkpoint.max_keep_ckpts=3', 'default_hooks.logger.interval=1']
+
+
+def logged_lrs(log):
+    """{(epoch, step): 'lr' string} of the training log lines."""
+    return {(int(e), int(s)): lr for e, s, lr in re.findall(
+        r'Epoch\(train\)\s+\[(\d+)\]\[\s*(\d+)/\d+\].*?\slr: (\S+)', log)}
+
+
+def kill_when_logged(proc, log_path, pattern, timeout=240):
+    """SIGKILL ``proc`` as soon as ``pattern`` appears in its log; return the log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(log_path) as f:
+            log = f.read()
+        if re.search(pattern, log):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            return log
+        assert proc.poll() is None, log[-3000:]
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f'{pattern!r} never logged')
+
+
+def test_sigkill_mid_epoch_then_resume_continues_exactly(run_setup):
+    base, root, config = run_setup
+    work = osp.join(base, 'work')
+    log_path = osp.join(base, 'killed.log')
+    with open(log_path, 'w') as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, osp.join(TOOLS, 'train.py'), config, '--work-dir', work] +
+            options(root, 3), cwd=ROOT, env=tool_env(base), stdout=log_file,
+            stderr=subprocess.STDOUT)
+        killed_log = kill_when_logged(proc, log_path, r'Epoch\(train\)\s+\[2\]\[\s*2/4\]')
+    assert proc.returncode == -signal.SIGKILL
+    assert sorted(f for f in os.listdir(work) if f.endswith('.pth')) == ['epoch_1.pth']
+    with open(osp.join(work, 'last_checkpoint')) as f:
+        assert f.read().strip().endswith('epoch_1.pth')
+    saved = safe_load(osp.join(work, 'epoch_1.pth'))
+    assert saved['meta']['iter'] == 4 and saved['meta']['epoch'] == 1
+
+    proc = subprocess.run(
+        [sys.executable, osp.join(TOOLS, 'train.py'), config, '--work-dir', work, '--resume'] +
+        options(root, 2), cwd=ROOT, env=tool_env(base), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert 'resumed epoch: 1, iter: 4' in proc.stdout
+    assert 'Epoch(train) [1]' not in proc.stdout
+
+    with open(osp.join(base, 'probe.json')) as f:
+        probe = json.load(f)
+    assert (probe['iter'], probe['epoch']) == (4, 1)
+    assert probe['lr'] == [g['lr'] for g in saved['optimizer']['param_groups']]
+    expected_state = {str(i): {k: tensor_digest(v) for k, v in s.items()}
+                      for i, s in enumerate(saved['optimizer']['state'].values())}
+    assert probe['state'] == expected_state and expected_state
+
+    killed, resumed = logged_lrs(killed_log), logged_lrs(proc.stdout)
+    assert killed[(2, 1)] == resumed[(2, 1)] and killed[(2, 2)] == resumed[(2, 2)]
+    assert sorted(resumed) == [(2, 1), (2, 2), (2, 3), (2, 4)]
+    assert safe_load(osp.join(work, 'epoch_2.pth'))['meta']['iter'] == 8
+
+
+KILL_DURING_SAVE = '''
+import builtins, os, signal, sys
+
+import torch
+from mmengine.runner.checkpoint import save_checkpoint
+
+from lapformer_mm.checkpoint import enable_atomic_checkpoint_save
+
+mode, path = sys.argv[1], sys.argv[2]
+if mode == 'atomic':
+    enable_atomic_checkpoint_save()
+save_checkpoint({'state_dict': {'w': torch.zeros(4096)}, 'meta': {'epoch': 1}}, path)
+
+real_open = builtins.open
+
+
+class DiesMidWrite:
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+    def write(self, data):
+        self.f.write(data[:len(data) // 2])
+        self.f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def open_dying(file, mode='r', *args, **kwargs):
+    f = real_open(file, mode, *args, **kwargs)
+    inside = os.path.dirname(os.path.abspath(str(file))) == os.path.dirname(os.path.abspath(path))
+    return DiesMidWrite(f) if inside and 'w' in mode else f
+
+
+builtins.open = open_dying
+save_checkpoint({'state_dict': {'w': torch.ones(4096)}, 'meta': {'epoch': 2}}, path)
+'''
+
+
+def kill_during_save(tmp_path, mode):
+    script = tmp_path / 'kill_during_save.py'
+    script.write_text(KILL_DURING_SAVE)
+    path = str(tmp_path / 'ckpt' / 'latest.pth')
+    proc = subprocess.run([sys.executable, str(script), mode, path], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    return path
+
+
+def test_mmengine_in_place_save_killed_mid_write_corrupts_the_file(tmp_path):
+    """Why the atomic save exists: mmengine's default truncates the old file first."""
+    path = kill_during_save(tmp_path, 'in_place')
+    with pytest.raises(RuntimeError, match='PytorchStreamReader failed'):
+        safe_load(path)
+
+
+def test_atomic_save_killed_mid_write_keeps_the_previous_checkpoint(tmp_path):
+    path = kill_during_save(tmp_path, 'atomic')
+    checkpoint = safe_load(path)
+    assert checkpoint['meta']['epoch'] == 1
+    assert torch.equal(checkpoint['state_dict']['w'], torch.zeros(4096))
+    leftovers = [f for f in os.listdir(osp.dirname(path)) if f != 'latest.pth']
+    assert len(leftovers) == 1 and leftovers[0].endswith('.tmp')
+
+
+def test_atomic_write_replaces_whole_file_and_cleans_up_on_error(tmp_path):
+    target = tmp_path / 'sub' / 'f.bin'
+    atomic_write_bytes(b'old', target)
+    atomic_write_bytes(b'new contents', target)
+    assert target.read_bytes() == b'new contents'
+
+    class Unwritable:
+        def __len__(self):
+            return 1
+
+    with pytest.raises(TypeError):
+        atomic_write_bytes(Unwritable(), target)
+    assert target.read_bytes() == b'new contents'
+    assert os.listdir(target.parent) == ['f.bin']
+
+
+def test_runner_checkpoints_with_atomic_save(tmp_path):
+    """A whole mmengine run with the patch: checkpoints load, no temporary files remain."""
+    from mmengine.fileio.backends.local_backend import LocalBackend
+    from mmengine.runner import Runner
+    from torch import nn
+    from mmengine.model import BaseModel
+
+    class Tiny(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(2, 1)
+
+        def forward(self, inputs, data_samples=None, mode='tensor'):
+            return dict(loss=self.linear(inputs).square().mean())
+
+    original_put = LocalBackend.put
+    try:
+        assert enable_atomic_checkpoint_save() and enable_atomic_checkpoint_save()
+        Runner(model=Tiny(), work_dir=str(tmp_path),
+               train_dataloader=dict(dataset=[dict(inputs=torch.ones(2))] * 4, batch_size=2,
+                                     collate_fn=dict(type='default_collate'),
+                                     sampler=dict(type='DefaultSampler', shuffle=False)),
+               optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+               train_cfg=dict(by_epoch=True, max_epochs=2),
+               default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=1))).train()
+    finally:
+        LocalBackend.put = original_put
+    assert safe_load(tmp_path / 'epoch_2.pth')['meta']['iter'] == 4
+    assert not [f for f in os.listdir(tmp_path) if f.endswith('.tmp')]
