@@ -52,6 +52,21 @@ def build_test_dataset(cfg):
     return DATASETS.build(cfg.test_dataloader.dataset)
 
 
+def original_scale_gt(data_sample):
+    """GT instances of a packed test sample in original-image pixels.
+
+    The test pipeline resizes; boxes are scaled back, masks (kept only when
+    the image was not resized) are drawn as they are.
+    """
+    gt = data_sample.gt_instances
+    sx, sy = data_sample.metainfo.get('scale_factor', (1.0, 1.0))
+    boxes = gt.bboxes.tensor if hasattr(gt.bboxes, 'tensor') else gt.bboxes
+    gt.bboxes = boxes / boxes.new_tensor([sx, sy, sx, sy])
+    if 'masks' in gt and (sx, sy) != (1.0, 1.0):
+        del gt.masks
+    return gt
+
+
 def visualize(cfg, checkpoint, out_dir, num, score_thr, device='cpu'):
     """Write ``num`` PNGs into ``out_dir``; return their paths."""
     from mmdet.apis import inference_detector, init_detector
@@ -69,8 +84,7 @@ def visualize(cfg, checkpoint, out_dir, num, score_thr, device='cpu'):
         info = dataset.get_data_info(idx)
         img_path = info['img_path']
         result = inference_detector(model, img_path)
-        gt_sample = dataset[idx]['data_samples']
-        result.gt_instances = gt_sample.gt_instances
+        result.gt_instances = original_scale_gt(dataset[idx]['data_samples'])
         img = mmcv.imread(img_path, channel_order='rgb')
         out_file = osp.join(out_dir, osp.splitext(osp.basename(img_path))[0] +
                             '_pred.png')

@@ -2,7 +2,7 @@
 #
 # Data: `python tools/make_toy_coco.py` (writes data/toy_coco, 128 px images,
 # 4 classes). Trained from scratch (no pretrained weights), so the heads are
-# slimmed down and anchors are halved to match the 19-77 px objects.
+# slimmed down and anchors are halved to match the 26-77 px objects.
 # Run: `python tools/train.py configs/toy/maskrcnn_lapformer_t_toy.py`
 _base_ = [
     'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
@@ -115,7 +115,7 @@ val_evaluator = dict(
     format_only=False)
 test_evaluator = val_evaluator
 
-max_epochs = 8
+max_epochs = 6
 train_cfg = dict(
     type='EpochBasedTrainLoop', max_epochs=max_epochs, val_interval=max_epochs)
 val_cfg = dict(type='ValLoop')

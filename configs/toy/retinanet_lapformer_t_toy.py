@@ -1,6 +1,6 @@
 # RetinaNet + LaplacianFormer-T on the bundled toy shapes set, sized for a CPU
 # (data: `python tools/make_toy_coco.py`). Trained from scratch: slim FPN/head
-# and anchors halved (smallest 16 px) to match the 19-77 px objects.
+# and anchors halved (smallest 16 px) to match the 26-77 px objects.
 # Run: `python tools/train.py configs/toy/retinanet_lapformer_t_toy.py`
 _base_ = ['./maskrcnn_lapformer_t_toy.py']
 
