@@ -89,7 +89,8 @@ def safe_load(filename, map_location='cpu'):
 
     Raises:
         FileNotFoundError: ``filename`` does not exist.
-        RuntimeError: the file needs unpickling of objects outside the allowlist.
+        RuntimeError: the file needs unpickling of objects outside the allowlist, or it
+            is truncated or not a torch checkpoint.
     """
     filename = os.path.expanduser(os.fspath(filename))
     if not os.path.isfile(filename):
@@ -106,6 +107,13 @@ def safe_load(filename, map_location='cpu'):
             f'Refused to load checkpoint {filename!r}: it contains objects that are not plain '
             f'weights, and unpickling them could run code. {TRUST_HINT}\n'
             f'Details: {_refusal_reason(err)}') from err
+    except (OSError, RuntimeError, EOFError) as err:
+        # A truncated zip (a save killed mid-write) surfaces as EINVAL or a
+        # PytorchStreamReader error that names neither the file nor the cause.
+        raise RuntimeError(
+            f'checkpoint file {filename!r} cannot be read as a torch checkpoint '
+            f'({type(err).__name__}: {err}); it is truncated (a save that was '
+            'interrupted?) or not a checkpoint') from err
 
 
 def _refusal_reason(err):
