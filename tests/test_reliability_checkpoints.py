@@ -1,0 +1,182 @@
+"""Untrusted checkpoints are refused everywhere a user can pass a path.
+
+Entry points: the backbone's ``init_cfg=dict(type='Pretrained', ...)`` (and the
+deprecated ``pretrained=``), ``load_from``/``--resume`` (mmengine's loader, used by
+tools/train.py and tools/test.py), tools/test.py itself and
+tools/convert_cls_to_backbone.py. Each refusal must leave the payload unrun and say
+why and how to allow a trusted file; the documented opt-in must actually work.
+"""
+import contextlib
+import importlib.util
+import io
+import os
+import os.path as osp
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import lapformer_mm  # noqa: F401
+from lapformer_mm.checkpoint import TRUST_ENV, install_safe_local_loader, safe_load
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TOOLS = osp.join(ROOT, 'tools')
+TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
+TINY = dict(embed_dims=[32, 32, 32, 32], num_heads=[1, 1, 1, 1], depths=[1, 1, 1, 1])
+sys.path.insert(0, TOOLS)
+
+
+class RunsCode:
+    """Unpickling this creates a marker file: stands for any code execution."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f'touch {self.marker}', ))
+
+
+class HarmlessCustomObject:
+    """Not on the allowlist but harmless: what a trusted third-party checkpoint may hold."""
+
+    def __init__(self):
+        self.note = 'trusted'
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(f'tools_{name}', osp.join(TOOLS, f'{name}.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def evil(tmp_path):
+    """(checkpoint path, marker path): a backbone state dict plus a code-running payload."""
+    from lapformer_mm.models import LaplacianFormer
+    marker = tmp_path / 'payload_ran'
+    path = tmp_path / 'evil.pth'
+    state = LaplacianFormer(arch=TINY).state_dict()
+    torch.save({'state_dict': state, 'meta': {'x': RunsCode(marker)}}, path)
+    return str(path), marker
+
+
+def assert_refused_with_hint(message, path):
+    assert 'Refused to load checkpoint' in message and osp.basename(path) in message
+    assert 'unpickling them could run code' in message
+    assert f'{TRUST_ENV}=1' in message and 'plain state dict' in message
+
+
+def test_backbone_init_cfg_refuses_code_running_checkpoint(evil):
+    from mmdet.registry import MODELS
+    path, marker = evil
+    for kwargs in (dict(init_cfg=dict(type='Pretrained', checkpoint=path)),
+                   dict(pretrained=path)):
+        backbone = MODELS.build(dict(type='LaplacianFormer', arch=TINY, **kwargs))
+        with pytest.raises(RuntimeError) as info:
+            backbone.init_weights()
+        assert_refused_with_hint(str(info.value), path)
+        assert 'posix.system' in str(info.value) or 'os.system' in str(info.value)
+    assert not marker.exists()
+
+
+def test_numpy_object_array_cannot_smuggle_a_payload(tmp_path):
+    """numpy arrays are allowlisted (mmengine writes them); object arrays must not open a door."""
+    marker = tmp_path / 'ran'
+    payload = np.empty(1, dtype=object)
+    payload[0] = RunsCode(marker)
+    path = tmp_path / 'npobj.pth'
+    torch.save({'state_dict': {}, 'meta': {'arr': payload}}, path)
+    with pytest.raises(RuntimeError, match='Refused to load checkpoint'):
+        safe_load(path)
+    assert not marker.exists()
+
+
+def test_trust_opt_in_named_in_the_message_works(tmp_path, monkeypatch):
+    path = tmp_path / 'custom.pth'
+    torch.save({'state_dict': {'w': torch.ones(2)}, 'meta': HarmlessCustomObject()}, path)
+    with pytest.raises(RuntimeError, match='Refused to load checkpoint'):
+        safe_load(path)
+    monkeypatch.setenv(TRUST_ENV, '1')
+    with pytest.warns(UserWarning, match='full unpickling'):
+        loaded = safe_load(path)
+    assert loaded['meta'].note == 'trusted'
+
+
+class Tiny(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 1)
+
+
+@contextlib.contextmanager
+def mmengine_local_loader_restored():
+    from mmengine.runner.checkpoint import CheckpointLoader
+    saved = dict(CheckpointLoader._schemes)
+    try:
+        yield
+    finally:
+        CheckpointLoader._schemes.clear()
+        CheckpointLoader._schemes.update(saved)
+
+
+def test_load_from_and_resume_refuse_code_running_checkpoint(evil):
+    """mmengine's loader (load_from, --resume): torch refuses; with the safe loader, we explain."""
+    from mmengine.runner.checkpoint import load_checkpoint
+    path, marker = evil
+    with pytest.raises(Exception, match='Weights only load failed'):
+        load_checkpoint(Tiny(), path)
+    with mmengine_local_loader_restored():
+        assert install_safe_local_loader()
+        with pytest.raises(RuntimeError) as info:
+            load_checkpoint(Tiny(), path)
+        assert_refused_with_hint(str(info.value), path)
+    assert not marker.exists()
+
+
+def test_safe_local_loader_still_loads_mmengine_checkpoints(tmp_path):
+    from mmengine.runner.checkpoint import load_checkpoint, save_checkpoint
+    model = Tiny()
+    path = str(tmp_path / 'ok.pth')
+    save_checkpoint({'state_dict': model.state_dict(), 'meta': {'epoch': 3},
+                     'arr': np.arange(3)}, path)
+    with mmengine_local_loader_restored():
+        install_safe_local_loader()
+        other = Tiny()
+        checkpoint = load_checkpoint(other, path)
+    assert checkpoint['meta']['epoch'] == 3
+    torch.testing.assert_close(other.linear.weight, model.linear.weight)
+
+
+@pytest.fixture(scope='module')
+def toy_root(tmp_path_factory):
+    make_toy_coco = load_tool('make_toy_coco')
+    root = str(tmp_path_factory.mktemp('ckpt') / 'toy_coco')
+    with contextlib.redirect_stdout(io.StringIO()):
+        make_toy_coco.main(['--out', root, '--num-train', '2', '--num-val', '2',
+                            '--img-size', '64', '--max-objects', '2'])
+    return root
+
+
+def test_test_tool_refuses_code_running_checkpoint(evil, toy_root, tmp_path):
+    path, marker = evil
+    ann_val = osp.join(toy_root, 'annotations', 'instances_val.json')
+    test_tool = load_tool('test')
+    argv = [TOY_CONFIG, path, '--work-dir', str(tmp_path / 'work'), '--cfg-options',
+            f'test_dataloader.dataset.data_root={toy_root}/', f'test_evaluator.ann_file={ann_val}']
+    with pytest.raises(Exception, match='Weights only load failed|Refused to load checkpoint'):
+        test_tool.main(argv)
+    assert not marker.exists()
+
+
+def test_converter_refuses_code_running_checkpoint(evil, tmp_path):
+    path, marker = evil
+    convert = load_tool('convert_cls_to_backbone')
+    out = tmp_path / 'backbone.pth'
+    with pytest.raises(RuntimeError) as info:
+        convert.convert(path, str(out))
+    assert_refused_with_hint(str(info.value), path)
+    assert not out.exists() and not marker.exists()
