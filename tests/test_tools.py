@@ -233,3 +233,15 @@ def test_dist_train_two_processes(tiny_data, tmp_path):
     assert 'Epoch(train) [1][2/2]' in log
     assert checkpoint_iter(osp.join(work, 'epoch_1.pth')) == 2
     assert torch.distributed.is_gloo_available()
+
+
+def test_get_flops_counts_the_custom_attention_ops():
+    """The backbone's kernel/Newton-Schulz handlers are used: full > visible."""
+    import get_flops
+    from mmengine.config import Config
+    cfg = Config.fromfile(TOY_CONFIG)
+    model, scope = get_flops.build_model(cfg)
+    res = get_flops.count(model, scope, 64, 64)
+    assert res['full'] > res['visible'] > res['backbone'] > 0
+    assert res['backbone_params'] == pytest.approx(
+        sum(p.numel() for p in model.backbone.parameters()) / 1e6)
