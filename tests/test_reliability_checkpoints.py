@@ -28,6 +28,14 @@ TINY = dict(embed_dims=[32, 32, 32, 32], num_heads=[1, 1, 1, 1], depths=[1, 1, 1
 sys.path.insert(0, TOOLS)
 
 
+@pytest.fixture(autouse=True)
+def mmdet_scope():
+    """Build under mmdet's scope whatever an earlier test's Runner left as default scope."""
+    from mmengine.registry import DefaultScope
+    with DefaultScope.overwrite_default_scope('mmdet'):
+        yield
+
+
 class RunsCode:
     """Unpickling this creates a marker file: stands for any code execution."""
 

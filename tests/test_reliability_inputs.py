@@ -25,6 +25,14 @@ sys.path.insert(0, TOOLS)
 import coco_eval  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def mmdet_scope():
+    """Build under mmdet's scope whatever an earlier test's Runner left as default scope."""
+    from mmengine.registry import DefaultScope
+    with DefaultScope.overwrite_default_scope('mmdet'):
+        yield
+
+
 def load_tool(name):
     """tools/<name>.py as a module (by path: 'test' would otherwise be the stdlib package)."""
     import importlib.util

@@ -261,7 +261,7 @@ def test_runner_checkpoints_with_atomic_save(tmp_path):
     original_put = LocalBackend.put
     try:
         assert enable_atomic_checkpoint_save() and enable_atomic_checkpoint_save()
-        Runner(model=Tiny(), work_dir=str(tmp_path),
+        Runner(model=Tiny(), work_dir=str(tmp_path), default_scope='mmdet',
                train_dataloader=dict(dataset=[dict(inputs=torch.ones(2))] * 4, batch_size=2,
                                      collate_fn=dict(type='default_collate'),
                                      sampler=dict(type='DefaultSampler', shuffle=False)),
