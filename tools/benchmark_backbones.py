@@ -208,7 +208,7 @@ def summarise(runs, max_call_s, load, peak_mib):
 
 
 def format_table(results, params, sizes, modes, key):
-    """Markdown table per size and model: median wall and CPU s, ratio of ``key`` to REFERENCE, memory."""
+    """Markdown table per size and model: medians, ratio of ``key`` to REFERENCE, memory."""
     header = ['size', 'model', 'params (M)']
     for mode in modes:
         header += [f'{mode} wall (s)', f'{mode} CPU (s)', f'{mode} / LapF-T',

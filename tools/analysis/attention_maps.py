@@ -147,7 +147,8 @@ def plot_kernel_gradients(lam, r_max, path, points=400):
     r = np.linspace(r_max / points, r_max, points)
     curves = kernel_gradient_curves(r, lam)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    labels = {'laplacian': f'Laplacian exp(-r/λ), r = ℓ1', 'gaussian': f'Gaussian exp(-r²/λ), r = ℓ2'}
+    labels = {'laplacian': 'Laplacian exp(-r/λ), r = ℓ1',
+              'gaussian': 'Gaussian exp(-r²/λ), r = ℓ2'}
     for name, (values, grads) in curves.items():
         axes[0].plot(r, values, label=labels[name])
         axes[1].plot(r, np.abs(grads), label=labels[name])

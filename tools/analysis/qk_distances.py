@@ -50,7 +50,7 @@ def parse_checkpoints(items):
 
 
 def collect_distances(model, batches, collector):
-    """Run each (B, 3, H, W) batch through ``model`` and feed every attention call to ``collector``."""
+    """Run each (B, 3, H, W) batch through ``model``; every attention call goes to ``collector``."""
     for batch in batches:
         with capture_qk(model) as records:
             model(batch)
@@ -178,8 +178,8 @@ def main(argv=None):
         collectors[name] = collect_distances(model, batches, collector)
         all_stats[name] = model_statistics(collector)
         plot_model_histograms(name, collector, osp.join(args.out, f'qk_distances_{name}.png'))
-        print(f'{name}: done ({"checkpoint " + checkpoints[name] if name in checkpoints else "random init"})',
-              flush=True)
+        source = f'checkpoint {checkpoints[name]}' if name in checkpoints else 'random init'
+        print(f'{name}: done ({source})', flush=True)
     plot_normalised(collectors, osp.join(args.out, 'qk_distances_normalised.png'))
     table = markdown_table(all_stats)
     weights = {n: checkpoints.get(n, 'random init') for n in args.models}
