@@ -97,7 +97,7 @@ def test_flop_handlers_count_the_attention_core():
 
     from mmengine.analysis import FlopAnalyzer
     analyzer = FlopAnalyzer(Wrapped(), (x, ))
-    analyzer.set_op_handle(**tool.KERNEL_HANDLES, **tool.SOLVE_HANDLES)
+    analyzer.set_op_handle(**tool.VISIBLE_HANDLES, **tool.KERNEL_HANDLES, **tool.SOLVE_HANDLES)
     analyzer.unsupported_ops_warnings(False)
     by_op = analyzer.by_operator()
     n, d, m = hw[0] * hw[1], dim // heads, 7 * 7
@@ -106,5 +106,6 @@ def test_flop_handlers_count_the_attention_core():
     assert by_op['PythonOp.NewtonSchulzInverse'] == heads * (2 * m**3 * iters + m * m)
     assert by_op['linear'] == n * dim * 2 * dim + n * dim * dim
     assert by_op['conv'] == n * dim * 9
-    # Ck^T v, P^-1 (Ck^T v), Z (...)
-    assert by_op['matmul'] == heads * (m * n * d + m * m * d + n * m * d)
+    # Ck^T v and Z (...) as matmul; P^-1 (Ck^T v) as the landmark-sized SmallMatmul
+    assert by_op['matmul'] == heads * (m * n * d + n * m * d)
+    assert by_op['PythonOp.SmallMatmul'] == heads * m * m * d

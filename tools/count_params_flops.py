@@ -81,6 +81,12 @@ def newton_schulz_flops(inputs: List[Any], outputs: List[Any]) -> int:
     return _batch(p, 2) * (2 * m**3 * iters + m * m)
 
 
+def small_matmul_flops(inputs: List[Any], outputs: List[Any]) -> int:
+    """a (..., m, k) @ b (..., k, n) -> batch · m · k · n, as mmengine counts matmul."""
+    a, b = get_shape(inputs[0]), get_shape(inputs[1])
+    return _batch(a, 2) * a[-2] * a[-1] * b[-1]
+
+
 def softmax_attention_flops(inputs: List[Any], outputs: List[Any]) -> int:
     """q (..., N, d), k (..., M, d), v (..., M, d_v) -> batch · N · M · (d + d_v)."""
     q, k, v = (get_shape(t) for t in inputs[:3])
@@ -97,7 +103,12 @@ SOLVE_HANDLES = {
     'prim::PythonOp.NewtonSchulzInverse': newton_schulz_flops,
     'prim::PythonOp.NewtonSchulzFunction': newton_schulz_flops,
 }
-VISIBLE_HANDLES = {'aten::scaled_dot_product_attention': softmax_attention_flops}
+# SmallMatmul is the landmark-sized product X · (Ckᵀ v), an autograd function only to pin
+# it to one CPU thread: a plain matmul, so it counts as visible.
+VISIBLE_HANDLES = {
+    'aten::scaled_dot_product_attention': softmax_attention_flops,
+    'prim::PythonOp.SmallMatmul': small_matmul_flops,
+}
 
 
 def count_flops(model: nn.Module, size: int) -> FlopAnalyzer:
