@@ -165,3 +165,16 @@ def test_low_precision_inputs_at_extreme_scales(dtype):
         assert out.dtype == dtype
         out.float().square().sum().backward()
         assert finite(out, q.grad, v.grad)
+
+
+@pytest.mark.parametrize('solver', ['exact', 'cg', 'newton'])
+def test_solve_report_follows_the_module_solver(solver):
+    """Each solver's own inverse is what the report measures (CG: solved on the identity).
+
+    Well-conditioned random input (cond(P) ~ 22): measured 0.5e-6 to 1.2e-6 for all three.
+    """
+    bound = 1e-5
+    torch.manual_seed(0)
+    attn = LaplacianAttention(32, 2, solver=solver).eval()
+    report = solve_report(attn, torch.randn(2, 48, 32), (6, 8))
+    assert report.num_landmarks == 42 and report.residual < bound

@@ -12,8 +12,8 @@ from typing import Dict, NamedTuple
 
 import torch
 
-from ..ops import (exact_inverse, gaussian_kernel, laplacian_kernel, newton_schulz_pinv,
-                   pool_landmarks)
+from ..ops import (cg_solve, exact_inverse, gaussian_kernel, laplacian_kernel,
+                   newton_schulz_pinv, pool_landmarks)
 from .attention import LaplacianAttention
 
 _KERNELS = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
@@ -47,6 +47,9 @@ def solve_report(module: LaplacianAttention, x: torch.Tensor, hw) -> SolveReport
         p = w + module.eps * eye
         if module.solver == 'newton':
             inverse = newton_schulz_pinv(p, module.newton_iters)
+        elif module.solver == 'cg':
+            # CG solves P X = rhs column by column; on the identity it yields its inverse.
+            inverse = cg_solve(p, eye.expand_as(p), module.newton_iters)
         else:
             inverse = exact_inverse(p)
         # In fp64: forming I - P X in fp32 would itself add ~cond(P)·m·2^-24 of
