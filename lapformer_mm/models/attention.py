@@ -77,10 +77,14 @@ class LaplacianAttention(nn.Module):
         return t.view(batch, num_tokens, self.num_heads, -1).transpose(1, 2)
 
     def _local_term(self, v, hw):
-        """Depth-wise 3×3 convolution of v (B, N, C) on its H×W grid -> (B, N, C)."""
+        """Depth-wise 3×3 convolution of v (B, N, C) on its H×W grid -> (B, N, C).
+
+        The (B, H, W, C) tokens are viewed as a channels-last NCHW map, so neither
+        direction copies and the result adds to the tokens without a strided pass.
+        """
         batch, num_tokens, channels = v.shape
-        grid = v.transpose(1, 2).reshape(batch, channels, *hw)
-        return self.local(grid).flatten(2).transpose(1, 2)
+        grid = v.reshape(batch, *hw, channels).permute(0, 3, 1, 2)
+        return self.local(grid).permute(0, 2, 3, 1).reshape(batch, num_tokens, channels)
 
     def forward(self, x, hw):
         """x (B, N, C) with hw = (H, W), N = H·W -> (B, N, C)."""

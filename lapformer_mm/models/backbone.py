@@ -114,7 +114,9 @@ class LaplacianFormerStage(nn.Module):
         # Python ints: under torch.jit.trace (FLOP counting, export) shapes
         # would otherwise be tensors, which the attention's checks reject.
         hw = (int(x.shape[2]), int(x.shape[3]))
-        x = x.flatten(2).transpose(1, 2)
+        # Contiguous tokens once per stage: every residual add and norm of the
+        # stage would otherwise stride through a transposed view.
+        x = x.flatten(2).transpose(1, 2).contiguous()
         for block in self.blocks:
             if self.with_cp and x.requires_grad:
                 x = cp.checkpoint(block, x, hw, use_reentrant=False)
