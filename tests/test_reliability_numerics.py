@@ -71,14 +71,17 @@ def test_identical_landmarks_with_and_without_ridge(solver):
         assert finite(nystrom_attention(q, q, v, landmarks, solver=solver, eps=0.0))
 
 
-def test_identical_landmarks_cg_forward_finite():
-    """CG forward on the singular-direction system (its gradient: see docs/reliability.md)."""
+@pytest.mark.parametrize('eps', [0.01, 0.0])
+def test_identical_landmarks_cg_forward_and_gradients_finite(eps):
+    """CG on the singular-direction system: converged columns must stop, not divide 0 by 0."""
     torch.manual_seed(0)
-    q = torch.randn(2, 2, 30, 16)
+    q = torch.randn(2, 2, 30, 16, requires_grad=True)
+    v = torch.randn(2, 2, 30, 16, requires_grad=True)
     landmarks = q.mean(-2, keepdim=True).expand(2, 2, 25, 16)
-    for eps in (0.01, 0.0):
-        assert finite(nystrom_attention(q, q, torch.randn_like(q), landmarks, solver='cg',
-                                        eps=eps))
+    out = nystrom_attention(q, q, v, landmarks, solver='cg', eps=eps)
+    assert finite(out)
+    out.square().sum().backward()
+    assert finite(q.grad, v.grad)
 
 
 @pytest.mark.parametrize('scale', [1e-4, 1e-2, 1.0, 1e2, 1e4])

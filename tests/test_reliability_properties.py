@@ -121,9 +121,13 @@ def test_nystrom_attention_finite_output_and_gradients(inputs):
 
 @PROPERTY
 @given(attention_inputs(solvers=('cg', )))
-def test_nystrom_attention_cg_forward_finite(inputs):
+def test_nystrom_attention_cg_finite_output_and_gradients(inputs):
     q, k, v, hw, options = inputs
-    assert finite(run_attention(q, k, v, hw, options))
+    leaves = [t.requires_grad_() for t in {id(t): t for t in (q, k, v)}.values()]
+    out = run_attention(q, k, v, hw, options)
+    assert finite(out)
+    (out * torch.randn_like(out)).sum().backward()
+    assert finite(*(t.grad for t in leaves))
 
 
 @pytest.mark.gpu

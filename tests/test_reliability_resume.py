@@ -160,11 +160,16 @@ import builtins, os, signal, sys
 import torch
 from mmengine.runner.checkpoint import save_checkpoint
 
-from lapformer_mm.checkpoint import enable_atomic_checkpoint_save
+from mmengine.fileio.backends.local_backend import LocalBackend
+
+mmengine_put = LocalBackend.put
+from lapformer_mm.checkpoint import enable_atomic_checkpoint_save  # noqa: E402
 
 mode, path = sys.argv[1], sys.argv[2]
 if mode == 'atomic':
     enable_atomic_checkpoint_save()
+else:  # mmengine's own in-place write (import lapformer_mm replaced it)
+    LocalBackend.put = mmengine_put
 save_checkpoint({'state_dict': {'w': torch.zeros(4096)}, 'meta': {'epoch': 1}}, path)
 
 real_open = builtins.open

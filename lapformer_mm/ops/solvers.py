@@ -124,10 +124,15 @@ def exact_inverse(P):
     return x.to(P.dtype)
 
 
-def _cg_step_size(num, den):
-    """num / den, with 0 where den == 0 (a converged column)."""
-    safe = torch.where(den == 0, torch.ones_like(den), den)
-    return torch.where(den == 0, torch.zeros_like(num), num / safe)
+def _cg_step_size(num, den, active):
+    """num / den for the active columns, 0 elsewhere and where den == 0.
+
+    The denominator is replaced before dividing, not after: a masked-out
+    division by ~0 would still put NaN into the gradient.
+    """
+    active = active & (den != 0)
+    safe = torch.where(active, den, torch.ones_like(den))
+    return torch.where(active, num / safe, torch.zeros_like(num))
 
 
 def cg_solve(P, B, iters=None):
@@ -153,12 +158,17 @@ def cg_solve(P, B, iters=None):
         residual = rhs
         direction = rhs
         rs = (residual * residual).sum(-2, keepdim=True)
+        # A column whose residual has fallen to round-off stops moving: its next
+        # steps would divide round-off by round-off (NaN gradients, e.g. with
+        # identical landmarks or underflowed kernel values).
+        floor = torch.clamp(torch.finfo(dtype).eps ** 2 * rs, min=torch.finfo(dtype).tiny)
         for _ in range(iters):
+            active = rs > floor
             p_dir = torch.matmul(P, direction)
-            alpha = _cg_step_size(rs, (direction * p_dir).sum(-2, keepdim=True))
+            alpha = _cg_step_size(rs, (direction * p_dir).sum(-2, keepdim=True), active)
             x = x + alpha * direction
             residual = residual - alpha * p_dir
             rs_new = (residual * residual).sum(-2, keepdim=True)
-            direction = residual + _cg_step_size(rs_new, rs) * direction
-            rs = rs_new
+            direction = residual + _cg_step_size(rs_new, rs, active) * direction
+            rs = torch.where(active, rs_new, rs)
     return x.to(B.dtype)
