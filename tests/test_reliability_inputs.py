@@ -256,3 +256,15 @@ def test_train_tool_missing_config_and_bad_auto_scale_lr(tmp_path):
     cfg_path.write_text(f"_base_ = ['{TOY_CONFIG}']\nauto_scale_lr = None\n")
     with pytest.raises(RuntimeError, match='--auto-scale-lr needs `auto_scale_lr'):
         train_tool.build_cfg(train_tool.parse_args([str(cfg_path), '--auto-scale-lr']))
+
+
+def test_tools_name_neck_mismatch_before_building(tmp_path):
+    ckpt = tmp_path / 'x.pth'
+    ckpt.write_bytes(b'')
+    for name, extra in (('train', []), ('test', [str(ckpt)])):
+        tool = load_tool(name)
+        args = tool.parse_args([TOY_CONFIG, *extra, '--cfg-options',
+                                'model.neck.in_channels=[64,128,256,512]'])
+        with pytest.raises(ValueError,
+                           match=r'set model.neck.in_channels=\[64, 128, 320, 512\]'):
+            tool.build_cfg(args)

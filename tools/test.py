@@ -19,14 +19,13 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmengine.config import Config, DictAction  # noqa: E402
+from mmengine.config import DictAction  # noqa: E402
 from mmengine.dist import is_main_process  # noqa: E402
 from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
-import lapformer_mm  # noqa: E402,F401  (registers LaplacianFormer)
-from lapformer_mm.checkpoint import allow_mmengine_checkpoints  # noqa: E402
-from train import setup_cpu_distributed  # noqa: E402  (tools/train.py)
+import lapformer_mm  # noqa: E402,F401  (registers LaplacianFormer, safe checkpoint loading)
+from train import load_cfg, setup_cpu_distributed  # noqa: E402  (tools/train.py)
 
 
 def parse_args(argv=None):
@@ -82,16 +81,8 @@ def enable_visualization(cfg, args):
 
 
 def build_cfg(args):
-    """The config with the command line applied."""
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs',
-                                osp.splitext(osp.basename(args.config))[0])
+    """The test config with the command line applied."""
+    cfg = load_cfg(args)
     if not osp.isfile(args.checkpoint):
         raise FileNotFoundError(f'checkpoint {args.checkpoint!r} does not exist')
     cfg.load_from = args.checkpoint
@@ -130,7 +121,6 @@ def write_metrics(metrics, path):
 
 def main(argv=None):
     args = parse_args(argv)
-    allow_mmengine_checkpoints()
     cfg = build_cfg(args)
     setup_cpu_distributed(cfg)
     runner = RUNNERS.build(cfg) if 'runner_type' in cfg else Runner.from_cfg(cfg)

@@ -25,8 +25,8 @@ from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
-import lapformer_mm  # noqa: E402,F401  (registers LaplacianFormer)
-from lapformer_mm.checkpoint import allow_mmengine_checkpoints  # noqa: E402
+import lapformer_mm  # noqa: E402,F401  (registers LaplacianFormer, safe checkpoint loading)
+from lapformer_mm.models import check_model_cfg  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -65,6 +65,11 @@ def default_work_dir(config_path):
 
 def enable_amp(cfg):
     """Switch the optimizer wrapper to mmengine's AMP wrapper (dynamic scale)."""
+    from mmengine.device import get_device
+    if get_device() == 'cpu':
+        raise RuntimeError(
+            '--amp needs a GPU (or NPU/MLU/MUSA): mmengine\'s AmpOptimWrapper refuses to '
+            'train on CPU. Drop --amp on this machine.')
     if cfg.optim_wrapper.get('type', 'OptimWrapper') == 'AmpOptimWrapper':
         return
     cfg.optim_wrapper.type = 'AmpOptimWrapper'
@@ -81,8 +86,12 @@ def enable_auto_scale_lr(cfg):
     cfg.auto_scale_lr.enable = True
 
 
-def build_cfg(args):
-    """The config with the command line applied."""
+def load_cfg(args):
+    """The config with ``--cfg-options``, ``--launcher`` and ``--work-dir`` applied.
+
+    A neck or decode head whose ``in_channels`` do not fit the backbone is named here,
+    before anything is built. Shared with ``tools/test.py``.
+    """
     cfg = Config.fromfile(args.config)
     cfg.launcher = args.launcher
     if args.cfg_options is not None:
@@ -91,6 +100,13 @@ def build_cfg(args):
         cfg.work_dir = args.work_dir
     elif cfg.get('work_dir', None) is None:
         cfg.work_dir = default_work_dir(args.config)
+    check_model_cfg(cfg.model)
+    return cfg
+
+
+def build_cfg(args):
+    """The training config with the command line applied."""
+    cfg = load_cfg(args)
     if args.amp:
         enable_amp(cfg)
     if args.auto_scale_lr:
@@ -134,7 +150,6 @@ def build_runner(cfg):
 
 def main(argv=None):
     args = parse_args(argv)
-    allow_mmengine_checkpoints()
     cfg = build_cfg(args)
     setup_cpu_distributed(cfg)
     runner = build_runner(cfg)
