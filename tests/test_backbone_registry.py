@@ -24,8 +24,19 @@ def build_and_run(registry):
 
 @pytest.mark.parametrize('package', ['mmdet', 'mmseg'])
 def test_build_through_downstream_registry(package):
+    from mmengine.registry import DefaultScope
+
     registry = importlib.import_module(f'{package}.registry').MODELS
-    build_and_run(registry)
+    # As in a config with default_scope=package (an earlier Runner may have left another).
+    with DefaultScope.overwrite_default_scope(package):
+        build_and_run(registry)
+
+
+@pytest.mark.parametrize('package', ['mmdet', 'mmseg', 'mmpretrain'])
+def test_registered_in_every_installed_registry(package):
+    registry = importlib.import_module(f'{package}.registry').MODELS
+    assert registry.module_dict['LaplacianFormer'] is LaplacianFormer
+    assert package in lapformer_mm.registry.register_modules()
 
 
 def test_build_through_mmpretrain_registry():
