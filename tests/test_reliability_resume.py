@@ -86,7 +86,12 @@ def run_setup(tmp_path_factory):
 
 
 def options(root, max_epochs):
+    # Every split points at the test's own data: a clean checkout has no data/toy_coco.
+    ann_val = os.path.join(root, 'annotations', 'instances_val.json')
     return ['--cfg-options', f'train_dataloader.dataset.data_root={root}/',
+            f'val_dataloader.dataset.data_root={root}/',
+            f'test_dataloader.dataset.data_root={root}/',
+            f'val_evaluator.ann_file={ann_val}', f'test_evaluator.ann_file={ann_val}',
             'train_dataloader.dataset.pipeline.2.scale=(64,64)',
             'train_dataloader.batch_size=2', f'train_cfg.max_epochs={max_epochs}',
             'train_cfg.val_interval=100', 'default_hooks.checkpoint.interval=1',

@@ -21,11 +21,10 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from mmengine.config import DictAction  # noqa: E402
 from mmengine.dist import is_main_process  # noqa: E402
-from mmengine.registry import RUNNERS  # noqa: E402
-from mmengine.runner import Runner  # noqa: E402
 
 import lapformer_mm  # noqa: E402,F401  (registers LaplacianFormer, safe checkpoint loading)
-from train import load_cfg, setup_cpu_distributed  # noqa: E402  (tools/train.py)
+from train import (build_runner, close_distributed, load_cfg,  # noqa: E402
+                   setup_cpu_distributed)  # (tools/train.py)
 
 
 def parse_args(argv=None):
@@ -123,7 +122,7 @@ def main(argv=None):
     args = parse_args(argv)
     cfg = build_cfg(args)
     setup_cpu_distributed(cfg)
-    runner = RUNNERS.build(cfg) if 'runner_type' in cfg else Runner.from_cfg(cfg)
+    runner = build_runner(cfg)
     if args.out is not None and cfg.get('default_scope') != 'mmseg':
         from mmdet.evaluation import DumpDetResults
         runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
@@ -134,6 +133,7 @@ def main(argv=None):
             print(table, flush=True)
         if args.metrics_json:
             write_metrics(metrics, args.metrics_json)
+    close_distributed()
     return metrics
 
 

@@ -142,6 +142,14 @@ def setup_cpu_distributed(cfg):
             find_unused_parameters=cfg.get('find_unused_parameters', False))
 
 
+def close_distributed():
+    """Tear the process group down before exit: left to interpreter shutdown, gloo's
+    threads can abort the process ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def build_runner(cfg):
     if 'runner_type' in cfg:
         return RUNNERS.build(cfg)
@@ -154,6 +162,7 @@ def main(argv=None):
     setup_cpu_distributed(cfg)
     runner = build_runner(cfg)
     runner.train()
+    close_distributed()
 
 
 if __name__ == '__main__':
