@@ -13,8 +13,8 @@
 _base_ = [
     'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
     'mmdet::_base_/datasets/coco_instance.py',
-    'mmdet::_base_/schedules/schedule_1x.py',
     'mmdet::_base_/default_runtime.py',
+    './_base_/schedule_1x_adamw.py',
 ]
 custom_imports = dict(imports=['lapformer_mm'], allow_failed_imports=False)
 
@@ -33,37 +33,3 @@ model = dict(
     neck=dict(in_channels=[64, 128, 320, 512]))
 
 train_dataloader = dict(batch_size=2, num_workers=2)
-
-max_epochs = 12
-train_cfg = dict(max_epochs=max_epochs)
-param_scheduler = [
-    dict(
-        type='LinearLR', start_factor=0.001, by_epoch=False, begin=0,
-        end=1000),
-    dict(
-        type='MultiStepLR',
-        begin=0,
-        end=max_epochs,
-        by_epoch=True,
-        milestones=[8, 11],
-        gamma=0.1),
-]
-# norm_decay_mult covers BatchNorm/LayerNorm/GroupNorm weights and biases;
-# the custom keys keep any position parameter (e.g. a learned position
-# embedding of a variant) out of weight decay too.
-optim_wrapper = dict(
-    type='OptimWrapper',
-    optimizer=dict(
-        _delete_=True,
-        type='AdamW',
-        lr=1e-4,
-        betas=(0.9, 0.999),
-        weight_decay=0.05),
-    paramwise_cfg=dict(
-        norm_decay_mult=0.0,
-        custom_keys={
-            'pos_embed': dict(decay_mult=0.0),
-            'pos_block': dict(decay_mult=0.0),
-            'norm': dict(decay_mult=0.0),
-        }))
-auto_scale_lr = dict(enable=False, base_batch_size=16)
