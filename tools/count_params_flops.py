@@ -45,7 +45,7 @@ from mmengine.analysis.jit_handles import get_shape
 from torch import nn
 
 from lapformer_mm.models import ARCH_SETTINGS, LaplacianAttention, LaplacianFormer
-from lapformer_mm.ops import laplacian_kernel, newton_schulz_pinv, pool_landmarks
+from lapformer_mm.ops import newton_schulz_pinv
 from lapformer_mm.ops.solvers import DEFAULT_NS_ITERS
 
 NUM_CLASSES = 1000
@@ -147,13 +147,9 @@ def landmark_systems(arch: str, size: int, backbone_kwargs: Dict) -> torch.Tenso
     systems = []
 
     def record(attn: LaplacianAttention, inputs: tuple, output: torch.Tensor) -> None:
-        x, hw = inputs
-        batch, tokens, _ = x.shape
-        q = attn.qkv(x)[..., :attn.dim].view(batch, tokens, attn.num_heads, -1).transpose(1, 2)
-        landmarks = pool_landmarks(q, hw, attn.landmark_grid)
-        w = laplacian_kernel(landmarks, landmarks, attn.lam)
-        if w.shape[-1] == attn.landmark_grid**2:
-            systems.append((w + attn.eps * torch.eye(w.shape[-1])).flatten(0, 1))
+        p = attn.landmark_system(*inputs)
+        if p.shape[-1] == attn.landmark_grid**2:
+            systems.append(p.flatten(0, 1))
 
     for module in model.modules():
         if isinstance(module, LaplacianAttention):

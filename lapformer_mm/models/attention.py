@@ -4,9 +4,11 @@
 backbone passes it per stage: tied in stages 1–3 and separate in stage 4 is the
 layout that lands on the paper's Medium size (docs/model_size.md).
 """
+import torch
 from torch import nn
 
 from ..ops import nystrom_attention, pool_landmarks
+from ..ops.kernels import KERNEL_FUNCTIONS
 from ..ops._checks import (KERNELS, NORMALIZATIONS, SOLVERS, check_choice,
                            check_int, check_non_negative, check_optional_int,
                            check_positive, check_probability)
@@ -86,15 +88,30 @@ class LaplacianAttention(nn.Module):
         grid = v.reshape(batch, *hw, channels).permute(0, 3, 1, 2)
         return self.local(grid).permute(0, 2, 3, 1).reshape(batch, num_tokens, channels)
 
+    def project(self, x):
+        """q, k (B, h, N, d) and v (B, N, C) of x (B, N, C); k is q when keys are tied."""
+        projected = self.qkv(x).chunk(2 if self.qk_shared else 3, dim=-1)
+        q = self._split_heads(projected[0])
+        k = q if self.qk_shared else self._split_heads(projected[1])
+        return q, k, projected[-1]
+
+    def landmark_system(self, x, hw):
+        """P = k(L, L) + eps·I (B, h, m, m), the matrix the attention inverts for x (B, N, C).
+
+        For diagnostics and analysis; :meth:`forward` builds it inside
+        :func:`~lapformer_mm.ops.nystrom_attention`.
+        """
+        _, k, _ = self.project(x)
+        landmarks = pool_landmarks(k, check_hw(hw, x.shape[1]), self.landmark_grid)
+        w = KERNEL_FUNCTIONS[self.kernel](landmarks, landmarks, self.lam)
+        return w + self.eps * torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
+
     def forward(self, x, hw):
         """x (B, N, C) with hw = (H, W), N = H·W -> (B, N, C)."""
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f'x must be (B, N, {self.dim}), got shape {tuple(x.shape)}')
         hw = check_hw(hw, x.shape[1])
-        projected = self.qkv(x).chunk(2 if self.qk_shared else 3, dim=-1)
-        v = projected[-1]
-        q = self._split_heads(projected[0])
-        k = q if self.qk_shared else self._split_heads(projected[1])
+        q, k, v = self.project(x)
         landmarks = pool_landmarks(k, hw, self.landmark_grid)
         out = nystrom_attention(
             q, k, self._split_heads(v), landmarks, kernel=self.kernel, lam=self.lam,

@@ -12,11 +12,8 @@ from typing import Dict, NamedTuple
 
 import torch
 
-from ..ops import (cg_solve, exact_inverse, gaussian_kernel, laplacian_kernel,
-                   newton_schulz_pinv, pool_landmarks)
+from ..ops import cg_solve, exact_inverse, newton_schulz_pinv
 from .attention import LaplacianAttention
-
-_KERNELS = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
 
 
 class SolveReport(NamedTuple):
@@ -26,14 +23,6 @@ class SolveReport(NamedTuple):
     num_landmarks: int  # m
 
 
-def _keys(module: LaplacianAttention, x: torch.Tensor) -> torch.Tensor:
-    """The module's keys (B, h, N, d) for its input x (B, N, C)."""
-    batch, num_tokens, _ = x.shape
-    parts = module.qkv(x).chunk(2 if module.qk_shared else 3, dim=-1)
-    keys = parts[0] if module.qk_shared else parts[1]
-    return keys.view(batch, num_tokens, module.num_heads, -1).transpose(1, 2)
-
-
 def solve_report(module: LaplacianAttention, x: torch.Tensor, hw) -> SolveReport:
     """:class:`SolveReport` of ``module``'s landmark solve for input x (B, N, C) on hw.
 
@@ -41,10 +30,8 @@ def solve_report(module: LaplacianAttention, x: torch.Tensor, hw) -> SolveReport
     """
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         x = x if x.dtype == torch.float64 else x.float()
-        landmarks = pool_landmarks(_keys(module, x), hw, module.landmark_grid)
-        w = _KERNELS[module.kernel](landmarks, landmarks, module.lam)
-        eye = torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
-        p = w + module.eps * eye
+        p = module.landmark_system(x, hw)
+        eye = torch.eye(p.shape[-1], dtype=p.dtype, device=p.device)
         if module.solver == 'newton':
             inverse = newton_schulz_pinv(p, module.newton_iters)
         elif module.solver == 'cg':
@@ -57,7 +44,7 @@ def solve_report(module: LaplacianAttention, x: torch.Tensor, hw) -> SolveReport
         p64 = p.double()
         residual = torch.linalg.matrix_norm(eye.double() - p64 @ inverse.double(), ord=2)
         condition = torch.linalg.cond(p64)
-    return SolveReport(float(residual.max()), float(condition.max()), int(w.shape[-1]))
+    return SolveReport(float(residual.max()), float(condition.max()), int(p.shape[-1]))
 
 
 def landmark_solve_residuals(model: torch.nn.Module, *inputs, **kwargs

@@ -33,6 +33,9 @@ def gaussian_kernel(x, y, lam=4.0, *, backend=None):
     return gaussian_kernel_reference(x, y, lam)
 
 
+KERNEL_FUNCTIONS = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
+
+
 def newton_schulz_pinv(P, iters=None, init='identity', *, backend=None):
     """Inverse of the symmetric positive definite P (..., m, m), as given.
 

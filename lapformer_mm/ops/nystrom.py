@@ -6,11 +6,9 @@ from ._checks import (KERNELS, NORMALIZATIONS, SOLVERS, check_choice,
                       check_float_tensor, check_non_negative, check_optional_int,
                       check_positive, check_probability)
 from ._precision import compute_dtype
-from .kernels import gaussian_kernel, laplacian_kernel, newton_schulz_pinv
+from .kernels import KERNEL_FUNCTIONS, newton_schulz_pinv
 from .normalize import injective_normalize
 from .solvers import cg_solve, exact_solve, small_matmul
-
-_KERNEL_FNS = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
 
 
 def check_attention_inputs(q, k, v, landmarks):
@@ -43,7 +41,7 @@ def solve_landmark_system(P, rhs, solver, iters, backend):
 def _nystrom_fp32(q, k, v, landmarks, kernel, lam, eps, solver, iters, normalize,
                   whiten_eps, dropout_p, backend):
     """The attention on already-cast tensors; see :func:`nystrom_attention`."""
-    kernel_fn = _KERNEL_FNS[kernel]
+    kernel_fn = KERNEL_FUNCTIONS[kernel]
     c_q = kernel_fn(q, landmarks, lam, backend=backend)
     # With qk_shared the two kernel matrices coincide; compute it once.
     c_k = c_q if k is q else kernel_fn(k, landmarks, lam, backend=backend)
