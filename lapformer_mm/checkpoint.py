@@ -99,7 +99,7 @@ def safe_load(filename, map_location='cpu'):
         warnings.warn(f'{TRUST_ENV}=1: loading {filename!r} with full unpickling '
                       '(weights_only=False); only do this for files you trust')
         return torch.load(filename, map_location=map_location, weights_only=False)
-    allow_mmengine_checkpoints()
+    # The allowlist is in place: importing this module ran lapformer_mm/__init__.py.
     try:
         return torch.load(filename, map_location=map_location, weights_only=True)
     except torch.serialization.pickle.UnpicklingError as err:

@@ -14,7 +14,7 @@ from typing import Dict, Mapping, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from ..checkpoint import allow_mmengine_checkpoints, safe_load
+from ..checkpoint import safe_load
 
 BACKBONE_PREFIX = 'backbone.'
 DDP_PREFIX = 'module.'
@@ -28,7 +28,6 @@ def load_checkpoint_file(path_or_url: str,
     :func:`lapformer_mm.checkpoint.safe_load`).
     """
     if str(path_or_url).startswith(('http://', 'https://')):
-        allow_mmengine_checkpoints()
         return torch.hub.load_state_dict_from_url(
             path_or_url, map_location=map_location, weights_only=True)
     return safe_load(path_or_url, map_location=map_location)
