@@ -90,7 +90,11 @@ def resolve_arch(arch: Union[str, dict]) -> Dict[str, List]:
 
 
 def tokens_to_map(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
-    """(B, H*W, C) tokens -> (B, C, H, W) map."""
+    """(B, H*W, C) tokens -> (B, C, H, W) map.
+
+    A view with channels-last strides, not a copy: the next stage's stride-2
+    convolution reads it as is and hands back channels-last tokens.
+    """
     B, _, C = x.shape
     return x.transpose(1, 2).reshape(B, C, hw[0], hw[1])
 
@@ -325,7 +329,9 @@ class LaplacianFormer(BaseModule):
                 tokens = getattr(self, f'norm{i}')(tokens)
             x = tokens_to_map(tokens, hw)
             if i in self.out_indices:
-                outs.append(x)
+                # Contiguous NCHW: mmcv's RoIAlign (and other ops that index
+                # raw memory) read channels-last strides as garbage.
+                outs.append(x.contiguous())
         return tuple(outs)
 
     def _check_input(self, x: torch.Tensor) -> None:
