@@ -13,6 +13,8 @@ allowing ``builtins.getattr`` itself would open the door again (attribute walks 
 module's globals), so a ``getattr`` that resolves only those method names is registered
 under its pickled name instead.
 """
+import functools
+import glob
 import os
 import warnings
 
@@ -170,6 +172,108 @@ def enable_atomic_checkpoint_save():
     except ImportError:
         return False
     LocalBackend.put = _atomic_local_put
+    return True
+
+
+class _DeferredRemovals:
+    """A file backend whose ``remove``/``rmtree`` are recorded, to be run by :meth:`apply`."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self._pending = []
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def remove(self, filepath):
+        self._pending.append((self._backend.remove, filepath))
+
+    def rmtree(self, dir_path):
+        self._pending.append((self._backend.rmtree, dir_path))
+
+    def apply(self):
+        for remove, path in self._pending:
+            remove(path)
+
+
+def _prune_after_save(save_with_step):
+    """Wrap ``CheckpointHook._save_checkpoint_with_step`` to delete outdated checkpoints last.
+
+    mmengine deletes the checkpoint that falls out of ``max_keep_ckpts`` *before* it writes
+    the new one and ``last_checkpoint``: a run killed in between (with
+    ``max_keep_ckpts=1``) is left with no checkpoint at all, or a ``last_checkpoint`` that
+    names a deleted file. Deferred, the old file goes only once the new one and the record
+    are on disk; a failed save deletes nothing.
+    """
+    @functools.wraps(save_with_step)
+    def save(self, runner, step, meta):
+        backend = self.file_backend
+        deferred = _DeferredRemovals(backend)
+        self.file_backend = deferred
+        try:
+            save_with_step(self, runner, step, meta)
+        finally:
+            self.file_backend = backend
+        deferred.apply()
+
+    save.prunes_after_save = True
+    return save
+
+
+def find_latest_checkpoint(path):
+    """mmengine's ``find_latest_checkpoint`` that survives a run killed while checkpointing.
+
+    The ``last_checkpoint`` record is rewritten in place after each save, so a kill can
+    leave it empty, or missing next to a checkpoint that was already written. Then the
+    newest ``*.pth`` beside the record (or in ``path``) is used, with a warning. Returns
+    None when there is neither a record nor a checkpoint (a fresh start, as in mmengine);
+    raises ``FileNotFoundError`` when the record names a local file that is gone and no
+    other checkpoint exists, rather than silently training from scratch.
+    """
+    from mmengine.logging import print_log
+    record = os.path.join(path, 'last_checkpoint')
+    recorded = None
+    if os.path.isfile(record):
+        with open(record) as f:
+            recorded = f.read().strip()
+    if recorded and ('://' in recorded or os.path.isfile(recorded)):
+        return recorded
+    folder = os.path.dirname(recorded) if recorded else path
+    candidates = sorted(glob.glob(os.path.join(glob.escape(folder), '*.pth')),
+                        key=lambda f: (os.path.getmtime(f), f))
+    if not candidates:
+        if recorded:
+            raise FileNotFoundError(
+                f'{record} names {recorded}, which does not exist, and {folder} holds no '
+                'other checkpoint (*.pth) to resume from')
+        if recorded is None:
+            print_log('Did not find last_checkpoint to be resumed.')
+        return None
+    reason = (f'{record} names {recorded}, which does not exist' if recorded else
+              f'{record} is empty' if recorded == '' else f'there is no {record}')
+    print_log(f'{reason} (a run killed while checkpointing); resuming from the newest '
+              f'checkpoint, {candidates[-1]}', logger='current', level=30)
+    return candidates[-1]
+
+
+def enable_safe_checkpoint_rotation():
+    """Make mmengine's checkpoint rotation and auto-resume safe against a kill mid-save.
+
+    :func:`_prune_after_save` orders ``CheckpointHook``'s save as write new, record, delete
+    old; :func:`find_latest_checkpoint` replaces the one the ``Runner`` uses for
+    ``--resume`` without a path. Idempotent; False without mmengine.
+    """
+    try:
+        from mmengine.hooks import CheckpointHook
+        from mmengine.runner import checkpoint as runner_checkpoint
+        from mmengine.runner import runner as runner_module
+    except ImportError:
+        return False
+    if not getattr(CheckpointHook._save_checkpoint_with_step, 'prunes_after_save', False):
+        CheckpointHook._save_checkpoint_with_step = _prune_after_save(
+            CheckpointHook._save_checkpoint_with_step)
+    runner_module.find_latest_checkpoint = find_latest_checkpoint
+    runner_checkpoint.find_latest_checkpoint = find_latest_checkpoint
     return True
 
 

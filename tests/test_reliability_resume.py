@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from lapformer_mm.checkpoint import (atomic_write_bytes, enable_atomic_checkpoint_save,
+                                     enable_safe_checkpoint_rotation, find_latest_checkpoint,
                                      safe_load)
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -253,12 +254,11 @@ def test_atomic_write_replaces_whole_file_and_cleans_up_on_error(tmp_path):
     assert os.listdir(target.parent) == ['f.bin']
 
 
-def test_runner_checkpoints_with_atomic_save(tmp_path):
-    """A whole mmengine run with the patch: checkpoints load, no temporary files remain."""
-    from mmengine.fileio.backends.local_backend import LocalBackend
+def tiny_runner(work_dir, max_epochs=2, resume=False, **checkpoint):
+    """An mmengine Runner on a one-layer model, 2 iterations per epoch, a checkpoint each epoch."""
+    from mmengine.model import BaseModel
     from mmengine.runner import Runner
     from torch import nn
-    from mmengine.model import BaseModel
 
     class Tiny(BaseModel):
         def __init__(self):
@@ -268,17 +268,91 @@ def test_runner_checkpoints_with_atomic_save(tmp_path):
         def forward(self, inputs, data_samples=None, mode='tensor'):
             return dict(loss=self.linear(inputs).square().mean())
 
+    return Runner(model=Tiny(), work_dir=str(work_dir), default_scope='mmdet', resume=resume,
+                  train_dataloader=dict(dataset=[dict(inputs=torch.ones(2))] * 4, batch_size=2,
+                                        collate_fn=dict(type='default_collate'),
+                                        sampler=dict(type='DefaultSampler', shuffle=False)),
+                  optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+                  train_cfg=dict(by_epoch=True, max_epochs=max_epochs),
+                  default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=1,
+                                                     **checkpoint)))
+
+
+def test_runner_checkpoints_with_atomic_save(tmp_path):
+    """A whole mmengine run with the patch: checkpoints load, no temporary files remain."""
+    from mmengine.fileio.backends.local_backend import LocalBackend
+
     original_put = LocalBackend.put
     try:
         assert enable_atomic_checkpoint_save() and enable_atomic_checkpoint_save()
-        Runner(model=Tiny(), work_dir=str(tmp_path), default_scope='mmdet',
-               train_dataloader=dict(dataset=[dict(inputs=torch.ones(2))] * 4, batch_size=2,
-                                     collate_fn=dict(type='default_collate'),
-                                     sampler=dict(type='DefaultSampler', shuffle=False)),
-               optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
-               train_cfg=dict(by_epoch=True, max_epochs=2),
-               default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=1))).train()
+        tiny_runner(tmp_path).train()
     finally:
         LocalBackend.put = original_put
     assert safe_load(tmp_path / 'epoch_2.pth')['meta']['iter'] == 4
     assert not [f for f in os.listdir(tmp_path) if f.endswith('.tmp')]
+
+
+def test_save_failing_mid_rotation_keeps_the_previous_checkpoint(tmp_path):
+    """max_keep_ckpts=1: mmengine deletes epoch_1.pth before writing epoch_2.pth; a run
+    killed in between would have nothing to resume from. Here the save of epoch 2 fails
+    and epoch_1.pth, still named by last_checkpoint, survives."""
+    assert enable_safe_checkpoint_rotation() and enable_safe_checkpoint_rotation()
+    runner = tiny_runner(tmp_path, max_keep_ckpts=1)
+    save = runner.save_checkpoint
+
+    def dies_at_epoch_2(out_dir, filename, *args, **kwargs):
+        if filename == 'epoch_2.pth':
+            raise KeyboardInterrupt('killed while saving epoch 2')
+        return save(out_dir, filename, *args, **kwargs)
+
+    runner.save_checkpoint = dies_at_epoch_2
+    with pytest.raises(KeyboardInterrupt):
+        runner.train()
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith('.pth')) == ['epoch_1.pth']
+    assert (tmp_path / 'last_checkpoint').read_text() == str(tmp_path / 'epoch_1.pth')
+
+
+def test_rotation_still_keeps_max_keep_ckpts(tmp_path):
+    enable_safe_checkpoint_rotation()
+    tiny_runner(tmp_path, max_epochs=3, max_keep_ckpts=2).train()
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith('.pth')) == [
+        'epoch_2.pth', 'epoch_3.pth']
+
+
+def write_checkpoints(folder, names):
+    folder.mkdir(exist_ok=True)
+    for age, name in enumerate(names):
+        (folder / name).write_bytes(b'x')
+        os.utime(folder / name, (1_000_000 + age, 1_000_000 + age))
+
+
+@pytest.mark.parametrize('record', [None, '', 'epoch_9.pth'])
+def test_auto_resume_falls_back_to_the_newest_checkpoint(tmp_path, record, capsys):
+    write_checkpoints(tmp_path, ['epoch_2.pth', 'epoch_10.pth', 'epoch_3.pth'])
+    if record is not None:
+        (tmp_path / 'last_checkpoint').write_text(record and str(tmp_path / record))
+    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'epoch_3.pth')
+
+
+def test_auto_resume_uses_an_intact_record_and_starts_fresh_on_an_empty_dir(tmp_path):
+    write_checkpoints(tmp_path, ['epoch_1.pth', 'epoch_2.pth'])
+    (tmp_path / 'last_checkpoint').write_text(str(tmp_path / 'epoch_1.pth') + '\n')
+    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'epoch_1.pth')
+    assert find_latest_checkpoint(str(tmp_path / 'nothing_here')) is None
+
+
+def test_auto_resume_refuses_a_record_of_a_deleted_checkpoint_with_nothing_else(tmp_path):
+    (tmp_path / 'last_checkpoint').write_text(str(tmp_path / 'epoch_4.pth'))
+    with pytest.raises(FileNotFoundError, match='epoch_4.pth, which does not exist'):
+        find_latest_checkpoint(str(tmp_path))
+
+
+def test_runner_resumes_past_an_empty_last_checkpoint(tmp_path):
+    """The Runner's auto-resume goes through the patched lookup."""
+    enable_safe_checkpoint_rotation()
+    tiny_runner(tmp_path, max_epochs=2).train()
+    (tmp_path / 'last_checkpoint').write_text('')
+    runner = tiny_runner(tmp_path, max_epochs=3, resume=True)
+    runner.train()
+    assert runner.iter == 6
+    assert safe_load(tmp_path / 'epoch_3.pth')['meta']['iter'] == 6
