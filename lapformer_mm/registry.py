@@ -23,13 +23,15 @@ def _models_registry(package):
 def register_modules():
     """Register ``LaplacianFormer`` in every installed downstream ``MODELS`` registry.
 
-    Idempotent. Needs mmengine; without it (the bare ``lapformer_mm.ops`` use on a GPU box)
+    Importing :mod:`lapformer_mm.amp` on the way registers ``CPUAmpOptimWrapper`` in
+    mmengine's ``OPTIM_WRAPPERS``. Idempotent. Needs mmengine; without it (the bare ``lapformer_mm.ops`` use on a GPU box)
     nothing is registered.
 
     Returns:
         list[str]: the packages whose registry now holds ``LaplacianFormer``.
     """
     try:
+        from . import amp  # noqa: F401
         from .models import LaplacianFormer
     except ModuleNotFoundError as err:
         if err.name == 'mmengine':

@@ -64,16 +64,23 @@ def default_work_dir(config_path):
 
 
 def enable_amp(cfg):
-    """Switch the optimizer wrapper to mmengine's AMP wrapper (dynamic scale)."""
+    """Switch the optimizer wrapper to mixed precision for the device at hand.
+
+    GPU (or NPU/MLU/MUSA): mmengine's ``AmpOptimWrapper`` (fp16, dynamic loss scale).
+    CPU: ``CPUAmpOptimWrapper`` (bf16 autocast; ``optim_wrapper.dtype=float16`` for fp16
+    with a dynamic loss scale), because mmengine's wrapper refuses to train on CPU.
+    """
     from mmengine.device import get_device
-    if get_device() == 'cpu':
-        raise RuntimeError(
-            '--amp needs a GPU (or NPU/MLU/MUSA): mmengine\'s AmpOptimWrapper refuses to '
-            'train on CPU. Drop --amp on this machine.')
-    if cfg.optim_wrapper.get('type', 'OptimWrapper') == 'AmpOptimWrapper':
+    wanted = 'CPUAmpOptimWrapper' if get_device() == 'cpu' else 'AmpOptimWrapper'
+    current = cfg.optim_wrapper.get('type', 'OptimWrapper')
+    if current == wanted:
         return
-    cfg.optim_wrapper.type = 'AmpOptimWrapper'
-    cfg.optim_wrapper.loss_scale = 'dynamic'
+    if current not in ('OptimWrapper', 'AmpOptimWrapper', 'CPUAmpOptimWrapper'):
+        raise ValueError(f'--amp replaces the optimizer wrapper with {wanted}, but the config '
+                         f'sets optim_wrapper.type={current!r}; drop --amp or use one of '
+                         "'OptimWrapper', 'AmpOptimWrapper', 'CPUAmpOptimWrapper'")
+    cfg.optim_wrapper.type = wanted
+    cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
 
 
 def enable_auto_scale_lr(cfg):

@@ -1,0 +1,115 @@
+"""Mixed-precision training on CPU: what ``tools/train.py --amp`` uses without a GPU.
+
+mmengine's ``AmpOptimWrapper`` asserts a CUDA/NPU/MLU/MUSA device, and its CPU
+``autocast`` allows only bfloat16. :class:`CPUAmpOptimWrapper` runs the forward pass under
+``torch.autocast('cpu', dtype)`` for bfloat16 or float16, with a dynamic loss scale for
+float16 (as ``--amp`` has on GPU). mmcv's CPU ``roi_align`` and ``nms`` kernels exist
+only for float32, so inside the autocast region they get float32 inputs and hand back
+their result in the input's dtype.
+"""
+import contextlib
+import sys
+
+import torch
+from mmengine.optim import OptimWrapper
+from mmengine.registry import OPTIM_WRAPPERS
+
+CPU_AMP_DTYPES = ('bfloat16', 'float16')
+
+
+@contextlib.contextmanager
+def mmcv_cpu_ops_in_fp32():
+    """Within the block, mmcv's ``roi_align`` and ``nms`` compute in float32.
+
+    ``roi_align`` returns the input features' dtype; ``nms`` returns boxes in the input
+    boxes' dtype. mmdet calls both through their modules' globals, which are swapped back
+    on exit.
+    """
+    import mmcv.ops  # noqa: F401  (loads the two modules below)
+    nms_module = sys.modules['mmcv.ops.nms']
+    roi_module = sys.modules['mmcv.ops.roi_align']
+    nms, roi_align = nms_module.nms, roi_module.roi_align
+
+    def nms_fp32(boxes, scores, *args, **kwargs):
+        dets, keep = nms(boxes.float(), scores.float(), *args, **kwargs)
+        return dets.to(boxes.dtype), keep
+
+    def roi_align_fp32(feats, rois, *args, **kwargs):
+        return roi_align(feats.float(), rois.float(), *args, **kwargs).to(feats.dtype)
+
+    nms_module.nms, roi_module.roi_align = nms_fp32, roi_align_fp32
+    try:
+        yield
+    finally:
+        nms_module.nms, roi_module.roi_align = nms, roi_align
+
+
+@OPTIM_WRAPPERS.register_module()
+class CPUAmpOptimWrapper(OptimWrapper):
+    """``OptimWrapper`` whose forward runs under ``torch.autocast('cpu', dtype)``.
+
+    Args:
+        dtype (str | torch.dtype): 'bfloat16' (default; no loss scale needed) or 'float16'.
+        loss_scale (str | float | dict): float16 only, as in mmengine's ``AmpOptimWrapper``.
+            'dynamic' (default) starts at 2**16, halves on every step whose gradients
+            overflow (the step is skipped) and doubles after 2000 clean steps; a number is
+            the starting scale of the same dynamic scheme; a dict holds
+            ``torch.amp.GradScaler`` arguments.
+        **kwargs: ``OptimWrapper`` arguments (``optimizer``, ``clip_grad``, ...).
+    """
+
+    def __init__(self, dtype='bfloat16', loss_scale='dynamic', **kwargs):
+        super().__init__(**kwargs)
+        name = dtype if isinstance(dtype, str) else str(dtype).replace('torch.', '')
+        if name not in CPU_AMP_DTYPES:
+            raise ValueError(f'CPUAmpOptimWrapper: dtype must be one of {CPU_AMP_DTYPES}, '
+                             f'got {dtype!r}')
+        self.cast_dtype = getattr(torch, name)
+        self.loss_scaler = None
+        if self.cast_dtype == torch.float16:
+            self.loss_scaler = self._make_scaler(loss_scale)
+
+    @staticmethod
+    def _make_scaler(loss_scale):
+        if loss_scale == 'dynamic':
+            return torch.amp.GradScaler('cpu')
+        if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+            return torch.amp.GradScaler('cpu', init_scale=float(loss_scale))
+        if isinstance(loss_scale, dict):
+            return torch.amp.GradScaler('cpu', **loss_scale)
+        raise TypeError("CPUAmpOptimWrapper: loss_scale must be 'dynamic', a number or a "
+                        f'dict of GradScaler arguments, got {loss_scale!r}')
+
+    def backward(self, loss, **kwargs):
+        if self.loss_scaler is not None:
+            loss = self.loss_scaler.scale(loss)
+        super().backward(loss, **kwargs)
+
+    def step(self, **kwargs):
+        if self.loss_scaler is None:
+            super().step(**kwargs)
+            return
+        self.loss_scaler.unscale_(self.optimizer)
+        if self.clip_grad_kwargs:
+            self._clip_grad()
+        self.loss_scaler.step(self.optimizer, **kwargs)
+        self.loss_scaler.update()
+
+    def state_dict(self):
+        state = super().state_dict()
+        if self.loss_scaler is not None:
+            state['loss_scaler'] = self.loss_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        scaler_state = state_dict.pop('loss_scaler', None)
+        if scaler_state is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(scaler_state)
+        super().load_state_dict(state_dict)
+
+    @contextlib.contextmanager
+    def optim_context(self, model):
+        with super().optim_context(model), mmcv_cpu_ops_in_fp32(), \
+                torch.autocast('cpu', dtype=self.cast_dtype):
+            yield
