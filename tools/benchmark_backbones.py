@@ -243,11 +243,15 @@ def format_table(results, params, sizes, modes, key):
 
 
 def plot_costs(results, sizes, modes, key, path):
-    """Median cost ``key`` and peak memory against megapixels, log-log -> PNG."""
+    """Median cost ``key`` (and peak memory, when measured) against megapixels, log-log -> PNG."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8))
+    with_memory = any(e.get('peak_mib') is not None for m in modes
+                      for s in results.get(m, {}).values() for e in s.values())
+    fig, axes = plt.subplots(1, 2 if with_memory else 1, figsize=(
+        10.4 if with_memory else 5.2, 3.8), squeeze=False)
+    axes = axes[0]
     styles = {'fwd': '-', 'fwdbwd': '--'}
     names = sorted({n for m in modes for s in results.get(m, {}).values() for n in s})
     for i, name in enumerate(names):
@@ -265,7 +269,8 @@ def plot_costs(results, sizes, modes, key, path):
                 axes[1].plot([p for p, _ in mem], [m for _, m in mem], styles[mode],
                              marker='o', color=f'C{i}', label=f'{name} {mode}')
     axes[0].set_ylabel('median CPU time (s)' if key == 'median_cpu_s' else 'median latency (s)')
-    axes[1].set_ylabel('peak extra memory (MiB)')
+    if with_memory:
+        axes[1].set_ylabel('peak extra memory (MiB)')
     ticks = []
     for megapixels in sorted(s[0] * s[1] / 1e6 for s in sizes):
         if not ticks or megapixels > 1.1 * ticks[-1]:  # 800x1333 and 1024x1024 share one
