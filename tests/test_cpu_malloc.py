@@ -9,8 +9,9 @@ from lapformer_mm.cpu_malloc import keep_large_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Median minor page faults of allocating a fresh 64 MiB tensor (16 384 pages of 4 KiB); the
-# median, because a heap that still has to grow faults in once.
+# Median minor page faults of allocating a fresh 64 MiB tensor (16 384 pages of 4 KiB), after
+# warm-up allocations: torch allocates with 64-byte alignment, so glibc reuses a freed block
+# only once neighbouring free blocks have merged, which took up to four allocations here.
 FAULTS_PER_ALLOCATION = '''
 import resource, statistics, sys
 import torch
@@ -18,6 +19,9 @@ from lapformer_mm.cpu_malloc import keep_large_blocks
 if sys.argv[1] == 'keep':
     assert keep_large_blocks()
 x = torch.ones(16 * 2**20)
+for _ in range(8):
+    y = x + 1
+    del y
 faults = []
 for _ in range(7):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
