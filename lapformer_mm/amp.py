@@ -52,9 +52,9 @@ class CPUAmpOptimWrapper(OptimWrapper):
         dtype (str | torch.dtype): 'bfloat16' (default; no loss scale needed) or 'float16'.
         loss_scale (str | float | dict): float16 only, as in mmengine's ``AmpOptimWrapper``.
             'dynamic' (default) starts at 2**16, halves on every step whose gradients
-            overflow (the step is skipped) and doubles after 2000 clean steps; a number is
-            the starting scale of the same dynamic scheme; a dict holds
-            ``torch.amp.GradScaler`` arguments.
+            overflow (the step is skipped) and doubles after 2000 clean steps; a float is a
+            static scale (overflowing steps are still skipped); a dict holds
+            ``torch.amp.GradScaler`` arguments of a dynamic scale.
         **kwargs: ``OptimWrapper`` arguments (``optimizer``, ``clip_grad``, ...).
     """
 
@@ -66,18 +66,20 @@ class CPUAmpOptimWrapper(OptimWrapper):
                              f'got {dtype!r}')
         self.cast_dtype = getattr(torch, name)
         self.loss_scaler = None
+        # GradScaler.update(new_scale) pins a static scale; None lets it adapt.
+        self._scale_update_param = None
         if self.cast_dtype == torch.float16:
             self.loss_scaler = self._make_scaler(loss_scale)
 
-    @staticmethod
-    def _make_scaler(loss_scale):
+    def _make_scaler(self, loss_scale):
         if loss_scale == 'dynamic':
             return torch.amp.GradScaler('cpu')
-        if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-            return torch.amp.GradScaler('cpu', init_scale=float(loss_scale))
+        if isinstance(loss_scale, float):
+            self._scale_update_param = loss_scale
+            return torch.amp.GradScaler('cpu', init_scale=loss_scale)
         if isinstance(loss_scale, dict):
             return torch.amp.GradScaler('cpu', **loss_scale)
-        raise TypeError("CPUAmpOptimWrapper: loss_scale must be 'dynamic', a number or a "
+        raise TypeError("CPUAmpOptimWrapper: loss_scale must be 'dynamic', a float or a "
                         f'dict of GradScaler arguments, got {loss_scale!r}')
 
     def backward(self, loss, **kwargs):
@@ -93,7 +95,7 @@ class CPUAmpOptimWrapper(OptimWrapper):
         if self.clip_grad_kwargs:
             self._clip_grad()
         self.loss_scaler.step(self.optimizer, **kwargs)
-        self.loss_scaler.update()
+        self.loss_scaler.update(self._scale_update_param)
 
     def state_dict(self):
         state = super().state_dict()

@@ -14,8 +14,8 @@ module's globals), so a ``getattr`` that resolves only those method names is reg
 under its pickled name instead.
 """
 import functools
-import glob
 import os
+import re
 import warnings
 
 import numpy as np
@@ -220,15 +220,29 @@ def _prune_after_save(save_with_step):
     return save
 
 
+_CHECKPOINT_NAME = re.compile(r'(?:epoch|iter)_(\d+)\.pth')
+
+
+def _resumable_checkpoints(folder):
+    """``epoch_N.pth`` / ``iter_N.pth`` in ``folder`` (files, or DeepSpeed's directories), oldest
+    first by N. ``best_*.pth`` and other weights are left out: they hold no optimizer state."""
+    if not os.path.isdir(folder):
+        return []
+    found = [(int(m.group(1)), os.path.getmtime(os.path.join(folder, name)), name)
+             for name in os.listdir(folder)
+             for m in [_CHECKPOINT_NAME.fullmatch(name)] if m]
+    return [os.path.join(folder, name) for *_, name in sorted(found)]
+
+
 def find_latest_checkpoint(path):
     """mmengine's ``find_latest_checkpoint`` that survives a run killed while checkpointing.
 
-    The ``last_checkpoint`` record is rewritten in place after each save, so a kill can
-    leave it empty, or missing next to a checkpoint that was already written. Then the
-    newest ``*.pth`` beside the record (or in ``path``) is used, with a warning. Returns
-    None when there is neither a record nor a checkpoint (a fresh start, as in mmengine);
-    raises ``FileNotFoundError`` when the record names a local file that is gone and no
-    other checkpoint exists, rather than silently training from scratch.
+    The ``last_checkpoint`` record in ``path`` is rewritten in place after each save, so a kill
+    can leave it empty, or missing next to a checkpoint that was already written. Then the
+    ``epoch_N.pth``/``iter_N.pth`` with the largest N beside the record (or in ``path``) is
+    used, with a warning. Returns None when there is neither a record nor such a checkpoint
+    (a fresh start, as in mmengine). Raises ``FileNotFoundError`` when there is a record but
+    nothing to resume from, rather than silently training from scratch.
     """
     from mmengine.logging import print_log
     record = os.path.join(path, 'last_checkpoint')
@@ -236,22 +250,22 @@ def find_latest_checkpoint(path):
     if os.path.isfile(record):
         with open(record) as f:
             recorded = f.read().strip()
-    if recorded and ('://' in recorded or os.path.isfile(recorded)):
+    if recorded and ('://' in recorded or os.path.exists(recorded)):
         return recorded
     folder = os.path.dirname(recorded) if recorded else path
-    candidates = sorted(glob.glob(os.path.join(glob.escape(folder), '*.pth')),
-                        key=lambda f: (os.path.getmtime(f), f))
+    candidates = _resumable_checkpoints(folder)
     if not candidates:
-        if recorded:
-            raise FileNotFoundError(
-                f'{record} names {recorded}, which does not exist, and {folder} holds no '
-                'other checkpoint (*.pth) to resume from')
         if recorded is None:
             print_log('Did not find last_checkpoint to be resumed.')
-        return None
+            return None
+        state = f'names {recorded}, which does not exist' if recorded else 'is empty'
+        raise FileNotFoundError(
+            f'{record} {state}, and {folder} holds no epoch_N.pth or iter_N.pth to resume from '
+            "(checkpoints saved with CheckpointHook's out_dir are in out_dir/<work_dir name>: "
+            'pass that file to --resume)')
     reason = (f'{record} names {recorded}, which does not exist' if recorded else
               f'{record} is empty' if recorded == '' else f'there is no {record}')
-    print_log(f'{reason} (a run killed while checkpointing); resuming from the newest '
+    print_log(f'{reason} (a run killed while checkpointing?); resuming from the newest '
               f'checkpoint, {candidates[-1]}', logger='current', level=30)
     return candidates[-1]
 
@@ -260,20 +274,23 @@ def enable_safe_checkpoint_rotation():
     """Make mmengine's checkpoint rotation and auto-resume safe against a kill mid-save.
 
     :func:`_prune_after_save` orders ``CheckpointHook``'s save as write new, record, delete
-    old; :func:`find_latest_checkpoint` replaces the one the ``Runner`` uses for
-    ``--resume`` without a path. Idempotent; False without mmengine.
+    old (the ``max_keep_ckpts`` rotation; a replaced ``best_*.pth`` is still deleted first);
+    :func:`find_latest_checkpoint` replaces the one ``Runner``, ``FlexibleRunner`` and the
+    strategies use for ``--resume`` without a path. Idempotent; False without mmengine.
     """
     try:
+        import mmengine.runner
         from mmengine.hooks import CheckpointHook
-        from mmengine.runner import checkpoint as runner_checkpoint
-        from mmengine.runner import runner as runner_module
+        from mmengine.runner import _flexible_runner, checkpoint, runner
     except ImportError:
         return False
     if not getattr(CheckpointHook._save_checkpoint_with_step, 'prunes_after_save', False):
         CheckpointHook._save_checkpoint_with_step = _prune_after_save(
             CheckpointHook._save_checkpoint_with_step)
-    runner_module.find_latest_checkpoint = find_latest_checkpoint
-    runner_checkpoint.find_latest_checkpoint = find_latest_checkpoint
+    # Runner, FlexibleRunner and the strategies (which import it from mmengine.runner when
+    # they resume) each look the function up by their own name.
+    for module in (mmengine.runner, runner, _flexible_runner, checkpoint):
+        module.find_latest_checkpoint = find_latest_checkpoint
     return True
 
 

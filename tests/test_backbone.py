@@ -36,18 +36,11 @@ def test_output_shapes_any_size(tiny, hw):
 
 
 def test_outputs_are_contiguous_nchw_for_mmcv_ops(tiny):
-    """mmcv's RoIAlign indexes raw memory as NCHW (open-mmlab/mmcv#2203): a
-    channels-last view gives scrambled RoI features, so the maps must be contiguous."""
-    from mmcv.ops import roi_align
+    """mmcv's RoIAlign indexes raw memory as NCHW (open-mmlab/mmcv#2203): on a channels-last
+    view it pools scrambled features, which kept the toy Mask R-CNN at bbox AP50 0.04."""
     with torch.no_grad():
         outs = tiny(torch.randn(2, 3, 128, 96))
     assert all(o.is_contiguous() for o in outs)
-    # test_stack checks RoIAlign against bilinear sampling on contiguous maps.
-    rois = torch.tensor([[0, 10., 12., 60., 70.], [1, 3., 20., 90., 120.]])
-    pooled = roi_align(outs[0], rois, (7, 7), 0.25, 0, 'avg', True)
-    reference = roi_align(outs[0].clone(memory_format=torch.contiguous_format), rois,
-                          (7, 7), 0.25, 0, 'avg', True)
-    torch.testing.assert_close(pooled, reference)
 
 
 def test_input_smaller_than_landmark_grid(tiny):

@@ -326,12 +326,15 @@ def write_checkpoints(folder, names):
         os.utime(folder / name, (1_000_000 + age, 1_000_000 + age))
 
 
-@pytest.mark.parametrize('record', [None, '', 'epoch_9.pth'])
-def test_auto_resume_falls_back_to_the_newest_checkpoint(tmp_path, record, capsys):
-    write_checkpoints(tmp_path, ['epoch_2.pth', 'epoch_10.pth', 'epoch_3.pth'])
+@pytest.mark.parametrize('record', [None, '', 'epoch_11.pth'])
+def test_auto_resume_falls_back_to_the_checkpoint_with_the_largest_step(tmp_path, record):
+    """Largest N, not newest file: a best_*.pth (no optimizer state) or a copied file is
+    newer, and is not a checkpoint to resume from."""
+    write_checkpoints(tmp_path, ['epoch_2.pth', 'epoch_10.pth', 'epoch_3.pth',
+                                 'best_coco_bbox_mAP_epoch_3.pth', 'pretrained.pth'])
     if record is not None:
         (tmp_path / 'last_checkpoint').write_text(record and str(tmp_path / record))
-    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'epoch_3.pth')
+    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'epoch_10.pth')
 
 
 def test_auto_resume_uses_an_intact_record_and_starts_fresh_on_an_empty_dir(tmp_path):
@@ -341,18 +344,35 @@ def test_auto_resume_uses_an_intact_record_and_starts_fresh_on_an_empty_dir(tmp_
     assert find_latest_checkpoint(str(tmp_path / 'nothing_here')) is None
 
 
-def test_auto_resume_refuses_a_record_of_a_deleted_checkpoint_with_nothing_else(tmp_path):
-    (tmp_path / 'last_checkpoint').write_text(str(tmp_path / 'epoch_4.pth'))
-    with pytest.raises(FileNotFoundError, match='epoch_4.pth, which does not exist'):
+def test_auto_resume_accepts_a_recorded_checkpoint_directory(tmp_path):
+    """DeepSpeed saves a checkpoint as a directory named like the file."""
+    (tmp_path / 'iter_8.pth').mkdir()
+    (tmp_path / 'last_checkpoint').write_text(str(tmp_path / 'iter_8.pth'))
+    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'iter_8.pth')
+
+
+@pytest.mark.parametrize('record, message', [
+    ('epoch_4.pth', 'epoch_4.pth, which does not exist'),
+    ('', 'last_checkpoint is empty'),
+])
+def test_auto_resume_refuses_a_record_with_nothing_to_resume_from(tmp_path, record, message):
+    """A record exists only after a save, so a fresh start would silently lose the run
+    (e.g. checkpoints written to CheckpointHook's out_dir, not beside the record)."""
+    write_checkpoints(tmp_path, ['best_coco_bbox_mAP_epoch_3.pth'])
+    (tmp_path / 'last_checkpoint').write_text(record and str(tmp_path / record))
+    with pytest.raises(FileNotFoundError, match=f"{message}.*out_dir"):
         find_latest_checkpoint(str(tmp_path))
 
 
 def test_runner_resumes_past_an_empty_last_checkpoint(tmp_path):
-    """The Runner's auto-resume goes through the patched lookup."""
+    """The Runner's auto-resume goes through the patched lookup and continues, not restarts:
+    the first two epochs' checkpoints are not written again."""
     enable_safe_checkpoint_rotation()
     tiny_runner(tmp_path, max_epochs=2).train()
     (tmp_path / 'last_checkpoint').write_text('')
+    written = {n: os.stat(tmp_path / n).st_mtime_ns for n in ('epoch_1.pth', 'epoch_2.pth')}
     runner = tiny_runner(tmp_path, max_epochs=3, resume=True)
     runner.train()
     assert runner.iter == 6
     assert safe_load(tmp_path / 'epoch_3.pth')['meta']['iter'] == 6
+    assert {n: os.stat(tmp_path / n).st_mtime_ns for n in written} == written
