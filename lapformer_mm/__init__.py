@@ -10,8 +10,8 @@
   with a message that says how to allow a trusted file;
 - makes mmengine write local files (checkpoints) atomically, delete the checkpoint that
   falls out of ``max_keep_ckpts`` only after the new one is recorded, and auto-resume
-  from the latest ``epoch_N``/``iter_N`` checkpoint when ``last_checkpoint`` is empty or stale, so a run killed
-  mid-save keeps its previous checkpoint and ``--resume`` finds it.
+  from the latest ``epoch_N``/``iter_N`` checkpoint when ``last_checkpoint`` is empty or
+  stale, so a run killed mid-save keeps its previous checkpoint and ``--resume`` finds it.
 
 ``lapformer_mm.ops`` needs only torch (and CuPy on GPU); without mmengine the steps above
 that concern it are skipped.

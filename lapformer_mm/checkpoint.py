@@ -265,7 +265,7 @@ def find_latest_checkpoint(path):
             'pass that file to --resume)')
     reason = (f'{record} names {recorded}, which does not exist' if recorded else
               f'{record} is empty' if recorded == '' else f'there is no {record}')
-    print_log(f'{reason} (a run killed while checkpointing?); resuming from the newest '
+    print_log(f'{reason} (a run killed while checkpointing?); resuming from the latest '
               f'checkpoint, {candidates[-1]}', logger='current', level=30)
     return candidates[-1]
 

@@ -24,8 +24,8 @@ def register_modules():
     """Register ``LaplacianFormer`` in every installed downstream ``MODELS`` registry.
 
     Importing :mod:`lapformer_mm.amp` on the way registers ``CPUAmpOptimWrapper`` in
-    mmengine's ``OPTIM_WRAPPERS``. Idempotent. Needs mmengine; without it (the bare ``lapformer_mm.ops`` use on a GPU box)
-    nothing is registered.
+    mmengine's ``OPTIM_WRAPPERS``. Idempotent. Needs mmengine; without it (the bare
+    ``lapformer_mm.ops`` use on a GPU box) nothing is registered.
 
     Returns:
         list[str]: the packages whose registry now holds ``LaplacianFormer``.

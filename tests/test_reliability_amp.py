@@ -140,5 +140,6 @@ def test_mmcv_cpu_ops_compute_in_fp32_inside_the_block_only():
 
 def test_amp_refuses_to_replace_another_wrapper_type():
     cfg = Config(dict(optim_wrapper=dict(type='ApexOptimWrapper', optimizer=dict(type='SGD'))))
-    with pytest.raises(ValueError, match=r"--amp replaces .* optim_wrapper.type='ApexOptimWrapper'"):
+    with pytest.raises(ValueError,
+                       match=r"--amp replaces .* optim_wrapper.type='ApexOptimWrapper'"):
         train_tool.enable_amp(cfg)
