@@ -3,38 +3,13 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
 from mmengine.hooks import Hook
 from mmengine.logging import HistoryBuffer
-from mmengine.model import BaseModel
-from mmengine.runner import Runner
 
 import lapformer_mm  # noqa: F401  (allowlists mmengine's checkpoint contents)
 from lapformer_mm.checkpoint import safe_load
 
-
-class TinyModel(BaseModel):
-
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(2, 1)
-
-    def forward(self, inputs, data_samples=None, mode='tensor'):
-        out = self.linear(inputs)
-        return dict(loss=out.pow(2).mean()) if mode == 'loss' else out
-
-
-def make_runner(work_dir, max_epochs, **kwargs):
-    dataset = [dict(inputs=torch.full((2,), float(i))) for i in range(8)]
-    return Runner(
-        model=TinyModel(), work_dir=str(work_dir),
-        train_dataloader=dict(dataset=dataset, batch_size=2, collate_fn=dict(type='default_collate'),
-                              sampler=dict(type='DefaultSampler', shuffle=True)),
-        optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01)),
-        param_scheduler=[dict(type='MultiStepLR', milestones=[1])],
-        train_cfg=dict(by_epoch=True, max_epochs=max_epochs),
-        default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=1)),
-        randomness=dict(seed=0), **kwargs)
+from _runner_helpers import TinyModel, make_runner
 
 
 @pytest.fixture(scope='module')

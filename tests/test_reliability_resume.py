@@ -30,6 +30,7 @@ TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 sys.path.insert(0, TOOLS)
 
 import make_toy_coco  # noqa: E402
+from _runner_helpers import make_runner  # noqa: E402
 
 PROBE = '''
 import hashlib
@@ -254,30 +255,6 @@ def test_atomic_write_replaces_whole_file_and_cleans_up_on_error(tmp_path):
     assert os.listdir(target.parent) == ['f.bin']
 
 
-def tiny_runner(work_dir, max_epochs=2, resume=False, **checkpoint):
-    """An mmengine Runner on a one-layer model, 2 iterations per epoch, a checkpoint each epoch."""
-    from mmengine.model import BaseModel
-    from mmengine.runner import Runner
-    from torch import nn
-
-    class Tiny(BaseModel):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(2, 1)
-
-        def forward(self, inputs, data_samples=None, mode='tensor'):
-            return dict(loss=self.linear(inputs).square().mean())
-
-    return Runner(model=Tiny(), work_dir=str(work_dir), default_scope='mmdet', resume=resume,
-                  train_dataloader=dict(dataset=[dict(inputs=torch.ones(2))] * 4, batch_size=2,
-                                        collate_fn=dict(type='default_collate'),
-                                        sampler=dict(type='DefaultSampler', shuffle=False)),
-                  optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
-                  train_cfg=dict(by_epoch=True, max_epochs=max_epochs),
-                  default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=1,
-                                                     **checkpoint)))
-
-
 def test_runner_checkpoints_with_atomic_save(tmp_path):
     """A whole mmengine run with the patch: checkpoints load, no temporary files remain."""
     from mmengine.fileio.backends.local_backend import LocalBackend
@@ -285,7 +262,7 @@ def test_runner_checkpoints_with_atomic_save(tmp_path):
     original_put = LocalBackend.put
     try:
         assert enable_atomic_checkpoint_save() and enable_atomic_checkpoint_save()
-        tiny_runner(tmp_path).train()
+        make_runner(tmp_path, 2, num_samples=4).train()
     finally:
         LocalBackend.put = original_put
     assert safe_load(tmp_path / 'epoch_2.pth')['meta']['iter'] == 4
@@ -297,7 +274,7 @@ def test_save_failing_mid_rotation_keeps_the_previous_checkpoint(tmp_path):
     killed in between would have nothing to resume from. Here the save of epoch 2 fails
     and epoch_1.pth, still named by last_checkpoint, survives."""
     assert enable_safe_checkpoint_rotation() and enable_safe_checkpoint_rotation()
-    runner = tiny_runner(tmp_path, max_keep_ckpts=1)
+    runner = make_runner(tmp_path, 2, num_samples=4, checkpoint=dict(max_keep_ckpts=1))
     save = runner.save_checkpoint
 
     def dies_at_epoch_2(out_dir, filename, *args, **kwargs):
@@ -314,7 +291,7 @@ def test_save_failing_mid_rotation_keeps_the_previous_checkpoint(tmp_path):
 
 def test_rotation_still_keeps_max_keep_ckpts(tmp_path):
     enable_safe_checkpoint_rotation()
-    tiny_runner(tmp_path, max_epochs=3, max_keep_ckpts=2).train()
+    make_runner(tmp_path, 3, num_samples=4, checkpoint=dict(max_keep_ckpts=2)).train()
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith('.pth')) == [
         'epoch_2.pth', 'epoch_3.pth']
 
@@ -368,10 +345,10 @@ def test_runner_resumes_past_an_empty_last_checkpoint(tmp_path):
     """The Runner's auto-resume goes through the patched lookup and continues, not restarts:
     the first two epochs' checkpoints are not written again."""
     enable_safe_checkpoint_rotation()
-    tiny_runner(tmp_path, max_epochs=2).train()
+    make_runner(tmp_path, 2, num_samples=4).train()
     (tmp_path / 'last_checkpoint').write_text('')
     written = {n: os.stat(tmp_path / n).st_mtime_ns for n in ('epoch_1.pth', 'epoch_2.pth')}
-    runner = tiny_runner(tmp_path, max_epochs=3, resume=True)
+    runner = make_runner(tmp_path, 3, num_samples=4, resume=True)
     runner.train()
     assert runner.iter == 6
     assert safe_load(tmp_path / 'epoch_3.pth')['meta']['iter'] == 6

@@ -1,0 +1,33 @@
+"""A one-layer mmengine model and Runner for checkpoint and resume tests."""
+import torch
+import torch.nn as nn
+from mmengine.model import BaseModel
+from mmengine.runner import Runner
+
+
+class TinyModel(BaseModel):
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 1)
+
+    def forward(self, inputs, data_samples=None, mode='tensor'):
+        out = self.linear(inputs)
+        return dict(loss=out.pow(2).mean()) if mode == 'loss' else out
+
+
+def make_runner(work_dir, max_epochs, num_samples=8, checkpoint=None, **kwargs):
+    """TinyModel, batches of 2 (num_samples / 2 iterations per epoch), AdamW with a step at
+    epoch 1, a checkpoint every epoch (more CheckpointHook arguments in ``checkpoint``);
+    ``kwargs`` go to the Runner."""
+    dataset = [dict(inputs=torch.full((2,), float(i))) for i in range(num_samples)]
+    return Runner(
+        model=TinyModel(), work_dir=str(work_dir),
+        train_dataloader=dict(dataset=dataset, batch_size=2, collate_fn=dict(type='default_collate'),
+                              sampler=dict(type='DefaultSampler', shuffle=True)),
+        optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01)),
+        param_scheduler=[dict(type='MultiStepLR', milestones=[1])],
+        train_cfg=dict(by_epoch=True, max_epochs=max_epochs),
+        default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=1,
+                                           **(checkpoint or {}))),
+        randomness=dict(seed=0), **kwargs)
