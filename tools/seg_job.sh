@@ -46,7 +46,7 @@ stamp "4/4 drawing predictions"
 
 echo
 echo "$CONFIG, toy shapes val split (mmseg IoUMetric, percent):"
-grep -A 9 'per class results:' "$WORK_DIR/test.log" | tail -n 9
+grep -A 10 'per class results:' "$WORK_DIR/test.log" | tail -n 9
 grep -o 'aAcc: .*mAcc: [0-9.]*' "$WORK_DIR/test.log"
 echo
 echo "checkpoint:  $CKPT"
