@@ -16,9 +16,10 @@ custom_imports = dict(imports=['lapformer_mm'], allow_failed_imports=False)
 
 data_root = 'data/toy_seg/'
 classes = ('background', 'circle', 'square', 'triangle', 'star')
-# RGB, the shapes' base colours (tools/make_toy_coco.py) for the overlays.
-palette = [[0, 0, 0], [220, 40, 40], [40, 200, 40], [30, 90, 220],
-           [230, 210, 30]]
+# RGB label colours of the overlays, unlike any shape's own colour so that a
+# wrong class shows (circle magenta, square cyan, triangle orange, star white).
+palette = [[0, 0, 0], [255, 0, 255], [0, 255, 255], [255, 140, 0],
+           [255, 255, 255]]
 
 # Heads slimmed to 64 channels: a ten-minute CPU budget cannot train mmseg's
 # 512-channel UperNet from scratch, and 5 classes need far fewer. BatchNorm
