@@ -185,13 +185,16 @@ def spd_batch(batch, m, dtype, seed):
 
 @pytest.mark.parametrize('p_in_shared', [True, False])
 @pytest.mark.parametrize('authors', [False, True])
-@pytest.mark.parametrize('m', [1, 5, 33])
+@pytest.mark.parametrize('m', [1, 5, 8, 33, 49])
 def test_newton_schulz_matches_matmul_iterations(emulated, m, authors, p_in_shared):
     P = spd_batch(3, m, torch.float64, seed=m)
-    # Room for exactly 2 or 3 m x m matrices (plus the static norm scalar).
-    limit = (3 if p_in_shared else 2) * 8 * m * m + rt.NS_STATIC_SMEM
-    out = cupy_ops.fused_newton_schulz(P, 12, authors, smem_limit=limit)
-    assert emulated[-1][3] == (3 if p_in_shared else 2) * 8 * m * m
+    # Room for exactly 2 or 3 padded m x m matrices (plus the static norm scalar).
+    mp, ld = rt.newton_schulz_stride(m)
+    matrices = 3 if p_in_shared else 2
+    out = cupy_ops.fused_newton_schulz(P, 12, authors,
+                                       smem_limit=matrices * 8 * mp * ld + rt.NS_STATIC_SMEM)
+    assert emulated[-1][0] == rt.newton_schulz_name('double', p_in_shared)
+    assert emulated[-1][3] == matrices * 8 * mp * ld
     expected = cupy_ops.twin_newton_schulz(P, 12, authors)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
 
@@ -263,4 +266,4 @@ def test_public_functions_end_to_end_on_emulated_kernels(emulated, monkeypatch):
     X = cupy_ops.newton_schulz_pinv(P, 40)
     torch.testing.assert_close(X, torch.linalg.inv(P.detach()), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(X, twin_ns(P.detach(), 40, False), rtol=1e-10, atol=1e-12)
-    assert emulated[-1][0] == rt.newton_schulz_name('double')
+    assert emulated[-1][0] == rt.newton_schulz_name('double', True)
