@@ -14,7 +14,9 @@ minus the memory allocated before it (the model's weights are excluded).
 The baselines come from timm (random weights, ``features_only=True``, the
 four stride-4..32 maps, as the detectors use them): ``pvt_v2_b1`` and
 ``swin_tiny_patch4_window7_224`` built for the input size with
-``strict_img_size=False`` (Swin pads its windows). LaplacianFormer-T is the
+``strict_img_size=False`` and its patch embedding's ``dynamic_img_pad`` on
+(Swin pads the image to a multiple of its patch and each stage to whole
+windows, as mmdet's Swin does). LaplacianFormer-T is the
 backbone of this package, with the CuPy kernels (``LAPFORMER_OPS=cupy``) and,
 for comparison, with the PyTorch reference ops (``laplacianformer-t-ref``).
 timm is needed here, OpenMMLab is not (mmengine only, for the backbone's base
@@ -68,8 +70,13 @@ def build(name, size):
     import timm
     if name == 'pvtv2-b1':
         return timm.create_model('pvt_v2_b1', pretrained=False, features_only=True), None
-    return timm.create_model('swin_tiny_patch4_window7_224', pretrained=False, features_only=True,
-                             img_size=size, strict_img_size=False), None
+    model = timm.create_model('swin_tiny_patch4_window7_224', pretrained=False, features_only=True,
+                              img_size=size, strict_img_size=False)
+    # Pad sizes that are not multiples of the patch (1333 = 4 * 333 + 1), as mmdet's Swin does.
+    for module in model.modules():
+        if hasattr(module, 'dynamic_img_pad'):
+            module.dynamic_img_pad = True
+    return model, None
 
 
 def feature_loss(outputs):

@@ -284,7 +284,8 @@ def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, sha
 
     ``args`` must already have their exact C types (numpy scalars, pointers
     from :func:`pointer`). Failures raise :class:`CudaOpsError` naming the
-    kernel, the launch geometry and ``shapes``.
+    kernel, the launch geometry and ``shapes`` (a string, or a callable that
+    makes it: the message is only formatted on failure).
     """
     cupy = import_cupy()
     device_index = tensor.device.index
@@ -298,4 +299,5 @@ def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, sha
             function(grid, block, args, shared_mem=shared_mem)
     except Exception as exc:
         raise CudaOpsError(f'launching {name_expression} (grid={grid}, block={block}, '
-                           f'shared_mem={shared_mem}) for {shapes} failed: {exc}') from exc
+                           f'shared_mem={shared_mem}) for {shapes() if callable(shapes) else shapes} '
+                           f'failed: {exc}') from exc

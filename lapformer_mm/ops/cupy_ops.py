@@ -22,6 +22,7 @@ torch.float32)``), because the design runs kernel matrices and the solve in
 fp32; called directly with fp16/bf16 tensors outside autocast, the kernels
 read 16-bit inputs, accumulate in fp32 and write the input dtype.
 """
+import functools
 import math
 
 import numpy as np
@@ -47,13 +48,19 @@ def _check_int32(**sizes):
             raise ValueError(f'{name}={value} exceeds the CUDA kernels\' 32-bit index range')
 
 
-def _shapes(**tensors):
-    return ', '.join(f'{k} {tuple(v.shape)} {v.dtype}' for k, v in tensors.items())
+def _shapes(extra='', **tensors):
+    """The operands' shapes for an error message, formatted only if one is raised."""
+    return lambda: ', '.join(f'{k} {tuple(v.shape)} {v.dtype}' for k, v in tensors.items()) + extra
+
+
+@functools.lru_cache(maxsize=None)
+def _target_blocks(device_index):
+    return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def target_blocks(device):
     """Blocks that keep every SM of ``device`` busy: 4 per SM."""
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return _target_blocks(device.index)
 
 
 def fused_pairwise_forward(x3, y3, lam, kind):
@@ -125,7 +132,7 @@ def fused_newton_schulz(P3, iters, authors, smem_limit):
     args = (rt.pointer(P3), rt.pointer(out), np.int64(batch), np.int32(m), np.int32(iters),
             np.int32(1 if authors else 0))
     rt.launch(rt.NEWTON_SCHULZ_SOURCE, name, P3, grid, block, args, shared_mem=smem,
-              shapes=_shapes(P=P3) + f', iters={iters}')
+              shapes=_shapes(f', iters={iters}', P=P3))
     return out
 
 
