@@ -267,3 +267,22 @@ def test_public_functions_end_to_end_on_emulated_kernels(emulated, monkeypatch):
     torch.testing.assert_close(X, torch.linalg.inv(P.detach()), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(X, twin_ns(P.detach(), 40, False), rtol=1e-10, atol=1e-12)
     assert emulated[-1][0] == rt.newton_schulz_name('double', True)
+
+
+def test_registered_ops_hand_the_kernels_contiguous_operands(emulated, monkeypatch):
+    """Called directly with strided inputs, the raw ops still give the dense result: the
+    kernels index raw pointers as contiguous (a strided x read that way was off by 0.1)."""
+    monkeypatch.setattr(cupy_ops, 'twin_pairwise_forward', cupy_ops.fused_pairwise_forward)
+    monkeypatch.setattr(cupy_ops, 'twin_pairwise_backward',
+                        lambda *args: cupy_ops.fused_pairwise_backward(*args, 16))
+    x, y = make_inputs(2, 33, 9, 34, torch.float32, seed=12)
+    xs, ys = x[..., ::2], y.transpose(1, 2).contiguous().transpose(1, 2)[..., 1::2]
+    assert not xs.is_contiguous() and not ys.is_contiguous()
+    out = torch.ops.lapformer_mm.cuda_pairwise_kernel(xs, ys, 4.0, rt.LAPLACIAN)
+    torch.testing.assert_close(out.double(), dense_kernel(xs.double(), ys.double(), 4.0, rt.LAPLACIAN),
+                               rtol=1e-5, atol=1e-7)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).transpose(1, 2).contiguous().transpose(1, 2)
+    dx, dy = torch.ops.lapformer_mm.cuda_pairwise_kernel_backward(g, out, xs, ys, 4.0, rt.LAPLACIAN, True, True)
+    ex, ey = dense_grads(xs, ys, g, 4.0, rt.LAPLACIAN)
+    torch.testing.assert_close(dx.double(), ex, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dy.double(), ey, rtol=1e-5, atol=1e-6)
