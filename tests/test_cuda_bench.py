@@ -53,3 +53,16 @@ def test_targets_pass_fail_and_errors():
     assert [t[2] for t in missed] == [5.0]
     assert bench.target_verdict(None, 3.0) == 'FAIL (not measured)'
     assert bench.target_verdict(3.0, 3.0) == 'PASS' and bench.target_verdict(2.99, 3.0) == 'FAIL'
+
+
+def test_cdist_backward_row_left_out_past_int32_elements():
+    """torch.cdist's CUDA backward faulted at (64, 66600, 49, 32) on the H200 (6.7e9 elements
+    in its (batch, N, M, d) buffer): that row keeps only its forward from 2^31 elements on."""
+    bench = load_bench()
+    args = bench.parse_args(['--device', 'cpu', '--n', '66600', '--m', '49', '--bh', '4', '64',
+                             '--sections', 'kernel'])
+    modes = {(row['bh'], row['method']): row['modes']
+             for row, _, _ in bench.kernel_rows(args, bench.torch.device('cpu'))}
+    assert modes[(64, 'laplacian cdist+exp')] == ('fwd',)
+    assert modes[(4, 'laplacian cdist+exp')] == ('fwd', 'fwd+bwd')
+    assert modes[(64, 'laplacian reference')] == ('fwd', 'fwd+bwd')
