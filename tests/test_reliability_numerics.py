@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from _attention_helpers import dense_attention
 
 from lapformer_mm.models import LaplacianAttention, LaplacianFormer
 from lapformer_mm.models.diagnostics import landmark_solve_residuals, solve_report
@@ -193,21 +194,12 @@ def _near_identical_inputs(spread, seed=0, n=400, m=49, d=32):
     return q, v, landmarks
 
 
-def _dense_attention(q, v, landmarks, lam=4.0, eps=0.01, whiten_eps=1e-5):
-    """The attention in fp64 from the shared dense helpers, solved directly."""
-    from _attention_helpers import dense_injective, dense_l1_kernel
-    c = dense_l1_kernel(q, landmarks, lam)
-    w = dense_l1_kernel(landmarks, landmarks, lam)
-    p = w + eps * torch.eye(w.shape[-1], dtype=w.dtype)
-    return dense_injective(c, whiten_eps) @ torch.linalg.solve(p, c.mT @ v)
-
-
 @pytest.mark.parametrize('spread', [1e-4, 1e-3, 1e-2])
 def test_fp32_newton_within_3x_of_an_fp32_direct_solve(spread):
     """Near-identical landmarks (cond(P) 1.3e3-4.8e3): fp32 Newton–Schulz alone was off by
     1e-3..5e-2; with its refinement step it is within 3x of an fp32 direct solve."""
     q, v, landmarks = _near_identical_inputs(spread)
-    expected = _dense_attention(q, v, landmarks)
+    expected = dense_attention(q, q, v, landmarks)
 
     def error(solver):
         out = nystrom_attention(q.float(), q.float(), v.float(), landmarks.float(), solver=solver)
