@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from . import cuda_runtime as rt
+from ._checks import NS_INITS
 from ._precision import compute_dtype, full_precision_matmul
 
-NS_INITS = ('identity', 'authors')
 _DTYPES = tuple(rt.ELEMENT_TYPES)
 # Sizes are 32-bit ints in the kernels; the margin keeps "size + tile - 1" from overflowing.
 _MAX_SIZE = 2 ** 31 - 2 ** 16
