@@ -16,12 +16,13 @@ class TinyModel(BaseModel):
         return dict(loss=out.pow(2).mean()) if mode == 'loss' else out
 
 
-def make_runner(work_dir, max_epochs, num_samples=8, checkpoint=None, **kwargs):
+def make_runner(work_dir, max_epochs, num_samples=8, checkpoint=None, runner_cls=Runner,
+                **kwargs):
     """TinyModel, batches of 2 (num_samples / 2 iterations per epoch), AdamW with a step at
     epoch 1, a checkpoint every epoch (more CheckpointHook arguments in ``checkpoint``);
-    ``kwargs`` go to the Runner."""
+    ``kwargs`` go to the runner, an instance of ``runner_cls``."""
     dataset = [dict(inputs=torch.full((2,), float(i))) for i in range(num_samples)]
-    return Runner(
+    return runner_cls(
         model=TinyModel(), work_dir=str(work_dir),
         train_dataloader=dict(dataset=dataset, batch_size=2, collate_fn=dict(type='default_collate'),
                               sampler=dict(type='DefaultSampler', shuffle=True)),

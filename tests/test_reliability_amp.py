@@ -1,7 +1,7 @@
 """Mixed-precision training of the toy Mask R-CNN through ``tools/train.py --amp`` stays finite.
 
 On a GPU ``--amp`` is mmengine's ``AmpOptimWrapper``; on CPU (mmengine's wrapper refuses
-it) it is :class:`lapformer_mm.amp.CPUAmpOptimWrapper`. The same tests run on either.
+it) it is :class:`lapformer_mm.engine.amp.CPUAmpOptimWrapper`. The same tests run on either.
 fp16 convolutions on CPU take torch's slow reference path (about 2 s per step of the
 64 px toy detector on this machine, against 0.3 s in bf16), which makes the fp16 run the
 slowest test of the suite.
@@ -19,7 +19,7 @@ import pytest
 import torch
 from mmengine.config import Config
 
-from lapformer_mm.amp import CPUAmpOptimWrapper, mmcv_cpu_ops_in_fp32
+from lapformer_mm.engine.amp import CPUAmpOptimWrapper, mmcv_cpu_ops_in_fp32
 from lapformer_mm.checkpoint import safe_load
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
