@@ -1,8 +1,12 @@
 """A one-layer mmengine model and Runner for checkpoint and resume tests."""
+import itertools
+
 import torch
 import torch.nn as nn
 from mmengine.model import BaseModel
 from mmengine.runner import Runner
+
+_RUNNER_IDS = itertools.count()
 
 
 class TinyModel(BaseModel):
@@ -22,6 +26,10 @@ def make_runner(work_dir, max_epochs, num_samples=8, checkpoint=None, runner_cls
     epoch 1, a checkpoint every epoch (more CheckpointHook arguments in ``checkpoint``);
     ``kwargs`` go to the runner, an instance of ``runner_cls``."""
     dataset = [dict(inputs=torch.full((2,), float(i))) for i in range(num_samples)]
+    # mmengine names the message hub after the experiment, by default the start time to the
+    # second: two runners started within one second would share it, and its record of
+    # the kept checkpoints.
+    kwargs.setdefault('experiment_name', f'tiny_{next(_RUNNER_IDS)}')
     return runner_cls(
         model=TinyModel(), work_dir=str(work_dir),
         train_dataloader=dict(dataset=dataset, batch_size=2, collate_fn=dict(type='default_collate'),
