@@ -5,9 +5,7 @@
   the same weights as ours;
 - a stock mmengine job runs the same with and without ``import lapformer_mm``.
 """
-import contextlib
 import glob
-import io
 import json
 import os
 import os.path as osp
@@ -21,9 +19,8 @@ from mmengine.config import Config
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
-sys.path.insert(0, TOOLS)
 
-import make_toy_coco  # noqa: E402
+from _toy_data import write_toy_coco  # noqa: E402
 
 CONFIGS = sorted(p for p in glob.glob(osp.join(ROOT, 'configs', '**', '*.py'), recursive=True)
                  if '_base_' not in p.split(os.sep))
@@ -38,11 +35,7 @@ def test_every_config_uses_the_safe_runtime(path):
 
 @pytest.fixture(scope='module')
 def toy_root(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp('optin') / 'toy_coco')
-    with contextlib.redirect_stdout(io.StringIO()):
-        make_toy_coco.main(['--out', root, '--num-train', '4', '--num-val', '2',
-                            '--img-size', '64', '--max-objects', '2'])
-    return root
+    return write_toy_coco(tmp_path_factory.mktemp('optin'), num_train=4)
 
 
 def train(script, work_dir, toy_root, cwd, env):

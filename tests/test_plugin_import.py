@@ -67,8 +67,9 @@ print(json.dumps(dict(changed=changed, loaded=loaded, checked=len(before))))
 '''
 
 
-def import_report(*preload):
-    proc = subprocess.run([sys.executable, '-c', SNAPSHOT, *preload], cwd=ROOT,
+def import_report(*preload, script=SNAPSHOT):
+    """The report ``script`` prints in a fresh interpreter that first imports ``preload``."""
+    proc = subprocess.run([sys.executable, '-c', script, *preload], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -100,15 +101,12 @@ def test_snapshot_sees_a_patch():
         'mmengine.hooks.CheckpointHook._save_checkpoint_with_step = lambda *a: None\n'
         'mmengine.runner.checkpoint.CheckpointLoader.register_scheme('
         "'', lambda f, m: None, force=True)")
-    proc = subprocess.run([sys.executable, '-c', patched], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    changed = json.loads(proc.stdout.strip().splitlines()[-1])['changed']
-    assert changed == ["CheckpointLoader scheme ''",
-                       'mmengine.fileio.backends.local_backend.LocalBackend.put',
-                       'mmengine.hooks.checkpoint_hook.CheckpointHook._save_checkpoint_with_step',
-                       'mmengine.runner.checkpoint.CheckpointLoader._schemes',
-                       'mmengine.runner.runner.find_latest_checkpoint']
+    assert import_report(script=patched)['changed'] == [
+        "CheckpointLoader scheme ''",
+        'mmengine.fileio.backends.local_backend.LocalBackend.put',
+        'mmengine.hooks.checkpoint_hook.CheckpointHook._save_checkpoint_with_step',
+        'mmengine.runner.checkpoint.CheckpointLoader._schemes',
+        'mmengine.runner.runner.find_latest_checkpoint']
 
 
 def test_import_adds_only_its_own_modules_to_a_loaded_mmengine():

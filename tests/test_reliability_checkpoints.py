@@ -7,9 +7,7 @@ and tools/convert_cls_to_backbone.py. Each refusal must leave the payload unrun,
 file and say how to allow a trusted one: torch's own refusal, which names neither, does
 not pass these tests. The documented opt-in must actually work.
 """
-import contextlib
 import importlib.util
-import io
 import os
 import os.path as osp
 import sys
@@ -29,6 +27,7 @@ TINY = dict(embed_dims=[32, 32, 32, 32], num_heads=[1, 1, 1, 1], depths=[1, 1, 1
 sys.path.insert(0, TOOLS)
 
 from _runner_helpers import TinyModel, make_runner  # noqa: E402
+from _toy_data import write_toy_coco  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -150,12 +149,7 @@ def test_safe_runner_still_loads_mmengine_checkpoints(tmp_path):
 
 @pytest.fixture(scope='module')
 def toy_root(tmp_path_factory):
-    make_toy_coco = load_tool('make_toy_coco')
-    root = str(tmp_path_factory.mktemp('ckpt') / 'toy_coco')
-    with contextlib.redirect_stdout(io.StringIO()):
-        make_toy_coco.main(['--out', root, '--num-train', '2', '--num-val', '2',
-                            '--img-size', '64', '--max-objects', '2'])
-    return root
+    return write_toy_coco(tmp_path_factory.mktemp('ckpt'), num_train=2)
 
 
 def toy_data_options(toy_root):

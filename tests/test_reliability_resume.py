@@ -6,9 +6,7 @@ SIGKILL in the middle of writing a checkpoint file with mmengine's in-place writ
 the ``atomic_local`` backend. Stock mmengine (``Runner``, ``CheckpointHook``) is checked to
 behave as it always did after ``import lapformer_mm``.
 """
-import contextlib
 import hashlib
-import io
 import json
 import os
 import os.path as osp
@@ -21,6 +19,7 @@ import time
 
 import pytest
 import torch
+from mmengine.runner import Runner
 
 from lapformer_mm.checkpoint import safe_load
 from lapformer_mm.engine import (SafeCheckpointRunner, atomic_write_bytes,
@@ -31,16 +30,48 @@ TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 sys.path.insert(0, TOOLS)
 
-import make_toy_coco  # noqa: E402
 from _runner_helpers import make_runner  # noqa: E402
-from mmengine.runner import Runner  # noqa: E402
+from _toy_data import write_toy_coco  # noqa: E402
+
+# Shared by the two child processes below: a file write that the process does not survive.
+DIES_MID_WRITE = '''
+import os
+import signal
+
+
+def open_dying_mid_write(real_open, directory):
+    """``open`` whose files opened for writing in ``directory`` SIGKILL the process halfway
+    through their first write."""
+    def open_(file, mode='r', *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        inside = os.path.dirname(os.path.abspath(str(file))) == os.path.abspath(directory)
+        return DiesMidWrite(f) if inside and 'w' in mode else f
+    return open_
+
+
+class DiesMidWrite:
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+    def write(self, data):
+        self.f.write(data[:len(data) // 2])
+        self.f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+'''
 
 PROBE = '''
 import builtins
 import hashlib
 import json
-import os
-import signal
 
 import torch
 from mmengine.hooks import Hook
@@ -73,33 +104,7 @@ class KillDuringSaveHook(Hook):
 
     def before_save_checkpoint(self, runner, checkpoint):
         if checkpoint['meta']['epoch'] == self.epoch:
-            builtins.open = open_dying_mid_write(builtins.open)
-
-
-def open_dying_mid_write(real_open):
-    def open_(file, mode='r', *args, **kwargs):
-        f = real_open(file, mode, *args, **kwargs)
-        return DiesMidWrite(f) if 'w' in mode and 'b' in mode else f
-    return open_
-
-
-class DiesMidWrite:
-    def __init__(self, f):
-        self.f = f
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self.f.__exit__(*exc)
-
-    def write(self, data):
-        self.f.write(data[:len(data) // 2])
-        self.f.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
+            builtins.open = open_dying_mid_write(builtins.open, runner.work_dir)
 '''
 
 
@@ -117,11 +122,8 @@ def tool_env(extra_path):
 def run_setup(tmp_path_factory):
     """Toy data (8 train images: 4 steps of 2 per epoch), a probe hook and a config."""
     base = tmp_path_factory.mktemp('resume')
-    root = str(base / 'toy_coco')
-    with contextlib.redirect_stdout(io.StringIO()):
-        make_toy_coco.main(['--out', root, '--num-train', '8', '--num-val', '2',
-                            '--img-size', '64', '--max-objects', '2'])
-    (base / 'relprobe.py').write_text(PROBE)
+    root = write_toy_coco(base, num_train=8)
+    (base / 'relprobe.py').write_text(DIES_MID_WRITE + PROBE)
     config = base / 'toy_probe.py'
     config.write_text(textwrap.dedent(f'''\
         _base_ = ['{TOY_CONFIG}']
@@ -237,8 +239,8 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint_and_resume_continues
     assert safe_load(osp.join(work, 'epoch_2.pth'))['meta']['iter'] == 8
 
 
-KILL_DURING_SAVE = '''
-import builtins, os, signal, sys
+KILL_DURING_SAVE = DIES_MID_WRITE + '''
+import builtins, sys
 
 import torch
 from mmengine.runner.checkpoint import save_checkpoint
@@ -250,35 +252,7 @@ backend_args = dict(backend='atomic_local') if mode == 'atomic' else None
 save_checkpoint({'state_dict': {'w': torch.zeros(4096)}, 'meta': {'epoch': 1}}, path,
                 backend_args=backend_args)
 
-real_open = builtins.open
-
-
-class DiesMidWrite:
-    def __init__(self, f):
-        self.f = f
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self.f.__exit__(*exc)
-
-    def write(self, data):
-        self.f.write(data[:len(data) // 2])
-        self.f.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-
-def open_dying(file, mode='r', *args, **kwargs):
-    f = real_open(file, mode, *args, **kwargs)
-    inside = os.path.dirname(os.path.abspath(str(file))) == os.path.dirname(os.path.abspath(path))
-    return DiesMidWrite(f) if inside and 'w' in mode else f
-
-
-builtins.open = open_dying
+builtins.open = open_dying_mid_write(builtins.open, os.path.dirname(path))
 save_checkpoint({'state_dict': {'w': torch.ones(4096)}, 'meta': {'epoch': 2}}, path,
                 backend_args=backend_args)
 '''
