@@ -12,12 +12,12 @@ refinement step: what the attention runs), Newton–Schulz without the refinemen
 """
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_attention import wall_times  # noqa: E402  (this script's folder is on sys.path)
 from lapformer_mm.ops import (DEFAULT_NS_ITERS, injective_normalize, laplacian_kernel,  # noqa: E402
                               newton_schulz_pinv, nystrom_attention)
 
@@ -68,13 +68,7 @@ def errors():
 
 
 def median_ms(fn, repeats=30):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(wall_times(fn, repeats))
 
 
 def refinement_cost():
