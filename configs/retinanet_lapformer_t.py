@@ -16,8 +16,8 @@ _base_ = [
     'mmdet::_base_/datasets/coco_detection.py',
     'mmdet::_base_/default_runtime.py',
     './_base_/schedule_1x_adamw.py',
+    './_base_/safe_runtime.py',
 ]
-custom_imports = dict(imports=['lapformer_mm'], allow_failed_imports=False)
 
 arch = 'tiny'
 pretrained = 'checkpoints/lapformer_tiny_in1k.pth'  # user-supplied

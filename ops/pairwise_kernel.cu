@@ -104,9 +104,11 @@ pairwise_forward(const T* __restrict__ x, const T* __restrict__ y, T* __restrict
 // weights g*C of a 64 x 32 chunk are staged in shared memory and the operand
 // values in registers. Each 64 x 32 output tile reduces over one slice of
 // `red_chunk` reduction indices (split-K: the long reduction over n for dy
-// would otherwise leave the GPU idle); slices write fp32/fp64 partial sums
-// to `partial` (splits, batch, n_rows, d), which the host sums in a fixed
-// order, so the result is deterministic (no atomics).
+// would otherwise leave the GPU idle). With one slice (`partial` null) the
+// tile is written to `out` (batch, n_rows, d) in the input dtype; with
+// several, slices write fp32/fp64 partial sums to `partial` (splits, batch,
+// n_rows, d), which the host sums in a fixed order, so the result is
+// deterministic (no atomics).
 #define PB_TR 64          // rows of the output tile
 #define PB_TD 32          // d-columns of the output tile
 #define PB_TJ 32          // reduction indices staged per step
@@ -118,8 +120,8 @@ pairwise_forward(const T* __restrict__ x, const T* __restrict__ y, T* __restrict
 template <typename T, int KIND, bool TRANS>
 __global__ void __launch_bounds__(PB_TX * PB_TY)
 pairwise_backward(const T* __restrict__ g, const T* __restrict__ cmat, const T* __restrict__ rows,
-                  const T* __restrict__ red, typename lap_acc<T>::type* __restrict__ partial,
-                  long long batch, int n_rows, int n_red, int d, int red_chunk, double neg_coef) {
+                  const T* __restrict__ red, T* __restrict__ out,
+                  typename lap_acc<T>::type* __restrict__ partial, long long batch, int n_rows, int n_red, int d, int red_chunk, double neg_coef) {
     typedef typename lap_acc<T>::type A;
     __shared__ A ws[PB_TJ][PB_TR + 1];
     __shared__ A rs[PB_TJ][PB_TD + 1];
@@ -140,7 +142,8 @@ pairwise_backward(const T* __restrict__ g, const T* __restrict__ cmat, const T* 
         const T* cb = cmat + gc_off;
         const T* rowb = rows + b * (long long)n_rows * d;
         const T* redb = red + b * (long long)n_red * d;
-        A* pb = partial + ((long long)split * batch + b) * (long long)n_rows * d;
+        const long long out_off = b * (long long)n_rows * d;
+        A* pb = partial == nullptr ? nullptr : partial + (long long)split * batch * n_rows * d + out_off;
         for (int tr = blockIdx.y; tr < tiles_r; tr += gridDim.y) {
             const int row0 = tr * PB_TR;
             A own[PB_R][PB_C];
@@ -177,17 +180,22 @@ pairwise_backward(const T* __restrict__ g, const T* __restrict__ cmat, const T* 
                 __syncthreads();
 #pragma unroll 4
                 for (int j = 0; j < PB_TJ; ++j) {
-                    A wr[PB_R], rc[PB_C];
+                    A wr[PB_R], nw[PB_R], rc[PB_C];
 #pragma unroll
-                    for (int r = 0; r < PB_R; ++r) wr[r] = ws[j][ty + PB_TY * r];
+                    for (int r = 0; r < PB_R; ++r) {
+                        wr[r] = ws[j][ty + PB_TY * r];
+                        nw[r] = -wr[r];
+                    }
 #pragma unroll
                     for (int c = 0; c < PB_C; ++c) rc[c] = rs[j][tx + PB_TX * c];
 #pragma unroll
                     for (int r = 0; r < PB_R; ++r)
 #pragma unroll
                         for (int c = 0; c < PB_C; ++c) {
-                            const A diff = own[r][c] - rc[c];
-                            acc[r][c] += wr[r] * (KIND == 0 ? lap_sign(diff) : diff);
+                            if (KIND == 0)
+                                acc[r][c] += lap_signed_weight(own[r][c], rc[c], wr[r], nw[r]);
+                            else
+                                acc[r][c] += wr[r] * (own[r][c] - rc[c]);
                         }
                 }
                 __syncthreads();
@@ -198,7 +206,13 @@ pairwise_backward(const T* __restrict__ g, const T* __restrict__ cmat, const T* 
 #pragma unroll
                 for (int c = 0; c < PB_C; ++c) {
                     const int t = t0 + tx + PB_TX * c;
-                    if (i < n_rows && t < d) pb[(long long)i * d + t] = acc[r][c] * scale;
+                    if (i < n_rows && t < d) {
+                        const long long e = (long long)i * d + t;
+                        if (pb == nullptr)
+                            lap_store(out + out_off + e, acc[r][c] * scale);
+                        else
+                            pb[e] = acc[r][c] * scale;
+                    }
                 }
             }
         }

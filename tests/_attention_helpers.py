@@ -32,3 +32,19 @@ def smooth_tokens(batch, hw, dim, scale, seed, dtype=torch.float64):
     field = F.conv2d(field, blur.view(1, 1, -1, 1)).reshape(batch, dim, *hw)
     field = field / field.std(dim=(2, 3), keepdim=True)
     return (scale * field).flatten(2).transpose(1, 2).unsqueeze(1)
+
+
+def dense_attention(q, k, v, landmarks, lam=4.0, eps=0.01, whiten_eps=1e-5, kernel='laplacian',
+                    normalize='injective'):
+    """The attention in fp64 with explicit kernel tensors and a direct solve.
+
+    Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ v), every tensor cast to fp64: the one
+    independent reference the op, module and backbone tests compare with.
+    """
+    q, k, v, landmarks = (t.double() for t in (q, k, v, landmarks))
+    kernel_fn = dense_l1_kernel if kernel == 'laplacian' else dense_gaussian_kernel
+    c_q = kernel_fn(q, landmarks, lam)
+    w = kernel_fn(landmarks, landmarks, lam)
+    p = w + eps * torch.eye(w.shape[-1], dtype=w.dtype)
+    z = dense_injective(c_q, whiten_eps) if normalize == 'injective' else c_q
+    return z @ torch.linalg.solve(p, kernel_fn(k, landmarks, lam).mT @ v)

@@ -1,8 +1,12 @@
 """A one-layer mmengine model and Runner for checkpoint and resume tests."""
+import itertools
+
 import torch
 import torch.nn as nn
 from mmengine.model import BaseModel
 from mmengine.runner import Runner
+
+_RUNNER_IDS = itertools.count()
 
 
 class TinyModel(BaseModel):
@@ -16,12 +20,17 @@ class TinyModel(BaseModel):
         return dict(loss=out.pow(2).mean()) if mode == 'loss' else out
 
 
-def make_runner(work_dir, max_epochs, num_samples=8, checkpoint=None, **kwargs):
+def make_runner(work_dir, max_epochs, num_samples=8, checkpoint=None, runner_cls=Runner,
+                **kwargs):
     """TinyModel, batches of 2 (num_samples / 2 iterations per epoch), AdamW with a step at
     epoch 1, a checkpoint every epoch (more CheckpointHook arguments in ``checkpoint``);
-    ``kwargs`` go to the Runner."""
+    ``kwargs`` go to the runner, an instance of ``runner_cls``."""
     dataset = [dict(inputs=torch.full((2,), float(i))) for i in range(num_samples)]
-    return Runner(
+    # mmengine names the message hub after the experiment, by default the start time to the
+    # second: two runners started within one second would share it, and its record of
+    # the kept checkpoints.
+    kwargs.setdefault('experiment_name', f'tiny_{next(_RUNNER_IDS)}')
+    return runner_cls(
         model=TinyModel(), work_dir=str(work_dir),
         train_dataloader=dict(dataset=dataset, batch_size=2, collate_fn=dict(type='default_collate'),
                               sampler=dict(type='DefaultSampler', shuffle=True)),

@@ -2,13 +2,14 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from _attention_helpers import dense_attention
 
 from lapformer_mm.models.attention import LaplacianAttention
 from lapformer_mm.ops import nystrom_attention, pool_landmarks
 
 
 def _manual_forward(module, x, hw):
-    """The module's computation written out with the public ops."""
+    """The module's computation written out, with the dense fp64 attention."""
     batch, num_tokens, channels = x.shape
     heads = module.num_heads
     parts = F.linear(x, module.qkv.weight, module.qkv.bias).chunk(
@@ -19,8 +20,8 @@ def _manual_forward(module, x, hw):
 
     q, v = split(parts[0]), parts[-1]
     k = q if module.qk_shared else split(parts[1])
-    out = nystrom_attention(q, k, split(v), pool_landmarks(k, hw, module.landmark_grid),
-                            lam=module.lam, eps=module.eps)
+    out = dense_attention(q, k, split(v), pool_landmarks(k, hw, module.landmark_grid),
+                          lam=module.lam, eps=module.eps, whiten_eps=module.whiten_eps)
     out = out.transpose(1, 2).reshape(batch, num_tokens, channels)
     local = F.conv2d(v.transpose(1, 2).reshape(batch, channels, *hw), module.local.weight,
                      module.local.bias, padding=1, groups=channels)

@@ -8,88 +8,15 @@ the Python side can launch (``cuda_runtime.all_name_expressions``), using the
 exact source text (headers inlined) and options of the run time. A failure
 prints the compiler log.
 """
-import ctypes
-import ctypes.util
-import glob
-import os
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
 from lapformer_mm.ops import cuda_runtime as rt
+from lapformer_mm.ops.nvrtc import CUPY_ADDED_OPTIONS, Nvrtc, find_nvrtc
 
 ARCHS = ('sm_70', 'sm_80', 'sm_90')
-#: Options CuPy's RawModule adds to ours (cupy/cuda/compiler.py, CuPy 13-14).
-CUPY_ADDED_OPTIONS = ('-ftz=true', '--device-as-default-execution-space')
 NVRTC_PACKAGE = 'nvidia-cuda-nvrtc-cu12'
-
-
-def find_nvrtc():
-    """Path of libnvrtc: $LAPFORMER_NVRTC_LIB, the pip wheel, or the system library."""
-    explicit = os.environ.get('LAPFORMER_NVRTC_LIB')
-    if explicit:
-        return explicit
-    hits = []
-    for site in sys.path:
-        found = glob.glob(str(Path(site) / 'nvidia' / '**' / 'libnvrtc.so*'), recursive=True)
-        hits += [h for h in found if 'builtins' not in h and '.alt.' not in h]
-    # NVRTC 12 first: it is the last one that targets sm_70.
-    hits.sort(key=lambda h: (not h.endswith('.so.12'), h))
-    return hits[0] if hits else ctypes.util.find_library('nvrtc')
-
-
-class Nvrtc:
-    """The few NVRTC entry points needed to compile a program and read its results."""
-
-    def __init__(self, path):
-        self.lib = ctypes.CDLL(path)
-        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-
-    def version(self):
-        major, minor = ctypes.c_int(), ctypes.c_int()
-        self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), 'nvrtcVersion')
-        return major.value, minor.value
-
-    def supported_archs(self):
-        count = ctypes.c_int()
-        self._check(self.lib.nvrtcGetNumSupportedArchs(ctypes.byref(count)), 'archs')
-        archs = (ctypes.c_int * count.value)()
-        self._check(self.lib.nvrtcGetSupportedArchs(archs), 'archs')
-        return {f'sm_{a}' for a in archs}
-
-    def _check(self, status, what):
-        if status != 0:
-            raise RuntimeError(f'{what}: {self.lib.nvrtcGetErrorString(status).decode()}')
-
-    def compile(self, source, name, options, name_expressions):
-        """(status, log, {name expression: lowered name}, cubin size)."""
-        prog = ctypes.c_void_p()
-        self._check(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(),
-                                                0, None, None), 'nvrtcCreateProgram')
-        try:
-            for expr in name_expressions:
-                self._check(self.lib.nvrtcAddNameExpression(prog, expr.encode()), expr)
-            opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
-            status = self.lib.nvrtcCompileProgram(prog, len(options), opts)
-            size = ctypes.c_size_t()
-            self._check(self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), 'log size')
-            log = ctypes.create_string_buffer(size.value)
-            self._check(self.lib.nvrtcGetProgramLog(prog, log), 'log')
-            lowered, cubin_size = {}, 0
-            if status == 0:
-                for expr in name_expressions:
-                    out = ctypes.c_char_p()
-                    self._check(self.lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)),
-                                expr)
-                    lowered[expr] = out.value.decode()
-                cubin = ctypes.c_size_t()
-                self._check(self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(cubin)), 'cubin size')
-                cubin_size = cubin.value
-            return status, log.value.decode(errors='replace'), lowered, cubin_size
-        finally:
-            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
 @pytest.fixture(scope='module')
@@ -121,10 +48,10 @@ def test_source_compiles(nvrtc, source, arch):
     names = rt.all_name_expressions()[source]
     options = ((f'--gpu-architecture={arch}', '--ptxas-options=-v') + rt.NVRTC_OPTIONS
                + CUPY_ADDED_OPTIONS)
-    status, log, lowered, cubin_size = nvrtc.compile(rt.load_source(source), source, options, names)
+    status, log, lowered, cubin = nvrtc.compile(rt.load_source(source), source, options, names)
     assert status == 0, f'NVRTC {nvrtc.version()} failed on {source} for {arch}:\n{log}'
     assert set(lowered) == set(names) and all(lowered.values())
-    assert cubin_size > 0
+    assert cubin
     regs = registers_by_function(log)
     assert set(regs) == set(lowered.values()), log
     if source == rt.NEWTON_SCHULZ_SOURCE:
@@ -150,7 +77,8 @@ def test_every_launched_instantiation_is_compiled():
             assert rt.pairwise_forward_name(dtype_name, kind) in names[rt.PAIRWISE_SOURCE]
             for transposed in (False, True):
                 assert rt.pairwise_backward_name(dtype_name, kind, transposed) in names[rt.PAIRWISE_SOURCE]
-    assert rt.newton_schulz_name('float') in names[rt.NEWTON_SCHULZ_SOURCE]
+    for p_in_shared in (True, False):
+        assert rt.newton_schulz_name('float', p_in_shared) in names[rt.NEWTON_SCHULZ_SOURCE]
 
 
 def test_compile_groups_partition_the_instantiations():

@@ -256,3 +256,49 @@ def test_torch_compile_on_cuda():
     (ex,) = torch.autograd.grad(expected, x)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx, ex, rtol=1e-5, atol=1e-6)
+
+
+def test_sign_of_subnormal_differences_and_operands():
+    """CuPy compiles with -ftz=true; the gradient's sign must still see x - y = 2^-149
+    between normal floats, and subnormal operands, as PyTorch's CPU sign does."""
+    tiny = torch.finfo(torch.float32).tiny  # 2^-126, the smallest normal float
+    x = torch.tensor([[[tiny], [1e-40], [-1e-40], [0.0]]], device=DEV)
+    x[0, 0, 0] = torch.nextafter(x[0, 0, 0], torch.tensor(1.0, device=DEV))
+    y = torch.tensor([[[tiny], [0.0]]], device=DEV)
+    x.requires_grad_()
+    y.requires_grad_()
+    out = _ops().laplacian_kernel(x, y, 4.0)
+    gx, gy = torch.autograd.grad(out, (x, y), torch.ones_like(out))
+    # dK/dx_i = -sum_j K_ij sign(x_i - y_j) / 4, with K = 1 to fp32 precision here.
+    sign = torch.sign(x.detach().cpu().double()[0, :, None, 0] - y.detach().cpu().double()[0, None, :, 0])
+    torch.testing.assert_close(gx.cpu().double()[0, :, 0], -sign.sum(1) / 4.0)
+    torch.testing.assert_close(gy.cpu().double()[0, :, 0], sign.sum(0) / 4.0)
+
+
+def test_registered_ops_enforce_their_contract():
+    """torch.ops.lapformer_mm.* are callable directly: strided inputs give the right
+    result, mixed dtypes or devices a clear error instead of reading past an allocation."""
+    ops = torch.ops.lapformer_mm
+    x, y = inputs((2, 40, 64), (2, 9, 32), seed=6)
+    xs = x[..., ::2]
+    assert not xs.is_contiguous()
+    got = ops.cuda_pairwise_kernel(xs, y, 4.0, 0)
+    torch.testing.assert_close(got.double(), dense_kernel(xs.double(), y.double(), 4.0, 'laplacian'),
+                               rtol=1e-5, atol=1e-7)
+    with pytest.raises(TypeError, match='y has dtype torch.float16 but x has torch.float32'):
+        ops.cuda_pairwise_kernel(xs, y.half(), 4.0, 0)
+    if DEV == 'cuda':
+        with pytest.raises(ValueError, match='y is on cpu but x is on cuda'):
+            ops.cuda_pairwise_kernel(xs, y.cpu(), 4.0, 0)
+    with pytest.raises(TypeError, match=r'P has dtype torch.float16'):
+        ops.cuda_newton_schulz(torch.eye(4, device=DEV).half().expand(2, 4, 4), 3, False)
+
+
+def test_newton_schulz_with_p_in_global_memory():
+    """The variant for devices whose shared memory holds only X and T (A100 at m = 128)."""
+    rt = _rt()
+    P = spd(3, 49, torch.float32, seed=11)
+    mp, ld = rt.newton_schulz_stride(49)
+    X = _ops().fused_newton_schulz(P, 40, False, smem_limit=2 * 4 * mp * ld + rt.NS_STATIC_SMEM)
+    torch.testing.assert_close(X, _ops().twin_newton_schulz(P, 40, False), rtol=1e-4,
+                               atol=1e-4 * X.abs().max().item())

@@ -102,11 +102,16 @@ def test_launch_geometry_covers_grid_limits():
     grid, _, splits, chunk = rt.pairwise_backward_launch(4, 64, 67_200, 32, target_blocks=528)
     assert splits * chunk >= 67_200 and chunk % rt.PB_TJ == 0 and grid[0] == splits
     assert rt.newton_schulz_launch(8, 128, 4, 48 * 1024) is None
+    # Padded layouts: m = 128 -> 128 x 132, m = 64 -> 64 x 68, m = 49 -> 52 x 52.
+    assert rt.newton_schulz_stride(128) == (128, 132) and rt.newton_schulz_stride(64) == (64, 68)
+    assert rt.newton_schulz_stride(49) == (52, 52) and rt.newton_schulz_stride(1) == (4, 4)
     # H100/H200 (227 KiB opt-in): P, X, T in shared memory; A100 (163 KiB): P stays global.
-    assert rt.newton_schulz_launch(8, 128, 4, 227 * 1024) == ((8,), (1024, 1, 1), 3 * 4 * 128 * 128, 1)
-    assert rt.newton_schulz_launch(8, 128, 4, 163 * 1024) == ((8,), (1024, 1, 1), 2 * 4 * 128 * 128, 0)
-    assert rt.newton_schulz_launch(64, 49, 4, 48 * 1024) == ((64,), (192, 1, 1), 3 * 4 * 49 * 49, 1)
+    assert rt.newton_schulz_launch(8, 128, 4, 227 * 1024) == ((8,), (1024, 1, 1), 3 * 4 * 128 * 132, 1)
+    assert rt.newton_schulz_launch(8, 128, 4, 163 * 1024) == ((8,), (1024, 1, 1), 2 * 4 * 128 * 132, 0)
+    assert rt.newton_schulz_launch(64, 49, 4, 48 * 1024) == ((64,), (192, 1, 1), 3 * 4 * 52 * 52, 1)
     assert rt.newton_schulz_launch(8, 129, 4, 10 ** 9) is None
+    with pytest.raises(ValueError, match='d=.*grid limit'):
+        rt.pairwise_backward_launch(1, 64, 64, 2 ** 40, target_blocks=1)
 
 
 def test_public_functions_trace_in_one_graph(monkeypatch):
@@ -233,7 +238,7 @@ def test_launch_compiles_once_per_dtype_on_the_tensors_device_and_stream(fake_cu
 
 def test_launch_opts_into_large_dynamic_shared_memory_once(fake_cupy):
     fake = fake_cupy()
-    name = rt.newton_schulz_name('float')
+    name = rt.newton_schulz_name('float', True)
     for _ in range(2):
         rt.launch(rt.NEWTON_SCHULZ_SOURCE, name, FakeTensor(), (8,), (256, 1, 1), (), shared_mem=49152)
     assert [e for e in fake.events if e[0] == 'optin'] == [('optin', 49152)]
@@ -244,8 +249,8 @@ def test_compile_and_launch_failures_name_kernel_and_shapes(fake_cupy):
     with pytest.raises(rt.CudaOpsError, match=r'pairwise_forward<float, 0>.*oops'):
         rt.launch(rt.PAIRWISE_SOURCE, rt.pairwise_forward_name('float', 0), FakeTensor(), (1,), (1,), ())
     fake_cupy(fail_launch=True)
-    with pytest.raises(rt.CudaOpsError, match=r'newton_schulz<float>.*x \(2, 3\).*too many resources'):
-        rt.launch(rt.NEWTON_SCHULZ_SOURCE, rt.newton_schulz_name('float'), FakeTensor(), (1,), (1,), (),
+    with pytest.raises(rt.CudaOpsError, match=r'newton_schulz<float, true>.*x \(2, 3\).*too many resources'):
+        rt.launch(rt.NEWTON_SCHULZ_SOURCE, rt.newton_schulz_name('float', True), FakeTensor(), (1,), (1,), (),
                   shapes='x (2, 3)')
 
 
@@ -270,3 +275,36 @@ print(sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED))
     proc = subprocess.run([sys.executable, '-c', code], cwd=root, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == '[]'
+
+
+def test_registered_ops_enforce_their_contract_on_cpu():
+    """Every implementation of the raw ops checks what the kernels assume: one dtype and
+    one device for all operands, consistent shapes; strided inputs are made contiguous."""
+    ops = torch.ops.lapformer_mm
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 30, 16, generator=gen)[..., ::2]
+    y = torch.randn(2, 7, 8, generator=gen)
+    assert not x.is_contiguous()
+    expected = torch.exp(-(x[:, :, None] - y[:, None]).abs().sum(-1) / 4.0)
+    torch.testing.assert_close(ops.cuda_pairwise_kernel(x, y, 4.0, rt.LAPLACIAN), expected)
+    with pytest.raises(TypeError, match='cuda_pairwise_kernel: y has dtype torch.float16 but x has torch.float32'):
+        ops.cuda_pairwise_kernel(x, y.half(), 4.0, rt.LAPLACIAN)
+    with pytest.raises(ValueError, match='y is on meta but x is on cpu'):
+        ops.cuda_pairwise_kernel(x, y.to('meta'), 4.0, rt.LAPLACIAN)
+    with pytest.raises(ValueError, match=r'x must be \(batch, n, d\) and y \(batch, m, d\)'):
+        ops.cuda_pairwise_kernel(x, y[..., :5], 4.0, rt.LAPLACIAN)
+    with pytest.raises(TypeError, match=r"x has dtype torch.int64; allowed"):
+        ops.cuda_pairwise_kernel(x.long(), y.long(), 4.0, rt.LAPLACIAN)
+    g = torch.randn(2, 30, 7, generator=gen)
+    with pytest.raises(ValueError, match=r'kmat must be \(batch, n, m\) = \(2, 30, 7\)'):
+        ops.cuda_pairwise_kernel_backward(g, g[:, :5], x, y, 4.0, rt.LAPLACIAN, True, True)
+    with pytest.raises(TypeError, match='grad has dtype torch.float64 but x has torch.float32'):
+        ops.cuda_pairwise_kernel_backward(g.double(), g, x, y, 4.0, rt.LAPLACIAN, True, True)
+    P = torch.eye(4).expand(3, 4, 4)
+    with pytest.raises(TypeError, match=r"cuda_newton_schulz: P has dtype torch.float16; allowed: \['torch.float32', 'torch.float64'\]"):
+        ops.cuda_newton_schulz(P.half(), 3, False)
+    with pytest.raises(ValueError, match=r'P must be \(batch, m, m\)'):
+        ops.cuda_newton_schulz(P[:, :3], 3, False)
+    with pytest.raises(ValueError, match=r'grad must be \(batch, m, m\) like the other operands'):
+        ops.cuda_newton_schulz_backward(P.contiguous(), P[:2].contiguous())
+    torch.testing.assert_close(ops.cuda_newton_schulz(2.0 * P, 30, False), 0.5 * P)

@@ -33,6 +33,19 @@ def test_float32_matches_float64(fn, dense):
     torch.testing.assert_close(out.double(), dense(x, y, 4.0), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize('norm', [570.0, 5700.0])
+def test_gaussian_fp32_exact_at_large_norms(norm):
+    """k(x, x) = 1 and fp64 agreement at |x| in the thousands (found on the GPU: the
+    |x|² + |y|² - 2 x·y expansion gave k(x, x) = 0.14 at |x| = 5700 in fp32)."""
+    x, y = _pair((2, 30, 32), (2, 9, 32), seed=4)
+    x = x * norm / x.norm(dim=-1, keepdim=True)
+    y = x[:, :9] + 3.0 * y  # near x: distances of a few units at norm 570-5700
+    out = gaussian_kernel(x.float(), y.float(), lam=64.0)
+    assert (gaussian_kernel(x.float(), x.float(), lam=64.0).diagonal(dim1=-2, dim2=-1) == 1).all()
+    expected = dense_gaussian_kernel(x.float().double(), y.float().double(), 64.0)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize('fn,dense', KERNELS)
 def test_gradcheck(fn, dense):
     x, y = _pair((2, 5, 3), (2, 4, 3), seed=1)

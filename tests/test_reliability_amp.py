@@ -1,14 +1,12 @@
 """Mixed-precision training of the toy Mask R-CNN through ``tools/train.py --amp`` stays finite.
 
 On a GPU ``--amp`` is mmengine's ``AmpOptimWrapper``; on CPU (mmengine's wrapper refuses
-it) it is :class:`lapformer_mm.amp.CPUAmpOptimWrapper`. The same tests run on either.
+it) it is :class:`lapformer_mm.engine.amp.CPUAmpOptimWrapper`. The same tests run on either.
 fp16 convolutions on CPU take torch's slow reference path (about 2 s per step of the
 64 px toy detector on this machine, against 0.3 s in bf16), which makes the fp16 run the
 slowest test of the suite.
 """
-import contextlib
 import glob
-import io
 import math
 import os
 import os.path as osp
@@ -19,7 +17,7 @@ import pytest
 import torch
 from mmengine.config import Config
 
-from lapformer_mm.amp import CPUAmpOptimWrapper, mmcv_cpu_ops_in_fp32
+from lapformer_mm.engine.amp import CPUAmpOptimWrapper, mmcv_cpu_ops_in_fp32
 from lapformer_mm.checkpoint import safe_load
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -27,17 +25,13 @@ TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 sys.path.insert(0, TOOLS)
 
-import make_toy_coco  # noqa: E402
 import train as train_tool  # noqa: E402
+from _toy_data import write_toy_coco  # noqa: E402
 
 
 @pytest.fixture(scope='module')
 def toy_root(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp('amp') / 'toy_coco')
-    with contextlib.redirect_stdout(io.StringIO()):
-        make_toy_coco.main(['--out', root, '--num-train', '4', '--num-val', '2',
-                            '--img-size', '64', '--max-objects', '2'])
-    return root
+    return write_toy_coco(tmp_path_factory.mktemp('amp'), num_train=4)
 
 
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])

@@ -1,14 +1,13 @@
 """Untrusted checkpoints are refused everywhere a user can pass a path.
 
 Entry points: the backbone's ``init_cfg=dict(type='Pretrained', ...)`` (and the
-deprecated ``pretrained=``), ``load_from``/``--resume`` (mmengine's loader, used by
-tools/train.py and tools/test.py), tools/test.py itself and
-tools/convert_cls_to_backbone.py. Each refusal must leave the payload unrun and say
-why and how to allow a trusted file; the documented opt-in must actually work.
+deprecated ``pretrained=``), ``load_from`` and ``resume`` of ``SafeCheckpointRunner`` (what
+``configs/_base_/safe_runtime.py`` selects), ``tools/train.py --resume``, tools/test.py
+and tools/convert_cls_to_backbone.py. Each refusal must leave the payload unrun, name the
+file and say how to allow a trusted one: torch's own refusal, which names neither, does
+not pass these tests. The documented opt-in must actually work.
 """
-import contextlib
 import importlib.util
-import io
 import os
 import os.path as osp
 import sys
@@ -16,16 +15,19 @@ import sys
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import lapformer_mm  # noqa: F401
-from lapformer_mm.checkpoint import TRUST_ENV, install_safe_local_loader, safe_load
+from lapformer_mm.checkpoint import TRUST_ENV, safe_load
+from lapformer_mm.engine import SafeCheckpointRunner
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 TINY = dict(embed_dims=[32, 32, 32, 32], num_heads=[1, 1, 1, 1], depths=[1, 1, 1, 1])
 sys.path.insert(0, TOOLS)
+
+from _runner_helpers import TinyModel, make_runner  # noqa: E402
+from _toy_data import write_toy_coco  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -113,68 +115,65 @@ def test_trust_opt_in_named_in_the_message_works(tmp_path, monkeypatch):
     assert loaded['meta'].note == 'trusted'
 
 
-class Tiny(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(2, 1)
-
-
-@contextlib.contextmanager
-def mmengine_local_loader_restored():
-    from mmengine.runner.checkpoint import CheckpointLoader
-    saved = dict(CheckpointLoader._schemes)
-    try:
-        yield
-    finally:
-        CheckpointLoader._schemes.clear()
-        CheckpointLoader._schemes.update(saved)
-
-
-def test_load_from_and_resume_refuse_code_running_checkpoint(evil):
-    """mmengine's loader (load_from, --resume) goes through safe_load after import lapformer_mm."""
-    from mmengine.runner.checkpoint import load_checkpoint
+@pytest.mark.parametrize('resume', [False, True])
+def test_load_from_and_resume_refuse_code_running_checkpoint(evil, tmp_path, resume):
     path, marker = evil
-    with mmengine_local_loader_restored():
-        assert install_safe_local_loader()
-        with pytest.raises(RuntimeError) as info:
-            load_checkpoint(Tiny(), path)
-        assert_refused_with_hint(str(info.value), path)
+    runner = make_runner(tmp_path, 1, runner_cls=SafeCheckpointRunner, load_from=path,
+                         resume=resume)
+    with pytest.raises(RuntimeError) as info:
+        runner.train()
+    assert_refused_with_hint(str(info.value), path)
     assert not marker.exists()
 
 
-def test_safe_local_loader_still_loads_mmengine_checkpoints(tmp_path):
-    from mmengine.runner.checkpoint import load_checkpoint, save_checkpoint
-    model = Tiny()
+def test_stock_runner_is_left_to_torch_refusal(evil, tmp_path):
+    """Without the fragment mmengine loads as before: torch refuses, without naming the file."""
+    path, marker = evil
+    with pytest.raises(Exception, match='Weights only load failed') as info:
+        make_runner(tmp_path, 1, load_from=path).train()
+    assert 'Refused to load checkpoint' not in str(info.value)
+    assert not marker.exists()
+
+
+def test_safe_runner_still_loads_mmengine_checkpoints(tmp_path):
+    from mmengine.runner.checkpoint import save_checkpoint
+    model = TinyModel()
     path = str(tmp_path / 'ok.pth')
     save_checkpoint({'state_dict': model.state_dict(), 'meta': {'epoch': 3},
                      'arr': np.arange(3)}, path)
-    with mmengine_local_loader_restored():
-        install_safe_local_loader()
-        other = Tiny()
-        checkpoint = load_checkpoint(other, path)
+    runner = make_runner(tmp_path, 1, runner_cls=SafeCheckpointRunner)
+    checkpoint = runner.load_checkpoint(path)
     assert checkpoint['meta']['epoch'] == 3
-    torch.testing.assert_close(other.linear.weight, model.linear.weight)
+    torch.testing.assert_close(runner.model.linear.weight, model.linear.weight)
 
 
 @pytest.fixture(scope='module')
 def toy_root(tmp_path_factory):
-    make_toy_coco = load_tool('make_toy_coco')
-    root = str(tmp_path_factory.mktemp('ckpt') / 'toy_coco')
-    with contextlib.redirect_stdout(io.StringIO()):
-        make_toy_coco.main(['--out', root, '--num-train', '2', '--num-val', '2',
-                            '--img-size', '64', '--max-objects', '2'])
-    return root
+    return write_toy_coco(tmp_path_factory.mktemp('ckpt'), num_train=2)
+
+
+def toy_data_options(toy_root):
+    ann_val = osp.join(toy_root, 'annotations', 'instances_val.json')
+    return ['--cfg-options', f'train_dataloader.dataset.data_root={toy_root}/',
+            f'test_dataloader.dataset.data_root={toy_root}/', f'test_evaluator.ann_file={ann_val}',
+            f'val_dataloader.dataset.data_root={toy_root}/', f'val_evaluator.ann_file={ann_val}']
 
 
 def test_test_tool_refuses_code_running_checkpoint(evil, toy_root, tmp_path):
     path, marker = evil
-    ann_val = osp.join(toy_root, 'annotations', 'instances_val.json')
-    test_tool = load_tool('test')
-    argv = [TOY_CONFIG, path, '--work-dir', str(tmp_path / 'work'), '--cfg-options',
-            f'test_dataloader.dataset.data_root={toy_root}/', f'test_evaluator.ann_file={ann_val}']
-    with pytest.raises(Exception, match='Weights only load failed|Refused to load checkpoint'):
-        test_tool.main(argv)
+    with pytest.raises(RuntimeError) as info:
+        load_tool('test').main([TOY_CONFIG, path, '--work-dir', str(tmp_path / 'work')] +
+                               toy_data_options(toy_root))
+    assert_refused_with_hint(str(info.value), path)
+    assert not marker.exists()
+
+
+def test_train_tool_resume_refuses_code_running_checkpoint(evil, toy_root, tmp_path):
+    path, marker = evil
+    with pytest.raises(RuntimeError) as info:
+        load_tool('train').main([TOY_CONFIG, '--resume', path, '--work-dir',
+                                 str(tmp_path / 'work')] + toy_data_options(toy_root))
+    assert_refused_with_hint(str(info.value), path)
     assert not marker.exists()
 
 

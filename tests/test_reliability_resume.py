@@ -1,12 +1,12 @@
 """Interrupted training loses nothing; a checkpoint is never left half-written.
 
-Faults injected: SIGKILL of ``tools/train.py`` in the middle of an epoch, and SIGKILL
-in the middle of writing a checkpoint file (with mmengine's in-place write and with
-:func:`lapformer_mm.checkpoint.enable_atomic_checkpoint_save`).
+Faults injected: SIGKILL of ``tools/train.py`` in the middle of an epoch and in the middle
+of writing a checkpoint (the toy config, with ``configs/_base_/safe_runtime.py``), and
+SIGKILL in the middle of writing a checkpoint file with mmengine's in-place write and with
+the ``atomic_local`` backend. Stock mmengine (``Runner``, ``CheckpointHook``) is checked to
+behave as it always did after ``import lapformer_mm``.
 """
-import contextlib
 import hashlib
-import io
 import json
 import os
 import os.path as osp
@@ -19,20 +19,57 @@ import time
 
 import pytest
 import torch
+from mmengine.runner import Runner
 
-from lapformer_mm.checkpoint import (atomic_write_bytes, enable_atomic_checkpoint_save,
-                                     enable_safe_checkpoint_rotation, find_latest_checkpoint,
-                                     safe_load)
+from lapformer_mm.checkpoint import safe_load
+from lapformer_mm.engine import (SafeCheckpointRunner, atomic_write_bytes,
+                                 find_latest_checkpoint)
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 sys.path.insert(0, TOOLS)
 
-import make_toy_coco  # noqa: E402
 from _runner_helpers import make_runner  # noqa: E402
+from _toy_data import write_toy_coco  # noqa: E402
+
+# Shared by the two child processes below: a file write that the process does not survive.
+DIES_MID_WRITE = '''
+import os
+import signal
+
+
+def open_dying_mid_write(real_open, directory):
+    """``open`` whose files opened for writing in ``directory`` SIGKILL the process halfway
+    through their first write."""
+    def open_(file, mode='r', *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        inside = os.path.dirname(os.path.abspath(str(file))) == os.path.abspath(directory)
+        return DiesMidWrite(f) if inside and 'w' in mode else f
+    return open_
+
+
+class DiesMidWrite:
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+    def write(self, data):
+        self.f.write(data[:len(data) // 2])
+        self.f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+'''
 
 PROBE = '''
+import builtins
 import hashlib
 import json
 
@@ -56,6 +93,18 @@ class ResumeProbeHook(Hook):
         with open(self.out, 'w') as f:
             json.dump(dict(iter=runner.iter, epoch=runner.epoch,
                            lr=[g['lr'] for g in optimizer.param_groups], state=state), f)
+
+
+@HOOKS.register_module()
+class KillDuringSaveHook(Hook):
+    """SIGKILL this process halfway through writing the checkpoint of epoch ``epoch``."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def before_save_checkpoint(self, runner, checkpoint):
+        if checkpoint['meta']['epoch'] == self.epoch:
+            builtins.open = open_dying_mid_write(builtins.open, runner.work_dir)
 '''
 
 
@@ -73,16 +122,17 @@ def tool_env(extra_path):
 def run_setup(tmp_path_factory):
     """Toy data (8 train images: 4 steps of 2 per epoch), a probe hook and a config."""
     base = tmp_path_factory.mktemp('resume')
-    root = str(base / 'toy_coco')
-    with contextlib.redirect_stdout(io.StringIO()):
-        make_toy_coco.main(['--out', root, '--num-train', '8', '--num-val', '2',
-                            '--img-size', '64', '--max-objects', '2'])
-    (base / 'relprobe.py').write_text(PROBE)
+    root = write_toy_coco(base, num_train=8)
+    (base / 'relprobe.py').write_text(DIES_MID_WRITE + PROBE)
     config = base / 'toy_probe.py'
     config.write_text(textwrap.dedent(f'''\
         _base_ = ['{TOY_CONFIG}']
         custom_imports = dict(imports=['lapformer_mm', 'relprobe'], allow_failed_imports=False)
         custom_hooks = [dict(type='ResumeProbeHook', out='{base}/probe.json')]
+        '''))
+    (base / 'toy_kill_save.py').write_text(textwrap.dedent(f'''\
+        _base_ = ['{config}']
+        custom_hooks = [dict(type='KillDuringSaveHook', epoch=2)]
         '''))
     return str(base), root, str(config)
 
@@ -161,54 +211,50 @@ def test_sigkill_mid_epoch_then_resume_continues_exactly(run_setup):
     assert safe_load(osp.join(work, 'epoch_2.pth'))['meta']['iter'] == 8
 
 
-KILL_DURING_SAVE = '''
-import builtins, os, signal, sys
+def test_sigkill_while_saving_keeps_the_previous_checkpoint_and_resume_continues(run_setup):
+    """max_keep_ckpts=1, killed halfway through writing epoch_2.pth: epoch_1.pth, which stock
+    mmengine deletes first, is intact and recorded, and --resume trains epoch 2 again."""
+    base, root, config = run_setup
+    work = osp.join(base, 'work_kill_save')
+    one_kept = ['default_hooks.checkpoint.max_keep_ckpts=1']
+    proc = subprocess.run(
+        [sys.executable, osp.join(TOOLS, 'train.py'), osp.join(base, 'toy_kill_save.py'),
+         '--work-dir', work] + options(root, 2) + one_kept,
+        cwd=ROOT, env=tool_env(base), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-4000:]
+    assert 'SafeCheckpointHook' in proc.stdout
+    assert sorted(f for f in os.listdir(work) if f.endswith('.pth')) == ['epoch_1.pth']
+    with open(osp.join(work, 'last_checkpoint')) as f:
+        assert f.read() == osp.join(work, 'epoch_1.pth')
+    assert safe_load(osp.join(work, 'epoch_1.pth'))['meta']['iter'] == 4
+
+    proc = subprocess.run(
+        [sys.executable, osp.join(TOOLS, 'train.py'), config, '--work-dir', work, '--resume'] +
+        options(root, 2) + one_kept, cwd=ROOT, env=tool_env(base), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert 'resumed epoch: 1, iter: 4' in proc.stdout
+    assert sorted(f for f in os.listdir(work) if f.endswith('.pth')) == ['epoch_2.pth']
+    assert safe_load(osp.join(work, 'epoch_2.pth'))['meta']['iter'] == 8
+
+
+KILL_DURING_SAVE = DIES_MID_WRITE + '''
+import builtins, sys
 
 import torch
 from mmengine.runner.checkpoint import save_checkpoint
 
-from mmengine.fileio.backends.local_backend import LocalBackend
-
-mmengine_put = LocalBackend.put
-from lapformer_mm.checkpoint import enable_atomic_checkpoint_save  # noqa: E402
+import lapformer_mm  # noqa: F401  (mmengine's own write must stay as it was)
 
 mode, path = sys.argv[1], sys.argv[2]
-if mode == 'atomic':
-    enable_atomic_checkpoint_save()
-else:  # mmengine's own in-place write (import lapformer_mm replaced it)
-    LocalBackend.put = mmengine_put
-save_checkpoint({'state_dict': {'w': torch.zeros(4096)}, 'meta': {'epoch': 1}}, path)
+backend_args = dict(backend='atomic_local') if mode == 'atomic' else None
+save_checkpoint({'state_dict': {'w': torch.zeros(4096)}, 'meta': {'epoch': 1}}, path,
+                backend_args=backend_args)
 
-real_open = builtins.open
-
-
-class DiesMidWrite:
-    def __init__(self, f):
-        self.f = f
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self.f.__exit__(*exc)
-
-    def write(self, data):
-        self.f.write(data[:len(data) // 2])
-        self.f.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-
-def open_dying(file, mode='r', *args, **kwargs):
-    f = real_open(file, mode, *args, **kwargs)
-    inside = os.path.dirname(os.path.abspath(str(file))) == os.path.dirname(os.path.abspath(path))
-    return DiesMidWrite(f) if inside and 'w' in mode else f
-
-
-builtins.open = open_dying
-save_checkpoint({'state_dict': {'w': torch.ones(4096)}, 'meta': {'epoch': 2}}, path)
+builtins.open = open_dying_mid_write(builtins.open, os.path.dirname(path))
+save_checkpoint({'state_dict': {'w': torch.ones(4096)}, 'meta': {'epoch': 2}}, path,
+                backend_args=backend_args)
 '''
 
 
@@ -224,7 +270,8 @@ def kill_during_save(tmp_path, mode):
 
 
 def test_mmengine_in_place_save_killed_mid_write_corrupts_the_file(tmp_path):
-    """Why the atomic save exists: mmengine's default truncates the old file first."""
+    """Why the atomic backend exists: mmengine's default, unchanged by ``import lapformer_mm``,
+    truncates the old file first."""
     path = kill_during_save(tmp_path, 'in_place')
     with pytest.raises(RuntimeError, match='latest.pth.* cannot be read .* truncated'):
         safe_load(path)
@@ -255,26 +302,39 @@ def test_atomic_write_replaces_whole_file_and_cleans_up_on_error(tmp_path):
     assert os.listdir(target.parent) == ['f.bin']
 
 
-def test_runner_checkpoints_with_atomic_save(tmp_path):
-    """A whole mmengine run with the patch: checkpoints load, no temporary files remain."""
-    from mmengine.fileio.backends.local_backend import LocalBackend
+def test_safe_runner_checkpoints_atomically(tmp_path):
+    """A whole run with SafeCheckpointRunner: its CheckpointHook became SafeCheckpointHook on
+    the atomic backend; checkpoints load and no temporary file remains."""
+    from lapformer_mm.engine import AtomicLocalBackend, SafeCheckpointHook
 
-    original_put = LocalBackend.put
-    try:
-        assert enable_atomic_checkpoint_save() and enable_atomic_checkpoint_save()
-        make_runner(tmp_path, 2, num_samples=4).train()
-    finally:
-        LocalBackend.put = original_put
+    runner = make_runner(tmp_path, 2, num_samples=4, runner_cls=SafeCheckpointRunner)
+    runner.train()
+    hook, = [h for h in runner.hooks if isinstance(h, SafeCheckpointHook)]
+    assert isinstance(hook.file_backend, AtomicLocalBackend)
     assert safe_load(tmp_path / 'epoch_2.pth')['meta']['iter'] == 4
     assert not [f for f in os.listdir(tmp_path) if f.endswith('.tmp')]
 
 
-def test_save_failing_mid_rotation_keeps_the_previous_checkpoint(tmp_path):
-    """max_keep_ckpts=1: mmengine deletes epoch_1.pth before writing epoch_2.pth; a run
-    killed in between would have nothing to resume from. Here the save of epoch 2 fails
-    and epoch_1.pth, still named by last_checkpoint, survives."""
-    assert enable_safe_checkpoint_rotation() and enable_safe_checkpoint_rotation()
-    runner = make_runner(tmp_path, 2, num_samples=4, checkpoint=dict(max_keep_ckpts=1))
+def test_safe_runner_keeps_a_chosen_backend_and_other_hook_types(tmp_path):
+    from mmengine.hooks import CheckpointHook
+
+    from lapformer_mm.engine.runner import safe_checkpoint_hook_cfg
+    local = dict(type='CheckpointHook', interval=2, backend_args=dict(backend='local'))
+    assert safe_checkpoint_hook_cfg(local) == dict(local, type='SafeCheckpointHook')
+    remote = dict(type=CheckpointHook, out_dir='s3://bucket/run')
+    assert safe_checkpoint_hook_cfg(remote) == dict(remote, type='SafeCheckpointHook')
+    other = dict(type='MyCheckpointHook')
+    assert safe_checkpoint_hook_cfg(other) is other
+    assert safe_checkpoint_hook_cfg(None) is None
+
+
+@pytest.mark.parametrize('runner_cls, kept', [(Runner, []), (SafeCheckpointRunner, ['epoch_1.pth'])])
+def test_save_failing_mid_rotation(tmp_path, runner_cls, kept):
+    """max_keep_ckpts=1 and the save of epoch 2 fails. Stock mmengine (unchanged by the import)
+    has already deleted epoch_1.pth, which last_checkpoint still names: nothing to resume
+    from. SafeCheckpointRunner keeps epoch_1.pth."""
+    runner = make_runner(tmp_path, 2, num_samples=4, checkpoint=dict(max_keep_ckpts=1),
+                         runner_cls=runner_cls)
     save = runner.save_checkpoint
 
     def dies_at_epoch_2(out_dir, filename, *args, **kwargs):
@@ -285,13 +345,13 @@ def test_save_failing_mid_rotation_keeps_the_previous_checkpoint(tmp_path):
     runner.save_checkpoint = dies_at_epoch_2
     with pytest.raises(KeyboardInterrupt):
         runner.train()
-    assert sorted(f for f in os.listdir(tmp_path) if f.endswith('.pth')) == ['epoch_1.pth']
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith('.pth')) == kept
     assert (tmp_path / 'last_checkpoint').read_text() == str(tmp_path / 'epoch_1.pth')
 
 
-def test_rotation_still_keeps_max_keep_ckpts(tmp_path):
-    enable_safe_checkpoint_rotation()
-    make_runner(tmp_path, 3, num_samples=4, checkpoint=dict(max_keep_ckpts=2)).train()
+def test_safe_rotation_still_keeps_max_keep_ckpts(tmp_path):
+    make_runner(tmp_path, 3, num_samples=4, checkpoint=dict(max_keep_ckpts=2),
+                runner_cls=SafeCheckpointRunner).train()
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith('.pth')) == [
         'epoch_2.pth', 'epoch_3.pth']
 
@@ -341,14 +401,14 @@ def test_auto_resume_refuses_a_record_with_nothing_to_resume_from(tmp_path, reco
         find_latest_checkpoint(str(tmp_path))
 
 
-def test_runner_resumes_past_an_empty_last_checkpoint(tmp_path):
-    """The Runner's auto-resume goes through the patched lookup and continues, not restarts:
-    the first two epochs' checkpoints are not written again."""
-    enable_safe_checkpoint_rotation()
+def test_safe_runner_resumes_past_an_empty_last_checkpoint(tmp_path):
+    """SafeCheckpointRunner's auto-resume continues, not restarts: the first two epochs'
+    checkpoints are not written again."""
     make_runner(tmp_path, 2, num_samples=4).train()
     (tmp_path / 'last_checkpoint').write_text('')
     written = {n: os.stat(tmp_path / n).st_mtime_ns for n in ('epoch_1.pth', 'epoch_2.pth')}
-    runner = make_runner(tmp_path, 3, num_samples=4, resume=True)
+    runner = make_runner(tmp_path, 3, num_samples=4, resume=True,
+                         runner_cls=SafeCheckpointRunner)
     runner.train()
     assert runner.iter == 6
     assert safe_load(tmp_path / 'epoch_3.pth')['meta']['iter'] == 6

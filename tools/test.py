@@ -1,9 +1,9 @@
 """Test (and evaluate) a checkpoint from a config (mmdet's ``tools/test.py`` interface).
 
 Works for mmdet and mmseg configs (the config's ``default_scope`` picks the registries).
-The checkpoint is read with ``torch.load(weights_only=True)`` kept on: importing
-``lapformer_mm`` allowlists exactly the data types mmengine writes into its checkpoints
-(``lapformer_mm/checkpoint.py``), so a file that tries to run code is refused.
+Our configs select ``SafeCheckpointRunner``, which reads the checkpoint with
+``torch.load(weights_only=True)`` and refuses a file that would run code with a message
+naming it (``lapformer_mm/engine/runner.py``).
 
 Examples::
 
@@ -23,7 +23,6 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 from mmengine.config import DictAction  # noqa: E402
 from mmengine.dist import is_main_process  # noqa: E402
 
-import lapformer_mm  # noqa: E402,F401  (registers LaplacianFormer, safe checkpoint loading)
 from train import (build_runner, close_distributed, load_cfg,  # noqa: E402
                    setup_cpu_distributed)  # (tools/train.py)
 

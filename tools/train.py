@@ -1,10 +1,12 @@
 """Train a detector or segmentor from a config (mmdet's ``tools/train.py`` interface).
 
 Works for mmdet and mmseg configs alike (the config's ``default_scope`` picks the
-registries). ``lapformer_mm`` is imported up front so ``LaplacianFormer`` is registered
-even for configs without ``custom_imports``, and so ``load_from``/``--resume`` read
-mmengine checkpoints with ``torch.load(weights_only=True)`` kept on
-(see ``lapformer_mm/checkpoint.py``).
+registries). Everything that shapes the run comes from the config: ours select
+``SafeCheckpointRunner`` through ``configs/_base_/safe_runtime.py``, so mmdet's own
+``tools/train.py`` trains them to the same weights. This script adds what mmdet's lacks:
+the neck's ``in_channels`` are checked against the backbone before anything is built,
+``--amp`` on CPU uses ``CPUAmpOptimWrapper``, and ``--launcher pytorch`` works without
+CUDA (gloo).
 
 Examples::
 
@@ -25,7 +27,6 @@ from mmengine.config import Config, DictAction  # noqa: E402
 from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
-import lapformer_mm  # noqa: E402,F401  (registers LaplacianFormer, safe checkpoint loading)
 from lapformer_mm.models import check_model_cfg  # noqa: E402
 
 

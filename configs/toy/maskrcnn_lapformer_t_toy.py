@@ -9,8 +9,8 @@
 _base_ = [
     'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
     'mmdet::_base_/default_runtime.py',
+    '../_base_/safe_runtime.py',
 ]
-custom_imports = dict(imports=['lapformer_mm'], allow_failed_imports=False)
 
 data_root = 'data/toy_coco/'
 classes = ('circle', 'square', 'triangle', 'star')

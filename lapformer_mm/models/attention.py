@@ -9,7 +9,7 @@ from torch import nn
 
 from ..ops import nystrom_attention, pool_landmarks
 from ..ops.kernels import KERNEL_FUNCTIONS
-from ..ops._checks import (KERNELS, NORMALIZATIONS, SOLVERS, check_choice,
+from ..ops._checks import (KERNELS, NORMALIZATIONS, NS_INITS, SOLVERS, check_choice,
                            check_int, check_non_negative, check_optional_int,
                            check_positive, check_probability)
 from ..ops.landmarks import check_hw
@@ -39,7 +39,10 @@ class LaplacianAttention(nn.Module):
         normalize (str): 'injective' or 'none'.
         solver (str): 'newton', 'exact' or 'cg'.
         newton_iters (int | None): Iterations of the Newton–Schulz / CG solver;
-            None uses the measured default (``lapformer_mm.ops.DEFAULT_NS_ITERS``).
+            None uses the default (``lapformer_mm.ops.DEFAULT_NS_ITERS`` for
+            Newton–Schulz, a tolerance for CG).
+        ns_init (str): Newton–Schulz start, 'identity' (I / ||P||_inf, default) or
+            'authors' (1.8 / ||P||_inf² · P, the LaplacianFormer code's).
         eps (float): Ridge ε >= 0 added to k(L, L). Default 0.01.
         whiten_eps (float): δ >= 0 of the whitening. Default 1e-5.
         attn_drop (float): Dropout on the normalised query features.
@@ -48,8 +51,8 @@ class LaplacianAttention(nn.Module):
 
     def __init__(self, dim, num_heads, qkv_bias=True, qk_shared=True, lam=4.0,
                  landmark_grid=7, kernel='laplacian', normalize='injective',
-                 solver='newton', newton_iters=None, eps=0.01, whiten_eps=1e-5,
-                 attn_drop=0.0, proj_drop=0.0):
+                 solver='newton', newton_iters=None, ns_init='identity', eps=0.01,
+                 whiten_eps=1e-5, attn_drop=0.0, proj_drop=0.0):
         super().__init__()
         dim = check_int('dim', dim)
         num_heads = check_int('num_heads', num_heads)
@@ -64,6 +67,7 @@ class LaplacianAttention(nn.Module):
         self.normalize = check_choice('normalize', normalize, NORMALIZATIONS)
         self.solver = check_choice('solver', solver, SOLVERS)
         self.newton_iters = check_optional_int('newton_iters', newton_iters)
+        self.ns_init = check_choice('ns_init', ns_init, NS_INITS)
         self.eps = check_non_negative('eps', eps)
         self.whiten_eps = check_non_negative('whiten_eps', whiten_eps)
         self.attn_drop = check_probability('attn_drop', attn_drop)
@@ -115,7 +119,7 @@ class LaplacianAttention(nn.Module):
         landmarks = pool_landmarks(k, hw, self.landmark_grid)
         out = nystrom_attention(
             q, k, self._split_heads(v), landmarks, kernel=self.kernel, lam=self.lam,
-            eps=self.eps, solver=self.solver, iters=self.newton_iters,
+            eps=self.eps, solver=self.solver, iters=self.newton_iters, ns_init=self.ns_init,
             normalize=self.normalize, whiten_eps=self.whiten_eps,
             dropout_p=self.attn_drop if self.training else 0.0)
         out = out.transpose(1, 2).reshape(x.shape) + self._local_term(v, hw)
@@ -125,4 +129,4 @@ class LaplacianAttention(nn.Module):
         return (f'dim={self.dim}, num_heads={self.num_heads}, qk_shared={self.qk_shared}, '
                 f'kernel={self.kernel!r}, lam={self.lam}, landmark_grid={self.landmark_grid}, '
                 f'normalize={self.normalize!r}, solver={self.solver!r}, '
-                f'newton_iters={self.newton_iters}, eps={self.eps}')
+                f'newton_iters={self.newton_iters}, ns_init={self.ns_init!r}, eps={self.eps}')

@@ -105,9 +105,9 @@ def pairwise_backward_name(element_type, kind, transposed):
     return f"pairwise_backward<{element_type}, {kind}, {'true' if transposed else 'false'}>"
 
 
-def newton_schulz_name(scalar_type):
+def newton_schulz_name(scalar_type, p_in_shared):
     """Template instantiation name of the fused Newton–Schulz solve."""
-    return f'newton_schulz<{scalar_type}>'
+    return f"newton_schulz<{scalar_type}, {'true' if p_in_shared else 'false'}>"
 
 
 def all_name_expressions():
@@ -120,7 +120,8 @@ def all_name_expressions():
                 pairwise.append(pairwise_backward_name(element_type, kind, transposed))
     return {
         PAIRWISE_SOURCE: pairwise,
-        NEWTON_SCHULZ_SOURCE: [newton_schulz_name('float'), newton_schulz_name('double')],
+        NEWTON_SCHULZ_SOURCE: [newton_schulz_name(s, shared) for s in ('float', 'double')
+                               for shared in (True, False)],
     }
 
 
@@ -157,20 +158,34 @@ def pairwise_backward_launch(batch, n_rows, n_red, d, target_blocks):
     red_chunk = _ceil_div(_ceil_div(max(n_red, 1), splits), PB_TJ) * PB_TJ
     splits = max(1, _ceil_div(n_red, red_chunk))
     grid = (tiles_d * splits, min(tiles_r, MAX_GRID_YZ), min(batch, MAX_GRID_YZ))
+    if grid[0] > MAX_GRID_X:
+        raise ValueError(f'pairwise kernel gradient: d={d} needs {tiles_d} column tiles x '
+                         f'{splits} reduction slices, over the grid limit {MAX_GRID_X}')
     return grid, PB_BLOCK, splits, red_chunk
+
+
+def newton_schulz_stride(m):
+    """(mp, ld): m padded to the micro-tile, and the shared-memory row stride.
+
+    ld = 4 (mod 8) keeps the rows a warp reads together in different banks;
+    must match ``ns_stride`` in newton_schulz.cu.
+    """
+    mp = _ceil_div(m, NS_MT) * NS_MT
+    return mp, (mp if mp % 8 == 4 else mp + 4)
 
 
 def newton_schulz_launch(batch, m, itemsize, smem_limit):
     """(grid, block, shared bytes, p_in_shared) of ``newton_schulz``, or None.
 
-    None means the m x m iterate does not fit in ``smem_limit`` bytes of
-    shared memory per block; the caller then uses batched matmuls.
+    None means the padded m x m iterate does not fit in ``smem_limit`` bytes
+    of shared memory per block; the caller then uses batched matmuls.
     """
-    tiles = _ceil_div(m, NS_MT) ** 2
+    mp, ld = newton_schulz_stride(m)
+    tiles = (mp // NS_MT) ** 2
     threads = _ceil_div(tiles, 32) * 32
     if threads > 1024:
         return None
-    scalar_bytes = itemsize * m * m
+    scalar_bytes = itemsize * mp * ld
     if 3 * scalar_bytes + NS_STATIC_SMEM <= smem_limit:
         smem, p_in_shared = 3 * scalar_bytes, 1
     elif 2 * scalar_bytes + NS_STATIC_SMEM <= smem_limit:
@@ -252,8 +267,8 @@ def shared_memory_optin(device_index):
 
 
 def pointer(tensor):
-    """Device pointer of a tensor as a kernel argument (no copy)."""
-    return np.uint64(tensor.data_ptr())
+    """Device pointer of a tensor as a kernel argument (no copy); None is a null pointer."""
+    return np.uint64(0 if tensor is None else tensor.data_ptr())
 
 
 def cupy_stream(cupy, device):
@@ -269,7 +284,8 @@ def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, sha
 
     ``args`` must already have their exact C types (numpy scalars, pointers
     from :func:`pointer`). Failures raise :class:`CudaOpsError` naming the
-    kernel, the launch geometry and ``shapes``.
+    kernel, the launch geometry and ``shapes`` (a string, or a callable that
+    makes it: the message is only formatted on failure).
     """
     cupy = import_cupy()
     device_index = tensor.device.index
@@ -283,4 +299,5 @@ def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, sha
             function(grid, block, args, shared_mem=shared_mem)
     except Exception as exc:
         raise CudaOpsError(f'launching {name_expression} (grid={grid}, block={block}, '
-                           f'shared_mem={shared_mem}) for {shapes} failed: {exc}') from exc
+                           f'shared_mem={shared_mem}) for {shapes() if callable(shapes) else shapes} '
+                           f'failed: {exc}') from exc

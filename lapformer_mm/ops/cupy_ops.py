@@ -22,15 +22,17 @@ torch.float32)``), because the design runs kernel matrices and the solve in
 fp32; called directly with fp16/bf16 tensors outside autocast, the kernels
 read 16-bit inputs, accumulate in fp32 and write the input dtype.
 """
+import functools
 import math
 
 import numpy as np
 import torch
 
 from . import cuda_runtime as rt
+from ._checks import NS_INITS
 from ._precision import compute_dtype, full_precision_matmul
 
-NS_INITS = ('identity', 'authors')
+_DTYPES = tuple(rt.ELEMENT_TYPES)
 # Sizes are 32-bit ints in the kernels; the margin keeps "size + tile - 1" from overflowing.
 _MAX_SIZE = 2 ** 31 - 2 ** 16
 
@@ -46,13 +48,19 @@ def _check_int32(**sizes):
             raise ValueError(f'{name}={value} exceeds the CUDA kernels\' 32-bit index range')
 
 
-def _shapes(**tensors):
-    return ', '.join(f'{k} {tuple(v.shape)} {v.dtype}' for k, v in tensors.items())
+def _shapes(extra='', **tensors):
+    """The operands' shapes for an error message, formatted only if one is raised."""
+    return lambda: ', '.join(f'{k} {tuple(v.shape)} {v.dtype}' for k, v in tensors.items()) + extra
+
+
+@functools.lru_cache(maxsize=None)
+def _target_blocks(device_index):
+    return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def target_blocks(device):
     """Blocks that keep every SM of ``device`` busy: 4 per SM."""
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return _target_blocks(device.index)
 
 
 def fused_pairwise_forward(x3, y3, lam, kind):
@@ -79,17 +87,21 @@ def _pairwise_grad(grad, kmat, rows, red, lam, kind, transposed, blocks):
     if batch * n_rows * d == 0:
         return torch.zeros_like(rows)
     grid, block, splits, red_chunk = rt.pairwise_backward_launch(batch, n_rows, n_red, d, blocks)
-    partial = torch.empty(splits, batch, n_rows, d, dtype=acc_dtype, device=rows.device)
+    # One slice writes the gradient itself; several write partial sums.
+    out = torch.empty_like(rows)
+    partial = (None if splits == 1 else
+               torch.empty(splits, batch, n_rows, d, dtype=acc_dtype, device=rows.device))
     coef = (1.0 if kind == rt.LAPLACIAN else 2.0) / lam
     name = rt.pairwise_backward_name(rt.ELEMENT_TYPES[rows.dtype], kind, transposed)
     args = (rt.pointer(grad), rt.pointer(kmat), rt.pointer(rows), rt.pointer(red),
-            rt.pointer(partial), np.int64(batch), np.int32(n_rows), np.int32(n_red),
-            np.int32(d), np.int32(red_chunk), np.float64(-coef))
+            rt.pointer(out), rt.pointer(partial), np.int64(batch), np.int32(n_rows),
+            np.int32(n_red), np.int32(d), np.int32(red_chunk), np.float64(-coef))
     rt.launch(rt.PAIRWISE_SOURCE, name, rows, grid, block, args,
               shapes=_shapes(grad=grad, rows=rows, red=red))
+    if partial is None:
+        return out
     # A fixed-order sum over the split slices keeps the result deterministic.
-    total = partial[0] if splits == 1 else partial.sum(0)
-    return total.to(rows.dtype)
+    return torch.sum(partial, 0, out=out) if acc_dtype == rows.dtype else partial.sum(0).to(rows.dtype)
 
 
 def fused_pairwise_backward(grad, kmat, x3, y3, lam, kind, need_x, need_y, blocks):
@@ -116,11 +128,11 @@ def fused_newton_schulz(P3, iters, authors, smem_limit):
     if P3.numel() == 0:
         return out
     grid, block, smem, p_in_shared = config
-    name = rt.newton_schulz_name(rt.ELEMENT_TYPES[P3.dtype])
+    name = rt.newton_schulz_name(rt.ELEMENT_TYPES[P3.dtype], p_in_shared)
     args = (rt.pointer(P3), rt.pointer(out), np.int64(batch), np.int32(m), np.int32(iters),
-            np.int32(1 if authors else 0), np.int32(p_in_shared))
+            np.int32(1 if authors else 0))
     rt.launch(rt.NEWTON_SCHULZ_SOURCE, name, P3, grid, block, args, shared_mem=smem,
-              shapes=_shapes(P=P3) + f', iters={iters}')
+              shapes=_shapes(f', iters={iters}', P=P3))
     return out
 
 
@@ -166,69 +178,135 @@ def twin_newton_schulz(P3, iters, authors):
 
 
 # ----------------------------------------------------------------------------
+# The raw ops' contract. The kernels index raw pointers as contiguous tensors
+# of one dtype on one device; ``torch.ops.lapformer_mm.*`` are callable
+# directly, so every implementation (CUDA, CPU, fake) enforces it itself.
+# ----------------------------------------------------------------------------
+
+def _operands(op, allowed_dtypes, **tensors):
+    """Check that ``tensors`` share x's dtype (one of ``allowed_dtypes``) and device.
+
+    Returns them contiguous, in the given order. The first tensor is the one
+    the others are compared with.
+    """
+    (first_name, first), *rest = tensors.items()
+    if first.dtype not in allowed_dtypes:
+        raise TypeError(f'{op}: {first_name} has dtype {first.dtype}; allowed: '
+                        f'{[str(d) for d in allowed_dtypes]}')
+    for name, t in rest:
+        if t.dtype != first.dtype:
+            raise TypeError(f'{op}: {name} has dtype {t.dtype} but {first_name} has '
+                            f'{first.dtype}; all operands must share one dtype')
+        if t.device != first.device:
+            raise ValueError(f'{op}: {name} is on {t.device} but {first_name} is on '
+                             f'{first.device}; all operands must be on one device')
+    return tuple(t.contiguous() for t in tensors.values())
+
+
+def _pairwise_operands(op, x, y, grad=None, kmat=None):
+    """x (batch, n, d), y (batch, m, d) and optionally grad, kmat (batch, n, m)."""
+    if x.dim() != 3 or y.dim() != 3 or x.shape[0] != y.shape[0] or x.shape[2] != y.shape[2]:
+        raise ValueError(f'{op}: x must be (batch, n, d) and y (batch, m, d) with the same '
+                         f'batch and d, got x {tuple(x.shape)} and y {tuple(y.shape)}')
+    tensors = dict(x=x, y=y)
+    expected = (x.shape[0], x.shape[1], y.shape[1])
+    for name, t in (('grad', grad), ('kmat', kmat)):
+        if t is None:
+            continue
+        if tuple(t.shape) != expected:
+            raise ValueError(f'{op}: {name} must be (batch, n, m) = {expected}, got '
+                             f'{tuple(t.shape)}')
+        tensors[name] = t
+    return _operands(op, _DTYPES, **tensors)
+
+
+def _square_operands(op, **tensors):
+    """fp32/fp64 (batch, m, m) tensors of one shape, dtype and device."""
+    shape = next(iter(tensors.values())).shape
+    for name, t in tensors.items():
+        if t.dim() != 3 or t.shape[1] != t.shape[2] or t.shape != shape:
+            raise ValueError(f'{op}: {name} must be (batch, m, m) like the other operands, '
+                             f'got {tuple(t.shape)}')
+    return _operands(op, (torch.float32, torch.float64), **tensors)
+
+
+# ----------------------------------------------------------------------------
 # Custom ops: opaque to torch.compile, CUDA kernels on CUDA, twins on CPU.
 # ----------------------------------------------------------------------------
 
-@torch.library.custom_op('lapformer_mm::cuda_pairwise_kernel', mutates_args=(), device_types='cuda')
+_FORWARD_OP = 'lapformer_mm::cuda_pairwise_kernel'
+_BACKWARD_OP = 'lapformer_mm::cuda_pairwise_kernel_backward'
+_NS_OP = 'lapformer_mm::cuda_newton_schulz'
+_NS_BACKWARD_OP = 'lapformer_mm::cuda_newton_schulz_backward'
+
+
+@torch.library.custom_op(_FORWARD_OP, mutates_args=(), device_types='cuda')
 def pairwise_kernel_op(x: torch.Tensor, y: torch.Tensor, lam: float, kind: int) -> torch.Tensor:
-    """Fused kernel matrix of contiguous x (batch, n, d), y (batch, m, d)."""
-    return fused_pairwise_forward(x, y, lam, kind)
+    """Fused kernel matrix of x (batch, n, d), y (batch, m, d)."""
+    return fused_pairwise_forward(*_pairwise_operands(_FORWARD_OP, x, y), lam, kind)
 
 
 @pairwise_kernel_op.register_kernel('cpu')
 def _pairwise_kernel_cpu(x, y, lam, kind):
-    return twin_pairwise_forward(x, y, lam, kind)
+    return twin_pairwise_forward(*_pairwise_operands(_FORWARD_OP, x, y), lam, kind)
 
 
 @pairwise_kernel_op.register_fake
 def _pairwise_kernel_fake(x, y, lam, kind):
+    x, y = _pairwise_operands(_FORWARD_OP, x, y)
     return x.new_empty(x.shape[0], x.shape[1], y.shape[1])
 
 
-@torch.library.custom_op('lapformer_mm::cuda_pairwise_kernel_backward', mutates_args=(),
-                         device_types='cuda')
+@torch.library.custom_op(_BACKWARD_OP, mutates_args=(), device_types='cuda')
 def pairwise_kernel_backward_op(grad: torch.Tensor, kmat: torch.Tensor, x: torch.Tensor,
                                 y: torch.Tensor, lam: float, kind: int, need_x: bool,
                                 need_y: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dy) of the fused kernel matrix; empty tensors for gradients not needed."""
+    x, y, grad, kmat = _pairwise_operands(_BACKWARD_OP, x, y, grad, kmat)
     return fused_pairwise_backward(grad, kmat, x, y, lam, kind, need_x, need_y,
                                    target_blocks(x.device))
 
 
 @pairwise_kernel_backward_op.register_kernel('cpu')
 def _pairwise_kernel_backward_cpu(grad, kmat, x, y, lam, kind, need_x, need_y):
+    x, y, grad, kmat = _pairwise_operands(_BACKWARD_OP, x, y, grad, kmat)
     return twin_pairwise_backward(grad, kmat, x, y, lam, kind, need_x, need_y)
 
 
 @pairwise_kernel_backward_op.register_fake
 def _pairwise_kernel_backward_fake(grad, kmat, x, y, lam, kind, need_x, need_y):
+    x, y, _, _ = _pairwise_operands(_BACKWARD_OP, x, y, grad, kmat)
     return (torch.empty_like(x) if need_x else x.new_empty(0),
             torch.empty_like(y) if need_y else y.new_empty(0))
 
 
-@torch.library.custom_op('lapformer_mm::cuda_newton_schulz', mutates_args=(), device_types='cuda')
+@torch.library.custom_op(_NS_OP, mutates_args=(), device_types='cuda')
 def newton_schulz_op(P: torch.Tensor, iters: int, authors: bool) -> torch.Tensor:
-    """Newton–Schulz inverse of contiguous fp32/fp64 P (batch, m, m)."""
+    """Newton–Schulz inverse of fp32/fp64 P (batch, m, m)."""
+    (P,) = _square_operands(_NS_OP, P=P)
     out = fused_newton_schulz(P, iters, authors, rt.shared_memory_optin(P.device.index))
     return twin_newton_schulz(P, iters, authors) if out is None else out
 
 
 @newton_schulz_op.register_kernel('cpu')
 def _newton_schulz_cpu(P, iters, authors):
+    (P,) = _square_operands(_NS_OP, P=P)
     return twin_newton_schulz(P, iters, authors)
 
 
 @newton_schulz_op.register_fake
 def _newton_schulz_fake(P, iters, authors):
+    (P,) = _square_operands(_NS_OP, P=P)
     return torch.empty_like(P)
 
 
-@torch.library.custom_op('lapformer_mm::cuda_newton_schulz_backward', mutates_args=())
+@torch.library.custom_op(_NS_BACKWARD_OP, mutates_args=())
 def newton_schulz_backward_op(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """Closed-form gradient ``-Xᵀ G Xᵀ`` for X, G (batch, m, m), full-precision bmm.
 
     An op of its own so that the TF32 switch inside stays out of Dynamo's trace.
     """
+    x, grad = _square_operands(_NS_BACKWARD_OP, x=x, grad=grad)
     xt = x.mT
     with full_precision_matmul():
         return -torch.bmm(torch.bmm(xt, grad), xt)
@@ -236,6 +314,7 @@ def newton_schulz_backward_op(x: torch.Tensor, grad: torch.Tensor) -> torch.Tens
 
 @newton_schulz_backward_op.register_fake
 def _newton_schulz_backward_fake(x, grad):
+    x, _ = _square_operands(_NS_BACKWARD_OP, x=x, grad=grad)
     return torch.empty_like(x)
 
 
@@ -304,7 +383,6 @@ class NewtonSchulzFunction(torch.autograd.Function):
 # Public API (CUDA tensors only).
 # ----------------------------------------------------------------------------
 
-_DTYPES = tuple(rt.ELEMENT_TYPES)
 
 
 def _check_cuda_tensor(func, name, t):

@@ -1,4 +1,6 @@
 """The injective feature map applied to the query–landmark kernel matrix."""
+import torch
+
 from ._checks import check_float_tensor, check_non_negative
 
 
@@ -11,9 +13,17 @@ def injective_normalize(C, whiten_eps=1e-5):
         Cc = C - mean_j C[..., j]
         s2_j = var_i Cc[i, j]            (biased)
         Z = Cc / sqrt(s2 + whiten_eps) + 1/m
+
+    (a column with s2 + whiten_eps = 0 is all zeros once centred and stays 0.)
     """
     check_float_tensor('C', C)
     whiten_eps = check_non_negative('whiten_eps', whiten_eps)
     centred = C - C.mean(-1, keepdim=True)
-    var = centred.var(-2, unbiased=False, keepdim=True)
-    return centred * (var + whiten_eps).rsqrt() + 1.0 / C.shape[-1]
+    denom = centred.var(-2, unbiased=False, keepdim=True) + whiten_eps
+    # With whiten_eps = 0 a column constant over the queries has denom 0 and is
+    # all zeros once centred: keep it 0 (0 · rsqrt(0) would be NaN, and a
+    # masked-out rsqrt(0) would still put NaN into the gradient).
+    positive = denom > 0
+    scale = torch.where(positive, torch.where(positive, denom, torch.ones_like(denom)).rsqrt(),
+                        torch.zeros_like(denom))
+    return centred * scale + 1.0 / C.shape[-1]

@@ -9,8 +9,9 @@ Both are ``torch.autograd.Function``s whose forward and backward never build an
   over d. Elsewhere the gradient is a loop over row chunks of bounded size,
   because the CUDA ``_cdist_backward`` allocates an (N, M, d) buffer.
   ``sign(0) = 0`` gives the subgradient 0 of |t| at t = 0.
-* Gaussian: ``||x - y||² = |x|² + |y|² - 2 x·y`` is a batched matmul, and so is
-  its gradient.
+* Gaussian: ``||x - y||²`` from the coordinate differences (``torch.cdist``
+  without its matmul shortcut, exact on the diagonal at any norm); the gradient
+  ``sum_j w_ij (x_i - y_j) = x_i sum_j w_ij - sum_j w_ij y_j`` is a batched matmul.
 """
 import torch
 
@@ -109,11 +110,11 @@ class GaussianKernel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, lam):
         x3, y3 = _flatten_batch(x), _flatten_batch(y)
-        sq_x = (x3 * x3).sum(-1, keepdim=True)
-        sq_y = (y3 * y3).sum(-1).unsqueeze(-2)
-        sq_dist = torch.baddbmm(sq_x + sq_y, x3, y3.mT, alpha=-2.0)
-        # Rounding can push |x|²+|y|²-2x·y slightly below 0 when x ≈ y.
-        kernel = sq_dist.clamp_min_(0.0).mul_(-1.0 / lam).exp_()
+        # Differences, not |x|² + |y|² - 2 x·y: in fp32 the expansion loses the
+        # distance to cancellation at large norms (k(x, x) = 0.14 at |x| = 5700),
+        # which exp(-d/lam) turns into a relative error of the kernel value.
+        dist = torch.cdist(x3, y3, p=2.0, compute_mode='donot_use_mm_for_euclid_dist')
+        kernel = dist.square_().mul_(-1.0 / lam).exp_()
         ctx.save_for_backward(x3, y3, kernel)
         ctx.lam = lam
         ctx.shapes = (x.shape, y.shape)

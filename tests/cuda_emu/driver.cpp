@@ -39,7 +39,8 @@ void launch_kernel(void** args, dim3 grid, dim3 block, std::size_t shared) {
 const std::map<std::string, Launcher>& kernels() {
     static const std::map<std::string, Launcher> table = {
         EMU_PAIRWISE(float), EMU_PAIRWISE(double), EMU_PAIRWISE(lap_half), EMU_PAIRWISE(lap_bf16),
-        EMU_ENTRY(newton_schulz<float>), EMU_ENTRY(newton_schulz<double>),
+        EMU_ENTRY(newton_schulz<float, true>), EMU_ENTRY(newton_schulz<float, false>),
+        EMU_ENTRY(newton_schulz<double, true>), EMU_ENTRY(newton_schulz<double, false>),
     };
     return table;
 }

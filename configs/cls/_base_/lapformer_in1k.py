@@ -8,9 +8,8 @@ _base_ = [
     'mmpretrain::_base_/datasets/imagenet_bs64_swin_224.py',
     'mmpretrain::_base_/schedules/imagenet_bs1024_adamw_swin.py',
     'mmpretrain::_base_/default_runtime.py',
+    '../../_base_/safe_runtime.py',
 ]
-
-custom_imports = dict(imports=['lapformer_mm'], allow_failed_imports=False)
 
 model = dict(
     type='ImageClassifier',

@@ -1,0 +1,72 @@
+"""``SafeCheckpointHook``: mmengine's ``CheckpointHook`` with a rotation that survives a kill."""
+import os.path as osp
+
+from mmengine.dist import is_main_process
+from mmengine.hooks import CheckpointHook
+from mmengine.registry import HOOKS
+
+from .fileio import atomic_write_bytes
+
+
+@HOOKS.register_module()
+class SafeCheckpointHook(CheckpointHook):
+    """``CheckpointHook`` that deletes an outdated checkpoint only after the new one is recorded.
+
+    mmengine's hook deletes the checkpoint that falls out of ``max_keep_ckpts`` *before* it
+    writes the new one, and rewrites ``last_checkpoint`` in place: a run killed in between
+    (with ``max_keep_ckpts=1``) is left with no checkpoint, or with a ``last_checkpoint``
+    that is empty or names a deleted file. This hook saves in the order write the new
+    checkpoint, replace ``last_checkpoint`` atomically, then delete the outdated one; a save
+    that fails deletes nothing. A replaced ``best_*.pth`` is still deleted before the new
+    one is written, as in mmengine.
+
+    Arguments are ``CheckpointHook``'s. For atomic checkpoint files as well, add
+    ``backend_args=dict(backend='atomic_local')`` (what ``SafeCheckpointRunner`` does).
+    """
+
+    def _save_checkpoint_with_step(self, runner, step, meta):
+        # Overrides mmengine's private method (pinned in _mmengine_private.PINNED): the
+        # same steps as mmengine's, with the deletion moved to the end.
+        outdated = self._rotate(runner, step)
+        ckpt_filename = self.filename_tmpl.format(step)
+        self.last_ckpt = self.file_backend.join_path(self.out_dir, ckpt_filename)
+        runner.message_hub.update_info('last_ckpt', self.last_ckpt)
+        runner.save_checkpoint(
+            self.out_dir,
+            ckpt_filename,
+            self.file_client_args,
+            save_optimizer=self.save_optimizer,
+            save_param_scheduler=self.save_param_scheduler,
+            meta=meta,
+            by_epoch=self.by_epoch,
+            backend_args=self.backend_args,
+            **self.args)
+        # Sharded (model-parallel) saves run on every rank; the bookkeeping on one.
+        if not is_main_process():
+            return
+        atomic_write_bytes(self.last_ckpt.encode(), osp.join(runner.work_dir, 'last_checkpoint'))
+        if outdated is not None:
+            self._remove(outdated)
+
+    def _rotate(self, runner, step):
+        """Record ``step`` among the kept checkpoints; return the path that falls out, if any.
+
+        ``_save_checkpoint`` and ``_save_best_checkpoint`` may both save one step: the
+        second call changes nothing.
+        """
+        if self.max_keep_ckpts <= 0 or (self.keep_ckpt_ids and self.keep_ckpt_ids[-1] == step):
+            return None
+        outdated = None
+        if len(self.keep_ckpt_ids) == self.max_keep_ckpts:
+            outdated = self.file_backend.join_path(
+                self.out_dir, self.filename_tmpl.format(self.keep_ckpt_ids.popleft()))
+        self.keep_ckpt_ids.append(step)
+        runner.message_hub.update_info('keep_ckpt_ids', list(self.keep_ckpt_ids))
+        return outdated
+
+    def _remove(self, path):
+        """Delete a checkpoint file, or a checkpoint directory (DeepSpeed saves those)."""
+        if self.file_backend.isfile(path):
+            self.file_backend.remove(path)
+        elif self.file_backend.isdir(path):
+            self.file_backend.rmtree(path)

@@ -1,0 +1,18 @@
+"""A tiny toy COCO set (64 px images, 2 val images, at most 2 objects each) for tool runs."""
+import contextlib
+import io
+import os.path as osp
+import sys
+
+sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools'))
+
+import make_toy_coco  # noqa: E402
+
+
+def write_toy_coco(folder, num_train):
+    """Write the set under ``folder/toy_coco`` (``num_train`` train images); return that path."""
+    root = osp.join(str(folder), 'toy_coco')
+    with contextlib.redirect_stdout(io.StringIO()):
+        make_toy_coco.main(['--out', root, '--num-train', str(num_train), '--num-val', '2',
+                            '--img-size', '64', '--max-objects', '2'])
+    return root

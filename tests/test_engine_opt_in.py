@@ -1,0 +1,146 @@
+"""The engine parts are opt-in: our configs select them, stock jobs are untouched.
+
+- every config of ours includes configs/_base_/safe_runtime.py;
+- mmdet's own tools/train.py trains the toy config through ``custom_imports`` alone, to
+  the same weights as ours;
+- a stock mmengine job runs the same with and without ``import lapformer_mm``.
+"""
+import glob
+import json
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+import torch
+from mmengine.config import Config
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TOOLS = osp.join(ROOT, 'tools')
+TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
+
+from _toy_data import write_toy_coco  # noqa: E402
+
+CONFIGS = sorted(p for p in glob.glob(osp.join(ROOT, 'configs', '**', '*.py'), recursive=True)
+                 if '_base_' not in p.split(os.sep))
+
+
+@pytest.mark.parametrize('path', CONFIGS, ids=lambda p: osp.relpath(p, ROOT))
+def test_every_config_uses_the_safe_runtime(path):
+    cfg = Config.fromfile(path)
+    assert cfg.runner_type == 'SafeCheckpointRunner'
+    assert cfg.custom_imports == dict(imports=['lapformer_mm'], allow_failed_imports=False)
+
+
+@pytest.fixture(scope='module')
+def toy_root(tmp_path_factory):
+    return write_toy_coco(tmp_path_factory.mktemp('optin'), num_train=4)
+
+
+def train(script, work_dir, toy_root, cwd, env):
+    ann_val = osp.join(toy_root, 'annotations', 'instances_val.json')
+    proc = subprocess.run(
+        [sys.executable, script, TOY_CONFIG, '--work-dir', work_dir, '--cfg-options',
+         f'train_dataloader.dataset.data_root={toy_root}/',
+         f'val_dataloader.dataset.data_root={toy_root}/', f'val_evaluator.ann_file={ann_val}',
+         'train_dataloader.dataset.pipeline.2.scale=(64,64)', 'train_cfg.max_epochs=1',
+         'train_cfg.val_interval=100', 'default_hooks.logger.interval=1'],
+        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout, torch.load(osp.join(work_dir, 'epoch_1.pth'), weights_only=False)
+
+
+def test_mmdet_train_script_gives_our_result_through_custom_imports(toy_root, tmp_path):
+    """mmdet's tools/train.py (shipped in the package as .mim/tools/train.py), run outside
+    this repository without PYTHONPATH: the config's custom_imports is all it gets."""
+    import mmdet
+    mmdet_train = osp.join(osp.dirname(mmdet.__file__), '.mim', 'tools', 'train.py')
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+    env.update(OMP_NUM_THREADS='1', MKL_NUM_THREADS='1')
+    theirs_log, theirs = train(mmdet_train, str(tmp_path / 'mmdet'), toy_root, str(tmp_path),
+                               env)
+    ours_log, ours = train(osp.join(TOOLS, 'train.py'), str(tmp_path / 'ours'), toy_root,
+                           ROOT, env)
+    for log in (theirs_log, ours_log):
+        assert 'SafeCheckpointHook' in log and 'Epoch(train) [1][2/2]' in log
+    assert theirs['meta']['iter'] == ours['meta']['iter'] == 2
+    assert theirs['state_dict'].keys() == ours['state_dict'].keys()
+    for key, value in ours['state_dict'].items():
+        assert torch.equal(theirs['state_dict'][key], value), key
+
+
+STOCK_JOB = r'''
+import json, os, sys, tempfile
+
+import torch
+
+sys.path.insert(0, sys.argv[2])
+if sys.argv[1] == 'plugin':
+    import lapformer_mm  # noqa: F401
+from _runner_helpers import make_runner
+
+
+def files(work_dir):
+    names = sorted(n for n in os.listdir(work_dir) if n.endswith('.pth'))
+    record = os.path.join(work_dir, 'last_checkpoint')
+    if os.path.exists(record):
+        with open(record) as f:
+            names.append('last_checkpoint -> ' + os.path.relpath(f.read(), work_dir))
+    return names
+
+
+report = {}
+work = tempfile.mkdtemp()
+torch.manual_seed(0)  # TinyModel is built before the Runner seeds
+runner = make_runner(work, 3, num_samples=4, checkpoint=dict(max_keep_ckpts=2))
+report['hooks'] = [type(h).__module__ + '.' + type(h).__name__ for h in runner.hooks]
+runner.train()
+report['rotation'] = files(work)
+report['weights'] = runner.model.linear.weight.tolist() + runner.model.linear.bias.tolist()
+
+work = tempfile.mkdtemp()
+runner = make_runner(work, 2, num_samples=4, checkpoint=dict(max_keep_ckpts=1))
+save = runner.save_checkpoint
+
+
+def dies_at_epoch_2(out_dir, filename, *args, **kwargs):
+    if filename == 'epoch_2.pth':
+        raise KeyboardInterrupt
+    return save(out_dir, filename, *args, **kwargs)
+
+
+runner.save_checkpoint = dies_at_epoch_2
+try:
+    runner.train()
+except KeyboardInterrupt:
+    pass
+report['failed_save'] = files(work)
+
+with open(os.path.join(work, 'last_checkpoint'), 'w') as f:
+    f.write('')
+try:
+    make_runner(work, 3, num_samples=4, resume=True).train()
+except Exception as err:
+    report['resume_empty_record'] = f'{type(err).__name__}: {err}'.replace(work, 'WORK')
+print(json.dumps(report))
+'''
+
+
+def test_stock_mmengine_job_is_the_same_with_the_plugin_imported():
+    """Hooks, rotation order, a failed save, the weights and an empty last_checkpoint."""
+    reports = {}
+    for mode in ('stock', 'plugin'):
+        proc = subprocess.run([sys.executable, '-c', STOCK_JOB, mode, osp.join(ROOT, 'tests')],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS='1'))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    stock = reports['stock']
+    assert 'mmengine.hooks.checkpoint_hook.CheckpointHook' in stock['hooks']
+    assert stock['rotation'] == ['epoch_2.pth', 'epoch_3.pth', 'last_checkpoint -> epoch_3.pth']
+    # mmengine deletes before it saves: the failed save leaves nothing to resume from.
+    assert stock['failed_save'] == ['last_checkpoint -> epoch_1.pth']
+    assert 'FileNotFoundError' in stock['resume_empty_record']
+    assert reports['plugin'] == stock

@@ -1,0 +1,148 @@
+"""``import lapformer_mm`` registers and does nothing else.
+
+Each check runs in a fresh interpreter, so that what the import pulls in, and what it
+could have replaced, is seen from a clean start.
+"""
+import json
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+
+# Every global of these modules, and every attribute of the classes they define, is
+# recorded by identity before the import and compared after it: a replaced function,
+# method or table shows up as a changed id. The mmengine objects the plugin used to patch
+# are named on top, so that a failure says which.
+SNAPSHOT = r'''
+import importlib, inspect, json, sys
+
+import torch  # noqa: F401
+import mmengine.fileio.backends.local_backend
+import mmengine.fileio.io
+import mmengine.hooks
+import mmengine.runner
+import mmengine.runner._flexible_runner
+import mmengine.runner.checkpoint
+import mmengine.runner.runner
+from mmengine.registry import Registry, root
+
+preload = sys.argv[1:]
+for name in preload:
+    importlib.import_module(name)
+PREFIXES = ('mmengine', 'mmcv', 'mmdet', 'mmseg', 'mmpretrain', 'torch.serialization')
+
+
+def snapshot():
+    ids = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(PREFIXES):
+            continue
+        for key, value in list(vars(module).items()):
+            ids[f'{name}.{key}'] = id(value)
+            if inspect.isclass(value) and value.__module__ == name:
+                for attr, member in list(vars(value).items()):
+                    ids[f'{name}.{key}.{attr}'] = id(member)
+    from mmengine.runner.checkpoint import CheckpointLoader
+    ids.update({f'CheckpointLoader scheme {p!r}': id(f)
+                for p, f in CheckpointLoader._schemes.items()})
+    ids.update({f'fileio prefix {p!r}': id(b)
+                for p, b in mmengine.fileio.io.prefix_to_backends.items()})
+    for registry_name, registry in vars(root).items():
+        if isinstance(registry, Registry):
+            ids.update({f'{registry_name}[{k!r}]': id(v)
+                        for k, v in registry.module_dict.items()})
+    return ids
+
+
+before = snapshot()
+import lapformer_mm  # noqa: E402
+after = snapshot()
+changed = sorted(k for k in before if after.get(k) != before[k])
+loaded = sorted(m for m in ('mmdet', 'mmseg', 'mmpretrain', 'mmcv.ops')
+                if m in sys.modules and m not in preload)
+print(json.dumps(dict(changed=changed, loaded=loaded, checked=len(before))))
+'''
+
+
+def import_report(*preload, script=SNAPSHOT):
+    """The report ``script`` prints in a fresh interpreter that first imports ``preload``."""
+    proc = subprocess.run([sys.executable, '-c', script, *preload], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_import_replaces_nothing_in_mmengine_and_imports_no_codebase():
+    report = import_report()
+    assert report['changed'] == []
+    assert report['loaded'] == []
+    # A floor against a snapshot that silently covers nothing; test_snapshot_sees_a_patch
+    # shows the names the plugin used to patch are among those compared.
+    assert report['checked'] > 5000
+
+
+def test_import_replaces_nothing_in_the_codebases_already_loaded():
+    """With mmcv.ops, mmdet, mmseg and their registries loaded first, as in a training job."""
+    report = import_report('mmcv.ops', 'mmdet.registry', 'mmdet.models', 'mmseg.registry',
+                           'mmseg.models')
+    assert report['changed'] == []
+    assert report['checked'] > 20000
+
+
+def test_snapshot_sees_a_patch():
+    """The comparison above would catch what the plugin used to do to mmengine."""
+    patched = SNAPSHOT.replace(
+        'import lapformer_mm  # noqa: E402',
+        'import lapformer_mm\n'
+        'mmengine.runner.runner.find_latest_checkpoint = lambda path: None\n'
+        'mmengine.fileio.backends.local_backend.LocalBackend.put = lambda *a: None\n'
+        'mmengine.hooks.CheckpointHook._save_checkpoint_with_step = lambda *a: None\n'
+        'mmengine.runner.checkpoint.CheckpointLoader.register_scheme('
+        "'', lambda f, m: None, force=True)")
+    assert import_report(script=patched)['changed'] == [
+        "CheckpointLoader scheme ''",
+        'mmengine.fileio.backends.local_backend.LocalBackend.put',
+        'mmengine.hooks.checkpoint_hook.CheckpointHook._save_checkpoint_with_step',
+        'mmengine.runner.checkpoint.CheckpointLoader._schemes',
+        'mmengine.runner.runner.find_latest_checkpoint']
+
+
+def test_import_adds_only_its_own_modules_to_a_loaded_mmengine():
+    """What the import costs a job that has mmengine's runner loaded: its own modules only.
+
+    ``import torch, mmengine`` alone does not load ``mmengine.model``; that import
+    (torch.distributed's optimizers, FSDP, DTensor, sympy) is most of the time of any
+    import that defines an mmengine module, this one included (docs/reliability.md).
+    """
+    code = ('import sys, torch, mmengine.runner, mmengine.model, mmengine.hooks, '
+            'mmengine.optim, mmengine.fileio\n'
+            'before = set(sys.modules)\n'
+            'import lapformer_mm\n'
+            'print(sorted(m for m in set(sys.modules) - before '
+            "if m.split('.')[0] != 'lapformer_mm'))")
+    proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == '[]'
+
+
+@pytest.mark.parametrize('registry, name', [
+    ('MODELS', 'LaplacianFormer'), ('HOOKS', 'SafeCheckpointHook'),
+    ('HOOKS', 'NeckChannelsCheckHook'), ('RUNNERS', 'SafeCheckpointRunner'),
+    ('OPTIM_WRAPPERS', 'CPUAmpOptimWrapper')])
+def test_parts_are_registered_in_mmengine_root_registries(registry, name):
+    import mmengine.registry
+
+    import lapformer_mm  # noqa: F401
+    assert name in getattr(mmengine.registry, registry).module_dict
+
+
+def test_atomic_backend_is_registered_by_name_only():
+    from mmengine.fileio.io import backends, prefix_to_backends
+
+    from lapformer_mm.engine.fileio import AtomicLocalBackend
+    assert backends['atomic_local'] is AtomicLocalBackend
+    assert AtomicLocalBackend not in prefix_to_backends.values()

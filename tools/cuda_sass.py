@@ -1,0 +1,34 @@
+"""Print the SASS instruction counts of the CUDA kernels' hot loops (no GPU needed).
+
+See :mod:`lapformer_mm.ops.sass` for what is counted. Needs the pip packages
+``nvidia-cuda-nvrtc-cu12`` and ``nvidia-cuda-nvdisasm``.
+
+    python tools/cuda_sass.py                             # this checkout
+    python tools/cuda_sass.py --source-root /tmp/old      # another checkout (before/after)
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lapformer_mm.ops.sass import PACKAGE_ROOT, report  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--source-root', default=str(PACKAGE_ROOT), help='checkout whose ops/ and cuda_runtime.py to read')
+    p.add_argument('--arch', default='sm_90')
+    p.add_argument('--kernels', default='float', help='substring of the instantiations to show')
+    args = p.parse_args(argv)
+    rows = [r for r in report(args.source_root, args.arch) if args.kernels in r['kernel']]
+    print(f'| kernel ({args.arch}) | hot-loop instructions | terms | per term | main opcodes |')
+    print('|---|---|---|---|---|')
+    for r in rows:
+        top = ', '.join(f'{op} {n}' for op, n in list(r['histogram'].items())[:8])
+        per = '-' if r['per_term'] is None else f"{r['per_term']:.2f}"
+        print(f"| `{r['kernel']}` | {r['instructions']} | {r['terms']} | {per} | {top} |")
+    return rows
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,105 @@
+"""Attention error against conditioning for the three landmark solvers (a script, not a test).
+
+Inputs: queries (= keys), values and 49 landmarks all within ``spread`` of one point,
+so k(L, L) + 0.01 I goes from well conditioned (spread 1) to the worst case the ridge
+allows (spread -> 0, cond -> 100 m + 1 = 4901). For each spread, the relative error
+||out - ref|| / ||ref|| of ``nystrom_attention`` in fp32 and in fp64 against a dense
+fp64 evaluation with a direct solve, for solver='newton' (Newton–Schulz, then one
+refinement step: what the attention runs), Newton–Schulz without the refinement step,
+'exact' and 'cg'. Then the CPU time of the refinement step against the whole attention.
+
+    python tools/numerics_table.py            # prints the markdown tables of docs/numerics.md
+"""
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_attention import wall_times  # noqa: E402  (this script's folder is on sys.path)
+from lapformer_mm.ops import (DEFAULT_NS_ITERS, injective_normalize, laplacian_kernel,  # noqa: E402
+                              newton_schulz_pinv, nystrom_attention)
+
+SPREADS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+N, M, D, LAM, EPS, WHITEN = 400, 49, 32, 4.0, 0.01, 1e-5
+
+
+def inputs(spread, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(1, 1, 1, D, generator=gen, dtype=torch.float64)
+    q = base + spread * torch.randn(1, 1, N, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, 1, N, D, generator=gen, dtype=torch.float64)
+    landmarks = base + spread * torch.randn(1, 1, M, D, generator=gen, dtype=torch.float64)
+    return q, v, landmarks
+
+
+def dense_reference(q, v, landmarks):
+    """fp64, explicit (N, M, d) differences, torch.linalg.solve."""
+    def kernel(x, y):
+        return torch.exp(-(x.unsqueeze(-2) - y.unsqueeze(-3)).abs().sum(-1) / LAM)
+    c = kernel(q, landmarks)
+    p = kernel(landmarks, landmarks) + EPS * torch.eye(M, dtype=torch.float64)
+    centred = c - c.mean(-1, keepdim=True)
+    z = centred / torch.sqrt(centred.var(-2, unbiased=False, keepdim=True) + WHITEN) + 1.0 / M
+    return z @ torch.linalg.solve(p, c.mT @ v), torch.linalg.cond(p).item()
+
+
+def newton_without_refinement(q, v, landmarks):
+    c = laplacian_kernel(q, landmarks, LAM)
+    p = laplacian_kernel(landmarks, landmarks, LAM) + EPS * torch.eye(M, dtype=q.dtype)
+    return injective_normalize(c, WHITEN) @ (newton_schulz_pinv(p) @ (c.mT @ v))
+
+
+def errors():
+    rows = []
+    for spread in SPREADS:
+        q, v, landmarks = inputs(spread)
+        ref, cond = dense_reference(q, v, landmarks)
+        row = dict(spread=spread, cond=cond)
+        for dtype, tag in ((torch.float32, 'fp32'), (torch.float64, 'fp64')):
+            qd, vd, ld = q.to(dtype), v.to(dtype), landmarks.to(dtype)
+            outs = {s: nystrom_attention(qd, qd, vd, ld, solver=s) for s in ('newton', 'exact', 'cg')}
+            outs['newton, no refinement'] = newton_without_refinement(qd, vd, ld)
+            for name, out in outs.items():
+                row[f'{name} {tag}'] = ((out.double() - ref).norm() / ref.norm()).item()
+        rows.append(row)
+    return rows
+
+
+def median_ms(fn, repeats=30):
+    return 1e3 * statistics.median(wall_times(fn, repeats))
+
+
+def refinement_cost():
+    """CPU ms of the attention (3136 tokens, 2 heads, fp32) and of its refinement step alone."""
+    from lapformer_mm.ops.solvers import small_matmul
+    torch.manual_seed(0)
+    q, v = torch.randn(1, 2, 3136, D), torch.randn(1, 2, 3136, D)
+    landmarks = torch.randn(1, 2, M, D)
+    P = laplacian_kernel(landmarks, landmarks, LAM) + EPS * torch.eye(M)
+    inverse, rhs = newton_schulz_pinv(P), torch.randn(1, 2, M, D)
+    x = small_matmul(inverse, rhs)
+    with torch.no_grad():
+        attention = median_ms(lambda: nystrom_attention(q, q, v, landmarks))
+        step = median_ms(lambda: x + small_matmul(inverse, rhs - small_matmul(P, x)))
+    return attention, step
+
+
+def main():
+    columns = ['newton, no refinement', 'newton', 'exact', 'cg']
+    rows = errors()
+    print(f'Newton–Schulz: {DEFAULT_NS_ITERS} iterations (the default); torch {torch.__version__}, '
+          f'{torch.get_num_threads()} threads')
+    for tag in ('fp32', 'fp64'):
+        print(f'\n| spread | cond(P) | ' + ' | '.join(f'{c} ({tag})' for c in columns) + ' |')
+        print('|---|---|' + '---|' * len(columns))
+        for row in rows:
+            print(f"| {row['spread']:g} | {row['cond']:.3g} | "
+                  + ' | '.join(f"{row[f'{c} {tag}']:.1e}" for c in columns) + ' |')
+    attention, step = refinement_cost()
+    print(f'\nCPU cost, N = 3136, 2 heads, m = 49, fp32 (median of 30): the attention '
+          f'{attention:.2f} ms, of which the refinement step {step * 1e3:.0f} µs.')
+
+if __name__ == '__main__':
+    main()
