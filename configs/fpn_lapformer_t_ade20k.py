@@ -13,8 +13,8 @@ _base_ = [
     'mmseg::_base_/datasets/ade20k.py',
     'mmseg::_base_/default_runtime.py',
     'mmseg::_base_/schedules/schedule_80k.py',
+    './_base_/safe_runtime.py',
 ]
-custom_imports = dict(imports=['lapformer_mm'], allow_failed_imports=False)
 
 arch = 'tiny'
 pretrained = 'checkpoints/lapformer_tiny_in1k.pth'  # user-supplied

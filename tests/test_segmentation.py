@@ -28,31 +28,21 @@ sys.path.insert(0, TOOLS)
 sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
 
 import make_toy_coco  # noqa: E402
+from _toy_data import write_toy_coco  # noqa: E402
 from test_tools import run_tool  # noqa: E402
-
-
-def make_data(out, seg_out=None, img_size=64):
-    argv = ['--out', out, '--num-train', '8', '--num-val', '4',
-            '--img-size', str(img_size), '--max-objects', '3']
-    if seg_out is not None:
-        argv += ['--seg-out', seg_out]
-    with contextlib.redirect_stdout(io.StringIO()):
-        make_toy_coco.main(argv)
 
 
 @pytest.fixture(scope='module')
 def seg_data(tmp_path_factory):
-    """8 train / 4 val images of 64 px with label maps; returns the mmseg root."""
-    root = tmp_path_factory.mktemp('toy')
-    make_data(str(root / 'toy_coco'), str(root / 'toy_seg'))
-    return str(root / 'toy_seg')
+    """8 train / 2 val images of 64 px with label maps; returns the mmseg root."""
+    coco_root = write_toy_coco(tmp_path_factory.mktemp('toy'), 8, seg=True)
+    return osp.join(osp.dirname(coco_root), 'toy_seg')
 
 
 def test_label_maps_match_the_coco_masks_and_leave_coco_unchanged(
         seg_data, tmp_path):
     coco_root = osp.join(osp.dirname(seg_data), 'toy_coco')
-    plain = str(tmp_path / 'plain')
-    make_data(plain)  # no --seg-out: the COCO set must be byte-identical
+    plain = write_toy_coco(tmp_path, 8)  # no --seg-out: the COCO set must be byte-identical
     cmp = filecmp.dircmp(coco_root, plain)
     assert not cmp.diff_files and not cmp.left_only and not cmp.right_only
     assert not filecmp.dircmp(osp.join(coco_root, 'annotations'),
@@ -150,5 +140,6 @@ def test_mmseg_train_script_loads_the_plugin_by_custom_imports(
     log = run_tool([sys.executable, MMSEG_TRAIN, SEG_CONFIG, '--work-dir', work] +
                    seg_options(seg_data), cwd=str(tmp_path),
                    extra_env=dict(PYTHONPATH=''))
+    assert 'SafeCheckpointHook' in log  # configs/_base_/safe_runtime.py's runner
     assert 'Iter(train) [2/2]' in log
     assert osp.isfile(osp.join(work, 'iter_2.pth'))

@@ -11,8 +11,8 @@
 _base_ = [
     'mmseg::_base_/models/upernet_r50.py',
     'mmseg::_base_/default_runtime.py',
+    '../_base_/safe_runtime.py',
 ]
-custom_imports = dict(imports=['lapformer_mm'], allow_failed_imports=False)
 
 data_root = 'data/toy_seg/'
 classes = ('background', 'circle', 'square', 'triangle', 'star')
