@@ -4,9 +4,9 @@ Inputs: queries (= keys), values and 49 landmarks all within ``spread`` of one p
 so k(L, L) + 0.01 I goes from well conditioned (spread 1) to the worst case the ridge
 allows (spread -> 0, cond -> 100 m + 1 = 4901). For each spread, the relative error
 ||out - ref|| / ||ref|| of ``nystrom_attention`` in fp32 and in fp64 against a dense
-fp64 evaluation with a direct solve, for solver='newton' (Newton–Schulz, then one
-refinement step: what the attention runs), Newton–Schulz without the refinement step,
-'exact' and 'cg'. Then the CPU time of the refinement step against the whole attention.
+fp64 evaluation with a direct solve, for solver='newton' (Newton–Schulz, the default),
+'newton' with ``ns_refine=True`` (one step of iterative refinement after it), 'exact'
+and 'cg'. Then the CPU time of the refinement step against the whole attention.
 
     python tools/numerics_table.py            # prints the markdown tables of docs/numerics.md
 """
@@ -18,8 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_attention import wall_times  # noqa: E402  (this script's folder is on sys.path)
-from lapformer_mm.ops import (DEFAULT_NS_ITERS, injective_normalize, laplacian_kernel,  # noqa: E402
-                              newton_schulz_pinv, nystrom_attention)
+from lapformer_mm.ops import DEFAULT_NS_ITERS, nystrom_attention  # noqa: E402
 
 SPREADS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 N, M, D, LAM, EPS, WHITEN = 400, 49, 32, 4.0, 0.01, 1e-5
@@ -45,12 +44,6 @@ def dense_reference(q, v, landmarks):
     return z @ torch.linalg.solve(p, c.mT @ v), torch.linalg.cond(p).item()
 
 
-def newton_without_refinement(q, v, landmarks):
-    c = laplacian_kernel(q, landmarks, LAM)
-    p = laplacian_kernel(landmarks, landmarks, LAM) + EPS * torch.eye(M, dtype=q.dtype)
-    return injective_normalize(c, WHITEN) @ (newton_schulz_pinv(p) @ (c.mT @ v))
-
-
 def errors():
     rows = []
     for spread in SPREADS:
@@ -60,7 +53,7 @@ def errors():
         for dtype, tag in ((torch.float32, 'fp32'), (torch.float64, 'fp64')):
             qd, vd, ld = q.to(dtype), v.to(dtype), landmarks.to(dtype)
             outs = {s: nystrom_attention(qd, qd, vd, ld, solver=s) for s in ('newton', 'exact', 'cg')}
-            outs['newton, no refinement'] = newton_without_refinement(qd, vd, ld)
+            outs['newton, ns_refine'] = nystrom_attention(qd, qd, vd, ld, ns_refine=True)
             for name, out in outs.items():
                 row[f'{name} {tag}'] = ((out.double() - ref).norm() / ref.norm()).item()
         rows.append(row)
@@ -72,22 +65,17 @@ def median_ms(fn, repeats=30):
 
 
 def refinement_cost():
-    """CPU ms of the attention (3136 tokens, 2 heads, fp32) and of its refinement step alone."""
-    from lapformer_mm.ops.solvers import small_matmul
+    """CPU ms of the attention (3136 tokens, 2 heads, fp32) without and with ``ns_refine``."""
     torch.manual_seed(0)
     q, v = torch.randn(1, 2, 3136, D), torch.randn(1, 2, 3136, D)
     landmarks = torch.randn(1, 2, M, D)
-    P = laplacian_kernel(landmarks, landmarks, LAM) + EPS * torch.eye(M)
-    inverse, rhs = newton_schulz_pinv(P), torch.randn(1, 2, M, D)
-    x = small_matmul(inverse, rhs)
     with torch.no_grad():
-        attention = median_ms(lambda: nystrom_attention(q, q, v, landmarks))
-        step = median_ms(lambda: x + small_matmul(inverse, rhs - small_matmul(P, x)))
-    return attention, step
+        return tuple(median_ms(lambda refine=refine: nystrom_attention(q, q, v, landmarks, ns_refine=refine))
+                     for refine in (False, True))
 
 
 def main():
-    columns = ['newton, no refinement', 'newton', 'exact', 'cg']
+    columns = ['newton', 'newton, ns_refine', 'exact', 'cg']
     rows = errors()
     print(f'Newton–Schulz: {DEFAULT_NS_ITERS} iterations (the default); torch {torch.__version__}, '
           f'{torch.get_num_threads()} threads')
@@ -97,9 +85,9 @@ def main():
         for row in rows:
             print(f"| {row['spread']:g} | {row['cond']:.3g} | "
                   + ' | '.join(f"{row[f'{c} {tag}']:.1e}" for c in columns) + ' |')
-    attention, step = refinement_cost()
-    print(f'\nCPU cost, N = 3136, 2 heads, m = 49, fp32 (median of 30): the attention '
-          f'{attention:.2f} ms, of which the refinement step {step * 1e3:.0f} µs.')
+    plain, refined = refinement_cost()
+    print(f'\nCPU cost, N = 3136, 2 heads, m = 49, fp32 (median of 30): {plain:.2f} ms, '
+          f'{refined:.2f} ms with ns_refine.')
 
 if __name__ == '__main__':
     main()

@@ -43,6 +43,8 @@ class LaplacianAttention(nn.Module):
             Newton–Schulz, a tolerance for CG).
         ns_init (str): Newton–Schulz start, 'identity' (I / ||P||_inf, default) or
             'authors' (1.8 / ||P||_inf² · P, the LaplacianFormer code's).
+        ns_refine (bool): One step of iterative refinement after Newton–Schulz
+            (fp32 as exact as a direct solve; off by default, docs/numerics.md).
         eps (float): Ridge ε >= 0 added to k(L, L). Default 0.01.
         whiten_eps (float): δ >= 0 of the whitening. Default 1e-5.
         attn_drop (float): Dropout on the normalised query features.
@@ -51,8 +53,8 @@ class LaplacianAttention(nn.Module):
 
     def __init__(self, dim, num_heads, qkv_bias=True, qk_shared=True, lam=4.0,
                  landmark_grid=7, kernel='laplacian', normalize='injective',
-                 solver='newton', newton_iters=None, ns_init='identity', eps=0.01,
-                 whiten_eps=1e-5, attn_drop=0.0, proj_drop=0.0):
+                 solver='newton', newton_iters=None, ns_init='identity', ns_refine=False,
+                 eps=0.01, whiten_eps=1e-5, attn_drop=0.0, proj_drop=0.0):
         super().__init__()
         dim = check_int('dim', dim)
         num_heads = check_int('num_heads', num_heads)
@@ -68,6 +70,9 @@ class LaplacianAttention(nn.Module):
         self.solver = check_choice('solver', solver, SOLVERS)
         self.newton_iters = check_optional_int('newton_iters', newton_iters)
         self.ns_init = check_choice('ns_init', ns_init, NS_INITS)
+        if not isinstance(ns_refine, bool):
+            raise TypeError(f'ns_refine must be a bool, got {type(ns_refine).__name__} {ns_refine!r}')
+        self.ns_refine = ns_refine
         self.eps = check_non_negative('eps', eps)
         self.whiten_eps = check_non_negative('whiten_eps', whiten_eps)
         self.attn_drop = check_probability('attn_drop', attn_drop)
@@ -120,7 +125,7 @@ class LaplacianAttention(nn.Module):
         out = nystrom_attention(
             q, k, self._split_heads(v), landmarks, kernel=self.kernel, lam=self.lam,
             eps=self.eps, solver=self.solver, iters=self.newton_iters, ns_init=self.ns_init,
-            normalize=self.normalize, whiten_eps=self.whiten_eps,
+            ns_refine=self.ns_refine, normalize=self.normalize, whiten_eps=self.whiten_eps,
             dropout_p=self.attn_drop if self.training else 0.0)
         out = out.transpose(1, 2).reshape(x.shape) + self._local_term(v, hw)
         return self.proj_drop(self.proj(out))
@@ -129,4 +134,5 @@ class LaplacianAttention(nn.Module):
         return (f'dim={self.dim}, num_heads={self.num_heads}, qk_shared={self.qk_shared}, '
                 f'kernel={self.kernel!r}, lam={self.lam}, landmark_grid={self.landmark_grid}, '
                 f'normalize={self.normalize!r}, solver={self.solver!r}, '
-                f'newton_iters={self.newton_iters}, ns_init={self.ns_init!r}, eps={self.eps}')
+                f'newton_iters={self.newton_iters}, ns_init={self.ns_init!r}, '
+                f'ns_refine={self.ns_refine}, eps={self.eps}')

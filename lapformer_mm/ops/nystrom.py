@@ -29,27 +29,29 @@ def check_attention_inputs(q, k, v, landmarks):
         raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
 
 
-def solve_landmark_system(P, rhs, solver, iters, backend, ns_init='identity'):
+def solve_landmark_system(P, rhs, solver, iters, backend, ns_init='identity', ns_refine=False):
     """P⁻¹ · rhs for P (..., m, m), rhs (..., m, d) with the named solver.
 
-    'newton' follows the Newton–Schulz inverse X with one step of iterative
-    refinement, x ← x + X (rhs − P x): with near-identical landmarks
+    With ``ns_refine``, 'newton' follows the Newton–Schulz inverse X with one step
+    of iterative refinement, x ← x + X (rhs − P x): with near-identical landmarks
     (cond(P) in the thousands) an fp32 X is accurate to only ~1e-3, which the
-    whitening then amplifies to 1e-2..5e-2 in the attention output; one step
-    brings it to the error of an fp32 direct solve (docs/numerics.md) for two
-    (m × m)·(m × d) products.
+    whitening then amplifies to 1e-2..5e-2 in the attention output; the step
+    brings it to the error of an fp32 direct solve for two (m × m)·(m × d)
+    products (docs/numerics.md, which also says why it is off by default).
     """
     if solver == 'newton':
         inverse = newton_schulz_pinv(P, iters, ns_init, backend=backend)
         x = small_matmul(inverse, rhs)
-        return x + small_matmul(inverse, rhs - small_matmul(P, x))
+        if ns_refine:
+            x = x + small_matmul(inverse, rhs - small_matmul(P, x))
+        return x
     if solver == 'exact':
         return exact_solve(P, rhs)
     return cg_solve(P, rhs, iters)
 
 
-def _nystrom_fp32(q, k, v, landmarks, kernel, lam, eps, solver, iters, ns_init, normalize,
-                  whiten_eps, dropout_p, backend):
+def _nystrom_fp32(q, k, v, landmarks, kernel, lam, eps, solver, iters, ns_init, ns_refine,
+                  normalize, whiten_eps, dropout_p, backend):
     """The attention on already-cast tensors; see :func:`nystrom_attention`."""
     kernel_fn = KERNEL_FUNCTIONS[kernel]
     c_q = kernel_fn(q, landmarks, lam, backend=backend)
@@ -59,7 +61,7 @@ def _nystrom_fp32(q, k, v, landmarks, kernel, lam, eps, solver, iters, ns_init, 
     p = w + eps * torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
     # Right to left: (m, d) products only, never N×N or N×m×d.
     context = solve_landmark_system(p, torch.matmul(c_k.mT, v), solver, iters,
-                                    backend, ns_init)
+                                    backend, ns_init, ns_refine)
     z = injective_normalize(c_q, whiten_eps) if normalize == 'injective' else c_q
     if dropout_p > 0:
         z = F.dropout(z, dropout_p, training=True)
@@ -67,8 +69,8 @@ def _nystrom_fp32(q, k, v, landmarks, kernel, lam, eps, solver, iters, ns_init, 
 
 
 def nystrom_attention(q, k, v, landmarks, *, kernel='laplacian', lam=4.0, eps=0.01,
-                      solver='newton', iters=None, ns_init='identity', normalize='injective',
-                      whiten_eps=1e-5, dropout_p=0.0, backend=None):
+                      solver='newton', iters=None, ns_init='identity', ns_refine=False,
+                      normalize='injective', whiten_eps=1e-5, dropout_p=0.0, backend=None):
     """Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v), evaluated right to left.
 
     q, k (B, h, N, d), v (B, h, N, d_v), landmarks L (B, h, m, d) -> (B, h, N, d_v).
@@ -77,8 +79,8 @@ def nystrom_attention(q, k, v, landmarks, *, kernel='laplacian', lam=4.0, eps=0.
     kernel: 'laplacian' exp(-||·||_1/lam) or 'gaussian' exp(-||·||_2²/lam).
     normalize: 'injective' (:func:`injective_normalize`) or 'none' (plain Nyström).
     solver: 'newton' (Newton–Schulz, ``iters`` steps from the ``ns_init`` start
-    'identity' or 'authors', then one refinement step), 'exact' or 'cg' (to a
-    tolerance, at most ``iters`` steps).
+    'identity' or 'authors'; with ``ns_refine`` one step of iterative refinement
+    follows), 'exact' or 'cg' (to a tolerance, at most ``iters`` steps).
     whiten_eps: δ >= 0 of the whitening; with 0, a landmark column constant over
     the queries (every 1×1 grid) is centred to 0 rather than divided by 0.
     dropout_p: dropout on the normalised query features Z (attention dropout).
@@ -94,6 +96,8 @@ def nystrom_attention(q, k, v, landmarks, *, kernel='laplacian', lam=4.0, eps=0.
     whiten_eps = check_non_negative('whiten_eps', whiten_eps)
     iters = check_optional_int('iters', iters)
     check_choice('ns_init', ns_init, NS_INITS)
+    if not isinstance(ns_refine, bool):
+        raise TypeError(f'ns_refine must be a bool, got {type(ns_refine).__name__} {ns_refine!r}')
     dropout_p = check_probability('dropout_p', dropout_p)
     out_dtype = q.dtype
     dtype = compute_dtype(q.dtype)
@@ -102,6 +106,6 @@ def nystrom_attention(q, k, v, landmarks, *, kernel='laplacian', lam=4.0, eps=0.
         q32 = q.to(dtype)
         k32 = q32 if shared else k.to(dtype)
         out = _nystrom_fp32(q32, k32, v.to(dtype), landmarks.to(dtype), kernel, lam,
-                            eps, solver, iters, ns_init, normalize, whiten_eps, dropout_p,
+                            eps, solver, iters, ns_init, ns_refine, normalize, whiten_eps, dropout_p,
                             backend)
     return out.to(out_dtype)

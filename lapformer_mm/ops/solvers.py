@@ -13,14 +13,13 @@ import torch
 from ._checks import check_float_tensor, check_optional_int
 from ._precision import compute_dtype, full_precision_matmul, single_thread_on_cpu
 
-#: Newton–Schulz iterations used when ``iters=None``: enough for ||I - P X||_2 <= 1e-3
-#: on every landmark matrix the attention's defaults allow (m <= 64 landmarks,
-#: ε = 0.01). From the identity start the residual after t steps is at most
-#: (1 - λ_min / ||P||_inf)^(2^t); the worst case is identical landmarks, P = 1 1ᵀ + ε I,
-#: with ||P||_inf = m + ε and λ_min = ε, which needs 2^t >= ln(1000) (m + ε) / ε:
-#: t = 16 for m = 49 and 64 (measured in fp64: 15 steps leave 1.25e-3 at m = 49,
-#: 16 leave 1.6e-6; tests/test_ops_solvers.py). docs/numerics.md has the table.
-DEFAULT_NS_ITERS = 16
+#: Newton–Schulz iterations used when ``iters=None``. Measured with
+#: ``python tools/bench_attention.py ns`` (docs/attention.md): from the identity start,
+#: 15 steps reach ||I - P X||_2 < 1e-3 on every landmark matrix of smooth pooled
+#: features measured (condition numbers below 5000). The worst case ε = 0.01 allows,
+#: identical landmarks (P = 1 1ᵀ + ε I, cond 4901 at m = 49), is left at 1.25e-3
+#: (16 steps: 1.6e-6); docs/numerics.md says why the default stays at 15.
+DEFAULT_NS_ITERS = 15
 
 
 def check_square(name, P):
