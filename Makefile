@@ -1,15 +1,19 @@
-# The two README commands: `make main` (train + evaluate the toy Mask R-CNN on CPU) and
-# `make test` (the test suite). Both set up the environment first, idempotently.
+# The README commands: `make main` (train + evaluate the toy Mask R-CNN on CPU), `make seg`
+# (the same for the toy UperNet, semantic segmentation) and `make test` (the test suite).
+# Each sets up the environment first, idempotently.
 VENV ?= $(CURDIR)/.venv
 export LAPFORMER_VENV := $(VENV)
 
-.PHONY: env main test
+.PHONY: env main seg test
 
 env:
 	@tools/setup_env.sh
 
 main: env
 	@PATH="$(VENV)/bin:$$PATH" tools/main_job.sh
+
+seg: env
+	@PATH="$(VENV)/bin:$$PATH" tools/seg_job.sh
 
 test: env
 	@$(VENV)/bin/python -m pytest -q -ra $(PYTEST_ARGS)

@@ -9,10 +9,14 @@ sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'to
 import make_toy_coco  # noqa: E402
 
 
-def write_toy_coco(folder, num_train):
-    """Write the set under ``folder/toy_coco`` (``num_train`` train images); return that path."""
+def write_toy_coco(folder, num_train, seg=False):
+    """Write the set under ``folder/toy_coco`` (``num_train`` train images); return that path.
+
+    With ``seg``, also the same scenes as an mmseg set with label maps under ``folder/toy_seg``.
+    """
     root = osp.join(str(folder), 'toy_coco')
+    seg_out = ['--seg-out', osp.join(str(folder), 'toy_seg')] if seg else []
     with contextlib.redirect_stdout(io.StringIO()):
         make_toy_coco.main(['--out', root, '--num-train', str(num_train), '--num-val', '2',
-                            '--img-size', '64', '--max-objects', '2'])
+                            '--img-size', '64', '--max-objects', '2'] + seg_out)
     return root

@@ -46,7 +46,9 @@ def test_all_configs_are_collected():
         assert f'retinanet_lapformer_{size}.py' in names
     for size in 'tsm':
         assert f'upernet_lapformer_{size}_ade20k.py' in names
+        assert f'fpn_lapformer_{size}_ade20k.py' in names
     assert 'toy/maskrcnn_lapformer_t_toy.py' in names
+    assert 'toy/upernet_lapformer_t_toy.py' in names
 
 
 @pytest.mark.parametrize(
@@ -62,8 +64,9 @@ def test_config_builds_model(path):
     arch = model.backbone.arch_settings
     # the neck/decoder widths must be the backbone's stage widths
     widths = [arch['embed_dims'][i] for i in backbone.out_indices]
+    neck = cfg.model.get('neck')
     head_in = (cfg.model.decode_head.in_channels
-               if cfg.default_scope == 'mmseg' else cfg.model.neck.in_channels)
+               if neck is None else neck.in_channels)
     assert list(head_in) == widths
     if 'toy' not in path:
         assert backbone.init_cfg.type == 'Pretrained'
@@ -93,6 +96,15 @@ def test_coco_recipes():
     assert ade.crop_size == (512, 512)
     assert ade.param_scheduler[1].end == 160000
     assert ade.optim_wrapper.optimizer.type == 'AdamW'
+    fpn = load_cfg('fpn_lapformer_m_ade20k.py')  # PVT's Semantic FPN recipe
+    assert fpn.model.neck.type == 'FPN' and fpn.model.decode_head.type == 'FPNHead'
+    assert fpn.crop_size == (512, 512)
+    assert fpn.train_cfg.max_iters == 80000
+    assert [(s.type, s.power, s.end) for s in fpn.param_scheduler] == [
+        ('PolyLR', 0.9, 80000)]
+    opt = fpn.optim_wrapper.optimizer
+    assert (opt.type, opt.lr, opt.weight_decay) == ('AdamW', 1e-4, 1e-4)
+    assert fpn.train_dataloader.batch_size * 8 == fpn.auto_scale_lr.base_batch_size
 
 
 def no_pretrained(cfg):
@@ -169,13 +181,18 @@ def test_retinanet_t_loss_predict_and_no_unused_parameters():
     assert preds[0].pred_instances.bboxes.shape[1] == 4
 
 
-def test_upernet_t_loss_and_predict():
+@pytest.mark.parametrize('name, loss_keys', [
+    ('upernet_lapformer_t_ade20k.py', {'decode.loss_ce', 'aux.loss_ce'}),
+    ('fpn_lapformer_t_ade20k.py', {'decode.loss_ce'}),
+])
+def test_ade20k_t_loss_and_predict(name, loss_keys):
     from mmseg.structures import SegDataSample
     from mmengine.structures import PixelData
-    cfg = no_pretrained(load_cfg('upernet_lapformer_t_ade20k.py'))
+    cfg = no_pretrained(load_cfg(name))
     # SyncBN needs a process group; plain BN is the same layer on one process
-    for head in ('decode_head', 'auxiliary_head'):
-        cfg.model[head].norm_cfg = dict(type='BN', requires_grad=True)
+    for part in ('neck', 'decode_head', 'auxiliary_head'):
+        if 'norm_cfg' in cfg.model.get(part, {}):
+            cfg.model[part].norm_cfg = dict(type='BN', requires_grad=True)
     cfg.model.data_preprocessor.size = (64, 64)
     model = models_registry('mmseg').build(cfg.model)
     gen = torch.Generator().manual_seed(0)
@@ -190,6 +207,6 @@ def test_upernet_t_loss_and_predict():
         samples.append(sample)
     losses, missing, preds = loss_and_predict(
         model, dict(inputs=inputs, data_samples=samples))
-    assert {'decode.loss_ce', 'aux.loss_ce'} <= set(losses)
+    assert set(losses) >= loss_keys
     assert not missing
     assert preds[0].pred_sem_seg.data.shape == (1, 64, 64)

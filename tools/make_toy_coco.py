@@ -1,4 +1,5 @@
-"""Write a small, deterministic COCO-format instance-segmentation data set.
+"""Write a small, deterministic COCO-format instance-segmentation data set
+(and, with ``--seg-out``, the same scenes as an mmseg semantic-segmentation set).
 
 Each image is a textured background (smooth colour gradient, low-contrast
 stripes and pixel noise) with a few filled shapes painted back to front, so
@@ -13,11 +14,21 @@ Layout written under ``--out`` (default ``data/toy_coco``)::
     train/000000.png ...
     val/000000.png ...
 
-The same ``--seed`` and sizes always give byte-identical files.
+With ``--seg-out DIR`` the same images are also written in mmseg's layout,
+each with a single-channel PNG label map of its visible pixels (0 = background,
+1-4 = ``CLASSES`` in order, i.e. the COCO category ids)::
+
+    img_dir/train/000000.png ...   ann_dir/train/000000.png ...
+    img_dir/val/000000.png ...     ann_dir/val/000000.png ...
+
+Writing the label maps draws no random numbers, so the COCO files are the same
+with or without ``--seg-out``. The same ``--seed`` and sizes always give
+byte-identical files.
 
 Example::
 
-    python tools/make_toy_coco.py --out data/toy_coco --num-train 320 --num-val 80
+    python tools/make_toy_coco.py --out data/toy_coco --num-train 320 --num-val 80 \
+        --seg-out data/toy_seg
 """
 import argparse
 import json
@@ -141,7 +152,8 @@ def first_hidden(full_masks, visible):
 
 
 def render_image(rng, img_size, max_objects):
-    """Image (H, W, 3) uint8 and its annotations [(class index, polys)].
+    """Image (H, W, 3) uint8, its annotations [(class index, polys)] and its
+    (H, W) uint8 label map (0 = background, class index + 1 per visible pixel).
 
     Objects that would be mostly hidden are dropped before painting, so
     every visible shape in the image is annotated.
@@ -159,14 +171,18 @@ def render_image(rng, img_size, max_objects):
             break
         del objects[hidden], full_masks[hidden]
     annotations = []
+    label_map = np.zeros((img_size, img_size), np.uint8)
     for (name, *_, colour), mask, vis in zip(objects, full_masks, visible):
         shade = rng.normal(0, 5, img.shape)
         painted = np.clip(colour + shade, 0, 255).astype(np.uint8)
         img[mask.astype(bool)] = painted[mask.astype(bool)]
+        # Every visible pixel, even of a sliver too thin for a COCO polygon:
+        # the label map describes the painted image exactly.
+        label_map[vis.astype(bool)] = CLASSES.index(name) + 1
         polys = visible_polygons(vis)
         if polys:
             annotations.append((CLASSES.index(name), polys))
-    return img, annotations
+    return img, annotations, label_map
 
 
 def coco_annotation(ann_id, image_id, category_id, polys, img_size):
@@ -184,16 +200,29 @@ def coco_annotation(ann_id, image_id, category_id, polys, img_size):
         iscrowd=0)
 
 
-def make_split(out_dir, split, num_images, img_size, max_objects, seed):
-    """Write one split's images and annotation file; return the json path."""
+def make_split(out_dir, split, num_images, img_size, max_objects, seed,
+               seg_dir=None):
+    """Write one split's images and annotation file; return the json path.
+
+    With ``seg_dir``, also write the images and their label maps there
+    (``img_dir/<split>``, ``ann_dir/<split>``).
+    """
     rng = np.random.default_rng(seed)
     img_dir = osp.join(out_dir, split)
     os.makedirs(img_dir, exist_ok=True)
+    if seg_dir is not None:
+        seg_img_dir = osp.join(seg_dir, 'img_dir', split)
+        seg_ann_dir = osp.join(seg_dir, 'ann_dir', split)
+        os.makedirs(seg_img_dir, exist_ok=True)
+        os.makedirs(seg_ann_dir, exist_ok=True)
     images, annotations = [], []
     for image_id in range(1, num_images + 1):
-        img, anns = render_image(rng, img_size, max_objects)
+        img, anns, label_map = render_image(rng, img_size, max_objects)
         file_name = f'{image_id - 1:06d}.png'
         cv2.imwrite(osp.join(img_dir, file_name), img)
+        if seg_dir is not None:
+            cv2.imwrite(osp.join(seg_img_dir, file_name), img)
+            cv2.imwrite(osp.join(seg_ann_dir, file_name), label_map)
         images.append(
             dict(id=image_id, file_name=file_name, width=img_size,
                  height=img_size))
@@ -237,6 +266,9 @@ def parse_args(argv=None):
         '--max-objects', type=positive_int, default=4,
         help='most objects painted per image (at least 2 are painted)')
     parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument(
+        '--seg-out', help='also write the scenes as an mmseg semantic '
+        'segmentation set (img_dir/, ann_dir/) into this folder')
     args = parser.parse_args(argv)
     if args.img_size < 32:
         parser.error(f'--img-size must be >= 32, got {args.img_size}')
@@ -252,8 +284,11 @@ def main(argv=None):
                                ('val', args.num_val, 1)):
         ann_file, n_ann = make_split(args.out, split, num, args.img_size,
                                      args.max_objects,
-                                     [args.seed, offset])
+                                     [args.seed, offset], args.seg_out)
         print(f'{split}: {num} images, {n_ann} objects -> {ann_file}')
+    if args.seg_out is not None:
+        print(f'label maps (0 = background, 1-{len(CLASSES)} = '
+              f'{", ".join(CLASSES)}) -> {args.seg_out}/ann_dir')
 
 
 if __name__ == '__main__':

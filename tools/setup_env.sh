@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or bring up to date) the project's virtual environment with the pinned OpenMMLab
 # stack. Idempotent: when nothing it depends on changed and the stack imports, it returns in
-# seconds. Used by both README commands (`make main`, `make test`).
+# seconds. Used by the README commands (`make main`, `make seg`, `make test`).
 #
 # Environment:
 #   LAPFORMER_VENV        where the venv lives (default: <repo>/.venv)

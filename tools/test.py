@@ -13,6 +13,7 @@ Examples::
 """
 import argparse
 import json
+import numbers
 import os
 import os.path as osp
 import sys
@@ -112,8 +113,9 @@ def coco_table(metrics):
 
 
 def write_metrics(metrics, path):
+    # numbers.Real: mmseg's IoUMetric returns numpy float32, which json cannot write.
     with open(path, 'w') as f:
-        json.dump({k: float(v) if isinstance(v, (int, float)) else v
+        json.dump({k: float(v) if isinstance(v, numbers.Real) else v
                    for k, v in metrics.items()}, f, indent=2)
 
 
