@@ -80,7 +80,7 @@ def main():
     print(f'Newton–Schulz: {DEFAULT_NS_ITERS} iterations (the default); torch {torch.__version__}, '
           f'{torch.get_num_threads()} threads')
     for tag in ('fp32', 'fp64'):
-        print(f'\n| spread | cond(P) | ' + ' | '.join(f'{c} ({tag})' for c in columns) + ' |')
+        print('\n| spread | cond(P) | ' + ' | '.join(f'{c} ({tag})' for c in columns) + ' |')
         print('|---|---|' + '---|' * len(columns))
         for row in rows:
             print(f"| {row['spread']:g} | {row['cond']:.3g} | "

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..ops import nystrom_attention, pool_landmarks
 from ..ops.kernels import KERNEL_FUNCTIONS
-from ..ops._checks import (KERNELS, NORMALIZATIONS, NS_INITS, SOLVERS, check_choice,
+from ..ops._checks import (KERNELS, NORMALIZATIONS, NS_INITS, SOLVERS, check_bool, check_choice,
                            check_int, check_non_negative, check_optional_int,
                            check_positive, check_probability)
 from ..ops.landmarks import check_hw
@@ -70,9 +70,7 @@ class LaplacianAttention(nn.Module):
         self.solver = check_choice('solver', solver, SOLVERS)
         self.newton_iters = check_optional_int('newton_iters', newton_iters)
         self.ns_init = check_choice('ns_init', ns_init, NS_INITS)
-        if not isinstance(ns_refine, bool):
-            raise TypeError(f'ns_refine must be a bool, got {type(ns_refine).__name__} {ns_refine!r}')
-        self.ns_refine = ns_refine
+        self.ns_refine = check_bool('ns_refine', ns_refine)
         self.eps = check_non_negative('eps', eps)
         self.whiten_eps = check_non_negative('whiten_eps', whiten_eps)
         self.attn_drop = check_probability('attn_drop', attn_drop)

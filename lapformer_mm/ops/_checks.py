@@ -53,6 +53,13 @@ def check_probability(name, value):
     return v
 
 
+def check_bool(name, value):
+    """Require a bool (not a truthy stand-in such as 1 or 'yes')."""
+    if not isinstance(value, bool):
+        raise TypeError(f'{name} must be a bool, got {type(value).__name__} {value!r}')
+    return value
+
+
 def check_int(name, value, minimum=1):
     """Require an integer ``value >= minimum``."""
     if isinstance(value, bool) or not isinstance(value, Integral):

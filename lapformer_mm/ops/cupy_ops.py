@@ -88,7 +88,7 @@ def _pairwise_grad(grad, kmat, rows, red, lam, kind, transposed, blocks):
         return torch.zeros_like(rows)
     grid, block, splits, red_chunk = rt.pairwise_backward_launch(batch, n_rows, n_red, d, blocks)
     # One slice writes the gradient itself; several write partial sums.
-    out = torch.empty_like(rows)
+    out = torch.empty_like(rows) if splits == 1 else None
     partial = (None if splits == 1 else
                torch.empty(splits, batch, n_rows, d, dtype=acc_dtype, device=rows.device))
     coef = (1.0 if kind == rt.LAPLACIAN else 2.0) / lam
@@ -101,7 +101,7 @@ def _pairwise_grad(grad, kmat, rows, red, lam, kind, transposed, blocks):
     if partial is None:
         return out
     # A fixed-order sum over the split slices keeps the result deterministic.
-    return torch.sum(partial, 0, out=out) if acc_dtype == rows.dtype else partial.sum(0).to(rows.dtype)
+    return partial.sum(0).to(rows.dtype)
 
 
 def fused_pairwise_backward(grad, kmat, x3, y3, lam, kind, need_x, need_y, blocks):
@@ -382,8 +382,6 @@ class NewtonSchulzFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------
 # Public API (CUDA tensors only).
 # ----------------------------------------------------------------------------
-
-
 
 def _check_cuda_tensor(func, name, t):
     if not isinstance(t, torch.Tensor):

@@ -15,15 +15,20 @@ from pathlib import Path
 CUPY_ADDED_OPTIONS = ('-ftz=true', '--device-as-default-execution-space')
 
 
+def nvidia_wheel_files(pattern):
+    """Files under the ``nvidia/`` folders of the pip wheels on ``sys.path`` matching ``pattern``."""
+    hits = []
+    for site in sys.path:
+        hits += glob.glob(str(Path(site) / 'nvidia' / '**' / pattern), recursive=True)
+    return hits
+
+
 def find_nvrtc():
     """Path of libnvrtc: $LAPFORMER_NVRTC_LIB, the pip wheel, or the system library."""
     explicit = os.environ.get('LAPFORMER_NVRTC_LIB')
     if explicit:
         return explicit
-    hits = []
-    for site in sys.path:
-        found = glob.glob(str(Path(site) / 'nvidia' / '**' / 'libnvrtc.so*'), recursive=True)
-        hits += [h for h in found if 'builtins' not in h and '.alt.' not in h]
+    hits = [h for h in nvidia_wheel_files('libnvrtc.so*') if 'builtins' not in h and '.alt.' not in h]
     # NVRTC 12 first: it is the last one that targets sm_70.
     hits.sort(key=lambda h: (not h.endswith('.so.12'), h))
     return hits[0] if hits else ctypes.util.find_library('nvrtc')

@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from ._checks import (KERNELS, NORMALIZATIONS, NS_INITS, SOLVERS, check_choice,
+from ._checks import (KERNELS, NORMALIZATIONS, NS_INITS, SOLVERS, check_bool, check_choice,
                       check_float_tensor, check_non_negative, check_optional_int,
                       check_positive, check_probability)
 from ._precision import compute_dtype
@@ -96,8 +96,7 @@ def nystrom_attention(q, k, v, landmarks, *, kernel='laplacian', lam=4.0, eps=0.
     whiten_eps = check_non_negative('whiten_eps', whiten_eps)
     iters = check_optional_int('iters', iters)
     check_choice('ns_init', ns_init, NS_INITS)
-    if not isinstance(ns_refine, bool):
-        raise TypeError(f'ns_refine must be a bool, got {type(ns_refine).__name__} {ns_refine!r}')
+    check_bool('ns_refine', ns_refine)
     dropout_p = check_probability('dropout_p', dropout_p)
     out_dtype = q.dtype
     dtype = compute_dtype(q.dtype)

@@ -13,17 +13,15 @@ loop is unrolled 4 times); the Newton–Schulz loop's terms are its FMAs.
 ``tools/cuda_sass.py`` prints the table (docs/cuda.md).
 """
 import collections
-import glob
 import importlib.util
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from .nvrtc import CUPY_ADDED_OPTIONS, Nvrtc, find_nvrtc
+from .nvrtc import CUPY_ADDED_OPTIONS, Nvrtc, find_nvrtc, nvidia_wheel_files
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 FLOAT_OPS = ('FADD', 'FFMA', 'FMUL', 'FSEL', 'FSETP', 'DADD', 'DFMA', 'DMUL', 'DSETP', 'FMNMX')
@@ -38,11 +36,8 @@ def find_nvdisasm():
     explicit = os.environ.get('LAPFORMER_NVDISASM')
     if explicit:
         return explicit
-    for site in sys.path:
-        hits = glob.glob(str(Path(site) / 'nvidia' / '**' / 'bin' / 'nvdisasm'), recursive=True)
-        if hits:
-            return hits[0]
-    return shutil.which('nvdisasm')
+    hits = nvidia_wheel_files('bin/nvdisasm')
+    return hits[0] if hits else shutil.which('nvdisasm')
 
 
 def load_runtime(source_root):
@@ -92,11 +87,11 @@ def loops(instructions):
 
 
 def hot_loop(instructions, key_ops=FLOAT_OPS):
-    """(opcode Counter of the hot loop's own instructions, its span) or (None, None).
+    """Opcode Counter of the hot loop's own instructions, or None without a loop.
 
     The hot loop is the one with the most ``key_ops`` instructions of its own.
     """
-    best, best_span, best_float = None, None, -1
+    best, best_float = None, -1
     all_loops = loops(instructions)
     for first, last in all_loops:
         nested = [(a, b) for a, b in all_loops if first <= a and b <= last and (a, b) != (first, last)]
@@ -105,8 +100,8 @@ def hot_loop(instructions, key_ops=FLOAT_OPS):
         counts = collections.Counter(op.split('.')[0] for op in own if op != 'NOP')
         floats = sum(counts[op] for op in key_ops)
         if floats > best_float:
-            best, best_span, best_float = counts, (first, last), floats
-    return best, best_span
+            best, best_float = counts, floats
+    return best
 
 
 def terms_per_iteration(kernel, counts):
@@ -134,7 +129,7 @@ def report(source_root=PACKAGE_ROOT, arch='sm_90'):
         for name in names:
             # The solver's products are its FMAs; its row-sum loop has more other float work.
             key_ops = ('FFMA', 'DFMA') if name.startswith('newton_schulz') else FLOAT_OPS
-            counts, _ = hot_loop(functions[lowered[name]], key_ops)
+            counts = hot_loop(functions[lowered[name]], key_ops)
             if counts is None:
                 rows.append(dict(kernel=name, instructions=0, terms=0, per_term=None, histogram={}))
                 continue
