@@ -21,7 +21,8 @@ def _manual_forward(module, x, hw):
     q, v = split(parts[0]), parts[-1]
     k = q if module.qk_shared else split(parts[1])
     out = dense_attention(q, k, split(v), pool_landmarks(k, hw, module.landmark_grid),
-                          lam=module.lam, eps=module.eps, whiten_eps=module.whiten_eps)
+                          lam=module.options.lam, eps=module.options.eps,
+                          whiten_eps=module.options.whiten_eps)
     out = out.transpose(1, 2).reshape(batch, num_tokens, channels)
     local = F.conv2d(v.transpose(1, 2).reshape(batch, channels, *hw), module.local.weight,
                      module.local.bias, padding=1, groups=channels)

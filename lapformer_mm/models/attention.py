@@ -4,14 +4,10 @@
 backbone passes it per stage: tied in stages 1–3 and separate in stage 4 is the
 layout that lands on the paper's Medium size (docs/model_size.md).
 """
-import torch
 from torch import nn
 
-from ..ops import nystrom_attention, pool_landmarks
-from ..ops.kernels import KERNEL_FUNCTIONS
-from ..ops._checks import (KERNELS, NORMALIZATIONS, NS_INITS, SOLVERS, check_bool, check_choice,
-                           check_int, check_non_negative, check_optional_int,
-                           check_positive, check_probability)
+from ..ops import AttentionOptions, landmark_matrix, nystrom_forward, pool_landmarks
+from ..ops._checks import check_bool, check_int, check_optional_int, check_probability
 from ..ops.landmarks import check_hw
 
 
@@ -23,7 +19,7 @@ class LaplacianAttention(nn.Module):
     1. ``q, k, v`` by one linear layer (``k = q`` when ``qk_shared``);
     2. landmarks: the keys average-pooled to at most ``landmark_grid``² points;
     3. ``o = Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v)`` per head
-       (:func:`lapformer_mm.ops.nystrom_attention`, fp32 even under autocast);
+       (:func:`lapformer_mm.ops.nystrom_forward`, fp32 even under autocast);
     4. ``o + dwconv3x3(v)`` on the H×W grid, then the output projection.
 
     Args:
@@ -62,17 +58,12 @@ class LaplacianAttention(nn.Module):
             raise ValueError(f'dim={dim} must be divisible by num_heads={num_heads}')
         self.dim = dim
         self.num_heads = num_heads
-        self.qk_shared = bool(qk_shared)
-        self.lam = check_positive('lam', lam)
+        self.qk_shared = check_bool('qk_shared', qk_shared)
         self.landmark_grid = check_int('landmark_grid', landmark_grid)
-        self.kernel = check_choice('kernel', kernel, KERNELS)
-        self.normalize = check_choice('normalize', normalize, NORMALIZATIONS)
-        self.solver = check_choice('solver', solver, SOLVERS)
-        self.newton_iters = check_optional_int('newton_iters', newton_iters)
-        self.ns_init = check_choice('ns_init', ns_init, NS_INITS)
-        self.ns_refine = check_bool('ns_refine', ns_refine)
-        self.eps = check_non_negative('eps', eps)
-        self.whiten_eps = check_non_negative('whiten_eps', whiten_eps)
+        # Validated here, once; the forward trusts them.
+        self.options = AttentionOptions(
+            kernel=kernel, lam=lam, eps=eps, solver=solver, iters=check_optional_int('newton_iters', newton_iters),
+            ns_init=ns_init, ns_refine=ns_refine, normalize=normalize, whiten_eps=whiten_eps)
         self.attn_drop = check_probability('attn_drop', attn_drop)
         num_projections = 2 if self.qk_shared else 3
         self.qkv = nn.Linear(dim, num_projections * dim, bias=qkv_bias)
@@ -106,12 +97,11 @@ class LaplacianAttention(nn.Module):
         """P = k(L, L) + eps·I (B, h, m, m), the matrix the attention inverts for x (B, N, C).
 
         For diagnostics and analysis; :meth:`forward` builds it inside
-        :func:`~lapformer_mm.ops.nystrom_attention`.
+        :func:`~lapformer_mm.ops.nystrom_forward`.
         """
         _, k, _ = self.project(x)
         landmarks = pool_landmarks(k, check_hw(hw, x.shape[1]), self.landmark_grid)
-        w = KERNEL_FUNCTIONS[self.kernel](landmarks, landmarks, self.lam)
-        return w + self.eps * torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
+        return landmark_matrix(landmarks, self.options)
 
     def forward(self, x, hw):
         """x (B, N, C) with hw = (H, W), N = H·W -> (B, N, C)."""
@@ -120,17 +110,11 @@ class LaplacianAttention(nn.Module):
         hw = check_hw(hw, x.shape[1])
         q, k, v = self.project(x)
         landmarks = pool_landmarks(k, hw, self.landmark_grid)
-        out = nystrom_attention(
-            q, k, self._split_heads(v), landmarks, kernel=self.kernel, lam=self.lam,
-            eps=self.eps, solver=self.solver, iters=self.newton_iters, ns_init=self.ns_init,
-            ns_refine=self.ns_refine, normalize=self.normalize, whiten_eps=self.whiten_eps,
-            dropout_p=self.attn_drop if self.training else 0.0)
+        out = nystrom_forward(q, k, self._split_heads(v), landmarks, self.options,
+                              dropout_p=self.attn_drop if self.training else 0.0)
         out = out.transpose(1, 2).reshape(x.shape) + self._local_term(v, hw)
         return self.proj_drop(self.proj(out))
 
     def extra_repr(self):
         return (f'dim={self.dim}, num_heads={self.num_heads}, qk_shared={self.qk_shared}, '
-                f'kernel={self.kernel!r}, lam={self.lam}, landmark_grid={self.landmark_grid}, '
-                f'normalize={self.normalize!r}, solver={self.solver!r}, '
-                f'newton_iters={self.newton_iters}, ns_init={self.ns_init!r}, '
-                f'ns_refine={self.ns_refine}, eps={self.eps}')
+                f'landmark_grid={self.landmark_grid}, {self.options}')

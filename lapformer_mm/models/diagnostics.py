@@ -32,11 +32,11 @@ def solve_report(module: LaplacianAttention, x: torch.Tensor, hw) -> SolveReport
         x = x if x.dtype == torch.float64 else x.float()
         p = module.landmark_system(x, hw)
         eye = torch.eye(p.shape[-1], dtype=p.dtype, device=p.device)
-        if module.solver == 'newton':
-            inverse = newton_schulz_pinv(p, module.newton_iters)
-        elif module.solver == 'cg':
+        if module.options.solver == 'newton':
+            inverse = newton_schulz_pinv(p, module.options.iters, module.options.ns_init)
+        elif module.options.solver == 'cg':
             # CG solves P X = rhs column by column; on the identity it yields its inverse.
-            inverse = cg_solve(p, eye.expand_as(p), module.newton_iters)
+            inverse = cg_solve(p, eye.expand_as(p), module.options.iters)
         else:
             inverse = exact_inverse(p)
         # In fp64: forming I - P X in fp32 would itself add ~cond(P)·m·2^-24 of

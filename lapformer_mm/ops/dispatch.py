@@ -23,8 +23,12 @@ def cupy_available():
     return True
 
 
-def _requested_backend(backend):
-    """The explicit argument, else the environment variable, else None."""
+def requested_backend(backend=None):
+    """The validated ``backend`` argument, else the environment variable, else None.
+
+    Read once where options are built (:class:`~lapformer_mm.ops.AttentionOptions`),
+    not per kernel call.
+    """
     if backend is None:
         backend = os.environ.get(ENV_VAR) or None
         name = f'environment variable {ENV_VAR}'
@@ -36,16 +40,16 @@ def _requested_backend(backend):
     return backend
 
 
-def resolve_backend(backend=None, tensor=None):
-    """Return 'reference' or 'cupy' for ops on ``tensor`` (or None: no tensor).
+def backend_uses_cupy(requested, tensor):
+    """Whether ops on ``tensor`` run the CuPy kernels, given a :func:`requested_backend`.
 
-    An explicit 'cupy' (argument or environment) with a non-CUDA tensor or
-    without CuPy raises a ``RuntimeError`` rather than silently falling back.
+    None picks CuPy for CUDA tensors when it imports. An explicit 'cupy' with a
+    non-CUDA tensor or without CuPy raises a ``RuntimeError`` rather than
+    silently falling back.
     """
-    requested = _requested_backend(backend)
     on_cuda = tensor is not None and tensor.is_cuda
     if requested is None:
-        return 'cupy' if on_cuda and cupy_available() else 'reference'
+        return on_cuda and cupy_available()
     if requested == 'cupy':
         if tensor is not None and not on_cuda:
             raise RuntimeError(
@@ -55,10 +59,15 @@ def resolve_backend(backend=None, tensor=None):
             raise RuntimeError(
                 "backend 'cupy' needs CuPy (pip install cupy-cuda12x) and a "
                 f"CUDA device; use backend='reference' or unset {ENV_VAR}")
-    return requested
+        return True
+    return False
+
+
+def resolve_backend(backend=None, tensor=None):
+    """'reference' or 'cupy': the backend ops on ``tensor`` use (None: no tensor)."""
+    return 'cupy' if backend_uses_cupy(requested_backend(backend), tensor) else 'reference'
 
 
 def cupy_ops():
     """The lazily imported ``lapformer_mm.ops.cupy_ops`` module."""
     return importlib.import_module('lapformer_mm.ops.cupy_ops')
-

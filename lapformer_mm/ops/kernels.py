@@ -1,39 +1,164 @@
-"""Public, backend-dispatched kernel matrices and Newton–Schulz inverse.
+"""The attention's primitives as registered operators, and their public functions.
 
-Each function validates its arguments, picks the backend with
-:func:`~lapformer_mm.ops.dispatch.resolve_backend` and calls either the
-pure-PyTorch reference or ``lapformer_mm.ops.cupy_ops``. All are differentiable.
+One ``torch.library.custom_op`` per primitive, each defined once:
+
+* ``lapformer_mm::pairwise_kernel(x, y, lam, kind, cuda_kernel)``: the kernel
+  matrix exp(-dist(x_i, y_j) / lam) of x (batch, N, d) and y (batch, M, d),
+  ``kind`` 'laplacian' (ℓ1) or 'gaussian' (squared ℓ2); its gradient is the op
+  ``lapformer_mm::pairwise_kernel_backward``;
+* ``lapformer_mm::newton_schulz(P, iters, init, cuda_kernel)``: the
+  Newton–Schulz inverse of SPD P (batch, m, m), gradient ``-Xᵀ G Xᵀ``.
+
+The implementation is the plain-PyTorch reference (:mod:`.reference_kernels`,
+:mod:`.solvers`) on every device; ``cuda_kernel=True`` runs the CuPy kernels of
+:mod:`.cupy_ops` instead (CUDA tensors; the public functions decide it once per
+call from the backend). The ops are opaque nodes to ``torch.compile``, with a
+fake implementation for shape propagation.
 """
-from ._checks import (NS_INITS, check_choice, check_kernel_pair,
-                      check_optional_int, check_positive)
-from .dispatch import cupy_ops, resolve_backend
-from .reference_kernels import gaussian_kernel_reference, laplacian_kernel_reference
-from .solvers import DEFAULT_NS_ITERS, check_square, newton_schulz_pinv_reference
+import torch
+
+from ._checks import (KERNELS, NS_INITS, check_choice, check_kernel_pair, check_optional_int,
+                      check_positive)
+from ._precision import compute_dtype
+from .dispatch import backend_uses_cupy, cupy_ops, requested_backend
+from .reference_kernels import pairwise_grad_reference, pairwise_kernel_reference
+from .solvers import DEFAULT_NS_ITERS, check_square, newton_schulz_iterate
+
+
+@torch.library.custom_op('lapformer_mm::pairwise_kernel', mutates_args=())
+def pairwise_kernel_op(x: torch.Tensor, y: torch.Tensor, lam: float, kind: str,
+                       cuda_kernel: bool) -> torch.Tensor:
+    """Kernel matrix (batch, N, M) of x (batch, N, d), y (batch, M, d), in x's dtype.
+
+    Computes in fp32 for 16-bit inputs (fp64 stays fp64).
+    """
+    if cuda_kernel:
+        return cupy_ops().pairwise_forward(x, y, lam, kind)
+    a = compute_dtype(x.dtype)
+    return pairwise_kernel_reference(x.to(a), y.to(a), lam, kind).to(x.dtype)
+
+
+@pairwise_kernel_op.register_fake
+def _(x, y, lam, kind, cuda_kernel):
+    return x.new_empty(x.shape[0], x.shape[1], y.shape[1])
+
+
+@torch.library.custom_op('lapformer_mm::pairwise_kernel_backward', mutates_args=())
+def pairwise_kernel_backward_op(grad: torch.Tensor, kmat: torch.Tensor, x: torch.Tensor,
+                                y: torch.Tensor, lam: float, kind: str, need_x: bool,
+                                need_y: bool, cuda_kernel: bool
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dy) of the kernel matrix kmat = K(x, y) for the output gradient grad.
+
+    An empty tensor stands for a gradient not needed.
+    """
+    if cuda_kernel:
+        return cupy_ops().pairwise_backward(grad, kmat, x, y, lam, kind, need_x, need_y)
+    a = compute_dtype(x.dtype)
+    w = grad.to(a) * kmat.to(a)
+    xa, ya = x.to(a), y.to(a)
+    dx = pairwise_grad_reference(w, xa, ya, lam, kind).to(x.dtype) if need_x else x.new_empty(0)
+    dy = pairwise_grad_reference(w.mT, ya, xa, lam, kind).to(y.dtype) if need_y else y.new_empty(0)
+    return dx, dy
+
+
+@pairwise_kernel_backward_op.register_fake
+def _(grad, kmat, x, y, lam, kind, need_x, need_y, cuda_kernel):
+    return (torch.empty_like(x) if need_x else x.new_empty(0),
+            torch.empty_like(y) if need_y else y.new_empty(0))
+
+
+def _pairwise_setup(ctx, inputs, output):
+    x, y, lam, kind, cuda_kernel = inputs
+    ctx.save_for_backward(x, y, output)
+    ctx.options = (lam, kind, cuda_kernel)
+
+
+def _pairwise_backward(ctx, grad):
+    x, y, kmat = ctx.saved_tensors
+    lam, kind, cuda_kernel = ctx.options
+    need_x, need_y = ctx.needs_input_grad[:2]
+    dx, dy = pairwise_kernel_backward_op(grad.to(kmat.dtype).contiguous(), kmat, x, y, lam,
+                                         kind, need_x, need_y, cuda_kernel)
+    return dx if need_x else None, dy if need_y else None, None, None, None
+
+
+pairwise_kernel_op.register_autograd(_pairwise_backward, setup_context=_pairwise_setup)
+
+
+@torch.library.custom_op('lapformer_mm::newton_schulz', mutates_args=())
+def newton_schulz_op(P: torch.Tensor, iters: int, init: str, cuda_kernel: bool) -> torch.Tensor:
+    """Newton–Schulz inverse X of SPD P (batch, m, m), fp32 or fp64."""
+    if cuda_kernel:
+        out = cupy_ops().newton_schulz(P, iters, init)
+        if out is not None:
+            return out
+    return newton_schulz_iterate(P, iters, init)
+
+
+@newton_schulz_op.register_fake
+def _(P, iters, init, cuda_kernel):
+    return torch.empty_like(P)
+
+
+def _newton_schulz_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _newton_schulz_backward(ctx, grad):
+    # X is the inverse of P, so dP = -Xᵀ G Xᵀ (the derivative of the inverse).
+    (x,) = ctx.saved_tensors
+    xt = x.mT
+    return -torch.matmul(torch.matmul(xt, grad), xt), None, None, None
+
+
+newton_schulz_op.register_autograd(_newton_schulz_backward, setup_context=_newton_schulz_setup)
+
+
+def _as_batch(t):
+    """(..., n, d) -> (batch, n, d), a view where the strides allow."""
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+def pairwise_kernel(x, y, lam, kind, cuda_kernel):
+    """K(x, y) (..., N, M) for x (..., N, d), y (..., M, d) with equal batch dims; unchecked."""
+    kmat = pairwise_kernel_op(_as_batch(x), _as_batch(y), lam, kind, cuda_kernel)
+    return kmat.view(*x.shape[:-1], y.shape[-2])
+
+
+def newton_schulz(P, iters, init, cuda_kernel):
+    """Newton–Schulz inverse of SPD P (..., m, m) in P's compute dtype; unchecked.
+
+    ``iters=None`` uses :data:`~lapformer_mm.ops.solvers.DEFAULT_NS_ITERS`.
+    """
+    iters = DEFAULT_NS_ITERS if iters is None else iters
+    p3 = _as_batch(P).to(compute_dtype(P.dtype))
+    return newton_schulz_op(p3, iters, init, cuda_kernel).view(P.shape).to(P.dtype)
+
+
+def _kernel_matrix(kind, x, y, lam, backend):
+    check_kernel_pair(x, y)
+    lam = check_positive('lam', lam)
+    return pairwise_kernel(x, y, lam, kind, backend_uses_cupy(requested_backend(backend), x))
 
 
 def laplacian_kernel(x, y, lam=4.0, *, backend=None):
     """exp(-||x_i - y_j||_1 / lam) for x (..., N, d), y (..., M, d) -> (..., N, M).
 
     Neither forward nor backward builds an (..., N, M, d) tensor; the gradient
-    of |t| at t = 0 is 0.
+    of |t| at t = 0 is 0. ``backend``: see :class:`~lapformer_mm.ops.AttentionOptions`.
     """
-    check_kernel_pair(x, y)
-    lam = check_positive('lam', lam)
-    if resolve_backend(backend, x) == 'cupy':
-        return cupy_ops().laplacian_kernel(x, y, lam)
-    return laplacian_kernel_reference(x, y, lam)
+    return _kernel_matrix('laplacian', x, y, lam, backend)
 
 
 def gaussian_kernel(x, y, lam=4.0, *, backend=None):
     """exp(-||x_i - y_j||_2^2 / lam) for x (..., N, d), y (..., M, d) -> (..., N, M)."""
-    check_kernel_pair(x, y)
-    lam = check_positive('lam', lam)
-    if resolve_backend(backend, x) == 'cupy':
-        return cupy_ops().gaussian_kernel(x, y, lam)
-    return gaussian_kernel_reference(x, y, lam)
+    return _kernel_matrix('gaussian', x, y, lam, backend)
 
 
-KERNEL_FUNCTIONS = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
+def kernel_matrix(kernel, x, y, lam=4.0, *, backend=None):
+    """The kernel named ``kernel`` ('laplacian' or 'gaussian') of x and y."""
+    return _kernel_matrix(check_choice('kernel', kernel, KERNELS), x, y, lam, backend)
 
 
 def newton_schulz_pinv(P, iters=None, init='identity', *, backend=None):
@@ -42,12 +167,9 @@ def newton_schulz_pinv(P, iters=None, init='identity', *, backend=None):
     The caller adds ε·I. ``init='identity'`` starts from I / ||P||_inf,
     ``init='authors'`` from 1.8 / ||P||_inf² · P. ``iters=None`` uses
     :data:`~lapformer_mm.ops.solvers.DEFAULT_NS_ITERS`. Computes in fp32 (fp64
-    stays fp64) with TF32 off; the backward is the closed form -Xᵀ G Xᵀ.
+    stays fp64) and returns P's dtype; the backward is the closed form -Xᵀ G Xᵀ.
     """
     check_square('P', P)
     iters = check_optional_int('iters', iters)
-    iters = DEFAULT_NS_ITERS if iters is None else iters
     check_choice('init', init, NS_INITS)
-    if resolve_backend(backend, P) == 'cupy':
-        return cupy_ops().newton_schulz_pinv(P, iters, init)
-    return newton_schulz_pinv_reference(P, iters, init)
+    return newton_schulz(P, iters, init, backend_uses_cupy(requested_backend(backend), P))

@@ -1,4 +1,7 @@
 """Nyström kernel attention with Laplacian (or Gaussian) kernel, linear in tokens."""
+import dataclasses
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -6,9 +9,54 @@ from ._checks import (KERNELS, NORMALIZATIONS, NS_INITS, SOLVERS, check_bool, ch
                       check_float_tensor, check_non_negative, check_optional_int,
                       check_positive, check_probability)
 from ._precision import compute_dtype
-from .kernels import KERNEL_FUNCTIONS, newton_schulz_pinv
+from .dispatch import backend_uses_cupy, requested_backend
+from .kernels import newton_schulz, pairwise_kernel
 from .normalize import injective_normalize
-from .solvers import cg_solve, exact_solve, small_matmul
+from .solvers import cg_solve, exact_solve
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """Validated options of the Nyström attention; built once, used on every call.
+
+    kernel: 'laplacian' exp(-||·||_1/lam) or 'gaussian' exp(-||·||_2²/lam), lam > 0.
+    eps: ridge ε >= 0 added to k(L, L).
+    solver: 'newton' (Newton–Schulz, ``iters`` steps from the ``ns_init`` start
+    'identity' or 'authors'; with ``ns_refine`` one step of iterative refinement
+    follows), 'exact' or 'cg' (to a tolerance, at most ``iters`` steps).
+    iters: None for the solver's default.
+    normalize: 'injective' (:func:`injective_normalize`) or 'none' (plain Nyström).
+    whiten_eps: δ >= 0 of the whitening; with 0, a landmark column constant over
+    the queries (every 1×1 grid) is centred to 0 rather than divided by 0.
+    backend: 'reference', 'cupy' or None (the environment variable
+    ``LAPFORMER_OPS`` when set, else CuPy for CUDA tensors when it imports);
+    the environment is read here, once.
+    """
+    kernel: str = 'laplacian'
+    lam: float = 4.0
+    eps: float = 0.01
+    solver: str = 'newton'
+    iters: Optional[int] = None
+    ns_init: str = 'identity'
+    ns_refine: bool = False
+    normalize: str = 'injective'
+    whiten_eps: float = 1e-5
+    backend: Optional[str] = None
+
+    def __post_init__(self):
+        checked = dict(
+            kernel=check_choice('kernel', self.kernel, KERNELS),
+            lam=check_positive('lam', self.lam),
+            eps=check_non_negative('eps', self.eps),
+            solver=check_choice('solver', self.solver, SOLVERS),
+            iters=check_optional_int('iters', self.iters),
+            ns_init=check_choice('ns_init', self.ns_init, NS_INITS),
+            ns_refine=check_bool('ns_refine', self.ns_refine),
+            normalize=check_choice('normalize', self.normalize, NORMALIZATIONS),
+            whiten_eps=check_non_negative('whiten_eps', self.whiten_eps),
+            backend=requested_backend(self.backend))
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
 
 def check_attention_inputs(q, k, v, landmarks):
@@ -29,82 +77,78 @@ def check_attention_inputs(q, k, v, landmarks):
         raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
 
 
-def solve_landmark_system(P, rhs, solver, iters, backend, ns_init='identity', ns_refine=False):
-    """P⁻¹ · rhs for P (..., m, m), rhs (..., m, d) with the named solver.
+def solve_landmark_system(P, rhs, options, use_cupy):
+    """P⁻¹ · rhs for P (..., m, m), rhs (..., m, d) with the solver of ``options``.
 
     With ``ns_refine``, 'newton' follows the Newton–Schulz inverse X with one step
     of iterative refinement, x ← x + X (rhs − P x): with near-identical landmarks
     (cond(P) in the thousands) an fp32 X is accurate to only ~1e-3, which the
     whitening then amplifies to 1e-2..5e-2 in the attention output; the step
     brings it to the error of an fp32 direct solve for two (m × m)·(m × d)
-    products (docs/numerics.md, which also says why it is off by default).
+    products (docs/numerics.md).
     """
-    if solver == 'newton':
-        inverse = newton_schulz_pinv(P, iters, ns_init, backend=backend)
-        x = small_matmul(inverse, rhs)
-        if ns_refine:
-            x = x + small_matmul(inverse, rhs - small_matmul(P, x))
+    if options.solver == 'newton':
+        inverse = newton_schulz(P, options.iters, options.ns_init, use_cupy)
+        x = torch.matmul(inverse, rhs)
+        if options.ns_refine:
+            x = x + torch.matmul(inverse, rhs - torch.matmul(P, x))
         return x
-    if solver == 'exact':
+    if options.solver == 'exact':
         return exact_solve(P, rhs)
-    return cg_solve(P, rhs, iters)
+    return cg_solve(P, rhs, options.iters)
 
 
-def _nystrom_fp32(q, k, v, landmarks, kernel, lam, eps, solver, iters, ns_init, ns_refine,
-                  normalize, whiten_eps, dropout_p, backend):
-    """The attention on already-cast tensors; see :func:`nystrom_attention`."""
-    kernel_fn = KERNEL_FUNCTIONS[kernel]
-    c_q = kernel_fn(q, landmarks, lam, backend=backend)
-    # With qk_shared the two kernel matrices coincide; compute it once.
-    c_k = c_q if k is q else kernel_fn(k, landmarks, lam, backend=backend)
-    w = kernel_fn(landmarks, landmarks, lam, backend=backend)
-    p = w + eps * torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
-    # Right to left: (m, d) products only, never N×N or N×m×d.
-    context = solve_landmark_system(p, torch.matmul(c_k.mT, v), solver, iters,
-                                    backend, ns_init, ns_refine)
-    z = injective_normalize(c_q, whiten_eps) if normalize == 'injective' else c_q
-    if dropout_p > 0:
-        z = F.dropout(z, dropout_p, training=True)
-    return torch.matmul(z, context)
+def landmark_matrix(landmarks, options, use_cupy=None):
+    """P = k(L, L) + eps·I (..., m, m) for landmarks L (..., m, d) and :class:`AttentionOptions`.
+
+    ``use_cupy=None`` decides from ``options.backend`` and the landmarks' device.
+    """
+    if use_cupy is None:
+        use_cupy = backend_uses_cupy(options.backend, landmarks)
+    w = pairwise_kernel(landmarks, landmarks, options.lam, options.kernel, use_cupy)
+    return w + options.eps * torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
 
 
-def nystrom_attention(q, k, v, landmarks, *, kernel='laplacian', lam=4.0, eps=0.01,
-                      solver='newton', iters=None, ns_init='identity', ns_refine=False,
-                      normalize='injective', whiten_eps=1e-5, dropout_p=0.0, backend=None):
+def nystrom_forward(q, k, v, landmarks, options, dropout_p=0.0):
+    """:func:`nystrom_attention` with options validated beforehand and inputs trusted.
+
+    For modules that validate at construction: q, k (B, h, N, d),
+    v (B, h, N, d_v), landmarks (B, h, m, d) on one device; ``options`` an
+    :class:`AttentionOptions`; ``k is q`` when keys are tied.
+    """
+    use_cupy = backend_uses_cupy(options.backend, q)
+    out_dtype = q.dtype
+    dtype = compute_dtype(q.dtype)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        q = q.to(dtype)
+        k = q if k is q else k.to(dtype)
+        v, landmarks = v.to(dtype), landmarks.to(dtype)
+        c_q = pairwise_kernel(q, landmarks, options.lam, options.kernel, use_cupy)
+        # With tied keys the two kernel matrices coincide; compute it once.
+        c_k = c_q if k is q else pairwise_kernel(k, landmarks, options.lam, options.kernel,
+                                                 use_cupy)
+        # Right to left: (m, d) products only, never N×N or N×m×d.
+        context = solve_landmark_system(landmark_matrix(landmarks, options, use_cupy),
+                                        torch.matmul(c_k.mT, v), options, use_cupy)
+        z = injective_normalize(c_q, options.whiten_eps) if options.normalize == 'injective' else c_q
+        if dropout_p > 0:
+            z = F.dropout(z, dropout_p, training=True)
+        out = torch.matmul(z, context)
+    return out.to(out_dtype)
+
+
+def nystrom_attention(q, k, v, landmarks, *, dropout_p=0.0, **options):
     """Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v), evaluated right to left.
 
     q, k (B, h, N, d), v (B, h, N, d_v), landmarks L (B, h, m, d) -> (B, h, N, d_v).
     Cost O(N·m·d + m²·d + m³·iters), memory O(N·m + N·d).
 
-    kernel: 'laplacian' exp(-||·||_1/lam) or 'gaussian' exp(-||·||_2²/lam).
-    normalize: 'injective' (:func:`injective_normalize`) or 'none' (plain Nyström).
-    solver: 'newton' (Newton–Schulz, ``iters`` steps from the ``ns_init`` start
-    'identity' or 'authors'; with ``ns_refine`` one step of iterative refinement
-    follows), 'exact' or 'cg' (to a tolerance, at most ``iters`` steps).
-    whiten_eps: δ >= 0 of the whitening; with 0, a landmark column constant over
-    the queries (every 1×1 grid) is centred to 0 rather than divided by 0.
+    ``options`` are the fields of :class:`AttentionOptions` (kernel, lam, eps,
+    solver, iters, ns_init, ns_refine, normalize, whiten_eps, backend).
     dropout_p: dropout on the normalised query features Z (attention dropout).
     The kernels, normalisation and solve run in fp32 (fp64 stays fp64) with
     autocast disabled; the result is cast back to q's dtype.
     """
     check_attention_inputs(q, k, v, landmarks)
-    check_choice('kernel', kernel, KERNELS)
-    check_choice('normalize', normalize, NORMALIZATIONS)
-    check_choice('solver', solver, SOLVERS)
-    lam = check_positive('lam', lam)
-    eps = check_non_negative('eps', eps)
-    whiten_eps = check_non_negative('whiten_eps', whiten_eps)
-    iters = check_optional_int('iters', iters)
-    check_choice('ns_init', ns_init, NS_INITS)
-    check_bool('ns_refine', ns_refine)
     dropout_p = check_probability('dropout_p', dropout_p)
-    out_dtype = q.dtype
-    dtype = compute_dtype(q.dtype)
-    shared = k is q
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        q32 = q.to(dtype)
-        k32 = q32 if shared else k.to(dtype)
-        out = _nystrom_fp32(q32, k32, v.to(dtype), landmarks.to(dtype), kernel, lam,
-                            eps, solver, iters, ns_init, ns_refine, normalize, whiten_eps, dropout_p,
-                            backend)
-    return out.to(out_dtype)
+    return nystrom_forward(q, k, v, landmarks, AttentionOptions(**options), dropout_p)

@@ -1,17 +1,19 @@
 """Solvers for the landmark system P X = B with P (..., m, m) symmetric positive definite.
 
-* :func:`newton_schulz_pinv` — the attention's solver: X ≈ P⁻¹ by Newton–Schulz
-  iterations, with the closed-form backward ``dP = -Xᵀ G Xᵀ``.
+* :func:`newton_schulz_iterate` — the attention's solver: X ≈ P⁻¹ by Newton–Schulz
+  iterations (the reference implementation of the registered op
+  :func:`lapformer_mm.ops.kernels.newton_schulz_op`).
 * :func:`exact_solve` — ``torch.linalg.solve``, for tests and ablations.
 * :func:`cg_solve` — conjugate gradient, the paper's ablation baseline.
 
-All compute in fp32 (fp64 stays fp64) with TF32 disabled and return the
-caller's dtype.
+All compute in fp32 (fp64 stays fp64) and return the caller's dtype. None
+touches torch's global precision or thread settings; on CUDA, CG's fp32
+matmuls follow the user's TF32 setting (it is an ablation baseline).
 """
 import torch
 
 from ._checks import check_float_tensor, check_optional_int
-from ._precision import compute_dtype, full_precision_matmul, single_thread_on_cpu
+from ._precision import compute_dtype
 
 #: Newton–Schulz iterations used when ``iters=None``. Measured with
 #: ``python tools/bench_attention.py ns`` (docs/attention.md): from the identity start,
@@ -50,60 +52,17 @@ def newton_schulz_start(P, init):
 
 
 def newton_schulz_iterate(P, iters, init):
-    """X_{t+1} = 2 X_t - X_t P X_t from :func:`newton_schulz_start`; P (..., m, m)."""
-    p3 = P.reshape(-1, P.shape[-2], P.shape[-1])
-    x = newton_schulz_start(p3, init).expand_as(p3).contiguous()
+    """X_{t+1} = 2 X_t - X_t P X_t from :func:`newton_schulz_start`; P (batch, m, m).
+
+    On CUDA the iterate runs in fp64: torch's fp32 matmuls there follow the user's
+    TF32 setting, whose 10-bit mantissa caps the residual near 1e-3, and the
+    m x m products are too small for fp64 to cost anything that matters.
+    """
+    p = P.double() if P.is_cuda else P
+    x = newton_schulz_start(p, init).expand_as(p).contiguous()
     for _ in range(iters):
-        x = torch.baddbmm(x, x, torch.bmm(p3, x), beta=2.0, alpha=-1.0)
-    return x.view(P.shape)
-
-
-class NewtonSchulzInverse(torch.autograd.Function):
-    """Inverse of SPD P (..., m, m) by Newton–Schulz; backward -Xᵀ G Xᵀ."""
-
-    @staticmethod
-    def forward(ctx, P, iters, init):
-        with full_precision_matmul(), single_thread_on_cpu(P):
-            x = newton_schulz_iterate(P.to(compute_dtype(P.dtype)), iters, init)
-        ctx.save_for_backward(x)
-        return x.to(P.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        xt = x.mT
-        with full_precision_matmul(), single_thread_on_cpu(x):
-            grad_p = -torch.matmul(torch.matmul(xt, grad.to(x.dtype)), xt)
-        return grad_p.to(grad.dtype), None, None
-
-
-def newton_schulz_pinv_reference(P, iters=None, init='identity'):
-    """Reference Newton–Schulz inverse of SPD P (..., m, m), as given (no ε added)."""
-    iters = DEFAULT_NS_ITERS if iters is None else iters
-    return NewtonSchulzInverse.apply(P, iters, init)
-
-
-class SmallMatmul(torch.autograd.Function):
-    """a @ b for small operands, forward and backward on one CPU thread."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        with single_thread_on_cpu(a):
-            return torch.matmul(a, b)
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        with single_thread_on_cpu(a):
-            grad_a = torch.matmul(grad, b.mT) if ctx.needs_input_grad[0] else None
-            grad_b = torch.matmul(a.mT, grad) if ctx.needs_input_grad[1] else None
-        return grad_a, grad_b
-
-
-def small_matmul(a, b):
-    """a (..., m, k) @ b (..., k, n) with m, k, n small (landmark-sized)."""
-    return SmallMatmul.apply(a, b)
+        x = torch.baddbmm(x, x, torch.bmm(p, x), beta=2.0, alpha=-1.0)
+    return x.to(P.dtype)
 
 
 def exact_solve(P, B):
@@ -115,8 +74,7 @@ def exact_solve(P, B):
     check_square('P', P)
     check_float_tensor('B', B)
     dtype = compute_dtype(P.dtype)
-    with full_precision_matmul():
-        x, info = torch.linalg.solve_ex(P.to(dtype), B.to(dtype))
+    x, info = torch.linalg.solve_ex(P.to(dtype), B.to(dtype))
     if bool((info != 0).any()):
         raise ValueError('the landmark matrix P = k(L, L) + eps·I is singular (identical '
                          'landmarks with eps=0?): use eps > 0 (default 0.01)')
@@ -127,8 +85,7 @@ def exact_inverse(P):
     """Exact inverse of P (..., m, m) via ``torch.linalg.inv``."""
     check_square('P', P)
     dtype = compute_dtype(P.dtype)
-    with full_precision_matmul():
-        x = torch.linalg.inv(P.to(dtype))
+    x = torch.linalg.inv(P.to(dtype))
     return x.to(P.dtype)
 
 
@@ -171,22 +128,21 @@ def cg_solve(P, B, iters=None):
     iters = CG_MAX_ITERS_PER_M * P.shape[-1] if iters is None else iters
     dtype = compute_dtype(P.dtype)
     P, rhs = P.to(dtype), B.to(dtype)
-    with full_precision_matmul():
-        x = torch.zeros_like(rhs)
-        residual = rhs
-        direction = rhs
-        rs = (residual * residual).sum(-2, keepdim=True)
-        tol = torch.finfo(dtype).eps * CG_TOL_EPS
-        floor = torch.clamp(tol * tol * rs, min=torch.finfo(dtype).tiny)
-        for _ in range(iters):
-            active = rs > floor
-            if not bool(active.any()):
-                break
-            p_dir = torch.matmul(P, direction)
-            alpha = _cg_step_size(rs, (direction * p_dir).sum(-2, keepdim=True), active)
-            x = x + alpha * direction
-            residual = residual - alpha * p_dir
-            rs_new = (residual * residual).sum(-2, keepdim=True)
-            direction = residual + _cg_step_size(rs_new, rs, active) * direction
-            rs = torch.where(active, rs_new, rs)
+    x = torch.zeros_like(rhs)
+    residual = rhs
+    direction = rhs
+    rs = (residual * residual).sum(-2, keepdim=True)
+    tol = torch.finfo(dtype).eps * CG_TOL_EPS
+    floor = torch.clamp(tol * tol * rs, min=torch.finfo(dtype).tiny)
+    for _ in range(iters):
+        active = rs > floor
+        if not bool(active.any()):
+            break
+        p_dir = torch.matmul(P, direction)
+        alpha = _cg_step_size(rs, (direction * p_dir).sum(-2, keepdim=True), active)
+        x = x + alpha * direction
+        residual = residual - alpha * p_dir
+        rs_new = (residual * residual).sum(-2, keepdim=True)
+        direction = residual + _cg_step_size(rs_new, rs, active) * direction
+        rs = torch.where(active, rs_new, rs)
     return x.to(B.dtype)
