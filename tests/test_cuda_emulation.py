@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from lapformer_mm.ops import cuda_runtime as rt
-from lapformer_mm.ops import cupy_ops
+from lapformer_mm.ops import cupy_ops, kernels, nystrom
+from lapformer_mm.ops.solvers import newton_schulz_iterate
 
 ROOT = Path(__file__).resolve().parent.parent
 EMU_DIR = ROOT / 'tests' / 'cuda_emu'
@@ -195,7 +196,7 @@ def test_newton_schulz_matches_matmul_iterations(emulated, m, authors, p_in_shar
                                        smem_limit=matrices * 8 * mp * ld + rt.NS_STATIC_SMEM)
     assert emulated[-1][0] == rt.newton_schulz_name('double', p_in_shared)
     assert emulated[-1][3] == matrices * 8 * mp * ld
-    expected = cupy_ops.twin_newton_schulz(P, 12, authors)
+    expected = newton_schulz_iterate(P, 12, 'authors' if authors else 'identity')
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
 
 
@@ -233,24 +234,27 @@ def test_blocks_loop_beyond_the_grid_limits(emulated, monkeypatch):
     P = spd_batch(4, 6, torch.float64, seed=2)
     out = cupy_ops.fused_newton_schulz(P, 10, False, smem_limit=48 * 1024)
     assert emulated[-1][1] == (1,)
-    torch.testing.assert_close(out, cupy_ops.twin_newton_schulz(P, 10, False), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out, newton_schulz_iterate(P, 10, 'identity'), rtol=1e-10, atol=1e-12)
 
 
-def test_public_functions_end_to_end_on_emulated_kernels(emulated, monkeypatch):
-    """laplacian_kernel / gaussian_kernel / newton_schulz_pinv with autograd, broadcast
-    and strided inputs, with the custom ops' CPU implementations routed to the kernels."""
-    twin_ns = cupy_ops.twin_newton_schulz
-    monkeypatch.setattr(cupy_ops, '_check_cuda_tensor', lambda *args: None)
-    monkeypatch.setattr(cupy_ops, 'twin_pairwise_forward', cupy_ops.fused_pairwise_forward)
-    monkeypatch.setattr(cupy_ops, 'twin_pairwise_backward',
-                        lambda *args: cupy_ops.fused_pairwise_backward(*args, 16))
-    monkeypatch.setattr(cupy_ops, 'twin_newton_schulz',
-                        lambda P, iters, authors: cupy_ops.fused_newton_schulz(P, iters, authors, 48 * 1024))
+@pytest.fixture
+def cupy_backend(emulated, monkeypatch):
+    """The public functions choose the CuPy kernels for CPU tensors, run by the emulation."""
+    for module in (kernels, nystrom):
+        monkeypatch.setattr(module, 'backend_uses_cupy', lambda requested, tensor: True)
+    monkeypatch.setattr(cupy_ops, 'target_blocks', lambda device: 16)
+    monkeypatch.setattr(rt, 'shared_memory_optin', lambda device_index: 48 * 1024)
+    return emulated
+
+
+def test_public_functions_end_to_end_on_emulated_kernels(cupy_backend):
+    """laplacian_kernel / gaussian_kernel / newton_schulz_pinv with autograd and strided
+    inputs, through the registered ops' cuda_kernel=True path."""
+    from lapformer_mm.ops import gaussian_kernel, laplacian_kernel, newton_schulz_pinv
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(2, 3, 34, 40, generator=gen).transpose(-1, -2)[..., ::2].requires_grad_()  # (2, 3, 40, 17)
-    y = torch.randn(1, 3, 5, 17, generator=gen).requires_grad_()
-    for fn, kind, lam in ((cupy_ops.laplacian_kernel, rt.LAPLACIAN, 4.0),
-                          (cupy_ops.gaussian_kernel, rt.GAUSSIAN, 30.0)):
+    y = torch.randn(2, 3, 5, 17, generator=gen).requires_grad_()
+    for fn, kind, lam in ((laplacian_kernel, rt.LAPLACIAN, 4.0), (gaussian_kernel, rt.GAUSSIAN, 30.0)):
         out = fn(x, y, lam)
         xd, yd = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
         ref = dense_kernel(xd, yd, lam, kind)
@@ -259,33 +263,51 @@ def test_public_functions_end_to_end_on_emulated_kernels(emulated, monkeypatch):
         for got, expected in zip(torch.autograd.grad(out, (x, y), g),
                                  torch.autograd.grad(ref, (xd, yd), g.double())):
             torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
-    names = {launch[0] for launch in emulated}
+    names = {launch[0] for launch in cupy_backend}
     assert rt.pairwise_backward_name('float', rt.GAUSSIAN, True) in names
 
     P = spd_batch(2, 9, torch.float64, seed=6).requires_grad_()
-    X = cupy_ops.newton_schulz_pinv(P, 40)
+    X = newton_schulz_pinv(P, 40)
     torch.testing.assert_close(X, torch.linalg.inv(P.detach()), rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(X, twin_ns(P.detach(), 40, False), rtol=1e-10, atol=1e-12)
-    assert emulated[-1][0] == rt.newton_schulz_name('double', True)
+    assert cupy_backend[-1][0] == rt.newton_schulz_name('double', True)
+    (grad,) = torch.autograd.grad(X.sum(), P)
+    inv = torch.linalg.inv(P.detach())
+    torch.testing.assert_close(grad, -(inv.mT @ torch.ones_like(inv) @ inv.mT), rtol=1e-9, atol=1e-9)
 
 
-def test_registered_ops_hand_the_kernels_contiguous_operands(emulated, monkeypatch):
+def test_attention_on_emulated_kernels_matches_dense_reference(cupy_backend):
+    """The whole attention with every kernel matrix and the solve on the CUDA kernels."""
+    from _attention_helpers import dense_attention
+
+    from lapformer_mm.ops import nystrom_attention, pool_landmarks
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 2, 48, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 2, 48, 16, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, 2, 48, 8, generator=gen, dtype=torch.float64)
+    landmarks = pool_landmarks(k, (6, 8), 4)
+    out = nystrom_attention(q, k, v, landmarks, iters=60)
+    torch.testing.assert_close(out, dense_attention(q, k, v, landmarks), rtol=1e-8, atol=1e-10)
+    names = {launch[0] for launch in cupy_backend}
+    assert {rt.pairwise_forward_name('double', rt.LAPLACIAN),
+            rt.newton_schulz_name('double', True)} <= names
+
+
+def test_registered_ops_hand_the_kernels_contiguous_operands(cupy_backend):
     """Called directly with strided inputs, the raw ops still give the dense result: the
     kernels index raw pointers as contiguous (a strided x read that way was off by 0.1)."""
-    monkeypatch.setattr(cupy_ops, 'twin_pairwise_forward', cupy_ops.fused_pairwise_forward)
-    monkeypatch.setattr(cupy_ops, 'twin_pairwise_backward',
-                        lambda *args: cupy_ops.fused_pairwise_backward(*args, 16))
     x, y = make_inputs(2, 33, 9, 34, torch.float32, seed=12)
     xs, ys = x[..., ::2], y.transpose(1, 2).contiguous().transpose(1, 2)[..., 1::2]
     assert not xs.is_contiguous() and not ys.is_contiguous()
-    out = torch.ops.lapformer_mm.cuda_pairwise_kernel(xs, ys, 4.0, rt.LAPLACIAN)
+    out = torch.ops.lapformer_mm.pairwise_kernel(xs, ys, 4.0, 'laplacian', True)
     torch.testing.assert_close(out.double(), dense_kernel(xs.double(), ys.double(), 4.0, rt.LAPLACIAN),
                                rtol=1e-5, atol=1e-7)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).transpose(1, 2).contiguous().transpose(1, 2)
-    dx, dy = torch.ops.lapformer_mm.cuda_pairwise_kernel_backward(g, out, xs, ys, 4.0, rt.LAPLACIAN, True, True)
+    dx, dy = torch.ops.lapformer_mm.pairwise_kernel_backward(g, out, xs, ys, 4.0, 'laplacian',
+                                                             True, True, True)
     ex, ey = dense_grads(xs, ys, g, 4.0, rt.LAPLACIAN)
     torch.testing.assert_close(dx.double(), ex, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dy.double(), ey, rtol=1e-5, atol=1e-6)
+    assert len(cupy_backend) == 3  # forward, then one backward launch per operand
 
 
 def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):

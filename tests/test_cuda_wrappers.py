@@ -1,37 +1,16 @@
-"""The Python wiring of the CUDA ops, tested on the CPU.
+"""The Python wiring of the registered ops and of the CUDA launches, tested on the CPU.
 
-The custom ops of ``cupy_ops`` have CPU implementations (PyTorch twins of the
-kernels), so autograd, broadcasting, fake tensors and ``torch.compile`` of the
-wrappers run here; the kernels themselves are covered by
+The ops' reference implementation runs here, so fake tensors, autograd
+registration and ``torch.compile`` of the public path are covered; the CuPy host
+code is driven by a fake CuPy. The kernels themselves are covered by
 ``test_cuda_emulation.py`` and, on a GPU, ``test_cuda_ops.py``.
 """
 import pytest
 import torch
 
-from lapformer_mm.ops import cuda_runtime as rt
-from lapformer_mm.ops import cupy_ops
-
-
-def pairwise(x, y, lam, kind):
-    return cupy_ops.apply_pairwise(x, y, lam, kind)
-
-
-@pytest.mark.parametrize('kind', [rt.LAPLACIAN, rt.GAUSSIAN])
-def test_pairwise_gradcheck_with_broadcast_batch(kind):
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
-    y = torch.randn(1, 3, 4, 7, generator=gen, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: pairwise(a, b, 3.0, kind), (x, y))
-    dense = torch.exp(-(x.unsqueeze(-2) - y.unsqueeze(-3)).abs().sum(-1) / 3.0)
-    if kind == rt.LAPLACIAN:
-        torch.testing.assert_close(pairwise(x, y, 3.0, kind), dense)
-
-
-def test_pairwise_only_requested_gradients():
-    x = torch.randn(1, 4, 3, dtype=torch.float64, requires_grad=True)
-    y = torch.randn(1, 2, 3, dtype=torch.float64)
-    pairwise(x, y, 4.0, rt.LAPLACIAN).sum().backward()
-    assert x.grad.shape == x.shape and y.grad is None
+from lapformer_mm.ops import (AttentionOptions, cuda_runtime as rt, gaussian_kernel,
+                              laplacian_kernel, newton_schulz_pinv, nystrom_forward,
+                              pool_landmarks)
 
 
 def spd(batch, m):
@@ -40,60 +19,51 @@ def spd(batch, m):
     return a @ a.mT / m + torch.eye(m, dtype=torch.float64)
 
 
-def test_newton_schulz_closed_form_gradient():
-    P = spd(2, 6).requires_grad_()
-    assert torch.autograd.gradcheck(
-        lambda p: cupy_ops.NewtonSchulzFunction.apply((p + p.mT) / 2, 60, 'identity'), (P,))
+def test_registered_ops_pass_opcheck():
+    """Schema, fake implementation and autograd registration agree with the real op."""
+    ops = torch.ops.lapformer_mm
+    x = torch.randn(2, 5, 3, requires_grad=True)
+    y = torch.randn(2, 4, 3, requires_grad=True)
+    kmat = ops.pairwise_kernel(x, y, 4.0, 'laplacian', False)
+    for kind in ('laplacian', 'gaussian'):
+        torch.library.opcheck(ops.pairwise_kernel, (x, y, 4.0, kind, False))
+    torch.library.opcheck(ops.pairwise_kernel_backward,
+                          (torch.randn_like(kmat), kmat.detach(), x.detach(), y.detach(), 4.0,
+                           'gaussian', True, False, False))
+    torch.library.opcheck(ops.pairwise_kernel_backward,
+                          (torch.randn_like(kmat), kmat.detach(), x.detach(), y.detach(), 4.0,
+                           'laplacian', False, True, False))
+    torch.library.opcheck(ops.newton_schulz, (spd(2, 4).float().requires_grad_(), 5, 'identity',
+                                              False))
 
 
-def test_newton_schulz_converges_and_keeps_dtype():
-    P = spd(3, 9).float()
-    x = cupy_ops.NewtonSchulzFunction.apply(P, 40, 'authors')
-    assert x.dtype == torch.float32
-    torch.testing.assert_close(x.double(), torch.linalg.inv(P.double()), rtol=1e-4, atol=1e-5)
+def test_pairwise_only_requested_gradients():
+    x = torch.randn(1, 4, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(1, 2, 3, dtype=torch.float64)
+    laplacian_kernel(x, y, 4.0).sum().backward()
+    assert x.grad.shape == x.shape and y.grad is None
 
 
-def test_custom_ops_pass_opcheck():
-    x, y = torch.randn(2, 5, 3), torch.randn(2, 4, 3)
-    kmat = cupy_ops.pairwise_kernel_op(x, y, 4.0, rt.LAPLACIAN)
-    torch.library.opcheck(cupy_ops.pairwise_kernel_op, (x, y, 4.0, rt.LAPLACIAN))
-    torch.library.opcheck(cupy_ops.pairwise_kernel_backward_op,
-                          (torch.randn_like(kmat), kmat, x, y, 4.0, rt.GAUSSIAN, True, False))
-    torch.library.opcheck(cupy_ops.pairwise_kernel_backward_op,
-                          (torch.randn_like(kmat), kmat, x, y, 4.0, rt.LAPLACIAN, False, True))
-    torch.library.opcheck(cupy_ops.newton_schulz_op, (spd(2, 4).float(), 5, False))
-    torch.library.opcheck(cupy_ops.newton_schulz_backward_op, (spd(2, 4), spd(2, 4)))
+def test_public_functions_trace_in_one_graph():
+    """Argument checks, the backend choice and the ops do not break Dynamo's graph."""
+    options = AttentionOptions()
 
-
-def test_torch_compile_full_graph_matches_eager():
-    def attention_core(q, landmarks):
-        c = pairwise(q, landmarks, 4.0, rt.LAPLACIAN)
-        w = pairwise(landmarks, landmarks, 4.0, rt.LAPLACIAN)
+    def core(q, landmarks):
+        c = laplacian_kernel(q, landmarks, 4.0)
+        w = gaussian_kernel(landmarks, landmarks, 16.0)
         p = w + 0.01 * torch.eye(w.shape[-1])
-        return (c @ cupy_ops.NewtonSchulzFunction.apply(p, 8, 'identity')).sum()
+        attn = nystrom_forward(q, q, q, pool_landmarks(q, (3, 3), 2), options)
+        return (c @ newton_schulz_pinv(p, 8)).sum() + attn.sum()
 
     torch._dynamo.reset()
-    compiled = torch.compile(attention_core, fullgraph=True, backend='aot_eager')
-    q = torch.randn(2, 9, 4, requires_grad=True)
-    lm = torch.randn(2, 3, 4, requires_grad=True)
+    compiled = torch.compile(core, fullgraph=True, backend='aot_eager')
+    q = torch.randn(2, 1, 9, 4, requires_grad=True)
+    lm = torch.randn(2, 1, 3, 4, requires_grad=True)
     out = compiled(q, lm)
-    out.backward()
-    grads = (q.grad.clone(), lm.grad.clone())
-    q.grad = lm.grad = None
-    expected = attention_core(q, lm)
-    expected.backward()
+    grads = torch.autograd.grad(out, (q, lm))
+    expected = core(q, lm)
     torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(grads, (q.grad, lm.grad))
-
-
-@pytest.mark.parametrize('call, error', [
-    (lambda: cupy_ops.laplacian_kernel(torch.randn(3, 2), torch.randn(3, 2)), ValueError),
-    (lambda: cupy_ops.gaussian_kernel([1.0], torch.randn(3, 2)), TypeError),
-    (lambda: cupy_ops.newton_schulz_pinv(torch.eye(3)), ValueError),
-])
-def test_public_functions_reject_cpu_tensors(call, error):
-    with pytest.raises(error, match='x|y|P'):
-        call()
+    torch.testing.assert_close(grads, torch.autograd.grad(expected, (q, lm)))
 
 
 def test_launch_geometry_covers_grid_limits():
@@ -112,30 +82,6 @@ def test_launch_geometry_covers_grid_limits():
     assert rt.newton_schulz_launch(8, 129, 4, 10 ** 9) is None
     with pytest.raises(ValueError, match='d=.*grid limit'):
         rt.pairwise_backward_launch(1, 64, 64, 2 ** 40, target_blocks=1)
-
-
-def test_public_functions_trace_in_one_graph(monkeypatch):
-    """Argument checks and the k(L, L) alias handling do not break Dynamo's graph.
-
-    The CUDA-only device check is lifted so that the public path runs on the CPU twins.
-    """
-    monkeypatch.setattr(cupy_ops, '_check_cuda_tensor', lambda *args: None)
-
-    def core(q, landmarks):
-        c = cupy_ops.laplacian_kernel(q, landmarks, 4.0)
-        w = cupy_ops.gaussian_kernel(landmarks, landmarks, 16.0)
-        p = w + 0.01 * torch.eye(w.shape[-1])
-        return (c @ cupy_ops.newton_schulz_pinv(p, 8)).sum()
-
-    torch._dynamo.reset()
-    compiled = torch.compile(core, fullgraph=True, backend='aot_eager')
-    q = torch.randn(2, 9, 4, requires_grad=True)
-    lm = torch.randn(2, 3, 4, requires_grad=True)
-    out = compiled(q, lm)
-    grads = torch.autograd.grad(out, (q, lm))
-    expected = core(q, lm)
-    torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(grads, torch.autograd.grad(expected, (q, lm)))
 
 
 class FakeCupy:
@@ -268,7 +214,7 @@ class Absent:
             raise ModuleNotFoundError(f'No module named {name!r}', name=name)
 sys.meta_path.insert(0, Absent())
 import lapformer_mm.ops.cupy_ops
-import lapformer_mm.ops.reference_kernels
+import lapformer_mm.ops.kernels
 print(sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED))
 '''
     root = Path(__file__).resolve().parent.parent
@@ -277,34 +223,49 @@ print(sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED))
     assert proc.stdout.strip() == '[]'
 
 
-def test_registered_ops_enforce_their_contract_on_cpu():
-    """Every implementation of the raw ops checks what the kernels assume: one dtype and
-    one device for all operands, consistent shapes; strided inputs are made contiguous."""
+def test_cuda_entry_points_enforce_the_kernels_contract():
+    """With cuda_kernel=True the ops check what the kernels assume before any launch: one
+    dtype for all operands, consistent shapes (and one device: checked by the same code,
+    run on a GPU in test_cuda_ops.py)."""
     ops = torch.ops.lapformer_mm
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 30, 16, generator=gen)[..., ::2]
     y = torch.randn(2, 7, 8, generator=gen)
-    assert not x.is_contiguous()
-    expected = torch.exp(-(x[:, :, None] - y[:, None]).abs().sum(-1) / 4.0)
-    torch.testing.assert_close(ops.cuda_pairwise_kernel(x, y, 4.0, rt.LAPLACIAN), expected)
-    with pytest.raises(TypeError, match='cuda_pairwise_kernel: y has dtype torch.float16 but x has torch.float32'):
-        ops.cuda_pairwise_kernel(x, y.half(), 4.0, rt.LAPLACIAN)
-    with pytest.raises(ValueError, match='y is on meta but x is on cpu'):
-        ops.cuda_pairwise_kernel(x, y.to('meta'), 4.0, rt.LAPLACIAN)
+    with pytest.raises(TypeError, match='pairwise_kernel: y has dtype torch.float16 but x has torch.float32'):
+        ops.pairwise_kernel(x, y.half(), 4.0, 'laplacian', True)
     with pytest.raises(ValueError, match=r'x must be \(batch, n, d\) and y \(batch, m, d\)'):
-        ops.cuda_pairwise_kernel(x, y[..., :5], 4.0, rt.LAPLACIAN)
+        ops.pairwise_kernel(x, y[..., :5], 4.0, 'laplacian', True)
     with pytest.raises(TypeError, match=r"x has dtype torch.int64; allowed"):
-        ops.cuda_pairwise_kernel(x.long(), y.long(), 4.0, rt.LAPLACIAN)
+        ops.pairwise_kernel(x.long(), y.long(), 4.0, 'laplacian', True)
     g = torch.randn(2, 30, 7, generator=gen)
     with pytest.raises(ValueError, match=r'kmat must be \(batch, n, m\) = \(2, 30, 7\)'):
-        ops.cuda_pairwise_kernel_backward(g, g[:, :5], x, y, 4.0, rt.LAPLACIAN, True, True)
+        ops.pairwise_kernel_backward(g, g[:, :5], x, y, 4.0, 'laplacian', True, True, True)
     with pytest.raises(TypeError, match='grad has dtype torch.float64 but x has torch.float32'):
-        ops.cuda_pairwise_kernel_backward(g.double(), g, x, y, 4.0, rt.LAPLACIAN, True, True)
+        ops.pairwise_kernel_backward(g.double(), g, x, y, 4.0, 'laplacian', True, True, True)
     P = torch.eye(4).expand(3, 4, 4)
-    with pytest.raises(TypeError, match=r"cuda_newton_schulz: P has dtype torch.float16; allowed: \['torch.float32', 'torch.float64'\]"):
-        ops.cuda_newton_schulz(P.half(), 3, False)
+    with pytest.raises(TypeError, match=r"newton_schulz: P has dtype torch.float16; allowed: \['torch.float32', 'torch.float64'\]"):
+        ops.newton_schulz(P.half(), 3, 'identity', True)
     with pytest.raises(ValueError, match=r'P must be \(batch, m, m\)'):
-        ops.cuda_newton_schulz(P[:, :3], 3, False)
-    with pytest.raises(ValueError, match=r'grad must be \(batch, m, m\) like the other operands'):
-        ops.cuda_newton_schulz_backward(P.contiguous(), P[:2].contiguous())
-    torch.testing.assert_close(ops.cuda_newton_schulz(2.0 * P, 30, False), 0.5 * P)
+        ops.newton_schulz(P[:, :3], 3, 'identity', True)
+
+
+def test_reference_ops_take_strided_operands():
+    ops = torch.ops.lapformer_mm
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 30, 16, generator=gen)[..., ::2]
+    y = torch.randn(2, 7, 8, generator=gen)
+    expected = torch.exp(-(x[:, :, None] - y[:, None]).abs().sum(-1) / 4.0)
+    torch.testing.assert_close(ops.pairwise_kernel(x, y, 4.0, 'laplacian', False), expected)
+    P = torch.eye(4).expand(3, 4, 4)
+    torch.testing.assert_close(ops.newton_schulz(2.0 * P, 30, 'identity', False), 0.5 * P)
+
+
+def test_ops_compute_in_fp32_under_autocast():
+    x, y = torch.randn(2, 7, 4).bfloat16(), torch.randn(2, 3, 4).bfloat16()
+    P = spd(2, 3).float()
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = laplacian_kernel(x, y, 4.0)
+        X = newton_schulz_pinv(P, 20)
+    assert out.dtype == torch.float32 and X.dtype == torch.float32
+    torch.testing.assert_close(out, laplacian_kernel(x.float(), y.float(), 4.0))
+    torch.testing.assert_close(X, newton_schulz_pinv(P, 20))

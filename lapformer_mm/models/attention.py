@@ -40,7 +40,7 @@ class LaplacianAttention(nn.Module):
         ns_init (str): Newton–Schulz start, 'identity' (I / ||P||_inf, default) or
             'authors' (1.8 / ||P||_inf² · P, the LaplacianFormer code's).
         ns_refine (bool): One step of iterative refinement after Newton–Schulz
-            (fp32 as exact as a direct solve; off by default, docs/numerics.md).
+            (fp32 as exact as a direct solve; default True, docs/numerics.md).
         eps (float): Ridge ε >= 0 added to k(L, L). Default 0.01.
         whiten_eps (float): δ >= 0 of the whitening. Default 1e-5.
         attn_drop (float): Dropout on the normalised query features.
@@ -49,7 +49,7 @@ class LaplacianAttention(nn.Module):
 
     def __init__(self, dim, num_heads, qkv_bias=True, qk_shared=True, lam=4.0,
                  landmark_grid=7, kernel='laplacian', normalize='injective',
-                 solver='newton', newton_iters=None, ns_init='identity', ns_refine=False,
+                 solver='newton', newton_iters=None, ns_init='identity', ns_refine=True,
                  eps=0.01, whiten_eps=1e-5, attn_drop=0.0, proj_drop=0.0):
         super().__init__()
         dim = check_int('dim', dim)

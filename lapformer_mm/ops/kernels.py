@@ -114,6 +114,12 @@ def _newton_schulz_backward(ctx, grad):
 
 newton_schulz_op.register_autograd(_newton_schulz_backward, setup_context=_newton_schulz_setup)
 
+# The design computes kernel matrices and the solve in fp32: under autocast the
+# ops take fp32 inputs (and return fp32), as a matmul-like op would not.
+for _op in ('pairwise_kernel', 'newton_schulz'):
+    for _device in ('cpu', 'cuda'):
+        torch.library.register_autocast(f'lapformer_mm::{_op}', _device, torch.float32)
+
 
 def _as_batch(t):
     """(..., n, d) -> (batch, n, d), a view where the strides allow."""

@@ -22,8 +22,9 @@ class AttentionOptions:
     kernel: 'laplacian' exp(-||·||_1/lam) or 'gaussian' exp(-||·||_2²/lam), lam > 0.
     eps: ridge ε >= 0 added to k(L, L).
     solver: 'newton' (Newton–Schulz, ``iters`` steps from the ``ns_init`` start
-    'identity' or 'authors'; with ``ns_refine`` one step of iterative refinement
-    follows), 'exact' or 'cg' (to a tolerance, at most ``iters`` steps).
+    'identity' or 'authors'; with ``ns_refine``, the default, one step of
+    iterative refinement follows), 'exact' or 'cg' (to a tolerance, at most
+    ``iters`` steps).
     iters: None for the solver's default.
     normalize: 'injective' (:func:`injective_normalize`) or 'none' (plain Nyström).
     whiten_eps: δ >= 0 of the whitening; with 0, a landmark column constant over
@@ -38,7 +39,7 @@ class AttentionOptions:
     solver: str = 'newton'
     iters: Optional[int] = None
     ns_init: str = 'identity'
-    ns_refine: bool = False
+    ns_refine: bool = True
     normalize: str = 'injective'
     whiten_eps: float = 1e-5
     backend: Optional[str] = None
@@ -80,18 +81,20 @@ def check_attention_inputs(q, k, v, landmarks):
 def solve_landmark_system(P, rhs, options, use_cupy):
     """P⁻¹ · rhs for P (..., m, m), rhs (..., m, d) with the solver of ``options``.
 
-    With ``ns_refine``, 'newton' follows the Newton–Schulz inverse X with one step
-    of iterative refinement, x ← x + X (rhs − P x): with near-identical landmarks
-    (cond(P) in the thousands) an fp32 X is accurate to only ~1e-3, which the
-    whitening then amplifies to 1e-2..5e-2 in the attention output; the step
-    brings it to the error of an fp32 direct solve for two (m × m)·(m × d)
-    products (docs/numerics.md).
+    With ``ns_refine`` (the default), 'newton' follows the Newton–Schulz inverse X
+    with one step of iterative refinement, x ← x + X (rhs − P x): with
+    near-identical landmarks (cond(P) in the thousands) an fp32 X is accurate to
+    only ~1e-3, which the whitening then amplifies to 1e-2..5e-2 in the attention
+    output; the step brings it to the error of an fp32 direct solve. The residual
+    is formed in fp64, so neither cancellation nor a TF32 matmul limits it; it is
+    an (m × m)·(m × d) product (docs/numerics.md).
     """
     if options.solver == 'newton':
         inverse = newton_schulz(P, options.iters, options.ns_init, use_cupy)
         x = torch.matmul(inverse, rhs)
         if options.ns_refine:
-            x = x + torch.matmul(inverse, rhs - torch.matmul(P, x))
+            residual = rhs.double() - torch.matmul(P.double(), x.double())
+            x = x + torch.matmul(inverse, residual.to(x.dtype))
         return x
     if options.solver == 'exact':
         return exact_solve(P, rhs)

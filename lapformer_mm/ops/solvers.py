@@ -15,13 +15,12 @@ import torch
 from ._checks import check_float_tensor, check_optional_int
 from ._precision import compute_dtype
 
-#: Newton–Schulz iterations used when ``iters=None``. Measured with
-#: ``python tools/bench_attention.py ns`` (docs/attention.md): from the identity start,
-#: 15 steps reach ||I - P X||_2 < 1e-3 on every landmark matrix of smooth pooled
-#: features measured (condition numbers below 5000). The worst case ε = 0.01 allows,
-#: identical landmarks (P = 1 1ᵀ + ε I, cond 4901 at m = 49), is left at 1.25e-3
-#: (16 steps: 1.6e-6); docs/numerics.md says why the default stays at 15.
-DEFAULT_NS_ITERS = 15
+#: Newton–Schulz iterations used when ``iters=None``. From X₀ = I / ||P||_inf the
+#: residual after t steps is at most (1 − ε/(m + ε))^(2^t); 16 steps bring the worst
+#: case ε = 0.01 allows, identical landmarks (P = 1 1ᵀ + ε I, cond 4901 at m = 49),
+#: to ||I - P X||_2 = 1.6e-6, below 1e-3 (15 left 1.25e-3; docs/numerics.md,
+#: ``benchmarks/numerics_table.py``).
+DEFAULT_NS_ITERS = 16
 
 
 def check_square(name, P):

@@ -4,9 +4,8 @@
         python -m pytest -p emulator_plugin tests/test_cuda_ops.py
 
 Builds the g++ emulation (as tests/test_cuda_emulation.py does), sends
-``cuda_runtime.launch`` to it, lifts the CUDA-only argument check, and routes
-the CPU implementations of the custom ops (normally PyTorch twins) to the fused
-host code, so the public functions run the kernels' logic end to end. For
+``cuda_runtime.launch`` to it and makes the public functions choose the CuPy
+kernels for CPU tensors, so they run the kernels' logic end to end. For
 development only: a few minutes on two cores, so not part of CI.
 """
 import ctypes
@@ -32,7 +31,7 @@ def build_library(folder):
 
 def pytest_configure(config):
     from lapformer_mm.ops import cuda_runtime as rt
-    from lapformer_mm.ops import cupy_ops
+    from lapformer_mm.ops import cupy_ops, kernels, nystrom
 
     folder = tempfile.mkdtemp(prefix='lapformer_emu_')
     lib = build_library(folder)
@@ -46,14 +45,8 @@ def pytest_configure(config):
                                  ctypes.c_ulonglong(shared_mem)) != 0:
             raise rt.CudaOpsError(f'emulation has no kernel {name_expression}')
 
-    twin_newton_schulz = cupy_ops.twin_newton_schulz
-
-    def newton_schulz(P, iters, authors):
-        out = cupy_ops.fused_newton_schulz(P, iters, authors, _SMEM_LIMIT)
-        return twin_newton_schulz(P, iters, authors) if out is None else out
-
     rt.launch = launch
-    cupy_ops._check_cuda_tensor = lambda *args: None
-    cupy_ops.twin_pairwise_forward = cupy_ops.fused_pairwise_forward
-    cupy_ops.twin_pairwise_backward = lambda *args: cupy_ops.fused_pairwise_backward(*args, _TARGET_BLOCKS)
-    cupy_ops.twin_newton_schulz = newton_schulz
+    rt.shared_memory_optin = lambda device_index: _SMEM_LIMIT
+    cupy_ops.target_blocks = lambda device: _TARGET_BLOCKS
+    for module in (kernels, nystrom):
+        module.backend_uses_cupy = lambda requested, tensor: True
