@@ -232,7 +232,6 @@ def test_dist_train_two_processes(tiny_data, tmp_path):
     # 8 images, 2 ranks x 2 images per step -> 2 iterations per epoch
     assert 'Epoch(train) [1][2/2]' in log
     assert checkpoint_iter(osp.join(work, 'epoch_1.pth')) == 2
-    assert torch.distributed.is_gloo_available()
 
 
 def test_get_flops_counts_the_custom_attention_ops():
