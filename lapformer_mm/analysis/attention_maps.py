@@ -2,7 +2,7 @@
 
 For a query position on the token grid of one LaplacianFormer block, the rows
 are computed from that block's own queries and keys (captured by hooks, see
-qk_capture.py) and shown over the image, side by side:
+:mod:`.qk_capture`) and shown over the image, side by side:
 
 * top: row-normalised kernels k(q_i, k_j) / sum_j k(q_i, k_j) for the
   Laplacian exp(-||q-k||₁/λ) and the Gaussian exp(-||q-k||₂²/λ), and softmax
@@ -25,18 +25,10 @@ Example::
     python tools/analysis/attention_maps.py --size 224 224 --stage 1 --block 1 \\
         --query 0.5 0.5 --out docs/analysis
 """
-import argparse
-import os
-import os.path as osp
-import sys
-
 import numpy as np
 import torch
 
-sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
-from images import load_images, read_image, to_tensor  # noqa: E402
-from model_zoo import BACKBONE_CONFIGS, build_backbone  # noqa: E402
-from qk_capture import capture_qk  # noqa: E402
+from .qk_capture import capture_qk
 
 MAX_DENSE_TOKENS = 8192
 ROW_NAMES = ('laplacian', 'gaussian', 'softmax', 'laplacian_injective',
@@ -221,12 +213,13 @@ def capture_block(model, tensor, stage, block):
     """
     stages = model.stages
     if not 1 <= stage <= len(stages):
-        raise ValueError(f'--stage must be in [1, {len(stages)}], got {stage}')
+        raise ValueError(f'stage must be in [1, {len(stages)}], got {stage}')
     if not 1 <= block <= len(stages[stage - 1].blocks):
-        raise ValueError(f'--block must be in [1, {len(stages[stage - 1].blocks)}] for '
+        raise ValueError(f'block must be in [1, {len(stages[stage - 1].blocks)}] for '
                          f'stage {stage}, got {block}')
+    from lapformer_mm.models import LaplacianAttention
     attn = stages[stage - 1].blocks[block - 1].attn
-    if not hasattr(attn, 'lam'):
+    if not isinstance(attn, LaplacianAttention):
         raise ValueError(f'stage {stage} uses {type(attn).__name__}, not LaplacianAttention; '
                          'choose a Laplacian stage')
     name = f'stages.{stage - 1}.blocks.{block - 1}.attn'
@@ -234,44 +227,3 @@ def capture_block(model, tensor, stage, block):
         model(tensor)
     record = next(r for r in records if r.layer == name)
     return record.q[0], record.k[0], record.hw, attn
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--model', default='laplacianformer-t',
-                        choices=[n for n in BACKBONE_CONFIGS if n.startswith('laplacianformer')])
-    parser.add_argument('--checkpoint', help='backbone weights (weights_only load)')
-    parser.add_argument('--image', help='image file (default: a synthetic texture)')
-    parser.add_argument('--seed', type=int, default=0, help='synthetic image seed')
-    parser.add_argument('--size', type=int, nargs=2, default=(224, 224), metavar=('H', 'W'))
-    parser.add_argument('--stage', type=int, default=1, help='1-based stage')
-    parser.add_argument('--block', type=int, default=1, help='1-based block in the stage')
-    parser.add_argument('--query', type=float, nargs=2, default=(0.5, 0.5),
-                        metavar=('ROW', 'COL'), help='query position, fractions of the grid')
-    parser.add_argument('--r-max', type=float, default=12.0,
-                        help='largest distance in the gradient plot')
-    parser.add_argument('--out', default='docs/analysis')
-    return parser.parse_args(argv)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    size = tuple(args.size)
-    image = read_image(args.image, size) if args.image else load_images(None, 1, size, args.seed)[0]
-    model = build_backbone(args.model, args.checkpoint)
-    q, k, hw, attn = capture_block(model, to_tensor([image]), args.stage, args.block)
-    index = query_index(hw, args.query)
-    rows = attention_rows(q, k, hw, index, attn)
-    os.makedirs(args.out, exist_ok=True)
-    weights = args.checkpoint or 'random init'
-    maps_path = osp.join(args.out, 'attention_maps.png')
-    plot_attention_rows(image, rows, hw, index, maps_path,
-                        f'{args.model} ({weights}), stage {args.stage} block {args.block}, '
-                        f'grid {hw[0]}x{hw[1]}, λ = {attn.lam:g}, heads averaged')
-    grad_path = osp.join(args.out, 'kernel_gradients.png')
-    plot_kernel_gradients(attn.lam, args.r_max, grad_path)
-    print(f'wrote {maps_path} and {grad_path}')
-
-
-if __name__ == '__main__':
-    main()

@@ -1,8 +1,9 @@
 """Query–key distance distributions per stage of LaplacianFormer, PVTv2 and Swin.
 
-Hooks every attention layer (tools/analysis/qk_capture.py), runs a set of
+Hooks every attention layer (:mod:`.qk_capture`), runs a set of
 images through each backbone, samples (query, key) pairs per layer and pools
-them per stage. Writes, for ℓ1 and squared-ℓ2 distances:
+them per stage. The command line (``tools/analysis/qk_distances.py``) writes,
+for ℓ1 and squared-ℓ2 distances:
 
 * ``<out>/qk_distances_<model>.png``: histograms per stage (log density);
 * ``<out>/qk_distances_normalised.png``: all models, distances divided by
@@ -18,20 +19,11 @@ Example::
     python tools/analysis/qk_distances.py --models laplacianformer-t pvtv2-b1 swin-t \\
         --num-images 4 --size 224 224 --out docs/analysis
 """
-import argparse
-import json
-import os
-import os.path as osp
-import sys
-
 import numpy as np
-import torch
 
-sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
-from images import load_images, to_tensor  # noqa: E402
-from model_zoo import BACKBONE_CONFIGS, build_backbone  # noqa: E402
-from qk_capture import capture_qk  # noqa: E402
-from tail_stats import METRICS, DistanceCollector, tail_statistics  # noqa: E402
+from .model_zoo import BACKBONE_CONFIGS
+from .qk_capture import capture_qk
+from .tail_stats import METRICS, tail_statistics
 
 METRIC_LABELS = {'l1': 'ℓ1 distance ||q - k||₁', 'sq_l2': 'squared ℓ2 distance ||q - k||₂²'}
 DEFAULT_MODELS = ('laplacianformer-t', 'pvtv2-b1', 'swin-t')
@@ -136,60 +128,38 @@ def markdown_table(all_stats):
     return '\n'.join(lines)
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS),
-                        choices=sorted(BACKBONE_CONFIGS))
-    parser.add_argument('--checkpoint', action='append', metavar='MODEL=PATH',
-                        help='weights for MODEL (weights_only load); repeatable')
-    parser.add_argument('--images', help='folder of images (default: synthetic textures)')
-    parser.add_argument('--num-images', type=int, default=4)
-    parser.add_argument('--batch-size', type=int, default=2)
-    parser.add_argument('--size', type=int, nargs=2, default=(224, 224), metavar=('H', 'W'))
-    parser.add_argument('--max-queries', type=int, default=256,
-                        help='queries sampled per attention call')
-    parser.add_argument('--max-keys', type=int, default=256,
-                        help='keys sampled per attention call')
-    parser.add_argument('--max-windows', type=int, default=64,
-                        help='images (or Swin windows) sampled per attention call')
-    parser.add_argument('--max-samples', type=int, default=200_000,
-                        help='distances kept per stage and metric')
-    parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--out', default='docs/analysis')
-    args = parser.parse_args(argv)
-    if args.num_images < 1 or args.batch_size < 1:
-        parser.error('--num-images and --batch-size must be >= 1')
-    return args
+def distance_collectors(names, batches, checkpoints, seed, **limits):
+    """{name: DistanceCollector} of backbones ``names`` run on ``batches``.
 
-
-def main(argv=None):
-    args = parse_args(argv)
-    checkpoints = parse_checkpoints(args.checkpoint)
-    torch.manual_seed(args.seed)
-    images = load_images(args.images, args.num_images, tuple(args.size), args.seed)
-    tensor = to_tensor(images)
-    batches = tensor.split(args.batch_size)
-    os.makedirs(args.out, exist_ok=True)
-    collectors, all_stats = {}, {}
-    for name in args.models:
+    checkpoints: {name: path} (others keep random weights); limits: the
+    :class:`~.tail_stats.DistanceCollector` sampling limits.
+    """
+    from .model_zoo import build_backbone
+    from .tail_stats import DistanceCollector
+    collectors = {}
+    for name in names:
         model = build_backbone(name, checkpoints.get(name))
-        collector = DistanceCollector(args.max_queries, args.max_keys, args.max_windows,
-                                      args.max_samples, args.seed)
-        collectors[name] = collect_distances(model, batches, collector)
-        all_stats[name] = model_statistics(collector)
-        plot_model_histograms(name, collector, osp.join(args.out, f'qk_distances_{name}.png'))
-        source = f'checkpoint {checkpoints[name]}' if name in checkpoints else 'random init'
-        print(f'{name}: done ({source})', flush=True)
-    plot_normalised(collectors, osp.join(args.out, 'qk_distances_normalised.png'))
+        collectors[name] = collect_distances(model, batches, DistanceCollector(seed=seed, **limits))
+    return collectors
+
+
+def write_report(collectors, weights, description, out):
+    """Per-model and normalised histograms, the markdown table and the JSON under ``out``.
+
+    weights: {name: checkpoint path or 'random init'}; description: the images used,
+    one line for the markdown file. Returns the markdown table.
+    """
+    import json
+    import os
+    import os.path as osp
+    os.makedirs(out, exist_ok=True)
+    all_stats = {name: model_statistics(c) for name, c in collectors.items()}
+    for name, collector in collectors.items():
+        plot_model_histograms(name, collector, osp.join(out, f'qk_distances_{name}.png'))
+    plot_normalised(collectors, osp.join(out, 'qk_distances_normalised.png'))
     table = markdown_table(all_stats)
-    weights = {n: checkpoints.get(n, 'random init') for n in args.models}
-    with open(osp.join(args.out, 'qk_distance_stats.md'), 'w') as f:
-        f.write(f'Weights: {weights}. Images: {args.images or "synthetic"} '
-                f'x{len(images)} at {args.size[0]}x{args.size[1]}.\n\n{table}\n')
-    with open(osp.join(args.out, 'qk_distance_stats.json'), 'w') as f:
+    with open(osp.join(out, 'qk_distance_stats.md'), 'w') as f:
+        f.write(f'Weights: {weights}. Images: {description}.\n\n{table}\n')
+    with open(osp.join(out, 'qk_distance_stats.json'), 'w') as f:
         json.dump(dict(weights=weights, stats=all_stats), f, indent=1)
-    print(table)
-
-
-if __name__ == '__main__':
-    main()
+    return table

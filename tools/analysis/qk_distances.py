@@ -1,0 +1,63 @@
+"""Query–key distance distributions per stage of LaplacianFormer, PVTv2 and Swin.
+
+Writes histograms, a markdown table and a JSON of tail statistics to ``--out``
+(:mod:`lapformer_mm.analysis.qk_distances`). Weights are random unless
+``--checkpoint MODEL=PATH`` is given.
+
+Example::
+
+    python tools/analysis/qk_distances.py --models laplacianformer-t pvtv2-b1 swin-t \\
+        --num-images 4 --size 224 224 --out docs/analysis
+"""
+import argparse
+
+import torch
+
+from lapformer_mm.analysis.images import load_images, to_tensor
+from lapformer_mm.analysis.model_zoo import BACKBONE_CONFIGS
+from lapformer_mm.analysis.qk_distances import (DEFAULT_MODELS, distance_collectors,
+                                                parse_checkpoints, write_report)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS),
+                        choices=sorted(BACKBONE_CONFIGS))
+    parser.add_argument('--checkpoint', action='append', metavar='MODEL=PATH',
+                        help='weights for MODEL (weights_only load); repeatable')
+    parser.add_argument('--images', help='folder of images (default: synthetic textures)')
+    parser.add_argument('--num-images', type=int, default=4)
+    parser.add_argument('--batch-size', type=int, default=2)
+    parser.add_argument('--size', type=int, nargs=2, default=(224, 224), metavar=('H', 'W'))
+    parser.add_argument('--max-queries', type=int, default=256,
+                        help='queries sampled per attention call')
+    parser.add_argument('--max-keys', type=int, default=256,
+                        help='keys sampled per attention call')
+    parser.add_argument('--max-windows', type=int, default=64,
+                        help='images (or Swin windows) sampled per attention call')
+    parser.add_argument('--max-samples', type=int, default=200_000,
+                        help='distances kept per stage and metric')
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--out', default='docs/analysis')
+    args = parser.parse_args(argv)
+    if args.num_images < 1 or args.batch_size < 1:
+        parser.error('--num-images and --batch-size must be >= 1')
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    checkpoints = parse_checkpoints(args.checkpoint)
+    torch.manual_seed(args.seed)
+    images = load_images(args.images, args.num_images, tuple(args.size), args.seed)
+    batches = to_tensor(images).split(args.batch_size)
+    collectors = distance_collectors(
+        args.models, batches, checkpoints, args.seed, max_queries=args.max_queries,
+        max_keys=args.max_keys, max_batches=args.max_windows, max_samples=args.max_samples)
+    weights = {n: checkpoints.get(n, 'random init') for n in args.models}
+    description = f'{args.images or "synthetic"} x{len(images)} at {args.size[0]}x{args.size[1]}'
+    print(write_report(collectors, weights, description, args.out))
+
+
+if __name__ == '__main__':
+    main()
