@@ -24,7 +24,7 @@ import statistics
 import time
 
 import torch
-from mmengine.config import Config, DictAction
+from mmengine.config import DictAction
 
 from lapformer_mm.analysis.model_zoo import build_from_config, data_samples
 from lapformer_mm.cpu_malloc import keep_large_blocks
@@ -96,12 +96,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
     tuned_malloc = (args.device == 'cpu' and not args.glibc_malloc_defaults
                     and keep_large_blocks())
-    model, scope = build_from_config(cfg)
+    model, scope = build_from_config(args.config, args.cfg_options)
     model.to(args.device)
     height, width = args.shape or ((512, 512) if scope == 'mmseg' else
                                    (800, 1333))

@@ -12,7 +12,7 @@ Example::
 """
 import argparse
 
-from mmengine.config import Config, DictAction
+from mmengine.config import DictAction
 
 from lapformer_mm.analysis.flops import detector_cost
 from lapformer_mm.analysis.model_zoo import build_from_config
@@ -36,10 +36,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
-    model, scope = build_from_config(cfg)
+    model, scope = build_from_config(args.config, args.cfg_options)
     height, width = args.shape or ((512, 512) if scope == 'mmseg' else
                                    (800, 1333))
     res = detector_cost(model, scope, height, width)

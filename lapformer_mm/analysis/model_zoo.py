@@ -108,11 +108,19 @@ def count_parameters(model):
 
 
 
-def build_from_config(cfg):
-    """(model in eval mode, scope) of an mmdet/mmseg config, random weights, nothing loaded."""
+def build_from_config(config, cfg_options=None):
+    """(model in eval mode, scope) of an mmdet/mmseg config, random weights, nothing loaded.
+
+    config: a config file path or an ``mmengine.Config``; cfg_options (dict | None):
+    overrides merged into it (``--cfg-options``).
+    """
+    from mmengine.config import Config
     from mmengine.registry import init_default_scope
 
     import lapformer_mm  # noqa: F401  registers LaplacianFormer
+    cfg = config if isinstance(config, Config) else Config.fromfile(config)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
     scope = cfg.get('default_scope', 'mmdet')
     init_default_scope(scope)
     if scope == 'mmseg':
