@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from lapformer_mm.analysis.timing import best_time, wall_times
-from lapformer_mm.ops import injective_normalize, laplacian_kernel, nystrom_attention, pool_landmarks
+from lapformer_mm.ops import (injective_normalize, laplacian_kernel, nystrom_attention,
+                              pool_landmarks)
 from lapformer_mm.ops.profiling import peak_memory_bytes
 from lapformer_mm.ops.solvers import newton_schulz_iterate
 

@@ -19,11 +19,15 @@ Example::
     python tools/analysis/qk_distances.py --models laplacianformer-t pvtv2-b1 swin-t \\
         --num-images 4 --size 224 224 --out docs/analysis
 """
+import json
+import os
+import os.path as osp
+
 import numpy as np
 
-from .model_zoo import BACKBONE_CONFIGS
+from .model_zoo import BACKBONE_CONFIGS, build_backbone
 from .qk_capture import capture_qk
-from .tail_stats import METRICS, tail_statistics
+from .tail_stats import METRICS, DistanceCollector, tail_statistics
 
 METRIC_LABELS = {'l1': 'ℓ1 distance ||q - k||₁', 'sq_l2': 'squared ℓ2 distance ||q - k||₂²'}
 DEFAULT_MODELS = ('laplacianformer-t', 'pvtv2-b1', 'swin-t')
@@ -134,8 +138,6 @@ def distance_collectors(names, batches, checkpoints, seed, **limits):
     checkpoints: {name: path} (others keep random weights); limits: the
     :class:`~.tail_stats.DistanceCollector` sampling limits.
     """
-    from .model_zoo import build_backbone
-    from .tail_stats import DistanceCollector
     collectors = {}
     for name in names:
         model = build_backbone(name, checkpoints.get(name))
@@ -149,9 +151,6 @@ def write_report(collectors, weights, description, out):
     weights: {name: checkpoint path or 'random init'}; description: the images used,
     one line for the markdown file. Returns the markdown table.
     """
-    import json
-    import os
-    import os.path as osp
     os.makedirs(out, exist_ok=True)
     all_stats = {name: model_statistics(c) for name, c in collectors.items()}
     for name, collector in collectors.items():
