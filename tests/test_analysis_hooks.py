@@ -1,14 +1,9 @@
-"""The q/k capture hooks of tools/analysis on tiny LaplacianFormer, PVTv2 and Swin models:
-record counts and shapes, and q/k that reproduce each model's own attention."""
-import os.path as osp
-import sys
-
+"""The q/k capture hooks of lapformer_mm.analysis on tiny LaplacianFormer, PVTv2 and Swin
+models: record counts and shapes, and q/k that reproduce each model's own attention."""
 import pytest
 import torch
 
-sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools', 'analysis'))
-import model_zoo  # noqa: E402
-import qk_capture  # noqa: E402
+from lapformer_mm.analysis import model_zoo, qk_capture
 
 TINY_LAPLACIAN = dict(arch=dict(embed_dims=[8, 16, 16, 32], num_heads=[1, 2, 2, 4],
                                 depths=[1, 2, 1, 1]), stage4_attention='laplacian')

@@ -1,17 +1,12 @@
-"""Tail statistics, pair distances, attention rows and kernel gradients of tools/analysis
-against independent numpy/scipy computations."""
-import os.path as osp
-import sys
-
+"""Tail statistics, pair distances, attention rows and kernel gradients of
+lapformer_mm.analysis against independent numpy/scipy computations."""
 import numpy as np
 import pytest
 import torch
 from scipy import stats as scipy_stats
 
-sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools', 'analysis'))
-import attention_maps  # noqa: E402
-import images  # noqa: E402
-import tail_stats  # noqa: E402
+from lapformer_mm.analysis import attention_maps, images, tail_stats
+from lapformer_mm.analysis.qk_capture import QKRecord
 
 
 @pytest.fixture
@@ -99,7 +94,6 @@ def test_pair_distances_sampling_limits_and_subset():
 
 
 def test_distance_collector_pools_per_stage_and_caps():
-    from qk_capture import QKRecord
     collector = tail_stats.DistanceCollector(max_samples=50)
     gen = torch.Generator().manual_seed(3)
     for stage in (0, 0, 2):

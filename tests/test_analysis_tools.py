@@ -1,27 +1,55 @@
-"""Command-line paths of tools/analysis and the helpers of tools/benchmark_backbones.py
-(tiny inputs; no timing is asserted)."""
+"""The command lines of tools/analysis (their files: shapes and colours of the figures, the
+statistics) and the helpers of benchmarks/backbones.py (tiny inputs; no timing is asserted)."""
 import json
 import os
 import os.path as osp
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
+from benchmarks import backbones as bench
+from lapformer_mm.analysis import attention_maps, model_zoo
+
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-sys.path.insert(0, osp.join(ROOT, 'tools', 'analysis'))
-sys.path.insert(0, osp.join(ROOT, 'tools'))
-import attention_maps  # noqa: E402
-import benchmark_backbones as bench  # noqa: E402
-import qk_distances  # noqa: E402
+DPI = 72  # the analysis figures' resolution
+
+
+def run_cli(script, *args):
+    """Run tools/analysis/<script> with this interpreter; return its stdout."""
+    proc = subprocess.run([sys.executable, osp.join(ROOT, 'tools', 'analysis', script), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1'))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def read_png(path):
+    """(H, W, 3) float RGB in [0, 1]."""
+    import matplotlib.image
+    return matplotlib.image.imread(path)[..., :3]
+
+
+def colour_pixels(image, hex_colour, tol=0.02):
+    """Number of pixels within ``tol`` of ``hex_colour`` in every channel."""
+    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return int((np.abs(image - rgb) <= tol).all(-1).sum())
 
 
 def test_qk_distances_cli_writes_plots_and_tables(tmp_path):
-    qk_distances.main(['--models', 'laplacianformer-t', '--num-images', '1', '--size', '32', '32',
-                       '--max-queries', '16', '--max-keys', '16', '--out', str(tmp_path)])
-    assert (tmp_path / 'qk_distances_laplacianformer-t.png').stat().st_size > 0
-    assert (tmp_path / 'qk_distances_normalised.png').stat().st_size > 0
+    run_cli('qk_distances.py', '--models', 'laplacianformer-t', '--num-images', '1',
+            '--size', '32', '32', '--max-queries', '16', '--max-keys', '16',
+            '--out', str(tmp_path))
+    # One column per stage (3.2 inches each), rows ℓ1 (C0 blue) and squared ℓ2 (C1 orange).
+    histograms = read_png(tmp_path / 'qk_distances_laplacianformer-t.png')
+    assert histograms.shape[:2] == (int(5.4 * DPI), int(4 * 3.2 * DPI))
+    assert colour_pixels(histograms, '#1f77b4') > 1000
+    assert colour_pixels(histograms, '#ff7f0e') > 1000
+    normalised = read_png(tmp_path / 'qk_distances_normalised.png')
+    assert normalised.shape[:2] == (int(3.6 * DPI), 10 * DPI)
+    assert colour_pixels(normalised, '#1f77b4') > 100  # the one model's step histograms
     data = json.loads((tmp_path / 'qk_distance_stats.json').read_text())
     stats = data['stats']['laplacianformer-t']
     assert sorted(stats) == ['0', '1', '2', '3']
@@ -32,24 +60,33 @@ def test_qk_distances_cli_writes_plots_and_tables(tmp_path):
 
 
 def test_qk_distances_rejects_bad_checkpoint_argument():
+    from lapformer_mm.analysis.qk_distances import parse_checkpoints
     with pytest.raises(ValueError, match='MODEL=PATH'):
-        qk_distances.parse_checkpoints(['resnet=x.pth'])
+        parse_checkpoints(['resnet=x.pth'])
 
 
 def test_attention_maps_cli_writes_both_figures(tmp_path):
-    attention_maps.main(['--size', '32', '32', '--stage', '2', '--block', '2',
-                         '--out', str(tmp_path)])
-    assert (tmp_path / 'attention_maps.png').stat().st_size > 0
-    assert (tmp_path / 'kernel_gradients.png').stat().st_size > 0
+    out = run_cli('attention_maps.py', '--size', '32', '32', '--stage', '2', '--block', '2',
+                  '--out', str(tmp_path))
+    assert 'attention_maps.png' in out
+    maps = read_png(tmp_path / 'attention_maps.png')
+    assert maps.shape[:2] == (int(6.6 * DPI), 13 * DPI)
+    assert colour_pixels(maps, '#ff0000', tol=0.1) > 20  # the query markers
+    # Heat maps: viridis' dark end and bright end both occur.
+    assert colour_pixels(maps, '#440154', tol=0.08) > 20
+    assert colour_pixels(maps, '#fde725', tol=0.08) > 20
+    gradients = read_png(tmp_path / 'kernel_gradients.png')
+    assert gradients.shape[:2] == (int(3.4 * DPI), 9 * DPI)
+    assert colour_pixels(gradients, '#1f77b4') > 100  # Laplacian
+    assert colour_pixels(gradients, '#ff7f0e') > 100  # Gaussian
 
 
 def test_attention_maps_rejects_softmax_stage():
-    import model_zoo
     model = model_zoo.build_backbone('laplacianformer-t-softmax4', config_overrides=dict(
         arch=dict(embed_dims=[8, 8, 8, 8], num_heads=[1, 1, 1, 1], depths=[1, 1, 1, 1])))
     with pytest.raises(ValueError, match='not LaplacianAttention'):
         attention_maps.capture_block(model, torch.randn(1, 3, 32, 32), stage=4, block=1)
-    with pytest.raises(ValueError, match='--block'):
+    with pytest.raises(ValueError, match='block must be in'):
         attention_maps.capture_block(model, torch.randn(1, 3, 32, 32), stage=1, block=2)
 
 
@@ -98,11 +135,11 @@ def test_benchmark_fwdbwd_call_leaves_no_gradients():
 
 def test_benchmark_memory_child_reports_a_positive_peak():
     # A fresh interpreter: the memory phase forks before any model exists, as main() does.
-    code = ('import torch, benchmark_backbones as b; '
+    code = ('import torch; from benchmarks import backbones as b; '
             "mib, error = b.measure_memory('laplacianformer-t', (64, 64), 'fwd', "
             "torch.device('cpu'), timeout=600); print('RESULT', mib, error)")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                         cwd=osp.join(ROOT, 'tools'), timeout=900,
+                         cwd=ROOT, timeout=900,
                          env=dict(os.environ, PYTHONPATH=ROOT))
     result = [line.split() for line in out.stdout.splitlines() if line.startswith('RESULT')]
     assert result, out.stderr[-2000:]

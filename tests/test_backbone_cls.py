@@ -1,5 +1,4 @@
 """ImageNet configs parse, the classifier->backbone converter, param counts, FLOP handlers."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,13 +12,6 @@ from lapformer_mm.models import ARCH_SETTINGS, LaplacianAttention, LaplacianForm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = {'t': ('tiny', 0.1), 's': ('small', 0.2), 'm': ('medium', 0.3), 'l': ('large', 0.4),
          'h': ('huge', 0.5)}
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, 'tools', f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize('short', sorted(SIZES))
@@ -81,7 +73,7 @@ def test_convert_cls_to_backbone(tmp_path):
 
 
 def test_flop_handlers_count_the_attention_core():
-    tool = load_tool('count_params_flops')
+    from lapformer_mm.analysis.flops import flop_analyzer
     torch.manual_seed(0)
     dim, heads, hw, iters = 64, 2, (10, 12), 5
     attn = LaplacianAttention(dim, heads, newton_iters=iters).eval()
@@ -95,11 +87,7 @@ def test_flop_handlers_count_the_attention_core():
         def forward(self, x):
             return self.attn(x, hw)
 
-    from mmengine.analysis import FlopAnalyzer
-    analyzer = FlopAnalyzer(Wrapped(), (x, ))
-    analyzer.set_op_handle(**tool.VISIBLE_HANDLES, **tool.KERNEL_HANDLES, **tool.SOLVE_HANDLES)
-    analyzer.unsupported_ops_warnings(False)
-    by_op = analyzer.by_operator()
+    by_op = flop_analyzer(Wrapped(), (x, )).by_operator()
     n, d, m = hw[0] * hw[1], dim // heads, 7 * 7
     # qk_shared: k(q, L) once and k(L, L), each N·M·(d + 1)
     assert by_op['PythonOp.LaplacianKernel'] == heads * (n * m + m * m) * (d + 1)

@@ -1,20 +1,12 @@
-"""tools/bench_ops.py runs end to end (CPU rows only here; it never asserts on time)."""
-import importlib.util
+"""benchmarks/cuda_ops.py runs end to end (CPU rows only here; it never asserts on time)."""
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import torch
 
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location('bench_ops', ROOT / 'tools' / 'bench_ops.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import cuda_ops as bench
 
 
 def test_bench_cpu_smoke(tmp_path):
-    bench = load_bench()
     results, failed = bench.main(['--device', 'cpu', '--n', '40', '--m', '9', '--bh', '2', '--d', '8',
                                   '--min-time-s', '0', '--sections', 'kernel', 'attention',
                                   'newton_schulz', '--out', str(tmp_path)])
@@ -27,7 +19,7 @@ def test_bench_cpu_smoke(tmp_path):
     assert failed and text.count('FAIL (not measured)') == len(bench.target_summary(results))
 
 
-def target_rows(bench, fused_ms, errored=False):
+def target_rows(fused_ms, errored=False):
     """Rows of every target with the reference at 10 ms and the fast side at fused_ms."""
     n, bh = bench.TARGET_N, bench.TARGET_BH
     k = dict(section='kernel', n=n, m=49, bh=bh, mode='fwd+bwd', status='ok')
@@ -44,12 +36,11 @@ def target_rows(bench, fused_ms, errored=False):
 
 
 def test_targets_pass_fail_and_errors():
-    bench = load_bench()
-    assert bench.failures(target_rows(bench, fused_ms=1.0)) == ([], [])
-    errors, missed = bench.failures(target_rows(bench, fused_ms=1.0, errored=True))
+    assert bench.failures(target_rows(fused_ms=1.0)) == ([], [])
+    errors, missed = bench.failures(target_rows(fused_ms=1.0, errored=True))
     assert len(errors) == 1 and [t[0] for t in missed] == [bench.target_summary([])[0][0]]
     # 10 / 2.5 = 4x: the 5x kernel target is missed, the 3x solver and 1x attention ones hold.
-    _, missed = bench.failures(target_rows(bench, fused_ms=2.5))
+    _, missed = bench.failures(target_rows(fused_ms=2.5))
     assert [t[2] for t in missed] == [5.0]
     assert bench.target_verdict(None, 3.0) == 'FAIL (not measured)'
     assert bench.target_verdict(3.0, 3.0) == 'PASS' and bench.target_verdict(2.99, 3.0) == 'FAIL'
@@ -58,11 +49,10 @@ def test_targets_pass_fail_and_errors():
 def test_cdist_backward_row_left_out_past_int32_elements():
     """torch.cdist's CUDA backward faulted at (64, 66600, 49, 32) on the H200 (6.7e9 elements
     in its (batch, N, M, d) buffer): that row keeps only its forward from 2^31 elements on."""
-    bench = load_bench()
     args = bench.parse_args(['--device', 'cpu', '--n', '66600', '--m', '49', '--bh', '4', '64',
                              '--sections', 'kernel'])
     modes = {(row['bh'], row['method']): row['modes']
-             for row, _, _ in bench.kernel_rows(args, bench.torch.device('cpu'))}
+             for row, _, _ in bench.kernel_rows(args, torch.device('cpu'))}
     assert modes[(64, 'laplacian cdist+exp')] == ('fwd',)
     assert modes[(4, 'laplacian cdist+exp')] == ('fwd', 'fwd+bwd')
     assert modes[(64, 'laplacian reference')] == ('fwd', 'fwd+bwd')

@@ -9,7 +9,7 @@
 #   tests        gpu_tests.txt      pytest -m gpu: tests/test_cuda_ops.py and the attention-level
 #                                   CuPy-vs-reference property tests; a skipped test fails the step
 #   sanitizer    sanitizer.txt      compute-sanitizer memcheck and racecheck of
-#                                   tools/cuda_sanitize_cases.py (every kernel instantiation)
+#                                   benchmarks/cuda_sanitize_cases.py (every kernel instantiation)
 #   bench_ops    bench_ops.md/.json kernel, solver and attention benchmark; PASS/FAIL per target
 #   backbones    bench_backbones.md/.json  LaplacianFormer-T vs timm PVTv2-b1 and Swin-T, 800x1333
 #   summary.txt  PASS/FAIL per step
@@ -91,18 +91,18 @@ if wanted sanitizer; then
     for tool in memcheck racecheck; do
         echo "=== compute-sanitizer --tool $tool ===" >> "$OUT/sanitizer.txt"
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 run_step "sanitizer $tool" 90 "$OUT/sanitizer.txt" \
-            compute-sanitizer --tool "$tool" --error-exitcode 3 "$PY" tools/cuda_sanitize_cases.py
+            compute-sanitizer --tool "$tool" --error-exitcode 3 "$PY" benchmarks/cuda_sanitize_cases.py
     done
 fi
 
 if wanted bench_ops; then
-    run_step bench_ops 110 "$OUT/bench_ops.log" "$PY" tools/bench_ops.py --out "$OUT" \
+    run_step bench_ops 110 "$OUT/bench_ops.log" "$PY" benchmarks/cuda_ops.py --out "$OUT" \
         --n 3136 16384 66600 --m 49 64 --bh 4 64 --budget-s 70 --min-time-s 0.05
     rm -f "$OUT/bench_ops.log"
 fi
 
 if wanted backbones; then
-    run_step backbones 100 "$OUT/bench_backbones.log" "$PY" tools/bench_gpu_backbones.py \
+    run_step backbones 100 "$OUT/bench_backbones.log" "$PY" benchmarks/backbones_gpu.py \
         --out "$OUT" --sizes 800x1333 --batch 2 --repeats 10
     rm -f "$OUT/bench_backbones.log"
 fi

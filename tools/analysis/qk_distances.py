@@ -1,17 +1,8 @@
 """Query–key distance distributions per stage of LaplacianFormer, PVTv2 and Swin.
 
-Hooks every attention layer (tools/analysis/qk_capture.py), runs a set of
-images through each backbone, samples (query, key) pairs per layer and pools
-them per stage. Writes, for ℓ1 and squared-ℓ2 distances:
-
-* ``<out>/qk_distances_<model>.png``: histograms per stage (log density);
-* ``<out>/qk_distances_normalised.png``: all models, distances divided by
-  their stage median, so tails of differently scaled models are comparable;
-* ``<out>/qk_distance_stats.md`` and ``.json``: excess kurtosis, share of
-  outliers beyond Q3 + 1.5·IQR, quantiles, q99/q50.
-
-Weights are random unless ``--checkpoint MODEL=PATH`` is given: distances of
-random-init models are NOT the statistics of the paper's trained models.
+Writes histograms, a markdown table and a JSON of tail statistics to ``--out``
+(:mod:`lapformer_mm.analysis.qk_distances`). Weights are random unless
+``--checkpoint MODEL=PATH`` is given.
 
 Example::
 
@@ -19,121 +10,13 @@ Example::
         --num-images 4 --size 224 224 --out docs/analysis
 """
 import argparse
-import json
-import os
-import os.path as osp
-import sys
 
-import numpy as np
 import torch
 
-sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
-from images import load_images, to_tensor  # noqa: E402
-from model_zoo import BACKBONE_CONFIGS, build_backbone  # noqa: E402
-from qk_capture import capture_qk  # noqa: E402
-from tail_stats import METRICS, DistanceCollector, tail_statistics  # noqa: E402
-
-METRIC_LABELS = {'l1': 'ℓ1 distance ||q - k||₁', 'sq_l2': 'squared ℓ2 distance ||q - k||₂²'}
-DEFAULT_MODELS = ('laplacianformer-t', 'pvtv2-b1', 'swin-t')
-
-
-def parse_checkpoints(items):
-    """['model=path', ...] -> {model: path}."""
-    checkpoints = {}
-    for item in items or []:
-        name, sep, path = item.partition('=')
-        if not sep or name not in BACKBONE_CONFIGS:
-            raise ValueError(f'--checkpoint must be MODEL=PATH with MODEL in '
-                             f'{sorted(BACKBONE_CONFIGS)}, got {item!r}')
-        checkpoints[name] = path
-    return checkpoints
-
-
-def collect_distances(model, batches, collector):
-    """Run each (B, 3, H, W) batch through ``model``; every attention call goes to ``collector``."""
-    for batch in batches:
-        with capture_qk(model) as records:
-            model(batch)
-        for record in records:
-            collector.add(record)
-    return collector
-
-
-def model_statistics(collector):
-    """{stage: {metric: tail_statistics}} of one collector."""
-    return {stage: {metric: tail_statistics(collector.values(stage, metric))
-                    for metric in METRICS}
-            for stage in collector.stages()}
-
-
-def plot_model_histograms(name, collector, path, bins=80):
-    """Per-stage log-density histograms of both metrics for one model -> PNG."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    stages = collector.stages()
-    fig, axes = plt.subplots(len(METRICS), len(stages), figsize=(3.2 * len(stages), 5.4),
-                             squeeze=False)
-    for row, metric in enumerate(METRICS):
-        for col, stage in enumerate(stages):
-            values = collector.values(stage, metric)
-            q1, q3 = np.quantile(values, [0.25, 0.75])
-            ax = axes[row, col]
-            ax.hist(values, bins=bins, density=True, log=True, color=f'C{row}')
-            ax.axvline(q3 + 1.5 * (q3 - q1), color='k', lw=0.8, ls='--')
-            ax.set_title(f'stage {stage + 1}', fontsize=9)
-            ax.tick_params(labelsize=7)
-            if col == 0:
-                ax.set_ylabel(f'{METRIC_LABELS[metric]}\nlog density', fontsize=8)
-    fig.suptitle(f'{name}: query–key distances (dashed: Q3 + 1.5·IQR)', fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
-
-
-def median_normalised(values):
-    """values / median(values); the values unchanged when the median is 0.
-
-    A zero median happens when most pairs are identical tokens, e.g. Swin's
-    zero padding at sizes whose stage grids are not multiples of the window.
-    """
-    median = np.median(values)
-    return values / median if median > 0 else values
-
-
-def plot_normalised(collectors, path, bins=100):
-    """All models, all stages pooled, distances / stage median -> PNG (log density)."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(10, 3.6))
-    for ax, metric in zip(axes, METRICS):
-        for i, (name, collector) in enumerate(collectors.items()):
-            values = np.concatenate([median_normalised(collector.values(s, metric))
-                                     for s in collector.stages()])
-            ax.hist(values, bins=bins, density=True, log=True, histtype='step',
-                    color=f'C{i}', label=name)
-        ax.set_xlabel(f'{METRIC_LABELS[metric]} / stage median', fontsize=9)
-        ax.set_ylabel('log density', fontsize=9)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
-
-
-def markdown_table(all_stats):
-    """Markdown table: one row per model, stage and metric."""
-    header = ('| model | stage | metric | n | excess kurtosis | outliers > Q3+1.5IQR '
-              '| q50 | q90 | q99 | q99.9 | q99/q50 |')
-    lines = [header, '|' + '---|' * (header.count('|') - 1)]
-    for name, stages in all_stats.items():
-        for stage, metrics in stages.items():
-            for metric, s in metrics.items():
-                lines.append(
-                    f"| {name} | {int(stage) + 1} | {metric} | {s['n']} | {s['kurtosis']:.2f} | "
-                    f"{100 * s['outlier_share']:.2f}% | {s['q50']:.3g} | {s['q90']:.3g} | "
-                    f"{s['q99']:.3g} | {s['q99.9']:.3g} | {s['q99_over_q50']:.2f} |")
-    return '\n'.join(lines)
+from lapformer_mm.analysis.images import load_images, to_tensor
+from lapformer_mm.analysis.model_zoo import BACKBONE_CONFIGS
+from lapformer_mm.analysis.qk_distances import (DEFAULT_MODELS, distance_collectors,
+                                                parse_checkpoints, write_report)
 
 
 def parse_args(argv=None):
@@ -167,28 +50,13 @@ def main(argv=None):
     checkpoints = parse_checkpoints(args.checkpoint)
     torch.manual_seed(args.seed)
     images = load_images(args.images, args.num_images, tuple(args.size), args.seed)
-    tensor = to_tensor(images)
-    batches = tensor.split(args.batch_size)
-    os.makedirs(args.out, exist_ok=True)
-    collectors, all_stats = {}, {}
-    for name in args.models:
-        model = build_backbone(name, checkpoints.get(name))
-        collector = DistanceCollector(args.max_queries, args.max_keys, args.max_windows,
-                                      args.max_samples, args.seed)
-        collectors[name] = collect_distances(model, batches, collector)
-        all_stats[name] = model_statistics(collector)
-        plot_model_histograms(name, collector, osp.join(args.out, f'qk_distances_{name}.png'))
-        source = f'checkpoint {checkpoints[name]}' if name in checkpoints else 'random init'
-        print(f'{name}: done ({source})', flush=True)
-    plot_normalised(collectors, osp.join(args.out, 'qk_distances_normalised.png'))
-    table = markdown_table(all_stats)
+    batches = to_tensor(images).split(args.batch_size)
+    collectors = distance_collectors(
+        args.models, batches, checkpoints, args.seed, max_queries=args.max_queries,
+        max_keys=args.max_keys, max_batches=args.max_windows, max_samples=args.max_samples)
     weights = {n: checkpoints.get(n, 'random init') for n in args.models}
-    with open(osp.join(args.out, 'qk_distance_stats.md'), 'w') as f:
-        f.write(f'Weights: {weights}. Images: {args.images or "synthetic"} '
-                f'x{len(images)} at {args.size[0]}x{args.size[1]}.\n\n{table}\n')
-    with open(osp.join(args.out, 'qk_distance_stats.json'), 'w') as f:
-        json.dump(dict(weights=weights, stats=all_stats), f, indent=1)
-    print(table)
+    description = f'{args.images or "synthetic"} x{len(images)} at {args.size[0]}x{args.size[1]}'
+    print(write_report(collectors, weights, description, args.out))
 
 
 if __name__ == '__main__':

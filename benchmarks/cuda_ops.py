@@ -18,8 +18,8 @@ kernel rows the achieved rate of distance terms (one |x_it - y_jt| or
 peak (SMs x FP32 lanes x 2 x clock). Forward counts 1 pass over the N*m*d
 terms, forward+backward 3 (C, dx, dy).
 
-    PYTHONPATH=. python tools/bench_ops.py --out "$OUT"            # GPU, full grid
-    PYTHONPATH=. python tools/bench_ops.py --device cpu --n 512 --m 49 --bh 2  # smoke run
+    PYTHONPATH=. python benchmarks/cuda_ops.py --out "$OUT"            # GPU, full grid
+    PYTHONPATH=. python benchmarks/cuda_ops.py --device cpu --n 512 --m 49 --bh 2  # smoke run
 
 Writes ``bench_ops.md`` and ``bench_ops.json`` to ``--out``. Runs past
 ``--budget-s`` are skipped and marked, never silently dropped; the target rows
@@ -38,6 +38,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from lapformer_mm.analysis.timing import time_once
+from lapformer_mm.ops.profiling import cuda_peak_memory
 
 LAM = 4.0
 #: Stage 1 of LaplacianFormer-T at 800x1333, batch 2: 200 x 333 tokens, 2 heads of d = 32.
@@ -78,31 +81,11 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_once(fn, device):
-    """Seconds of one call of fn (CUDA events on GPU, wall clock on CPU)."""
-    if device.type == 'cuda':
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def measure(fn, device, min_time_s):
     """(median seconds, peak extra bytes or None)."""
     fn()  # warm-up: compilation, cuBLAS handles, allocator
     _sync(device)
-    peak = None
-    if device.type == 'cuda':
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        _sync(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
+    peak = cuda_peak_memory(fn, device)[0] if device.type == 'cuda' else None
     times = [time_once(fn, device)]
     reps = max(3, min(50, math.ceil(min_time_s / max(times[0], 1e-6))))
     times += [time_once(fn, device) for _ in range(reps - 1)]

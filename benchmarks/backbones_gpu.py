@@ -22,7 +22,7 @@ for comparison, with the PyTorch reference ops (``laplacianformer-t-ref``).
 timm is needed here, OpenMMLab is not (mmengine only, for the backbone's base
 class).
 
-    python3 tools/bench_gpu_backbones.py --out "$OUT" --sizes 800x1333 --batch 2
+    python3 benchmarks/backbones_gpu.py --out "$OUT" --sizes 800x1333 --batch 2
 
 Writes ``bench_backbones.md`` and ``.json`` to ``--out``; exits 1 when any
 row failed.
@@ -37,17 +37,12 @@ from pathlib import Path
 
 import torch
 
+from lapformer_mm.analysis.timing import parse_size, time_once
+from lapformer_mm.ops.profiling import cuda_peak_memory
+
 MODELS = ('laplacianformer-t', 'laplacianformer-t-ref', 'pvtv2-b1', 'swin-t')
 MODES = ('fwd', 'fwdbwd')
 PRECISIONS = ('fp32', 'bf16')
-
-
-def parse_size(text):
-    try:
-        height, width = (int(v) for v in text.lower().split('x'))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'size must be HxW, got {text!r}') from None
-    return height, width
 
 
 def parse_args(argv):
@@ -98,24 +93,9 @@ def make_call(model, x, mode, precision):
 
 
 def time_call(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    """Median, min and max milliseconds of ``repeats`` calls, CUDA events."""
+    times = [time_once(fn, 'cuda') * 1e3 for _ in range(repeats)]
     return statistics.median(times), min(times), max(times)
-
-
-def peak_extra_mib(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
 def measure(name, size, args):
@@ -139,7 +119,7 @@ def measure(name, size, args):
                 fn = make_call(model, x, mode, precision)
                 fn()
                 model.zero_grad(set_to_none=True)
-                row['peak_mib'] = peak_extra_mib(fn)
+                row['peak_mib'] = cuda_peak_memory(fn)[0] / 2 ** 20
                 model.zero_grad(set_to_none=True)
                 row['ms'], row['ms_min'], row['ms_max'] = time_call(fn, args.repeats)
                 model.zero_grad(set_to_none=True)
@@ -183,7 +163,7 @@ def environment():
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
-        raise SystemExit('bench_gpu_backbones.py needs a CUDA device')
+        raise SystemExit('backbones_gpu.py needs a CUDA device')
     env = environment()
     print('\n'.join(f'# {k}: {v}' for k, v in env.items()))
     print('| ' + ' | '.join(COLUMNS) + ' |')
@@ -197,7 +177,7 @@ def main(argv=None):
         (args.out / 'bench_backbones.json').write_text(json.dumps(dict(env=env, rows=rows), indent=1))
     failed = [r for r in rows if r['status'] != 'ok']
     if failed:
-        print(f'bench_gpu_backbones: {len(failed)} row(s) failed', file=sys.stderr)
+        print(f'backbones_gpu: {len(failed)} row(s) failed', file=sys.stderr)
         return 1
     return 0
 

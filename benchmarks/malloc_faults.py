@@ -7,20 +7,17 @@ adds). One torch thread.
 
 Example::
 
-    python tools/analysis/malloc_faults.py            # glibc defaults
-    python tools/analysis/malloc_faults.py --keep     # thresholds raised first
+    python benchmarks/malloc_faults.py            # glibc defaults
+    python benchmarks/malloc_faults.py --keep     # thresholds raised first
 """
 import argparse
-import os.path as osp
 import resource
 import sys
 import time
 
-sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
+import torch
 
-import torch  # noqa: E402
-
-from lapformer_mm.cpu_malloc import keep_large_blocks  # noqa: E402
+from lapformer_mm.cpu_malloc import keep_large_blocks
 
 
 def minor_faults():

@@ -3,15 +3,12 @@
 See :mod:`lapformer_mm.ops.sass` for what is counted. Needs the pip packages
 ``nvidia-cuda-nvrtc-cu12`` and ``nvidia-cuda-nvdisasm``.
 
-    python tools/cuda_sass.py                             # this checkout
-    python tools/cuda_sass.py --source-root /tmp/old      # another checkout (before/after)
+    python benchmarks/cuda_sass.py                             # this checkout
+    python benchmarks/cuda_sass.py --source-root /tmp/old      # another checkout (before/after)
 """
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lapformer_mm.ops.sass import PACKAGE_ROOT, report  # noqa: E402
+from lapformer_mm.ops.sass import PACKAGE_ROOT, report
 
 
 def main(argv=None):

@@ -13,54 +13,29 @@ keeps the defaults.
 
 Example::
 
-    python tools/benchmark.py configs/maskrcnn_lapformer_t.py --shape 800 1333 \\
+    python benchmarks/inference.py configs/maskrcnn_lapformer_t.py --shape 800 1333 \\
         --device cuda --repeats 50
-    python tools/benchmark.py configs/toy/maskrcnn_lapformer_t_toy.py --shape 128 128
+    python benchmarks/inference.py configs/toy/maskrcnn_lapformer_t_toy.py --shape 128 128
 """
 import argparse
 import os
-import os.path as osp
 import resource
 import statistics
-import sys
 import time
 
-sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+import torch
+from mmengine.config import DictAction
 
-import torch  # noqa: E402
-from mmengine.config import Config, DictAction  # noqa: E402
-from mmengine.registry import init_default_scope  # noqa: E402
-
-import lapformer_mm  # noqa: E402,F401  (registers LaplacianFormer)
-from lapformer_mm.cpu_malloc import keep_large_blocks  # noqa: E402
-
-
-def build_model(cfg, device):
-    scope = cfg.get('default_scope', 'mmdet')
-    init_default_scope(scope)
-    if scope == 'mmseg':
-        from mmseg.registry import MODELS
-    else:
-        from mmdet.registry import MODELS
-    cfg.model.backbone.init_cfg = None
-    model = MODELS.build(cfg.model)
-    model.init_weights()
-    return model.to(device).eval(), scope
+from lapformer_mm.analysis.model_zoo import build_from_config, data_samples
+from lapformer_mm.cpu_malloc import keep_large_blocks
 
 
 def random_batch(scope, batch_size, height, width):
     """Raw uint8 images + data samples, as the test dataloader would give."""
-    meta = dict(img_shape=(height, width), ori_shape=(height, width),
-                pad_shape=(height, width), scale_factor=(1.0, 1.0))
-    if scope == 'mmseg':
-        from mmseg.structures import SegDataSample as Sample
-    else:
-        from mmdet.structures import DetDataSample as Sample
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randint(0, 256, (3, height, width), generator=gen,
                             dtype=torch.uint8) for _ in range(batch_size)]
-    return dict(inputs=inputs,
-                data_samples=[Sample(metainfo=meta) for _ in range(batch_size)])
+    return dict(inputs=inputs, data_samples=data_samples(scope, height, width, batch_size))
 
 
 def max_rss_mib():
@@ -121,12 +96,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
     tuned_malloc = (args.device == 'cpu' and not args.glibc_malloc_defaults
                     and keep_large_blocks())
-    model, scope = build_model(cfg, args.device)
+    model, scope = build_from_config(args.config, args.cfg_options)
+    model.to(args.device)
     height, width = args.shape or ((512, 512) if scope == 'mmseg' else
                                    (800, 1333))
     data = random_batch(scope, args.batch_size, height, width)

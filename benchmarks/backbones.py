@@ -27,45 +27,28 @@ after the timing, and stored in the JSON.
 
 Example::
 
-    python tools/benchmark_backbones.py --sizes 512x512 800x1333 1024x1024 2048x2048 \\
+    python benchmarks/backbones.py --sizes 512x512 800x1333 1024x1024 2048x2048 \\
         --modes fwd fwdbwd --repeats 3 --memory --plot docs/analysis/backbone_cost.png
-    python tools/benchmark_backbones.py --profile laplacianformer-t --sizes 800x1333
+    python benchmarks/backbones.py --profile laplacianformer-t --sizes 800x1333
 """
 import argparse
 import json
 import os
 import os.path as osp
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
-sys.path.insert(0, osp.join(osp.dirname(osp.abspath(__file__)), 'analysis'))
-from lapformer_mm.cpu_malloc import KEEP_BYTES, keep_large_blocks  # noqa: E402
-from model_zoo import BACKBONE_CONFIGS, build_backbone, count_parameters, describe  # noqa: E402
+from lapformer_mm.analysis.model_zoo import (BACKBONE_CONFIGS, build_backbone, count_parameters,
+                                             describe)
+from lapformer_mm.analysis.timing import load_average, parse_size
+from lapformer_mm.cpu_malloc import KEEP_BYTES, keep_large_blocks
+from lapformer_mm.ops.profiling import cuda_peak_memory
 
 REFERENCE = 'laplacianformer-t'
 MODES = ('fwd', 'fwdbwd')
 DEFAULT_MODELS = ('laplacianformer-t', 'laplacianformer-s', 'pvtv2-b1', 'pvtv2-b2', 'swin-t')
-
-
-def parse_size(text):
-    """'HxW' -> (H, W)."""
-    try:
-        height, width = (int(v) for v in text.lower().split('x'))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'size must be HxW, got {text!r}') from None
-    if height < 1 or width < 1:
-        raise argparse.ArgumentTypeError(f'size must be positive, got {text!r}')
-    return height, width
-
-
-def load_average():
-    """The 1/5/15-minute load averages as a string (the numbers `uptime` shows)."""
-    one, five, fifteen = os.getloadavg()
-    return f'{one:.2f}, {five:.2f}, {fifteen:.2f}'
 
 
 def run_once(model, images, mode):
@@ -137,12 +120,7 @@ def measure_memory_here(name, size, mode, device):
     set_mode(model, mode)
     images = torch.randn(1, 3, *size, device=device)
     if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        run_once(model, images, mode)
-        torch.cuda.synchronize(device)
-        return (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
+        return cuda_peak_memory(lambda: run_once(model, images, mode), device)[0] / 2 ** 20
     before = read_status_kb('VmRSS')
     with open('/proc/self/clear_refs', 'w') as f:
         f.write('5')

@@ -2,18 +2,18 @@
 
 Two studies, each printing a table:
 
-``python tools/bench_attention.py speed``
+``python benchmarks/attention.py speed``
     Time and peak memory of forward and forward+backward versus the number of
     tokens N for Laplacian Nyström, Gaussian Nyström, softmax
     ``scaled_dot_product_attention`` and dense Laplacian attention (while its
     N×N matrix fits the ``--dense-max`` limit); writes a plot
     (``--plot``, default docs/bench_attention.png).
 
-``python tools/bench_attention.py micro``
+``python benchmarks/attention.py micro``
     The measurements behind two CPU choices of the reference ops: the
     Newton–Schulz solve on one thread, and the landmark gradient in blocks.
 
-``python tools/bench_attention.py ns``
+``python benchmarks/attention.py ns``
     Newton–Schulz iterations needed to reach a spectral residual
     ||I - P X||_2 < tol on landmark matrices P = k(L, L) + eps·I of smooth
     pooled features, bucketed by condition number; this chose
@@ -27,18 +27,15 @@ import argparse
 import math
 import os
 import platform
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lapformer_mm.ops import (injective_normalize, laplacian_kernel,  # noqa: E402
-                              nystrom_attention, pool_landmarks)
-from lapformer_mm.ops.profiling import peak_memory_bytes  # noqa: E402
-from lapformer_mm.ops.solvers import newton_schulz_iterate  # noqa: E402
+from lapformer_mm.analysis.timing import best_time, wall_times
+from lapformer_mm.ops import (injective_normalize, laplacian_kernel, nystrom_attention,
+                              pool_landmarks)
+from lapformer_mm.ops.profiling import peak_memory_bytes
+from lapformer_mm.ops.solvers import newton_schulz_iterate
 
 
 # ---------------------------------------------------------------- NS study
@@ -152,23 +149,6 @@ def make_methods(args):
     }
 
 
-def best_time(fn, repeats):
-    """Minimum (wall s, process CPU s) of ``fn()`` over ``repeats`` runs after a warm-up.
-
-    The cores are shared with other jobs, whose interference only adds time,
-    so the minimum is the least disturbed estimate. Process CPU time (all
-    threads) is reported next to wall time.
-    """
-    fn()
-    walls, cpus = [], []
-    for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
-        fn()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    return min(walls), min(cpus)
-
-
 def measure(method, num_tokens, args):
     """(fwd (wall, cpu) s, fwd+bwd (wall, cpu) s, fwd+bwd peak bytes) at N tokens."""
     generator = torch.Generator().manual_seed(args.seed)
@@ -255,17 +235,6 @@ def plot(rows, path):
 
 
 # ---------------------------------------------------------------- micro study
-def wall_times(fn, repeats):
-    """Wall times of ``repeats`` runs of ``fn()`` after a warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def micro_study(args):
     """The two measurements behind the CPU-specific choices in the reference ops."""
     from lapformer_mm.ops import reference_kernels

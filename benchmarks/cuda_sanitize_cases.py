@@ -1,7 +1,7 @@
 """Launch every CUDA kernel instantiation once on small, odd shapes (for compute-sanitizer).
 
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python3 tools/cuda_sanitize_cases.py
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python3 tools/cuda_sanitize_cases.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python3 benchmarks/cuda_sanitize_cases.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize_cases.py
 
 Without PyTorch's caching allocator every tensor is its own cudaMalloc, so
 memcheck sees a read or write past any tensor's end. Shapes are not multiples

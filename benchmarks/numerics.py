@@ -8,17 +8,14 @@ fp64 evaluation with a direct solve, for solver='newton' (Newton–Schulz, the d
 'newton' with ``ns_refine=True`` (one step of iterative refinement after it), 'exact'
 and 'cg'. Then the CPU time of the refinement step against the whole attention.
 
-    python tools/numerics_table.py            # prints the markdown tables of docs/numerics.md
+    python benchmarks/numerics.py    # prints the markdown tables of docs/numerics.md
 """
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_attention import wall_times  # noqa: E402  (this script's folder is on sys.path)
-from lapformer_mm.ops import DEFAULT_NS_ITERS, nystrom_attention  # noqa: E402
+from lapformer_mm.analysis.timing import wall_times
+from lapformer_mm.ops import DEFAULT_NS_ITERS, nystrom_attention
 
 SPREADS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 N, M, D, LAM, EPS, WHITEN = 400, 49, 32, 4.0, 0.01, 1e-5

@@ -11,6 +11,9 @@ Weights are random (each model's ``init_weights``) unless the user passes a
 checkpoint, which is read with ``weights_only=True``
 (:func:`lapformer_mm.checkpoint.safe_load`) and loaded non-strictly. Nothing is
 downloaded.
+
+Whole detectors and segmentors for FLOP counts and speed: :func:`build_from_config`
+and :func:`data_samples`.
 """
 import copy
 
@@ -103,3 +106,41 @@ def count_parameters(model):
     """Number of parameters of ``model``."""
     return sum(p.numel() for p in model.parameters())
 
+
+
+def build_from_config(config, cfg_options=None):
+    """(model in eval mode, scope) of an mmdet/mmseg config, random weights, nothing loaded.
+
+    config: a config file path or an ``mmengine.Config``; cfg_options (dict | None):
+    overrides merged into it (``--cfg-options``).
+    """
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+
+    import lapformer_mm  # noqa: F401  registers LaplacianFormer
+    cfg = config if isinstance(config, Config) else Config.fromfile(config)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    scope = cfg.get('default_scope', 'mmdet')
+    init_default_scope(scope)
+    if scope == 'mmseg':
+        from mmseg.registry import MODELS
+    else:
+        from mmdet.registry import MODELS
+    cfg.model.backbone.init_cfg = None
+    model = MODELS.build(cfg.model)
+    model.init_weights()
+    model.eval()
+    return model, scope
+
+
+def data_samples(scope, height, width, count=1):
+    """``count`` data samples of an unscaled (height, width) image, the meta the heads read."""
+    meta = dict(img_shape=(height, width), ori_shape=(height, width),
+                pad_shape=(height, width), batch_input_shape=(height, width),
+                scale_factor=(1.0, 1.0))
+    if scope == 'mmseg':
+        from mmseg.structures import SegDataSample as Sample
+    else:
+        from mmdet.structures import DetDataSample as Sample
+    return [Sample(metainfo=meta) for _ in range(count)]

@@ -1,0 +1,229 @@
+"""Attention rows of one query under the Laplacian kernel, the Gaussian kernel and softmax.
+
+For a query position on the token grid of one LaplacianFormer block, the rows
+are computed from that block's own queries and keys (captured by hooks, see
+:mod:`.qk_capture`) and shown over the image, side by side:
+
+* top: row-normalised kernels k(q_i, k_j) / sum_j k(q_i, k_j) for the
+  Laplacian exp(-||q-k||₁/λ) and the Gaussian exp(-||q-k||₂²/λ), and softmax
+  of q·k/sqrt(d);
+* bottom: the same two kernels through the injective map (DESIGN.md 2.4) with
+  every key as a landmark (the dense limit of the layer), the effective row
+  of the layer itself (Nyström with its pooled landmarks: z_i · P⁻¹ · k(k, L)ᵀ,
+  whose product with v is the layer's attention output for query i), and a
+  profile of the row-normalised maps along the query's grid row.
+
+A second figure plots |dk/dr| against the distance r for both kernels,
+computed by autograd through lapformer_mm.ops and matching the analytic
+exp(-r/λ)/λ (Laplacian, → 1/λ at r → 0) and 2r/λ·exp(-r²/λ) (Gaussian, → 0).
+
+Weights are random unless ``--checkpoint`` is given, so maps show what a
+random-init layer does with these inputs, not what the paper's trained model does.
+
+Example::
+
+    python tools/analysis/attention_maps.py --size 224 224 --stage 1 --block 1 \\
+        --query 0.5 0.5 --out docs/analysis
+"""
+import numpy as np
+import torch
+
+from .qk_capture import capture_qk
+
+MAX_DENSE_TOKENS = 8192
+ROW_NAMES = ('laplacian', 'gaussian', 'softmax', 'laplacian_injective',
+             'gaussian_injective', 'laplacian_nystrom')
+
+
+def query_index(hw, position):
+    """Token index of a (row, col) position given as fractions in [0, 1] of an H×W grid."""
+    if not all(0.0 <= p <= 1.0 for p in position):
+        raise ValueError(f'query position must be two fractions in [0, 1], got {position}')
+    row = int(round(position[0] * (hw[0] - 1)))
+    col = int(round(position[1] * (hw[1] - 1)))
+    return row * hw[1] + col
+
+
+def row_normalised_kernel_row(q_i, k, kernel, lam):
+    """k(q_i, k_j) / sum_j k(q_i, k_j): q_i (h, d), k (h, N, d) -> (h, N)."""
+    from lapformer_mm.ops import gaussian_kernel, laplacian_kernel
+    fn = laplacian_kernel if kernel == 'laplacian' else gaussian_kernel
+    row = fn(q_i[:, None], k, lam, backend='reference')[:, 0]
+    return row / row.sum(-1, keepdim=True)
+
+
+def softmax_row(q_i, k):
+    """softmax_j(q_i · k_j / sqrt(d)): q_i (h, d), k (h, N, d) -> (h, N)."""
+    logits = torch.einsum('hd,hnd->hn', q_i, k) / k.shape[-1] ** 0.5
+    return logits.softmax(-1)
+
+
+def injective_dense_row(q, k, index, kernel, lam, whiten_eps):
+    """Row ``index`` of injective_normalize(k(q, k)) with all keys as landmarks.
+
+    q, k (h, N, d) -> (h, N). The whitening needs every query's kernel row, so
+    the (h, N, N) matrix is built; N is limited to MAX_DENSE_TOKENS.
+    """
+    from lapformer_mm.ops import gaussian_kernel, injective_normalize, laplacian_kernel
+    if q.shape[-2] > MAX_DENSE_TOKENS:
+        raise ValueError(f'the dense injective row needs N <= {MAX_DENSE_TOKENS} tokens, '
+                         f'got N={q.shape[-2]}; use a smaller --size or a later --stage')
+    fn = laplacian_kernel if kernel == 'laplacian' else gaussian_kernel
+    return injective_normalize(fn(q, k, lam, backend='reference'), whiten_eps)[:, index]
+
+
+def nystrom_row(q, k, hw, index, attn):
+    """Effective attention row of a LaplacianAttention layer for query ``index``.
+
+    q, k (h, N, d) -> (h, N): z_i · P⁻¹ · k(k, L)ᵀ with the layer's kernel, λ,
+    landmark grid, ε, normalisation and solver ('newton' with its iterations;
+    'exact' and 'cg' both use the exact inverse). Its product with v (h, N, d_v)
+    equals the layer's Nyström output for query i.
+    """
+    from lapformer_mm.ops import (gaussian_kernel, injective_normalize, laplacian_kernel,
+                                  newton_schulz_pinv, pool_landmarks)
+    fn = laplacian_kernel if attn.kernel == 'laplacian' else gaussian_kernel
+    landmarks = pool_landmarks(k[None], hw, attn.landmark_grid)[0]
+    c_q = fn(q, landmarks, attn.lam, backend='reference')
+    c_k = fn(k, landmarks, attn.lam, backend='reference')
+    w = fn(landmarks, landmarks, attn.lam, backend='reference')
+    p = w + attn.eps * torch.eye(w.shape[-1], dtype=w.dtype)
+    if attn.solver == 'newton':
+        p_inv = newton_schulz_pinv(p, attn.newton_iters, backend='reference')
+    else:
+        p_inv = torch.linalg.inv(p)
+    z = injective_normalize(c_q, attn.whiten_eps) if attn.normalize == 'injective' else c_q
+    return torch.einsum('hm,hmn,hjn->hj', z[:, index], p_inv, c_k)
+
+
+def attention_rows(q, k, hw, index, attn):
+    """All rows of ROW_NAMES for query ``index``; q, k (h, N, d) -> {name: (h, N)}."""
+    q, k = q.double(), k.double()
+    q_i = q[:, index]
+    return dict(
+        laplacian=row_normalised_kernel_row(q_i, k, 'laplacian', attn.lam),
+        gaussian=row_normalised_kernel_row(q_i, k, 'gaussian', attn.lam),
+        softmax=softmax_row(q_i, k),
+        laplacian_injective=injective_dense_row(q, k, index, 'laplacian', attn.lam,
+                                                attn.whiten_eps),
+        gaussian_injective=injective_dense_row(q, k, index, 'gaussian', attn.lam,
+                                               attn.whiten_eps),
+        laplacian_nystrom=nystrom_row(q, k, hw, index, attn))
+
+
+def kernel_gradient_curves(distances, lam):
+    """dk/dr at distances r > 0 by autograd through lapformer_mm.ops, both kernels.
+
+    In one dimension ||r - 0||₁ = r and ||r - 0||₂² = r², so the derivative
+    with respect to the input is dk/dr. Returns {'laplacian', 'gaussian'} ->
+    (values k(r), derivatives dk/dr), float64 numpy arrays.
+    """
+    from lapformer_mm.ops import gaussian_kernel, laplacian_kernel
+    r = torch.as_tensor(np.asarray(distances), dtype=torch.float64)
+    if (r <= 0).any():
+        raise ValueError('distances must be > 0 (|t| has no derivative at 0)')
+    curves = {}
+    for name, fn in (('laplacian', laplacian_kernel), ('gaussian', gaussian_kernel)):
+        x = r[:, None].clone().requires_grad_(True)
+        values = fn(x, torch.zeros(1, 1, dtype=torch.float64), lam, backend='reference')
+        (grad,) = torch.autograd.grad(values.sum(), x)
+        curves[name] = (values.detach()[:, 0].numpy(), grad[:, 0].numpy())
+    return curves
+
+
+def plot_kernel_gradients(lam, r_max, path, points=400):
+    """k(r) and |dk/dr| of both kernels against r in (0, r_max] -> PNG."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    r = np.linspace(r_max / points, r_max, points)
+    curves = kernel_gradient_curves(r, lam)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    labels = {'laplacian': 'Laplacian exp(-r/λ), r = ℓ1',
+              'gaussian': 'Gaussian exp(-r²/λ), r = ℓ2'}
+    for name, (values, grads) in curves.items():
+        axes[0].plot(r, values, label=labels[name])
+        axes[1].plot(r, np.abs(grads), label=labels[name])
+    axes[1].axhline(1.0 / lam, color='k', lw=0.7, ls=':', label='1/λ')
+    axes[0].set_title(f'kernel value, λ = {lam:g}', fontsize=9)
+    axes[1].set_title('|dk/dr| (autograd through lapformer_mm.ops)', fontsize=9)
+    for ax in axes:
+        ax.set_xlabel('distance r', fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return curves
+
+
+def _grid(row, hw):
+    """(h, N) row -> (H, W) map averaged over heads, as numpy."""
+    return row.mean(0).reshape(hw).numpy()
+
+
+def plot_attention_rows(image, rows, hw, index, path, title):
+    """The image with the query marked and every row as a heat map -> PNG."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    qy, qx = divmod(index, hw[1])
+    scale_y, scale_x = image.shape[0] / hw[0], image.shape[1] / hw[1]
+    fig, axes = plt.subplots(2, 4, figsize=(13, 6.6))
+    axes[0, 0].imshow(image)
+    axes[0, 0].plot((qx + 0.5) * scale_x, (qy + 0.5) * scale_y, 'r+', ms=14, mew=2)
+    axes[0, 0].set_title('image and query', fontsize=9)
+    titles = dict(laplacian='Laplacian, row-normalised', gaussian='Gaussian, row-normalised',
+                  softmax='softmax(q·k/√d)', laplacian_injective='Laplacian + injective (dense)',
+                  gaussian_injective='Gaussian + injective (dense)',
+                  laplacian_nystrom='layer row (Nyström, pooled landmarks)')
+    places = dict(laplacian=(0, 1), gaussian=(0, 2), softmax=(0, 3), laplacian_injective=(1, 1),
+                  gaussian_injective=(1, 2), laplacian_nystrom=(1, 3))
+    for name, (r, c) in places.items():
+        ax = axes[r, c]
+        im = ax.imshow(_grid(rows[name], hw), cmap='viridis')
+        ax.plot(qx, qy, 'r+', ms=10, mew=1.5)
+        ax.set_title(titles[name], fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
+    ax = axes[1, 0]
+    for name in ('laplacian', 'gaussian', 'softmax'):
+        profile = _grid(rows[name], hw)[qy]
+        ax.plot(profile / profile.max(), label=name)
+    ax.axvline(qx, color='r', lw=0.7)
+    ax.set_title("profile along the query's grid row (/ max)", fontsize=9)
+    ax.set_xlabel('grid column', fontsize=8)
+    ax.legend(fontsize=7)
+    for ax in axes.flat[1:4]:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    for ax in axes[1, 1:]:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    axes[0, 0].set_xticks([])
+    axes[0, 0].set_yticks([])
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+
+
+def capture_block(model, tensor, stage, block):
+    """(q, k, hw, attn) of one LaplacianFormer block for a (1, 3, H, W) input.
+
+    ``stage`` and ``block`` are 1-based; q, k are (h, N, d).
+    """
+    stages = model.stages
+    if not 1 <= stage <= len(stages):
+        raise ValueError(f'stage must be in [1, {len(stages)}], got {stage}')
+    if not 1 <= block <= len(stages[stage - 1].blocks):
+        raise ValueError(f'block must be in [1, {len(stages[stage - 1].blocks)}] for '
+                         f'stage {stage}, got {block}')
+    from lapformer_mm.models import LaplacianAttention
+    attn = stages[stage - 1].blocks[block - 1].attn
+    if not isinstance(attn, LaplacianAttention):
+        raise ValueError(f'stage {stage} uses {type(attn).__name__}, not LaplacianAttention; '
+                         'choose a Laplacian stage')
+    name = f'stages.{stage - 1}.blocks.{block - 1}.attn'
+    with capture_qk(model) as records:
+        model(tensor)
+    record = next(r for r in records if r.layer == name)
+    return record.q[0], record.k[0], record.hw, attn

@@ -1,0 +1,186 @@
+"""FLOPs of LaplacianFormer models with mmengine's ``FlopAnalyzer``, custom ops included.
+
+Counting convention (mmengine/fvcore): one FLOP is one multiply-add, counted by tracing
+with :class:`mmengine.analysis.FlopAnalyzer`; element-wise ops (activations, exp outside
+the kernels, the injective normalisation's centring and scaling) are not counted. The
+tracer does not see inside the attention's custom autograd functions, so
+:data:`FLOP_HANDLES` gives each of them a count:
+
+- kernel matrix k(x, y), x (..., N, d), y (..., M, d): N·M·(d + 1) per batch element;
+  each (pair, channel) is one subtract-abs-accumulate (for the Gaussian: one
+  square-accumulate), counted like a multiply-add, plus one exp per pair. With
+  ``qk_shared`` the query and key kernels coincide and are evaluated (and counted) once.
+- Newton–Schulz inverse of P (..., m, m), t iterations of X <- X (2I - P X):
+  2·m³·t + m² (two m×m products per step, the start).
+- landmark-sized matmul a (..., m, k) @ b (..., k, n): m·k·n, as mmengine counts matmul.
+- softmax attention (the stage-4 option): N·M·(d + d_v) per head.
+
+Each handle belongs to a part: ``kernel`` and ``solve`` are the opaque custom ops;
+``visible`` are products a tracer sees when the kernel and the solve are opaque (as in
+SOFT's released model). :func:`flop_totals` reports ``visible`` (comparable with the
+papers' tables) and ``full`` (visible + kernel + solve).
+"""
+import math
+
+import torch
+from torch import nn
+
+from lapformer_mm.ops import cupy_ops, reference_kernels, solvers
+
+KERNEL, SOLVE, VISIBLE = 'kernel', 'solve', 'visible'
+
+
+def _shape(value):
+    """Sizes of a traced tensor value (a ``torch._C.Value``)."""
+    return value.type().sizes()
+
+
+def _batch(shape, core):
+    return math.prod(shape[:-core])
+
+
+def pairwise_kernel_flops(inputs, outputs):
+    """x (..., N, d), y (..., M, d) -> batch · N · M · (d + 1)."""
+    x, y = _shape(inputs[0]), _shape(inputs[1])
+    return _batch(x, 2) * x[-2] * y[-2] * (x[-1] + 1)
+
+
+def newton_schulz_flops(inputs, outputs):
+    """P (..., m, m), t iterations -> batch · (2 m³ t + m²)."""
+    p = _shape(inputs[0])
+    iters = outputs[0].node().scalar_args()[0]
+    m = p[-1]
+    return _batch(p, 2) * (2 * m**3 * iters + m * m)
+
+
+def small_matmul_flops(inputs, outputs):
+    """a (..., m, k) @ b (..., k, n) -> batch · m · k · n."""
+    a, b = _shape(inputs[0]), _shape(inputs[1])
+    return _batch(a, 2) * a[-2] * a[-1] * b[-1]
+
+
+def softmax_attention_flops(inputs, outputs):
+    """q (..., N, d), k (..., M, d), v (..., M, d_v) -> batch · N · M · (d + d_v)."""
+    q, k, v = (_shape(t) for t in inputs[:3])
+    return _batch(q, 2) * q[-2] * k[-2] * (q[-1] + v[-1])
+
+
+#: op -> (part, handle): the reference (CPU) and CuPy (CUDA) autograd functions of
+#: lapformer_mm.ops, and the aten op of the softmax stage, which mmengine has no handle for.
+FLOP_HANDLES = {
+    reference_kernels.LaplacianKernel: (KERNEL, pairwise_kernel_flops),
+    reference_kernels.GaussianKernel: (KERNEL, pairwise_kernel_flops),
+    cupy_ops.PairwiseKernelFunction: (KERNEL, pairwise_kernel_flops),
+    solvers.NewtonSchulzInverse: (SOLVE, newton_schulz_flops),
+    cupy_ops.NewtonSchulzFunction: (SOLVE, newton_schulz_flops),
+    solvers.SmallMatmul: (VISIBLE, small_matmul_flops),
+    torch.ops.aten.scaled_dot_product_attention: (VISIBLE, softmax_attention_flops),
+}
+
+
+def traced_name(op):
+    """The node kind under which a ``torch.jit`` trace records a call of ``op``.
+
+    op: an ``autograd.Function`` subclass (traced as ``prim::PythonOp.<class name>``) or
+    a dispatcher op (``torch.ops.<namespace>.<name>``, its overloads, or a
+    ``torch.library.custom_op``), traced under its schema name.
+    """
+    if isinstance(op, type) and issubclass(op, torch.autograd.Function):
+        return f'prim::PythonOp.{op.__name__}'
+    if isinstance(op, torch.library.CustomOpDef):
+        op = op._opoverload
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = op.default
+    if isinstance(op, torch._ops.OpOverload):
+        return op._schema.name
+    raise TypeError('op must be an autograd.Function subclass or a torch.ops operator, '
+                    f'got {op!r}')
+
+
+def operator_key(op):
+    """The key of ``op`` in ``FlopAnalyzer.by_operator()`` (the traced name without namespace)."""
+    return traced_name(op).split('::', 1)[-1]
+
+
+def flop_analyzer(model, inputs):
+    """``FlopAnalyzer`` of ``model`` on the tuple ``inputs`` with :data:`FLOP_HANDLES` set."""
+    from mmengine.analysis import FlopAnalyzer
+    analyzer = FlopAnalyzer(model, inputs)
+    analyzer.set_op_handle(**{traced_name(op): handle
+                              for op, (_, handle) in FLOP_HANDLES.items()})
+    analyzer.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
+    analyzer.tracer_warnings('none')
+    return analyzer
+
+
+def flop_totals(analyzer):
+    """{'full', 'visible', 'kernel', 'solve'} FLOPs of an analyzer from :func:`flop_analyzer`."""
+    with torch.no_grad():
+        total = analyzer.total()
+        by_op = analyzer.by_operator()
+    parts = {KERNEL: 0, SOLVE: 0}
+    for op, (part, _) in FLOP_HANDLES.items():
+        if part in parts:
+            parts[part] += by_op.get(operator_key(op), 0)
+    return dict(full=total, visible=total - parts[KERNEL] - parts[SOLVE], **parts)
+
+
+class Classifier(nn.Module):
+    """Backbone -> global average pooling -> linear head (mmpretrain's ImageNet layout)."""
+
+    def __init__(self, backbone, num_classes=1000):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(backbone.embed_dims[-1], num_classes)
+
+    def forward(self, x):
+        return self.head(self.backbone(x)[-1].mean((2, 3)))
+
+
+def classifier_cost(arch, size, backbone_kwargs=None):
+    """Params (M) and FLOPs (G) of the ImageNet classifier of ``arch`` on one size² image.
+
+    The classifier is the backbone (``out_indices=(3,)``) + global average pooling + a
+    1000-class linear head, as in configs/cls/lapformer_*_in1k.py. Returns params,
+    backbone_params (M) and the :func:`flop_totals` parts (G).
+    """
+    from lapformer_mm.models import LaplacianFormer
+    torch.manual_seed(0)
+    model = Classifier(LaplacianFormer(arch, out_indices=(3, ), **(backbone_kwargs or {})))
+    totals = flop_totals(flop_analyzer(model.eval(), (torch.randn(1, 3, size, size), )))
+    return dict(params=_millions(model), backbone_params=_millions(model.backbone),
+                **{part: flops / 1e9 for part, flops in totals.items()})
+
+
+class TensorForward(nn.Module):
+    """``model._forward(x, samples)`` as a one-input module for tracing."""
+
+    def __init__(self, model, data_samples):
+        super().__init__()
+        self.model = model
+        self.data_samples = data_samples
+
+    def forward(self, x):
+        return self.model._forward(x, self.data_samples)
+
+
+def detector_cost(model, scope, height, width):
+    """Params (M) and FLOPs (G) of a built detector or segmentor on one height×width image.
+
+    Traces the tensor forward (backbone -> neck -> heads; for two-stage detectors the
+    RoI heads on the RPN's proposals). Returns params, backbone_params (M), full,
+    visible and backbone (G, the backbone's share of full).
+    """
+    from .model_zoo import data_samples
+    wrapped = TensorForward(model, data_samples(scope, height, width))
+    analyzer = flop_analyzer(wrapped, (torch.randn(1, 3, height, width), ))
+    totals = flop_totals(analyzer)
+    with torch.no_grad():
+        backbone = analyzer.by_module().get('model.backbone', 0)
+    return dict(full=totals['full'] / 1e9, visible=totals['visible'] / 1e9,
+                backbone=backbone / 1e9, params=_millions(model),
+                backbone_params=_millions(model.backbone))
+
+
+def _millions(module):
+    return sum(p.numel() for p in module.parameters()) / 1e6

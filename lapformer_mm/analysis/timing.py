@@ -1,0 +1,67 @@
+"""Timers, machine load and argument parsing shared by the scripts in ``benchmarks/``.
+
+Only torch and the standard library: the GPU benchmarks run without OpenMMLab.
+"""
+import argparse
+import os
+import time
+
+import torch
+
+
+def parse_size(text):
+    """'HxW' -> (H, W), both positive; an ``argparse`` type."""
+    try:
+        height, width = (int(v) for v in text.lower().split('x'))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'size must be HxW, got {text!r}') from None
+    if height < 1 or width < 1:
+        raise argparse.ArgumentTypeError(f'size must be positive, got {text!r}')
+    return height, width
+
+
+def load_average():
+    """The 1/5/15-minute load averages as a string (the numbers ``uptime`` shows)."""
+    one, five, fifteen = os.getloadavg()
+    return f'{one:.2f}, {five:.2f}, {fifteen:.2f}'
+
+
+def wall_times(fn, repeats):
+    """Wall seconds of ``repeats`` runs of ``fn()`` after one untimed warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def best_time(fn, repeats):
+    """Minimum (wall s, process CPU s) of ``fn()`` over ``repeats`` runs after a warm-up.
+
+    On cores shared with other jobs, interference only adds time, so the minimum is
+    the least disturbed estimate. Process CPU time counts all threads.
+    """
+    fn()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        fn()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return min(walls), min(cpus)
+
+
+def time_once(fn, device):
+    """Seconds of one call of ``fn()``: CUDA events on a CUDA device, wall clock otherwise."""
+    if torch.device(device).type == 'cuda':
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start

@@ -1,0 +1,45 @@
+"""The FLOP handles of lapformer_mm.analysis.flops are keyed on the node kinds that
+torch.jit's tracer really records for each op type."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lapformer_mm.analysis.flops import FLOP_HANDLES, flop_analyzer, flop_totals, traced_name
+from lapformer_mm.ops import reference_kernels, solvers
+
+
+def traced_kinds(fn, *inputs):
+    """Node kinds of a trace of ``fn``, PythonOps with their class name as mmengine does."""
+    graph = torch.jit.trace(fn, inputs, check_trace=False).graph
+    return {n.kind() + ('.' + n.pyname() if n.kind() == 'prim::PythonOp' else '')
+            for n in graph.nodes()}
+
+
+def test_traced_names_match_the_tracer():
+    x, y = torch.randn(1, 5, 4, requires_grad=True), torch.randn(1, 3, 4)
+    assert traced_name(reference_kernels.LaplacianKernel) in traced_kinds(
+        lambda a, b: reference_kernels.LaplacianKernel.apply(a, b, 4.0), x, y)
+    assert traced_name(solvers.SmallMatmul) in traced_kinds(
+        lambda a, b: solvers.SmallMatmul.apply(a, b.mT), x, y)
+    q = torch.randn(1, 2, 5, 4)
+    assert traced_name(torch.ops.aten.scaled_dot_product_attention) in traced_kinds(
+        lambda a: F.scaled_dot_product_attention(a, a, a), q)
+
+
+def test_every_handle_is_named_and_unknown_ops_are_refused():
+    names = [traced_name(op) for op in FLOP_HANDLES]
+    assert len(set(names)) == len(names)
+    with pytest.raises(TypeError, match='op must be'):
+        traced_name('prim::PythonOp.LaplacianKernel')
+
+
+def test_softmax_attention_counts_as_visible():
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    q, k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 6)
+    totals = flop_totals(flop_analyzer(Attention(), (q, k, v)))
+    # batch · heads · N · M · (d + d_v)
+    assert totals == dict(full=2 * 3 * 5 * 7 * (4 + 6), visible=2 * 3 * 5 * 7 * (4 + 6),
+                          kernel=0, solve=0)
