@@ -172,16 +172,15 @@ def cupy_usable(device):
 
 
 def kernel_methods(device):
-    from lapformer_mm.ops.reference_kernels import gaussian_kernel_reference, laplacian_kernel_reference
+    from lapformer_mm.ops import gaussian_kernel, laplacian_kernel
     methods = {
-        'laplacian reference': lambda x, y: laplacian_kernel_reference(x, y, LAM),
+        'laplacian reference': lambda x, y: laplacian_kernel(x, y, LAM, backend='reference'),
         'laplacian cdist+exp': lambda x, y: torch.exp(torch.cdist(x, y, p=1.0) * (-1.0 / LAM)),
-        'gaussian reference': lambda x, y: gaussian_kernel_reference(x, y, LAM),
+        'gaussian reference': lambda x, y: gaussian_kernel(x, y, LAM, backend='reference'),
     }
     if cupy_usable(device):
-        from lapformer_mm.ops import cupy_ops
-        methods['laplacian fused'] = lambda x, y: cupy_ops.laplacian_kernel(x, y, LAM)
-        methods['gaussian fused'] = lambda x, y: cupy_ops.gaussian_kernel(x, y, LAM)
+        methods['laplacian fused'] = lambda x, y: laplacian_kernel(x, y, LAM, backend='cupy')
+        methods['gaussian fused'] = lambda x, y: gaussian_kernel(x, y, LAM, backend='cupy')
     return methods
 
 
@@ -248,14 +247,25 @@ def sdpa(dtype):
     return flash
 
 
+def bmm_iterations(P, iters):
+    """Newton–Schulz as fp32 batched matmuls on P (batch, m, m): what the fused kernel replaces.
+
+    (The ops' reference runs its iterations in fp64 on CUDA, immune to TF32.)
+    """
+    from lapformer_mm.ops.solvers import newton_schulz_start
+    x = newton_schulz_start(P, 'identity').expand_as(P).contiguous()
+    for _ in range(iters):
+        x = torch.baddbmm(x, x, torch.bmm(P, x), beta=2.0, alpha=-1.0)
+    return x
+
+
 def newton_schulz_rows(args, device):
-    from lapformer_mm.ops import DEFAULT_NS_ITERS
-    from lapformer_mm.ops.solvers import newton_schulz_pinv_reference
-    methods = {'reference (autograd.Function)': lambda P: newton_schulz_pinv_reference(P, DEFAULT_NS_ITERS)}
+    from lapformer_mm.ops import DEFAULT_NS_ITERS, newton_schulz_pinv
+    methods = {'reference (bmm iterations)':
+               lambda P: newton_schulz_pinv(P, DEFAULT_NS_ITERS, backend='reference')}
     if cupy_usable(device):
-        from lapformer_mm.ops import cupy_ops
-        methods['fused'] = lambda P: cupy_ops.newton_schulz_pinv(P, DEFAULT_NS_ITERS)
-        methods['bmm iterations'] = lambda P: cupy_ops.twin_newton_schulz(P, DEFAULT_NS_ITERS, False)
+        methods['fused'] = lambda P: newton_schulz_pinv(P, DEFAULT_NS_ITERS, backend='cupy')
+        methods['bmm iterations'] = lambda P: bmm_iterations(P, DEFAULT_NS_ITERS)
     for m in args.m:
         for bh in args.bh:
             for name, op in methods.items():

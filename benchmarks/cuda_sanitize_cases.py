@@ -7,8 +7,8 @@ Without PyTorch's caching allocator every tensor is its own cudaMalloc, so
 memcheck sees a read or write past any tensor's end. Shapes are not multiples
 of the tiles (tails in N, M and d), the gradient runs with one reduction slice
 and with several, and Newton–Schulz runs with P in shared memory and in global
-memory, fp32 and fp64. Each result is also compared with the PyTorch twin, so
-a wrong value fails the script too (exit 1).
+memory, fp32 and fp64. Each result is also compared with the ops' PyTorch
+reference (``cuda_kernel=False``), so a wrong value fails the script too (exit 1).
 """
 import sys
 
@@ -16,6 +16,7 @@ import torch
 
 from lapformer_mm.ops import cuda_runtime as rt
 from lapformer_mm.ops import cupy_ops
+from lapformer_mm.ops.solvers import newton_schulz_iterate
 
 
 def close(name, got, expected, rtol):
@@ -27,19 +28,20 @@ def close(name, got, expected, rtol):
 
 
 def pairwise_cases():
+    ops = torch.ops.lapformer_mm
     ok = True
     gen = torch.Generator(device='cuda').manual_seed(0)
     for dtype, rtol in ((torch.float32, 1e-5), (torch.float64, 1e-12), (torch.float16, 2e-2),
                         (torch.bfloat16, 5e-2)):
-        for kind in rt.KINDS.values():
+        for name, kind in rt.KINDS.items():
             x = torch.randn(2, 67, 33, device='cuda', generator=gen).to(dtype)
             y = torch.randn(2, 5, 33, device='cuda', generator=gen).to(dtype)
             lam = 4.0 if kind == rt.LAPLACIAN else 40.0
             kmat = cupy_ops.fused_pairwise_forward(x, y, lam, kind)
             tag = f'{dtype} kind={kind}'
-            ok &= close(f'forward {tag}', kmat, cupy_ops.twin_pairwise_forward(x, y, lam, kind), rtol)
+            ok &= close(f'forward {tag}', kmat, ops.pairwise_kernel(x, y, lam, name, False), rtol)
             g = torch.randn(kmat.shape, device='cuda', generator=gen).to(dtype)
-            expected = cupy_ops.twin_pairwise_backward(g, kmat, x, y, lam, kind, True, True)
+            expected = ops.pairwise_kernel_backward(g, kmat, x, y, lam, name, True, True, False)
             for blocks in (1, 10_000):  # one reduction slice, and as many as the sizes allow
                 got = cupy_ops.fused_pairwise_backward(g, kmat, x, y, lam, kind, True, True, blocks)
                 ok &= close(f'dx {tag} blocks={blocks}', got[0], expected[0], rtol)
@@ -56,7 +58,7 @@ def newton_schulz_cases():
             P = (torch.exp(-torch.cdist(pts, pts, p=1.0) / 4.0) + 0.01 * torch.eye(m, device='cuda',
                                                                                   dtype=torch.float64)).to(dtype)
             mp, ld = rt.newton_schulz_stride(m)
-            expected = cupy_ops.twin_newton_schulz(P, 12, False)
+            expected = newton_schulz_iterate(P, 12, 'identity')
             for matrices in (3, 2):  # P in shared memory, then P read from global memory
                 limit = matrices * P.element_size() * mp * ld + rt.NS_STATIC_SMEM
                 got = cupy_ops.fused_newton_schulz(P, 12, False, limit)

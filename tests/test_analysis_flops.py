@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from lapformer_mm.analysis.flops import FLOP_HANDLES, flop_analyzer, flop_totals, traced_name
-from lapformer_mm.ops import reference_kernels, solvers
+from lapformer_mm.ops import kernels
 
 
 def traced_kinds(fn, *inputs):
@@ -17,10 +17,11 @@ def traced_kinds(fn, *inputs):
 
 def test_traced_names_match_the_tracer():
     x, y = torch.randn(1, 5, 4, requires_grad=True), torch.randn(1, 3, 4)
-    assert traced_name(reference_kernels.LaplacianKernel) in traced_kinds(
-        lambda a, b: reference_kernels.LaplacianKernel.apply(a, b, 4.0), x, y)
-    assert traced_name(solvers.SmallMatmul) in traced_kinds(
-        lambda a, b: solvers.SmallMatmul.apply(a, b.mT), x, y)
+    assert traced_name(kernels.pairwise_kernel_op) in traced_kinds(
+        lambda a, b: kernels.pairwise_kernel(a, b, 4.0, 'laplacian', False), x, y)
+    P = torch.eye(3).expand(2, 3, 3)
+    assert traced_name(kernels.newton_schulz_op) in traced_kinds(
+        lambda p: kernels.newton_schulz(p, 5, 'identity', False), P)
     q = torch.randn(1, 2, 5, 4)
     assert traced_name(torch.ops.aten.scaled_dot_product_attention) in traced_kinds(
         lambda a: F.scaled_dot_product_attention(a, a, a), q)
@@ -30,7 +31,7 @@ def test_every_handle_is_named_and_unknown_ops_are_refused():
     names = [traced_name(op) for op in FLOP_HANDLES]
     assert len(set(names)) == len(names)
     with pytest.raises(TypeError, match='op must be'):
-        traced_name('prim::PythonOp.LaplacianKernel')
+        traced_name('lapformer_mm::pairwise_kernel')
 
 
 def test_softmax_attention_counts_as_visible():

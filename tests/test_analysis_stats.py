@@ -110,9 +110,9 @@ class _Attn:
     """The attributes of LaplacianAttention that attention_maps reads."""
 
     def __init__(self, landmark_grid, eps, solver, newton_iters=None):
-        self.kernel, self.lam, self.normalize = 'laplacian', 4.0, 'injective'
-        self.landmark_grid, self.eps, self.solver = landmark_grid, eps, solver
-        self.newton_iters, self.whiten_eps = newton_iters, 1e-5
+        from lapformer_mm.ops import AttentionOptions
+        self.landmark_grid = landmark_grid
+        self.options = AttentionOptions(eps=eps, solver=solver, iters=newton_iters)
 
 
 @pytest.fixture

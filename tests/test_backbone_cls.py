@@ -90,10 +90,10 @@ def test_flop_handlers_count_the_attention_core():
     by_op = flop_analyzer(Wrapped(), (x, )).by_operator()
     n, d, m = hw[0] * hw[1], dim // heads, 7 * 7
     # qk_shared: k(q, L) once and k(L, L), each N·M·(d + 1)
-    assert by_op['PythonOp.LaplacianKernel'] == heads * (n * m + m * m) * (d + 1)
-    assert by_op['PythonOp.NewtonSchulzInverse'] == heads * (2 * m**3 * iters + m * m)
+    assert by_op['pairwise_kernel'] == heads * (n * m + m * m) * (d + 1)
+    assert by_op['newton_schulz'] == heads * (2 * m**3 * iters + m * m)
     assert by_op['linear'] == n * dim * 2 * dim + n * dim * dim
     assert by_op['conv'] == n * dim * 9
-    # Ck^T v and Z (...) as matmul; P^-1 (Ck^T v) as the landmark-sized SmallMatmul
-    assert by_op['matmul'] == heads * (m * n * d + n * m * d)
-    assert by_op['PythonOp.SmallMatmul'] == heads * m * m * d
+    # Ck^T v and Z (...), then the landmark-sized X (Ck^T v), P x and X r of the
+    # refinement step, all as matmul
+    assert by_op['matmul'] == heads * (m * n * d + n * m * d + 3 * m * m * d)

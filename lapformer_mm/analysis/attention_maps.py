@@ -75,24 +75,26 @@ def injective_dense_row(q, k, index, kernel, lam, whiten_eps):
 def nystrom_row(q, k, hw, index, attn):
     """Effective attention row of a LaplacianAttention layer for query ``index``.
 
-    q, k (h, N, d) -> (h, N): z_i · P⁻¹ · k(k, L)ᵀ with the layer's kernel, λ,
-    landmark grid, ε, normalisation and solver ('newton' with its iterations;
-    'exact' and 'cg' both use the exact inverse). Its product with v (h, N, d_v)
-    equals the layer's Nyström output for query i.
+    q, k (h, N, d) -> (h, N): z_i · S · k(k, L)ᵀ with the layer's options
+    (``attn.options``: kernel, λ, ε, normalisation, solver) and landmark grid, where S
+    is the operator the solve applies: the Newton–Schulz X, or 2X − X P X when the
+    refinement step follows (x + X (b − P x) with x = X b); 'exact' and 'cg' use the
+    exact inverse. Its product with v (h, N, d_v) equals the layer's Nyström output
+    for query i.
     """
-    from lapformer_mm.ops import (gaussian_kernel, injective_normalize, laplacian_kernel,
+    from lapformer_mm.ops import (injective_normalize, kernel_matrix, landmark_matrix,
                                   newton_schulz_pinv, pool_landmarks)
-    fn = laplacian_kernel if attn.kernel == 'laplacian' else gaussian_kernel
+    opts = attn.options
     landmarks = pool_landmarks(k[None], hw, attn.landmark_grid)[0]
-    c_q = fn(q, landmarks, attn.lam, backend='reference')
-    c_k = fn(k, landmarks, attn.lam, backend='reference')
-    w = fn(landmarks, landmarks, attn.lam, backend='reference')
-    p = w + attn.eps * torch.eye(w.shape[-1], dtype=w.dtype)
-    if attn.solver == 'newton':
-        p_inv = newton_schulz_pinv(p, attn.newton_iters, backend='reference')
+    c_q = kernel_matrix(opts.kernel, q, landmarks, opts.lam, backend='reference')
+    c_k = kernel_matrix(opts.kernel, k, landmarks, opts.lam, backend='reference')
+    p = landmark_matrix(landmarks, opts, use_cupy=False)
+    if opts.solver == 'newton':
+        x = newton_schulz_pinv(p, opts.iters, opts.ns_init, backend='reference')
+        p_inv = 2 * x - x @ p @ x if opts.ns_refine else x
     else:
         p_inv = torch.linalg.inv(p)
-    z = injective_normalize(c_q, attn.whiten_eps) if attn.normalize == 'injective' else c_q
+    z = injective_normalize(c_q, opts.whiten_eps) if opts.normalize == 'injective' else c_q
     return torch.einsum('hm,hmn,hjn->hj', z[:, index], p_inv, c_k)
 
 
@@ -101,13 +103,13 @@ def attention_rows(q, k, hw, index, attn):
     q, k = q.double(), k.double()
     q_i = q[:, index]
     return dict(
-        laplacian=row_normalised_kernel_row(q_i, k, 'laplacian', attn.lam),
-        gaussian=row_normalised_kernel_row(q_i, k, 'gaussian', attn.lam),
+        laplacian=row_normalised_kernel_row(q_i, k, 'laplacian', attn.options.lam),
+        gaussian=row_normalised_kernel_row(q_i, k, 'gaussian', attn.options.lam),
         softmax=softmax_row(q_i, k),
-        laplacian_injective=injective_dense_row(q, k, index, 'laplacian', attn.lam,
-                                                attn.whiten_eps),
-        gaussian_injective=injective_dense_row(q, k, index, 'gaussian', attn.lam,
-                                               attn.whiten_eps),
+        laplacian_injective=injective_dense_row(q, k, index, 'laplacian', attn.options.lam,
+                                                attn.options.whiten_eps),
+        gaussian_injective=injective_dense_row(q, k, index, 'gaussian', attn.options.lam,
+                                               attn.options.whiten_eps),
         laplacian_nystrom=nystrom_row(q, k, hw, index, attn))
 
 

@@ -3,21 +3,20 @@
 Counting convention (mmengine/fvcore): one FLOP is one multiply-add, counted by tracing
 with :class:`mmengine.analysis.FlopAnalyzer`; element-wise ops (activations, exp outside
 the kernels, the injective normalisation's centring and scaling) are not counted. The
-tracer does not see inside the attention's custom autograd functions, so
-:data:`FLOP_HANDLES` gives each of them a count:
+tracer does not see inside the attention's registered ops, so :data:`FLOP_HANDLES` gives
+each of them the count defined next to the op in :mod:`lapformer_mm.ops.kernels`:
 
-- kernel matrix k(x, y), x (..., N, d), y (..., M, d): N·M·(d + 1) per batch element;
-  each (pair, channel) is one subtract-abs-accumulate (for the Gaussian: one
-  square-accumulate), counted like a multiply-add, plus one exp per pair. With
-  ``qk_shared`` the query and key kernels coincide and are evaluated (and counted) once.
+- kernel matrix k(x, y), x (..., N, d), y (..., M, d): N·M·(d + 1) per batch element
+  (:func:`~lapformer_mm.ops.kernels.pairwise_kernel_flops`). With ``qk_shared`` the
+  query and key kernels coincide and are evaluated (and counted) once.
 - Newton–Schulz inverse of P (..., m, m), t iterations of X <- X (2I - P X):
-  2·m³·t + m² (two m×m products per step, the start).
-- landmark-sized matmul a (..., m, k) @ b (..., k, n): m·k·n, as mmengine counts matmul.
+  2·m³·t + m² (:func:`~lapformer_mm.ops.kernels.newton_schulz_flops`).
 - softmax attention (the stage-4 option): N·M·(d + d_v) per head.
 
-Each handle belongs to a part: ``kernel`` and ``solve`` are the opaque custom ops;
-``visible`` are products a tracer sees when the kernel and the solve are opaque (as in
-SOFT's released model). :func:`flop_totals` reports ``visible`` (comparable with the
+The landmark-sized products around the solve (X · rhs and the refinement step) are
+ordinary matmuls, counted by mmengine's own handle. Each handle belongs to a part:
+``kernel`` and ``solve`` are the opaque ops; ``visible`` are products a tracer sees when
+the kernel and the solve are opaque (as in SOFT's released model). :func:`flop_totals` reports ``visible`` (comparable with the
 papers' tables) and ``full`` (visible + kernel + solve).
 """
 import math
@@ -25,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from lapformer_mm.ops import cupy_ops, reference_kernels, solvers
+from lapformer_mm.ops import kernels
 
 KERNEL, SOLVE, VISIBLE = 'kernel', 'solve', 'visible'
 
@@ -40,23 +39,13 @@ def _batch(shape, core):
 
 
 def pairwise_kernel_flops(inputs, outputs):
-    """x (..., N, d), y (..., M, d) -> batch · N · M · (d + 1)."""
-    x, y = _shape(inputs[0]), _shape(inputs[1])
-    return _batch(x, 2) * x[-2] * y[-2] * (x[-1] + 1)
+    """Traced ``lapformer_mm::pairwise_kernel(x, y, ...)``."""
+    return kernels.pairwise_kernel_flops(_shape(inputs[0]), _shape(inputs[1]))
 
 
 def newton_schulz_flops(inputs, outputs):
-    """P (..., m, m), t iterations -> batch · (2 m³ t + m²)."""
-    p = _shape(inputs[0])
-    iters = outputs[0].node().scalar_args()[0]
-    m = p[-1]
-    return _batch(p, 2) * (2 * m**3 * iters + m * m)
-
-
-def small_matmul_flops(inputs, outputs):
-    """a (..., m, k) @ b (..., k, n) -> batch · m · k · n."""
-    a, b = _shape(inputs[0]), _shape(inputs[1])
-    return _batch(a, 2) * a[-2] * a[-1] * b[-1]
+    """Traced ``lapformer_mm::newton_schulz(P, iters, ...)``."""
+    return kernels.newton_schulz_flops(_shape(inputs[0]), inputs[1].toIValue())
 
 
 def softmax_attention_flops(inputs, outputs):
@@ -65,15 +54,12 @@ def softmax_attention_flops(inputs, outputs):
     return _batch(q, 2) * q[-2] * k[-2] * (q[-1] + v[-1])
 
 
-#: op -> (part, handle): the reference (CPU) and CuPy (CUDA) autograd functions of
-#: lapformer_mm.ops, and the aten op of the softmax stage, which mmengine has no handle for.
+#: op -> (part, handle): the registered ops of lapformer_mm.ops (one op per primitive,
+#: whichever backend runs it), and the aten op of the softmax stage, which mmengine has no
+#: handle for.
 FLOP_HANDLES = {
-    reference_kernels.LaplacianKernel: (KERNEL, pairwise_kernel_flops),
-    reference_kernels.GaussianKernel: (KERNEL, pairwise_kernel_flops),
-    cupy_ops.PairwiseKernelFunction: (KERNEL, pairwise_kernel_flops),
-    solvers.NewtonSchulzInverse: (SOLVE, newton_schulz_flops),
-    cupy_ops.NewtonSchulzFunction: (SOLVE, newton_schulz_flops),
-    solvers.SmallMatmul: (VISIBLE, small_matmul_flops),
+    kernels.pairwise_kernel_op: (KERNEL, pairwise_kernel_flops),
+    kernels.newton_schulz_op: (SOLVE, newton_schulz_flops),
     torch.ops.aten.scaled_dot_product_attention: (VISIBLE, softmax_attention_flops),
 }
 

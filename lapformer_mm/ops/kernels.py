@@ -15,6 +15,8 @@ The implementation is the plain-PyTorch reference (:mod:`.reference_kernels`,
 call from the backend). The ops are opaque nodes to ``torch.compile``, with a
 fake implementation for shape propagation.
 """
+import math
+
 import torch
 
 from ._checks import (KERNELS, NS_INITS, check_choice, check_kernel_pair, check_optional_int,
@@ -119,6 +121,24 @@ newton_schulz_op.register_autograd(_newton_schulz_backward, setup_context=_newto
 for _op in ('pairwise_kernel', 'newton_schulz'):
     for _device in ('cpu', 'cuda'):
         torch.library.register_autocast(f'lapformer_mm::{_op}', _device, torch.float32)
+
+
+def pairwise_kernel_flops(x_shape, y_shape):
+    """Multiply-adds of K(x, y) for x (..., N, d), y (..., M, d): batch · N · M · (d + 1).
+
+    Each (pair, channel) is one subtract-abs-accumulate (Gaussian: square-accumulate),
+    counted like a multiply-add, plus one exp per pair.
+    """
+    return math.prod(x_shape[:-2]) * x_shape[-2] * y_shape[-2] * (x_shape[-1] + 1)
+
+
+def newton_schulz_flops(p_shape, iters):
+    """Multiply-adds of ``iters`` Newton–Schulz steps on P (..., m, m): batch · (2 m³ t + m²).
+
+    Two m x m products per step, plus the start.
+    """
+    m = p_shape[-1]
+    return math.prod(p_shape[:-2]) * (2 * m ** 3 * iters + m * m)
 
 
 def _as_batch(t):

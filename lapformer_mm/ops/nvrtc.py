@@ -1,6 +1,6 @@
 """NVRTC through ctypes: compile the CUDA sources without a GPU, driver or CuPy.
 
-Used by the CI compile test and ``tools/cuda_sass.py``. NVRTC is the compiler
+Used by the CI compile test and ``benchmarks/cuda_sass.py``. NVRTC is the compiler
 CuPy uses at run time; the library comes from the ``nvidia-cuda-nvrtc-cu12``
 wheel (or ``$LAPFORMER_NVRTC_LIB``, or the system's ``libnvrtc``).
 """

@@ -25,7 +25,7 @@ CHUNK_BYTES = 32 * 2 ** 20
 #: Rows of b per ``_cdist_backward`` call when summing over many b rows (the
 #: landmark gradient sums over all N tokens): that kernel rereads b once per
 #: row of a, so blocks that stay in cache made the landmark gradient 4-5x faster
-#: at N = 262144 (``benchmarks/bench_attention.py micro``, docs/attention.md).
+#: at N = 262144 (``benchmarks/attention.py micro``, docs/attention.md).
 NATIVE_BLOCK_ROWS = 512
 
 

@@ -10,7 +10,7 @@ matrix or gradient, or one FMA of the Newton–Schulz products. The forward's
 loop body holds PW_TK x 4 x 4 = 256 terms (the d-chunk, fully unrolled, times
 each thread's 4 x 4 outputs); the gradient's 4 x 4 x 2 = 32 (its reduction
 loop is unrolled 4 times); the Newton–Schulz loop's terms are its FMAs.
-``tools/cuda_sass.py`` prints the table (docs/cuda.md).
+``benchmarks/cuda_sass.py`` prints the table (docs/cuda.md).
 """
 import collections
 import importlib.util

@@ -19,7 +19,7 @@ from ._precision import compute_dtype
 #: residual after t steps is at most (1 − ε/(m + ε))^(2^t); 16 steps bring the worst
 #: case ε = 0.01 allows, identical landmarks (P = 1 1ᵀ + ε I, cond 4901 at m = 49),
 #: to ||I - P X||_2 = 1.6e-6, below 1e-3 (15 left 1.25e-3; docs/numerics.md,
-#: ``benchmarks/numerics_table.py``).
+#: ``benchmarks/numerics.py``).
 DEFAULT_NS_ITERS = 16
 
 

@@ -52,9 +52,9 @@ def main(argv=None):
     maps_path = osp.join(args.out, 'attention_maps.png')
     plot_attention_rows(image, rows, hw, index, maps_path,
                         f'{args.model} ({weights}), stage {args.stage} block {args.block}, '
-                        f'grid {hw[0]}x{hw[1]}, λ = {attn.lam:g}, heads averaged')
+                        f'grid {hw[0]}x{hw[1]}, λ = {attn.options.lam:g}, heads averaged')
     grad_path = osp.join(args.out, 'kernel_gradients.png')
-    plot_kernel_gradients(attn.lam, args.r_max, grad_path)
+    plot_kernel_gradients(attn.options.lam, args.r_max, grad_path)
     print(f'wrote {maps_path} and {grad_path}')
 
 
