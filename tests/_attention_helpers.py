@@ -2,6 +2,8 @@
 import torch
 import torch.nn.functional as F
 
+from lapformer_mm.ops import pool_landmarks
+
 
 def dense_l1_kernel(x, y, lam):
     """exp(-||x_i - y_j||_1 / lam) through an explicit (..., N, M, d) tensor."""
@@ -48,3 +50,25 @@ def dense_attention(q, k, v, landmarks, lam=4.0, eps=0.01, whiten_eps=1e-5, kern
     p = w + eps * torch.eye(w.shape[-1], dtype=w.dtype)
     z = dense_injective(c_q, whiten_eps) if normalize == 'injective' else c_q
     return z @ torch.linalg.solve(p, kernel_fn(k, landmarks, lam).mT @ v)
+
+
+def dense_attention_module(module, x, hw, qk_shared, landmark_grid, **options):
+    """A LaplacianAttention's output for x (B, N, C) on hw, written out with :func:`dense_attention`.
+
+    Reads only the module's weights; ``qk_shared``, ``landmark_grid`` and the
+    :func:`dense_attention` ``options`` are what the caller expects the module to use.
+    """
+    batch, num_tokens, channels = x.shape
+    parts = F.linear(x, module.qkv.weight, module.qkv.bias).chunk(2 if qk_shared else 3, dim=-1)
+
+    def split(t):
+        return t.view(batch, num_tokens, module.num_heads, -1).transpose(1, 2)
+
+    q, v = split(parts[0]), parts[-1]
+    k = q if qk_shared else split(parts[1])
+    out = dense_attention(q, k, split(v), pool_landmarks(k, hw, landmark_grid), **options)
+    out = out.transpose(1, 2).reshape(batch, num_tokens, channels)
+    local = F.conv2d(v.transpose(1, 2).reshape(batch, channels, *hw), module.local.weight,
+                     module.local.bias, padding=1, groups=channels)
+    out = out + local.flatten(2).transpose(1, 2)
+    return F.linear(out, module.proj.weight, module.proj.bias)

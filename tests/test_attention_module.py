@@ -2,32 +2,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from _attention_helpers import dense_attention
+from _attention_helpers import dense_attention_module
 
-from lapformer_mm.models.attention import LaplacianAttention
+from lapformer_mm.models.attention import ATTN_CFG_KEYS, LaplacianAttention
 from lapformer_mm.ops import nystrom_attention, pool_landmarks
-
-
-def _manual_forward(module, x, hw):
-    """The module's computation written out, with the dense fp64 attention."""
-    batch, num_tokens, channels = x.shape
-    heads = module.num_heads
-    parts = F.linear(x, module.qkv.weight, module.qkv.bias).chunk(
-        2 if module.qk_shared else 3, dim=-1)
-
-    def split(t):
-        return t.view(batch, num_tokens, heads, -1).transpose(1, 2)
-
-    q, v = split(parts[0]), parts[-1]
-    k = q if module.qk_shared else split(parts[1])
-    out = dense_attention(q, k, split(v), pool_landmarks(k, hw, module.landmark_grid),
-                          lam=module.options.lam, eps=module.options.eps,
-                          whiten_eps=module.options.whiten_eps)
-    out = out.transpose(1, 2).reshape(batch, num_tokens, channels)
-    local = F.conv2d(v.transpose(1, 2).reshape(batch, channels, *hw), module.local.weight,
-                     module.local.bias, padding=1, groups=channels)
-    out = out + local.flatten(2).transpose(1, 2)
-    return F.linear(out, module.proj.weight, module.proj.bias)
 
 
 @pytest.mark.parametrize('qk_shared', [True, False])
@@ -38,7 +16,24 @@ def test_forward_matches_manual_composition(qk_shared, hw):
     x = torch.randn(2, hw[0] * hw[1], 32, dtype=torch.float64)
     out = module(x, hw)
     assert out.shape == x.shape
-    torch.testing.assert_close(out, _manual_forward(module, x, hw))
+    torch.testing.assert_close(out, dense_attention_module(module, x, hw, qk_shared, 7))
+
+
+def test_options_reach_the_computation():
+    """Every non-default option changes the output the way the dense reference says."""
+    torch.manual_seed(0)
+    options = dict(lam=2.0, kernel='gaussian', eps=0.05, whiten_eps=1e-3)
+    module = LaplacianAttention(32, 2, qk_shared=False, landmark_grid=3, solver='exact',
+                                **options).double().eval()
+    x = torch.randn(2, 8 * 9, 32, dtype=torch.float64)
+    expected = dense_attention_module(module, x, (8, 9), False, 3, **options)
+    torch.testing.assert_close(module(x, (8, 9)), expected)
+    plain = LaplacianAttention(32, 2, qk_shared=False, landmark_grid=3, solver='exact',
+                               normalize='none', **options).double().eval()
+    plain.load_state_dict(module.state_dict())
+    torch.testing.assert_close(
+        plain(x, (8, 9)),
+        dense_attention_module(plain, x, (8, 9), False, 3, normalize='none', **options))
 
 
 def test_qk_shared_drops_the_key_projection():
@@ -63,7 +58,7 @@ def test_gradients_reach_every_parameter():
 @pytest.mark.parametrize('solver', ['newton', 'exact', 'cg'])
 def test_options_run(kernel, solver):
     module = LaplacianAttention(16, 1, kernel=kernel, solver=solver, normalize='none',
-                                newton_iters=20, attn_drop=0.1, proj_drop=0.1)
+                                iters=20, attn_drop=0.1, proj_drop=0.1)
     assert torch.isfinite(module(torch.randn(1, 30, 16), (5, 6))).all()
 
 
@@ -121,8 +116,12 @@ def test_attention_core_runs_in_fp32_under_autocast():
     (dict(normalize='softmax'), ValueError, "normalize='softmax'.*allowed"),
     (dict(solver='svd'), ValueError, "solver='svd'.*allowed"),
     (dict(landmark_grid=0), ValueError, 'landmark_grid=0'),
-    (dict(newton_iters=0), ValueError, 'newton_iters=0'),
-    (dict(newton_iters=3.0), TypeError, 'newton_iters'),
+    (dict(iters=0), ValueError, 'iters=0'),
+    (dict(iters=3.0), TypeError, 'iters'),
+    (dict(ns_init='random'), ValueError, "ns_init='random'.*allowed"),
+    (dict(backend='triton'), ValueError, "backend='triton'.*allowed"),
+    (dict(newton_iters=3), ValueError,
+     "LaplacianAttention: unknown key.*'newton_iters'; allowed: qk_shared, landmark_grid, "),
     (dict(attn_drop=1.5), ValueError, 'attn_drop=1.5'),
     (dict(proj_drop=-0.1), ValueError, 'proj_drop=-0.1'),
     (dict(num_heads=0), ValueError, 'num_heads=0'),
@@ -142,3 +141,25 @@ def test_bad_call_arguments():
         module(torch.randn(1, 16, 30), (4, 4))
     with pytest.raises(TypeError, match='hw must be a pair'):
         module(torch.randn(1, 16, 32), 16)
+
+
+def test_attention_options_are_the_module_keywords():
+    assert ATTN_CFG_KEYS == ('qk_shared', 'landmark_grid', 'kernel', 'lam', 'eps', 'solver',
+                             'iters', 'ns_init', 'ns_refine', 'normalize', 'whiten_eps',
+                             'backend')
+
+
+def test_forward_does_not_revalidate_the_options(monkeypatch):
+    """The options are checked at construction; the forward only checks its inputs."""
+    import lapformer_mm.models.attention as attention
+
+    module = LaplacianAttention(32, 2, qk_shared=False, solver='cg', iters=5).eval()
+
+    def fail(*args, **kwargs):
+        raise AssertionError('constructor argument checked again in forward')
+
+    for name in ('AttentionOptions', 'check_bool', 'check_int', 'check_probability',
+                 'check_attn_cfg_keys'):
+        monkeypatch.setattr(attention, name, fail)
+    with torch.no_grad():
+        assert module(torch.randn(1, 20, 32), (4, 5)).shape == (1, 20, 32)

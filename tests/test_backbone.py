@@ -1,11 +1,14 @@
 """LaplacianFormer backbone: shapes, API switches, argument checks (CPU, small inputs)."""
 import pytest
 import torch
+from _attention_helpers import dense_attention_module
+from torch import nn
 
-from lapformer_mm.models import LaplacianFormer
+from lapformer_mm.models import LaplacianAttention, LaplacianFormer
 from lapformer_mm.models.backbone import ARCH_SETTINGS, resolve_arch
 
 TINY_DIMS = ARCH_SETTINGS['tiny']['embed_dims']
+SMALL_ARCH = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
 
 
 def ceil_half(n, times):
@@ -92,8 +95,15 @@ def closed_form_params(arch, out_indices=(3, ), layout=DEFAULT_LAYOUT):
 
 @pytest.mark.parametrize('kwargs, layout', [
     (dict(stage4_attention='softmax'), ('tied', 'tied', 'tied', 'softmax')),
-    (dict(qk_shared=False), ('separate',) * 4),
-    (dict(qk_shared=True), ('tied',) * 4),
+    (dict(attn_cfg=dict(qk_shared=False)), ('separate',) * 4),
+    (dict(attn_cfg=dict(qk_shared=True)), ('tied',) * 4),
+    (dict(attn_cfg=dict(qk_shared=[False, True, False, True])),
+     ('separate', 'tied', 'separate', 'tied')),
+    # other options keep the default layout
+    (dict(attn_cfg=dict(lam=2.0, solver='cg')), DEFAULT_LAYOUT),
+    (dict(norm_cfg=dict(type='LN', eps=1e-6), act_cfg=dict(type='ReLU'),
+          conv_norm_cfg=dict(type='GN', num_groups=8), conv_act_cfg=dict(type='SiLU')),
+     DEFAULT_LAYOUT),
 ])
 def test_layout_options_param_count(kwargs, layout):
     model = LaplacianFormer('tiny', **kwargs)
@@ -148,6 +158,15 @@ def test_arch_dict_and_alias():
     (dict(drop_path_rate=-0.1), 'drop_path_rate'),
     (dict(stage4_attention='linear'), 'stage4_attention'),
     (dict(in_channels=0), 'in_channels'),
+    (dict(attn_cfg=dict(lam=0)), 'lam=0'),
+    (dict(attn_cfg=dict(landmark_grid=0)), 'landmark_grid=0'),
+    (dict(attn_cfg=dict(newton_iters=5, lamda=2)),
+     r"attn_cfg: unknown key\(s\) 'lamda', 'newton_iters'; allowed: qk_shared, landmark_grid, "
+     'kernel, lam, eps, solver, iters, ns_init, ns_refine, normalize, whiten_eps, backend'),
+    (dict(norm_cfg=dict(type='BN')), r"norm_cfg=\{'type': 'BN'\} builds BatchNorm2d"),
+    (dict(norm_cfg=dict(type='GN', num_groups=1)), 'norm_cfg=.* builds GroupNorm'),
+    (dict(norm_cfg=dict(type='NoSuchNorm')), "norm_cfg=.*'NoSuchNorm'"),
+    (dict(conv_act_cfg=dict(type='NoSuchAct')), "conv_act_cfg=.*'NoSuchAct'"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -159,8 +178,70 @@ def test_bad_types_raise_type_error():
         LaplacianFormer(arch=3)
     with pytest.raises(TypeError, match='out_indices'):
         LaplacianFormer(out_indices=(0.5, ))
-    with pytest.raises(TypeError, match='qk_shared'):
-        LaplacianFormer(qk_shared=(True, False))
+    with pytest.raises(TypeError, match='attn_cfg qk_shared must be a bool or 4 bools'):
+        LaplacianFormer(attn_cfg=dict(qk_shared=(True, False)))
+    with pytest.raises(TypeError, match='attn_cfg must be a dict or None'):
+        LaplacianFormer(attn_cfg=[('lam', 2.0)])
+    with pytest.raises(TypeError, match="act_cfg must be a dict with a 'type' key"):
+        LaplacianFormer(act_cfg='GELU')
+
+
+def test_attn_cfg_reaches_every_laplacian_attention():
+    """The options of attn_cfg are what each stage computes (dense fp64 reference)."""
+    torch.manual_seed(0)
+    options = dict(lam=2.0, kernel='gaussian', eps=0.05, whiten_eps=1e-3)
+    qk_shared = (False, True, True, False)
+    model = LaplacianFormer(SMALL_ARCH, drop_path_rate=0.0, attn_cfg=dict(
+        options, qk_shared=qk_shared, landmark_grid=3, solver='exact')).double().eval()
+    inputs = {}
+
+    def record(name):
+        def hook(module, args, out):
+            inputs[name] = args, out
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, LaplacianAttention):
+            module.register_forward_hook(record(name))
+    with torch.no_grad():
+        model(torch.randn(1, 3, 64, 48, dtype=torch.float64))
+    assert len(inputs) == 4
+    for i in range(4):
+        (x, hw), out = inputs[f'stages.{i}.blocks.0.attn']
+        torch.testing.assert_close(
+            out, dense_attention_module(model.stages[i].blocks[0].attn, x, hw, qk_shared[i], 3,
+                                        **options))
+
+
+def test_layer_cfgs_build_the_named_layers():
+    model = LaplacianFormer(SMALL_ARCH, norm_cfg=dict(type='LN', eps=1e-6),
+                            act_cfg=dict(type='ReLU'), conv_norm_cfg=dict(type='GN', num_groups=4),
+                            conv_act_cfg=dict(type='SiLU'), norm_eval=True).train()
+    block = model.stages[2].blocks[0]
+    assert all(norm.eps == 1e-6 for norm in (block.norm1, block.norm2, model.norm3))
+    assert type(block.mlp.act) is nn.ReLU
+    assert [type(layer) for layer in model.stem[0]] == [nn.Conv2d, nn.GroupNorm, nn.SiLU]
+    assert [type(layer) for layer in model.stages[1].downsample] == [
+        nn.Conv2d, nn.GroupNorm, nn.SiLU]
+    assert not any(isinstance(m, (nn.BatchNorm2d, nn.GELU)) for m in model.modules())
+    outs = model(torch.randn(2, 3, 32, 32))
+    assert [o.shape[1] for o in outs] == SMALL_ARCH['embed_dims']
+
+
+def test_default_layers():
+    model = LaplacianFormer(SMALL_ARCH)
+    block = model.stages[0].blocks[0]
+    assert type(block.norm1) is nn.LayerNorm and block.norm1.eps == 1e-5
+    assert type(block.mlp.act) is nn.GELU
+    conv, norm, act = model.stem[0]
+    assert type(norm) is nn.BatchNorm2d and type(act) is nn.ReLU and act.inplace
+
+
+def test_conv_norm_requires_grad_false_freezes_its_parameters():
+    model = LaplacianFormer(SMALL_ARCH, conv_norm_cfg=dict(type='BN', requires_grad=False))
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert len(norms) == 6
+    assert not any(p.requires_grad for norm in norms for p in norm.parameters())
 
 
 @pytest.mark.parametrize('frozen', [0, 2, 4])
@@ -192,7 +273,7 @@ def test_norm_eval_keeps_batchnorm_in_eval():
 
 def test_with_cp_same_outputs_and_grads():
     torch.manual_seed(0)
-    arch = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[2, 1, 1, 2])
+    arch = dict(SMALL_ARCH, depths=[2, 1, 1, 2])
     plain = LaplacianFormer(arch, drop_path_rate=0.0, norm_eval=True)
     plain.init_weights()
     ckpt = LaplacianFormer(arch, drop_path_rate=0.0, norm_eval=True, with_cp=True)
@@ -232,8 +313,7 @@ def test_drop_path_linear_over_blocks():
 
 def test_autocast_bfloat16_forward_and_backward():
     torch.manual_seed(0)
-    arch = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
-    model = LaplacianFormer(arch, drop_path_rate=0.0).train()
+    model = LaplacianFormer(SMALL_ARCH, drop_path_rate=0.0).train()
     with torch.autocast('cpu', dtype=torch.bfloat16):
         outs = model(torch.randn(2, 3, 40, 36))
     assert all(torch.isfinite(o.float()).all() for o in outs)

@@ -156,3 +156,15 @@ def test_deprecated_pretrained_argument(source, tmp_path):
     assert_same_weights(target, source.state_dict())
     with pytest.raises(ValueError, match='pretrained'):
         small_model(pretrained=path, init_cfg=dict(type='Pretrained', checkpoint=path))
+
+
+def test_state_dict_names_are_those_of_released_checkpoints():
+    """Checkpoints key the layers built from norm_cfg/act_cfg/attn_cfg by these names."""
+    keys = set(LaplacianFormer('tiny', attn_cfg=dict(qk_shared=True)).state_dict())
+    assert {'stem.0.0.weight', 'stem.0.1.running_mean', 'stem.2.1.bias',
+            'stages.1.downsample.0.weight', 'stages.1.downsample.1.running_var',
+            'stages.0.blocks.0.norm1.weight', 'stages.0.blocks.0.norm2.bias',
+            'stages.2.blocks.2.attn.qkv.weight', 'stages.2.blocks.2.attn.local.bias',
+            'stages.3.blocks.1.attn.proj.weight', 'stages.3.blocks.1.mlp.fc1.weight',
+            'stages.3.blocks.1.mlp.fc2.bias', 'norm0.weight', 'norm3.bias'} <= keys
+    assert len(keys) == 156

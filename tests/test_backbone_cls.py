@@ -76,7 +76,7 @@ def test_flop_handlers_count_the_attention_core():
     from lapformer_mm.analysis.flops import flop_analyzer
     torch.manual_seed(0)
     dim, heads, hw, iters = 64, 2, (10, 12), 5
-    attn = LaplacianAttention(dim, heads, newton_iters=iters).eval()
+    attn = LaplacianAttention(dim, heads, iters=iters).eval()
     x = torch.randn(1, hw[0] * hw[1], dim)
 
     class Wrapped(torch.nn.Module):

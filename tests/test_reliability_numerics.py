@@ -40,7 +40,7 @@ def test_identical_landmarks_residual_matches_closed_form(eps, iters):
     iterations; 4.2e-4 against ~0 for eps=0.1). The output stays finite either way.
     """
     torch.manual_seed(0)
-    attn = LaplacianAttention(32, 1, eps=eps, newton_iters=iters).eval()
+    attn = LaplacianAttention(32, 1, eps=eps, iters=iters).eval()
     x = torch.randn(1, 1, 32).expand(2, 64, 32).contiguous()
     m = 49
     expected = identical_landmark_residual(m, eps, iters or DEFAULT_NS_ITERS)
@@ -255,7 +255,7 @@ def test_authors_start_is_selectable_end_to_end():
     outs = {}
     for init in ('identity', 'authors'):
         torch.manual_seed(1)
-        attn = LaplacianAttention(32, 1, newton_iters=1, ns_init=init).eval()
+        attn = LaplacianAttention(32, 1, iters=1, ns_init=init).eval()
         with torch.no_grad():
             outs[init] = attn(x, (8, 8))
     assert not torch.allclose(outs['identity'], outs['authors'], rtol=1e-3, atol=1e-4)

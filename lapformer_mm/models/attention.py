@@ -4,11 +4,27 @@
 backbone passes it per stage: tied in stages 1–3 and separate in stage 4 is the
 layout that lands on the paper's Medium size (docs/model_size.md).
 """
+import dataclasses
+
 from torch import nn
 
 from ..ops import AttentionOptions, landmark_matrix, nystrom_forward, pool_landmarks
-from ..ops._checks import check_bool, check_int, check_optional_int, check_probability
+from ..ops._checks import check_bool, check_int, check_probability
 from ..ops.landmarks import check_hw
+
+# The attention options: the module's keyword-only arguments and the keys of the
+# backbone's attn_cfg. All but the first two are AttentionOptions fields, whose
+# defaults apply.
+ATTN_CFG_KEYS = ('qk_shared', 'landmark_grid') + tuple(
+    field.name for field in dataclasses.fields(AttentionOptions))
+
+
+def check_attn_cfg_keys(arg, keys):
+    """Raise a ValueError naming the keys of ``keys`` that are not attention options."""
+    unknown = sorted(set(keys) - set(ATTN_CFG_KEYS))
+    if unknown:
+        raise ValueError(f'{arg}: unknown key(s) {", ".join(map(repr, unknown))}; '
+                         f'allowed: {", ".join(ATTN_CFG_KEYS)}')
 
 
 class LaplacianAttention(nn.Module):
@@ -22,35 +38,33 @@ class LaplacianAttention(nn.Module):
        (:func:`lapformer_mm.ops.nystrom_forward`, fp32 even under autocast);
     4. ``o + dwconv3x3(v)`` on the H×W grid, then the output projection.
 
+    The keyword-only arguments are the attention options (:data:`ATTN_CFG_KEYS`,
+    the keys of the backbone's ``attn_cfg``). They are checked here, once, into
+    ``self.options``; the forward trusts them.
+
     Args:
         dim (int): Channels C, divisible by ``num_heads``.
         num_heads (int): Heads h.
         qkv_bias (bool): Bias in the q/k/v projection. Default True.
+        attn_drop (float): Dropout on the normalised query features.
+        proj_drop (float): Dropout after the output projection.
         qk_shared (bool): Tie keys to queries (see the module docstring).
             Default True. The ``qkv`` layer outputs [q, v] when True and
             [q, k, v] when False, each C wide, heads contiguous.
-        lam (float): Kernel bandwidth λ > 0. Default 4.0.
         landmark_grid (int): Landmark grid g (m <= g²). Default 7.
-        kernel (str): 'laplacian' or 'gaussian'.
-        normalize (str): 'injective' or 'none'.
-        solver (str): 'newton', 'exact' or 'cg'.
-        newton_iters (int | None): Iterations of the Newton–Schulz / CG solver;
-            None uses the default (``lapformer_mm.ops.DEFAULT_NS_ITERS`` for
-            Newton–Schulz, a tolerance for CG).
-        ns_init (str): Newton–Schulz start, 'identity' (I / ||P||_inf, default) or
-            'authors' (1.8 / ||P||_inf² · P, the LaplacianFormer code's).
-        ns_refine (bool): One step of iterative refinement after Newton–Schulz
-            (fp32 as exact as a direct solve; default True, docs/numerics.md).
-        eps (float): Ridge ε >= 0 added to k(L, L). Default 0.01.
-        whiten_eps (float): δ >= 0 of the whitening. Default 1e-5.
-        attn_drop (float): Dropout on the normalised query features.
-        proj_drop (float): Dropout after the output projection.
+        **options: the fields of :class:`lapformer_mm.ops.AttentionOptions`,
+            with its defaults: ``lam`` (kernel bandwidth λ > 0), ``kernel``
+            ('laplacian' | 'gaussian'), ``normalize`` ('injective' | 'none'),
+            ``solver`` ('newton' | 'exact' | 'cg'), ``iters`` (Newton–Schulz
+            iterations or the most CG steps; None: the solver's default),
+            ``ns_init`` ('identity' | 'authors'), ``ns_refine`` (one step of
+            iterative refinement after Newton–Schulz, docs/numerics.md),
+            ``eps`` (ridge ε >= 0 added to k(L, L)), ``whiten_eps`` (δ >= 0 of
+            the whitening) and ``backend`` ('reference' | 'cupy' | None).
     """
 
-    def __init__(self, dim, num_heads, qkv_bias=True, qk_shared=True, lam=4.0,
-                 landmark_grid=7, kernel='laplacian', normalize='injective',
-                 solver='newton', newton_iters=None, ns_init='identity', ns_refine=True,
-                 eps=0.01, whiten_eps=1e-5, attn_drop=0.0, proj_drop=0.0):
+    def __init__(self, dim, num_heads, qkv_bias=True, attn_drop=0.0, proj_drop=0.0, *,
+                 qk_shared=True, landmark_grid=7, **options):
         super().__init__()
         dim = check_int('dim', dim)
         num_heads = check_int('num_heads', num_heads)
@@ -60,10 +74,8 @@ class LaplacianAttention(nn.Module):
         self.num_heads = num_heads
         self.qk_shared = check_bool('qk_shared', qk_shared)
         self.landmark_grid = check_int('landmark_grid', landmark_grid)
-        # Validated here, once; the forward trusts them.
-        self.options = AttentionOptions(
-            kernel=kernel, lam=lam, eps=eps, solver=solver, iters=check_optional_int('newton_iters', newton_iters),
-            ns_init=ns_init, ns_refine=ns_refine, normalize=normalize, whiten_eps=whiten_eps)
+        check_attn_cfg_keys('LaplacianAttention', options)
+        self.options = AttentionOptions(**options)
         self.attn_drop = check_probability('attn_drop', attn_drop)
         num_projections = 2 if self.qk_shared else 3
         self.qkv = nn.Linear(dim, num_projections * dim, bias=qkv_bias)
@@ -118,3 +130,4 @@ class LaplacianAttention(nn.Module):
     def extra_repr(self):
         return (f'dim={self.dim}, num_heads={self.num_heads}, qk_shared={self.qk_shared}, '
                 f'landmark_grid={self.landmark_grid}, {self.options}')
+

@@ -1,9 +1,10 @@
 """LaplacianFormer: a four-stage pyramid of Laplacian-kernel attention blocks.
 
 Layout after SOFT/SOFT++ (see DESIGN.md, section 3): a convolutional stem to
-stride 4, then four stages; stages 2-4 start with a 3x3 stride-2 conv-BN-ReLU.
-Each stage is a stack of pre-norm transformer blocks on the (B, H*W, C) tokens
-of its grid. The API follows mmdet's PVT/Swin backbones.
+stride 4, then four stages; stages 2-4 start with a 3x3 stride-2 conv-norm-act
+(BatchNorm and ReLU by default). Each stage is a stack of pre-norm transformer
+blocks on the (B, H*W, C) tokens of its grid. The API follows mmdet's PVT/Swin
+backbones: attention options in ``attn_cfg``, layers in ``norm_cfg``/``act_cfg``.
 """
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -15,8 +16,8 @@ from mmengine.model import BaseModule
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .attention import LaplacianAttention
-from .layers import ConvStem, SoftmaxAttention, TransformerBlock, conv_bn_relu
+from .attention import LaplacianAttention, check_attn_cfg_keys
+from .layers import ConvStem, SoftmaxAttention, TransformerBlock, build_token_norm, conv_norm_act
 from .pretrained import load_backbone_weights
 
 ARCH_SETTINGS: Dict[str, Dict[str, List[int]]] = {
@@ -45,6 +46,8 @@ ARCH_ALIASES = {'t': 'tiny', 's': 'small', 'm': 'medium', 'l': 'large',
                 'h': 'huge'}
 NUM_STAGES = 4
 STAGE4_ATTENTIONS = ('laplacian', 'softmax')
+# The backbone's own attention defaults; every other key keeps LaplacianAttention's.
+ATTN_CFG_DEFAULTS = dict(qk_shared=(True, True, True, False))
 
 
 def resolve_arch(arch: Union[str, dict]) -> Dict[str, List]:
@@ -87,6 +90,30 @@ def resolve_arch(arch: Union[str, dict]) -> Dict[str, List]:
             raise ValueError(f"arch: embed_dims[{i}]={dim} is not divisible "
                              f"by num_heads[{i}]={heads}")
     return settings
+
+
+def resolve_attn_cfg(attn_cfg: Optional[dict]) -> List[dict]:
+    """LaplacianAttention keyword arguments of each stage, from the backbone's ``attn_cfg``.
+
+    Keys not given take :data:`ATTN_CFG_DEFAULTS`, then LaplacianAttention's defaults;
+    ``qk_shared`` may be one bool or one per stage. The values are checked where the
+    attention modules are built.
+    """
+    if attn_cfg is None:
+        attn_cfg = {}
+    if not isinstance(attn_cfg, dict):
+        raise TypeError(f'attn_cfg must be a dict or None, got {type(attn_cfg).__name__} '
+                        f'{attn_cfg!r}')
+    check_attn_cfg_keys('attn_cfg', attn_cfg)
+    cfg = dict(ATTN_CFG_DEFAULTS, **attn_cfg)
+    qk_shared = cfg.pop('qk_shared')
+    if isinstance(qk_shared, bool):
+        qk_shared = (qk_shared, ) * NUM_STAGES
+    if (not isinstance(qk_shared, Sequence) or len(qk_shared) != NUM_STAGES
+            or not all(isinstance(v, bool) for v in qk_shared)):
+        raise TypeError(f'attn_cfg qk_shared must be a bool or {NUM_STAGES} bools (one '
+                        f'per stage), got {qk_shared!r}')
+    return [dict(cfg, qk_shared=shared) for shared in qk_shared]
 
 
 def tokens_to_map(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
@@ -145,21 +172,39 @@ class LaplacianFormer(BaseModule):
         attn_drop_rate (float): Dropout on attention weights.
         drop_path_rate (float): Stochastic depth at the last block, in
             [0, 1); rises linearly from 0 over all blocks. Default 0.1.
-        lam, landmark_grid, kernel, normalize, solver, newton_iters, eps,
-            whiten_eps: LaplacianAttention options (see attention.py).
-        qk_shared (bool | Sequence[bool]): Tie keys to queries in the
-            Laplacian attention, for all stages or per stage. Default
-            (True, True, True, False): tied in stages 1-3 (the SOFT layout),
-            separate in stage 4, which lands on the paper's Medium size
-            (docs/model_size.md).
+        attn_cfg (dict | None): Options of the Laplacian attention: the
+            keyword-only arguments of :class:`LaplacianAttention`, which
+            describes them and whose defaults apply to keys left out:
+            ``lam`` (λ), ``landmark_grid``, ``kernel`` ('laplacian' |
+            'gaussian'), ``normalize`` ('injective' | 'none'), ``solver``
+            ('newton' | 'exact' | 'cg'), ``iters`` (solver iterations),
+            ``ns_init``, ``ns_refine``, ``eps``, ``whiten_eps``, ``backend``
+            and ``qk_shared``. An unknown key raises ValueError. Here
+            ``qk_shared`` is one bool or one per stage, default
+            (True, True, True, False): keys tied to queries in stages 1-3
+            (the SOFT layout), separate in stage 4, which lands on the
+            paper's Medium size (docs/model_size.md).
+        norm_cfg (dict): Norm of the tokens (the blocks' two pre-norms and
+            the output norms), as in mmdet's PVT; it must normalise the last
+            dimension of (B, N, C). Default dict(type='LN').
+        act_cfg (dict): Activation of the MLPs. Default dict(type='GELU').
+        conv_norm_cfg (dict): Norm of the stem's and the downsampling
+            convolutions (NCHW maps), e.g. dict(type='SyncBN') for
+            multi-GPU training. Default dict(type='BN').
+        conv_act_cfg (dict): Activation of those convolutions. Default
+            dict(type='ReLU', inplace=True).
+            The four layer configs are built by mmcv's build_norm_layer /
+            build_activation_layer when mmcv is installed (any type in its
+            registry); without mmcv, from ``layers.TORCH_NORMS`` and
+            ``layers.TORCH_ACTIVATIONS``.
         stage4_attention (str): 'laplacian' (the same attention as stages
             1-3, so the cost stays linear in pixels; the default) or
             'softmax' (plain multi-head attention with separate q, k, v, the
-            SOFT layout).
+            SOFT layout; ``attn_cfg`` does not apply to it).
         frozen_stages (int): -1 freezes nothing, 0 the stem, k >= 1 the stem
             and stages 1..k (with their output norms). At most 4.
-        norm_eval (bool): Keep BatchNorm layers (stem, downsampling) in eval
-            mode during training. Default False.
+        norm_eval (bool): Keep BatchNorm layers (of ``conv_norm_cfg``) in
+            eval mode during training. Default False.
         with_cp (bool): Gradient checkpointing of each block. Default False.
         pretrained (str | None): Deprecated spelling of a ``Pretrained``
             init_cfg (mmseg's ``EncoderDecoder(pretrained=...)`` passes it).
@@ -178,16 +223,11 @@ class LaplacianFormer(BaseModule):
                  drop_rate: float = 0.0,
                  attn_drop_rate: float = 0.0,
                  drop_path_rate: float = 0.1,
-                 lam: float = 4.0,
-                 landmark_grid: int = 7,
-                 kernel: str = 'laplacian',
-                 normalize: str = 'injective',
-                 solver: str = 'newton',
-                 newton_iters: Optional[int] = None,
-                 eps: float = 0.01,
-                 whiten_eps: float = 1e-5,
-                 qk_shared: Union[bool, Sequence[bool]] = (True, True, True,
-                                                           False),
+                 attn_cfg: Optional[dict] = None,
+                 norm_cfg: dict = dict(type='LN'),
+                 act_cfg: dict = dict(type='GELU'),
+                 conv_norm_cfg: dict = dict(type='BN'),
+                 conv_act_cfg: dict = dict(type='ReLU', inplace=True),
                  stage4_attention: str = 'laplacian',
                  frozen_stages: int = -1,
                  norm_eval: bool = False,
@@ -224,37 +264,27 @@ class LaplacianFormer(BaseModule):
         self.norm_eval = norm_eval
         self.with_cp = with_cp
         self.stage4_attention = stage4_attention
-        self.qk_shared = self._check_qk_shared(qk_shared)
+        stage_attn_cfgs = resolve_attn_cfg(attn_cfg)
+        self.qk_shared = tuple(cfg['qk_shared'] for cfg in stage_attn_cfgs)
 
         dims = self.arch_settings['embed_dims']
         depths = self.arch_settings['depths']
         block_dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
-        laplacian_options = dict(
-            qkv_bias=qkv_bias,
-            lam=lam,
-            landmark_grid=landmark_grid,
-            kernel=kernel,
-            normalize=normalize,
-            solver=solver,
-            newton_iters=newton_iters,
-            eps=eps,
-            whiten_eps=whiten_eps,
-            attn_drop=attn_drop_rate,
-            proj_drop=drop_rate)
+        common = dict(qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate)
 
-        self.stem = ConvStem(in_channels, dims[0])
+        self.stem = ConvStem(in_channels, dims[0], conv_norm_cfg, conv_act_cfg)
         self.stages = nn.ModuleList()
         first_block = 0
         for i in range(NUM_STAGES):
+            heads = self.arch_settings['num_heads'][i]
             use_softmax = (i == NUM_STAGES - 1 and stage4_attention == 'softmax')
             blocks = [
                 TransformerBlock(
                     dims[i],
-                    self._make_attention(dims[i],
-                                         self.arch_settings['num_heads'][i],
-                                         use_softmax,
-                                         dict(laplacian_options,
-                                              qk_shared=self.qk_shared[i])),
+                    SoftmaxAttention(dims[i], heads, **common) if use_softmax else
+                    LaplacianAttention(dims[i], heads, **common, **stage_attn_cfgs[i]),
+                    norm_cfg,
+                    act_cfg,
                     mlp_ratio=self.arch_settings['mlp_ratios'][i],
                     drop=drop_rate,
                     drop_path_prob=block_dpr[first_block + j])
@@ -262,35 +292,13 @@ class LaplacianFormer(BaseModule):
             ]
             first_block += depths[i]
             downsample = (
-                nn.Identity() if i == 0 else conv_bn_relu(
-                    dims[i - 1], dims[i], stride=2))
+                nn.Identity() if i == 0 else conv_norm_act(
+                    dims[i - 1], dims[i], 2, conv_norm_cfg, conv_act_cfg))
             self.stages.append(
                 LaplacianFormerStage(downsample, blocks, with_cp))
         for i in self.out_indices:
-            self.add_module(f'norm{i}', nn.LayerNorm(dims[i]))
+            self.add_module(f'norm{i}', build_token_norm(norm_cfg, dims[i]))
         self._freeze_stages()
-
-    @staticmethod
-    def _make_attention(dim: int, num_heads: int, use_softmax: bool,
-                        laplacian_options: dict) -> nn.Module:
-        if use_softmax:
-            return SoftmaxAttention(
-                dim,
-                num_heads,
-                qkv_bias=laplacian_options['qkv_bias'],
-                attn_drop=laplacian_options['attn_drop'],
-                proj_drop=laplacian_options['proj_drop'])
-        return LaplacianAttention(dim, num_heads, **laplacian_options)
-
-    @staticmethod
-    def _check_qk_shared(qk_shared) -> Tuple[bool, ...]:
-        if isinstance(qk_shared, bool):
-            return (qk_shared, ) * NUM_STAGES
-        if (not isinstance(qk_shared, Sequence) or len(qk_shared) != NUM_STAGES
-                or not all(isinstance(v, bool) for v in qk_shared)):
-            raise TypeError(f'qk_shared must be a bool or {NUM_STAGES} bools '
-                            f'(one per stage), got {qk_shared!r}')
-        return tuple(qk_shared)
 
     @staticmethod
     def _check_out_indices(out_indices: Sequence[int]) -> Tuple[int, ...]:
@@ -402,12 +410,12 @@ class LaplacianFormer(BaseModule):
 
 
 def init_layer(module: nn.Module) -> None:
-    """Truncated-normal linears, unit LayerNorm/BN, fan-out convs."""
+    """Truncated-normal linears, unit LayerNorm/BN/GN, fan-out convs."""
     if isinstance(module, nn.Linear):
         nn.init.trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
-    elif isinstance(module, (nn.LayerNorm, _BatchNorm)):
+    elif isinstance(module, (nn.LayerNorm, _BatchNorm, nn.GroupNorm)):
         if module.weight is not None:
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)

@@ -1,13 +1,17 @@
-"""Building blocks of the LaplacianFormer backbone (torch only).
+"""Building blocks of the LaplacianFormer backbone (torch; mmcv's layer registry when installed).
 
 Token tensors are (B, N, C) with N = H * W in row-major order of the H x W grid;
 feature maps are NCHW.
 """
+import functools
+import importlib
+import inspect
 from typing import Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 
 def drop_path(x: torch.Tensor, drop_prob: float, training: bool) -> torch.Tensor:
@@ -41,43 +45,126 @@ class DropPath(nn.Module):
         return f'drop_prob={self.drop_prob}'
 
 
-def conv_bn_relu(in_channels: int, out_channels: int,
-                 stride: int) -> nn.Sequential:
-    """3x3 convolution (no bias, BN follows) + BatchNorm + ReLU.
+# The types built with torch alone when mmcv is not installed (the backbone needs only
+# torch and mmengine); with mmcv, every type in its registry, as in mmdet's backbones.
+TORCH_NORMS = {'LN': nn.LayerNorm, 'BN': nn.BatchNorm2d, 'SyncBN': nn.SyncBatchNorm,
+               'GN': nn.GroupNorm}
+TORCH_ACTIVATIONS = {'ReLU': nn.ReLU, 'GELU': nn.GELU, 'SiLU': nn.SiLU}
+
+
+@functools.lru_cache(maxsize=1)
+def _mmcv_cnn():
+    """``mmcv.cnn`` when mmcv is installed, else None."""
+    try:
+        return importlib.import_module('mmcv.cnn')
+    except ImportError:
+        return None
+
+
+def _split_cfg(arg: str, cfg: dict, torch_types: dict):
+    """(layer class, remaining kwargs) of ``cfg`` for the torch-only builders."""
+    kwargs = dict(cfg)
+    layer_type = kwargs.pop('type')
+    if inspect.isclass(layer_type):
+        return layer_type, kwargs
+    if layer_type not in torch_types:
+        raise ValueError(f'{arg}={cfg!r}: type {layer_type!r} needs mmcv (not installed); '
+                         f'without it allowed: {", ".join(map(repr, torch_types))}')
+    return torch_types[layer_type], kwargs
+
+
+def _check_cfg(arg: str, cfg) -> None:
+    if not isinstance(cfg, dict) or 'type' not in cfg:
+        raise TypeError(f"{arg} must be a dict with a 'type' key (e.g. dict(type='LN')), "
+                        f'got {cfg!r}')
+
+
+def build_norm(arg: str, cfg: dict, num_features: int) -> nn.Module:
+    """The norm layer of an mmcv-style config over ``num_features`` channels.
+
+    ``cfg`` as for mmcv's ``build_norm_layer`` (``dict(type='LN')``,
+    ``dict(type='GN', num_groups=8)``, ``requires_grad=False`` freezes it); ``arg``
+    names the argument in errors.
+    """
+    _check_cfg(arg, cfg)
+    mmcv_cnn = _mmcv_cnn()
+    if mmcv_cnn is not None:
+        try:
+            return mmcv_cnn.build_norm_layer(cfg, num_features)[1]
+        except KeyError as err:
+            raise ValueError(f'{arg}={cfg!r}: unknown type ({err})') from None
+    layer_cls, kwargs = _split_cfg(arg, cfg, TORCH_NORMS)
+    requires_grad = kwargs.pop('requires_grad', True)
+    if layer_cls is nn.GroupNorm:
+        layer = layer_cls(num_channels=num_features, **kwargs)
+    else:
+        layer = layer_cls(num_features, **kwargs)
+    layer.requires_grad_(requires_grad)
+    return layer
+
+
+def build_activation(arg: str, cfg: dict) -> nn.Module:
+    """The activation layer of an mmcv-style config (``dict(type='GELU')``)."""
+    _check_cfg(arg, cfg)
+    mmcv_cnn = _mmcv_cnn()
+    if mmcv_cnn is not None:
+        try:
+            return mmcv_cnn.build_activation_layer(cfg)
+        except KeyError as err:
+            raise ValueError(f'{arg}={cfg!r}: unknown type ({err})') from None
+    layer_cls, kwargs = _split_cfg(arg, cfg, TORCH_ACTIVATIONS)
+    return layer_cls(**kwargs)
+
+
+def build_token_norm(cfg: dict, dim: int) -> nn.Module:
+    """The norm of (B, N, C) tokens from ``norm_cfg``: it must normalise the last dimension.
+
+    Batch, instance and group norms normalise dimension 1 of NCHW maps, which for
+    tokens is N, so they are refused here rather than failing at the first forward.
+    """
+    layer = build_norm('norm_cfg', cfg, dim)
+    if isinstance(layer, (_NormBase, nn.GroupNorm)):
+        raise ValueError(f'norm_cfg={cfg!r} builds {type(layer).__name__}, a norm of NCHW '
+                         'maps; the blocks normalise (B, N, C) tokens over C: use a norm of '
+                         "the last dimension such as dict(type='LN') (conv_norm_cfg sets the "
+                         'norm of the stem and downsampling convolutions)')
+    return layer
+
+
+def conv_norm_act(in_channels: int, out_channels: int, stride: int, norm_cfg: dict,
+                  act_cfg: dict) -> nn.Sequential:
+    """3x3 convolution (no bias, the norm follows) + norm + activation.
 
     (B, in, H, W) -> (B, out, ceil(H / stride), ceil(W / stride)).
     """
     return nn.Sequential(
-        nn.Conv2d(
-            in_channels,
-            out_channels,
-            kernel_size=3,
-            stride=stride,
-            padding=1,
-            bias=False), nn.BatchNorm2d(out_channels), nn.ReLU(inplace=True))
+        nn.Conv2d(in_channels, out_channels, kernel_size=3, stride=stride, padding=1,
+                  bias=False),
+        build_norm('conv_norm_cfg', norm_cfg, out_channels),
+        build_activation('conv_act_cfg', act_cfg))
 
 
 class ConvStem(nn.Sequential):
-    """Three 3x3 conv-BN-ReLU layers with strides 2/1/2 (SOFT's stem).
+    """Three 3x3 conv-norm-activation layers with strides 2/1/2 (SOFT's stem).
 
     (B, in_channels, H, W) -> (B, out_channels, ceil(ceil(H/2)/2), ...).
     """
 
-    def __init__(self, in_channels: int, out_channels: int,
+    def __init__(self, in_channels: int, out_channels: int, norm_cfg: dict, act_cfg: dict,
                  hidden_channels: int = 32):
         super().__init__(
-            conv_bn_relu(in_channels, hidden_channels, 2),
-            conv_bn_relu(hidden_channels, hidden_channels, 1),
-            conv_bn_relu(hidden_channels, out_channels, 2))
+            conv_norm_act(in_channels, hidden_channels, 2, norm_cfg, act_cfg),
+            conv_norm_act(hidden_channels, hidden_channels, 1, norm_cfg, act_cfg),
+            conv_norm_act(hidden_channels, out_channels, 2, norm_cfg, act_cfg))
 
 
 class Mlp(nn.Module):
-    """Linear -> GELU -> dropout -> Linear -> dropout; (B, N, C) -> (B, N, C)."""
+    """Linear -> activation -> dropout -> Linear -> dropout; (B, N, C) -> (B, N, C)."""
 
-    def __init__(self, dim: int, hidden_dim: int, drop: float = 0.0):
+    def __init__(self, dim: int, hidden_dim: int, act_cfg: dict, drop: float = 0.0):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = nn.GELU()
+        self.act = build_activation('act_cfg', act_cfg)
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop = nn.Dropout(drop)
 
@@ -122,22 +209,25 @@ class SoftmaxAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + DropPath(Attn(LN(x))), then x + DropPath(MLP(LN(x))).
+    """Pre-norm block: x + DropPath(Attn(Norm(x))), then x + DropPath(MLP(Norm(x))).
 
-    forward(x, hw): x (B, N, C), hw = (H, W) with H * W = N -> (B, N, C).
+    Norms from ``norm_cfg`` (:func:`build_token_norm`), the MLP activation from
+    ``act_cfg``. forward(x, hw): x (B, N, C), hw = (H, W) with H * W = N -> (B, N, C).
     """
 
     def __init__(self,
                  dim: int,
                  attn: nn.Module,
+                 norm_cfg: dict,
+                 act_cfg: dict,
                  mlp_ratio: float = 4.0,
                  drop: float = 0.0,
                  drop_path_prob: float = 0.0):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
+        self.norm1 = build_token_norm(norm_cfg, dim)
         self.attn = attn
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+        self.norm2 = build_token_norm(norm_cfg, dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_cfg, drop)
         self.drop_path = DropPath(drop_path_prob)
 
     def forward(self, x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
