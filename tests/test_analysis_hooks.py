@@ -22,7 +22,7 @@ def _run(model, size):
 def test_laplacianformer_records_shapes_and_q_fed_to_the_kernel(monkeypatch, qk_shared):
     import lapformer_mm.models.attention as attention_module
     model = model_zoo.build_backbone('laplacianformer-t', config_overrides=dict(
-        TINY_LAPLACIAN, qk_shared=qk_shared))
+        TINY_LAPLACIAN, attn_cfg=dict(qk_shared=qk_shared)))
     seen = []
     original = attention_module.nystrom_forward
 

@@ -61,15 +61,18 @@ def main(argv=None):
     parser.add_argument('--qk-shared', action=argparse.BooleanOptionalAction, default=None,
                         help='default: the backbone default')
     parser.add_argument('--stage4-attention', choices=['softmax', 'laplacian'], default=None)
-    parser.add_argument('--newton-iters', type=int, default=None,
-                        help=f'default: the attention default ({DEFAULT_NS_ITERS})')
+    parser.add_argument('--iters', type=int, default=None,
+                        help=f'Newton-Schulz iterations; default: the attention default '
+                             f'({DEFAULT_NS_ITERS})')
     parser.add_argument('--markdown', action='store_true', help='print a markdown table')
     parser.add_argument('--ns-residual', type=int, nargs='+', metavar='ITERS',
                         help='print Newton-Schulz residuals after these iteration counts')
     args = parser.parse_args(argv)
-    kwargs = {k: v for k, v in dict(qk_shared=args.qk_shared,
-                                    stage4_attention=args.stage4_attention,
-                                    newton_iters=args.newton_iters).items() if v is not None}
+    attn_cfg = {k: v for k, v in dict(qk_shared=args.qk_shared, iters=args.iters).items()
+                if v is not None}
+    kwargs = dict(attn_cfg=attn_cfg)
+    if args.stage4_attention is not None:
+        kwargs['stage4_attention'] = args.stage4_attention
     if args.ns_residual:
         for arch in args.arch:
             print_ns_residuals(arch, args.size, kwargs, args.ns_residual)
