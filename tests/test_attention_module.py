@@ -1,7 +1,6 @@
 """LaplacianAttention module: wiring, shapes, AMP, validation."""
 import pytest
 import torch
-import torch.nn.functional as F
 from _attention_helpers import dense_attention_module
 
 from lapformer_mm.models.attention import ATTN_CFG_KEYS, LaplacianAttention
@@ -109,6 +108,10 @@ def test_attention_core_runs_in_fp32_under_autocast():
 @pytest.mark.parametrize('kwargs,exc,match', [
     (dict(dim=30, num_heads=4), ValueError, 'dim=30 must be divisible by num_heads=4'),
     (dict(lam=0), ValueError, 'lam=0 must be finite and > 0'),
+    (dict(lam='4'), TypeError, 'lam must be a real number'),
+    (dict(landmark_grid=-3), ValueError, 'landmark_grid=-3 must be >= 1'),
+    (dict(landmark_grid=2.5), TypeError, 'landmark_grid must be an int'),
+    (dict(landmark_grid=True), TypeError, 'landmark_grid must be an int'),
     (dict(lam=float('inf')), ValueError, 'lam=inf'),
     (dict(eps=-1e-3), ValueError, 'eps=-0.001'),
     (dict(whiten_eps=float('nan')), ValueError, 'whiten_eps=nan'),
@@ -141,6 +144,8 @@ def test_bad_call_arguments():
         module(torch.randn(1, 16, 30), (4, 4))
     with pytest.raises(TypeError, match='hw must be a pair'):
         module(torch.randn(1, 16, 32), 16)
+    with pytest.raises(ValueError, match=r'hw\[0\]=0 must be >= 1'):
+        module(torch.randn(1, 0, 32), (0, 4))
 
 
 def test_attention_options_are_the_module_keywords():

@@ -16,7 +16,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
