@@ -55,10 +55,15 @@ def test_gradients_reach_every_parameter():
 
 @pytest.mark.parametrize('kernel', ['laplacian', 'gaussian'])
 @pytest.mark.parametrize('solver', ['newton', 'exact', 'cg'])
-def test_options_run(kernel, solver):
-    module = LaplacianAttention(16, 1, kernel=kernel, solver=solver, normalize='none',
-                                iters=20, attn_drop=0.1, proj_drop=0.1)
-    assert torch.isfinite(module(torch.randn(1, 30, 16), (5, 6))).all()
+def test_options_reach_the_computation(kernel, solver):
+    """Kernel, solver and normalisation options give the dense fp64 attention they name."""
+    torch.manual_seed(0)
+    module = LaplacianAttention(16, 1, kernel=kernel, solver=solver, normalize='none', lam=6.0,
+                                attn_drop=0.1, proj_drop=0.1).double().eval()
+    x = torch.randn(1, 30, 16, dtype=torch.float64)
+    expected = dense_attention_module(module, x, (5, 6), qk_shared=True, landmark_grid=7,
+                                      kernel=kernel, normalize='none', lam=6.0)
+    torch.testing.assert_close(module(x, (5, 6)), expected, rtol=1e-6, atol=1e-8)
 
 
 # Relative L2 tolerances of autocast against fp32, measured on this test's input

@@ -81,6 +81,10 @@ def test_identical_landmarks_cg_forward_and_gradients_finite(eps):
     landmarks = q.mean(-2, keepdim=True).expand(2, 2, 25, 16)
     out = nystrom_attention(q, q, v, landmarks, solver='cg', eps=eps)
     assert finite(out)
+    if eps > 0:
+        exact = nystrom_attention(q.double(), q.double(), v.double(), landmarks.double(),
+                                  solver='exact', eps=eps)
+        torch.testing.assert_close(out.double(), exact, rtol=1e-3, atol=1e-4)
     out.square().sum().backward()
     assert finite(q.grad, v.grad)
 
