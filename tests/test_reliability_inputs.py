@@ -22,7 +22,7 @@ TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 UPERNET_CONFIG = osp.join(ROOT, 'configs', 'upernet_lapformer_t_ade20k.py')
 sys.path.insert(0, TOOLS)
 
-import coco_eval  # noqa: E402
+from lapformer_mm.cli import coco_eval  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 sys.path.insert(0, TOOLS)
 
-import coco_eval  # noqa: E402
+from lapformer_mm.cli import coco_eval  # noqa: E402
 import make_toy_coco  # noqa: E402
 
 
