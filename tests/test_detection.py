@@ -5,18 +5,16 @@ Small inputs on CPU; pretrained checkpoints are switched off (none exist here).
 import copy
 import glob
 import os.path as osp
-import sys
 
 import pytest
 import torch
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from mmengine.config import Config  # noqa: E402
-from mmengine.registry import init_default_scope  # noqa: E402
+from mmengine.config import Config
+from mmengine.registry import init_default_scope
 
-import lapformer_mm  # noqa: E402,F401
+import lapformer_mm  # noqa: F401
 
 CONFIGS = sorted(
     glob.glob(osp.join(ROOT, 'configs', '*.py')) +

@@ -76,7 +76,6 @@ import json, os, sys, tempfile
 
 import torch
 
-sys.path.insert(0, sys.argv[2])
 if sys.argv[1] == 'plugin':
     import lapformer_mm  # noqa: F401
 from _runner_helpers import make_runner
@@ -132,9 +131,12 @@ def test_stock_mmengine_job_is_the_same_with_the_plugin_imported():
     """Hooks, rotation order, a failed save, the weights and an empty last_checkpoint."""
     reports = {}
     for mode in ('stock', 'plugin'):
-        proc = subprocess.run([sys.executable, '-c', STOCK_JOB, mode, osp.join(ROOT, 'tests')],
+        # The job imports tests/_runner_helpers.py: the tests folder goes on its PYTHONPATH.
+        path = os.pathsep.join(p for p in (osp.join(ROOT, 'tests'), os.environ.get('PYTHONPATH'))
+                               if p)
+        proc = subprocess.run([sys.executable, '-c', STOCK_JOB, mode],
                               cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, OMP_NUM_THREADS='1'))
+                              env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=path))
         assert proc.returncode == 0, proc.stderr[-3000:]
         reports[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     stock = reports['stock']
