@@ -8,9 +8,9 @@ import dataclasses
 
 from torch import nn
 
-from ..ops import AttentionOptions, landmark_matrix, nystrom_forward, pool_landmarks
+from ..ops import AttentionOptions, landmark_matrix, nystrom_forward
 from ..ops._checks import check_bool, check_int, check_probability
-from ..ops.landmarks import check_hw
+from ..ops.landmarks import check_hw, pool_tokens
 
 # The attention options: the module's keyword-only arguments and the keys of the
 # backbone's attn_cfg. All but the first two are AttentionOptions fields, whose
@@ -112,7 +112,7 @@ class LaplacianAttention(nn.Module):
         :func:`~lapformer_mm.ops.nystrom_forward`.
         """
         _, k, _ = self.project(x)
-        landmarks = pool_landmarks(k, check_hw(hw, x.shape[1]), self.landmark_grid)
+        landmarks = pool_tokens(k, check_hw(hw, x.shape[1]), self.landmark_grid)
         return landmark_matrix(landmarks, self.options)
 
     def forward(self, x, hw):
@@ -121,7 +121,7 @@ class LaplacianAttention(nn.Module):
             raise ValueError(f'x must be (B, N, {self.dim}), got shape {tuple(x.shape)}')
         hw = check_hw(hw, x.shape[1])
         q, k, v = self.project(x)
-        landmarks = pool_landmarks(k, hw, self.landmark_grid)
+        landmarks = pool_tokens(k, hw, self.landmark_grid)
         out = nystrom_forward(q, k, self._split_heads(v), landmarks, self.options,
                               dropout_p=self.attn_drop if self.training else 0.0)
         out = out.transpose(1, 2).reshape(x.shape) + self._local_term(v, hw)

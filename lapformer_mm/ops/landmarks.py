@@ -29,9 +29,12 @@ def pool_landmarks(t, hw, grid=7):
     check_float_tensor('t', t, min_dim=4)
     if t.dim() != 4:
         raise ValueError(f't must be (B, h, N, d), got shape {tuple(t.shape)}')
-    grid = check_int('grid', grid)
-    batch, heads, num_tokens, width = t.shape
-    height_w = check_hw(hw, num_tokens)
-    maps = t.transpose(-1, -2).reshape(batch * heads, width, *height_w)
-    pooled = F.adaptive_avg_pool2d(maps, landmark_grid_size(height_w, grid))
+    return pool_tokens(t, check_hw(hw, t.shape[2]), check_int('grid', grid))
+
+
+def pool_tokens(t, hw, grid):
+    """:func:`pool_landmarks` for callers that validated t, hw = (H, W) and grid already."""
+    batch, heads, _, width = t.shape
+    maps = t.transpose(-1, -2).reshape(batch * heads, width, *hw)
+    pooled = F.adaptive_avg_pool2d(maps, landmark_grid_size(hw, grid))
     return pooled.reshape(batch, heads, width, -1).transpose(-1, -2)
