@@ -15,6 +15,11 @@ def dense_gaussian_kernel(x, y, lam):
     return torch.exp(-((x.unsqueeze(-2) - y.unsqueeze(-3)) ** 2).sum(-1) / lam)
 
 
+def dense_kernel(x, y, lam, kind):
+    """The kernel named ``kind`` ('laplacian' or 'gaussian') through an explicit difference tensor."""
+    return {'laplacian': dense_l1_kernel, 'gaussian': dense_gaussian_kernel}[kind](x, y, lam)
+
+
 def dense_injective(C, whiten_eps):
     """The DESIGN 2.4 map written out term by term."""
     m = C.shape[-1]

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _attention_helpers import dense_kernel as dense_kernel_named
 
 from lapformer_mm.ops import cuda_runtime as rt
 from lapformer_mm.ops import cupy_ops, kernels, nystrom
@@ -70,10 +71,9 @@ def emulated(emu_lib, monkeypatch):
 
 
 def dense_kernel(x, y, lam, kind):
-    """exp(-dist / lam) through an explicit (..., N, M, d) difference tensor."""
-    diff = x.unsqueeze(-2) - y.unsqueeze(-3)
-    dist = diff.abs().sum(-1) if kind == rt.LAPLACIAN else (diff * diff).sum(-1)
-    return torch.exp(-dist / lam)
+    """The kernel of the CUDA kind code ``kind`` (rt.LAPLACIAN / rt.GAUSSIAN), dense."""
+    name = {code: name for name, code in rt.KINDS.items()}[kind]
+    return dense_kernel_named(x, y, lam, name)
 
 
 def make_inputs(batch, n, m, d, dtype, seed):

@@ -17,6 +17,7 @@ import types
 
 import pytest
 import torch
+from _attention_helpers import dense_kernel
 
 DEV = os.environ.get('LAPFORMER_GPU_TEST_DEVICE', 'cuda')
 pytestmark = pytest.mark.gpu if DEV == 'cuda' else []
@@ -40,12 +41,6 @@ def _iterate(P, iters, init):
 def _rt():
     from lapformer_mm.ops import cuda_runtime
     return cuda_runtime
-
-
-def dense_kernel(x, y, lam, kind):
-    diff = x.unsqueeze(-2) - y.unsqueeze(-3)
-    dist = diff.abs().sum(-1) if kind == 'laplacian' else (diff * diff).sum(-1)
-    return torch.exp(-dist / lam)
 
 
 def kernel_fn(kind):

@@ -6,7 +6,7 @@ path agrees with the reference. ``derandomize=True`` keeps CI runs reproducible.
 """
 import pytest
 import torch
-from _attention_helpers import dense_gaussian_kernel, dense_l1_kernel
+from _attention_helpers import dense_kernel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,11 +16,6 @@ from lapformer_mm.ops import (gaussian_kernel, laplacian_kernel, newton_schulz_p
 PROPERTY = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 KERNELS = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
-
-
-def dense_kernel(x, y, lam, kind):
-    dense = dense_l1_kernel if kind == 'laplacian' else dense_gaussian_kernel
-    return dense(x.double(), y.double(), lam)
 
 
 def finite(*tensors):
@@ -50,7 +45,7 @@ def test_kernels_finite_bounded_and_exact(inputs):
     k = KERNELS[kind](x, y, lam)
     assert k.shape == (*x.shape[:-1], y.shape[-2])
     assert finite(k) and bool((k >= 0).all()) and bool((k <= 1).all())
-    torch.testing.assert_close(k.double(), dense_kernel(x, y, lam, kind), rtol=1e-4,
+    torch.testing.assert_close(k.double(), dense_kernel(x.double(), y.double(), lam, kind), rtol=1e-4,
                                atol=1e-6)
     (k * torch.randn_like(k)).sum().backward()
     assert finite(x.grad, y.grad)
