@@ -156,3 +156,19 @@ def test_resolve_backend(monkeypatch):
     monkeypatch.setenv('LAPFORMER_OPS', 'fast')
     with pytest.raises(ValueError, match="LAPFORMER_OPS='fast'"):
         resolve_backend(None, cpu)
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.float32])
+def test_tied_keys_evaluate_the_query_kernel_once(monkeypatch, dtype):
+    """k is q: k(q, L) serves as k(k, L), also when the inputs are cast to fp32 first."""
+    from lapformer_mm.ops import nystrom
+    calls = []
+    original = nystrom.pairwise_kernel
+
+    def counting(x, y, *args):
+        calls.append(x.shape[-2])
+        return original(x, y, *args)
+    monkeypatch.setattr(nystrom, 'pairwise_kernel', counting)
+    q = torch.randn(1, 2, 12, 4).to(dtype)
+    nystrom_attention(q, q, torch.randn(1, 2, 12, 4).to(dtype), pool_landmarks(q, (3, 4), 2))
+    assert calls == [12, 4]  # k(q, L), then k(L, L)

@@ -17,7 +17,11 @@ def injective_normalize(C, whiten_eps=1e-5):
     (a column with s2 + whiten_eps = 0 is all zeros once centred and stays 0.)
     """
     check_float_tensor('C', C)
-    whiten_eps = check_non_negative('whiten_eps', whiten_eps)
+    return whiten(C, check_non_negative('whiten_eps', whiten_eps))
+
+
+def whiten(C, whiten_eps):
+    """:func:`injective_normalize` for callers that validated C and whiten_eps already."""
     centred = C - C.mean(-1, keepdim=True)
     denom = centred.var(-2, unbiased=False, keepdim=True) + whiten_eps
     # With whiten_eps = 0 a column constant over the queries has denom 0 and is

@@ -11,7 +11,7 @@ from ._checks import (KERNELS, NORMALIZATIONS, NS_INITS, SOLVERS, check_bool, ch
 from ._precision import compute_dtype
 from .dispatch import backend_uses_cupy, requested_backend
 from .kernels import newton_schulz, pairwise_kernel
-from .normalize import injective_normalize
+from .normalize import whiten
 from .solvers import cg_solve, exact_solve
 
 
@@ -122,18 +122,19 @@ def nystrom_forward(q, k, v, landmarks, options, dropout_p=0.0):
     use_cupy = backend_uses_cupy(options.backend, q)
     out_dtype = q.dtype
     dtype = compute_dtype(q.dtype)
+    shared = k is q
     with torch.autocast(device_type=q.device.type, enabled=False):
         q = q.to(dtype)
-        k = q if k is q else k.to(dtype)
+        k = q if shared else k.to(dtype)
         v, landmarks = v.to(dtype), landmarks.to(dtype)
         c_q = pairwise_kernel(q, landmarks, options.lam, options.kernel, use_cupy)
         # With tied keys the two kernel matrices coincide; compute it once.
-        c_k = c_q if k is q else pairwise_kernel(k, landmarks, options.lam, options.kernel,
+        c_k = c_q if shared else pairwise_kernel(k, landmarks, options.lam, options.kernel,
                                                  use_cupy)
         # Right to left: (m, d) products only, never N×N or N×m×d.
         context = solve_landmark_system(landmark_matrix(landmarks, options, use_cupy),
                                         torch.matmul(c_k.mT, v), options, use_cupy)
-        z = injective_normalize(c_q, options.whiten_eps) if options.normalize == 'injective' else c_q
+        z = whiten(c_q, options.whiten_eps) if options.normalize == 'injective' else c_q
         if dropout_p > 0:
             z = F.dropout(z, dropout_p, training=True)
         out = torch.matmul(z, context)
