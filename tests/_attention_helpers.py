@@ -21,7 +21,7 @@ def dense_kernel(x, y, lam, kind):
 
 
 def dense_injective(C, whiten_eps):
-    """The DESIGN 2.4 map written out term by term."""
+    """The injective map of docs/design.md §2.4 written out term by term."""
     m = C.shape[-1]
     centred = C - C.sum(-1, keepdim=True) / m
     mean_i = centred.mean(-2, keepdim=True)

@@ -7,7 +7,7 @@ are computed from that block's own queries and keys (captured by hooks, see
 * top: row-normalised kernels k(q_i, k_j) / sum_j k(q_i, k_j) for the
   Laplacian exp(-||q-k||₁/λ) and the Gaussian exp(-||q-k||₂²/λ), and softmax
   of q·k/sqrt(d);
-* bottom: the same two kernels through the injective map (DESIGN.md 2.4) with
+* bottom: the same two kernels through the injective map (docs/design.md §2.4) with
   every key as a landmark (the dense limit of the layer), the effective row
   of the layer itself (Nyström with its pooled landmarks: z_i · P⁻¹ · k(k, L)ᵀ,
   whose product with v is the layer's attention output for query i), and a

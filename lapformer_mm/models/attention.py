@@ -1,4 +1,4 @@
-"""Laplacian-kernel Nyström attention module (DESIGN.md section 2).
+"""Laplacian-kernel Nyström attention module (docs/design.md §2).
 
 ``qk_shared`` defaults to **True** (keys tied to queries, the SOFT layout). The
 backbone passes it per stage: tied in stages 1–3 and separate in stage 4 is the

@@ -1,6 +1,6 @@
 """LaplacianFormer: a four-stage pyramid of Laplacian-kernel attention blocks.
 
-Layout after SOFT/SOFT++ (see DESIGN.md, section 3): a convolutional stem to
+Layout after SOFT/SOFT++ (docs/design.md §3): a convolutional stem to
 stride 4, then four stages; stages 2-4 start with a 3x3 stride-2 conv-norm-act
 (BatchNorm and ReLU by default). Each stage is a stack of pre-norm transformer
 blocks on the (B, H*W, C) tokens of its grid. The API follows mmdet's PVT/Swin
