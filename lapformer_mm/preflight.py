@@ -65,7 +65,7 @@ class Problem(NamedTuple):
     """An input that is missing or unusable, and why."""
     item: Input
     reason: str
-    kind: str           # 'data' or 'checkpoint'
+    kind: str           # 'data', 'checkpoint' (the backbone's) or 'load_from'
 
 
 def is_remote(path: str, backend_args: Optional[Mapping] = None) -> bool:
@@ -168,11 +168,14 @@ def path_problem(item: Input) -> Optional[str]:
     return None
 
 
-def pretrained_checkpoint(backbone_cfg: Mapping) -> Optional[Input]:
-    """The backbone's ``Pretrained`` checkpoint (``init_cfg``, or the deprecated ``pretrained``)."""
-    if backbone_cfg.get('pretrained'):
-        return Input('model.backbone.pretrained', backbone_cfg['pretrained'], 'checkpoint',
-                     False)
+def pretrained_checkpoint(model_cfg: Mapping) -> Optional[Input]:
+    """The backbone's ``Pretrained`` checkpoint: ``init_cfg``, or the deprecated ``pretrained``
+    of the backbone or of an mmseg segmentor (which hands it to the backbone)."""
+    backbone_cfg = model_cfg['backbone']
+    for key, owner in (('model.pretrained', model_cfg),
+                       ('model.backbone.pretrained', backbone_cfg)):
+        if owner.get('pretrained'):
+            return Input(key, owner['pretrained'], 'checkpoint', False)
     init_cfg = backbone_cfg.get('init_cfg')
     cfgs = init_cfg if isinstance(init_cfg, Sequence) else [init_cfg]
     for i, cfg in enumerate(cfgs):
@@ -223,7 +226,7 @@ def checkpoint_problems(cfg: Mapping) -> List[Problem]:
     backbone = (cfg.get('model') or {}).get('backbone')
     if not isinstance(backbone, Mapping):
         return []
-    item = pretrained_checkpoint(backbone)
+    item = pretrained_checkpoint(cfg['model'])
     if item is None or is_remote(item.path):
         return []
     reason = path_problem(item)
@@ -290,8 +293,8 @@ def data_root_options(cfg: Mapping, splits: Sequence[str], new_root) -> List[str
 
 def _data_section(cfg: Mapping, splits: Sequence[str], problems: List[Problem]) -> List[str]:
     lines = ['', f'The data as this config reads it (relative paths start in {os.getcwd()}):']
-    items = list({item.path: item for split in splits for item in split_inputs(cfg, split)
-                  if item.role != 'data root'}.values())
+    items = list({item.path: item for split in splits
+                  for item in split_inputs(cfg, split)}.values())
     width = max(len(item.path) for item in items) + 3
     for item in items:
         path = osp.join(item.path, '') if item.is_dir else item.path
@@ -304,8 +307,9 @@ def _data_section(cfg: Mapping, splits: Sequence[str], problems: List[Problem]) 
         cfg, splits, lambda root: f'/path/to/{osp.basename(osp.normpath(root))}')
     if options:
         lines.append('  - the data is elsewhere: --cfg-options ' + ' '.join(options) + ';')
-    lines.append('  - to try the configs without the data: tools/smoke_fullsize.py writes a '
-                 'few synthetic images in this layout and runs them (docs/full_size.md).')
+    if sections:  # COCO or ADE20K
+        lines.append('  - to try the configs without the data: tools/smoke_fullsize.py writes '
+                     'a few synthetic images in this layout and runs them (docs/full_size.md).')
     return lines
 
 

@@ -6,8 +6,8 @@ registries). Everything that shapes the run comes from the config: ours select
 ``tools/train.py`` trains them to the same weights. This script adds what mmdet's lacks:
 the neck's ``in_channels`` are checked against the backbone and the run's inputs (data,
 pretrained checkpoint: ``lapformer_mm.preflight``) before anything is built, with one
-message and exit status 2 for a missing one, ``--amp`` on CPU uses ``CPUAmpOptimWrapper``, and ``--launcher pytorch`` works without
-CUDA (gloo).
+message and exit status 2 for a missing one; ``--amp`` on CPU uses ``CPUAmpOptimWrapper``;
+``--launcher pytorch`` works without CUDA (gloo).
 
 Examples::
 
