@@ -2,9 +2,9 @@
 
 ``import lapformer_mm`` (or ``custom_imports=dict(imports=['lapformer_mm'])``) registers,
 in mmengine's root registries that mmdet's, mmseg's and mmpretrain's fall back to:
-``LaplacianFormer`` (MODELS), ``NeckChannelsCheckHook`` and ``SafeCheckpointHook`` (HOOKS),
-``SafeCheckpointRunner`` (RUNNERS), ``CPUAmpOptimWrapper`` (OPTIM_WRAPPERS) and the
-``atomic_local`` file backend. None of them is used until a config selects it
+``LaplacianFormer`` (MODELS), ``NeckChannelsCheckHook``, ``SafeCheckpointHook`` and
+``InputCheckHook`` (HOOKS), ``SafeCheckpointRunner`` (RUNNERS), ``CPUAmpOptimWrapper``
+(OPTIM_WRAPPERS) and the ``atomic_local`` file backend. None of them is used until a config selects it
 (:mod:`lapformer_mm.engine`).
 
 The import changes nothing in torch, mmengine or the OpenMMLab codebases, and imports none

@@ -21,19 +21,34 @@ each with a single-channel PNG label map of its visible pixels (0 = background,
     img_dir/train/000000.png ...   ann_dir/train/000000.png ...
     img_dir/val/000000.png ...     ann_dir/val/000000.png ...
 
-Writing the label maps draws no random numbers, so the COCO files are the same
+``--layout official`` writes the same scenes under the names the full-size configs
+read (COCO 2017 under ``--out``, ADE20K under ``--seg-out``; JPEG images, PNG label
+maps; the categories named as COCO's first four classes, see :data:`LAYOUTS`)::
+
+    annotations/instances_train2017.json   images/training/000000000001.jpg ...
+    annotations/instances_val2017.json     images/validation/000000000001.jpg ...
+    train2017/000000000001.jpg ...         annotations/training/000000000001.png ...
+    val2017/000000000001.jpg ...           annotations/validation/000000000001.png ...
+
+``--img-size WIDTH HEIGHT`` writes non-square images (object sizes follow the shorter
+side). Writing the label maps draws no random numbers, so the COCO files are the same
 with or without ``--seg-out``. The same ``--seed`` and sizes always give
 byte-identical files.
 
-Example::
+Examples::
 
     python tools/make_toy_coco.py --out data/toy_coco --num-train 320 --num-val 80 \
         --seg-out data/toy_seg
+    # a few scenes at COCO's training size, in COCO's and ADE20K's layouts
+    python tools/make_toy_coco.py --layout official --img-size 1333 800 --num-train 4 \
+        --num-val 2 --out work_dirs/fullsize_data/coco \
+        --seg-out work_dirs/fullsize_data/ade/ADEChallengeData2016
 """
 import argparse
 import json
 import os
 import os.path as osp
+from typing import Callable, NamedTuple
 
 import cv2
 import numpy as np
@@ -49,6 +64,47 @@ BASE_COLOURS = {
 }
 MIN_VISIBLE_FRACTION = 0.5
 MIN_VISIBLE_AREA = 30
+
+
+def coco_class_names():
+    """COCO's 80 class names in mmdet's order (mmdet is needed for the official layout)."""
+    from mmdet.datasets import CocoDataset
+    return CocoDataset.METAINFO['classes']
+
+
+class Layout(NamedTuple):
+    """Folder and file names of one layout; ``{}`` in a folder takes the split's name."""
+    det_split: dict       # 'train'/'val' -> the split's name under --out
+    det_images: str
+    det_ann: str
+    seg_split: dict       # 'train'/'val' -> the split's name under --seg-out
+    seg_images: str
+    seg_labels: str
+    image_name: Callable  # image id (from 1) -> image file name
+    category_names: Callable  # () -> the names of categories 1, 2, ...; CLASSES come first
+    supercategory: str
+
+
+LAYOUTS = {
+    'toy': Layout(
+        det_split=dict(train='train', val='val'), det_images='{}',
+        det_ann='annotations/instances_{}.json',
+        seg_split=dict(train='train', val='val'), seg_images='img_dir/{}',
+        seg_labels='ann_dir/{}', image_name=lambda image_id: f'{image_id - 1:06d}.png',
+        category_names=lambda: CLASSES, supercategory='shape'),
+    # What configs/*.py read from data/coco and data/ade/ADEChallengeData2016 (mmdet's
+    # coco_instance.py, mmseg's ade20k.py). mmdet's CocoDataset and CocoMetric find the
+    # categories by COCO's 80 class names, so the file lists all 80 (ids 1-80 in mmdet's
+    # order) and the shapes are COCO's first four (person, bicycle, car, motorcycle);
+    # ADE20KDataset reads .jpg images and, with reduce_zero_label, ignores label 0 and
+    # trains labels 1-4 as ADE classes 0-3.
+    'official': Layout(
+        det_split=dict(train='train2017', val='val2017'), det_images='{}',
+        det_ann='annotations/instances_{}.json',
+        seg_split=dict(train='training', val='validation'), seg_images='images/{}',
+        seg_labels='annotations/{}', image_name=lambda image_id: f'{image_id:012d}.jpg',
+        category_names=coco_class_names, supercategory='coco'),
+}
 
 
 def shape_polygon(name, centre, size, angle):
@@ -76,9 +132,10 @@ def shape_polygon(name, centre, size, angle):
     return np.stack([xs, ys], axis=1)
 
 
-def textured_background(rng, size):
-    """A (size, size, 3) uint8 background: gradient + stripes + noise."""
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
+def textured_background(rng, width, height):
+    """A (height, width, 3) uint8 background: gradient + stripes + noise."""
+    size = max(width, height)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32) / size
     c0 = rng.uniform(60, 190, 3)
     c1 = rng.uniform(60, 190, 3)
     direction = rng.uniform(0, 2 * np.pi)
@@ -94,9 +151,9 @@ def textured_background(rng, size):
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def rasterize(poly, size):
-    """Binary (size, size) uint8 mask of a polygon."""
-    mask = np.zeros((size, size), np.uint8)
+def rasterize(poly, width, height):
+    """Binary (height, width) uint8 mask of a polygon."""
+    mask = np.zeros((height, width), np.uint8)
     pts = np.round(poly * 16).astype(np.int32)  # 4 fractional bits
     cv2.fillPoly(mask, [pts], 1, lineType=cv2.LINE_8, shift=4)
     return mask
@@ -114,8 +171,12 @@ def visible_polygons(mask):
     return polys
 
 
-def sample_objects(rng, img_size, max_objects):
-    """Random (class, centre, size, angle, colour) tuples for one image."""
+def sample_objects(rng, width, height, max_objects):
+    """Random (class, centre, size, angle, colour) tuples for one image.
+
+    Sizes are relative to the shorter side, so scenes look alike at any resolution.
+    """
+    img_size = min(width, height)
     n = int(rng.integers(2, max_objects + 1))
     objects = []
     for _ in range(n):
@@ -124,7 +185,7 @@ def sample_objects(rng, img_size, max_objects):
         size = float(np.exp(rng.uniform(np.log(0.2), np.log(0.6))) *
                      img_size)
         margin = size * 0.3
-        centre = rng.uniform(margin, img_size - margin, 2)
+        centre = rng.uniform(margin, np.array([width, height]) - margin, 2)
         angle = float(rng.uniform(0, 2 * np.pi))
         colour = np.clip(
             np.array(BASE_COLOURS[name]) + rng.integers(-35, 36, 3), 0, 255)
@@ -151,17 +212,17 @@ def first_hidden(full_masks, visible):
     return None
 
 
-def render_image(rng, img_size, max_objects):
+def render_image(rng, width, height, max_objects):
     """Image (H, W, 3) uint8, its annotations [(class index, polys)] and its
     (H, W) uint8 label map (0 = background, class index + 1 per visible pixel).
 
     Objects that would be mostly hidden are dropped before painting, so
     every visible shape in the image is annotated.
     """
-    img = textured_background(rng, img_size)
-    objects = sample_objects(rng, img_size, max_objects)
+    img = textured_background(rng, width, height)
+    objects = sample_objects(rng, width, height, max_objects)
     full_masks = [
-        rasterize(shape_polygon(name, centre, size, angle), img_size)
+        rasterize(shape_polygon(name, centre, size, angle), width, height)
         for name, centre, size, angle, _ in objects
     ]
     while True:
@@ -171,7 +232,7 @@ def render_image(rng, img_size, max_objects):
             break
         del objects[hidden], full_masks[hidden]
     annotations = []
-    label_map = np.zeros((img_size, img_size), np.uint8)
+    label_map = np.zeros((height, width), np.uint8)
     for (name, *_, colour), mask, vis in zip(objects, full_masks, visible):
         shade = rng.normal(0, 5, img.shape)
         painted = np.clip(colour + shade, 0, 255).astype(np.uint8)
@@ -185,9 +246,9 @@ def render_image(rng, img_size, max_objects):
     return img, annotations, label_map
 
 
-def coco_annotation(ann_id, image_id, category_id, polys, img_size):
+def coco_annotation(ann_id, image_id, category_id, polys, width, height):
     """One COCO annotation dict; bbox and area come from the polygon mask."""
-    rles = mask_utils.frPyObjects(polys, img_size, img_size)
+    rles = mask_utils.frPyObjects(polys, height, width)
     rle = mask_utils.merge(rles)
     x, y, w, h = (float(v) for v in mask_utils.toBbox(rle))
     return dict(
@@ -200,49 +261,51 @@ def coco_annotation(ann_id, image_id, category_id, polys, img_size):
         iscrowd=0)
 
 
-def make_split(out_dir, split, num_images, img_size, max_objects, seed,
-               seg_dir=None):
+def make_split(out_dir, split, num_images, size, max_objects, seed, seg_dir=None,
+               layout='toy'):
     """Write one split's images and annotation file; return the json path.
 
-    With ``seg_dir``, also write the images and their label maps there
-    (``img_dir/<split>``, ``ann_dir/<split>``).
+    ``size`` is (width, height). With ``seg_dir``, also write the images and their label
+    maps there. ``layout`` names the folders and files (:data:`LAYOUTS`).
     """
+    names = LAYOUTS[layout]
+    width, height = size
     rng = np.random.default_rng(seed)
-    img_dir = osp.join(out_dir, split)
+    img_dir = osp.join(out_dir, names.det_images.format(names.det_split[split]))
     os.makedirs(img_dir, exist_ok=True)
     if seg_dir is not None:
-        seg_img_dir = osp.join(seg_dir, 'img_dir', split)
-        seg_ann_dir = osp.join(seg_dir, 'ann_dir', split)
+        seg_split = names.seg_split[split]
+        seg_img_dir = osp.join(seg_dir, names.seg_images.format(seg_split))
+        seg_ann_dir = osp.join(seg_dir, names.seg_labels.format(seg_split))
         os.makedirs(seg_img_dir, exist_ok=True)
         os.makedirs(seg_ann_dir, exist_ok=True)
     images, annotations = [], []
     for image_id in range(1, num_images + 1):
-        img, anns, label_map = render_image(rng, img_size, max_objects)
-        file_name = f'{image_id - 1:06d}.png'
+        img, anns, label_map = render_image(rng, width, height, max_objects)
+        file_name = names.image_name(image_id)
         cv2.imwrite(osp.join(img_dir, file_name), img)
         if seg_dir is not None:
             cv2.imwrite(osp.join(seg_img_dir, file_name), img)
-            cv2.imwrite(osp.join(seg_ann_dir, file_name), label_map)
+            cv2.imwrite(osp.join(seg_ann_dir, osp.splitext(file_name)[0] + '.png'), label_map)
         images.append(
-            dict(id=image_id, file_name=file_name, width=img_size,
-                 height=img_size))
+            dict(id=image_id, file_name=file_name, width=width,
+                 height=height))
         for label, polys in anns:
             annotations.append(
                 coco_annotation(
                     len(annotations) + 1, image_id, label + 1, polys,
-                    img_size))
+                    width, height))
     coco = dict(
         info=dict(description='lapformer_mm toy shapes', version='1.0'),
         licenses=[],
         images=images,
         annotations=annotations,
         categories=[
-            dict(id=i + 1, name=n, supercategory='shape')
-            for i, n in enumerate(CLASSES)
+            dict(id=i + 1, name=n, supercategory=names.supercategory)
+            for i, n in enumerate(names.category_names())
         ])
-    ann_dir = osp.join(out_dir, 'annotations')
-    os.makedirs(ann_dir, exist_ok=True)
-    ann_file = osp.join(ann_dir, f'instances_{split}.json')
+    ann_file = osp.join(out_dir, names.det_ann.format(names.det_split[split]))
+    os.makedirs(osp.dirname(ann_file), exist_ok=True)
     with open(ann_file, 'w') as f:
         json.dump(coco, f)
     return ann_file, len(annotations)
@@ -261,16 +324,24 @@ def parse_args(argv=None):
     parser.add_argument('--num-train', type=positive_int, default=320)
     parser.add_argument('--num-val', type=positive_int, default=80)
     parser.add_argument(
-        '--img-size', type=positive_int, default=128, help='square side (px)')
+        '--img-size', type=positive_int, nargs='+', default=[128], metavar='PX',
+        help='image size: one side (square) or WIDTH HEIGHT')
     parser.add_argument(
         '--max-objects', type=positive_int, default=4,
         help='most objects painted per image (at least 2 are painted)')
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument(
         '--seg-out', help='also write the scenes as an mmseg semantic '
-        'segmentation set (img_dir/, ann_dir/) into this folder')
+        'segmentation set into this folder')
+    parser.add_argument(
+        '--layout', choices=sorted(LAYOUTS), default='toy',
+        help="folder and file names: 'toy' (the toy configs') or 'official' "
+        "(COCO 2017's under --out, ADEChallengeData2016's under --seg-out)")
     args = parser.parse_args(argv)
-    if args.img_size < 32:
+    if len(args.img_size) > 2:
+        parser.error(f'--img-size takes one side or WIDTH HEIGHT, got {args.img_size}')
+    args.img_size = tuple(args.img_size) * (3 - len(args.img_size))
+    if min(args.img_size) < 32:
         parser.error(f'--img-size must be >= 32, got {args.img_size}')
     if args.max_objects < 2:
         parser.error(f'--max-objects must be >= 2, got {args.max_objects}')
@@ -284,11 +355,11 @@ def main(argv=None):
                                ('val', args.num_val, 1)):
         ann_file, n_ann = make_split(args.out, split, num, args.img_size,
                                      args.max_objects,
-                                     [args.seed, offset], args.seg_out)
+                                     [args.seed, offset], args.seg_out, args.layout)
         print(f'{split}: {num} images, {n_ann} objects -> {ann_file}')
     if args.seg_out is not None:
         print(f'label maps (0 = background, 1-{len(CLASSES)} = '
-              f'{", ".join(CLASSES)}) -> {args.seg_out}/ann_dir')
+              f'{", ".join(CLASSES)}) -> {args.seg_out}')
 
 
 if __name__ == '__main__':

@@ -1,6 +1,8 @@
 """Test (and evaluate) a checkpoint from a config (mmdet's ``tools/test.py`` interface).
 
 Works for mmdet and mmseg configs (the config's ``default_scope`` picks the registries).
+The checkpoint and the test data are checked before anything is built
+(``lapformer_mm.preflight``): a missing one gets one message and exit status 2.
 Our configs select ``SafeCheckpointRunner``, which reads the checkpoint with
 ``torch.load(weights_only=True)`` and refuses a file that would run code with a message
 naming it (``lapformer_mm/engine/runner.py``).
@@ -23,8 +25,8 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 from mmengine.config import DictAction  # noqa: E402
 from mmengine.dist import is_main_process  # noqa: E402
 
-from train import (build_runner, close_distributed, load_cfg,  # noqa: E402
-                   setup_cpu_distributed)  # (tools/train.py)
+from train import (build_runner, checked_cfg, close_distributed,  # noqa: E402
+                   load_cfg, setup_cpu_distributed)  # (tools/train.py)
 
 
 def parse_args(argv=None):
@@ -121,7 +123,7 @@ def write_metrics(metrics, path):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = build_cfg(args)
+    cfg = checked_cfg(build_cfg, args, 'test')
     setup_cpu_distributed(cfg)
     runner = build_runner(cfg)
     if args.out is not None and cfg.get('default_scope') != 'mmseg':

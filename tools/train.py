@@ -4,9 +4,10 @@ Works for mmdet and mmseg configs alike (the config's ``default_scope`` picks th
 registries). Everything that shapes the run comes from the config: ours select
 ``SafeCheckpointRunner`` through ``configs/_base_/safe_runtime.py``, so mmdet's own
 ``tools/train.py`` trains them to the same weights. This script adds what mmdet's lacks:
-the neck's ``in_channels`` are checked against the backbone before anything is built,
-``--amp`` on CPU uses ``CPUAmpOptimWrapper``, and ``--launcher pytorch`` works without
-CUDA (gloo).
+the neck's ``in_channels`` are checked against the backbone and the run's inputs (data,
+pretrained checkpoint: ``lapformer_mm.preflight``) before anything is built, with one
+message and exit status 2 for a missing one; ``--amp`` on CPU uses ``CPUAmpOptimWrapper``;
+``--launcher pytorch`` works without CUDA (gloo).
 
 Examples::
 
@@ -28,6 +29,7 @@ from mmengine.registry import RUNNERS  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 
 from lapformer_mm.models import check_model_cfg  # noqa: E402
+from lapformer_mm.preflight import InputCheckError, check_config_inputs  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -128,6 +130,21 @@ def build_cfg(args):
     return cfg
 
 
+def checked_cfg(build, args, mode):
+    """``build(args)``, checked for the inputs of a ``mode`` run (``lapformer_mm.preflight``).
+
+    A missing config file or input ends the run here, before anything is built: its
+    message alone on stderr (no traceback) and exit status 2. Shared with ``tools/test.py``.
+    """
+    try:
+        cfg = build(args)
+        check_config_inputs(cfg, mode)
+    except (FileNotFoundError, InputCheckError) as err:
+        print(f'error: {err}', file=sys.stderr)
+        raise SystemExit(2) from None
+    return cfg
+
+
 def setup_cpu_distributed(cfg):
     """Make ``--launcher pytorch`` work on a machine without CUDA (gloo, CPU DDP).
 
@@ -166,7 +183,7 @@ def build_runner(cfg):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = build_cfg(args)
+    cfg = checked_cfg(build_cfg, args, 'train')
     setup_cpu_distributed(cfg)
     runner = build_runner(cfg)
     runner.train()

@@ -7,12 +7,14 @@ Nothing here is active until a config selects it:
 - ``default_hooks.checkpoint.type='SafeCheckpointHook'`` (HOOKS): rotation that deletes the
   outdated checkpoint last;
 - ``backend_args=dict(backend='atomic_local')`` (mmengine's fileio backends): atomic writes;
-- ``optim_wrapper.type='CPUAmpOptimWrapper'`` (OPTIM_WRAPPERS): mixed precision on CPU.
+- ``optim_wrapper.type='CPUAmpOptimWrapper'`` (OPTIM_WRAPPERS): mixed precision on CPU;
+- ``custom_hooks=[dict(type='InputCheckHook')]`` (HOOKS): the run's inputs checked when it
+  starts (:mod:`lapformer_mm.preflight`).
 """
 from .amp import CPUAmpOptimWrapper
 from .fileio import AtomicLocalBackend, atomic_write_bytes
-from .hooks import SafeCheckpointHook
+from .hooks import InputCheckHook, SafeCheckpointHook
 from .runner import SafeCheckpointRunner, find_latest_checkpoint
 
-__all__ = ['AtomicLocalBackend', 'CPUAmpOptimWrapper', 'SafeCheckpointHook',
+__all__ = ['AtomicLocalBackend', 'CPUAmpOptimWrapper', 'InputCheckHook', 'SafeCheckpointHook',
            'SafeCheckpointRunner', 'atomic_write_bytes', 'find_latest_checkpoint']

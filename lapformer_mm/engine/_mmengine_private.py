@@ -11,7 +11,7 @@ import hashlib
 import inspect
 
 from mmengine.hooks import CheckpointHook
-from mmengine.runner import Runner
+from mmengine.runner import BaseLoop, Runner
 from mmengine.runner.checkpoint import _load_checkpoint_to_model
 
 # sha256 (first 16 hex digits) of ``inspect.getsource`` in mmengine 0.10.7.
@@ -27,6 +27,9 @@ PINNED = {
     'mmengine.runner.Runner.resume': (Runner.resume, '30cc2d3b4e1afabd'),
     'mmengine.runner.checkpoint._load_checkpoint_to_model':
         (_load_checkpoint_to_model, 'e97ceb7819af8c87'),
+    # InputCheckHook tells a training run by its built loop: train() builds its loops
+    # before before_run and initialises the model's weights after it.
+    'mmengine.runner.Runner.train': (Runner.train, '98de231f177d0396'),
 }
 
 
@@ -54,3 +57,9 @@ def set_resume_path(runner, path):
 def mark_loaded(runner):
     """Record that ``runner`` has loaded a checkpoint (``load_or_resume`` then does nothing)."""
     runner._has_loaded = True
+
+
+def built_loops(runner):
+    """The loops ('train', 'val', 'test') that ``runner`` has built so far, in that order."""
+    return [name for name in ('train', 'val', 'test')
+            if isinstance(getattr(runner, f'_{name}_loop', None), BaseLoop)]

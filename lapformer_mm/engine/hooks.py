@@ -1,10 +1,13 @@
-"""``SafeCheckpointHook``: mmengine's ``CheckpointHook`` with a rotation that survives a kill."""
+"""``SafeCheckpointHook``: mmengine's ``CheckpointHook`` with a rotation that survives a kill;
+``InputCheckHook``: the run's inputs checked when it starts (:mod:`lapformer_mm.preflight`)."""
 import os.path as osp
 
 from mmengine.dist import is_main_process
-from mmengine.hooks import CheckpointHook
+from mmengine.hooks import CheckpointHook, Hook
 from mmengine.registry import HOOKS
 
+from ..preflight import check_config_inputs
+from . import _mmengine_private as private
 from .fileio import atomic_write_bytes
 
 
@@ -70,3 +73,26 @@ class SafeCheckpointHook(CheckpointHook):
             self.file_backend.remove(path)
         elif self.file_backend.isdir(path):
             self.file_backend.rmtree(path)
+
+
+@HOOKS.register_module()
+class InputCheckHook(Hook):
+    """Stop a run whose inputs are missing, with one message that says what to do.
+
+    ``custom_hooks = [dict(type='InputCheckHook')]`` runs
+    :func:`lapformer_mm.preflight.check_config_inputs` on the runner's config when the run
+    starts (``before_run``): for training, before the backbone loads its ``Pretrained``
+    checkpoint, for every run before the first image is read. mmengine builds the
+    datasets before any hook runs, so an annotation file or a folder that the dataset
+    lists when it is built has failed by then with mmdet's or mmseg's own error; to name
+    those too, call ``check_config_inputs(cfg)`` before ``Runner.from_cfg`` (as this
+    repository's ``tools/train.py`` and ``tools/test.py`` do).
+    """
+
+    priority = 'VERY_HIGH'
+
+    def before_run(self, runner) -> None:
+        loops = private.built_loops(runner)
+        mode = next((m for m in ('train', 'test', 'val') if m in loops), None)
+        if mode is not None:
+            check_config_inputs(runner.cfg, mode)

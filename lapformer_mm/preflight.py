@@ -1,0 +1,367 @@
+"""Check, before anything is built, that the files a config's run reads are there and usable.
+
+Without this, a run on a machine that lacks the data builds the whole model and then dies
+deep in pycocotools (or at the first batch, or when the backbone loads its ImageNet
+weights) with a long traceback. :func:`check_config_inputs` looks at the config alone:
+
+- the datasets of the dataloaders the run uses (through ``ConcatDataset``,
+  ``RepeatDataset`` and other wrappers): ``data_root``, the annotation file and every
+  ``data_prefix`` folder, joined as mmengine's ``BaseDataset`` joins them, so mmdet's
+  ``CocoDataset`` (``ann_file`` + ``data_prefix.img``), mmseg's ``ADE20KDataset``
+  (``img_path`` / ``seg_map_path`` folders) and mmpretrain's datasets alike;
+- the evaluators' annotation files (mmdet's ``CocoMetric(ann_file=...)``);
+- the backbone's ``init_cfg=dict(type='Pretrained', checkpoint=...)``, when training:
+  that it exists and, for a LaplacianFormer, that it reads with ``weights_only=True`` and
+  holds weights of this backbone (the loader would otherwise skip unmatched keys with a
+  warning and train from scratch);
+- ``load_from`` (the checkpoint of a test, or of ``--resume PATH``).
+
+It raises :class:`InputCheckError` with one message that names each missing input, lists
+the layout the config expects and the ways forward. ``tools/train.py`` and
+``tools/test.py`` print it and exit with status 2. With mmdet's, mmseg's or mmpretrain's
+own tools, call it on the config before ``Runner.from_cfg``, or add
+``custom_hooks = [dict(type='InputCheckHook')]`` (:mod:`lapformer_mm.engine.hooks`), which
+runs it when the run starts: after mmengine has built the datasets (an annotation file it
+lacks has failed already), before the first image is read and before the backbone loads
+its checkpoint. Remote paths (``s3://``, ``http://``, a non-local ``backend_args``) are
+not checked.
+"""
+import os
+import os.path as osp
+from typing import List, Mapping, NamedTuple, Optional, Sequence
+
+# What each mode of a run reads: its dataloaders (val only with a val loop) and whether the
+# backbone's init_cfg checkpoint (only training initialises the weights).
+MODES = {
+    'train': (('train', 'val'), True),
+    'val': (('val', ), False),
+    'test': (('test', ), False),
+}
+# data_prefix keys of mmengine, mmdet, mmseg and mmpretrain datasets, as the message names them.
+PREFIX_ROLES = {'img': 'image folder', 'img_path': 'image folder', 'seg': 'label folder',
+                'seg_map_path': 'label folder', 'ann_path': 'annotation folder'}
+README_SECTIONS = {'CocoDataset': 'Train and test on COCO',
+                   'ADE20KDataset': 'Train and test on ADE20K'}
+CLS_CONFIGS = 'configs/cls/lapformer_{}_in1k.py'
+# torch.save writes a zip archive; files of torch < 1.6 (and plain pickles) start with
+# pickle's PROTO opcode.
+CHECKPOINT_MAGIC = (b'PK\x03\x04', b'\x80')
+
+
+class InputCheckError(RuntimeError):
+    """The run would miss inputs; the message says which, the expected layout and what to do."""
+
+
+class Input(NamedTuple):
+    """One path a run reads."""
+    key: str            # where the config sets it, e.g. 'train_dataloader.dataset.ann_file'
+    path: str           # as the run resolves it
+    role: str           # 'annotation file', 'image folder', ...
+    is_dir: bool
+    owner: Optional[Mapping] = None  # the config dict that sets it (a dataset, an init_cfg)
+
+
+class Problem(NamedTuple):
+    """An input that is missing or unusable, and why."""
+    item: Input
+    reason: str
+    kind: str           # 'data', 'checkpoint' (the backbone's) or 'load_from'
+
+
+def is_remote(path: str, backend_args: Optional[Mapping] = None) -> bool:
+    """True for a path this check cannot see: a ``scheme://`` URL or a non-local backend."""
+    if backend_args and backend_args.get('backend', 'local') != 'local':
+        return True
+    return '://' in str(path)
+
+
+def _join(data_root: Optional[str], path: str) -> str:
+    """``path`` joined to ``data_root`` as mmengine's ``BaseDataset._join_prefix`` does."""
+    if data_root and not osp.isabs(path):
+        return osp.join(data_root, path)
+    return path
+
+
+def _dataset_leaves(dataset_cfg, key: str):
+    """(key, cfg) of each dataset that reads files, through wrappers' dataset/datasets."""
+    if not isinstance(dataset_cfg, Mapping):
+        return
+    inner = dataset_cfg.get('dataset')
+    inners = dataset_cfg.get('datasets')
+    if isinstance(inner, Mapping):
+        yield from _dataset_leaves(inner, f'{key}.dataset')
+    elif isinstance(inners, Sequence) and not isinstance(inners, str):
+        for i, sub in enumerate(inners):
+            yield from _dataset_leaves(sub, f'{key}.datasets.{i}')
+    else:
+        yield key, dataset_cfg
+
+
+def dataset_inputs(dataset_cfg: Mapping, key: str) -> List[Input]:
+    """The local paths one dataset config reads (wrappers unwrapped); ``key`` is its config key."""
+    items = []
+    for leaf_key, cfg in _dataset_leaves(dataset_cfg, key):
+        if is_remote('', cfg.get('backend_args')):
+            continue
+        root = cfg.get('data_root') or ''
+        if root:
+            items.append(Input(f'{leaf_key}.data_root', root, 'data root', True, cfg))
+        ann_file = cfg.get('ann_file')
+        if ann_file:
+            items.append(Input(f'{leaf_key}.ann_file', _join(root, ann_file),
+                               'annotation file', False, cfg))
+        prefixes = cfg.get('data_prefix') or {}
+        if isinstance(prefixes, str):  # mmpretrain's spelling of dict(img_path=...)
+            prefixes = dict(img_path=prefixes)
+        for name, prefix in prefixes.items():
+            if isinstance(prefix, str) and (prefix or root):
+                items.append(Input(f'{leaf_key}.data_prefix.{name}', _join(root, prefix),
+                                   PREFIX_ROLES.get(name, f'{name} folder'), True, cfg))
+    return [item for item in items if not is_remote(item.path)]
+
+
+def evaluator_inputs(evaluator_cfg, key: str) -> List[Input]:
+    """Annotation files an evaluator config reads (one metric dict or a list of them)."""
+    metrics = evaluator_cfg if isinstance(evaluator_cfg, Sequence) else [evaluator_cfg]
+    items = []
+    for i, metric in enumerate(metrics):
+        if not isinstance(metric, Mapping) or not metric.get('ann_file'):
+            continue
+        where = f'{key}.{i}' if metrics is evaluator_cfg else key
+        if not is_remote(metric['ann_file'], metric.get('backend_args')):
+            items.append(Input(f'{where}.ann_file', metric['ann_file'], 'annotation file',
+                               False))
+    return items
+
+
+def split_inputs(cfg: Mapping, split: str) -> List[Input]:
+    """The data inputs of the ``split`` ('train', 'val', 'test') loop, if the run has one."""
+    loader = cfg.get(f'{split}_dataloader')
+    if not isinstance(loader, Mapping):
+        return []
+    if split != 'train' and (cfg.get(f'{split}_cfg') is None
+                             or cfg.get(f'{split}_evaluator') is None):
+        return []  # mmengine builds no val/test loop without all three parts
+    items = dataset_inputs(loader.get('dataset') or {}, f'{split}_dataloader.dataset')
+    if split != 'train':
+        items += evaluator_inputs(cfg.get(f'{split}_evaluator'), f'{split}_evaluator')
+    return items
+
+
+def path_problem(item: Input) -> Optional[str]:
+    """Why ``item`` cannot be read, or None when it looks usable."""
+    if item.is_dir:
+        if not osp.exists(item.path):
+            return 'does not exist'
+        if not osp.isdir(item.path):
+            return 'is a file, not a folder'
+        with os.scandir(item.path) as entries:
+            if next(entries, None) is None:
+                return 'is empty'
+        return None
+    if not osp.exists(item.path):
+        return 'does not exist'
+    if not osp.isfile(item.path):
+        return 'is a folder, not a file'
+    if osp.getsize(item.path) == 0:
+        return 'is empty'
+    return None
+
+
+def pretrained_checkpoint(model_cfg: Mapping) -> Optional[Input]:
+    """The backbone's ``Pretrained`` checkpoint: ``init_cfg``, or the deprecated ``pretrained``
+    of the backbone or of an mmseg segmentor (which hands it to the backbone)."""
+    backbone_cfg = model_cfg['backbone']
+    for key, owner in (('model.pretrained', model_cfg),
+                       ('model.backbone.pretrained', backbone_cfg)):
+        if owner.get('pretrained'):
+            return Input(key, owner['pretrained'], 'checkpoint', False)
+    init_cfg = backbone_cfg.get('init_cfg')
+    cfgs = init_cfg if isinstance(init_cfg, Sequence) else [init_cfg]
+    for i, cfg in enumerate(cfgs):
+        if isinstance(cfg, Mapping) and cfg.get('type') == 'Pretrained' and cfg.get('checkpoint'):
+            where = f'.{i}' if cfgs is init_cfg else ''
+            return Input(f'model.backbone.init_cfg{where}.checkpoint', cfg['checkpoint'],
+                         'checkpoint', False, cfg)
+    return None
+
+
+def laplacianformer_mismatch(checkpoint_path: str, backbone_cfg: Mapping,
+                             prefix: Optional[str]) -> Optional[str]:
+    """Why the checkpoint cannot initialise this LaplacianFormer, or None when it can.
+
+    The checkpoint is read with ``weights_only=True``; the backbone's own tensor names and
+    shapes come from building the backbone alone (under 2 s on a CPU core for 'huge').
+    """
+    from .models import LaplacianFormer
+    from .models.pretrained import extract_backbone_state_dict, load_checkpoint_file
+
+    with open(checkpoint_path, 'rb') as f:
+        head = f.read(32)
+    if not head.startswith(CHECKPOINT_MAGIC):
+        return (f'is not a torch checkpoint (it starts with {head!r}; a web page saved by '
+                'a failed download?)')
+    try:
+        state_dict = extract_backbone_state_dict(load_checkpoint_file(checkpoint_path), prefix)
+    except (RuntimeError, TypeError, ValueError) as err:
+        return f'cannot be used: {err}'
+    kwargs = {k: v for k, v in backbone_cfg.items()
+              if k not in ('type', 'init_cfg', 'pretrained', '_scope_')}
+    own = LaplacianFormer(**kwargs).state_dict()
+    shared = [k for k in own if k in state_dict]
+    if not shared:
+        return (f'holds none of the {len(own)} tensors of this LaplacianFormer (its keys '
+                f'look like {", ".join(repr(k) for k in list(state_dict)[:3])}): a checkpoint '
+                'of another model, or one that needs converting')
+    wrong = [f'{k}: checkpoint {tuple(state_dict[k].shape)}, model {tuple(own[k].shape)}'
+             for k in shared if state_dict[k].shape != own[k].shape]
+    if wrong:
+        return (f'does not fit arch={backbone_cfg.get("arch", "tiny")!r} ({len(wrong)} '
+                f'tensors of another shape, e.g. {wrong[0]}): a checkpoint of another arch')
+    return None
+
+
+def checkpoint_problems(cfg: Mapping) -> List[Problem]:
+    """Problems with the backbone's pretrained checkpoint (only training reads it)."""
+    backbone = (cfg.get('model') or {}).get('backbone')
+    if not isinstance(backbone, Mapping):
+        return []
+    item = pretrained_checkpoint(cfg['model'])
+    if item is None or is_remote(item.path):
+        return []
+    reason = path_problem(item)
+    if reason is None and backbone.get('type') == 'LaplacianFormer':
+        prefix = item.owner.get('prefix') if item.owner else None
+        reason = laplacianformer_mismatch(item.path, backbone, prefix)
+    return [Problem(item, reason, 'checkpoint')] if reason else []
+
+
+def load_from_problems(cfg: Mapping) -> List[Problem]:
+    """A ``load_from`` checkpoint (test, fine-tune, ``--resume PATH``) that is not there."""
+    load_from = cfg.get('load_from')
+    if not load_from or is_remote(load_from):
+        return []
+    item = Input('load_from', load_from, 'checkpoint', False)
+    reason = path_problem(item)
+    return [Problem(item, reason, 'load_from')] if reason else []
+
+
+def find_input_problems(cfg: Mapping, mode: str = 'train') -> List[Problem]:
+    """Every missing or unusable input of a ``mode`` ('train', 'val', 'test') run of ``cfg``."""
+    if mode not in MODES:
+        raise ValueError(f'mode must be one of {sorted(MODES)}, got {mode!r}')
+    splits, reads_init_checkpoint = MODES[mode]
+    problems = []
+    for split in splits:
+        for item in split_inputs(cfg, split):
+            reason = path_problem(item)
+            if reason:
+                problems.append(Problem(item, reason, 'data'))
+    # A missing data root explains the paths under it: name only the root.
+    roots = [p.item.path for p in problems if p.item.role == 'data root']
+    problems = [p for p in problems if p.item.role == 'data root' or not any(
+        p.item.path.startswith(osp.join(root, '')) for root in roots)]
+    if reads_init_checkpoint:
+        problems += checkpoint_problems(cfg)
+    return problems + load_from_problems(cfg)
+
+
+def data_root_options(cfg: Mapping, splits: Sequence[str], new_root) -> List[str]:
+    """``--cfg-options`` (``key=value`` strings) that move the data of ``splits`` elsewhere.
+
+    ``new_root(root)`` gives the new path of each dataset's ``data_root``; an evaluator's
+    annotation file under an old root moves with it.
+    """
+    options, moved = [], {}
+    for split in splits:
+        loader = cfg.get(f'{split}_dataloader')
+        if not isinstance(loader, Mapping):
+            continue
+        for key, dataset in _dataset_leaves(loader.get('dataset'), f'{split}_dataloader.dataset'):
+            root = dataset.get('data_root')
+            if root:
+                moved[osp.join(root, '')] = osp.join(new_root(root), '')
+                options.append(f'{key}.data_root={moved[osp.join(root, "")]}')
+        for item in evaluator_inputs(cfg.get(f'{split}_evaluator'), f'{split}_evaluator'):
+            path = item.path
+            for old, new in moved.items():
+                if path.startswith(old):
+                    path = new + path[len(old):]
+            options.append(f'{item.key}={path}')
+    return list(dict.fromkeys(options))
+
+
+def _data_section(cfg: Mapping, splits: Sequence[str], problems: List[Problem]) -> List[str]:
+    lines = ['', f'The data as this config reads it (relative paths start in {os.getcwd()}):']
+    items = list({item.path: item for split in splits
+                  for item in split_inputs(cfg, split)}.values())
+    width = max(len(item.path) for item in items) + 3
+    for item in items:
+        path = osp.join(item.path, '') if item.is_dir else item.path
+        lines.append(f'  {path:<{width}}{item.role}')
+    types = sorted({str(p.item.owner.get('type')) for p in problems if p.item.owner})
+    sections = [f'README.md, "{README_SECTIONS[t]}"' for t in types if t in README_SECTIONS]
+    lines += ['', 'Ways forward for the data:',
+              f'  - get the data set: {" and ".join(sections) or "README.md"};']
+    options = data_root_options(
+        cfg, splits, lambda root: f'/path/to/{osp.basename(osp.normpath(root))}')
+    if options:
+        lines.append('  - the data is elsewhere: --cfg-options ' + ' '.join(options) + ';')
+    if sections:  # COCO or ADE20K
+        lines.append('  - to try the configs without the data: tools/smoke_fullsize.py writes '
+                     'a few synthetic images in this layout and runs them (docs/full_size.md).')
+    return lines
+
+
+def _checkpoint_section(cfg: Mapping, problem: Problem) -> List[str]:
+    arch = cfg['model']['backbone'].get('arch', 'tiny')
+    cls_config = CLS_CONFIGS.format(arch[0].lower() if isinstance(arch, str) else '*')
+    lines = ['', 'Ways forward for the backbone checkpoint:',
+             f'  - pretrain it on ImageNet with {cls_config} (mmpretrain) and convert it with '
+             'tools/convert_cls_to_backbone.py (README.md, "Use the backbone in your own '
+             'config");',
+             f'  - use one you have: --cfg-options {problem.item.key}=PATH;',
+             '  - train from scratch: --cfg-options model.backbone.init_cfg=None']
+    if cfg.get('resume') or cfg.get('load_from'):
+        lines[-1] += (' (this run resumes or loads a checkpoint, which replaces these '
+                      'weights anyway)')
+    return lines
+
+
+def format_problems(cfg: Mapping, mode: str, problems: List[Problem]) -> str:
+    """The message of :class:`InputCheckError`: the problems, the layout, the ways forward."""
+    name = getattr(cfg, 'filename', None) or 'the config'
+    # One line per path: train and val often share a data root or a file.
+    keys = {}
+    for p in problems:
+        keys.setdefault((p.item.role, p.item.path, p.reason), []).append(p.item.key)
+    lines = [f'{name}: this {mode} run would miss {len(keys)} input(s):']
+    for (role, path, reason), where in keys.items():
+        lines.append(f'  - {role} {path!r} {reason} (set by {", ".join(where)})')
+    data = [p for p in problems if p.kind == 'data']
+    if data:
+        lines += _data_section(cfg, MODES[mode][0], data)
+    for p in problems:
+        if p.kind == 'checkpoint':
+            lines += _checkpoint_section(cfg, p)
+        elif p.kind == 'load_from':
+            lines += ['', f'Check the path of the checkpoint to load ({p.item.path!r}).']
+    return '\n'.join(lines)
+
+
+def check_config_inputs(cfg: Mapping, mode: str = 'train') -> None:
+    """Raise :class:`InputCheckError` when a ``mode`` run of ``cfg`` would miss an input.
+
+    Args:
+        cfg (mmengine.Config | dict): the run's config, with its command-line options
+            applied.
+        mode (str): 'train' (train and val data, the backbone's pretrained checkpoint),
+            'val' or 'test' (that loop's data); ``load_from`` in every mode.
+
+    Raises:
+        InputCheckError: the message names each missing or unusable input, the data
+            layout the config expects, and the ways forward.
+    """
+    problems = find_input_problems(cfg, mode)
+    if problems:
+        raise InputCheckError(format_problems(cfg, mode, problems))
