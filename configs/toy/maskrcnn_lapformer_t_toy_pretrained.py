@@ -11,5 +11,6 @@ _base_ = ['./maskrcnn_lapformer_t_toy.py']
 model = dict(
     backbone=dict(
         init_cfg=dict(
+            _delete_=True,
             type='Pretrained',
             checkpoint='work_dirs/pretrain/backbone_lapformer_t_toy.pth')))
