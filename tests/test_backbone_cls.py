@@ -52,6 +52,25 @@ def test_in1k_backbone_config_builds():
     assert out.shape == (1, cfg.model.head.in_channels, 1, 1)
 
 
+def test_in1k_classifier_builds_through_mmpretrain_and_classifies_a_batch():
+    from mmengine.registry import DefaultScope
+    from mmpretrain.registry import MODELS
+
+    cfg = Config.fromfile(os.path.join(ROOT, 'configs', 'cls', 'lapformer_t_in1k.py'))
+    with DefaultScope.overwrite_default_scope('mmpretrain'):
+        model = MODELS.build(cfg.model)
+    model.init_weights()
+    assert type(model.backbone) is LaplacianFormer
+    images = [torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8) for _ in range(2)]
+    with torch.no_grad():
+        samples = model.eval().test_step(dict(inputs=images))
+    assert len(samples) == 2
+    for sample in samples:
+        assert sample.pred_score.shape == (1000, )
+        assert torch.allclose(sample.pred_score.sum(), torch.tensor(1.0))
+        assert sample.pred_label.item() == sample.pred_score.argmax().item()
+
+
 def test_convert_cls_to_backbone(tmp_path):
     arch = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
     source = LaplacianFormer(arch, out_indices=(3, ))

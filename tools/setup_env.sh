@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Create (or bring up to date) the project's virtual environment with the pinned OpenMMLab
 # stack. Idempotent: when nothing it depends on changed and the stack imports, it returns in
-# seconds. Used by the README commands (`make main`, `make seg`, `make test`).
+# seconds. Used by the README commands (`make main`, `make seg`, `make pretrain`, `make test`).
 #
 # Environment:
 #   LAPFORMER_VENV        where the venv lives (default: <repo>/.venv)
 #   PYTHON                interpreter that creates it (default: python3; 3.9-3.12)
-#   LAPFORMER_WHEEL_CACHE folder of prebuilt wheels to try before building mmcv from source
+#   LAPFORMER_WHEEL_CACHE folder of prebuilt mmcv wheels, one subfolder per torch release
+#                         (torch-2.14.1/), tried before building mmcv from source
 #                         (default: <repo>/../shared/wheels when it exists)
 set -euo pipefail
 
@@ -17,6 +18,8 @@ CONSTRAINTS=$ROOT/requirements/ci-constraints.txt
 WHEEL_CACHE=${LAPFORMER_WHEEL_CACHE:-$ROOT/../shared/wheels}
 STAMP=$VENV/.lapformer-setup
 PY=$VENV/bin/python
+MMCV_VERSION=2.1.0
+STACK_MODULES='mmcv.ops, mmdet, mmseg, mmpretrain.models, torchvision, pycocotools, pytest, lapformer_mm'
 
 log() { echo "[setup] $*"; }
 
@@ -25,11 +28,51 @@ inputs_hash() {
         "$ROOT/tools/setup_env.sh" | sha256sum | cut -d' ' -f1
 }
 
-stack_imports() {
-    "$PY" - <<'EOF' >/dev/null 2>&1
-import mmcv.ops, mmdet, mmseg, pycocotools, pytest, lapformer_mm
-EOF
+stack_imports() { "$PY" -c "import $STACK_MODULES" >/dev/null 2>&1; }
+
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q -c "$CONSTRAINTS" "$@"; }
+
+# torch 2.14's headers need C++20; mmcv 2.1.0's setup.py hard-codes -std=c++17 (for the CPU
+# ops, and for nvcc and MPS builds), so its source build fails until the flag is raised.
+raise_cxx_standard() {
+    local setup_py=$1
+    grep -q -- '-std=c++17' "$setup_py" || { log "no -std=c++17 to raise in $setup_py"; return 1; }
+    sed -i 's/-std=c++17/-std=c++20/g' "$setup_py"
+    ! grep -q -- '-std=c++17' "$setup_py"
 }
+
+build_mmcv_from_source() {
+    local src
+    src=$(mktemp -d)
+    # pip's isolated build environment would bring setuptools>=82, which lacks the
+    # pkg_resources that mmcv's setup.py imports: prepare the sdist with the venv's own.
+    "$PY" -m pip download --disable-pip-version-check -q --no-deps --no-binary :all: \
+        --no-build-isolation -d "$src" "mmcv==$MMCV_VERSION"
+    tar xzf "$src/mmcv-$MMCV_VERSION.tar.gz" -C "$src"
+    raise_cxx_standard "$src/mmcv-$MMCV_VERSION/setup.py"
+    MMCV_WITH_OPS=1 MAX_JOBS=$(nproc) \
+        pip_install --no-build-isolation --no-deps --force-reinstall "$src/mmcv-$MMCV_VERSION"
+    rm -rf "$src"
+}
+
+install_mmcv() {
+    local torch_release cache
+    torch_release=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
+    # A cached wheel is valid only beside exactly the torch it was built against.
+    cache=$WHEEL_CACHE/torch-$torch_release
+    if [[ -d $cache ]] && pip_install --no-build-isolation --no-deps --force-reinstall \
+            --no-index --find-links "$cache" "mmcv==$MMCV_VERSION"; then
+        log "installed mmcv $MMCV_VERSION from the wheel cache $cache"
+    else
+        log "building mmcv $MMCV_VERSION with ops from source with C++20" \
+            "(about 17 minutes on 2 cores)"
+        build_mmcv_from_source
+    fi
+}
+
+if [[ ${BASH_SOURCE[0]} != "$0" ]]; then
+    return 0  # sourced (by a test): the functions only
+fi
 
 if [[ -f $STAMP && "$(cat "$STAMP")" == "$(inputs_hash)" ]] && stack_imports; then
     log "environment at $VENV is up to date"
@@ -40,34 +83,24 @@ if [[ ! -x $PY ]]; then
     log "creating virtual environment at $VENV"
     "$PYTHON" -m venv "$VENV"
 fi
-pip_install() { "$PY" -m pip install --disable-pip-version-check -q -c "$CONSTRAINTS" "$@"; }
 
-log "installing build tools and torch"
+log "installing build tools, torch and torchvision"
 pip_install 'setuptools>=77,<82' wheel
-pip_install torch numpy
+pip_install torch torchvision numpy
 
+# mmcv goes in without its dependencies (the next step brings them): whether it was built
+# for this torch is checked once everything is in.
 if "$PY" -c 'import mmcv.ops' >/dev/null 2>&1; then
     log "mmcv with compiled ops already installed"
 else
-    find_links=()
-    torch_version=$("$PY" -c 'import torch; print(torch.__version__)')
-    if [[ -d $WHEEL_CACHE && $torch_version == 2.13.0+cpu ]]; then
-        # The cached wheel was built against exactly this torch; any other torch needs a
-        # source build.
-        find_links=(--find-links "$WHEEL_CACHE")
-        log "trying the mmcv wheel cache in $WHEEL_CACHE"
-    else
-        log "building mmcv 2.1.0 with ops from source (about 30 minutes on 2 cores)"
-    fi
-    MMCV_WITH_OPS=1 MAX_JOBS=$(nproc) \
-        pip_install --no-build-isolation "${find_links[@]}" mmcv
-    "$PY" -c 'import mmcv.ops' || { log "mmcv installed without its compiled ops"; exit 1; }
+    install_mmcv
 fi
 
 log "installing the OpenMMLab stack, test tools and lapformer_mm"
 pip_install -r "$ROOT/requirements.txt" -r "$ROOT/requirements/tests.txt"
 pip_install --no-build-isolation --no-deps -e "$ROOT"
 
-stack_imports || { log "the installed stack does not import"; "$PY" -c 'import mmcv.ops, mmdet, mmseg, pycocotools, lapformer_mm'; exit 1; }
+"$PY" -c 'import mmcv.ops' || { log "mmcv installed without its compiled ops"; exit 1; }
+stack_imports || { log "the installed stack does not import"; "$PY" -c "import $STACK_MODULES"; exit 1; }
 inputs_hash >"$STAMP"
 log "environment ready at $VENV"

@@ -1,7 +1,7 @@
 """Train a detector or segmentor from a config (mmdet's ``tools/train.py`` interface).
 
-Works for mmdet and mmseg configs alike (the config's ``default_scope`` picks the
-registries). Everything that shapes the run comes from the config: ours select
+Works for mmdet, mmseg and mmpretrain configs alike (the config's ``default_scope`` picks
+the registries). Everything that shapes the run comes from the config: ours select
 ``SafeCheckpointRunner`` through ``configs/_base_/safe_runtime.py``, so mmdet's own
 ``tools/train.py`` trains them to the same weights. This script adds what mmdet's lacks:
 the neck's ``in_channels`` are checked against the backbone and the run's inputs (data,

@@ -1,0 +1,33 @@
+"""tools/setup_env.sh's source-build fallback: the C++ standard patch of mmcv's setup.py."""
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / 'tools' / 'setup_env.sh'
+# The lines of mmcv 2.1.0's setup.py that set a C++ standard (CPU ops, MPS, nvcc; Windows).
+MMCV_LINES = """\
+                extra_compile_args['cxx'] = ['-std=c++14']
+                extra_compile_args['cxx'] = ['-std=c++17']
+                extra_compile_args['cxx'] = ['/std:c++17']
+            extra_compile_args['cxx'] = ['-Wall', '-std=c++17']
+                extra_compile_args['nvcc'] += ['-std=c++17']
+"""
+
+
+def raise_cxx_standard(path):
+    return subprocess.run(['bash', '-c', f'source "{SCRIPT}" && raise_cxx_standard "{path}"'],
+                          capture_output=True, text=True)
+
+
+def test_raises_every_gnu_cxx17_flag_to_cxx20(tmp_path):
+    setup_py = tmp_path / 'setup.py'
+    setup_py.write_text(MMCV_LINES)
+    assert raise_cxx_standard(setup_py).returncode == 0
+    assert setup_py.read_text() == MMCV_LINES.replace('-std=c++17', '-std=c++20')
+
+
+def test_refuses_a_setup_py_without_the_flag(tmp_path):
+    setup_py = tmp_path / 'setup.py'
+    setup_py.write_text(MMCV_LINES.replace('-std=c++17', '-std=c++20'))
+    result = raise_cxx_standard(setup_py)
+    assert result.returncode == 1
+    assert f'no -std=c++17 to raise in {setup_py}' in result.stdout
