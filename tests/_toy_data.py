@@ -2,11 +2,8 @@
 import contextlib
 import io
 import os.path as osp
-import sys
 
-sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools'))
-
-import make_toy_coco  # noqa: E402
+from lapformer_mm.cli import make_toy_coco
 
 
 def write_toy_coco(folder, num_train, seg=False):

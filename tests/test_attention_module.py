@@ -55,7 +55,7 @@ def test_gradients_reach_every_parameter():
 
 @pytest.mark.parametrize('kernel', ['laplacian', 'gaussian'])
 @pytest.mark.parametrize('solver', ['newton', 'exact', 'cg'])
-def test_options_reach_the_computation(kernel, solver):
+def test_kernels_and_solvers_match_the_dense_module(kernel, solver):
     """Kernel, solver and normalisation options give the dense fp64 attention they name."""
     torch.manual_seed(0)
     module = LaplacianAttention(16, 1, kernel=kernel, solver=solver, normalize='none', lam=6.0,

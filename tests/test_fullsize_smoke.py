@@ -9,16 +9,13 @@ has its times.
 """
 import math
 import os.path as osp
-import sys
 
 import pytest
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOOLS = osp.join(ROOT, 'tools')
-sys.path.insert(0, TOOLS)
 
-import smoke_fullsize  # noqa: E402
-import train as train_tool  # noqa: E402
+from lapformer_mm.cli import smoke_fullsize  # noqa: E402
+from lapformer_mm.cli import train as train_tool  # noqa: E402
 
 CONFIG = osp.join(ROOT, 'configs', 'maskrcnn_lapformer_t.py')
 WIDTH, HEIGHT = 1333, 800

@@ -22,23 +22,12 @@ from lapformer_mm.preflight import (InputCheckError, check_config_inputs, data_r
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
-sys.path.insert(0, TOOLS)
 
-import make_toy_coco  # noqa: E402
-import train as train_tool  # noqa: E402
+from lapformer_mm.cli import make_toy_coco  # noqa: E402
+from lapformer_mm.cli import test as test_tool  # noqa: E402
+from lapformer_mm.cli import train as train_tool  # noqa: E402
 from _toy_data import write_toy_coco  # noqa: E402
 
-
-def load_tool(name):
-    """tools/<name>.py as a module (by path: 'test' would otherwise be the stdlib package)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(f'tools_{name}', osp.join(TOOLS, f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-test_tool = load_tool('test')
 
 ARCH = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
 OTHER_ARCH = dict(embed_dims=[16, 32, 48, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])

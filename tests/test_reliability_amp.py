@@ -23,9 +23,8 @@ from lapformer_mm.checkpoint import safe_load
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
-sys.path.insert(0, TOOLS)
 
-import train as train_tool  # noqa: E402
+from lapformer_mm.cli import train as train_tool  # noqa: E402
 from _toy_data import write_toy_coco  # noqa: E402
 
 

@@ -7,10 +7,8 @@ and tools/convert_cls_to_backbone.py. Each refusal must leave the payload unrun,
 file and say how to allow a trusted one: torch's own refusal, which names neither, does
 not pass these tests. The documented opt-in must actually work.
 """
-import importlib.util
 import os
 import os.path as osp
-import sys
 
 import numpy as np
 import pytest
@@ -21,12 +19,14 @@ from lapformer_mm.checkpoint import TRUST_ENV, safe_load
 from lapformer_mm.engine import SafeCheckpointRunner
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 TINY = dict(embed_dims=[32, 32, 32, 32], num_heads=[1, 1, 1, 1], depths=[1, 1, 1, 1])
-sys.path.insert(0, TOOLS)
 
 from _runner_helpers import TinyModel, make_runner  # noqa: E402
+
+from lapformer_mm.cli import convert_cls_to_backbone  # noqa: E402
+from lapformer_mm.cli import test as cli_test  # noqa: E402
+from lapformer_mm.cli import train as cli_train  # noqa: E402
 from _toy_data import write_toy_coco  # noqa: E402
 
 
@@ -55,11 +55,6 @@ class HarmlessCustomObject:
         self.note = 'trusted'
 
 
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f'tools_{name}', osp.join(TOOLS, f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -162,7 +157,7 @@ def toy_data_options(toy_root):
 def test_test_tool_refuses_code_running_checkpoint(evil, toy_root, tmp_path):
     path, marker = evil
     with pytest.raises(RuntimeError) as info:
-        load_tool('test').main([TOY_CONFIG, path, '--work-dir', str(tmp_path / 'work')] +
+        cli_test.main([TOY_CONFIG, path, '--work-dir', str(tmp_path / 'work')] +
                                toy_data_options(toy_root))
     assert_refused_with_hint(str(info.value), path)
     assert not marker.exists()
@@ -171,7 +166,7 @@ def test_test_tool_refuses_code_running_checkpoint(evil, toy_root, tmp_path):
 def test_train_tool_resume_refuses_code_running_checkpoint(evil, toy_root, tmp_path):
     path, marker = evil
     with pytest.raises(RuntimeError) as info:
-        load_tool('train').main([TOY_CONFIG, '--resume', path, '--work-dir',
+        cli_train.main([TOY_CONFIG, '--resume', path, '--work-dir',
                                  str(tmp_path / 'work')] + toy_data_options(toy_root))
     assert_refused_with_hint(str(info.value), path)
     assert not marker.exists()
@@ -179,7 +174,7 @@ def test_train_tool_resume_refuses_code_running_checkpoint(evil, toy_root, tmp_p
 
 def test_converter_refuses_code_running_checkpoint(evil, tmp_path):
     path, marker = evil
-    convert = load_tool('convert_cls_to_backbone')
+    convert = convert_cls_to_backbone
     out = tmp_path / 'backbone.pth'
     with pytest.raises(RuntimeError) as info:
         convert.convert(path, str(out))

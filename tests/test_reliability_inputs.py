@@ -6,7 +6,6 @@ argument (and its value), so a user learns what to change without reading a trac
 import json
 import os.path as osp
 import re
-import sys
 
 import pytest
 import torch
@@ -17,12 +16,12 @@ from lapformer_mm.models import (LaplacianFormer, NeckChannelsCheckHook,
                                  check_built_model, check_model_cfg)
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 UPERNET_CONFIG = osp.join(ROOT, 'configs', 'upernet_lapformer_t_ade20k.py')
-sys.path.insert(0, TOOLS)
 
 from lapformer_mm.cli import coco_eval  # noqa: E402
+from lapformer_mm.cli import test as cli_test  # noqa: E402
+from lapformer_mm.cli import train as cli_train  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -33,13 +32,6 @@ def mmdet_scope():
         yield
 
 
-def load_tool(name):
-    """tools/<name>.py as a module (by path: 'test' would otherwise be the stdlib package)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(f'tools_{name}', osp.join(TOOLS, f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize('kwargs, exc, match', [
@@ -195,7 +187,7 @@ def test_coco_eval_bad_files_named(tmp_path, capsys):
 
 
 def test_test_tool_missing_checkpoint_and_config(tmp_path):
-    test_tool = load_tool('test')
+    test_tool = cli_test
     args = test_tool.parse_args([TOY_CONFIG, str(tmp_path / 'missing.pth')])
     with pytest.raises(FileNotFoundError, match="checkpoint '.*missing.pth' does not exist"):
         test_tool.build_cfg(args)
@@ -205,14 +197,14 @@ def test_test_tool_missing_checkpoint_and_config(tmp_path):
 
 
 def test_test_tool_bad_out_suffix(capsys):
-    test_tool = load_tool('test')
+    test_tool = cli_test
     with pytest.raises(SystemExit):
         test_tool.parse_args([TOY_CONFIG, 'x.pth', '--out', 'preds.json'])
     assert '--out must be a .pkl/.pickle file or a folder' in capsys.readouterr().err
 
 
 def test_train_tool_missing_config_and_bad_auto_scale_lr(tmp_path):
-    train_tool = load_tool('train')
+    train_tool = cli_train
     with pytest.raises(FileNotFoundError, match='nope.py'):
         train_tool.build_cfg(train_tool.parse_args([str(tmp_path / 'nope.py')]))
     cfg_path = tmp_path / 'no_scale.py'
@@ -225,7 +217,7 @@ def test_tools_name_neck_mismatch_before_building(tmp_path):
     ckpt = tmp_path / 'x.pth'
     ckpt.write_bytes(b'')
     for name, extra in (('train', []), ('test', [str(ckpt)])):
-        tool = load_tool(name)
+        tool = dict(test=cli_test, train=cli_train)[name]
         args = tool.parse_args([TOY_CONFIG, *extra, '--cfg-options',
                                 'model.neck.in_channels=[64,128,256,512]'])
         with pytest.raises(ValueError,

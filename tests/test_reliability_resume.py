@@ -28,7 +28,6 @@ from lapformer_mm.engine import (SafeCheckpointRunner, atomic_write_bytes,
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
-sys.path.insert(0, TOOLS)
 
 from _runner_helpers import make_runner  # noqa: E402
 from _toy_data import write_toy_coco  # noqa: E402

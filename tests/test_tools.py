@@ -23,10 +23,9 @@ from pycocotools.cocoeval import COCOeval
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
-sys.path.insert(0, TOOLS)
 
 from lapformer_mm.cli import coco_eval  # noqa: E402
-import make_toy_coco  # noqa: E402
+from lapformer_mm.cli import make_toy_coco  # noqa: E402
 
 
 def run_tool(args, cwd, extra_env=None, timeout=600):

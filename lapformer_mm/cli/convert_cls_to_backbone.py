@@ -1,0 +1,64 @@
+"""Turn an ImageNet classifier checkpoint into a LaplacianFormer backbone state dict.
+
+Usage:
+    python tools/convert_cls_to_backbone.py CLS_CKPT OUT_PTH [--arch medium]
+
+CLS_CKPT is an mmpretrain checkpoint of configs/cls/lapformer_*_in1k.py (or any
+layout that ``lapformer_mm.models.pretrained`` accepts); it is read with
+``weights_only=True``, so a file that needs arbitrary pickles is refused. OUT_PTH
+gets ``{'state_dict': backbone tensors, 'meta': {...}}`` without the ``backbone.``
+prefix, for ``init_cfg=dict(type='Pretrained', checkpoint=OUT_PTH)`` in detection
+and segmentation configs. With ``--arch``, the keys are checked against that
+backbone and missing/unexpected keys are printed (the output norms norm0-norm2 of
+a detection backbone are expected to be missing).
+"""
+import argparse
+import os
+
+import torch
+
+from lapformer_mm.models.pretrained import extract_backbone_state_dict, load_checkpoint_file
+
+
+def convert(src: str, dst: str) -> dict:
+    """Write the backbone tensors of ``src`` to ``dst``; returns them."""
+    state_dict = extract_backbone_state_dict(load_checkpoint_file(src))
+    state_dict = {k: v.detach().clone().contiguous() for k, v in state_dict.items()}
+    out_dir = os.path.dirname(os.path.abspath(dst))
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save(dict(state_dict=state_dict, meta=dict(source=os.path.basename(src))), dst)
+    return state_dict
+
+
+def check_against_arch(state_dict: dict, arch: str) -> None:
+    """Print the keys that a detection-style backbone of ``arch`` lacks or does not use."""
+    from lapformer_mm.models import LaplacianFormer
+
+    own = LaplacianFormer(arch).state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    wrong = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
+    print(f'arch {arch}: {len(missing)} missing, {len(unexpected)} unexpected, '
+          f'{len(wrong)} with another shape')
+    for title, keys in (('missing', missing), ('unexpected', unexpected), ('shape', wrong)):
+        for key in keys:
+            print(f'  {title}: {key}')
+    if wrong:
+        raise SystemExit(f'the checkpoint does not fit arch {arch!r}')
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('src', help='classifier checkpoint (path or URL)')
+    parser.add_argument('dst', help='output .pth')
+    parser.add_argument('--arch', default=None, help='check the keys against this arch')
+    args = parser.parse_args()
+    state_dict = convert(args.src, args.dst)
+    print(f'wrote {len(state_dict)} tensors '
+          f'({sum(v.numel() for v in state_dict.values()) / 1e6:.2f} M values) to {args.dst}')
+    if args.arch:
+        check_against_arch(state_dict, args.arch)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,366 @@
+"""Write a small, deterministic COCO-format instance-segmentation data set
+(and, with ``--seg-out``, the same scenes as an mmseg semantic-segmentation set).
+
+Each image is a textured background (smooth colour gradient, low-contrast
+stripes and pixel noise) with a few filled shapes painted back to front, so
+later shapes occlude earlier ones. Every class has its own shape and colour
+family (with jitter), object sizes span COCO's "small" and "medium" ranges,
+and the annotations are polygons of the *visible* part of each object.
+
+Layout written under ``--out`` (default ``data/toy_coco``)::
+
+    annotations/instances_train.json
+    annotations/instances_val.json
+    train/000000.png ...
+    val/000000.png ...
+
+With ``--seg-out DIR`` the same images are also written in mmseg's layout,
+each with a single-channel PNG label map of its visible pixels (0 = background,
+1-4 = ``CLASSES`` in order, i.e. the COCO category ids)::
+
+    img_dir/train/000000.png ...   ann_dir/train/000000.png ...
+    img_dir/val/000000.png ...     ann_dir/val/000000.png ...
+
+``--layout official`` writes the same scenes under the names the full-size configs
+read (COCO 2017 under ``--out``, ADE20K under ``--seg-out``; JPEG images, PNG label
+maps; the categories named as COCO's first four classes, see :data:`LAYOUTS`)::
+
+    annotations/instances_train2017.json   images/training/000000000001.jpg ...
+    annotations/instances_val2017.json     images/validation/000000000001.jpg ...
+    train2017/000000000001.jpg ...         annotations/training/000000000001.png ...
+    val2017/000000000001.jpg ...           annotations/validation/000000000001.png ...
+
+``--img-size WIDTH HEIGHT`` writes non-square images (object sizes follow the shorter
+side). Writing the label maps draws no random numbers, so the COCO files are the same
+with or without ``--seg-out``. The same ``--seed`` and sizes always give
+byte-identical files.
+
+Examples::
+
+    python tools/make_toy_coco.py --out data/toy_coco --num-train 320 --num-val 80 \
+        --seg-out data/toy_seg
+    # a few scenes at COCO's training size, in COCO's and ADE20K's layouts
+    python tools/make_toy_coco.py --layout official --img-size 1333 800 --num-train 4 \
+        --num-val 2 --out work_dirs/fullsize_data/coco \
+        --seg-out work_dirs/fullsize_data/ade/ADEChallengeData2016
+"""
+import argparse
+import json
+import os
+import os.path as osp
+from typing import Callable, NamedTuple
+
+import cv2
+import numpy as np
+from pycocotools import mask as mask_utils
+
+CLASSES = ('circle', 'square', 'triangle', 'star')
+# One base colour per class (BGR, as OpenCV writes it); each object jitters it.
+BASE_COLOURS = {
+    'circle': (40, 40, 220),
+    'square': (40, 200, 40),
+    'triangle': (220, 90, 30),
+    'star': (30, 210, 230),
+}
+MIN_VISIBLE_FRACTION = 0.5
+MIN_VISIBLE_AREA = 30
+
+
+def coco_class_names():
+    """COCO's 80 class names in mmdet's order (mmdet is needed for the official layout)."""
+    from mmdet.datasets import CocoDataset
+    return CocoDataset.METAINFO['classes']
+
+
+class Layout(NamedTuple):
+    """Folder and file names of one layout; ``{}`` in a folder takes the split's name."""
+    det_split: dict       # 'train'/'val' -> the split's name under --out
+    det_images: str
+    det_ann: str
+    seg_split: dict       # 'train'/'val' -> the split's name under --seg-out
+    seg_images: str
+    seg_labels: str
+    image_name: Callable  # image id (from 1) -> image file name
+    category_names: Callable  # () -> the names of categories 1, 2, ...; CLASSES come first
+    supercategory: str
+
+
+LAYOUTS = {
+    'toy': Layout(
+        det_split=dict(train='train', val='val'), det_images='{}',
+        det_ann='annotations/instances_{}.json',
+        seg_split=dict(train='train', val='val'), seg_images='img_dir/{}',
+        seg_labels='ann_dir/{}', image_name=lambda image_id: f'{image_id - 1:06d}.png',
+        category_names=lambda: CLASSES, supercategory='shape'),
+    # What configs/*.py read from data/coco and data/ade/ADEChallengeData2016 (mmdet's
+    # coco_instance.py, mmseg's ade20k.py). mmdet's CocoDataset and CocoMetric find the
+    # categories by COCO's 80 class names, so the file lists all 80 (ids 1-80 in mmdet's
+    # order) and the shapes are COCO's first four (person, bicycle, car, motorcycle);
+    # ADE20KDataset reads .jpg images and, with reduce_zero_label, ignores label 0 and
+    # trains labels 1-4 as ADE classes 0-3.
+    'official': Layout(
+        det_split=dict(train='train2017', val='val2017'), det_images='{}',
+        det_ann='annotations/instances_{}.json',
+        seg_split=dict(train='training', val='validation'), seg_images='images/{}',
+        seg_labels='annotations/{}', image_name=lambda image_id: f'{image_id:012d}.jpg',
+        category_names=coco_class_names, supercategory='coco'),
+}
+
+
+def shape_polygon(name, centre, size, angle):
+    """Outline of one shape as an (K, 2) float array of (x, y) vertices.
+
+    ``size`` is the shape's diameter in pixels, ``angle`` a rotation in radians.
+    """
+    if name == 'circle':
+        t = np.linspace(0, 2 * np.pi, 40, endpoint=False)
+        radii = np.full_like(t, size / 2)
+    elif name == 'square':
+        t = np.arange(4) * np.pi / 2 + np.pi / 4
+        radii = np.full_like(t, size / 2 * np.sqrt(2) * 0.8)
+    elif name == 'triangle':
+        t = np.arange(3) * 2 * np.pi / 3 - np.pi / 2
+        radii = np.full_like(t, size / 2)
+    elif name == 'star':
+        t = np.arange(10) * np.pi / 5 - np.pi / 2
+        radii = np.where(np.arange(10) % 2 == 0, size / 2, size / 5)
+    else:
+        raise ValueError(f'name must be one of {CLASSES}, got {name!r}')
+    t = t + angle
+    xs = centre[0] + radii * np.cos(t)
+    ys = centre[1] + radii * np.sin(t)
+    return np.stack([xs, ys], axis=1)
+
+
+def textured_background(rng, width, height):
+    """A (height, width, 3) uint8 background: gradient + stripes + noise."""
+    size = max(width, height)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32) / size
+    c0 = rng.uniform(60, 190, 3)
+    c1 = rng.uniform(60, 190, 3)
+    direction = rng.uniform(0, 2 * np.pi)
+    ramp = (np.cos(direction) * xx + np.sin(direction) * yy + 1) / 2
+    img = c0 * (1 - ramp[..., None]) + c1 * ramp[..., None]
+    period = rng.uniform(6, 24)
+    phase = rng.uniform(0, 2 * np.pi)
+    theta = rng.uniform(0, np.pi)
+    stripes = np.sin((np.cos(theta) * xx + np.sin(theta) * yy) * size /
+                     period * 2 * np.pi + phase)
+    img = img + 12 * stripes[..., None]
+    img = img + rng.normal(0, 6, img.shape)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def rasterize(poly, width, height):
+    """Binary (height, width) uint8 mask of a polygon."""
+    mask = np.zeros((height, width), np.uint8)
+    pts = np.round(poly * 16).astype(np.int32)  # 4 fractional bits
+    cv2.fillPoly(mask, [pts], 1, lineType=cv2.LINE_8, shift=4)
+    return mask
+
+
+def visible_polygons(mask):
+    """COCO polygons ([x1, y1, x2, y2, ...] lists) of a binary mask."""
+    contours, _ = cv2.findContours(mask, cv2.RETR_EXTERNAL,
+                                   cv2.CHAIN_APPROX_SIMPLE)
+    polys = []
+    for c in contours:
+        if len(c) >= 3:
+            # Pixel-corner convention: a pixel (x, y) covers [x, x+1).
+            polys.append([float(v) + 0.5 for v in c.reshape(-1)])
+    return polys
+
+
+def sample_objects(rng, width, height, max_objects):
+    """Random (class, centre, size, angle, colour) tuples for one image.
+
+    Sizes are relative to the shorter side, so scenes look alike at any resolution.
+    """
+    img_size = min(width, height)
+    n = int(rng.integers(2, max_objects + 1))
+    objects = []
+    for _ in range(n):
+        name = CLASSES[int(rng.integers(len(CLASSES)))]
+        # Log-uniform sizes: many small objects, some medium/large ones.
+        size = float(np.exp(rng.uniform(np.log(0.2), np.log(0.6))) *
+                     img_size)
+        margin = size * 0.3
+        centre = rng.uniform(margin, np.array([width, height]) - margin, 2)
+        angle = float(rng.uniform(0, 2 * np.pi))
+        colour = np.clip(
+            np.array(BASE_COLOURS[name]) + rng.integers(-35, 36, 3), 0, 255)
+        objects.append((name, centre, size, angle, colour))
+    return objects
+
+
+def visible_masks(full_masks):
+    """Visible part of each (H, W) uint8 mask when painted in list order."""
+    covered = 0
+    visible = []
+    for mask in full_masks[::-1]:
+        visible.append(mask & (1 - covered))
+        covered = covered | mask
+    return visible[::-1]
+
+
+def first_hidden(full_masks, visible):
+    """Index of the first object too occluded to annotate, or None."""
+    for i, (mask, vis) in enumerate(zip(full_masks, visible)):
+        if (vis.sum() < MIN_VISIBLE_AREA
+                or vis.sum() < MIN_VISIBLE_FRACTION * mask.sum()):
+            return i
+    return None
+
+
+def render_image(rng, width, height, max_objects):
+    """Image (H, W, 3) uint8, its annotations [(class index, polys)] and its
+    (H, W) uint8 label map (0 = background, class index + 1 per visible pixel).
+
+    Objects that would be mostly hidden are dropped before painting, so
+    every visible shape in the image is annotated.
+    """
+    img = textured_background(rng, width, height)
+    objects = sample_objects(rng, width, height, max_objects)
+    full_masks = [
+        rasterize(shape_polygon(name, centre, size, angle), width, height)
+        for name, centre, size, angle, _ in objects
+    ]
+    while True:
+        visible = visible_masks(full_masks)
+        hidden = first_hidden(full_masks, visible)
+        if hidden is None:
+            break
+        del objects[hidden], full_masks[hidden]
+    annotations = []
+    label_map = np.zeros((height, width), np.uint8)
+    for (name, *_, colour), mask, vis in zip(objects, full_masks, visible):
+        shade = rng.normal(0, 5, img.shape)
+        painted = np.clip(colour + shade, 0, 255).astype(np.uint8)
+        img[mask.astype(bool)] = painted[mask.astype(bool)]
+        # Every visible pixel, even of a sliver too thin for a COCO polygon:
+        # the label map describes the painted image exactly.
+        label_map[vis.astype(bool)] = CLASSES.index(name) + 1
+        polys = visible_polygons(vis)
+        if polys:
+            annotations.append((CLASSES.index(name), polys))
+    return img, annotations, label_map
+
+
+def coco_annotation(ann_id, image_id, category_id, polys, width, height):
+    """One COCO annotation dict; bbox and area come from the polygon mask."""
+    rles = mask_utils.frPyObjects(polys, height, width)
+    rle = mask_utils.merge(rles)
+    x, y, w, h = (float(v) for v in mask_utils.toBbox(rle))
+    return dict(
+        id=ann_id,
+        image_id=image_id,
+        category_id=category_id,
+        segmentation=polys,
+        area=float(mask_utils.area(rle)),
+        bbox=[x, y, w, h],
+        iscrowd=0)
+
+
+def make_split(out_dir, split, num_images, size, max_objects, seed, seg_dir=None,
+               layout='toy'):
+    """Write one split's images and annotation file; return the json path.
+
+    ``size`` is (width, height). With ``seg_dir``, also write the images and their label
+    maps there. ``layout`` names the folders and files (:data:`LAYOUTS`).
+    """
+    names = LAYOUTS[layout]
+    width, height = size
+    rng = np.random.default_rng(seed)
+    img_dir = osp.join(out_dir, names.det_images.format(names.det_split[split]))
+    os.makedirs(img_dir, exist_ok=True)
+    if seg_dir is not None:
+        seg_split = names.seg_split[split]
+        seg_img_dir = osp.join(seg_dir, names.seg_images.format(seg_split))
+        seg_ann_dir = osp.join(seg_dir, names.seg_labels.format(seg_split))
+        os.makedirs(seg_img_dir, exist_ok=True)
+        os.makedirs(seg_ann_dir, exist_ok=True)
+    images, annotations = [], []
+    for image_id in range(1, num_images + 1):
+        img, anns, label_map = render_image(rng, width, height, max_objects)
+        file_name = names.image_name(image_id)
+        cv2.imwrite(osp.join(img_dir, file_name), img)
+        if seg_dir is not None:
+            cv2.imwrite(osp.join(seg_img_dir, file_name), img)
+            cv2.imwrite(osp.join(seg_ann_dir, osp.splitext(file_name)[0] + '.png'), label_map)
+        images.append(
+            dict(id=image_id, file_name=file_name, width=width,
+                 height=height))
+        for label, polys in anns:
+            annotations.append(
+                coco_annotation(
+                    len(annotations) + 1, image_id, label + 1, polys,
+                    width, height))
+    coco = dict(
+        info=dict(description='lapformer_mm toy shapes', version='1.0'),
+        licenses=[],
+        images=images,
+        annotations=annotations,
+        categories=[
+            dict(id=i + 1, name=n, supercategory=names.supercategory)
+            for i, n in enumerate(names.category_names())
+        ])
+    ann_file = osp.join(out_dir, names.det_ann.format(names.det_split[split]))
+    os.makedirs(osp.dirname(ann_file), exist_ok=True)
+    with open(ann_file, 'w') as f:
+        json.dump(coco, f)
+    return ann_file, len(annotations)
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f'expected an integer >= 1, got {text}')
+    return value
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--out', default='data/toy_coco', help='output folder')
+    parser.add_argument('--num-train', type=positive_int, default=320)
+    parser.add_argument('--num-val', type=positive_int, default=80)
+    parser.add_argument(
+        '--img-size', type=positive_int, nargs='+', default=[128], metavar='PX',
+        help='image size: one side (square) or WIDTH HEIGHT')
+    parser.add_argument(
+        '--max-objects', type=positive_int, default=4,
+        help='most objects painted per image (at least 2 are painted)')
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument(
+        '--seg-out', help='also write the scenes as an mmseg semantic '
+        'segmentation set into this folder')
+    parser.add_argument(
+        '--layout', choices=sorted(LAYOUTS), default='toy',
+        help="folder and file names: 'toy' (the toy configs') or 'official' "
+        "(COCO 2017's under --out, ADEChallengeData2016's under --seg-out)")
+    args = parser.parse_args(argv)
+    if len(args.img_size) > 2:
+        parser.error(f'--img-size takes one side or WIDTH HEIGHT, got {args.img_size}')
+    args.img_size = tuple(args.img_size) * (3 - len(args.img_size))
+    if min(args.img_size) < 32:
+        parser.error(f'--img-size must be >= 32, got {args.img_size}')
+    if args.max_objects < 2:
+        parser.error(f'--max-objects must be >= 2, got {args.max_objects}')
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # Different seeds per split so val images are never copies of train ones.
+    for split, num, offset in (('train', args.num_train, 0),
+                               ('val', args.num_val, 1)):
+        ann_file, n_ann = make_split(args.out, split, num, args.img_size,
+                                     args.max_objects,
+                                     [args.seed, offset], args.seg_out, args.layout)
+        print(f'{split}: {num} images, {n_ann} objects -> {ann_file}')
+    if args.seg_out is not None:
+        print(f'label maps (0 = background, 1-{len(CLASSES)} = '
+              f'{", ".join(CLASSES)}) -> {args.seg_out}')
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,91 @@
+"""Write a small, deterministic ImageNet-format classification set of toy shapes.
+
+The pretraining counterpart of ``tools/make_toy_coco.py``, drawn with its helpers
+(same textured backgrounds, same four shapes in their class's colour family): each
+image holds one shape, and its class is the shape. Images come in groups of one per
+class that share background, placement, size, angle and colour jitter, so the object
+alone tells the classes apart and a classifier cannot memorise backgrounds. As in the
+detection set (and as for ImageNet -> COCO), colour is a strong cue for the class.
+
+Layout written under ``--out`` (default ``data/toy_imagenet``), class folders as
+mmpretrain's ``CustomDataset`` (and torchvision's ``ImageFolder``) read them::
+
+    train/circle/000000.png ...  train/square/... train/triangle/... train/star/...
+    val/circle/000000.png ...
+
+The same ``--seed`` and sizes always give byte-identical files.
+
+Example::
+
+    python tools/make_toy_imagenet.py --out data/toy_imagenet --per-class-train 500
+"""
+import argparse
+import os
+import os.path as osp
+
+import cv2
+import numpy as np
+
+from lapformer_mm.cli.make_toy_coco import (BASE_COLOURS, CLASSES, positive_int, rasterize,
+                                            shape_polygon, textured_background)
+
+
+def render_group(rng, img_size):
+    """One (H, W, 3) uint8 image per class, in ``CLASSES`` order.
+
+    The images of a group share the background, placement, size (35-80 % of the side),
+    angle and colour jitter; each shape has its class's colour family, as in the
+    detection set. Only the object tells the classes apart, never the background.
+    """
+    background = textured_background(rng, img_size)
+    size = float(rng.uniform(0.35, 0.8) * img_size)
+    margin = size * 0.4
+    centre = rng.uniform(margin, img_size - margin, 2)
+    angle = float(rng.uniform(0, 2 * np.pi))
+    jitter = rng.integers(-35, 36, 3)
+    images = []
+    for name in CLASSES:
+        img = background.copy()
+        colour = np.clip(np.array(BASE_COLOURS[name]) + jitter, 0, 255)
+        mask = rasterize(shape_polygon(name, centre, size, angle), img_size).astype(bool)
+        shade = rng.normal(0, 5, img.shape)
+        img[mask] = np.clip(colour + shade, 0, 255).astype(np.uint8)[mask]
+        images.append(img)
+    return images
+
+
+def make_split(out_dir, split, per_class, img_size, seed):
+    """Write ``per_class`` images of every class under ``out_dir/split/<class>/``."""
+    rng = np.random.default_rng(seed)
+    for name in CLASSES:
+        os.makedirs(osp.join(out_dir, split, name), exist_ok=True)
+    for index in range(per_class):
+        for name, img in zip(CLASSES, render_group(rng, img_size)):
+            cv2.imwrite(osp.join(out_dir, split, name, f'{index:06d}.png'), img)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--out', default='data/toy_imagenet', help='output folder')
+    parser.add_argument('--per-class-train', type=positive_int, default=500)
+    parser.add_argument('--per-class-val', type=positive_int, default=100)
+    parser.add_argument('--img-size', type=positive_int, default=64, help='square side (px)')
+    parser.add_argument('--seed', type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.img_size < 32:
+        parser.error(f'--img-size must be >= 32, got {args.img_size}')
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # Different seeds per split so val images are never copies of train ones.
+    for split, per_class, offset in (('train', args.per_class_train, 0),
+                                     ('val', args.per_class_val, 1)):
+        make_split(args.out, split, per_class, args.img_size, [args.seed, offset])
+        print(f'{split}: {per_class * len(CLASSES)} images ({per_class} per class: '
+              f'{", ".join(CLASSES)}) -> {osp.join(args.out, split)}')
+
+
+if __name__ == '__main__':
+    main()

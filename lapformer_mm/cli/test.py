@@ -1,0 +1,141 @@
+"""Test (and evaluate) a checkpoint from a config (mmdet's ``tools/test.py`` interface).
+
+Works for mmdet and mmseg configs (the config's ``default_scope`` picks the registries).
+The checkpoint and the test data are checked before anything is built
+(``lapformer_mm.preflight``): a missing one gets one message and exit status 2.
+Our configs select ``SafeCheckpointRunner``, which reads the checkpoint with
+``torch.load(weights_only=True)`` and refuses a file that would run code with a message
+naming it (``lapformer_mm/engine/runner.py``).
+
+Examples::
+
+    python tools/test.py configs/toy/maskrcnn_lapformer_t_toy.py work_dirs/x/epoch_12.pth
+    python tools/test.py CONFIG CKPT --show-dir vis --out results.pkl
+    torchrun --nproc_per_node 8 tools/test.py CONFIG CKPT --launcher pytorch
+"""
+import argparse
+import json
+import numbers
+import os
+import os.path as osp
+
+from mmengine.config import DictAction
+from mmengine.dist import is_main_process
+
+from lapformer_mm.cli.train import (build_runner, checked_cfg, close_distributed, load_cfg,
+                                    setup_cpu_distributed)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description='Test (and evaluate) a model')
+    parser.add_argument('config', help='test config file path')
+    parser.add_argument('checkpoint', help='checkpoint file')
+    parser.add_argument(
+        '--work-dir', help='the dir to save the file containing evaluation metrics')
+    parser.add_argument(
+        '--out', type=str,
+        help='detection: dump predictions to this .pkl file; segmentation: '
+        'write predicted label maps into this folder')
+    parser.add_argument(
+        '--metrics-json',
+        help='also write the evaluation metrics (a flat dict) to this file')
+    parser.add_argument('--show', action='store_true', help='show predictions')
+    parser.add_argument(
+        '--show-dir', help='save painted predictions under work_dir/<timestamp>/SHOW_DIR')
+    parser.add_argument(
+        '--wait-time', type=float, default=2, help='the interval of show (s)')
+    parser.add_argument(
+        '--cfg-options', nargs='+', action=DictAction,
+        help='override config settings, key=value')
+    parser.add_argument(
+        '--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+        default='none', help='job launcher')
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args(argv)
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    if args.out is not None and not osp.isdir(args.out) and \
+            osp.splitext(args.out)[1] not in ('', '.pkl', '.pickle'):
+        parser.error(f'--out must be a .pkl/.pickle file or a folder, got {args.out!r}')
+    return args
+
+
+def enable_visualization(cfg, args):
+    """Turn on the scope's visualization hook (mmdet's or mmseg's) for --show/--show-dir."""
+    hook = cfg.get('default_hooks', {}).get('visualization')
+    if hook is None:
+        raise RuntimeError(
+            '--show/--show-dir need a `visualization` entry in default_hooks '
+            '(DetVisualizationHook or SegVisualizationHook)')
+    hook['draw'] = True
+    if args.show:
+        hook['show'] = True
+        hook['wait_time'] = args.wait_time
+    if args.show_dir:
+        if cfg.get('default_scope') == 'mmseg':
+            cfg.visualizer['save_dir'] = args.show_dir
+        else:
+            hook['test_out_dir'] = args.show_dir
+
+
+def build_cfg(args):
+    """The test config with the command line applied."""
+    cfg = load_cfg(args)
+    if not osp.isfile(args.checkpoint):
+        raise FileNotFoundError(f'checkpoint {args.checkpoint!r} does not exist')
+    cfg.load_from = args.checkpoint
+    cfg.resume = False
+    if args.show or args.show_dir:
+        enable_visualization(cfg, args)
+    if args.out is not None and cfg.get('default_scope') == 'mmseg':
+        cfg.test_evaluator['output_dir'] = args.out
+        cfg.test_evaluator['keep_results'] = True
+    return cfg
+
+
+COCO_KEYS = (('AP', 'mAP'), ('AP50', 'mAP_50'), ('AP75', 'mAP_75'),
+             ('APs', 'mAP_s'), ('APm', 'mAP_m'), ('APl', 'mAP_l'))
+
+
+def coco_table(metrics):
+    """Markdown table of CocoMetric's bbox/segm numbers (as fractions), or ''."""
+    rows = []
+    for iou_type, label in (('bbox', 'bbox (APb)'), ('segm', 'segm (APm)')):
+        keys = [f'coco/{iou_type}_{k}' for _, k in COCO_KEYS]
+        if all(k in metrics for k in keys):
+            rows.append(f'| {label} | ' +
+                        ' | '.join(f'{metrics[k]:.3f}' for k in keys) + ' |')
+    if not rows:
+        return ''
+    header = '| | ' + ' | '.join(n for n, _ in COCO_KEYS) + ' |'
+    return '\n'.join([header, '|---' * (len(COCO_KEYS) + 1) + '|'] + rows)
+
+
+def write_metrics(metrics, path):
+    # numbers.Real: mmseg's IoUMetric returns numpy float32, which json cannot write.
+    with open(path, 'w') as f:
+        json.dump({k: float(v) if isinstance(v, numbers.Real) else v
+                   for k, v in metrics.items()}, f, indent=2)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = checked_cfg(build_cfg, args, 'test')
+    setup_cpu_distributed(cfg)
+    runner = build_runner(cfg)
+    if args.out is not None and cfg.get('default_scope') != 'mmseg':
+        from mmdet.evaluation import DumpDetResults
+        runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
+    metrics = runner.test()
+    if is_main_process():
+        table = coco_table(metrics)
+        if table:
+            print(table, flush=True)
+        if args.metrics_json:
+            write_metrics(metrics, args.metrics_json)
+    close_distributed()
+    return metrics
+
+
+if __name__ == '__main__':
+    main()

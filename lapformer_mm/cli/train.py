@@ -1,0 +1,192 @@
+"""Train a detector or segmentor from a config (mmdet's ``tools/train.py`` interface).
+
+Works for mmdet, mmseg and mmpretrain configs alike (the config's ``default_scope`` picks
+the registries). Everything that shapes the run comes from the config: ours select
+``SafeCheckpointRunner`` through ``configs/_base_/safe_runtime.py``, so mmdet's own
+``tools/train.py`` trains them to the same weights. This script adds what mmdet's lacks:
+the neck's ``in_channels`` are checked against the backbone and the run's inputs (data,
+pretrained checkpoint: ``lapformer_mm.preflight``) before anything is built, with one
+message and exit status 2 for a missing one; ``--amp`` on CPU uses ``CPUAmpOptimWrapper``;
+``--launcher pytorch`` works without CUDA (gloo).
+
+Examples::
+
+    python tools/train.py configs/toy/maskrcnn_lapformer_t_toy.py
+    python tools/train.py CONFIG --work-dir work_dirs/run1 --resume
+    torchrun --nproc_per_node 8 tools/train.py CONFIG --launcher pytorch
+"""
+import argparse
+import os
+import os.path as osp
+import sys
+
+import torch
+import torch.distributed as dist
+from mmengine.config import Config, DictAction
+from mmengine.registry import RUNNERS
+from mmengine.runner import Runner
+
+from lapformer_mm.models import check_model_cfg
+from lapformer_mm.preflight import InputCheckError, check_config_inputs
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description='Train a detector or segmentor')
+    parser.add_argument('config', help='train config file path')
+    parser.add_argument('--work-dir', help='the dir to save logs and models')
+    parser.add_argument(
+        '--amp', action='store_true', default=False,
+        help='enable automatic-mixed-precision training')
+    parser.add_argument(
+        '--auto-scale-lr', action='store_true',
+        help='scale the LR by (total batch size / auto_scale_lr.base_batch_size)')
+    parser.add_argument(
+        '--resume', nargs='?', type=str, const='auto',
+        help='resume from this checkpoint; without a path, from the latest '
+        'checkpoint in the work directory')
+    parser.add_argument(
+        '--cfg-options', nargs='+', action=DictAction,
+        help='override config settings, key=value (e.g. '
+        'train_cfg.max_epochs=1 randomness.seed=3)')
+    parser.add_argument(
+        '--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+        default='none', help='job launcher')
+    # torch.distributed.launch passes --local-rank; torchrun sets LOCAL_RANK.
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args(argv)
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def default_work_dir(config_path):
+    """``./work_dirs/<config name>``, mmdet's default."""
+    return osp.join('./work_dirs', osp.splitext(osp.basename(config_path))[0])
+
+
+def enable_amp(cfg):
+    """Switch the optimizer wrapper to mixed precision for the device at hand.
+
+    GPU (or NPU/MLU/MUSA): mmengine's ``AmpOptimWrapper`` (fp16, dynamic loss scale).
+    CPU: ``CPUAmpOptimWrapper`` (bf16 autocast; ``optim_wrapper.dtype=float16`` for fp16
+    with a dynamic loss scale), because mmengine's wrapper refuses to train on CPU.
+    """
+    from mmengine.device import get_device
+    wanted = 'CPUAmpOptimWrapper' if get_device() == 'cpu' else 'AmpOptimWrapper'
+    current = cfg.optim_wrapper.get('type', 'OptimWrapper')
+    if current == wanted:
+        return
+    if current not in ('OptimWrapper', 'AmpOptimWrapper', 'CPUAmpOptimWrapper'):
+        raise ValueError(f'--amp replaces the optimizer wrapper with {wanted}, but the config '
+                         f'sets optim_wrapper.type={current!r}; drop --amp or use one of '
+                         "'OptimWrapper', 'AmpOptimWrapper', 'CPUAmpOptimWrapper'")
+    cfg.optim_wrapper.type = wanted
+    cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
+
+
+def enable_auto_scale_lr(cfg):
+    """Turn on mmengine's LR scaling; the config must say its base batch size."""
+    scale = cfg.get('auto_scale_lr')
+    if not scale or 'base_batch_size' not in scale:
+        raise RuntimeError(
+            '--auto-scale-lr needs `auto_scale_lr = dict(enable=False, '
+            'base_batch_size=N)` in the config')
+    cfg.auto_scale_lr.enable = True
+
+
+def load_cfg(args):
+    """The config with ``--cfg-options``, ``--launcher`` and ``--work-dir`` applied.
+
+    A neck or decode head whose ``in_channels`` do not fit the backbone is named here,
+    before anything is built. Shared with ``tools/test.py``.
+    """
+    cfg = Config.fromfile(args.config)
+    cfg.launcher = args.launcher
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = default_work_dir(args.config)
+    check_model_cfg(cfg.model)
+    return cfg
+
+
+def build_cfg(args):
+    """The training config with the command line applied."""
+    cfg = load_cfg(args)
+    if args.amp:
+        enable_amp(cfg)
+    if args.auto_scale_lr:
+        enable_auto_scale_lr(cfg)
+    if args.resume == 'auto':
+        cfg.resume = True
+        cfg.load_from = None
+    elif args.resume is not None:
+        cfg.resume = True
+        cfg.load_from = args.resume
+    return cfg
+
+
+def checked_cfg(build, args, mode):
+    """``build(args)``, checked for the inputs of a ``mode`` run (``lapformer_mm.preflight``).
+
+    A missing config file or input ends the run here, before anything is built: its
+    message alone on stderr (no traceback) and exit status 2. Shared with ``tools/test.py``.
+    """
+    try:
+        cfg = build(args)
+        check_config_inputs(cfg, mode)
+    except (FileNotFoundError, InputCheckError) as err:
+        print(f'error: {err}', file=sys.stderr)
+        raise SystemExit(2) from None
+    return cfg
+
+
+def setup_cpu_distributed(cfg):
+    """Make ``--launcher pytorch`` work on a machine without CUDA (gloo, CPU DDP).
+
+    mmengine's launcher calls ``torch.cuda.set_device`` and wraps the model
+    in DDP with ``device_ids=[LOCAL_RANK]``; both fail without CUDA. Starting
+    the gloo process group here makes mmengine skip its own start, and an
+    explicit wrapper config without device ids gives CPU DDP.
+    """
+    if cfg.launcher != 'pytorch' or torch.cuda.is_available():
+        return
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend='gloo', rank=int(os.environ['RANK']),
+            world_size=int(os.environ['WORLD_SIZE']))
+    if cfg.get('model_wrapper_cfg') is None:
+        cfg.model_wrapper_cfg = dict(
+            type='MMDistributedDataParallel',
+            device_ids=None,
+            broadcast_buffers=False,
+            find_unused_parameters=cfg.get('find_unused_parameters', False))
+
+
+def close_distributed():
+    """Tear the process group down before exit: left to interpreter shutdown, gloo's
+    threads can abort the process ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def build_runner(cfg):
+    if 'runner_type' in cfg:
+        return RUNNERS.build(cfg)
+    return Runner.from_cfg(cfg)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = checked_cfg(build_cfg, args, 'train')
+    setup_cpu_distributed(cfg)
+    runner = build_runner(cfg)
+    runner.train()
+    close_distributed()
+
+
+if __name__ == '__main__':
+    main()
