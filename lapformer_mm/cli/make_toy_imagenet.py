@@ -37,7 +37,7 @@ def render_group(rng, img_size):
     angle and colour jitter; each shape has its class's colour family, as in the
     detection set. Only the object tells the classes apart, never the background.
     """
-    background = textured_background(rng, img_size)
+    background = textured_background(rng, img_size, img_size)
     size = float(rng.uniform(0.35, 0.8) * img_size)
     margin = size * 0.4
     centre = rng.uniform(margin, img_size - margin, 2)
@@ -47,7 +47,7 @@ def render_group(rng, img_size):
     for name in CLASSES:
         img = background.copy()
         colour = np.clip(np.array(BASE_COLOURS[name]) + jitter, 0, 255)
-        mask = rasterize(shape_polygon(name, centre, size, angle), img_size).astype(bool)
+        mask = rasterize(shape_polygon(name, centre, size, angle), img_size, img_size).astype(bool)
         shade = rng.normal(0, 5, img.shape)
         img[mask] = np.clip(colour + shade, 0, 255).astype(np.uint8)[mask]
         images.append(img)
