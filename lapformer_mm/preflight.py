@@ -319,7 +319,7 @@ def _checkpoint_section(cfg: Mapping, problem: Problem) -> List[str]:
     lines = ['', 'Ways forward for the backbone checkpoint:',
              f'  - pretrain it on ImageNet with {cls_config} (mmpretrain) and convert it with '
              'tools/convert_cls_to_backbone.py (README.md, "Use the backbone in your own '
-             'config");',
+             'config"; `make pretrain` runs that chain on toy data);',
              f'  - use one you have: --cfg-options {problem.item.key}=PATH;',
              '  - train from scratch: --cfg-options model.backbone.init_cfg=None']
     if cfg.get('resume') or cfg.get('load_from'):

@@ -177,7 +177,7 @@ def test_missing_checkpoint(data, tmp_path):
     assert (f"checkpoint '{tmp_path}/in1k.pth' does not exist "
             '(set by model.backbone.init_cfg.checkpoint)') in text
     assert 'configs/cls/lapformer_*_in1k.py' in text  # ARCH is a dict, not a named arch
-    assert 'tools/convert_cls_to_backbone.py' in text
+    assert 'tools/convert_cls_to_backbone.py' in text and 'make pretrain' in text
     assert '--cfg-options model.backbone.init_cfg.checkpoint=PATH' in text
     assert '--cfg-options model.backbone.init_cfg=None' in text
     assert 'Ways forward for the data' not in text
