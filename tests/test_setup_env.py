@@ -31,3 +31,23 @@ def test_refuses_a_setup_py_without_the_flag(tmp_path):
     result = raise_cxx_standard(setup_py)
     assert result.returncode == 1
     assert f'no -std=c++17 to raise in {setup_py}' in result.stdout
+
+
+def test_mmcv_is_reinstalled_when_torch_changes(tmp_path):
+    """An mmcv whose ops import beside a torch it was not built for is not taken as installed."""
+    import sys
+    venv = tmp_path / 'venv'
+    (venv / 'bin').mkdir(parents=True)
+    # A launcher, not a symlink: the test interpreter's venv (with mmcv) must stay active.
+    (venv / 'bin' / 'python').write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (venv / 'bin' / 'python').chmod(0o755)
+
+    def built_for(version):
+        cmd = f'source "{SCRIPT}" && mmcv_built_for {version}'
+        env = {'LAPFORMER_VENV': str(venv), 'PATH': '/usr/bin:/bin'}
+        return subprocess.run(['bash', '-c', cmd], env=env, capture_output=True).returncode == 0
+    assert not built_for('2.14.1')  # no record: install
+    (venv / '.lapformer-mmcv-torch').write_text('2.13.0+cpu\n')
+    assert not built_for('2.14.1')  # built for another torch: reinstall
+    (venv / '.lapformer-mmcv-torch').write_text('2.14.1\n')
+    assert built_for('2.14.1')

@@ -17,6 +17,9 @@ PYTHON=${PYTHON:-python3}
 CONSTRAINTS=$ROOT/requirements/ci-constraints.txt
 WHEEL_CACHE=${LAPFORMER_WHEEL_CACHE:-$ROOT/../shared/wheels}
 STAMP=$VENV/.lapformer-setup
+# The torch release the installed mmcv was built against: its compiled ops may still import
+# beside another torch (an upgraded venv), with an ABI they were not built for.
+MMCV_STAMP=$VENV/.lapformer-mmcv-torch
 PY=$VENV/bin/python
 MMCV_VERSION=2.1.0
 STACK_MODULES='mmcv.ops, mmdet, mmseg, mmpretrain.models, torchvision, pycocotools, pytest, lapformer_mm'
@@ -55,6 +58,12 @@ build_mmcv_from_source() {
     rm -rf "$src"
 }
 
+# True when the installed mmcv was built against torch release $1 and its ops import.
+mmcv_built_for() {
+    [[ -f $MMCV_STAMP && "$(cat "$MMCV_STAMP")" == "$1" ]] &&
+        "$PY" -c 'import mmcv.ops' >/dev/null 2>&1
+}
+
 install_mmcv() {
     local torch_release cache
     torch_release=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
@@ -88,12 +97,14 @@ log "installing build tools, torch and torchvision"
 pip_install 'setuptools>=77,<82' wheel
 pip_install torch torchvision numpy
 
-# mmcv goes in without its dependencies (the next step brings them): whether it was built
-# for this torch is checked once everything is in.
-if "$PY" -c 'import mmcv.ops' >/dev/null 2>&1; then
-    log "mmcv with compiled ops already installed"
+# mmcv goes in without its dependencies (the next step brings them); that its ops import is
+# checked once everything is in.
+torch_version=$("$PY" -c 'import torch; print(torch.__version__)')
+if mmcv_built_for "$torch_version"; then
+    log "mmcv with compiled ops already installed for torch $torch_version"
 else
     install_mmcv
+    echo "$torch_version" >"$MMCV_STAMP"
 fi
 
 log "installing the OpenMMLab stack, test tools and lapformer_mm"
