@@ -120,7 +120,7 @@ def test_train_test_and_draw_the_toy_segmentor(seg_data, tmp_path):
 
 
 def test_paint_labels_blends_class_pixels_only():
-    import visualize_predictions
+    from lapformer_mm.cli import visualize_predictions
     img = np.full((2, 3, 3), 100, np.uint8)
     labels = np.array([[0, 1, 2], [255, 2, 0]], np.uint8)
     painted = visualize_predictions.paint_labels(
