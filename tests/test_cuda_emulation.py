@@ -240,8 +240,8 @@ def test_blocks_loop_beyond_the_grid_limits(emulated, monkeypatch):
 @pytest.fixture
 def cupy_backend(emulated, monkeypatch):
     """The public functions choose the CuPy kernels for CPU tensors, run by the emulation."""
-    for module in (kernels, nystrom):
-        monkeypatch.setattr(module, 'backend_uses_cupy', lambda requested, tensor: True)
+    monkeypatch.setattr(kernels, 'uses_cupy', lambda backend, tensor: True)
+    monkeypatch.setattr(nystrom, 'backend_uses_cupy', lambda requested, tensor: True)
     monkeypatch.setattr(cupy_ops, 'target_blocks', lambda device: 16)
     monkeypatch.setattr(rt, 'shared_memory_optin', lambda device_index: 48 * 1024)
     return emulated

@@ -63,9 +63,14 @@ def backend_uses_cupy(requested, tensor):
     return False
 
 
+def uses_cupy(backend, tensor):
+    """:func:`backend_uses_cupy` for a ``backend`` argument not yet validated (one call)."""
+    return backend_uses_cupy(requested_backend(backend), tensor)
+
+
 def resolve_backend(backend=None, tensor=None):
     """'reference' or 'cupy': the backend ops on ``tensor`` use (None: no tensor)."""
-    return 'cupy' if backend_uses_cupy(requested_backend(backend), tensor) else 'reference'
+    return 'cupy' if uses_cupy(backend, tensor) else 'reference'
 
 
 def cupy_ops():

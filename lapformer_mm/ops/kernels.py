@@ -22,7 +22,7 @@ import torch
 from ._checks import (KERNELS, NS_INITS, check_choice, check_kernel_pair, check_optional_int,
                       check_positive)
 from ._precision import compute_dtype
-from .dispatch import backend_uses_cupy, cupy_ops, requested_backend
+from .dispatch import cupy_ops, uses_cupy
 from .reference_kernels import pairwise_grad_reference, pairwise_kernel_reference
 from .solvers import DEFAULT_NS_ITERS, check_square, newton_schulz_iterate
 
@@ -165,7 +165,7 @@ def newton_schulz(P, iters, init, cuda_kernel):
 def _kernel_matrix(kind, x, y, lam, backend):
     check_kernel_pair(x, y)
     lam = check_positive('lam', lam)
-    return pairwise_kernel(x, y, lam, kind, backend_uses_cupy(requested_backend(backend), x))
+    return pairwise_kernel(x, y, lam, kind, uses_cupy(backend, x))
 
 
 def laplacian_kernel(x, y, lam=4.0, *, backend=None):
@@ -198,4 +198,4 @@ def newton_schulz_pinv(P, iters=None, init='identity', *, backend=None):
     check_square('P', P)
     iters = check_optional_int('iters', iters)
     check_choice('init', init, NS_INITS)
-    return newton_schulz(P, iters, init, backend_uses_cupy(requested_backend(backend), P))
+    return newton_schulz(P, iters, init, uses_cupy(backend, P))
