@@ -67,20 +67,16 @@ FLOP_HANDLES = {
 def traced_name(op):
     """The node kind under which a ``torch.jit`` trace records a call of ``op``.
 
-    op: an ``autograd.Function`` subclass (traced as ``prim::PythonOp.<class name>``) or
-    a dispatcher op (``torch.ops.<namespace>.<name>``, its overloads, or a
+    op: a dispatcher op (``torch.ops.<namespace>.<name>``, its overloads, or a
     ``torch.library.custom_op``), traced under its schema name.
     """
-    if isinstance(op, type) and issubclass(op, torch.autograd.Function):
-        return f'prim::PythonOp.{op.__name__}'
     if isinstance(op, torch.library.CustomOpDef):
         op = op._opoverload
     if isinstance(op, torch._ops.OpOverloadPacket):
         op = op.default
     if isinstance(op, torch._ops.OpOverload):
         return op._schema.name
-    raise TypeError('op must be an autograd.Function subclass or a torch.ops operator, '
-                    f'got {op!r}')
+    raise TypeError(f'op must be a torch.ops operator or a torch.library custom op, got {op!r}')
 
 
 def operator_key(op):
