@@ -7,14 +7,15 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).parent
 
 
-def version():
+def package_constant(name):
+    """A string constant of lapformer_mm/__init__.py, read without importing torch."""
     text = (HERE / 'lapformer_mm' / '__init__.py').read_text()
-    return re.search(r"^__version__ = '([^']+)'", text, re.M).group(1)
+    return re.search(rf"^{name} = '([^']+)'", text, re.M).group(1)
 
 
 setup(
     name='lapformer_mm',
-    version=version(),
+    version=package_constant('__version__'),
     description='LaplacianFormer (Laplacian-kernel linear attention) backbones for '
                 'OpenMMLab detection and segmentation',
     long_description=(HERE / 'README.md').read_text(encoding='utf-8'),
@@ -24,7 +25,7 @@ setup(
     packages=find_packages(include=['lapformer_mm', 'lapformer_mm.*']) + ['lapformer_mm._cuda_src'],
     package_dir={'lapformer_mm._cuda_src': 'ops'},
     package_data={'lapformer_mm._cuda_src': ['*.cu', '*.cuh']},
-    install_requires=['torch>=2.1', 'numpy', 'mmengine>=0.10,<1'],
+    install_requires=[f"torch>={package_constant('TORCH_FLOOR')}", 'numpy', 'mmengine>=0.10,<1'],
     extras_require={
         'det': ['mmcv>=2.0.0,<2.2.0', 'mmdet>=3.3,<3.4', 'pycocotools'],
         'seg': ['mmcv>=2.0.0,<2.2.0', 'mmsegmentation>=1.2,<1.3', 'ftfy', 'regex'],

@@ -27,14 +27,24 @@ import argparse
 import math
 import os
 import platform
+import sys
+from pathlib import Path
+
+if __package__ in (None, ''):
+    # Run as a script (python benchmarks/NAME.py): the checkout's root holds devtools/.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
 
-from lapformer_mm.analysis.timing import best_time, wall_times
-from lapformer_mm.ops import (injective_normalize, laplacian_kernel, nystrom_attention,
-                              pool_landmarks)
-from lapformer_mm.ops.profiling import peak_memory_bytes
+from devtools.profiling import peak_memory_bytes
+from devtools.timing import best_time, wall_times
+from lapformer_mm.ops import (
+    injective_normalize,
+    laplacian_kernel,
+    nystrom_attention,
+    pool_landmarks,
+)
 from lapformer_mm.ops.solvers import newton_schulz_iterate
 
 

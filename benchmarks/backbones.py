@@ -36,15 +36,25 @@ import json
 import os
 import os.path as osp
 import statistics
+import sys
 import time
+from pathlib import Path
+
+if __package__ in (None, ''):
+    # Run as a script (python benchmarks/NAME.py): the checkout's root holds devtools/.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from lapformer_mm.analysis.model_zoo import (BACKBONE_CONFIGS, build_backbone, count_parameters,
-                                             describe)
-from lapformer_mm.analysis.timing import load_average, parse_size
+from devtools.profiling import cuda_peak_memory
+from devtools.timing import load_average, parse_size
+from lapformer_mm.analysis.model_zoo import (
+    BACKBONE_CONFIGS,
+    build_backbone,
+    count_parameters,
+    describe,
+)
 from lapformer_mm.cpu_malloc import KEEP_BYTES, keep_large_blocks
-from lapformer_mm.ops.profiling import cuda_peak_memory
 
 REFERENCE = 'laplacianformer-t'
 MODES = ('fwd', 'fwdbwd')

@@ -35,10 +35,14 @@ import statistics
 import sys
 from pathlib import Path
 
+if __package__ in (None, ''):
+    # Run as a script (python benchmarks/NAME.py): the checkout's root holds devtools/.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 
-from lapformer_mm.analysis.timing import parse_size, time_once
-from lapformer_mm.ops.profiling import cuda_peak_memory
+from devtools.profiling import cuda_peak_memory
+from devtools.timing import parse_size, time_once
 
 MODELS = ('laplacianformer-t', 'laplacianformer-t-ref', 'pvtv2-b1', 'swin-t')
 MODES = ('fwd', 'fwdbwd')

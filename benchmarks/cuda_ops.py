@@ -36,11 +36,15 @@ import sys
 import time
 from pathlib import Path
 
+if __package__ in (None, ''):
+    # Run as a script (python benchmarks/NAME.py): the checkout's root holds devtools/.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 import torch.nn.functional as F
 
-from lapformer_mm.analysis.timing import time_once
-from lapformer_mm.ops.profiling import cuda_peak_memory
+from devtools.profiling import cuda_peak_memory
+from devtools.timing import time_once
 
 LAM = 4.0
 #: Stage 1 of LaplacianFormer-T at 800x1333, batch 2: 200 x 333 tokens, 2 heads of d = 32.

@@ -1,31 +1,41 @@
 """Print the SASS instruction counts of the CUDA kernels' hot loops (no GPU needed).
 
-See :mod:`lapformer_mm.ops.sass` for what is counted. Needs the pip packages
+See :mod:`devtools.sass` for what is counted. Needs the pip packages
 ``nvidia-cuda-nvrtc-cu12`` and ``nvidia-cuda-nvdisasm``.
 
     python benchmarks/cuda_sass.py                             # this checkout
     python benchmarks/cuda_sass.py --source-root /tmp/old      # another checkout (before/after)
 """
 import argparse
+import sys
+from pathlib import Path
 
-from lapformer_mm.ops.sass import PACKAGE_ROOT, report
+if __package__ in (None, ''):
+    # Run as a script (python benchmarks/NAME.py): the checkout's root holds devtools/.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from devtools.sass import SOURCE_ROOT, SassToolError, report
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--source-root', default=str(PACKAGE_ROOT), help='checkout whose ops/ and cuda_runtime.py to read')
+    p.add_argument('--source-root', default=str(SOURCE_ROOT), help='checkout whose ops/ and cuda_runtime.py to read')
     p.add_argument('--arch', default='sm_90')
     p.add_argument('--kernels', default='float', help='substring of the instantiations to show')
     args = p.parse_args(argv)
-    rows = [r for r in report(args.source_root, args.arch) if args.kernels in r['kernel']]
+    try:
+        rows = [r for r in report(args.source_root, args.arch) if args.kernels in r['kernel']]
+    except SassToolError as err:
+        print(f'cuda_sass: {err}', file=sys.stderr)
+        return 2
     print(f'| kernel ({args.arch}) | hot-loop instructions | terms | per term | main opcodes |')
     print('|---|---|---|---|---|')
     for r in rows:
         top = ', '.join(f'{op} {n}' for op, n in list(r['histogram'].items())[:8])
         per = '-' if r['per_term'] is None else f"{r['per_term']:.2f}"
         print(f"| `{r['kernel']}` | {r['instructions']} | {r['terms']} | {per} | {top} |")
-    return rows
+    return 0
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(main())

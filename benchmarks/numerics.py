@@ -12,10 +12,16 @@ attention.
     python benchmarks/numerics.py    # prints the markdown tables of docs/numerics.md
 """
 import statistics
+import sys
+from pathlib import Path
+
+if __package__ in (None, ''):
+    # Run as a script (python benchmarks/NAME.py): the checkout's root holds devtools/.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from lapformer_mm.analysis.timing import wall_times
+from devtools.timing import wall_times
 from lapformer_mm.ops import DEFAULT_NS_ITERS, nystrom_attention
 
 SPREADS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)

@@ -16,10 +16,27 @@ writes into checkpoints to ``torch.serialization``'s safe globals, so that
 ``lapformer_mm.ops`` needs only torch (and CuPy on GPU); without mmengine nothing is
 registered.
 """
-from .checkpoint import allow_mmengine_checkpoints
-from .registry import register_all_modules
+import re
+
+import torch
 
 __version__ = '0.1.0'
+#: The lowest torch with every ``torch.library`` API the ops use (``custom_op``,
+#: ``register_fake``, ``register_autograd``, ``register_autocast``: 2.7).
+TORCH_FLOOR = '2.7'
+
+
+def _torch_release(version):
+    return tuple(int(part) for part in re.match(r'(\d+)\.(\d+)', version).groups())
+
+
+if _torch_release(torch.__version__) < _torch_release(TORCH_FLOOR):
+    raise ImportError(f'lapformer_mm needs torch>={TORCH_FLOOR} (its ops use torch.library\'s '
+                      f'custom_op and register_autocast); found torch {torch.__version__}. '
+                      f'Upgrade with: pip install "torch>={TORCH_FLOOR}"')
+
+from .checkpoint import allow_mmengine_checkpoints  # noqa: E402
+from .registry import register_all_modules  # noqa: E402
 
 allow_mmengine_checkpoints()
 register_all_modules()

@@ -2,28 +2,26 @@
 
 mmdet's, mmseg's and mmpretrain's registries are children of mmengine's and fall back to
 it, so one registration serves all three without importing any of them (as mmdet's own
-PVT and Swin are found by mmseg configs). The engine parts register themselves when
-:mod:`lapformer_mm.engine` is imported.
+PVT and Swin are found by mmseg configs). Every part registers itself with the registry's
+decorator where it is defined; this module only imports them.
 """
 
 
 def register_all_modules():
-    """Register ``LaplacianFormer`` (MODELS) and the engine parts. Idempotent.
+    """Import the registered parts (each module registers its own with a decorator).
+
+    ``LaplacianFormer`` (MODELS), ``NeckChannelsCheckHook`` (HOOKS) and the engine parts
+    of :mod:`lapformer_mm.engine`. Importing twice registers once (Python caches modules).
 
     Returns:
         bool: False when mmengine is not installed (the bare ``lapformer_mm.ops`` use on a
         GPU box), where there is nothing to register into.
     """
     try:
-        from mmengine.registry import MODELS
+        import mmengine.registry  # noqa: F401
     except ModuleNotFoundError as err:
         if err.name == 'mmengine':
             return False
         raise
-    from . import engine  # noqa: F401
-    from .models import LaplacianFormer
-
-    # A second call finds it registered; another class under the name is an error.
-    if MODELS.module_dict.get('LaplacianFormer') is not LaplacianFormer:
-        MODELS.register_module(module=LaplacianFormer)
+    from . import engine, models  # noqa: F401
     return True

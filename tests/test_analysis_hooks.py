@@ -113,12 +113,19 @@ def test_build_backbone_rejects_unknown_name():
         model_zoo.build_backbone('resnet-50')
 
 
-def test_load_weights_round_trip(tmp_path):
+@pytest.mark.parametrize('layout', ['state_dict', 'model', 'ddp'])
+def test_load_weights_round_trip(tmp_path, layout):
+    """Detector (``backbone.``), timm/DeiT (``model``) and DDP (``module.``) checkpoints."""
     model = model_zoo.build_backbone('laplacianformer-t', config_overrides=TINY_LAPLACIAN)
+    state = model.state_dict()
+    checkpoint = {
+        'state_dict': {'state_dict': {f'backbone.{k}': v for k, v in state.items()}},
+        'model': {'model': dict(state)},
+        'ddp': {'state_dict': {f'module.backbone.{k}': v for k, v in state.items()}},
+    }[layout]
     path = tmp_path / 'det.pth'
-    torch.save({'state_dict': {f'backbone.{k}': v for k, v in model.state_dict().items()}},
-               path)
+    torch.save(checkpoint, path)
     other = model_zoo.build_backbone('laplacianformer-t', checkpoint=str(path),
                                      config_overrides=TINY_LAPLACIAN)
-    for key, value in model.state_dict().items():
+    for key, value in state.items():
         torch.testing.assert_close(other.state_dict()[key], value)

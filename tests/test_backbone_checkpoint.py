@@ -158,6 +158,13 @@ def test_deprecated_pretrained_argument(source, tmp_path):
         small_model(pretrained=path, init_cfg=dict(type='Pretrained', checkpoint=path))
 
 
+@pytest.mark.parametrize('pretrained', [123, 1.5, ['a.pth'], dict(checkpoint='a.pth'), True])
+def test_pretrained_of_a_wrong_type_fails_at_construction(pretrained):
+    """As mmdet's PVT: a TypeError naming the argument before any layer is built."""
+    with pytest.raises(TypeError, match='pretrained must be a str'):
+        LaplacianFormer('tiny', pretrained=pretrained)
+
+
 def test_state_dict_names_are_those_of_released_checkpoints():
     """Checkpoints key the layers built from norm_cfg/act_cfg/attn_cfg by these names."""
     keys = set(LaplacianFormer('tiny', attn_cfg=dict(qk_shared=True)).state_dict())

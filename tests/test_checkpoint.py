@@ -3,13 +3,12 @@ import os
 
 import pytest
 import torch
+from _runner_helpers import TinyModel, make_runner
 from mmengine.hooks import Hook
 from mmengine.logging import HistoryBuffer
 
 import lapformer_mm  # noqa: F401  (allowlists mmengine's checkpoint contents)
 from lapformer_mm.checkpoint import safe_load
-
-from _runner_helpers import TinyModel, make_runner
 
 
 @pytest.fixture(scope='module')

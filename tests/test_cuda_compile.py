@@ -12,8 +12,8 @@ import re
 
 import pytest
 
+from devtools.nvrtc import CUPY_ADDED_OPTIONS, Nvrtc, find_nvrtc
 from lapformer_mm.ops import cuda_runtime as rt
-from lapformer_mm.ops.nvrtc import CUPY_ADDED_OPTIONS, Nvrtc, find_nvrtc
 
 ARCHS = ('sm_70', 'sm_80', 'sm_90')
 NVRTC_PACKAGE = 'nvidia-cuda-nvrtc-cu12'

@@ -8,7 +8,7 @@ with 16-byte loads (1.4 per FMA, down from 3.75 with generic loads).
 """
 import pytest
 
-from lapformer_mm.ops import sass
+from devtools import sass
 
 
 @pytest.fixture(scope='module')

@@ -8,9 +8,15 @@ code is driven by a fake CuPy. The kernels themselves are covered by
 import pytest
 import torch
 
-from lapformer_mm.ops import (AttentionOptions, cuda_runtime as rt, gaussian_kernel,
-                              laplacian_kernel, newton_schulz_pinv, nystrom_forward,
-                              pool_landmarks)
+from lapformer_mm.ops import (
+    AttentionOptions,
+    gaussian_kernel,
+    laplacian_kernel,
+    newton_schulz_pinv,
+    nystrom_forward,
+    pool_landmarks,
+)
+from lapformer_mm.ops import cuda_runtime as rt
 
 
 def spd(batch, m):

@@ -8,13 +8,12 @@ import os.path as osp
 
 import pytest
 import torch
-
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-
 from mmengine.config import Config
 from mmengine.registry import init_default_scope
 
 import lapformer_mm  # noqa: F401
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
 CONFIGS = sorted(
     glob.glob(osp.join(ROOT, 'configs', '*.py')) +
@@ -184,8 +183,8 @@ def test_retinanet_t_loss_predict_and_no_unused_parameters():
     ('fpn_lapformer_t_ade20k.py', {'decode.loss_ce'}),
 ])
 def test_ade20k_t_loss_and_predict(name, loss_keys):
-    from mmseg.structures import SegDataSample
     from mmengine.structures import PixelData
+    from mmseg.structures import SegDataSample
     cfg = no_pretrained(load_cfg(name))
     # SyncBN needs a process group; plain BN is the same layer on one process
     for part in ('neck', 'decode_head', 'auxiliary_head'):

@@ -5,8 +5,8 @@ import pytest
 import torch
 from _attention_helpers import dense_gaussian_kernel, dense_l1_kernel
 
+from devtools.profiling import peak_memory_bytes
 from lapformer_mm.ops import gaussian_kernel, laplacian_kernel
-from lapformer_mm.ops.profiling import peak_memory_bytes
 
 KERNELS = [(laplacian_kernel, dense_l1_kernel), (gaussian_kernel, dense_gaussian_kernel)]
 

@@ -1,8 +1,8 @@
 """Peak memory of Nyström attention forward+backward is linear in N (no N×m×d, no N×N)."""
 import torch
 
+from devtools.profiling import peak_memory_bytes
 from lapformer_mm.ops import nystrom_attention, pool_landmarks
-from lapformer_mm.ops.profiling import peak_memory_bytes
 
 N, M, D = 65536, 49, 32
 

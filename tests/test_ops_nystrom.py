@@ -3,8 +3,13 @@ import pytest
 import torch
 from _attention_helpers import dense_injective, dense_l1_kernel
 
-from lapformer_mm.ops import (injective_normalize, laplacian_kernel, nystrom_attention,
-                              pool_landmarks, resolve_backend)
+from lapformer_mm.ops import (
+    injective_normalize,
+    laplacian_kernel,
+    nystrom_attention,
+    pool_landmarks,
+    resolve_backend,
+)
 
 
 def qkv(shape, seed=0, dtype=torch.float64):

@@ -3,8 +3,15 @@ import pytest
 import torch
 from _attention_helpers import smooth_tokens
 
-from lapformer_mm.ops import (DEFAULT_NS_ITERS, cg_solve, exact_inverse, exact_solve,
-                              laplacian_kernel, newton_schulz_pinv, pool_landmarks)
+from lapformer_mm.ops import (
+    DEFAULT_NS_ITERS,
+    cg_solve,
+    exact_inverse,
+    exact_solve,
+    laplacian_kernel,
+    newton_schulz_pinv,
+    pool_landmarks,
+)
 
 
 def landmark_matrices(eps=0.01):

@@ -28,3 +28,25 @@ def test_wheel_ships_cuda_sources_and_runtime_finds_them(tmp_path):
     located = [Path(line) for line in found.stdout.split()]
     assert [p.name for p in located] == sources
     assert all(p.is_relative_to(tmp_path / 'site' / 'lapformer_mm' / '_cuda_src') for p in located)
+
+
+def test_torch_floor_is_stated_once_and_required_everywhere(tmp_path):
+    """setup.py reads lapformer_mm.TORCH_FLOOR; requirements.txt states the same range."""
+    import lapformer_mm
+    requirement = f'torch>={lapformer_mm.TORCH_FLOOR}'
+    assert requirement in (REPO / 'requirements.txt').read_text().split()
+    metadata = subprocess.run([sys.executable, 'setup.py', '-q', 'egg_info', '--egg-base',
+                               str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert metadata.returncode == 0, metadata.stderr
+    requires = (tmp_path / 'lapformer_mm.egg-info' / 'requires.txt').read_text().split()
+    assert requirement in requires
+
+
+def test_import_on_a_torch_below_the_floor_names_it():
+    code = ("import torch; torch.__version__ = '2.6.0+cu124'\n"
+            "try:\n    import lapformer_mm\nexcept ImportError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         check=True).stdout
+    import lapformer_mm
+    assert f'lapformer_mm needs torch>={lapformer_mm.TORCH_FLOOR}' in out
+    assert 'found torch 2.6.0+cu124' in out

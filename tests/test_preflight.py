@@ -16,18 +16,22 @@ import torch
 from mmengine.config import Config
 
 from lapformer_mm.models import LaplacianFormer
-from lapformer_mm.preflight import (InputCheckError, check_config_inputs, data_root_options,
-                                    find_input_problems)
+from lapformer_mm.preflight import (
+    InputCheckError,
+    check_config_inputs,
+    data_root_options,
+    find_input_problems,
+)
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 
+from _toy_data import write_toy_coco  # noqa: E402
+
 from lapformer_mm.cli import make_toy_coco  # noqa: E402
 from lapformer_mm.cli import test as test_tool  # noqa: E402
 from lapformer_mm.cli import train as train_tool  # noqa: E402
-from _toy_data import write_toy_coco  # noqa: E402
-
 
 ARCH = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
 OTHER_ARCH = dict(embed_dims=[16, 32, 48, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])

@@ -17,15 +17,16 @@ import pytest
 import torch
 from mmengine.config import Config
 
-from lapformer_mm.engine.amp import CPUAmpOptimWrapper, mmcv_cpu_ops_in_fp32
 from lapformer_mm.checkpoint import safe_load
+from lapformer_mm.engine.amp import CPUAmpOptimWrapper, mmcv_cpu_ops_in_fp32
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 
-from lapformer_mm.cli import train as train_tool  # noqa: E402
 from _toy_data import write_toy_coco  # noqa: E402
+
+from lapformer_mm.cli import train as train_tool  # noqa: E402
 
 
 @pytest.fixture(scope='module')

@@ -23,11 +23,11 @@ TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 TINY = dict(embed_dims=[32, 32, 32, 32], num_heads=[1, 1, 1, 1], depths=[1, 1, 1, 1])
 
 from _runner_helpers import TinyModel, make_runner  # noqa: E402
+from _toy_data import write_toy_coco  # noqa: E402
 
 from lapformer_mm.cli import convert_cls_to_backbone  # noqa: E402
 from lapformer_mm.cli import test as cli_test  # noqa: E402
 from lapformer_mm.cli import train as cli_train  # noqa: E402
-from _toy_data import write_toy_coco  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -12,8 +12,12 @@ import torch
 from mmengine.config import Config
 
 import lapformer_mm  # noqa: F401  (registers LaplacianFormer)
-from lapformer_mm.models import (LaplacianFormer, NeckChannelsCheckHook,
-                                 check_built_model, check_model_cfg)
+from lapformer_mm.models import (
+    LaplacianFormer,
+    NeckChannelsCheckHook,
+    check_built_model,
+    check_model_cfg,
+)
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')

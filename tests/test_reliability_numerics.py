@@ -1,7 +1,7 @@
 """Numerics at the edges: singular landmark matrices, extreme feature scales, tiny grids.
 
 Each test asserts finite outputs (and gradients), and the landmark solve's residual is
-reported through :func:`lapformer_mm.models.diagnostics.landmark_solve_residuals` and
+reported through :func:`lapformer_mm.analysis.landmark_solve.landmark_solve_residuals` and
 checked against a closed form where one exists.
 """
 import math
@@ -10,8 +10,8 @@ import pytest
 import torch
 from _attention_helpers import dense_attention
 
+from lapformer_mm.analysis.landmark_solve import landmark_solve_residuals, solve_report
 from lapformer_mm.models import LaplacianAttention, LaplacianFormer
-from lapformer_mm.models.diagnostics import landmark_solve_residuals, solve_report
 from lapformer_mm.ops import DEFAULT_NS_ITERS, nystrom_attention, pool_landmarks
 
 TINY = dict(embed_dims=[32, 32, 32, 32], num_heads=[1, 1, 1, 1], depths=[1, 1, 1, 1])

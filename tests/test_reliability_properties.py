@@ -10,8 +10,13 @@ from _attention_helpers import dense_kernel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lapformer_mm.ops import (gaussian_kernel, laplacian_kernel, newton_schulz_pinv,
-                              nystrom_attention, pool_landmarks)
+from lapformer_mm.ops import (
+    gaussian_kernel,
+    laplacian_kernel,
+    newton_schulz_pinv,
+    nystrom_attention,
+    pool_landmarks,
+)
 
 PROPERTY = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])

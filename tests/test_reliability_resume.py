@@ -22,8 +22,7 @@ import torch
 from mmengine.runner import Runner
 
 from lapformer_mm.checkpoint import safe_load
-from lapformer_mm.engine import (SafeCheckpointRunner, atomic_write_bytes,
-                                 find_latest_checkpoint)
+from lapformer_mm.engine import SafeCheckpointRunner, atomic_write_bytes, find_latest_checkpoint
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(ROOT, 'tools')

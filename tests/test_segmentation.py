@@ -25,9 +25,10 @@ TOOLS = osp.join(ROOT, 'tools')
 SEG_CONFIG = osp.join(ROOT, 'configs', 'toy', 'upernet_lapformer_t_toy.py')
 MMSEG_TRAIN = osp.join(osp.dirname(mmseg.__file__), '.mim', 'tools', 'train.py')
 
-from lapformer_mm.cli import make_toy_coco  # noqa: E402
 from _toy_data import write_toy_coco  # noqa: E402
 from test_tools import run_tool  # noqa: E402
+
+from lapformer_mm.cli import make_toy_coco  # noqa: E402
 
 
 @pytest.fixture(scope='module')

@@ -20,12 +20,11 @@ from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
+from lapformer_mm.cli import coco_eval, make_toy_coco
+
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(ROOT, 'tools')
 TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
-
-from lapformer_mm.cli import coco_eval  # noqa: E402
-from lapformer_mm.cli import make_toy_coco  # noqa: E402
 
 
 def run_tool(args, cwd, extra_env=None, timeout=600):

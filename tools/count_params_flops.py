@@ -13,12 +13,12 @@ the counting convention and the ``visible``/``full`` totals are those of
 ``--ns-residual`` instead prints how far Newton–Schulz gets on the landmark
 systems P = k(L, L) + eps·I of a freshly initialised model (random 224² input,
 batch 2, 7×7-landmark blocks only): median and max of ||I - P X||_inf after
-each given number of iterations.
+each given number of iterations (the fp32 inverse's residual, evaluated in fp64).
 """
 import argparse
 
 from lapformer_mm.analysis.flops import classifier_cost
-from lapformer_mm.analysis.newton_schulz import inverse_residuals, landmark_systems
+from lapformer_mm.analysis.landmark_solve import random_backbone_systems, solve_residual
 from lapformer_mm.models import ARCH_SETTINGS
 from lapformer_mm.ops import DEFAULT_NS_ITERS, newton_schulz_pinv
 
@@ -28,10 +28,10 @@ COLUMNS = ('arch', 'params (M)', 'backbone params (M)', 'GFLOPs visible', 'GFLOP
 
 def print_ns_residuals(arch, size, backbone_kwargs, iters):
     """Median and max of ||I - P X_t||_inf over the landmark systems of ``arch``."""
-    p = landmark_systems(arch, size, backbone_kwargs)
+    p = random_backbone_systems(arch, size, backbone_kwargs)
     print(f'{arch}: {p.shape[0]} landmark systems of size {p.shape[-1]}')
     for t in iters:
-        residual = inverse_residuals(p, newton_schulz_pinv(p, t))
+        residual = solve_residual(p, newton_schulz_pinv(p, t), ord='inf')
         print(f'  {t:3d} iterations: median {residual.median().item():.2e}, '
               f'max {residual.max().item():.2e}')
 

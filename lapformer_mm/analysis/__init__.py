@@ -7,7 +7,7 @@
 - :mod:`.qk_distances`, :mod:`.attention_maps`: the two studies of ``docs/analysis.md``;
 - :mod:`.images`: synthetic or folder images, ImageNet-normalised;
 - :mod:`.flops`: FLOP counting with mmengine's ``FlopAnalyzer``, handles for the custom ops;
-- :mod:`.timing`: timers, load average and size parsing shared by ``benchmarks/``.
+- :mod:`.landmark_solve`: residuals of the landmark solve on real activations;
 
 Heavy dependencies (mmdet, matplotlib, OpenCV) are imported inside the functions that use them.
 """

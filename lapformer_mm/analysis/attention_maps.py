@@ -82,8 +82,13 @@ def nystrom_row(q, k, hw, index, attn):
     exact inverse. Its product with v (h, N, d_v) equals the layer's Nyström output
     for query i.
     """
-    from lapformer_mm.ops import (injective_normalize, kernel_matrix, landmark_matrix,
-                                  newton_schulz_pinv, pool_landmarks)
+    from lapformer_mm.ops import (
+        injective_normalize,
+        kernel_matrix,
+        landmark_matrix,
+        newton_schulz_pinv,
+        pool_landmarks,
+    )
     opts = attn.options
     landmarks = pool_landmarks(k[None], hw, attn.landmark_grid)[0]
     c_q = kernel_matrix(opts.kernel, q, landmarks, opts.lam, backend='reference')

@@ -8,8 +8,8 @@ and ``swin-t`` (mmdet 3.3's PyramidVisionTransformerV2 and SwinTransformer with
 the settings of mmdet's own ``configs/pvt`` and ``configs/swin`` files).
 
 Weights are random (each model's ``init_weights``) unless the user passes a
-checkpoint, which is read with ``weights_only=True``
-(:func:`lapformer_mm.checkpoint.safe_load`) and loaded non-strictly. Nothing is
+checkpoint, which is read with ``weights_only=True`` and loaded non-strictly
+(:func:`lapformer_mm.models.pretrained.load_backbone_weights`). Nothing is
 downloaded.
 
 Whole detectors and segmentors for FLOP counts and speed: :func:`build_from_config`
@@ -43,30 +43,23 @@ def backbone_config(name):
 
 def _registry():
     """mmdet's MODELS with LaplacianFormer registered (import side effect)."""
-    import lapformer_mm  # noqa: F401  registers LaplacianFormer
     from mmdet.registry import MODELS
     from mmdet.utils import register_all_modules
+
+    import lapformer_mm  # noqa: F401  registers LaplacianFormer
     register_all_modules(init_default_scope=False)
     return MODELS
 
 
-def _state_dict_of(checkpoint):
-    """The backbone weights in a loaded checkpoint (plain, mmengine, detector)."""
-    state = checkpoint.get('state_dict', checkpoint) if isinstance(checkpoint, dict) else None
-    if not isinstance(state, dict):
-        raise ValueError('checkpoint must hold a state dict (optionally under '
-                         f"'state_dict'), got {type(checkpoint).__name__}")
-    if any(key.startswith('backbone.') for key in state):
-        state = {key[len('backbone.'):]: value for key, value in state.items()
-                 if key.startswith('backbone.')}
-    return state
-
-
 def load_weights(model, checkpoint_path):
-    """Load ``checkpoint_path`` safely and non-strictly; returns (missing, unexpected)."""
-    from lapformer_mm.checkpoint import safe_load
-    result = model.load_state_dict(_state_dict_of(safe_load(checkpoint_path)), strict=False)
-    return list(result.missing_keys), list(result.unexpected_keys)
+    """Load ``checkpoint_path`` safely and non-strictly; returns (missing, unexpected).
+
+    Any layout :func:`lapformer_mm.models.pretrained.load_backbone_weights` accepts
+    (plain, ``state_dict``, ``model``, ``backbone.``/``module.`` prefixes).
+    """
+    from lapformer_mm.models.pretrained import load_backbone_weights
+    report = load_backbone_weights(model, checkpoint_path)
+    return list(report.missing_keys), list(report.unexpected_keys)
 
 
 def build_backbone(name, checkpoint=None, config_overrides=None):

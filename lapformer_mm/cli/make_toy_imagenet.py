@@ -26,8 +26,14 @@ import os.path as osp
 import cv2
 import numpy as np
 
-from lapformer_mm.cli.make_toy_coco import (BASE_COLOURS, CLASSES, positive_int, rasterize,
-                                            shape_polygon, textured_background)
+from lapformer_mm.cli.make_toy_coco import (
+    BASE_COLOURS,
+    CLASSES,
+    positive_int,
+    rasterize,
+    shape_polygon,
+    textured_background,
+)
 
 
 def render_group(rng, img_size):

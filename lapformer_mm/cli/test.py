@@ -22,8 +22,13 @@ import os.path as osp
 from mmengine.config import DictAction
 from mmengine.dist import is_main_process
 
-from lapformer_mm.cli.train import (build_runner, checked_cfg, close_distributed, load_cfg,
-                                    setup_cpu_distributed)
+from lapformer_mm.cli.train import (
+    build_runner,
+    checked_cfg,
+    close_distributed,
+    load_cfg,
+    setup_cpu_distributed,
+)
 
 
 def parse_args(argv=None):

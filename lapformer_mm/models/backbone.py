@@ -13,6 +13,7 @@ import torch
 import torch.utils.checkpoint as cp
 from mmengine.logging import MMLogger
 from mmengine.model import BaseModule
+from mmengine.registry import MODELS
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -156,6 +157,7 @@ class LaplacianFormerStage(nn.Module):
         return x, hw
 
 
+@MODELS.register_module()
 class LaplacianFormer(BaseModule):
     """LaplacianFormer backbone (Laplacian-kernel linear attention pyramid).
 
@@ -234,6 +236,9 @@ class LaplacianFormer(BaseModule):
                  with_cp: bool = False,
                  pretrained: Optional[str] = None,
                  init_cfg: Optional[Union[dict, List[dict]]] = None):
+        if not (pretrained is None or isinstance(pretrained, str)):
+            raise TypeError(f'pretrained must be a str (a checkpoint path) or None, got '
+                            f'{type(pretrained).__name__} {pretrained!r}')
         if pretrained is not None:
             if init_cfg is not None:
                 raise ValueError('give either pretrained or init_cfg, not '

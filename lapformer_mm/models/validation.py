@@ -14,6 +14,9 @@ a convolution shape error deep inside the neck. These checks compare the neck's
 """
 from typing import List, Mapping, Optional, Sequence
 
+from mmengine.hooks import Hook
+from mmengine.registry import HOOKS
+
 from .backbone import NUM_STAGES, LaplacianFormer, resolve_arch
 
 BACKBONE_TYPE = 'LaplacianFormer'
@@ -112,25 +115,14 @@ def check_built_model(model) -> None:
              f'out_indices={backbone.out_indices})')
 
 
-def _register_hook():
-    """Define and register :class:`NeckChannelsCheckHook` (mmengine is a dependency here)."""
-    from mmengine.hooks import Hook
-    from mmengine.registry import HOOKS
+@HOOKS.register_module()
+class NeckChannelsCheckHook(Hook):
+    """Fail before the first iteration when the neck does not fit the backbone.
 
-    class NeckChannelsCheckHook(Hook):
-        """Fail before the first iteration when the neck does not fit the backbone.
+    ``custom_hooks = [dict(type='NeckChannelsCheckHook')]``.
+    """
 
-        ``custom_hooks = [dict(type='NeckChannelsCheckHook')]``.
-        """
+    priority = 'VERY_HIGH'
 
-        priority = 'VERY_HIGH'
-
-        def before_run(self, runner) -> None:
-            check_built_model(runner.model)
-
-    if 'NeckChannelsCheckHook' not in HOOKS.module_dict:
-        HOOKS.register_module(module=NeckChannelsCheckHook)
-    return HOOKS.module_dict['NeckChannelsCheckHook']
-
-
-NeckChannelsCheckHook = _register_hook()
+    def before_run(self, runner) -> None:
+        check_built_model(runner.model)

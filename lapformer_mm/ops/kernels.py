@@ -19,8 +19,14 @@ import math
 
 import torch
 
-from ._checks import (KERNELS, NS_INITS, check_choice, check_kernel_pair, check_optional_int,
-                      check_positive)
+from ._checks import (
+    KERNELS,
+    NS_INITS,
+    check_choice,
+    check_kernel_pair,
+    check_optional_int,
+    check_positive,
+)
 from ._precision import compute_dtype
 from .dispatch import cupy_ops, uses_cupy
 from .reference_kernels import pairwise_grad_reference, pairwise_kernel_reference

@@ -5,9 +5,19 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._checks import (KERNELS, NORMALIZATIONS, NS_INITS, SOLVERS, check_bool, check_choice,
-                      check_float_tensor, check_non_negative, check_optional_int,
-                      check_positive, check_probability)
+from ._checks import (
+    KERNELS,
+    NORMALIZATIONS,
+    NS_INITS,
+    SOLVERS,
+    check_bool,
+    check_choice,
+    check_float_tensor,
+    check_non_negative,
+    check_optional_int,
+    check_positive,
+    check_probability,
+)
 from ._precision import compute_dtype
 from .dispatch import backend_uses_cupy, requested_backend
 from .kernels import newton_schulz, pairwise_kernel

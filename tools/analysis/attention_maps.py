@@ -14,9 +14,13 @@ import argparse
 import os
 import os.path as osp
 
-from lapformer_mm.analysis.attention_maps import (attention_rows, capture_block,
-                                                  plot_attention_rows, plot_kernel_gradients,
-                                                  query_index)
+from lapformer_mm.analysis.attention_maps import (
+    attention_rows,
+    capture_block,
+    plot_attention_rows,
+    plot_kernel_gradients,
+    query_index,
+)
 from lapformer_mm.analysis.images import load_images, read_image, to_tensor
 from lapformer_mm.analysis.model_zoo import BACKBONE_CONFIGS, build_backbone
 

@@ -15,8 +15,12 @@ import torch
 
 from lapformer_mm.analysis.images import load_images, to_tensor
 from lapformer_mm.analysis.model_zoo import BACKBONE_CONFIGS
-from lapformer_mm.analysis.qk_distances import (DEFAULT_MODELS, distance_collectors,
-                                                parse_checkpoints, write_report)
+from lapformer_mm.analysis.qk_distances import (
+    DEFAULT_MODELS,
+    distance_collectors,
+    parse_checkpoints,
+    write_report,
+)
 
 
 def parse_args(argv=None):

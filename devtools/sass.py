@@ -10,7 +10,8 @@ matrix or gradient, or one FMA of the Newton–Schulz products. The forward's
 loop body holds PW_TK x 4 x 4 = 256 terms (the d-chunk, fully unrolled, times
 each thread's 4 x 4 outputs); the gradient's 4 x 4 x 2 = 32 (its reduction
 loop is unrolled 4 times); the Newton–Schulz loop's terms are its FMAs.
-``benchmarks/cuda_sass.py`` prints the table (docs/cuda.md).
+``benchmarks/cuda_sass.py`` prints the table (docs/cuda.md). Development tooling of a
+source checkout: it reads ``ops/`` and ``lapformer_mm/ops/cuda_runtime.py`` there.
 """
 import collections
 import importlib.util
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from .nvrtc import CUPY_ADDED_OPTIONS, Nvrtc, find_nvrtc, nvidia_wheel_files
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
 FLOAT_OPS = ('FADD', 'FFMA', 'FMUL', 'FSEL', 'FSETP', 'DADD', 'DFMA', 'DMUL', 'DSETP', 'FMNMX')
 _INSTRUCTION = re.compile(r'/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;')
 _BRANCH_TARGET = re.compile(r'BRA\s+`\((\.L_x_\d+)\)')
@@ -104,6 +105,10 @@ def hot_loop(instructions, key_ops=FLOAT_OPS):
     return best
 
 
+class SassToolError(RuntimeError):
+    """nvdisasm is missing, or NVRTC rejected a source."""
+
+
 def terms_per_iteration(kernel, counts):
     if kernel.startswith('pairwise_forward'):
         return 256
@@ -112,19 +117,20 @@ def terms_per_iteration(kernel, counts):
     return counts['FFMA'] + counts['DFMA']
 
 
-def report(source_root=PACKAGE_ROOT, arch='sm_90'):
+def report(source_root=SOURCE_ROOT, arch='sm_90'):
     """[{kernel, instructions, terms, per_term, histogram}] of every instantiation."""
     rt = load_runtime(source_root)
     nvrtc = Nvrtc(find_nvrtc())
     nvdisasm = find_nvdisasm()
     if not nvdisasm:
-        raise SystemExit('nvdisasm not found: pip install nvidia-cuda-nvdisasm (or set LAPFORMER_NVDISASM)')
+        raise SassToolError('nvdisasm not found: pip install nvidia-cuda-nvdisasm '
+                            '(or set LAPFORMER_NVDISASM)')
     rows = []
     for source, names in rt.all_name_expressions().items():
         options = (f'--gpu-architecture={arch}',) + tuple(rt.NVRTC_OPTIONS) + CUPY_ADDED_OPTIONS
         status, log, lowered, cubin = nvrtc.compile(rt.load_source(source), source, options, names)
         if status != 0:
-            raise SystemExit(f'NVRTC failed on {source}:\n{log}')
+            raise SassToolError(f'NVRTC failed on {source}:\n{log}')
         functions = disassemble(nvdisasm, cubin)
         for name in names:
             # The solver's products are its FMAs; its row-sum loop has more other float work.

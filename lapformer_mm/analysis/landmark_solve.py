@@ -1,0 +1,130 @@
+"""How well each attention's landmark solve converges, measured on a model's activations.
+
+Each :class:`~lapformer_mm.models.LaplacianAttention` inverts ``P = k(L, L) + eps·I``
+(m×m per sample and head) with a fixed number of Newton–Schulz steps (or its ablation
+solver). Whether those steps were enough depends on the conditioning of ``P``, i.e. on
+the data: identical landmarks (a constant image) make ``k(L, L)`` the all-ones matrix and
+``P`` rests on ``eps`` alone.
+
+- :func:`landmark_systems`: one forward pass, ``P`` of every attention call, by name;
+- :func:`solve_residual`: ``||I - P X||`` (2- or inf-norm) of an inverse, in fp64;
+- :func:`solve_report`, :func:`landmark_solve_residuals`: per attention module, the worst
+  residual of the module's own solver and the condition number of ``P``;
+- :func:`random_backbone_systems`: the systems of a freshly initialised backbone on a
+  random image (``tools/count_params_flops.py --ns-residual``).
+"""
+from typing import Dict, NamedTuple
+
+import torch
+
+from ..models.attention import LaplacianAttention
+from ..ops import cg_solve, exact_inverse, newton_schulz_pinv
+
+
+class SolveReport(NamedTuple):
+    """Worst case over the batch and heads of one attention call."""
+    residual: float  # max ||I - P X||_2, evaluated in fp64
+    condition: float  # max cond_2(P)
+    num_landmarks: int  # m
+
+
+def solve_residual(p, inverse, ord=2):
+    """||I - P X|| per matrix for p, inverse (..., m, m) -> (...), evaluated in fp64.
+
+    ``ord`` 2 (spectral) or ``'inf'`` (max absolute row sum). Forming I - P X in fp32
+    would itself add ~cond(P)·m·2^-24 of round-off and hide how good an fp32 inverse is.
+    """
+    p64 = p.double()
+    residual = torch.eye(p.shape[-1], dtype=torch.float64, device=p.device) - p64 @ inverse.double()
+    if ord == 'inf':
+        return residual.abs().sum(-1).amax(-1)
+    return torch.linalg.matrix_norm(residual, ord=ord)
+
+
+def module_inverse(module: LaplacianAttention, p):
+    """The inverse of P (..., m, m) that ``module``'s solver computes (CG: solved on I)."""
+    options = module.options
+    if options.solver == 'newton':
+        return newton_schulz_pinv(p, options.iters, options.ns_init)
+    if options.solver == 'cg':
+        eye = torch.eye(p.shape[-1], dtype=p.dtype, device=p.device)
+        return cg_solve(p, eye.expand_as(p), options.iters)
+    return exact_inverse(p)
+
+
+def solve_report(module: LaplacianAttention, x: torch.Tensor, hw) -> SolveReport:
+    """:class:`SolveReport` of ``module``'s landmark solve for input x (B, N, C) on hw.
+
+    Computes in fp32 as the attention does (fp64 input and module stay fp64).
+    """
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        x = x if x.dtype == torch.float64 else x.float()
+        p = module.landmark_system(x, hw)
+        residual = solve_residual(p, module_inverse(module, p))
+        condition = torch.linalg.cond(p.double())
+    return SolveReport(float(residual.max()), float(condition.max()), int(p.shape[-1]))
+
+
+def _run_with_attention_hooks(model, hook_factory, inputs, kwargs):
+    """``model(*inputs, **kwargs)`` without grad, a pre-hook on every LaplacianAttention.
+
+    ``hook_factory(name)`` makes the hook of the module called ``name``; the hooks are
+    removed afterwards, also on error.
+    """
+    handles = [module.register_forward_pre_hook(hook_factory(name))
+               for name, module in model.named_modules()
+               if isinstance(module, LaplacianAttention)]
+    try:
+        with torch.no_grad():
+            model(*inputs, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def landmark_solve_residuals(model: torch.nn.Module, *inputs, **kwargs
+                             ) -> Dict[str, SolveReport]:
+    """Run ``model(*inputs, **kwargs)`` once and report every attention's landmark solve.
+
+    Returns ``{module name: SolveReport}`` for each LaplacianAttention that ran; the
+    model's own output is discarded.
+    """
+    reports: Dict[str, SolveReport] = {}
+
+    def make_hook(name):
+        def hook(module, args):
+            reports[name] = solve_report(module, args[0], args[1])
+        return hook
+
+    _run_with_attention_hooks(model, make_hook, inputs, kwargs)
+    return reports
+
+
+def landmark_systems(model: torch.nn.Module, *inputs, **kwargs) -> Dict[str, torch.Tensor]:
+    """``{module name: P (B, h, m, m)}`` of every LaplacianAttention in one forward pass."""
+    systems: Dict[str, torch.Tensor] = {}
+
+    def make_hook(name):
+        def hook(module, args):
+            systems[name] = module.landmark_system(args[0], args[1])
+        return hook
+
+    _run_with_attention_hooks(model, make_hook, inputs, kwargs)
+    return systems
+
+
+def random_backbone_systems(arch, size, backbone_kwargs=None, batch=2):
+    """P of every block with a full landmark grid of a fresh backbone, stacked (K, m, m).
+
+    A randomly initialised ``LaplacianFormer(arch)`` (seed 0) runs on a random
+    (batch, 3, size, size) input; blocks whose token grid is smaller than the landmark
+    grid are left out.
+    """
+    from ..models import LaplacianFormer
+    torch.manual_seed(0)
+    model = LaplacianFormer(arch, out_indices=(3, ), **(backbone_kwargs or {}))
+    model.init_weights()
+    full = {name: module.landmark_grid ** 2 for name, module in model.named_modules()
+            if isinstance(module, LaplacianAttention)}
+    systems = landmark_systems(model.eval(), torch.randn(batch, 3, size, size))
+    return torch.cat([p.flatten(0, 1) for name, p in systems.items() if p.shape[-1] == full[name]])
