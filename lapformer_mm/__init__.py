@@ -4,8 +4,8 @@
 in mmengine's root registries that mmdet's, mmseg's and mmpretrain's fall back to:
 ``LaplacianFormer`` (MODELS), ``NeckChannelsCheckHook``, ``SafeCheckpointHook`` and
 ``InputCheckHook`` (HOOKS), ``SafeCheckpointRunner`` (RUNNERS), ``CPUAmpOptimWrapper``
-(OPTIM_WRAPPERS) and the ``atomic_local`` file backend. None of them is used until a config selects it
-(:mod:`lapformer_mm.engine`).
+(OPTIM_WRAPPERS) and the ``atomic_local`` file backend. None of them is used until a config
+selects it (:mod:`lapformer_mm.engine`).
 
 The import changes nothing in torch, mmengine or the OpenMMLab codebases, and imports none
 of mmdet, mmseg, mmpretrain or ``mmcv.ops``. Its one global action is additive:

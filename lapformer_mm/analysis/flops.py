@@ -16,8 +16,9 @@ each of them the count defined next to the op in :mod:`lapformer_mm.ops.kernels`
 The landmark-sized products around the solve (X · rhs and the refinement step) are
 ordinary matmuls, counted by mmengine's own handle. Each handle belongs to a part:
 ``kernel`` and ``solve`` are the opaque ops; ``visible`` are products a tracer sees when
-the kernel and the solve are opaque (as in SOFT's released model). :func:`flop_totals` reports ``visible`` (comparable with the
-papers' tables) and ``full`` (visible + kernel + solve).
+the kernel and the solve are opaque (as in SOFT's released model). :func:`flop_totals`
+reports ``visible`` (comparable with the papers' tables) and ``full`` (visible + kernel +
+solve).
 """
 import math
 

@@ -124,7 +124,8 @@ def evaluate(ann_file, results_files, iou_types=IOU_TYPES, verbose=True):
     """
     bad = [t for t in iou_types if t not in IOU_TYPES]
     if bad or not iou_types:
-        raise EvalInputError(f'iou_types must be a non-empty subset of {IOU_TYPES}, got {list(iou_types)}')
+        raise EvalInputError(f'iou_types must be a non-empty subset of {IOU_TYPES}, '
+                             f'got {list(iou_types)}')
     if len(results_files) not in (1, len(iou_types)):
         raise EvalInputError(
             f'give one results file or one per type ({len(iou_types)}), '

@@ -261,7 +261,8 @@ def shared_memory_optin(device_index):
     if optin:
         return int(optin)
     try:
-        return int(import_cupy().cuda.Device(device_index).attributes['MaxSharedMemoryPerBlockOptin'])
+        attributes = import_cupy().cuda.Device(device_index).attributes
+        return int(attributes['MaxSharedMemoryPerBlockOptin'])
     except Exception:  # no attribute on this CuPy/driver: the limit every GPU allows
         return 48 * 1024
 
@@ -299,5 +300,6 @@ def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, sha
             function(grid, block, args, shared_mem=shared_mem)
     except Exception as exc:
         raise CudaOpsError(f'launching {name_expression} (grid={grid}, block={block}, '
-                           f'shared_mem={shared_mem}) for {shapes() if callable(shapes) else shapes} '
+                           f'shared_mem={shared_mem}) for '
+                           f'{shapes() if callable(shapes) else shapes} '
                            f'failed: {exc}') from exc
