@@ -9,21 +9,17 @@ import sys
 import numpy as np
 import pytest
 import torch
+from _shared import ROOT, TOOLS, run_tool
 
 from benchmarks import backbones as bench
 from lapformer_mm.analysis import attention_maps, model_zoo
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DPI = 72  # the analysis figures' resolution
 
 
 def run_cli(script, *args):
-    """Run tools/analysis/<script> with this interpreter; return its stdout."""
-    proc = subprocess.run([sys.executable, osp.join(ROOT, 'tools', 'analysis', script), *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1'))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    """Run tools/analysis/<script> with this interpreter; return its stdout+stderr."""
+    return run_tool([sys.executable, osp.join(TOOLS, 'analysis', script), *args])
 
 
 def read_png(path):

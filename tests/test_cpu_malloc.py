@@ -4,10 +4,9 @@ import subprocess
 import sys
 
 import pytest
+from _shared import ROOT
 
 from lapformer_mm.cpu_malloc import keep_large_blocks
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Median minor page faults of allocating a fresh 64 MiB tensor (16 384 pages of 4 KiB), after
 # warm-up allocations: torch allocates with 64-byte alignment, so glibc reuses a freed block

@@ -10,6 +10,7 @@ formulas and ``torch.linalg.inv``. Shapes are small and odd (N = 1, M = 1,
 d = 17, sizes that are not multiples of the tiles).
 """
 import ctypes
+import os.path as osp
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 from _attention_helpers import dense_kernel as dense_kernel_named
+from _shared import ROOT
 
 from lapformer_mm.ops import cuda_runtime as rt
 from lapformer_mm.ops import cupy_ops, kernels, nystrom
 from lapformer_mm.ops.solvers import newton_schulz_iterate
 
-ROOT = Path(__file__).resolve().parent.parent
-EMU_DIR = ROOT / 'tests' / 'cuda_emu'
+EMU_DIR = Path(ROOT, 'tests', 'cuda_emu')
 
 _CTYPES = {
     np.dtype(np.uint64): ctypes.c_uint64,
@@ -41,7 +42,7 @@ def emu_lib(tmp_path_factory):
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
     out = tmp_path_factory.mktemp('cuda_emu') / 'emu.so'
     cmd = ['g++', '-std=c++20', '-O2', '-pthread', '-shared', '-fPIC',
-           '-I', str(ROOT / 'ops'), str(EMU_DIR / 'driver.cpp'), '-o', str(out)]
+           '-I', osp.join(ROOT, 'ops'), str(EMU_DIR / 'driver.cpp'), '-o', str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.fail(f'g++ failed to build the emulation:\n{proc.stderr}')
@@ -319,7 +320,7 @@ def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
     exe = tmp_path / 'tsan_main'
     build = subprocess.run(['g++', '-std=c++20', '-O1', '-g', '-fsanitize=thread', '-pthread',
-                            '-I', str(ROOT / 'ops'), '-I', str(EMU_DIR), str(EMU_DIR / 'tsan_main.cpp'),
+                            '-I', osp.join(ROOT, 'ops'), '-I', str(EMU_DIR), str(EMU_DIR / 'tsan_main.cpp'),
                             '-o', str(exe)], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,

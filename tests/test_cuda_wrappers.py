@@ -210,7 +210,8 @@ def test_cuda_ops_import_without_openmmlab():
     """The GPU check machine has torch and CuPy but no OpenMMLab package."""
     import subprocess
     import sys
-    from pathlib import Path
+
+    from _shared import ROOT
     code = '''
 import sys
 BLOCKED = {'mmengine', 'mmcv', 'mmdet', 'mmseg', 'mmpretrain'}
@@ -223,8 +224,7 @@ import lapformer_mm.ops.cupy_ops
 import lapformer_mm.ops.kernels
 print(sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED))
 '''
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, '-c', code], cwd=root, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == '[]'
 

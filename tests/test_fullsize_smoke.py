@@ -11,13 +11,12 @@ import math
 import os.path as osp
 
 import pytest
+from _shared import CONFIG_DIR
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+from lapformer_mm.cli import smoke_fullsize
+from lapformer_mm.cli import train as train_tool
 
-from lapformer_mm.cli import smoke_fullsize  # noqa: E402
-from lapformer_mm.cli import train as train_tool  # noqa: E402
-
-CONFIG = osp.join(ROOT, 'configs', 'maskrcnn_lapformer_t.py')
+CONFIG = osp.join(CONFIG_DIR, 'maskrcnn_lapformer_t.py')
 WIDTH, HEIGHT = 1333, 800
 
 

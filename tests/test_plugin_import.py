@@ -4,13 +4,11 @@ Each check runs in a fresh interpreter, so that what the import pulls in, and wh
 could have replaced, is seen from a clean start.
 """
 import json
-import os.path as osp
 import subprocess
 import sys
 
 import pytest
-
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+from _shared import ROOT
 
 # Every global of these modules, and every attribute of the classes they define, is
 # recorded by identity before the import and compared after it: a replaced function,

@@ -13,21 +13,17 @@ import os.path as osp
 import numpy as np
 import pytest
 import torch
+from _runner_helpers import TinyModel, make_runner
+from _shared import TOY_CONFIG, toy_data_options
 
 import lapformer_mm  # noqa: F401
 from lapformer_mm.checkpoint import TRUST_ENV, safe_load
+from lapformer_mm.cli import convert_cls_to_backbone
+from lapformer_mm.cli import test as cli_test
+from lapformer_mm.cli import train as cli_train
 from lapformer_mm.engine import SafeCheckpointRunner
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 TINY = dict(embed_dims=[32, 32, 32, 32], num_heads=[1, 1, 1, 1], depths=[1, 1, 1, 1])
-
-from _runner_helpers import TinyModel, make_runner  # noqa: E402
-from _toy_data import write_toy_coco  # noqa: E402
-
-from lapformer_mm.cli import convert_cls_to_backbone  # noqa: E402
-from lapformer_mm.cli import test as cli_test  # noqa: E402
-from lapformer_mm.cli import train as cli_train  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -142,32 +138,20 @@ def test_safe_runner_still_loads_mmengine_checkpoints(tmp_path):
     torch.testing.assert_close(runner.model.linear.weight, model.linear.weight)
 
 
-@pytest.fixture(scope='module')
-def toy_root(tmp_path_factory):
-    return write_toy_coco(tmp_path_factory.mktemp('ckpt'), num_train=2)
-
-
-def toy_data_options(toy_root):
-    ann_val = osp.join(toy_root, 'annotations', 'instances_val.json')
-    return ['--cfg-options', f'train_dataloader.dataset.data_root={toy_root}/',
-            f'test_dataloader.dataset.data_root={toy_root}/', f'test_evaluator.ann_file={ann_val}',
-            f'val_dataloader.dataset.data_root={toy_root}/', f'val_evaluator.ann_file={ann_val}']
-
-
-def test_test_tool_refuses_code_running_checkpoint(evil, toy_root, tmp_path):
+def test_test_tool_refuses_code_running_checkpoint(evil, toy_coco, tmp_path):
     path, marker = evil
     with pytest.raises(RuntimeError) as info:
-        cli_test.main([TOY_CONFIG, path, '--work-dir', str(tmp_path / 'work')] +
-                               toy_data_options(toy_root))
+        cli_test.main([TOY_CONFIG, path, '--work-dir', str(tmp_path / 'work'),
+                       '--cfg-options', *toy_data_options(toy_coco)])
     assert_refused_with_hint(str(info.value), path)
     assert not marker.exists()
 
 
-def test_train_tool_resume_refuses_code_running_checkpoint(evil, toy_root, tmp_path):
+def test_train_tool_resume_refuses_code_running_checkpoint(evil, toy_coco, tmp_path):
     path, marker = evil
     with pytest.raises(RuntimeError) as info:
-        cli_train.main([TOY_CONFIG, '--resume', path, '--work-dir',
-                                 str(tmp_path / 'work')] + toy_data_options(toy_root))
+        cli_train.main([TOY_CONFIG, '--resume', path, '--work-dir', str(tmp_path / 'work'),
+                        '--cfg-options', *toy_data_options(toy_coco)])
     assert_refused_with_hint(str(info.value), path)
     assert not marker.exists()
 

@@ -9,9 +9,13 @@ import re
 
 import pytest
 import torch
+from _shared import CONFIG_DIR, TOY_CONFIG
 from mmengine.config import Config
 
 import lapformer_mm  # noqa: F401  (registers LaplacianFormer)
+from lapformer_mm.cli import coco_eval
+from lapformer_mm.cli import test as cli_test
+from lapformer_mm.cli import train as cli_train
 from lapformer_mm.models import (
     LaplacianFormer,
     NeckChannelsCheckHook,
@@ -19,13 +23,7 @@ from lapformer_mm.models import (
     check_model_cfg,
 )
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
-UPERNET_CONFIG = osp.join(ROOT, 'configs', 'upernet_lapformer_t_ade20k.py')
-
-from lapformer_mm.cli import coco_eval  # noqa: E402
-from lapformer_mm.cli import test as cli_test  # noqa: E402
-from lapformer_mm.cli import train as cli_train  # noqa: E402
+UPERNET_CONFIG = osp.join(CONFIG_DIR, 'upernet_lapformer_t_ade20k.py')
 
 
 @pytest.fixture(autouse=True)

@@ -7,47 +7,25 @@ pycocotools computed here independently.
 import contextlib
 import io
 import json
-import os
 import os.path as osp
 import re
 import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+from _shared import ROOT, TOOLS, TOY_CONFIG, run_tool, toy_data_options
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 from lapformer_mm.cli import coco_eval, make_toy_coco
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOOLS = osp.join(ROOT, 'tools')
-TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
-
-
-def run_tool(args, cwd, extra_env=None, timeout=600):
-    """Run a tool with this interpreter on one thread; return its stdout+stderr."""
-    env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
-               PYTHONPATH=ROOT, PYTHON=sys.executable)
-    env.update(extra_env or {})
-    proc = subprocess.run(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return proc.stdout
-
 
 def tiny_options(data_root, max_epochs):
     """--cfg-options that point the toy config at a tiny data set, 1-2 epochs."""
-    ann_val = osp.join(data_root, 'annotations', 'instances_val.json')
     return [
-        '--cfg-options',
-        f'train_dataloader.dataset.data_root={data_root}/',
-        f'val_dataloader.dataset.data_root={data_root}/',
-        f'test_dataloader.dataset.data_root={data_root}/',
-        f'val_evaluator.ann_file={ann_val}',
-        f'test_evaluator.ann_file={ann_val}',
+        '--cfg-options', *toy_data_options(data_root),
         'train_dataloader.batch_size=2',
         f'train_cfg.max_epochs={max_epochs}',
         'train_cfg.val_interval=100',
@@ -56,16 +34,6 @@ def tiny_options(data_root, max_epochs):
         'default_hooks.logger.interval=1',
         'param_scheduler.0.end=2',
     ]
-
-
-@pytest.fixture(scope='module')
-def tiny_data(tmp_path_factory):
-    """8 train / 4 val images of 64 px: 4 iterations per epoch at batch 2."""
-    root = str(tmp_path_factory.mktemp('toy') / 'toy_coco')
-    with contextlib.redirect_stdout(io.StringIO()):
-        make_toy_coco.main(['--out', root, '--num-train', '8', '--num-val',
-                            '4', '--img-size', '64', '--max-objects', '3'])
-    return root
 
 
 def test_make_toy_coco_is_deterministic_and_valid(tmp_path):
@@ -189,24 +157,24 @@ def checkpoint_iter(path):
     return safe_load(path)['meta']['iter']
 
 
-def test_train_test_resume(tiny_data, tmp_path):
+def test_train_test_resume(toy_coco, tmp_path):
     work = str(tmp_path / 'work')
     run_tool([sys.executable, osp.join(TOOLS, 'train.py'), TOY_CONFIG,
-              '--work-dir', work] + tiny_options(tiny_data, 1), cwd=ROOT)
+              '--work-dir', work] + tiny_options(toy_coco, 1), cwd=ROOT)
     ckpt1 = osp.join(work, 'epoch_1.pth')
     assert checkpoint_iter(ckpt1) == 4
 
     out_pkl = str(tmp_path / 'preds.pkl')
     log = run_tool([sys.executable, osp.join(TOOLS, 'test.py'), TOY_CONFIG,
                     ckpt1, '--work-dir', work, '--out', out_pkl] +
-                   tiny_options(tiny_data, 1), cwd=ROOT)
+                   tiny_options(toy_coco, 1), cwd=ROOT)
     assert 'Load checkpoint from' in log
     assert re.search(r'coco/bbox_mAP: [-\d.]+', log), log[-2000:]
     assert osp.isfile(out_pkl)
 
     log = run_tool([sys.executable, osp.join(TOOLS, 'train.py'), TOY_CONFIG,
                     '--work-dir', work, '--resume', ckpt1] +
-                   tiny_options(tiny_data, 2), cwd=ROOT)
+                   tiny_options(toy_coco, 2), cwd=ROOT)
     assert 'resumed epoch: 1, iter: 4' in log
     assert 'Epoch(train) [2][1/4]' in log
     assert 'Epoch(train) [1]' not in log
@@ -219,11 +187,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_dist_train_two_processes(tiny_data, tmp_path):
+def test_dist_train_two_processes(toy_coco, tmp_path):
     work = str(tmp_path / 'work')
     log = run_tool(
         ['bash', osp.join(TOOLS, 'dist_train.sh'), TOY_CONFIG, '2',
-         '--work-dir', work] + tiny_options(tiny_data, 1),
+         '--work-dir', work] + tiny_options(toy_coco, 1),
         cwd=ROOT, extra_env=dict(PORT=str(free_port())))
     assert 'Distributed training: True' in log
     # 8 images, 2 ranks x 2 images per step -> 2 iterations per epoch
