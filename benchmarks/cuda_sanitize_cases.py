@@ -1,8 +1,8 @@
 """Launch every CUDA kernel instantiation once on small, odd shapes (for compute-sanitizer).
 
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \\
         python3 benchmarks/cuda_sanitize_cases.py
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck \\
         python3 benchmarks/cuda_sanitize_cases.py
 
 Without PyTorch's caching allocator every tensor is its own cudaMalloc, so
