@@ -32,7 +32,8 @@ def make_runner(work_dir, max_epochs, num_samples=8, checkpoint=None, runner_cls
     kwargs.setdefault('experiment_name', f'tiny_{next(_RUNNER_IDS)}')
     return runner_cls(
         model=TinyModel(), work_dir=str(work_dir),
-        train_dataloader=dict(dataset=dataset, batch_size=2, collate_fn=dict(type='default_collate'),
+        train_dataloader=dict(dataset=dataset, batch_size=2,
+                              collate_fn=dict(type='default_collate'),
                               sampler=dict(type='DefaultSampler', shuffle=True)),
         optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01)),
         param_scheduler=[dict(type='MultiStepLR', milestones=[1])],

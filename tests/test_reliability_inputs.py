@@ -58,7 +58,8 @@ def mmdet_scope():
     (dict(in_channels=0), ValueError, 'in_channels must be a positive int, got 0'),
     (dict(attn_cfg=dict(qk_shared='yes')), TypeError, 'qk_shared must be a bool or 4 bools'),
     (dict(attn_cfg=dict(kernel='rbf')), ValueError, "kernel='rbf' is not supported"),
-    (dict(attn_cfg=dict(newton_iters=3)), ValueError, "attn_cfg: unknown key\\(s\\) 'newton_iters'"),
+    (dict(attn_cfg=dict(newton_iters=3)), ValueError,
+     "attn_cfg: unknown key\\(s\\) 'newton_iters'"),
     (dict(pretrained='a.pth', init_cfg=dict(type='Pretrained', checkpoint='b.pth')),
      ValueError, 'give either pretrained or init_cfg'),
 ])

@@ -308,7 +308,8 @@ def test_safe_runner_keeps_a_chosen_backend_and_other_hook_types(tmp_path):
     assert safe_checkpoint_hook_cfg(None) is None
 
 
-@pytest.mark.parametrize('runner_cls, kept', [(Runner, []), (SafeCheckpointRunner, ['epoch_1.pth'])])
+@pytest.mark.parametrize('runner_cls, kept',
+                         [(Runner, []), (SafeCheckpointRunner, ['epoch_1.pth'])])
 def test_save_failing_mid_rotation(tmp_path, runner_cls, kept):
     """max_keep_ckpts=1 and the save of epoch 2 fails. Stock mmengine (unchanged by the import)
     has already deleted epoch_1.pth, which last_checkpoint still names: nothing to resume
