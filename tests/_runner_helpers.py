@@ -1,12 +1,34 @@
-"""A one-layer mmengine model and Runner for checkpoint and resume tests."""
+"""What the checkpoint and resume tests share: a one-layer mmengine model and Runner, and a
+pickle payload that stands for code execution (with the message a refusal of it must give)."""
 import itertools
+import os
+import os.path as osp
 
 import torch
 import torch.nn as nn
 from mmengine.model import BaseModel
 from mmengine.runner import Runner
 
+from lapformer_mm.checkpoint import TRUST_ENV
+
 _RUNNER_IDS = itertools.count()
+
+
+class RunsCode:
+    """Unpickling this creates a marker file: stands for any code execution."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f'touch {self.marker}', ))
+
+
+def assert_refused_with_hint(message, path):
+    """``message`` is lapformer_mm's refusal of ``path``, naming the file and the opt-in."""
+    assert 'Refused to load checkpoint' in message and osp.basename(path) in message
+    assert 'unpickling them could run code' in message
+    assert f'{TRUST_ENV}=1' in message and 'plain state dict' in message
 
 
 class TinyModel(BaseModel):

@@ -1,19 +1,16 @@
 """Untrusted checkpoints are refused everywhere a user can pass a path.
 
-Entry points: the backbone's ``init_cfg=dict(type='Pretrained', ...)`` (and the
-deprecated ``pretrained=``), ``load_from`` and ``resume`` of ``SafeCheckpointRunner`` (what
+Entry points: ``load_from`` and ``resume`` of ``SafeCheckpointRunner`` (what
 ``configs/_base_/safe_runtime.py`` selects), ``tools/train.py --resume``, tools/test.py
-and tools/convert_cls_to_backbone.py. Each refusal must leave the payload unrun, name the
-file and say how to allow a trusted one: torch's own refusal, which names neither, does
-not pass these tests. The documented opt-in must actually work.
+and tools/convert_cls_to_backbone.py (the backbone's ``init_cfg=dict(type='Pretrained', ...)``
+and deprecated ``pretrained=``: tests/test_backbone_checkpoint.py). Each refusal must leave
+the payload unrun, name the file and say how to allow a trusted one: torch's own refusal,
+which names neither, does not pass these tests. The documented opt-in must actually work.
 """
-import os
-import os.path as osp
-
 import numpy as np
 import pytest
 import torch
-from _runner_helpers import TinyModel, make_runner
+from _runner_helpers import RunsCode, TinyModel, assert_refused_with_hint, make_runner
 from _shared import TOY_CONFIG, toy_data_options
 
 import lapformer_mm  # noqa: F401
@@ -34,23 +31,11 @@ def mmdet_scope():
         yield
 
 
-class RunsCode:
-    """Unpickling this creates a marker file: stands for any code execution."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f'touch {self.marker}', ))
-
-
 class HarmlessCustomObject:
     """Not on the allowlist but harmless: what a trusted third-party checkpoint may hold."""
 
     def __init__(self):
         self.note = 'trusted'
-
-
 
 
 @pytest.fixture
@@ -62,25 +47,6 @@ def evil(tmp_path):
     state = LaplacianFormer(arch=TINY).state_dict()
     torch.save({'state_dict': state, 'meta': {'x': RunsCode(marker)}}, path)
     return str(path), marker
-
-
-def assert_refused_with_hint(message, path):
-    assert 'Refused to load checkpoint' in message and osp.basename(path) in message
-    assert 'unpickling them could run code' in message
-    assert f'{TRUST_ENV}=1' in message and 'plain state dict' in message
-
-
-def test_backbone_init_cfg_refuses_code_running_checkpoint(evil):
-    from mmdet.registry import MODELS
-    path, marker = evil
-    for kwargs in (dict(init_cfg=dict(type='Pretrained', checkpoint=path)),
-                   dict(pretrained=path)):
-        backbone = MODELS.build(dict(type='LaplacianFormer', arch=TINY, **kwargs))
-        with pytest.raises(RuntimeError) as info:
-            backbone.init_weights()
-        assert_refused_with_hint(str(info.value), path)
-        assert 'posix.system' in str(info.value) or 'os.system' in str(info.value)
-    assert not marker.exists()
 
 
 def test_numpy_object_array_cannot_smuggle_a_payload(tmp_path):

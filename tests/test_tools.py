@@ -135,21 +135,47 @@ def test_coco_eval_matches_pycocotools(tmp_path, capsys):
     assert 0 < metrics['bbox']['AP'] < 1
 
 
-def test_coco_eval_errors(tmp_path, capsys):
-    ann_file, res_file, results = write_eval_fixture(tmp_path)
-    empty = tmp_path / 'empty.json'
-    empty.write_text('[]')
-    other = tmp_path / 'other.json'
-    other.write_text(json.dumps([dict(results[0], image_id=999)]))
+def write_gt(tmp_path):
+    gt = dict(images=[dict(id=1, width=40, height=30, file_name='1.png')],
+              annotations=[dict(id=1, image_id=1, category_id=1, bbox=[5, 5, 10, 10],
+                                area=100.0, iscrowd=0,
+                                segmentation=[[5, 5, 15, 5, 15, 15, 5, 15]])],
+              categories=[dict(id=1, name='a')])
+    path = tmp_path / 'gt.json'
+    path.write_text(json.dumps(gt))
+    return str(path)
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_coco_eval_bad_files_named(tmp_path, capsys):
+    gt = write_gt(tmp_path)
+    good = dict(image_id=1, category_id=1, bbox=[5, 5, 10, 10], score=0.9)
     cases = [
-        ([str(tmp_path / 'missing.json'), res_file], 'does not exist'),
-        ([ann_file, str(tmp_path / 'missing.json')], 'does not exist'),
-        ([ann_file, str(empty)], 'is empty'),
-        ([ann_file, str(other)], 'another annotation file'),
+        ([str(tmp_path / 'nope.json'), gt], "annotation file '.*nope.json' does not exist"),
+        ([gt, str(tmp_path / 'nope.json')], "results file '.*nope.json' does not exist"),
+        ([gt, write(tmp_path, 'empty.json', '[]')], 'is empty'),
+        ([gt, write(tmp_path, 'blank.json', '')], 'is not valid JSON'),
+        ([gt, write(tmp_path, 'dict.json', '{}')], 'must hold a JSON list of detections'),
+        ([gt, write(tmp_path, 'other_img.json', json.dumps([dict(good, image_id=7)]))],
+         r'image id\(s\) not in the annotation file .*another annotation file'),
+        ([gt, write(tmp_path, 'other_cat.json', json.dumps([dict(good, category_id=9)]))],
+         r'category id\(s\) \[9\] .*another annotation file'),
+        ([gt, write(tmp_path, 'nobox.json', json.dumps([{'image_id': 1, 'category_id': 1,
+                                                         'score': 1.0}]))],
+         "has no 'bbox' field"),
+        ([gt, write(tmp_path, 'noseg.json', json.dumps([good])), '--types', 'segm'],
+         "has no 'segmentation' field, needed for --types segm"),
     ]
-    for argv, message in cases:
-        assert coco_eval.main(argv) == 2
-        assert message in capsys.readouterr().err
+    for argv, pattern in cases:
+        assert coco_eval.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert re.search(pattern, err), (argv, err)
+        assert 'Traceback' not in err
 
 
 def checkpoint_iter(path):
