@@ -318,6 +318,7 @@ def test_registered_ops_hand_the_kernels_contiguous_operands(cupy_backend):
     assert len(cupy_backend) == 3  # forward, then one backward launch per operand
 
 
+@pytest.mark.slow
 def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):
     """tests/cuda_emu/tsan_main.cpp launches every kernel family on the emulation built with
     -fsanitize=thread: a missing __syncthreads() between a shared-memory write and another

@@ -153,6 +153,7 @@ def loss_and_predict(model, data):
     return losses, missing, preds
 
 
+@pytest.mark.slow
 def test_maskrcnn_t_loss_and_predict():
     cfg = no_pretrained(load_cfg('maskrcnn_lapformer_t.py'))
     model = models_registry('mmdet').build(cfg.model)
@@ -165,6 +166,7 @@ def test_maskrcnn_t_loss_and_predict():
     assert inst.masks.shape[1:] == (96, 96)
 
 
+@pytest.mark.slow
 def test_retinanet_t_loss_predict_and_no_unused_parameters():
     """Stage 1 is not returned; every parameter still gets a gradient (DDP)."""
     cfg = no_pretrained(load_cfg('retinanet_lapformer_t.py'))
@@ -177,6 +179,7 @@ def test_retinanet_t_loss_predict_and_no_unused_parameters():
     assert preds[0].pred_instances.bboxes.shape[1] == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name, loss_keys', [
     ('upernet_lapformer_t_ade20k.py', {'decode.loss_ce', 'aux.loss_ce'}),
     ('fpn_lapformer_t_ade20k.py', {'decode.loss_ce'}),

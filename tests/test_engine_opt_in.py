@@ -40,6 +40,7 @@ def train(script, work_dir, toy_coco, cwd):
     return log, torch.load(osp.join(work_dir, 'epoch_1.pth'), weights_only=False)
 
 
+@pytest.mark.slow
 def test_mmdet_train_script_gives_our_result_through_custom_imports(toy_coco, tmp_path):
     """mmdet's tools/train.py (shipped in the package as .mim/tools/train.py), run outside
     this repository without PYTHONPATH: the config's custom_imports is all it gets."""
@@ -111,6 +112,7 @@ print(json.dumps(report))
 '''
 
 
+@pytest.mark.slow
 def test_stock_mmengine_job_is_the_same_with_the_plugin_imported():
     """Hooks, rotation order, a failed save, the weights and an empty last_checkpoint."""
     reports = {}

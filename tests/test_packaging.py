@@ -4,9 +4,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 from _shared import ROOT
 
 
+@pytest.mark.slow
 def test_wheel_ships_cuda_sources_and_runtime_finds_them(tmp_path):
     subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation',
                     '-q', '-w', str(tmp_path / 'dist'), ROOT], check=True)

@@ -4,6 +4,7 @@ import hashlib
 import os.path as osp
 import sys
 
+import pytest
 import torch
 from _shared import CONFIG_DIR, TOOLS, run_tool
 from mmengine.config import Config
@@ -27,6 +28,7 @@ def digests(folder):
             for p in sorted(folder.rglob('*.png'))}
 
 
+@pytest.mark.slow
 def test_toy_imagenet_is_deterministic_class_folders(tmp_path):
     make_toy_imagenet(tmp_path / 'a', per_class=3)
     make_toy_imagenet(tmp_path / 'b', per_class=3)
@@ -47,6 +49,7 @@ def test_toy_imagenet_rejects_tiny_images(tmp_path):
     assert '--img-size must be >= 32, got 16' in log
 
 
+@pytest.mark.slow
 def test_a_few_pretraining_iterations_through_the_train_tool(tmp_path):
     make_toy_imagenet(tmp_path / 'data', per_class=2)
     work_dir = tmp_path / 'work'

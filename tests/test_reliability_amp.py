@@ -21,6 +21,7 @@ from lapformer_mm.cli import train as train_tool
 from lapformer_mm.engine.amp import CPUAmpOptimWrapper, mmcv_cpu_ops_in_fp32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
 def test_train_tool_amp_50_iterations_stay_finite(toy_coco, tmp_path, dtype):
     """``tools/train.py --amp`` for 52 iterations (13 epochs of the toy set's first 4 images):

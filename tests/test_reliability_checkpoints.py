@@ -113,6 +113,7 @@ def test_test_tool_refuses_code_running_checkpoint(evil, toy_coco, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_train_tool_resume_refuses_code_running_checkpoint(evil, toy_coco, tmp_path):
     path, marker = evil
     with pytest.raises(RuntimeError) as info:

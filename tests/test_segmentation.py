@@ -17,6 +17,7 @@ import sys
 import cv2
 import mmseg
 import numpy as np
+import pytest
 from _shared import CONFIG_DIR, ROOT, TOOLS, run_tool, write_toy_coco
 from pycocotools.coco import COCO
 
@@ -71,6 +72,7 @@ def seg_options(data_root, max_iters=2):
     ]
 
 
+@pytest.mark.slow
 def test_train_test_and_draw_the_toy_segmentor(toy_seg, tmp_path):
     work = str(tmp_path / 'work')
     log = run_tool([sys.executable, osp.join(TOOLS, 'train.py'), SEG_CONFIG,
@@ -120,6 +122,7 @@ def test_paint_labels_blends_class_pixels_only():
         assert painted[y, x].tolist() == [100, 100, 100]
 
 
+@pytest.mark.slow
 def test_mmseg_train_script_loads_the_plugin_by_custom_imports(
         toy_seg, tmp_path):
     work = str(tmp_path / 'work')

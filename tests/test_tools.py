@@ -183,6 +183,7 @@ def checkpoint_iter(path):
     return safe_load(path)['meta']['iter']
 
 
+@pytest.mark.slow
 def test_train_test_resume(toy_coco, tmp_path):
     work = str(tmp_path / 'work')
     run_tool([sys.executable, osp.join(TOOLS, 'train.py'), TOY_CONFIG,
@@ -213,6 +214,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_dist_train_two_processes(toy_coco, tmp_path):
     work = str(tmp_path / 'work')
     log = run_tool(
