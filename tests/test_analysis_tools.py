@@ -34,6 +34,7 @@ def colour_pixels(image, hex_colour, tol=0.02):
     return int((np.abs(image - rgb) <= tol).all(-1).sum())
 
 
+@pytest.mark.slow
 def test_qk_distances_cli_writes_plots_and_tables(tmp_path):
     run_cli('qk_distances.py', '--models', 'laplacianformer-t', '--num-images', '1',
             '--size', '32', '32', '--max-queries', '16', '--max-keys', '16',
@@ -61,6 +62,7 @@ def test_qk_distances_rejects_bad_checkpoint_argument():
         parse_checkpoints(['resnet=x.pth'])
 
 
+@pytest.mark.slow
 def test_attention_maps_cli_writes_both_figures(tmp_path):
     out = run_cli('attention_maps.py', '--size', '32', '32', '--stage', '2', '--block', '2',
                   '--out', str(tmp_path))
@@ -129,6 +131,7 @@ def test_benchmark_fwdbwd_call_leaves_no_gradients():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_benchmark_memory_child_reports_a_positive_peak():
     # A fresh interpreter: the memory phase forks before any model exists, as main() does.
     code = ('import torch; from benchmarks import backbones as b; '

@@ -39,6 +39,7 @@ def faults_per_allocation(mode):
     return float(proc.stdout.split()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc malloc')
 def test_large_tensors_are_reused_instead_of_faulted_in():
     pages = 64 * 2**20 / 4096

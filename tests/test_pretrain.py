@@ -66,6 +66,7 @@ def test_a_few_pretraining_iterations_through_the_train_tool(tmp_path):
     assert checkpoint['state_dict']['head.fc.weight'].shape == (len(CLASSES), 512)
 
 
+@pytest.mark.slow
 def test_toy_classifier_converts_into_the_detection_backbone_with_no_key_left(tmp_path):
     from mmengine.registry import DefaultScope
     from mmpretrain.registry import MODELS
