@@ -1,13 +1,15 @@
 # The README commands: `make main` (train + evaluate the toy Mask R-CNN on CPU), `make seg`
 # (the same for the toy UperNet, semantic segmentation), `make pretrain` (pretrain the
 # backbone on toy shapes, convert it, and train + evaluate the toy Mask R-CNN from it) and
-# `make test` (the test suite). `make smoke-fullsize` runs the full-size configs for two
-# iterations on synthetic 1333x800 images (docs/full_size.md).
+# `make test` (ruff, then the whole test suite; CI runs it). `make test-fast` is ruff and the
+# tests not marked `slow` (none trains, builds with pip or takes more than ~10 s; under 5
+# minutes on 2 cores), `make lint` ruff alone. `make smoke-fullsize` runs the full-size
+# configs for two iterations on synthetic 1333x800 images (docs/full_size.md).
 # Each sets up the environment first, idempotently.
 VENV ?= $(CURDIR)/.venv
 export LAPFORMER_VENV := $(VENV)
 
-.PHONY: env main seg pretrain smoke-fullsize test
+.PHONY: env main seg pretrain smoke-fullsize lint test test-fast
 
 env:
 	@tools/setup_env.sh
@@ -24,5 +26,11 @@ pretrain: env
 smoke-fullsize: env
 	@$(VENV)/bin/python tools/smoke_fullsize.py
 
-test: env
+lint: env
+	@$(VENV)/bin/ruff check .
+
+test: env lint
 	@$(VENV)/bin/python -m pytest -q -ra $(PYTEST_ARGS)
+
+test-fast: env lint
+	@$(VENV)/bin/python -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)

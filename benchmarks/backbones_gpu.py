@@ -50,7 +50,8 @@ PRECISIONS = ('fp32', 'bf16')
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--models', nargs='+', default=list(MODELS), choices=MODELS)
     p.add_argument('--sizes', nargs='+', type=parse_size, default=[(800, 1333)], help='HxW')
     p.add_argument('--batch', type=int, default=2)
@@ -65,7 +66,8 @@ def build(name, size):
     """(module, ops backend or None) on the GPU, random weights."""
     if name.startswith('laplacianformer'):
         from lapformer_mm.models.backbone import LaplacianFormer
-        return LaplacianFormer(arch='tiny', drop_path_rate=0.0), ('reference' if name.endswith('-ref') else 'cupy')
+        backend = 'reference' if name.endswith('-ref') else 'cupy'
+        return LaplacianFormer(arch='tiny', drop_path_rate=0.0), backend
     import timm
     if name == 'pvtv2-b1':
         return timm.create_model('pvt_v2_b1', pretrained=False, features_only=True), None
@@ -107,7 +109,8 @@ def measure(name, size, args):
     try:
         model, backend = build(name, size)
     except Exception as exc:  # a missing/old timm names itself in the row
-        return [dict(model=name, size=f'{size[0]}x{size[1]}', status=f'build error: {type(exc).__name__}: {exc}'[:300])]
+        return [dict(model=name, size=f'{size[0]}x{size[1]}',
+                     status=f'build error: {type(exc).__name__}: {exc}'[:300])]
     if backend is not None:
         os.environ['LAPFORMER_OPS'] = backend
     model = model.cuda()
@@ -178,7 +181,8 @@ def main(argv=None):
         lines += ['', '| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
         lines += [format_row(r) for r in rows]
         (args.out / 'bench_backbones.md').write_text('\n'.join(lines) + '\n')
-        (args.out / 'bench_backbones.json').write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+        (args.out / 'bench_backbones.json').write_text(
+            json.dumps(dict(env=env, rows=rows), indent=1))
     failed = [r for r in rows if r['status'] != 'ok']
     if failed:
         print(f'backbones_gpu: {len(failed)} row(s) failed', file=sys.stderr)

@@ -61,7 +61,8 @@ FP32_LANES_PER_SM = {(7, 0): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128, (8, 7): 12
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--device', default='cuda', choices=['cuda', 'cpu'])
     p.add_argument('--n', type=int, nargs='+', default=[3136, 16384, TARGET_N], help='tokens N')
     p.add_argument('--m', type=int, nargs='+', default=[49, 64, 128], help='landmarks m')
@@ -71,7 +72,8 @@ def parse_args(argv):
                    choices=['kernel', 'attention', 'newton_schulz'])
     p.add_argument('--budget-s', type=float, default=200.0,
                    help='stop measuring (rows marked skipped) after this many seconds')
-    p.add_argument('--min-time-s', type=float, default=0.2, help='measure each row at least this long')
+    p.add_argument('--min-time-s', type=float, default=0.2,
+                   help='measure each row at least this long')
     p.add_argument('--out', type=Path, default=None, help='folder for bench_ops.md / .json')
     return p.parse_args(argv)
 
@@ -149,8 +151,9 @@ def environment(device):
             'command': ' '.join(sys.argv), 'device': str(device)}
     if device.type == 'cuda':
         props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, sms=props.multi_processor_count, cc=f'{props.major}.{props.minor}',
-                    torch_cuda=torch.version.cuda, clock_khz=clock_khz(device))
+        info.update(gpu=props.name, sms=props.multi_processor_count,
+                    cc=f'{props.major}.{props.minor}', torch_cuda=torch.version.cuda,
+                    clock_khz=clock_khz(device))
         peak = fp32_peak_flops(device)
         info['fp32_peak_tflops'] = None if peak is None else round(peak / 1e12, 2)
         try:
@@ -221,7 +224,8 @@ def attention_rows(args, device):
 
                         def op(q, k, v, lm):
                             return nystrom_attention(q, k, v, lm, backend=backend)
-                        return (forward_fn if mode == 'fwd' else forward_backward_fn)(op, q, k, v, lm)
+                        run = forward_fn if mode == 'fwd' else forward_backward_fn
+                        return run(op, q, k, v, lm)
                     yield dict(section='attention', method=f'nystrom {backend}', n=n, m=m, bh=bh,
                                dtype='fp32'), make, None
             for dtype in (torch.float32, torch.bfloat16):
@@ -231,9 +235,11 @@ def attention_rows(args, device):
                     continue  # seconds per call in fp32; the bf16 row stands for it
 
                 def make(mode, n=n, bh=bh, dtype=dtype):
-                    q, k, v = (torch.randn(1, bh, n, args.d, device=device, dtype=dtype, requires_grad=True)
+                    q, k, v = (torch.randn(1, bh, n, args.d, device=device, dtype=dtype,
+                                           requires_grad=True)
                                for _ in range(3))
-                    return (forward_fn if mode == 'fwd' else forward_backward_fn)(sdpa(dtype), q, k, v)
+                    run = forward_fn if mode == 'fwd' else forward_backward_fn
+                    return run(sdpa(dtype), q, k, v)
                 name = 'softmax sdpa' if dtype == torch.float32 else 'softmax sdpa flash'
                 yield dict(section='attention', method=name, n=n, m=None, bh=bh,
                            dtype='fp32' if dtype == torch.float32 else 'bf16'), make, None
@@ -275,7 +281,8 @@ def newton_schulz_rows(args, device):
             for name, op in methods.items():
                 def make(mode, op=op, m=m, bh=bh):
                     pts = torch.randn(bh, m, args.d, device=device).cumsum(1) * 0.02
-                    P = torch.exp(-torch.cdist(pts, pts, p=1.0) / LAM) + 0.01 * torch.eye(m, device=device)
+                    P = (torch.exp(-torch.cdist(pts, pts, p=1.0) / LAM)
+                         + 0.01 * torch.eye(m, device=device))
                     P.requires_grad_(mode != 'fwd')
                     return (forward_fn if mode == 'fwd' else forward_backward_fn)(op, P)
                 modes = ('fwd',) if name == 'bmm iterations' else ('fwd', 'fwd+bwd')
@@ -364,7 +371,8 @@ def target_verdict(speedup, required):
 def failures(results):
     """Rows whose measurement raised (not OOM or budget skips), and missed targets."""
     errors = [r for r in results if r.get('status', '').startswith('error')]
-    missed = [t for t in target_summary(results) if not target_verdict(t[1], t[2]).startswith('PASS')]
+    missed = [t for t in target_summary(results)
+              if not target_verdict(t[1], t[2]).startswith('PASS')]
     return errors, missed
 
 
@@ -410,7 +418,8 @@ def to_markdown(results, env):
     lines += [f'- {k}: {v}' for k, v in env.items()]
     lines += ['', '## Targets (speed-up = slower time / faster time)', '']
     lines += [f'- {target_verdict(value, required)}: {name}: '
-              + ('not measured' if value is None else f'{value:.2f}x') + f' (target >= {required:g}x)'
+              + ('not measured' if value is None else f'{value:.2f}x')
+              + f' (target >= {required:g}x)'
               for name, value, required in target_summary(results)]
     lines += ['', '| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
     lines += [format_row(r) for r in results]
@@ -427,7 +436,8 @@ def main(argv=None):
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / 'bench_ops.md').write_text(to_markdown(results, env))
-            (args.out / 'bench_ops.json').write_text(json.dumps({'env': env, 'results': results}, indent=1))
+            (args.out / 'bench_ops.json').write_text(
+                json.dumps({'env': env, 'results': results}, indent=1))
 
     results = run(args, on_row=save)
     save(results)

@@ -1,7 +1,9 @@
 """Launch every CUDA kernel instantiation once on small, odd shapes (for compute-sanitizer).
 
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python3 benchmarks/cuda_sanitize_cases.py
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize_cases.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \\
+        python3 benchmarks/cuda_sanitize_cases.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck \\
+        python3 benchmarks/cuda_sanitize_cases.py
 
 Without PyTorch's caching allocator every tensor is its own cudaMalloc, so
 memcheck sees a read or write past any tensor's end. Shapes are not multiples
@@ -54,16 +56,17 @@ def newton_schulz_cases():
     gen = torch.Generator(device='cuda').manual_seed(1)
     for dtype in (torch.float32, torch.float64):
         for m in (5, 49):
-            pts = torch.randn(3, m, 8, device='cuda', dtype=torch.float64, generator=gen).cumsum(1) * 0.3
-            P = (torch.exp(-torch.cdist(pts, pts, p=1.0) / 4.0) + 0.01 * torch.eye(m, device='cuda',
-                                                                                  dtype=torch.float64)).to(dtype)
+            pts = torch.randn(3, m, 8, device='cuda', dtype=torch.float64,
+                              generator=gen).cumsum(1) * 0.3
+            P = (torch.exp(-torch.cdist(pts, pts, p=1.0) / 4.0)
+                 + 0.01 * torch.eye(m, device='cuda', dtype=torch.float64)).to(dtype)
             mp, ld = rt.newton_schulz_stride(m)
             expected = newton_schulz_iterate(P, 12, 'identity')
             for matrices in (3, 2):  # P in shared memory, then P read from global memory
                 limit = matrices * P.element_size() * mp * ld + rt.NS_STATIC_SMEM
                 got = cupy_ops.fused_newton_schulz(P, 12, False, limit)
-                ok &= close(f'newton_schulz {dtype} m={m} matrices_in_shared={matrices}', got, expected,
-                            1e-4 if dtype == torch.float32 else 1e-10)
+                ok &= close(f'newton_schulz {dtype} m={m} matrices_in_shared={matrices}', got,
+                            expected, 1e-4 if dtype == torch.float32 else 1e-10)
     return ok
 
 

@@ -18,8 +18,10 @@ from devtools.sass import SOURCE_ROOT, SassToolError, report
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--source-root', default=str(SOURCE_ROOT), help='checkout whose ops/ and cuda_runtime.py to read')
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--source-root', default=str(SOURCE_ROOT),
+                   help='checkout whose ops/ and cuda_runtime.py to read')
     p.add_argument('--arch', default='sm_90')
     p.add_argument('--kernels', default='float', help='substring of the instantiations to show')
     args = p.parse_args(argv)

@@ -56,7 +56,8 @@ def errors():
         row = dict(spread=spread, cond=cond)
         for dtype, tag in ((torch.float32, 'fp32'), (torch.float64, 'fp64')):
             qd, vd, ld = q.to(dtype), v.to(dtype), landmarks.to(dtype)
-            outs = {s: nystrom_attention(qd, qd, vd, ld, solver=s) for s in ('newton', 'exact', 'cg')}
+            outs = {s: nystrom_attention(qd, qd, vd, ld, solver=s)
+                    for s in ('newton', 'exact', 'cg')}
             outs['newton, ns_refine=False'] = nystrom_attention(qd, qd, vd, ld, ns_refine=False)
             for name, out in outs.items():
                 row[f'{name} {tag}'] = ((out.double() - ref).norm() / ref.norm()).item()
@@ -74,8 +75,10 @@ def refinement_cost():
     q, v = torch.randn(1, 2, 3136, D), torch.randn(1, 2, 3136, D)
     landmarks = torch.randn(1, 2, M, D)
     with torch.no_grad():
-        return tuple(median_ms(lambda refine=refine: nystrom_attention(q, q, v, landmarks, ns_refine=refine))
-                     for refine in (False, True))
+        return tuple(
+            median_ms(lambda refine=refine: nystrom_attention(q, q, v, landmarks,
+                                                              ns_refine=refine))
+            for refine in (False, True))
 
 
 def main():

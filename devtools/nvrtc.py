@@ -16,7 +16,8 @@ CUPY_ADDED_OPTIONS = ('-ftz=true', '--device-as-default-execution-space')
 
 
 def nvidia_wheel_files(pattern):
-    """Files under the ``nvidia/`` folders of the pip wheels on ``sys.path`` matching ``pattern``."""
+    """Files under the ``nvidia/`` folders of the pip wheels on ``sys.path`` matching
+    ``pattern``."""
     hits = []
     for site in sys.path:
         hits += glob.glob(str(Path(site) / 'nvidia' / '**' / pattern), recursive=True)
@@ -28,7 +29,8 @@ def find_nvrtc():
     explicit = os.environ.get('LAPFORMER_NVRTC_LIB')
     if explicit:
         return explicit
-    hits = [h for h in nvidia_wheel_files('libnvrtc.so*') if 'builtins' not in h and '.alt.' not in h]
+    hits = [h for h in nvidia_wheel_files('libnvrtc.so*')
+            if 'builtins' not in h and '.alt.' not in h]
     # NVRTC 12 first: it is the last one that targets sm_70.
     hits.sort(key=lambda h: (not h.endswith('.so.12'), h))
     return hits[0] if hits else ctypes.util.find_library('nvrtc')
@@ -75,8 +77,8 @@ class Nvrtc:
             if status == 0:
                 for expr in name_expressions:
                     out = ctypes.c_char_p()
-                    self._check(self.lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)),
-                                expr)
+                    self._check(
+                        self.lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)), expr)
                     lowered[expr] = out.value.decode()
                 size = ctypes.c_size_t()
                 self._check(self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), 'cubin size')

@@ -55,7 +55,8 @@ def disassemble(nvdisasm, cubin):
     with tempfile.NamedTemporaryFile(suffix='.cubin') as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([nvdisasm, '-c', f.name], capture_output=True, text=True, check=True).stdout
+        text = subprocess.run([nvdisasm, '-c', f.name], capture_output=True, text=True,
+                              check=True).stdout
     functions, current, labels = {}, None, []
     for line in text.splitlines():
         stripped = line.strip()
@@ -95,7 +96,8 @@ def hot_loop(instructions, key_ops=FLOAT_OPS):
     best, best_float = None, -1
     all_loops = loops(instructions)
     for first, last in all_loops:
-        nested = [(a, b) for a, b in all_loops if first <= a and b <= last and (a, b) != (first, last)]
+        nested = [(a, b) for a, b in all_loops
+                  if first <= a and b <= last and (a, b) != (first, last)]
         own = [instructions[i][1] for i in range(first, last + 1)
                if not any(a <= i <= b for a, b in nested)]
         counts = collections.Counter(op.split('.')[0] for op in own if op != 'NOP')

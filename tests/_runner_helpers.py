@@ -1,12 +1,34 @@
-"""A one-layer mmengine model and Runner for checkpoint and resume tests."""
+"""What the checkpoint and resume tests share: a one-layer mmengine model and Runner, and a
+pickle payload that stands for code execution (with the message a refusal of it must give)."""
 import itertools
+import os
+import os.path as osp
 
 import torch
 import torch.nn as nn
 from mmengine.model import BaseModel
 from mmengine.runner import Runner
 
+from lapformer_mm.checkpoint import TRUST_ENV
+
 _RUNNER_IDS = itertools.count()
+
+
+class RunsCode:
+    """Unpickling this creates a marker file: stands for any code execution."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f'touch {self.marker}', ))
+
+
+def assert_refused_with_hint(message, path):
+    """``message`` is lapformer_mm's refusal of ``path``, naming the file and the opt-in."""
+    assert 'Refused to load checkpoint' in message and osp.basename(path) in message
+    assert 'unpickling them could run code' in message
+    assert f'{TRUST_ENV}=1' in message and 'plain state dict' in message
 
 
 class TinyModel(BaseModel):
@@ -32,7 +54,8 @@ def make_runner(work_dir, max_epochs, num_samples=8, checkpoint=None, runner_cls
     kwargs.setdefault('experiment_name', f'tiny_{next(_RUNNER_IDS)}')
     return runner_cls(
         model=TinyModel(), work_dir=str(work_dir),
-        train_dataloader=dict(dataset=dataset, batch_size=2, collate_fn=dict(type='default_collate'),
+        train_dataloader=dict(dataset=dataset, batch_size=2,
+                              collate_fn=dict(type='default_collate'),
                               sampler=dict(type='DefaultSampler', shuffle=True)),
         optim_wrapper=dict(optimizer=dict(type='AdamW', lr=0.01)),
         param_scheduler=[dict(type='MultiStepLR', milestones=[1])],

@@ -1,5 +1,15 @@
+"""The suite's fixtures and markers.
+
+- ``gpu`` tests are skipped without CUDA and CuPy;
+- ``toy_data`` (with ``toy_coco`` and ``toy_seg``): the session's toy data set, written once.
+
+The paths (``ROOT``, ``TOOLS``, ``CONFIG_DIR``, ``TOY_CONFIG``) and the tool runner
+(``run_tool``) are constants and functions of ``_shared.py``, which test modules import.
+The ``slow`` marker is registered in pytest.ini; ``make test-fast`` leaves those tests out.
+"""
 import pytest
 import torch
+from _shared import write_toy_coco
 
 
 def _cuda_and_cupy():
@@ -19,3 +29,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if 'gpu' in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope='session')
+def toy_data(tmp_path_factory):
+    """The folder of the toy COCO set (``toy_coco/``: 8 train / 2 val images of 64 px, at most
+    2 objects each; 4 iterations per epoch at the toy configs' batch 2) and the same scenes as
+    an mmseg set with label maps (``toy_seg/``).
+
+    Shared by the whole session: read it, never change it (copy what a test breaks). A test
+    that needs fewer train images selects the first ones (``dataset.indices``): the first N
+    images of the set are those of an N-image set.
+    """
+    folder = tmp_path_factory.mktemp('toy_data')
+    write_toy_coco(folder, num_train=8, seg=True)
+    return folder
+
+
+@pytest.fixture(scope='session')
+def toy_coco(toy_data):
+    """The root of the session's toy COCO set (a str)."""
+    return str(toy_data / 'toy_coco')
+
+
+@pytest.fixture(scope='session')
+def toy_seg(toy_data):
+    """The root of the session's toy mmseg set (a str): img_dir/ and ann_dir/."""
+    return str(toy_data / 'toy_seg')

@@ -9,21 +9,17 @@ import sys
 import numpy as np
 import pytest
 import torch
+from _shared import ROOT, TOOLS, run_tool
 
 from benchmarks import backbones as bench
 from lapformer_mm.analysis import attention_maps, model_zoo
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DPI = 72  # the analysis figures' resolution
 
 
 def run_cli(script, *args):
-    """Run tools/analysis/<script> with this interpreter; return its stdout."""
-    proc = subprocess.run([sys.executable, osp.join(ROOT, 'tools', 'analysis', script), *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1'))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    """Run tools/analysis/<script> with this interpreter; return its stdout+stderr."""
+    return run_tool([sys.executable, osp.join(TOOLS, 'analysis', script), *args])
 
 
 def read_png(path):
@@ -38,6 +34,7 @@ def colour_pixels(image, hex_colour, tol=0.02):
     return int((np.abs(image - rgb) <= tol).all(-1).sum())
 
 
+@pytest.mark.slow
 def test_qk_distances_cli_writes_plots_and_tables(tmp_path):
     run_cli('qk_distances.py', '--models', 'laplacianformer-t', '--num-images', '1',
             '--size', '32', '32', '--max-queries', '16', '--max-keys', '16',
@@ -65,6 +62,7 @@ def test_qk_distances_rejects_bad_checkpoint_argument():
         parse_checkpoints(['resnet=x.pth'])
 
 
+@pytest.mark.slow
 def test_attention_maps_cli_writes_both_figures(tmp_path):
     out = run_cli('attention_maps.py', '--size', '32', '32', '--stage', '2', '--block', '2',
                   '--out', str(tmp_path))
@@ -133,6 +131,7 @@ def test_benchmark_fwdbwd_call_leaves_no_gradients():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_benchmark_memory_child_reports_a_positive_peak():
     # A fresh interpreter: the memory phase forks before any model exists, as main() does.
     code = ('import torch; from benchmarks import backbones as b; '

@@ -110,6 +110,23 @@ def test_attention_core_runs_in_fp32_under_autocast():
                                rtol=0, atol=0)
 
 
+def test_authors_start_is_selectable_end_to_end():
+    """ns_init reaches the solver from LaplacianAttention: one iteration from each start differs."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 64, 32)
+    outs = {}
+    for init in ('identity', 'authors'):
+        torch.manual_seed(1)
+        attn = LaplacianAttention(32, 1, iters=1, ns_init=init).eval()
+        with torch.no_grad():
+            outs[init] = attn(x, (8, 8))
+    assert not torch.allclose(outs['identity'], outs['authors'], rtol=1e-3, atol=1e-4)
+    with pytest.raises(ValueError, match="ns_init='random'.*'identity', 'authors'"):
+        LaplacianAttention(32, 1, ns_init='random')
+    with pytest.raises(TypeError, match='ns_refine must be a bool'):
+        LaplacianAttention(32, 1, ns_refine='yes')
+
+
 @pytest.mark.parametrize('kwargs,exc,match', [
     (dict(dim=30, num_heads=4), ValueError, 'dim=30 must be divisible by num_heads=4'),
     (dict(lam=0), ValueError, 'lam=0 must be finite and > 0'),
@@ -126,7 +143,6 @@ def test_attention_core_runs_in_fp32_under_autocast():
     (dict(landmark_grid=0), ValueError, 'landmark_grid=0'),
     (dict(iters=0), ValueError, 'iters=0'),
     (dict(iters=3.0), TypeError, 'iters'),
-    (dict(ns_init='random'), ValueError, "ns_init='random'.*allowed"),
     (dict(backend='triton'), ValueError, "backend='triton'.*allowed"),
     (dict(newton_iters=3), ValueError,
      "LaplacianAttention: unknown key.*'newton_iters'; allowed: qk_shared, landmark_grid, "),

@@ -3,6 +3,7 @@ import os
 
 import pytest
 import torch
+from _runner_helpers import RunsCode, assert_refused_with_hint
 
 from lapformer_mm.models import LaplacianFormer
 from lapformer_mm.models.pretrained import extract_backbone_state_dict, load_backbone_weights
@@ -113,30 +114,28 @@ def test_extract_rejects_tensorless_checkpoints():
         extract_backbone_state_dict([torch.zeros(1)])
 
 
-class CreatesMarker:
-    """Unpickling this opens (creates) a file: stands in for arbitrary code execution."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, 'w'))
-
-
-def test_malicious_pickle_is_refused(source, tmp_path):
-    marker = tmp_path / 'pwned'
-    payload = dict(state_dict=source.state_dict(), hook=CreatesMarker(str(marker)))
-    path = tmp_path / 'evil.pth'
-    torch.save(payload, path)
-
-    target = small_model(out_indices=(3, ), init_cfg=dict(type='Pretrained', checkpoint=str(path)))
-    with pytest.raises(RuntimeError, match='Refused'):
-        target.init_weights()
+def test_backbone_init_cfg_refuses_code_running_checkpoint(source, tmp_path):
+    """``init_cfg=dict(type='Pretrained', ...)`` and the deprecated ``pretrained=``, built as a
+    config builds them (mmdet's MODELS): refused with the file and the opt-in named, the
+    payload not run."""
+    from mmdet.registry import MODELS
+    from mmengine.registry import DefaultScope
+    marker = tmp_path / 'payload_ran'
+    path = str(tmp_path / 'evil.pth')
+    torch.save({'state_dict': source.state_dict(), 'meta': {'x': RunsCode(marker)}}, path)
+    for kwargs in (dict(init_cfg=dict(type='Pretrained', checkpoint=path)),
+                   dict(pretrained=path)):
+        with DefaultScope.overwrite_default_scope('mmdet'):
+            backbone = MODELS.build(dict(type='LaplacianFormer', arch=ARCH, **kwargs))
+        with pytest.raises(RuntimeError) as info:
+            backbone.init_weights()
+        assert_refused_with_hint(str(info.value), path)
+        assert 'posix.system' in str(info.value) or 'os.system' in str(info.value)
     assert not marker.exists()
 
     # the payload is real: an unsafe load does run it
     probe = tmp_path / 'probe'
-    torch.save(dict(hook=CreatesMarker(str(probe))), tmp_path / 'probe.pth')
+    torch.save(dict(hook=RunsCode(probe)), tmp_path / 'probe.pth')
     torch.load(tmp_path / 'probe.pth', weights_only=False)
     assert os.path.exists(probe)
 

@@ -1,22 +1,21 @@
 """ImageNet configs parse, the classifier->backbone converter, param counts, FLOP handlers."""
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from _shared import CONFIG_DIR, TOOLS, run_tool
 from mmengine.config import Config
 
 from lapformer_mm.models import ARCH_SETTINGS, LaplacianAttention, LaplacianFormer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = {'t': ('tiny', 0.1), 's': ('small', 0.2), 'm': ('medium', 0.3), 'l': ('large', 0.4),
          'h': ('huge', 0.5)}
 
 
 @pytest.mark.parametrize('short', sorted(SIZES))
 def test_in1k_config_parses_with_the_recipe(short):
-    cfg = Config.fromfile(os.path.join(ROOT, 'configs', 'cls', f'lapformer_{short}_in1k.py'))
+    cfg = Config.fromfile(os.path.join(CONFIG_DIR, 'cls', f'lapformer_{short}_in1k.py'))
     arch, dpr = SIZES[short]
     backbone = cfg.model.backbone
     assert backbone.type == 'LaplacianFormer'
@@ -44,7 +43,7 @@ def test_in1k_config_parses_with_the_recipe(short):
 
 
 def test_in1k_backbone_config_builds():
-    cfg = Config.fromfile(os.path.join(ROOT, 'configs', 'cls', 'lapformer_t_in1k.py'))
+    cfg = Config.fromfile(os.path.join(CONFIG_DIR, 'cls', 'lapformer_t_in1k.py'))
     kwargs = {k: v for k, v in cfg.model.backbone.items() if k != 'type'}
     model = LaplacianFormer(**kwargs).eval()
     with torch.no_grad():
@@ -56,7 +55,7 @@ def test_in1k_classifier_builds_through_mmpretrain_and_classifies_a_batch():
     from mmengine.registry import DefaultScope
     from mmpretrain.registry import MODELS
 
-    cfg = Config.fromfile(os.path.join(ROOT, 'configs', 'cls', 'lapformer_t_in1k.py'))
+    cfg = Config.fromfile(os.path.join(CONFIG_DIR, 'cls', 'lapformer_t_in1k.py'))
     with DefaultScope.overwrite_default_scope('mmpretrain'):
         model = MODELS.build(cfg.model)
     model.init_weights()
@@ -78,10 +77,8 @@ def test_convert_cls_to_backbone(tmp_path):
     weights['head.fc.weight'] = torch.randn(1000, 64)
     src, dst = tmp_path / 'cls.pth', tmp_path / 'out' / 'backbone.pth'
     torch.save(dict(meta=dict(epoch=300), state_dict=weights), src)
-    tool = os.path.join(ROOT, 'tools', 'convert_cls_to_backbone.py')
-    result = subprocess.run([sys.executable, tool, str(src), str(dst)], capture_output=True,
-                            text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert result.returncode == 0, result.stderr
+    tool = os.path.join(TOOLS, 'convert_cls_to_backbone.py')
+    run_tool([sys.executable, tool, src, dst])
     converted = torch.load(dst, weights_only=True)['state_dict']
     assert converted.keys() == source.state_dict().keys()
     target = LaplacianFormer(arch, out_indices=(3, ),

@@ -3,12 +3,12 @@
 It is registered once, in mmengine's root MODELS, which their registries fall back to.
 """
 import importlib
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from _shared import ROOT
 from mmengine.model import revert_sync_batchnorm
 
 import lapformer_mm  # noqa: F401  (registers LaplacianFormer)
@@ -84,9 +84,8 @@ try:
 except ValueError as err:
     print(err)
 """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                            cwd=root)
+                            cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         'LaplacianFormer',

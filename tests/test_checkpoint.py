@@ -1,9 +1,7 @@
 """Checkpoints under torch's weights_only loading: mmengine's own load, crafted pickles don't."""
-import os
-
 import pytest
 import torch
-from _runner_helpers import TinyModel, make_runner
+from _runner_helpers import RunsCode, TinyModel, make_runner
 from mmengine.hooks import Hook
 from mmengine.logging import HistoryBuffer
 
@@ -16,16 +14,6 @@ def full_checkpoint(tmp_path_factory):
     work_dir = tmp_path_factory.mktemp('run')
     make_runner(work_dir, max_epochs=1).train()
     return work_dir / 'epoch_1.pth'
-
-
-class RunsCode:
-    """Unpickling this creates a marker file: stands for any code execution."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f'touch {self.marker}',))
 
 
 class WalksAttributes:

@@ -4,10 +4,9 @@ import subprocess
 import sys
 
 import pytest
+from _shared import ROOT
 
 from lapformer_mm.cpu_malloc import keep_large_blocks
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Median minor page faults of allocating a fresh 64 MiB tensor (16 384 pages of 4 KiB), after
 # warm-up allocations: torch allocates with 64-byte alignment, so glibc reuses a freed block
@@ -40,6 +39,7 @@ def faults_per_allocation(mode):
     return float(proc.stdout.split()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc malloc')
 def test_large_tensors_are_reused_instead_of_faulted_in():
     pages = 64 * 2**20 / 4096

@@ -7,9 +7,9 @@ from benchmarks import cuda_ops as bench
 
 
 def test_bench_cpu_smoke(tmp_path):
-    results, failed = bench.main(['--device', 'cpu', '--n', '40', '--m', '9', '--bh', '2', '--d', '8',
-                                  '--min-time-s', '0', '--sections', 'kernel', 'attention',
-                                  'newton_schulz', '--out', str(tmp_path)])
+    results, failed = bench.main(['--device', 'cpu', '--n', '40', '--m', '9', '--bh', '2',
+                                  '--d', '8', '--min-time-s', '0', '--sections', 'kernel',
+                                  'attention', 'newton_schulz', '--out', str(tmp_path)])
     assert results and all(r['status'] == 'ok' for r in results), results
     assert {r['section'] for r in results} == {'kernel', 'attention', 'newton_schulz'}
     saved = json.loads((tmp_path / 'bench_ops.json').read_text())
@@ -24,7 +24,8 @@ def target_rows(fused_ms, errored=False):
     n, bh = bench.TARGET_N, bench.TARGET_BH
     k = dict(section='kernel', n=n, m=49, bh=bh, mode='fwd+bwd', status='ok')
     a = dict(section='attention', n=n, bh=bh, mode='fwd+bwd', status='ok')
-    rows = [dict(k, method='laplacian reference', ms=10.0), dict(k, method='laplacian fused', ms=fused_ms),
+    rows = [dict(k, method='laplacian reference', ms=10.0),
+            dict(k, method='laplacian fused', ms=fused_ms),
             dict(a, method='softmax sdpa flash', m=None, ms=10.0),
             dict(a, method='nystrom cupy', m=49, ms=fused_ms)]
     for m in (49, 64):

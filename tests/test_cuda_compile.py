@@ -76,7 +76,8 @@ def test_every_launched_instantiation_is_compiled():
         for kind in rt.KINDS.values():
             assert rt.pairwise_forward_name(dtype_name, kind) in names[rt.PAIRWISE_SOURCE]
             for transposed in (False, True):
-                assert rt.pairwise_backward_name(dtype_name, kind, transposed) in names[rt.PAIRWISE_SOURCE]
+                assert (rt.pairwise_backward_name(dtype_name, kind, transposed)
+                        in names[rt.PAIRWISE_SOURCE])
     for p_in_shared in (True, False):
         assert rt.newton_schulz_name('float', p_in_shared) in names[rt.NEWTON_SCHULZ_SOURCE]
 

@@ -10,6 +10,7 @@ formulas and ``torch.linalg.inv``. Shapes are small and odd (N = 1, M = 1,
 d = 17, sizes that are not multiples of the tiles).
 """
 import ctypes
+import os.path as osp
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 from _attention_helpers import dense_kernel as dense_kernel_named
+from _shared import ROOT
 
 from lapformer_mm.ops import cuda_runtime as rt
 from lapformer_mm.ops import cupy_ops, kernels, nystrom
 from lapformer_mm.ops.solvers import newton_schulz_iterate
 
-ROOT = Path(__file__).resolve().parent.parent
-EMU_DIR = ROOT / 'tests' / 'cuda_emu'
+EMU_DIR = Path(ROOT, 'tests', 'cuda_emu')
 
 _CTYPES = {
     np.dtype(np.uint64): ctypes.c_uint64,
@@ -41,7 +42,7 @@ def emu_lib(tmp_path_factory):
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
     out = tmp_path_factory.mktemp('cuda_emu') / 'emu.so'
     cmd = ['g++', '-std=c++20', '-O2', '-pthread', '-shared', '-fPIC',
-           '-I', str(ROOT / 'ops'), str(EMU_DIR / 'driver.cpp'), '-o', str(out)]
+           '-I', osp.join(ROOT, 'ops'), str(EMU_DIR / 'driver.cpp'), '-o', str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.fail(f'g++ failed to build the emulation:\n{proc.stderr}')
@@ -222,7 +223,8 @@ def test_blocks_loop_beyond_the_grid_limits(emulated, monkeypatch):
     x, y = make_inputs(3, 130, 66, 17, torch.float32, seed=21)
     kmat = cupy_ops.fused_pairwise_forward(x, y, 4.0, rt.LAPLACIAN)
     assert emulated[-1][1] == (2, 1, 1)
-    torch.testing.assert_close(kmat.double(), dense_kernel(x.double(), y.double(), 4.0, rt.LAPLACIAN),
+    torch.testing.assert_close(kmat.double(),
+                               dense_kernel(x.double(), y.double(), 4.0, rt.LAPLACIAN),
                                rtol=1e-5, atol=1e-7)
     g = torch.randn(kmat.shape, generator=torch.Generator().manual_seed(3))
     dx, dy = cupy_ops.fused_pairwise_backward(g, kmat, x, y, 4.0, rt.LAPLACIAN, True, True, 4)
@@ -234,7 +236,8 @@ def test_blocks_loop_beyond_the_grid_limits(emulated, monkeypatch):
     P = spd_batch(4, 6, torch.float64, seed=2)
     out = cupy_ops.fused_newton_schulz(P, 10, False, smem_limit=48 * 1024)
     assert emulated[-1][1] == (1,)
-    torch.testing.assert_close(out, newton_schulz_iterate(P, 10, 'identity'), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out, newton_schulz_iterate(P, 10, 'identity'), rtol=1e-10,
+                               atol=1e-12)
 
 
 @pytest.fixture
@@ -252,9 +255,11 @@ def test_public_functions_end_to_end_on_emulated_kernels(cupy_backend):
     inputs, through the registered ops' cuda_kernel=True path."""
     from lapformer_mm.ops import gaussian_kernel, laplacian_kernel, newton_schulz_pinv
     gen = torch.Generator().manual_seed(8)
-    x = torch.randn(2, 3, 34, 40, generator=gen).transpose(-1, -2)[..., ::2].requires_grad_()  # (2, 3, 40, 17)
+    # (2, 3, 40, 17)
+    x = torch.randn(2, 3, 34, 40, generator=gen).transpose(-1, -2)[..., ::2].requires_grad_()
     y = torch.randn(2, 3, 5, 17, generator=gen).requires_grad_()
-    for fn, kind, lam in ((laplacian_kernel, rt.LAPLACIAN, 4.0), (gaussian_kernel, rt.GAUSSIAN, 30.0)):
+    for fn, kind, lam in ((laplacian_kernel, rt.LAPLACIAN, 4.0),
+                          (gaussian_kernel, rt.GAUSSIAN, 30.0)):
         out = fn(x, y, lam)
         xd, yd = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
         ref = dense_kernel(xd, yd, lam, kind)
@@ -272,7 +277,8 @@ def test_public_functions_end_to_end_on_emulated_kernels(cupy_backend):
     assert cupy_backend[-1][0] == rt.newton_schulz_name('double', True)
     (grad,) = torch.autograd.grad(X.sum(), P)
     inv = torch.linalg.inv(P.detach())
-    torch.testing.assert_close(grad, -(inv.mT @ torch.ones_like(inv) @ inv.mT), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(grad, -(inv.mT @ torch.ones_like(inv) @ inv.mT), rtol=1e-9,
+                               atol=1e-9)
 
 
 def test_attention_on_emulated_kernels_matches_dense_reference(cupy_backend):
@@ -299,9 +305,11 @@ def test_registered_ops_hand_the_kernels_contiguous_operands(cupy_backend):
     xs, ys = x[..., ::2], y.transpose(1, 2).contiguous().transpose(1, 2)[..., 1::2]
     assert not xs.is_contiguous() and not ys.is_contiguous()
     out = torch.ops.lapformer_mm.pairwise_kernel(xs, ys, 4.0, 'laplacian', True)
-    torch.testing.assert_close(out.double(), dense_kernel(xs.double(), ys.double(), 4.0, rt.LAPLACIAN),
+    torch.testing.assert_close(out.double(),
+                               dense_kernel(xs.double(), ys.double(), 4.0, rt.LAPLACIAN),
                                rtol=1e-5, atol=1e-7)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).transpose(1, 2).contiguous().transpose(1, 2)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    g = g.transpose(1, 2).contiguous().transpose(1, 2)
     dx, dy = torch.ops.lapformer_mm.pairwise_kernel_backward(g, out, xs, ys, 4.0, 'laplacian',
                                                              True, True, True)
     ex, ey = dense_grads(xs, ys, g, 4.0, rt.LAPLACIAN)
@@ -310,6 +318,7 @@ def test_registered_ops_hand_the_kernels_contiguous_operands(cupy_backend):
     assert len(cupy_backend) == 3  # forward, then one backward launch per operand
 
 
+@pytest.mark.slow
 def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):
     """tests/cuda_emu/tsan_main.cpp launches every kernel family on the emulation built with
     -fsanitize=thread: a missing __syncthreads() between a shared-memory write and another
@@ -319,8 +328,9 @@ def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
     exe = tmp_path / 'tsan_main'
     build = subprocess.run(['g++', '-std=c++20', '-O1', '-g', '-fsanitize=thread', '-pthread',
-                            '-I', str(ROOT / 'ops'), '-I', str(EMU_DIR), str(EMU_DIR / 'tsan_main.cpp'),
-                            '-o', str(exe)], capture_output=True, text=True)
+                            '-I', osp.join(ROOT, 'ops'), '-I', str(EMU_DIR),
+                            str(EMU_DIR / 'tsan_main.cpp'), '-o', str(exe)],
+                           capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
                          env={'TSAN_OPTIONS': 'halt_on_error=1 exitcode=66'})

@@ -8,16 +8,15 @@ import os.path as osp
 
 import pytest
 import torch
+from _shared import CONFIG_DIR, ROOT
 from mmengine.config import Config
 from mmengine.registry import init_default_scope
 
 import lapformer_mm  # noqa: F401
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-
 CONFIGS = sorted(
-    glob.glob(osp.join(ROOT, 'configs', '*.py')) +
-    glob.glob(osp.join(ROOT, 'configs', 'toy', '*.py')))
+    glob.glob(osp.join(CONFIG_DIR, '*.py')) +
+    glob.glob(osp.join(CONFIG_DIR, 'toy', '*.py')))
 NECK_INPUT = {'tiny': [64, 128, 320, 512], 'small': [64, 128, 320, 512],
               'medium': [64, 128, 288, 512], 'large': [64, 128, 320, 512]}
 
@@ -32,11 +31,11 @@ def models_registry(scope):
 
 
 def load_cfg(name):
-    return Config.fromfile(osp.join(ROOT, 'configs', name))
+    return Config.fromfile(osp.join(CONFIG_DIR, name))
 
 
 def test_all_configs_are_collected():
-    names = {osp.relpath(c, osp.join(ROOT, 'configs')) for c in CONFIGS}
+    names = {osp.relpath(c, CONFIG_DIR) for c in CONFIGS}
     for size in 'tsml':
         assert f'maskrcnn_lapformer_{size}.py' in names
         assert f'maskrcnn_lapformer_{size}_3x.py' in names
@@ -154,6 +153,7 @@ def loss_and_predict(model, data):
     return losses, missing, preds
 
 
+@pytest.mark.slow
 def test_maskrcnn_t_loss_and_predict():
     cfg = no_pretrained(load_cfg('maskrcnn_lapformer_t.py'))
     model = models_registry('mmdet').build(cfg.model)
@@ -166,6 +166,7 @@ def test_maskrcnn_t_loss_and_predict():
     assert inst.masks.shape[1:] == (96, 96)
 
 
+@pytest.mark.slow
 def test_retinanet_t_loss_predict_and_no_unused_parameters():
     """Stage 1 is not returned; every parameter still gets a gradient (DDP)."""
     cfg = no_pretrained(load_cfg('retinanet_lapformer_t.py'))
@@ -178,6 +179,7 @@ def test_retinanet_t_loss_predict_and_no_unused_parameters():
     assert preds[0].pred_instances.bboxes.shape[1] == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name, loss_keys', [
     ('upernet_lapformer_t_ade20k.py', {'decode.loss_ce', 'aux.loss_ce'}),
     ('fpn_lapformer_t_ade20k.py', {'decode.loss_ce'}),

@@ -14,15 +14,10 @@ import sys
 
 import pytest
 import torch
+from _shared import CONFIG_DIR, ROOT, TOOLS, TOY_CONFIG, run_tool, toy_data_options
 from mmengine.config import Config
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOOLS = osp.join(ROOT, 'tools')
-TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
-
-from _toy_data import write_toy_coco  # noqa: E402
-
-CONFIGS = sorted(p for p in glob.glob(osp.join(ROOT, 'configs', '**', '*.py'), recursive=True)
+CONFIGS = sorted(p for p in glob.glob(osp.join(CONFIG_DIR, '**', '*.py'), recursive=True)
                  if '_base_' not in p.split(os.sep))
 
 
@@ -33,36 +28,26 @@ def test_every_config_uses_the_safe_runtime(path):
     assert cfg.custom_imports == dict(imports=['lapformer_mm'], allow_failed_imports=False)
 
 
-@pytest.fixture(scope='module')
-def toy_root(tmp_path_factory):
-    return write_toy_coco(tmp_path_factory.mktemp('optin'), num_train=4)
-
-
-def train(script, work_dir, toy_root, cwd, env):
-    ann_val = osp.join(toy_root, 'annotations', 'instances_val.json')
-    proc = subprocess.run(
+def train(script, work_dir, toy_coco, cwd):
+    """One epoch of the toy config on the first 4 images of the toy set (2 iterations), with
+    no PYTHONPATH (empty: Python ignores it)."""
+    log = run_tool(
         [sys.executable, script, TOY_CONFIG, '--work-dir', work_dir, '--cfg-options',
-         f'train_dataloader.dataset.data_root={toy_root}/',
-         f'val_dataloader.dataset.data_root={toy_root}/', f'val_evaluator.ann_file={ann_val}',
+         *toy_data_options(toy_coco), 'train_dataloader.dataset.indices=4',
          'train_dataloader.dataset.pipeline.2.scale=(64,64)', 'train_cfg.max_epochs=1',
          'train_cfg.val_interval=100', 'default_hooks.logger.interval=1'],
-        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return proc.stdout, torch.load(osp.join(work_dir, 'epoch_1.pth'), weights_only=False)
+        cwd=cwd, extra_env=dict(PYTHONPATH=''))
+    return log, torch.load(osp.join(work_dir, 'epoch_1.pth'), weights_only=False)
 
 
-def test_mmdet_train_script_gives_our_result_through_custom_imports(toy_root, tmp_path):
+@pytest.mark.slow
+def test_mmdet_train_script_gives_our_result_through_custom_imports(toy_coco, tmp_path):
     """mmdet's tools/train.py (shipped in the package as .mim/tools/train.py), run outside
     this repository without PYTHONPATH: the config's custom_imports is all it gets."""
     import mmdet
     mmdet_train = osp.join(osp.dirname(mmdet.__file__), '.mim', 'tools', 'train.py')
-    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
-    env.update(OMP_NUM_THREADS='1', MKL_NUM_THREADS='1')
-    theirs_log, theirs = train(mmdet_train, str(tmp_path / 'mmdet'), toy_root, str(tmp_path),
-                               env)
-    ours_log, ours = train(osp.join(TOOLS, 'train.py'), str(tmp_path / 'ours'), toy_root,
-                           ROOT, env)
+    theirs_log, theirs = train(mmdet_train, str(tmp_path / 'mmdet'), toy_coco, str(tmp_path))
+    ours_log, ours = train(osp.join(TOOLS, 'train.py'), str(tmp_path / 'ours'), toy_coco, ROOT)
     for log in (theirs_log, ours_log):
         assert 'SafeCheckpointHook' in log and 'Epoch(train) [1][2/2]' in log
     assert theirs['meta']['iter'] == ours['meta']['iter'] == 2
@@ -127,6 +112,7 @@ print(json.dumps(report))
 '''
 
 
+@pytest.mark.slow
 def test_stock_mmengine_job_is_the_same_with_the_plugin_imported():
     """Hooks, rotation order, a failed save, the weights and an empty last_checkpoint."""
     reports = {}

@@ -11,13 +11,12 @@ import math
 import os.path as osp
 
 import pytest
+from _shared import CONFIG_DIR
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+from lapformer_mm.cli import smoke_fullsize
+from lapformer_mm.cli import train as train_tool
 
-from lapformer_mm.cli import smoke_fullsize  # noqa: E402
-from lapformer_mm.cli import train as train_tool  # noqa: E402
-
-CONFIG = osp.join(ROOT, 'configs', 'maskrcnn_lapformer_t.py')
+CONFIG = osp.join(CONFIG_DIR, 'maskrcnn_lapformer_t.py')
 WIDTH, HEIGHT = 1333, 800
 
 
@@ -29,6 +28,7 @@ def mmdet_scope():
         yield
 
 
+@pytest.mark.slow
 def test_maskrcnn_t_trains_one_iteration_at_full_size(tmp_path):
     from mmengine.config import Config
 

@@ -4,14 +4,16 @@ import sys
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import pytest
+from _shared import ROOT
 
 
+@pytest.mark.slow
 def test_wheel_ships_cuda_sources_and_runtime_finds_them(tmp_path):
     subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation',
-                    '-q', '-w', str(tmp_path / 'dist'), str(REPO)], check=True)
+                    '-q', '-w', str(tmp_path / 'dist'), ROOT], check=True)
     wheel, = (tmp_path / 'dist').glob('lapformer_mm-*.whl')
-    sources = sorted(p.name for p in (REPO / 'ops').iterdir() if p.suffix in ('.cu', '.cuh'))
+    sources = sorted(p.name for p in Path(ROOT, 'ops').iterdir() if p.suffix in ('.cu', '.cuh'))
     assert sources
     with zipfile.ZipFile(wheel) as archive:
         shipped = sorted(Path(n).name for n in archive.namelist()
@@ -34,9 +36,9 @@ def test_torch_floor_is_stated_once_and_required_everywhere(tmp_path):
     """setup.py reads lapformer_mm.TORCH_FLOOR; requirements.txt states the same range."""
     import lapformer_mm
     requirement = f'torch>={lapformer_mm.TORCH_FLOOR}'
-    assert requirement in (REPO / 'requirements.txt').read_text().split()
+    assert requirement in Path(ROOT, 'requirements.txt').read_text().split()
     metadata = subprocess.run([sys.executable, 'setup.py', '-q', 'egg_info', '--egg-base',
-                               str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+                               str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert metadata.returncode == 0, metadata.stderr
     requires = (tmp_path / 'lapformer_mm.egg-info' / 'requires.txt').read_text().split()
     assert requirement in requires

@@ -4,13 +4,11 @@ Each check runs in a fresh interpreter, so that what the import pulls in, and wh
 could have replaced, is seen from a clean start.
 """
 import json
-import os.path as osp
 import subprocess
 import sys
 
 import pytest
-
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+from _shared import ROOT
 
 # Every global of these modules, and every attribute of the classes they define, is
 # recorded by identity before the import and compared after it: a replaced function,
@@ -84,6 +82,7 @@ def test_import_replaces_nothing_in_mmengine_and_imports_no_codebase():
     assert report['checked'] > 5000
 
 
+@pytest.mark.slow
 def test_import_replaces_nothing_in_the_codebases_already_loaded():
     """With mmcv.ops, mmdet, mmseg and their registries loaded first, as in a training job."""
     report = import_report('mmcv.ops', 'mmdet.registry', 'mmdet.models', 'mmseg.registry',
@@ -92,6 +91,7 @@ def test_import_replaces_nothing_in_the_codebases_already_loaded():
     assert report['checked'] > 20000
 
 
+@pytest.mark.slow
 def test_snapshot_sees_a_patch():
     """The comparison above would catch what the plugin used to do to mmengine."""
     patched = SNAPSHOT.replace(

@@ -8,13 +8,16 @@ import os
 import os.path as osp
 import pickle
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
+from _shared import CONFIG_DIR, TOOLS, TOY_CONFIG, run_tool, toy_data_options
 from mmengine.config import Config
 
+from lapformer_mm.cli import make_toy_coco
+from lapformer_mm.cli import test as test_tool
+from lapformer_mm.cli import train as train_tool
 from lapformer_mm.models import LaplacianFormer
 from lapformer_mm.preflight import (
     InputCheckError,
@@ -23,33 +26,15 @@ from lapformer_mm.preflight import (
     find_input_problems,
 )
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOOLS = osp.join(ROOT, 'tools')
-TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
-
-from _toy_data import write_toy_coco  # noqa: E402
-
-from lapformer_mm.cli import make_toy_coco  # noqa: E402
-from lapformer_mm.cli import test as test_tool  # noqa: E402
-from lapformer_mm.cli import train as train_tool  # noqa: E402
-
 ARCH = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
 OTHER_ARCH = dict(embed_dims=[16, 32, 48, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
 
 
-@pytest.fixture(scope='module')
-def toy(tmp_path_factory):
-    """The toy COCO set and its mmseg copy (read-only: tests copy what they break)."""
-    folder = tmp_path_factory.mktemp('preflight')
-    write_toy_coco(folder, num_train=2, seg=True)
-    return folder
-
-
 @pytest.fixture
-def data(toy, tmp_path):
-    """A private copy of the toy sets, to delete parts of."""
+def data(toy_data, tmp_path):
+    """A private copy of the session's toy sets, to delete parts of."""
     for name in ('toy_coco', 'toy_seg'):
-        shutil.copytree(toy / name, tmp_path / name)
+        shutil.copytree(toy_data / name, tmp_path / name)
     return tmp_path
 
 
@@ -241,25 +226,19 @@ def test_data_root_options_move_evaluator_files_with_the_root():
 
 def test_train_tool_exits_with_the_message(tmp_path):
     """As a new user runs it: the full-size config without COCO or the ImageNet checkpoint."""
-    proc = subprocess.run(
-        [sys.executable, osp.join(TOOLS, 'train.py'),
-         osp.join(ROOT, 'configs', 'maskrcnn_lapformer_t.py')],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert 'Traceback' not in proc.stderr
-    assert (f'\nerror: {ROOT}/configs/maskrcnn_lapformer_t.py: this train run would miss '
-            '2 input(s):\n') in proc.stderr  # after the environment's pkg_resources warnings
-    assert "data root 'data/coco/' does not exist" in proc.stderr
-    assert "checkpoint 'checkpoints/lapformer_tiny_in1k.pth' does not exist" in proc.stderr
+    log = run_tool([sys.executable, osp.join(TOOLS, 'train.py'),
+                    osp.join(CONFIG_DIR, 'maskrcnn_lapformer_t.py')],
+                   cwd=tmp_path, timeout=300, returncode=2)
+    assert 'Traceback' not in log
+    assert (f'\nerror: {CONFIG_DIR}/maskrcnn_lapformer_t.py: this train run would miss '
+            '2 input(s):\n') in log  # after the environment's pkg_resources warnings
+    assert "data root 'data/coco/' does not exist" in log
+    assert "checkpoint 'checkpoints/lapformer_tiny_in1k.pth' does not exist" in log
     assert not os.listdir(tmp_path), 'nothing was written: no work dir, no log'
 
 
 def toy_options(root):
-    return ['--cfg-options', f'train_dataloader.dataset.data_root={root}/',
-            f'val_dataloader.dataset.data_root={root}/',
-            f'test_dataloader.dataset.data_root={root}/',
-            f'val_evaluator.ann_file={root}/annotations/instances_val.json',
-            f'test_evaluator.ann_file={root}/annotations/instances_val.json']
+    return ['--cfg-options', *toy_data_options(root)]
 
 
 def tool_error(tool, argv, capsys):
@@ -328,7 +307,7 @@ def test_official_layout_is_what_the_full_size_configs_read(tmp_path):
     make_toy_coco.main(['--layout', 'official', '--out', str(data_dir / 'coco'),
                         '--seg-out', str(data_dir / 'ade' / 'ADEChallengeData2016'), *with_size])
     for config in ('maskrcnn_lapformer_t.py', 'upernet_lapformer_t_ade20k.py'):
-        cfg = Config.fromfile(osp.join(ROOT, 'configs', config))
+        cfg = Config.fromfile(osp.join(CONFIG_DIR, config))
         moved = data_root_options(cfg, ['train', 'val', 'test'], lambda root: osp.join(
             str(data_dir), osp.relpath(osp.normpath(root), 'data')))
         cfg.merge_from_dict(dict(option.split('=', 1) for option in moved))

@@ -1,33 +1,26 @@
 """The pretraining path: toy ImageNet-format set, a few mmpretrain iterations through
 tools/train.py, and the classifier -> backbone conversion into the detection backbone."""
 import hashlib
-import os
-import subprocess
+import os.path as osp
 import sys
-from pathlib import Path
 
+import pytest
 import torch
+from _shared import CONFIG_DIR, TOOLS, run_tool
 from mmengine.config import Config
 
 from lapformer_mm.models import LaplacianFormer
 from lapformer_mm.models.pretrained import load_backbone_weights
 
-ROOT = Path(__file__).resolve().parents[1]
 CLASSES = ('circle', 'square', 'triangle', 'star')
-CLS_TOY = ROOT / 'configs' / 'cls' / 'lapformer_t_toy.py'
-DET_PRETRAINED = ROOT / 'configs' / 'toy' / 'maskrcnn_lapformer_t_toy_pretrained.py'
-
-
-def run_tool(*args, cwd=ROOT):
-    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
-                            cwd=cwd, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout + result.stderr
+CLS_TOY = osp.join(CONFIG_DIR, 'cls', 'lapformer_t_toy.py')
+DET_PRETRAINED = osp.join(CONFIG_DIR, 'toy', 'maskrcnn_lapformer_t_toy_pretrained.py')
 
 
 def make_toy_imagenet(out, per_class, seed=0):
-    run_tool(ROOT / 'tools' / 'make_toy_imagenet.py', '--out', out, '--img-size', 32,
-             '--per-class-train', per_class, '--per-class-val', per_class, '--seed', seed)
+    run_tool([sys.executable, osp.join(TOOLS, 'make_toy_imagenet.py'), '--out', out,
+              '--img-size', 32, '--per-class-train', per_class, '--per-class-val', per_class,
+              '--seed', seed])
 
 
 def digests(folder):
@@ -35,6 +28,7 @@ def digests(folder):
             for p in sorted(folder.rglob('*.png'))}
 
 
+@pytest.mark.slow
 def test_toy_imagenet_is_deterministic_class_folders(tmp_path):
     make_toy_imagenet(tmp_path / 'a', per_class=3)
     make_toy_imagenet(tmp_path / 'b', per_class=3)
@@ -50,22 +44,21 @@ def test_toy_imagenet_is_deterministic_class_folders(tmp_path):
 
 
 def test_toy_imagenet_rejects_tiny_images(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / 'tools' / 'make_toy_imagenet.py'),
-                             '--out', str(tmp_path), '--img-size', '16'],
-                            capture_output=True, text=True)
-    assert result.returncode == 2
-    assert '--img-size must be >= 32, got 16' in result.stderr
+    log = run_tool([sys.executable, osp.join(TOOLS, 'make_toy_imagenet.py'),
+                    '--out', tmp_path, '--img-size', '16'], returncode=2)
+    assert '--img-size must be >= 32, got 16' in log
 
 
+@pytest.mark.slow
 def test_a_few_pretraining_iterations_through_the_train_tool(tmp_path):
     make_toy_imagenet(tmp_path / 'data', per_class=2)
     work_dir = tmp_path / 'work'
     data_root = f"{tmp_path / 'data'}/"
-    log = run_tool(
-        ROOT / 'tools' / 'train.py', CLS_TOY, '--work-dir', work_dir, '--cfg-options',
-        'train_cfg.max_epochs=1', 'train_cfg.val_interval=1', 'train_dataloader.batch_size=4',
-        f'train_dataloader.dataset.data_root={data_root}',
-        f'val_dataloader.dataset.data_root={data_root}', 'default_hooks.logger.interval=1')
+    log = run_tool([
+        sys.executable, osp.join(TOOLS, 'train.py'), CLS_TOY, '--work-dir', work_dir,
+        '--cfg-options', 'train_cfg.max_epochs=1', 'train_cfg.val_interval=1',
+        'train_dataloader.batch_size=4', f'train_dataloader.dataset.data_root={data_root}',
+        f'val_dataloader.dataset.data_root={data_root}', 'default_hooks.logger.interval=1'])
     # 8 train images in batches of 4, then mmpretrain's Accuracy on the 8 val images.
     assert 'Epoch(train) [1][2/2]' in log
     assert 'accuracy/top1:' in log
@@ -73,20 +66,22 @@ def test_a_few_pretraining_iterations_through_the_train_tool(tmp_path):
     assert checkpoint['state_dict']['head.fc.weight'].shape == (len(CLASSES), 512)
 
 
+@pytest.mark.slow
 def test_toy_classifier_converts_into_the_detection_backbone_with_no_key_left(tmp_path):
     from mmengine.registry import DefaultScope
     from mmpretrain.registry import MODELS
 
-    cfg = Config.fromfile(str(CLS_TOY))
+    cfg = Config.fromfile(CLS_TOY)
     with DefaultScope.overwrite_default_scope('mmpretrain'):
         classifier = MODELS.build(cfg.model)
     classifier.init_weights()
     src, dst = tmp_path / 'cls.pth', tmp_path / 'backbone.pth'
     torch.save(dict(meta=dict(epoch=8), state_dict=classifier.state_dict()), src)
-    out = run_tool(ROOT / 'tools' / 'convert_cls_to_backbone.py', src, dst, '--arch', 'tiny')
+    out = run_tool([sys.executable, osp.join(TOOLS, 'convert_cls_to_backbone.py'), src, dst,
+                    '--arch', 'tiny'])
     assert 'arch tiny: 0 missing, 0 unexpected, 0 with another shape' in out
 
-    backbone_cfg = Config.fromfile(str(DET_PRETRAINED)).model.backbone
+    backbone_cfg = Config.fromfile(DET_PRETRAINED).model.backbone
     assert backbone_cfg.init_cfg.type == 'Pretrained'
     kwargs = {k: v for k, v in backbone_cfg.items() if k not in ('type', 'init_cfg')}
     detection_backbone = LaplacianFormer(**kwargs)
@@ -97,8 +92,8 @@ def test_toy_classifier_converts_into_the_detection_backbone_with_no_key_left(tm
 
 
 def test_toy_classifier_sees_the_detection_input():
-    cls_cfg = Config.fromfile(str(CLS_TOY))
-    det_cfg = Config.fromfile(str(DET_PRETRAINED))
+    cls_cfg = Config.fromfile(CLS_TOY)
+    det_cfg = Config.fromfile(DET_PRETRAINED)
     cls_pre, det_pre = cls_cfg.model.data_preprocessor, det_cfg.model.data_preprocessor
     assert (cls_pre.mean, cls_pre.std) == (det_pre.mean, det_pre.std)
     assert cls_pre.to_rgb == det_pre.bgr_to_rgb

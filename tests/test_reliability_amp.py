@@ -8,52 +8,36 @@ slowest test of the suite.
 """
 import glob
 import math
-import os
 import os.path as osp
-import subprocess
 import sys
 
 import pytest
 import torch
+from _shared import TOOLS, TOY_CONFIG, run_tool, toy_data_options
 from mmengine.config import Config
 
 from lapformer_mm.checkpoint import safe_load
+from lapformer_mm.cli import train as train_tool
 from lapformer_mm.engine.amp import CPUAmpOptimWrapper, mmcv_cpu_ops_in_fp32
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOOLS = osp.join(ROOT, 'tools')
-TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 
-from _toy_data import write_toy_coco  # noqa: E402
-
-from lapformer_mm.cli import train as train_tool  # noqa: E402
-
-
-@pytest.fixture(scope='module')
-def toy_root(tmp_path_factory):
-    return write_toy_coco(tmp_path_factory.mktemp('amp'), num_train=4)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
-def test_train_tool_amp_50_iterations_stay_finite(toy_root, tmp_path, dtype):
-    """``tools/train.py --amp`` for 52 iterations (13 epochs of 4 images): finite losses and
-    weights, the loss falls, and for fp16 the dynamic loss scale skipped only a few steps."""
+def test_train_tool_amp_50_iterations_stay_finite(toy_coco, tmp_path, dtype):
+    """``tools/train.py --amp`` for 52 iterations (13 epochs of the toy set's first 4 images):
+    finite losses and weights, the loss falls, and for fp16 the dynamic loss scale skipped
+    only a few steps."""
     work = str(tmp_path / 'work')
-    ann_val = osp.join(toy_root, 'annotations', 'instances_val.json')
-    proc = subprocess.run(
+    log = run_tool(
         [sys.executable, osp.join(TOOLS, 'train.py'), TOY_CONFIG, '--amp', '--work-dir', work,
-         '--cfg-options', f'train_dataloader.dataset.data_root={toy_root}/',
-         f'val_dataloader.dataset.data_root={toy_root}/', f'val_evaluator.ann_file={ann_val}',
+         '--cfg-options', *toy_data_options(toy_coco), 'train_dataloader.dataset.indices=4',
          'train_dataloader.batch_size=1', 'train_cfg.max_epochs=13', 'train_cfg.val_interval=100',
          'default_hooks.logger.interval=1', 'default_hooks.checkpoint.interval=100',
-         f'optim_wrapper.dtype={dtype}'],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1'),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+         f'optim_wrapper.dtype={dtype}'], timeout=900)
     wrapper = 'AmpOptimWrapper' if torch.cuda.is_available() else 'CPUAmpOptimWrapper'
-    assert f"type='{wrapper}'" in proc.stdout
+    assert f"type='{wrapper}'" in log
     losses = [float(line.split(' loss: ')[1].split()[0])
-              for line in proc.stdout.splitlines() if ' loss: ' in line]
+              for line in log.splitlines() if ' loss: ' in line]
     assert len(losses) >= 50 and all(math.isfinite(v) for v in losses), losses
     assert sum(losses[-5:]) < sum(losses[:5]), losses  # it learns, not just survives
     checkpoint = safe_load(sorted(glob.glob(osp.join(work, 'epoch_*.pth')))[-1])

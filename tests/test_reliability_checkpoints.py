@@ -1,33 +1,26 @@
 """Untrusted checkpoints are refused everywhere a user can pass a path.
 
-Entry points: the backbone's ``init_cfg=dict(type='Pretrained', ...)`` (and the
-deprecated ``pretrained=``), ``load_from`` and ``resume`` of ``SafeCheckpointRunner`` (what
+Entry points: ``load_from`` and ``resume`` of ``SafeCheckpointRunner`` (what
 ``configs/_base_/safe_runtime.py`` selects), ``tools/train.py --resume``, tools/test.py
-and tools/convert_cls_to_backbone.py. Each refusal must leave the payload unrun, name the
-file and say how to allow a trusted one: torch's own refusal, which names neither, does
-not pass these tests. The documented opt-in must actually work.
+and tools/convert_cls_to_backbone.py (the backbone's ``init_cfg=dict(type='Pretrained', ...)``
+and deprecated ``pretrained=``: tests/test_backbone_checkpoint.py). Each refusal must leave
+the payload unrun, name the file and say how to allow a trusted one: torch's own refusal,
+which names neither, does not pass these tests. The documented opt-in must actually work.
 """
-import os
-import os.path as osp
-
 import numpy as np
 import pytest
 import torch
+from _runner_helpers import RunsCode, TinyModel, assert_refused_with_hint, make_runner
+from _shared import TOY_CONFIG, toy_data_options
 
 import lapformer_mm  # noqa: F401
 from lapformer_mm.checkpoint import TRUST_ENV, safe_load
+from lapformer_mm.cli import convert_cls_to_backbone
+from lapformer_mm.cli import test as cli_test
+from lapformer_mm.cli import train as cli_train
 from lapformer_mm.engine import SafeCheckpointRunner
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
 TINY = dict(embed_dims=[32, 32, 32, 32], num_heads=[1, 1, 1, 1], depths=[1, 1, 1, 1])
-
-from _runner_helpers import TinyModel, make_runner  # noqa: E402
-from _toy_data import write_toy_coco  # noqa: E402
-
-from lapformer_mm.cli import convert_cls_to_backbone  # noqa: E402
-from lapformer_mm.cli import test as cli_test  # noqa: E402
-from lapformer_mm.cli import train as cli_train  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -38,23 +31,11 @@ def mmdet_scope():
         yield
 
 
-class RunsCode:
-    """Unpickling this creates a marker file: stands for any code execution."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f'touch {self.marker}', ))
-
-
 class HarmlessCustomObject:
     """Not on the allowlist but harmless: what a trusted third-party checkpoint may hold."""
 
     def __init__(self):
         self.note = 'trusted'
-
-
 
 
 @pytest.fixture
@@ -66,25 +47,6 @@ def evil(tmp_path):
     state = LaplacianFormer(arch=TINY).state_dict()
     torch.save({'state_dict': state, 'meta': {'x': RunsCode(marker)}}, path)
     return str(path), marker
-
-
-def assert_refused_with_hint(message, path):
-    assert 'Refused to load checkpoint' in message and osp.basename(path) in message
-    assert 'unpickling them could run code' in message
-    assert f'{TRUST_ENV}=1' in message and 'plain state dict' in message
-
-
-def test_backbone_init_cfg_refuses_code_running_checkpoint(evil):
-    from mmdet.registry import MODELS
-    path, marker = evil
-    for kwargs in (dict(init_cfg=dict(type='Pretrained', checkpoint=path)),
-                   dict(pretrained=path)):
-        backbone = MODELS.build(dict(type='LaplacianFormer', arch=TINY, **kwargs))
-        with pytest.raises(RuntimeError) as info:
-            backbone.init_weights()
-        assert_refused_with_hint(str(info.value), path)
-        assert 'posix.system' in str(info.value) or 'os.system' in str(info.value)
-    assert not marker.exists()
 
 
 def test_numpy_object_array_cannot_smuggle_a_payload(tmp_path):
@@ -142,32 +104,21 @@ def test_safe_runner_still_loads_mmengine_checkpoints(tmp_path):
     torch.testing.assert_close(runner.model.linear.weight, model.linear.weight)
 
 
-@pytest.fixture(scope='module')
-def toy_root(tmp_path_factory):
-    return write_toy_coco(tmp_path_factory.mktemp('ckpt'), num_train=2)
-
-
-def toy_data_options(toy_root):
-    ann_val = osp.join(toy_root, 'annotations', 'instances_val.json')
-    return ['--cfg-options', f'train_dataloader.dataset.data_root={toy_root}/',
-            f'test_dataloader.dataset.data_root={toy_root}/', f'test_evaluator.ann_file={ann_val}',
-            f'val_dataloader.dataset.data_root={toy_root}/', f'val_evaluator.ann_file={ann_val}']
-
-
-def test_test_tool_refuses_code_running_checkpoint(evil, toy_root, tmp_path):
+def test_test_tool_refuses_code_running_checkpoint(evil, toy_coco, tmp_path):
     path, marker = evil
     with pytest.raises(RuntimeError) as info:
-        cli_test.main([TOY_CONFIG, path, '--work-dir', str(tmp_path / 'work')] +
-                               toy_data_options(toy_root))
+        cli_test.main([TOY_CONFIG, path, '--work-dir', str(tmp_path / 'work'),
+                       '--cfg-options', *toy_data_options(toy_coco)])
     assert_refused_with_hint(str(info.value), path)
     assert not marker.exists()
 
 
-def test_train_tool_resume_refuses_code_running_checkpoint(evil, toy_root, tmp_path):
+@pytest.mark.slow
+def test_train_tool_resume_refuses_code_running_checkpoint(evil, toy_coco, tmp_path):
     path, marker = evil
     with pytest.raises(RuntimeError) as info:
-        cli_train.main([TOY_CONFIG, '--resume', path, '--work-dir',
-                                 str(tmp_path / 'work')] + toy_data_options(toy_root))
+        cli_train.main([TOY_CONFIG, '--resume', path, '--work-dir', str(tmp_path / 'work'),
+                        '--cfg-options', *toy_data_options(toy_coco)])
     assert_refused_with_hint(str(info.value), path)
     assert not marker.exists()
 

@@ -1,17 +1,21 @@
-"""Bad input everywhere a user can reach: module arguments, configs, images, tool arguments.
+"""Bad input everywhere a user can reach: images, configs, tool arguments.
+
+(The backbone's arguments, also through the registry, are tested in test_backbone.py, the
+attention's in test_attention_module.py, tools/coco_eval.py's files in test_tools.py.)
 
 Every case asserts the exception type and that the message names the offending
 argument (and its value), so a user learns what to change without reading a traceback.
 """
-import json
 import os.path as osp
-import re
 
 import pytest
 import torch
+from _shared import CONFIG_DIR, TOY_CONFIG
 from mmengine.config import Config
 
 import lapformer_mm  # noqa: F401  (registers LaplacianFormer)
+from lapformer_mm.cli import test as cli_test
+from lapformer_mm.cli import train as cli_train
 from lapformer_mm.models import (
     LaplacianFormer,
     NeckChannelsCheckHook,
@@ -19,13 +23,7 @@ from lapformer_mm.models import (
     check_model_cfg,
 )
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
-UPERNET_CONFIG = osp.join(ROOT, 'configs', 'upernet_lapformer_t_ade20k.py')
-
-from lapformer_mm.cli import coco_eval  # noqa: E402
-from lapformer_mm.cli import test as cli_test  # noqa: E402
-from lapformer_mm.cli import train as cli_train  # noqa: E402
+UPERNET_CONFIG = osp.join(CONFIG_DIR, 'upernet_lapformer_t_ade20k.py')
 
 
 @pytest.fixture(autouse=True)
@@ -34,41 +32,6 @@ def mmdet_scope():
     from mmengine.registry import DefaultScope
     with DefaultScope.overwrite_default_scope('mmdet'):
         yield
-
-
-
-
-@pytest.mark.parametrize('kwargs, exc, match', [
-    (dict(arch='giant'), ValueError, "arch must be one of .* got 'giant'"),
-    (dict(arch=3), TypeError, 'arch must be a str or a dict'),
-    (dict(arch=dict(embed_dims=[64] * 4, num_heads=[2] * 4)), ValueError,
-     r"arch dict must have keys \['depths', 'embed_dims', 'num_heads'\]"),
-    (dict(arch=dict(embed_dims=[64] * 4, num_heads=[2] * 4, depths=[1, 0, 1, 1])),
-     ValueError, r"arch\['depths'\] entries must be positive"),
-    (dict(arch=dict(embed_dims=[64] * 3, num_heads=[2] * 3, depths=[1] * 3)),
-     ValueError, r"arch\['embed_dims'\] must have 4 entries"),
-    (dict(arch=dict(embed_dims=[64, 64, 64, 66], num_heads=[2, 2, 2, 4], depths=[1] * 4)),
-     ValueError, r'embed_dims\[3\]=66 is not divisible by num_heads\[3\]=4'),
-    (dict(attn_cfg=dict(landmark_grid=0)), ValueError, 'landmark_grid=0 must be >= 1'),
-    (dict(attn_cfg=dict(landmark_grid=-1)), ValueError, 'landmark_grid=-1 must be >= 1'),
-    (dict(out_indices=(4, )), ValueError, r'out_indices must be in \[0, 4\)'),
-    (dict(out_indices=()), TypeError, 'out_indices must be a non-empty sequence'),
-    (dict(out_indices=(1, 1)), ValueError, 'out_indices must not repeat'),
-    (dict(frozen_stages=5), ValueError, r'frozen_stages must be an int in \[-1, 4\]'),
-    (dict(drop_path_rate=1.0), ValueError, r'drop_path_rate must be in \[0, 1\)'),
-    (dict(stage4_attention='linear'), ValueError, 'stage4_attention must be one of'),
-    (dict(in_channels=0), ValueError, 'in_channels must be a positive int, got 0'),
-    (dict(attn_cfg=dict(qk_shared='yes')), TypeError, 'qk_shared must be a bool or 4 bools'),
-    (dict(attn_cfg=dict(kernel='rbf')), ValueError, "kernel='rbf' is not supported"),
-    (dict(attn_cfg=dict(newton_iters=3)), ValueError, "attn_cfg: unknown key\\(s\\) 'newton_iters'"),
-    (dict(pretrained='a.pth', init_cfg=dict(type='Pretrained', checkpoint='b.pth')),
-     ValueError, 'give either pretrained or init_cfg'),
-])
-def test_backbone_config_values_rejected_through_the_registry(kwargs, exc, match):
-    """The same errors reach a user who builds from a config (mmdet's MODELS.build)."""
-    from mmdet.registry import MODELS
-    with pytest.raises(exc, match=match):
-        MODELS.build(dict(type='LaplacianFormer', **kwargs))
 
 
 @pytest.mark.parametrize('make, exc, match', [
@@ -145,49 +108,6 @@ def test_neck_check_hook_fails_before_the_first_iteration():
 
     with pytest.raises(ValueError, match=r'set model.neck.in_channels=\[64, 128, 320, 512\]'):
         hook.before_run(FakeRunner())
-
-
-def write_gt(tmp_path):
-    gt = dict(images=[dict(id=1, width=40, height=30, file_name='1.png')],
-              annotations=[dict(id=1, image_id=1, category_id=1, bbox=[5, 5, 10, 10],
-                                area=100.0, iscrowd=0,
-                                segmentation=[[5, 5, 15, 5, 15, 15, 5, 15]])],
-              categories=[dict(id=1, name='a')])
-    path = tmp_path / 'gt.json'
-    path.write_text(json.dumps(gt))
-    return str(path)
-
-
-def write(tmp_path, name, text):
-    path = tmp_path / name
-    path.write_text(text)
-    return str(path)
-
-
-def test_coco_eval_bad_files_named(tmp_path, capsys):
-    gt = write_gt(tmp_path)
-    good = dict(image_id=1, category_id=1, bbox=[5, 5, 10, 10], score=0.9)
-    cases = [
-        ([str(tmp_path / 'nope.json'), gt], "annotation file '.*nope.json' does not exist"),
-        ([gt, str(tmp_path / 'nope.json')], "results file '.*nope.json' does not exist"),
-        ([gt, write(tmp_path, 'empty.json', '[]')], 'is empty'),
-        ([gt, write(tmp_path, 'blank.json', '')], 'is not valid JSON'),
-        ([gt, write(tmp_path, 'dict.json', '{}')], 'must hold a JSON list of detections'),
-        ([gt, write(tmp_path, 'other_img.json', json.dumps([dict(good, image_id=7)]))],
-         r'image id\(s\) not in the annotation file .*another annotation file'),
-        ([gt, write(tmp_path, 'other_cat.json', json.dumps([dict(good, category_id=9)]))],
-         r'category id\(s\) \[9\] .*another annotation file'),
-        ([gt, write(tmp_path, 'nobox.json', json.dumps([{'image_id': 1, 'category_id': 1,
-                                                         'score': 1.0}]))],
-         "has no 'bbox' field"),
-        ([gt, write(tmp_path, 'noseg.json', json.dumps([good])), '--types', 'segm'],
-         "has no 'segmentation' field, needed for --types segm"),
-    ]
-    for argv, pattern in cases:
-        assert coco_eval.main(argv) == 2, argv
-        err = capsys.readouterr().err
-        assert re.search(pattern, err), (argv, err)
-        assert 'Traceback' not in err
 
 
 def test_test_tool_missing_checkpoint_and_config(tmp_path):

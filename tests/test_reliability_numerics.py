@@ -250,20 +250,3 @@ def test_zero_whiten_eps_on_a_one_by_one_grid_is_finite():
     assert finite(out, q.grad, v.grad)
     # Z = 0 + 1/m with m = 1: the output is the solved context, the same for every query.
     torch.testing.assert_close(out, out[..., :1, :].expand_as(out))
-
-
-def test_authors_start_is_selectable_end_to_end():
-    """ns_init reaches the solver from LaplacianAttention: one iteration from each start differs."""
-    torch.manual_seed(0)
-    x = torch.randn(1, 64, 32)
-    outs = {}
-    for init in ('identity', 'authors'):
-        torch.manual_seed(1)
-        attn = LaplacianAttention(32, 1, iters=1, ns_init=init).eval()
-        with torch.no_grad():
-            outs[init] = attn(x, (8, 8))
-    assert not torch.allclose(outs['identity'], outs['authors'], rtol=1e-3, atol=1e-4)
-    with pytest.raises(ValueError, match="ns_init='random'.*'identity', 'authors'"):
-        LaplacianAttention(32, 1, ns_init='random')
-    with pytest.raises(TypeError, match='ns_refine must be a bool'):
-        LaplacianAttention(32, 1, ns_refine='yes')

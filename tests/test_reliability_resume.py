@@ -19,17 +19,12 @@ import time
 
 import pytest
 import torch
+from _runner_helpers import make_runner
+from _shared import ROOT, TOOLS, TOY_CONFIG, run_tool, tool_env, toy_data_options
 from mmengine.runner import Runner
 
 from lapformer_mm.checkpoint import safe_load
 from lapformer_mm.engine import SafeCheckpointRunner, atomic_write_bytes, find_latest_checkpoint
-
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOOLS = osp.join(ROOT, 'tools')
-TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
-
-from _runner_helpers import make_runner  # noqa: E402
-from _toy_data import write_toy_coco  # noqa: E402
 
 # Shared by the two child processes below: a file write that the process does not survive.
 DIES_MID_WRITE = '''
@@ -111,16 +106,16 @@ def tensor_digest(t):
     return hashlib.sha256(torch.as_tensor(t).cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
-def tool_env(extra_path):
-    return dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
-                PYTHONPATH=os.pathsep.join([ROOT, extra_path]))
+def probe_env(base):
+    """The tools' environment, with the probe hooks of ``base`` importable."""
+    return dict(PYTHONPATH=os.pathsep.join([ROOT, base]))
 
 
 @pytest.fixture(scope='module')
-def run_setup(tmp_path_factory):
-    """Toy data (8 train images: 4 steps of 2 per epoch), a probe hook and a config."""
+def run_setup(tmp_path_factory, toy_coco):
+    """The toy data (8 train images: 4 steps of 2 per epoch), a probe hook and a config."""
     base = tmp_path_factory.mktemp('resume')
-    root = write_toy_coco(base, num_train=8)
+    root = toy_coco
     (base / 'relprobe.py').write_text(DIES_MID_WRITE + PROBE)
     config = base / 'toy_probe.py'
     config.write_text(textwrap.dedent(f'''\
@@ -137,11 +132,7 @@ def run_setup(tmp_path_factory):
 
 def options(root, max_epochs):
     # Every split points at the test's own data: a clean checkout has no data/toy_coco.
-    ann_val = os.path.join(root, 'annotations', 'instances_val.json')
-    return ['--cfg-options', f'train_dataloader.dataset.data_root={root}/',
-            f'val_dataloader.dataset.data_root={root}/',
-            f'test_dataloader.dataset.data_root={root}/',
-            f'val_evaluator.ann_file={ann_val}', f'test_evaluator.ann_file={ann_val}',
+    return ['--cfg-options', *toy_data_options(root),
             'train_dataloader.dataset.pipeline.2.scale=(64,64)',
             'train_dataloader.batch_size=2', f'train_cfg.max_epochs={max_epochs}',
             'train_cfg.val_interval=100', 'default_hooks.checkpoint.interval=1',
@@ -170,6 +161,7 @@ def kill_when_logged(proc, log_path, pattern, timeout=240):
     raise AssertionError(f'{pattern!r} never logged')
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_continues_exactly(run_setup):
     base, root, config = run_setup
     work = osp.join(base, 'work')
@@ -177,7 +169,7 @@ def test_sigkill_mid_epoch_then_resume_continues_exactly(run_setup):
     with open(log_path, 'w') as log_file:
         proc = subprocess.Popen(
             [sys.executable, osp.join(TOOLS, 'train.py'), config, '--work-dir', work] +
-            options(root, 3), cwd=ROOT, env=tool_env(base), stdout=log_file,
+            options(root, 3), cwd=ROOT, env=tool_env(probe_env(base)), stdout=log_file,
             stderr=subprocess.STDOUT)
         killed_log = kill_when_logged(proc, log_path, r'Epoch\(train\)\s+\[2\]\[\s*2/4\]')
     assert proc.returncode == -signal.SIGKILL
@@ -187,13 +179,11 @@ def test_sigkill_mid_epoch_then_resume_continues_exactly(run_setup):
     saved = safe_load(osp.join(work, 'epoch_1.pth'))
     assert saved['meta']['iter'] == 4 and saved['meta']['epoch'] == 1
 
-    proc = subprocess.run(
+    log = run_tool(
         [sys.executable, osp.join(TOOLS, 'train.py'), config, '--work-dir', work, '--resume'] +
-        options(root, 2), cwd=ROOT, env=tool_env(base), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert 'resumed epoch: 1, iter: 4' in proc.stdout
-    assert 'Epoch(train) [1]' not in proc.stdout
+        options(root, 2), extra_env=probe_env(base), timeout=300)
+    assert 'resumed epoch: 1, iter: 4' in log
+    assert 'Epoch(train) [1]' not in log
 
     with open(osp.join(base, 'probe.json')) as f:
         probe = json.load(f)
@@ -203,36 +193,33 @@ def test_sigkill_mid_epoch_then_resume_continues_exactly(run_setup):
                       for i, s in enumerate(saved['optimizer']['state'].values())}
     assert probe['state'] == expected_state and expected_state
 
-    killed, resumed = logged_lrs(killed_log), logged_lrs(proc.stdout)
+    killed, resumed = logged_lrs(killed_log), logged_lrs(log)
     assert killed[(2, 1)] == resumed[(2, 1)] and killed[(2, 2)] == resumed[(2, 2)]
     assert sorted(resumed) == [(2, 1), (2, 2), (2, 3), (2, 4)]
     assert safe_load(osp.join(work, 'epoch_2.pth'))['meta']['iter'] == 8
 
 
+@pytest.mark.slow
 def test_sigkill_while_saving_keeps_the_previous_checkpoint_and_resume_continues(run_setup):
     """max_keep_ckpts=1, killed halfway through writing epoch_2.pth: epoch_1.pth, which stock
     mmengine deletes first, is intact and recorded, and --resume trains epoch 2 again."""
     base, root, config = run_setup
     work = osp.join(base, 'work_kill_save')
     one_kept = ['default_hooks.checkpoint.max_keep_ckpts=1']
-    proc = subprocess.run(
+    log = run_tool(
         [sys.executable, osp.join(TOOLS, 'train.py'), osp.join(base, 'toy_kill_save.py'),
          '--work-dir', work] + options(root, 2) + one_kept,
-        cwd=ROOT, env=tool_env(base), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stdout[-4000:]
-    assert 'SafeCheckpointHook' in proc.stdout
+        extra_env=probe_env(base), timeout=300, returncode=-signal.SIGKILL)
+    assert 'SafeCheckpointHook' in log
     assert sorted(f for f in os.listdir(work) if f.endswith('.pth')) == ['epoch_1.pth']
     with open(osp.join(work, 'last_checkpoint')) as f:
         assert f.read() == osp.join(work, 'epoch_1.pth')
     assert safe_load(osp.join(work, 'epoch_1.pth'))['meta']['iter'] == 4
 
-    proc = subprocess.run(
+    log = run_tool(
         [sys.executable, osp.join(TOOLS, 'train.py'), config, '--work-dir', work, '--resume'] +
-        options(root, 2) + one_kept, cwd=ROOT, env=tool_env(base), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert 'resumed epoch: 1, iter: 4' in proc.stdout
+        options(root, 2) + one_kept, extra_env=probe_env(base), timeout=300)
+    assert 'resumed epoch: 1, iter: 4' in log
     assert sorted(f for f in os.listdir(work) if f.endswith('.pth')) == ['epoch_2.pth']
     assert safe_load(osp.join(work, 'epoch_2.pth'))['meta']['iter'] == 8
 
@@ -260,10 +247,7 @@ def kill_during_save(tmp_path, mode):
     script = tmp_path / 'kill_during_save.py'
     script.write_text(KILL_DURING_SAVE)
     path = str(tmp_path / 'ckpt' / 'latest.pth')
-    proc = subprocess.run([sys.executable, str(script), mode, path], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    run_tool([sys.executable, script, mode, path], timeout=120, returncode=-signal.SIGKILL)
     return path
 
 
@@ -326,7 +310,8 @@ def test_safe_runner_keeps_a_chosen_backend_and_other_hook_types(tmp_path):
     assert safe_checkpoint_hook_cfg(None) is None
 
 
-@pytest.mark.parametrize('runner_cls, kept', [(Runner, []), (SafeCheckpointRunner, ['epoch_1.pth'])])
+@pytest.mark.parametrize('runner_cls, kept',
+                         [(Runner, []), (SafeCheckpointRunner, ['epoch_1.pth'])])
 def test_save_failing_mid_rotation(tmp_path, runner_cls, kept):
     """max_keep_ckpts=1 and the save of epoch 2 fails. Stock mmengine (unchanged by the import)
     has already deleted epoch_1.pth, which last_checkpoint still names: nothing to resume

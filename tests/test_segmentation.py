@@ -18,29 +18,18 @@ import cv2
 import mmseg
 import numpy as np
 import pytest
+from _shared import CONFIG_DIR, ROOT, TOOLS, run_tool, write_toy_coco
 from pycocotools.coco import COCO
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOOLS = osp.join(ROOT, 'tools')
-SEG_CONFIG = osp.join(ROOT, 'configs', 'toy', 'upernet_lapformer_t_toy.py')
+from lapformer_mm.cli import make_toy_coco
+
+SEG_CONFIG = osp.join(CONFIG_DIR, 'toy', 'upernet_lapformer_t_toy.py')
 MMSEG_TRAIN = osp.join(osp.dirname(mmseg.__file__), '.mim', 'tools', 'train.py')
-
-from _toy_data import write_toy_coco  # noqa: E402
-from test_tools import run_tool  # noqa: E402
-
-from lapformer_mm.cli import make_toy_coco  # noqa: E402
-
-
-@pytest.fixture(scope='module')
-def seg_data(tmp_path_factory):
-    """8 train / 2 val images of 64 px with label maps; returns the mmseg root."""
-    coco_root = write_toy_coco(tmp_path_factory.mktemp('toy'), 8, seg=True)
-    return osp.join(osp.dirname(coco_root), 'toy_seg')
 
 
 def test_label_maps_match_the_coco_masks_and_leave_coco_unchanged(
-        seg_data, tmp_path):
-    coco_root = osp.join(osp.dirname(seg_data), 'toy_coco')
+        toy_seg, toy_coco, tmp_path):
+    coco_root = toy_coco
     plain = write_toy_coco(tmp_path, 8)  # no --seg-out: the COCO set must be byte-identical
     cmp = filecmp.dircmp(coco_root, plain)
     assert not cmp.diff_files and not cmp.left_only and not cmp.right_only
@@ -54,9 +43,9 @@ def test_label_maps_match_the_coco_masks_and_leave_coco_unchanged(
         for img in coco.loadImgs(coco.getImgIds()):
             name = img['file_name']
             assert filecmp.cmp(osp.join(coco_root, split, name),
-                               osp.join(seg_data, 'img_dir', split, name),
+                               osp.join(toy_seg, 'img_dir', split, name),
                                shallow=False)
-            label = cv2.imread(osp.join(seg_data, 'ann_dir', split, name),
+            label = cv2.imread(osp.join(toy_seg, 'ann_dir', split, name),
                                cv2.IMREAD_UNCHANGED)
             assert label.shape == (64, 64) and label.dtype == np.uint8
             assert set(np.unique(label)) <= set(range(len(make_toy_coco.CLASSES) + 1))
@@ -83,17 +72,18 @@ def seg_options(data_root, max_iters=2):
     ]
 
 
-def test_train_test_and_draw_the_toy_segmentor(seg_data, tmp_path):
+@pytest.mark.slow
+def test_train_test_and_draw_the_toy_segmentor(toy_seg, tmp_path):
     work = str(tmp_path / 'work')
     log = run_tool([sys.executable, osp.join(TOOLS, 'train.py'), SEG_CONFIG,
-                    '--work-dir', work] + seg_options(seg_data), cwd=ROOT)
+                    '--work-dir', work] + seg_options(toy_seg), cwd=ROOT)
     assert 'Iter(train) [2/2]' in log
     ckpt = osp.join(work, 'iter_2.pth')
 
     metrics_json = str(tmp_path / 'metrics.json')
     log = run_tool([sys.executable, osp.join(TOOLS, 'test.py'), SEG_CONFIG,
                     ckpt, '--work-dir', work, '--metrics-json', metrics_json] +
-                   seg_options(seg_data), cwd=ROOT)
+                   seg_options(toy_seg), cwd=ROOT)
     assert 'per class results:' in log
     for name in ('background', 'circle', 'square', 'triangle', 'star'):
         assert re.search(rf'\|\s+{name}\s+\|\s+[\d.]+\s+\|', log), name
@@ -105,15 +95,15 @@ def test_train_test_and_draw_the_toy_segmentor(seg_data, tmp_path):
     vis = str(tmp_path / 'vis')
     run_tool([sys.executable, osp.join(TOOLS, 'visualize_predictions.py'),
               SEG_CONFIG, ckpt, '--out-dir', vis, '--num', '2'] +
-             seg_options(seg_data), cwd=ROOT)
+             seg_options(toy_seg), cwd=ROOT)
     pngs = sorted(glob.glob(osp.join(vis, '*.png')))
     assert [osp.basename(p) for p in pngs] == ['000000_pred.png',
                                                '000001_pred.png']
     panels = cv2.imread(pngs[0])
-    image = cv2.imread(osp.join(seg_data, 'img_dir', 'val', '000000.png'))
+    image = cv2.imread(osp.join(toy_seg, 'img_dir', 'val', '000000.png'))
     assert panels.shape == (64, 3 * 64, 3)
     assert np.array_equal(panels[:, :64], image)
-    gt = cv2.imread(osp.join(seg_data, 'ann_dir', 'val', '000000.png'),
+    gt = cv2.imread(osp.join(toy_seg, 'ann_dir', 'val', '000000.png'),
                     cv2.IMREAD_UNCHANGED)
     # the ground-truth panel repaints exactly the shapes' pixels
     changed = (panels[:, 64:128] != image).any(axis=2)
@@ -132,12 +122,13 @@ def test_paint_labels_blends_class_pixels_only():
         assert painted[y, x].tolist() == [100, 100, 100]
 
 
+@pytest.mark.slow
 def test_mmseg_train_script_loads_the_plugin_by_custom_imports(
-        seg_data, tmp_path):
+        toy_seg, tmp_path):
     work = str(tmp_path / 'work')
     # No PYTHONPATH: only the config's custom_imports can register LaplacianFormer.
     log = run_tool([sys.executable, MMSEG_TRAIN, SEG_CONFIG, '--work-dir', work] +
-                   seg_options(seg_data), cwd=str(tmp_path),
+                   seg_options(toy_seg), cwd=str(tmp_path),
                    extra_env=dict(PYTHONPATH=''))
     assert 'SafeCheckpointHook' in log  # configs/_base_/safe_runtime.py's runner
     assert 'Iter(train) [2/2]' in log

@@ -1,8 +1,10 @@
 """tools/setup_env.sh's source-build fallback: the C++ standard patch of mmcv's setup.py."""
+import os.path as osp
 import subprocess
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / 'tools' / 'setup_env.sh'
+from _shared import TOOLS
+
+SCRIPT = osp.join(TOOLS, 'setup_env.sh')
 # The lines of mmcv 2.1.0's setup.py that set a C++ standard (CPU ops, MPS, nvcc; Windows).
 MMCV_LINES = """\
                 extra_compile_args['cxx'] = ['-std=c++14']

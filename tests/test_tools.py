@@ -7,47 +7,25 @@ pycocotools computed here independently.
 import contextlib
 import io
 import json
-import os
 import os.path as osp
 import re
 import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+from _shared import ROOT, TOOLS, TOY_CONFIG, run_tool, toy_data_options
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 from lapformer_mm.cli import coco_eval, make_toy_coco
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOOLS = osp.join(ROOT, 'tools')
-TOY_CONFIG = osp.join(ROOT, 'configs', 'toy', 'maskrcnn_lapformer_t_toy.py')
-
-
-def run_tool(args, cwd, extra_env=None, timeout=600):
-    """Run a tool with this interpreter on one thread; return its stdout+stderr."""
-    env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
-               PYTHONPATH=ROOT, PYTHON=sys.executable)
-    env.update(extra_env or {})
-    proc = subprocess.run(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return proc.stdout
-
 
 def tiny_options(data_root, max_epochs):
     """--cfg-options that point the toy config at a tiny data set, 1-2 epochs."""
-    ann_val = osp.join(data_root, 'annotations', 'instances_val.json')
     return [
-        '--cfg-options',
-        f'train_dataloader.dataset.data_root={data_root}/',
-        f'val_dataloader.dataset.data_root={data_root}/',
-        f'test_dataloader.dataset.data_root={data_root}/',
-        f'val_evaluator.ann_file={ann_val}',
-        f'test_evaluator.ann_file={ann_val}',
+        '--cfg-options', *toy_data_options(data_root),
         'train_dataloader.batch_size=2',
         f'train_cfg.max_epochs={max_epochs}',
         'train_cfg.val_interval=100',
@@ -56,16 +34,6 @@ def tiny_options(data_root, max_epochs):
         'default_hooks.logger.interval=1',
         'param_scheduler.0.end=2',
     ]
-
-
-@pytest.fixture(scope='module')
-def tiny_data(tmp_path_factory):
-    """8 train / 4 val images of 64 px: 4 iterations per epoch at batch 2."""
-    root = str(tmp_path_factory.mktemp('toy') / 'toy_coco')
-    with contextlib.redirect_stdout(io.StringIO()):
-        make_toy_coco.main(['--out', root, '--num-train', '8', '--num-val',
-                            '4', '--img-size', '64', '--max-objects', '3'])
-    return root
 
 
 def test_make_toy_coco_is_deterministic_and_valid(tmp_path):
@@ -167,21 +135,47 @@ def test_coco_eval_matches_pycocotools(tmp_path, capsys):
     assert 0 < metrics['bbox']['AP'] < 1
 
 
-def test_coco_eval_errors(tmp_path, capsys):
-    ann_file, res_file, results = write_eval_fixture(tmp_path)
-    empty = tmp_path / 'empty.json'
-    empty.write_text('[]')
-    other = tmp_path / 'other.json'
-    other.write_text(json.dumps([dict(results[0], image_id=999)]))
+def write_gt(tmp_path):
+    gt = dict(images=[dict(id=1, width=40, height=30, file_name='1.png')],
+              annotations=[dict(id=1, image_id=1, category_id=1, bbox=[5, 5, 10, 10],
+                                area=100.0, iscrowd=0,
+                                segmentation=[[5, 5, 15, 5, 15, 15, 5, 15]])],
+              categories=[dict(id=1, name='a')])
+    path = tmp_path / 'gt.json'
+    path.write_text(json.dumps(gt))
+    return str(path)
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_coco_eval_bad_files_named(tmp_path, capsys):
+    gt = write_gt(tmp_path)
+    good = dict(image_id=1, category_id=1, bbox=[5, 5, 10, 10], score=0.9)
     cases = [
-        ([str(tmp_path / 'missing.json'), res_file], 'does not exist'),
-        ([ann_file, str(tmp_path / 'missing.json')], 'does not exist'),
-        ([ann_file, str(empty)], 'is empty'),
-        ([ann_file, str(other)], 'another annotation file'),
+        ([str(tmp_path / 'nope.json'), gt], "annotation file '.*nope.json' does not exist"),
+        ([gt, str(tmp_path / 'nope.json')], "results file '.*nope.json' does not exist"),
+        ([gt, write(tmp_path, 'empty.json', '[]')], 'is empty'),
+        ([gt, write(tmp_path, 'blank.json', '')], 'is not valid JSON'),
+        ([gt, write(tmp_path, 'dict.json', '{}')], 'must hold a JSON list of detections'),
+        ([gt, write(tmp_path, 'other_img.json', json.dumps([dict(good, image_id=7)]))],
+         r'image id\(s\) not in the annotation file .*another annotation file'),
+        ([gt, write(tmp_path, 'other_cat.json', json.dumps([dict(good, category_id=9)]))],
+         r'category id\(s\) \[9\] .*another annotation file'),
+        ([gt, write(tmp_path, 'nobox.json', json.dumps([{'image_id': 1, 'category_id': 1,
+                                                         'score': 1.0}]))],
+         "has no 'bbox' field"),
+        ([gt, write(tmp_path, 'noseg.json', json.dumps([good])), '--types', 'segm'],
+         "has no 'segmentation' field, needed for --types segm"),
     ]
-    for argv, message in cases:
-        assert coco_eval.main(argv) == 2
-        assert message in capsys.readouterr().err
+    for argv, pattern in cases:
+        assert coco_eval.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert re.search(pattern, err), (argv, err)
+        assert 'Traceback' not in err
 
 
 def checkpoint_iter(path):
@@ -189,24 +183,25 @@ def checkpoint_iter(path):
     return safe_load(path)['meta']['iter']
 
 
-def test_train_test_resume(tiny_data, tmp_path):
+@pytest.mark.slow
+def test_train_test_resume(toy_coco, tmp_path):
     work = str(tmp_path / 'work')
     run_tool([sys.executable, osp.join(TOOLS, 'train.py'), TOY_CONFIG,
-              '--work-dir', work] + tiny_options(tiny_data, 1), cwd=ROOT)
+              '--work-dir', work] + tiny_options(toy_coco, 1), cwd=ROOT)
     ckpt1 = osp.join(work, 'epoch_1.pth')
     assert checkpoint_iter(ckpt1) == 4
 
     out_pkl = str(tmp_path / 'preds.pkl')
     log = run_tool([sys.executable, osp.join(TOOLS, 'test.py'), TOY_CONFIG,
                     ckpt1, '--work-dir', work, '--out', out_pkl] +
-                   tiny_options(tiny_data, 1), cwd=ROOT)
+                   tiny_options(toy_coco, 1), cwd=ROOT)
     assert 'Load checkpoint from' in log
     assert re.search(r'coco/bbox_mAP: [-\d.]+', log), log[-2000:]
     assert osp.isfile(out_pkl)
 
     log = run_tool([sys.executable, osp.join(TOOLS, 'train.py'), TOY_CONFIG,
                     '--work-dir', work, '--resume', ckpt1] +
-                   tiny_options(tiny_data, 2), cwd=ROOT)
+                   tiny_options(toy_coco, 2), cwd=ROOT)
     assert 'resumed epoch: 1, iter: 4' in log
     assert 'Epoch(train) [2][1/4]' in log
     assert 'Epoch(train) [1]' not in log
@@ -219,11 +214,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_dist_train_two_processes(tiny_data, tmp_path):
+@pytest.mark.slow
+def test_dist_train_two_processes(toy_coco, tmp_path):
     work = str(tmp_path / 'work')
     log = run_tool(
         ['bash', osp.join(TOOLS, 'dist_train.sh'), TOY_CONFIG, '2',
-         '--work-dir', work] + tiny_options(tiny_data, 1),
+         '--work-dir', work] + tiny_options(toy_coco, 1),
         cwd=ROOT, extra_env=dict(PORT=str(free_port())))
     assert 'Distributed training: True' in log
     # 8 images, 2 ranks x 2 images per step -> 2 iterations per epoch

@@ -24,8 +24,9 @@ _TARGET_BLOCKS = 64
 
 def build_library(folder):
     out = Path(folder) / 'emu.so'
-    subprocess.run(['g++', '-std=c++20', '-O2', '-pthread', '-shared', '-fPIC', '-I', str(ROOT / 'ops'),
-                    str(ROOT / 'tests' / 'cuda_emu' / 'driver.cpp'), '-o', str(out)], check=True)
+    subprocess.run(['g++', '-std=c++20', '-O2', '-pthread', '-shared', '-fPIC',
+                    '-I', str(ROOT / 'ops'), str(ROOT / 'tests' / 'cuda_emu' / 'driver.cpp'),
+                    '-o', str(out)], check=True)
     return ctypes.CDLL(str(out))
 
 
