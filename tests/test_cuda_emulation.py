@@ -9,29 +9,17 @@ packing are the ones the GPU gets. Results are compared with dense float64
 formulas and ``torch.linalg.inv``. Shapes are small and odd (N = 1, M = 1,
 d = 17, sizes that are not multiples of the tiles).
 """
-import ctypes
 import shutil
 import subprocess
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from _attention_helpers import dense_kernel as dense_kernel_named
+from _emulation import EMU_DIR, build_command, build_library, make_launch
 
 from lapformer_mm.ops import cuda_runtime as rt
 from lapformer_mm.ops import cupy_ops, dispatch
 from lapformer_mm.ops.solvers import newton_schulz_iterate
-
-ROOT = Path(__file__).resolve().parent.parent
-EMU_DIR = ROOT / 'tests' / 'cuda_emu'
-
-_CTYPES = {
-    np.dtype(np.uint64): ctypes.c_uint64,
-    np.dtype(np.int64): ctypes.c_int64,
-    np.dtype(np.int32): ctypes.c_int32,
-    np.dtype(np.float64): ctypes.c_double,
-}
 
 
 @pytest.fixture(scope='module')
@@ -39,16 +27,9 @@ def emu_lib(tmp_path_factory):
     """The kernels compiled for the CPU as a shared library."""
     if shutil.which('g++') is None:
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
-    out = tmp_path_factory.mktemp('cuda_emu') / 'emu.so'
-    cmd = ['g++', '-std=c++20', '-O2', '-pthread', '-shared', '-fPIC',
-           '-I', str(ROOT / 'ops'), str(EMU_DIR / 'driver.cpp'), '-o', str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(f'g++ failed to build the emulation:\n{proc.stderr}')
-    lib = ctypes.CDLL(str(out))
-    lib.emu_has_kernel.argtypes = [ctypes.c_char_p]
-    lib.emu_launch_kernel.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_ulonglong]
+    lib, error = build_library(tmp_path_factory.mktemp('cuda_emu'))
+    if lib is None:
+        pytest.fail(f'g++ failed to build the emulation:\n{error}')
     return lib
 
 
@@ -56,17 +37,7 @@ def emu_lib(tmp_path_factory):
 def emulated(emu_lib, monkeypatch):
     """Route ``cuda_runtime.launch`` to the CPU emulation; records launches."""
     launches = []
-
-    def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, shapes=''):
-        values = [_CTYPES[np.asarray(a).dtype](a.item()) for a in args]
-        argv = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        grid3 = (ctypes.c_uint * 3)(*(tuple(grid) + (1, 1))[:3])
-        block3 = (ctypes.c_uint * 3)(*(tuple(block) + (1, 1))[:3])
-        rc = emu_lib.emu_launch_kernel(name_expression.encode(), argv, grid3, block3, shared_mem)
-        assert rc == 0, f'emulation has no kernel {name_expression}'
-        launches.append((name_expression, tuple(grid), tuple(block), shared_mem))
-
-    monkeypatch.setattr(rt, 'launch', launch)
+    monkeypatch.setattr(rt, 'launch', make_launch(emu_lib, launches))
     return launches
 
 
@@ -317,9 +288,9 @@ def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):
     if shutil.which('g++') is None:
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
     exe = tmp_path / 'tsan_main'
-    build = subprocess.run(['g++', '-std=c++20', '-O1', '-g', '-fsanitize=thread', '-pthread',
-                            '-I', str(ROOT / 'ops'), '-I', str(EMU_DIR), str(EMU_DIR / 'tsan_main.cpp'),
-                            '-o', str(exe)], capture_output=True, text=True)
+    command = build_command(exe, '-fsanitize=thread', '-g', str(EMU_DIR / 'tsan_main.cpp'))
+    build = subprocess.run([c if c != '-O2' else '-O1' for c in command], capture_output=True,
+                           text=True)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
                          env={'TSAN_OPTIONS': 'halt_on_error=1 exitcode=66'})

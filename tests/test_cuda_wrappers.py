@@ -16,6 +16,8 @@ from lapformer_mm.ops import (
     nystrom_forward,
     pool_landmarks,
 )
+from devtools import fake_cupy as fake_cupy_module
+from devtools.fake_cupy import FakeCudaTensor as FakeTensor
 from lapformer_mm.ops import cuda_runtime as rt
 
 
@@ -90,86 +92,10 @@ def test_launch_geometry_covers_grid_limits():
         rt.pairwise_backward_launch(1, 64, 64, 2 ** 40, target_blocks=1)
 
 
-class FakeCupy:
-    """Records what cuda_runtime asks of CuPy (no GPU needed)."""
-
-    def __init__(self, fail_compile=False, fail_launch=False):
-        self.events = []
-        fake = self
-
-        class Device:
-            def __init__(self, index):
-                self.index = index
-
-            def __enter__(self):
-                fake.events.append(('device', self.index))
-
-            def __exit__(self, *exc):
-                return False
-
-        class Stream:
-            def __init__(self, obj):
-                self.obj = obj
-
-            @classmethod
-            def from_external(cls, obj):
-                return cls(obj)
-
-            def __enter__(self):
-                fake.events.append(('stream', self.obj.cuda_stream))
-
-            def __exit__(self, *exc):
-                return False
-
-        class Kernel:
-            def __init__(self, name):
-                self.name = name
-                self.max_dynamic_shared_size_bytes = 0
-
-            def __setattr__(self, key, value):
-                if key == 'max_dynamic_shared_size_bytes' and value:
-                    fake.events.append(('optin', value))
-                object.__setattr__(self, key, value)
-
-            def __call__(self, grid, block, args, shared_mem=0):
-                if fail_launch:
-                    raise RuntimeError('too many resources requested for launch')
-                fake.events.append(('launch', self.name, grid, block, len(args), shared_mem))
-
-        class RawModule:
-            def __init__(self, code, options, name_expressions, backend):
-                fake.events.append(('compile', tuple(name_expressions), options, backend))
-                assert '#include "' not in code
-                if fail_compile:
-                    raise RuntimeError('error: identifier "oops" is undefined')
-
-            def get_function(self, name):
-                return Kernel(name)
-
-        self.cuda = type('cuda', (), {'Device': Device, 'Stream': Stream})
-        self.RawModule = RawModule
-
-
-class FakeTorchStream:
-    cuda_stream = 12345
-
-    def __cuda_stream__(self):
-        return (0, self.cuda_stream)
-
-
-class FakeTensor:
-    device = torch.device('cuda', 1)
-
-
 @pytest.fixture
 def fake_cupy(monkeypatch):
     def install(**kwargs):
-        fake = FakeCupy(**kwargs)
-        monkeypatch.setattr(rt, 'import_cupy', lambda: fake)
-        monkeypatch.setattr(rt, '_functions', {})
-        monkeypatch.setattr(rt, '_dynamic_smem_opted', {})
-        monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: FakeTorchStream())
-        return fake
+        return fake_cupy_module.install(rt, monkeypatch.setattr, current_device=1, **kwargs)[0]
     return install
 
 
@@ -184,8 +110,8 @@ def test_launch_compiles_once_per_dtype_on_the_tensors_device_and_stream(fake_cu
     assert len(compiles) == 1 and name in compiles[0][1] and len(compiles[0][1]) == 6
     assert compiles[0][2] == rt.NVRTC_OPTIONS and compiles[0][3] == 'nvrtc'
     launches = [e for e in fake.events if e[0] == 'launch']
-    assert launches[0] == ('launch', name, (1, 2, 3), (16, 16, 1), 2, 0) and len(launches) == 3
-    assert ('device', 1) in fake.events and ('stream', FakeTorchStream.cuda_stream) in fake.events
+    assert launches[0] == ('launch', name, (1, 2, 3), (16, 16, 1), 2, 0, 12345)
+    assert len(launches) == 3
 
 
 def test_launch_opts_into_large_dynamic_shared_memory_once(fake_cupy):

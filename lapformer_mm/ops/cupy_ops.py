@@ -195,21 +195,153 @@ def newton_schulz(P, iters, init):
 
 
 # ----------------------------------------------------------------------------
-# The fused attention (lapformer_mm::nystrom_attention and its backward).
+# The fused attention (lapformer_mm::nystrom_attention and its backward): 3 launches
+# forward, 4 backward (ops/nystrom_attention.cu), no N x m matrix in memory.
 # ----------------------------------------------------------------------------
+
+_F32 = torch.float32
+
+
+def _strides(t):
+    """The 4 strides of a (B, h, n, d) operand as kernel arguments; zeros for None."""
+    return tuple(np.int64(s) for s in (t.stride() if t is not None else (0, 0, 0, 0)))
+
+
+def _grad_strides(grad):
+    """(batch, head, row, column) strides of the (B, N, h, d_v) output gradient."""
+    sb, sn, sh, sd = grad.stride()
+    return np.int64(sb), np.int64(sh), np.int64(sn), np.int64(sd)
+
+
+def _token_layout(batch, heads, n, width, like):
+    """An uninitialised (B, h, n, width) view of a contiguous (B, n, h, width) tensor."""
+    return torch.empty(batch, n, heads, width, dtype=like.dtype,
+                       device=like.device).transpose(1, 2)
+
+
+def _offset(tensor, floats):
+    """Pointer ``floats`` fp32 elements into ``tensor`` (no ATen op)."""
+    return np.uint64(tensor.data_ptr() + 4 * floats)
+
+
+def _kernel_scalars(kernel, lam):
+    """(kind, -1/lam, -coef): the kernel code and the constants of its value and gradient."""
+    kind = rt.KINDS[kernel]
+    return kind, np.float32(-1.0 / lam), np.float32(-(1.0 if kind == rt.LAPLACIAN else 2.0) / lam)
+
+
+def _fused(q, v, landmarks):
+    _check_int32(n=q.shape[2], m=landmarks.shape[2], d=q.shape[3], dv=v.shape[3])
+    return rt.nystrom_fused_supported(q.dtype, landmarks.shape[2], v.shape[3], q.shape[3])
+
 
 def nystrom_attention_forward(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine,
                               normalize, whiten_eps):
-    """(out, context, inverse, stats) of the contract in :mod:`.nystrom`, operands checked."""
-    from .nystrom import nystrom_attention_reference
-    return nystrom_attention_reference(q, k, v, landmarks, kernel, lam, eps, iters, ns_init,
-                                       ns_refine, normalize, whiten_eps)
+    """(out, context, inverse, stats) of the contract in :mod:`.nystrom`, operands checked.
+
+    fp64 operands, more than ``rt.NYS_MP`` landmarks or wider values than ``rt.NYS_DV``
+    run the reference math (on the GPU) instead of the fused kernels.
+    """
+    if not _fused(q, v, landmarks):
+        from .nystrom import nystrom_attention_reference
+        return nystrom_attention_reference(q, k, v, landmarks, kernel, lam, eps, iters, ns_init,
+                                           ns_refine, normalize, whiten_eps)
+    batch, heads, n, d = q.shape
+    m, dv = landmarks.shape[2], v.shape[3]
+    bh = batch * heads
+    device = q.device
+    injective = normalize == 'injective'
+    out = torch.empty(batch, n, heads, dv, dtype=q.dtype, device=device)
+    context = torch.empty(batch, heads, m, dv, dtype=_F32, device=device)
+    inverse = torch.empty(batch, heads, m, m, dtype=_F32, device=device)
+    stats = torch.empty(batch, heads, 2 if injective else 0, m, dtype=_F32, device=device)
+    splits, chunk = rt.nystrom_splits(bh, n, target_blocks(device))
+    part_floats = bh * splits * (2 * m + m * dv)
+    work = torch.empty(part_floats + bh * (m + 1) * dv, dtype=_F32, device=device)
+    part, fold = rt.pointer(work), _offset(work, part_floats)
+    kind, neg_inv_lam, _ = _kernel_scalars(kernel, lam)
+    element = rt.ELEMENT_TYPES[q.dtype]
+    sizes = (np.int64(bh), np.int32(heads), np.int32(n), np.int32(m), np.int32(d), np.int32(dv))
+    flag = np.int32(injective)
+    shapes = _shapes(q=q, v=v, landmarks=landmarks)
+    lm = (rt.pointer(landmarks),) + _strides(landmarks)
+
+    grid = (splits, min(bh, rt.MAX_GRID_YZ))
+    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_forward_stats', element, kind), q, grid,
+              rt.NYS_BLOCK, (rt.pointer(q), rt.pointer(k), rt.pointer(v), rt.pointer(landmarks))
+              + _strides(q) + _strides(k) + _strides(v) + _strides(landmarks)
+              + (part,) + sizes + (np.int32(chunk), neg_inv_lam, flag), shapes=shapes)
+    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_forward_solve', element, kind), q,
+              (min(bh, rt.MAX_GRID_X),), rt.NYS_BLOCK,
+              lm + (part, rt.pointer(context), rt.pointer(inverse), rt.pointer(stats), fold)
+              + sizes + (np.int32(chunk), np.int32(splits), neg_inv_lam, np.float32(eps),
+                         np.int32(iters), np.int32(ns_init == 'authors'), np.int32(ns_refine),
+                         flag, np.float32(whiten_eps)),
+              shared_mem=rt.nystrom_solve_smem(m, dv), shapes=shapes)
+    tiles = -(-n // rt.NYS_TN)
+    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_forward_out', element, kind), q,
+              (min(tiles, rt.MAX_GRID_X), min(bh, rt.MAX_GRID_YZ)), rt.NYS_BLOCK,
+              (rt.pointer(q),) + _strides(q) + lm + (fold, rt.pointer(out)) + sizes
+              + (neg_inv_lam, flag), shapes=shapes)
+    return out, context, inverse, stats
 
 
 def nystrom_attention_backward(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam,
                                eps, ns_refine, normalize, whiten_eps):
     """(dq, dk, dv, dlandmarks) of the contract in :mod:`.nystrom`."""
-    from .nystrom import nystrom_attention_backward_reference
-    return nystrom_attention_backward_reference(grad, q, k, v, landmarks, context, inverse,
-                                                stats, kernel, lam, eps, ns_refine, normalize,
-                                                whiten_eps)
+    if not _fused(q, v, landmarks):
+        from .nystrom import nystrom_attention_backward_reference
+        return nystrom_attention_backward_reference(grad, q, k, v, landmarks, context, inverse,
+                                                    stats, kernel, lam, eps, ns_refine,
+                                                    normalize, whiten_eps)
+    batch, heads, n, d = q.shape
+    m, dv = landmarks.shape[2], v.shape[3]
+    bh = batch * heads
+    device = q.device
+    grad = grad if grad.dtype == q.dtype else grad.to(q.dtype)
+    # The token layout (B, N, h, .), as the module's projections have it: their backward
+    # then needs no copy. The landmarks' gradient takes their strides when dense.
+    dq = _token_layout(batch, heads, n, d, q)
+    dk = q.new_empty(0) if k is None else _token_layout(batch, heads, n, d, q)
+    dv_out = _token_layout(batch, heads, n, dv, q)
+    dl = torch.empty_like(landmarks)
+    splits, chunk = rt.nystrom_splits(bh, n, target_blocks(device))
+    reduce_floats = bh * splits * (m * dv + dv)
+    work_floats = bh * (m * dv + m + m * d)
+    lpart_floats = bh * splits * m * d
+    work = torch.empty(reduce_floats + work_floats + lpart_floats, dtype=_F32, device=device)
+    part, solved = rt.pointer(work), _offset(work, reduce_floats)
+    lpart = _offset(work, reduce_floats + work_floats)
+    kind, neg_inv_lam, neg_coef = _kernel_scalars(kernel, lam)
+    element = rt.ELEMENT_TYPES[q.dtype]
+    sizes = (np.int64(bh), np.int32(heads), np.int32(n), np.int32(m), np.int32(d), np.int32(dv))
+    flag = np.int32(normalize == 'injective')
+    shapes = _shapes(grad=grad, q=q, v=v, landmarks=landmarks)
+    lm = (rt.pointer(landmarks),) + _strides(landmarks)
+    g = (rt.pointer(grad),) + _grad_strides(grad)
+    qs = (rt.pointer(q),) + _strides(q)
+    pass_grid = (splits, min(bh, rt.MAX_GRID_YZ))
+
+    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_backward_reduce', element, kind), q,
+              pass_grid, rt.NYS_BLOCK, g + qs + lm + (part,) + sizes
+              + (np.int32(chunk), neg_inv_lam, flag), shapes=shapes)
+    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_backward_solve', element, kind), q,
+              (min(bh, rt.MAX_GRID_X),), rt.NYS_BLOCK,
+              lm + (part, rt.pointer(context), rt.pointer(inverse), rt.pointer(stats), solved)
+              + sizes + (np.int32(splits), neg_inv_lam, neg_coef, np.float32(eps),
+                         np.int32(ns_refine), flag),
+              shared_mem=rt.nystrom_backward_solve_smem(m, dv), shapes=shapes)
+    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_backward_grads', element, kind), q,
+              pass_grid, rt.NYS_BLOCK,
+              g + qs + (rt.pointer(k),) + _strides(k) + (rt.pointer(v),) + _strides(v) + lm
+              + (rt.pointer(context), rt.pointer(stats), solved, rt.pointer(dq),
+                 rt.pointer(dk if k is not None else None)) + _strides(dq)
+              + (rt.pointer(dv_out),) + _strides(dv_out) + (lpart,)
+              + sizes + (np.int32(chunk), neg_inv_lam, neg_coef, flag),
+              shared_mem=rt.NYSTROM_GRADS_SMEM, shapes=shapes)
+    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_backward_landmarks', element, kind), q,
+              (min(bh, rt.MAX_GRID_X),), rt.NYS_BLOCK,
+              (lpart, solved, rt.pointer(dl)) + _strides(dl)
+              + (np.int64(bh), np.int32(heads), np.int32(m), np.int32(d), np.int32(dv),
+                 np.int32(splits)), shapes=shapes)
+    return dq, dk, dv_out, dl

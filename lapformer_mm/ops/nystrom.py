@@ -338,11 +338,16 @@ def _attention_setup(ctx, inputs, output):
     q, k, v, landmarks, kernel, lam, eps, _, _, ns_refine, normalize, whiten_eps, impl = inputs
     _, context, inverse, stats = output
     ctx.save_for_backward(q, k, v, landmarks, context, inverse, stats)
+    # Saved for the backward, not results to differentiate: no zero gradients are made
+    # for them (three kernels per call otherwise).
+    ctx.mark_non_differentiable(context, inverse, stats)
+    ctx.set_materialize_grads(False)
     ctx.options = (kernel, lam, eps, ns_refine, normalize, whiten_eps, impl)
 
 
 def _attention_backward(ctx, grad, grad_context, grad_inverse, grad_stats):
-    # context, inverse and stats are saved for the backward, not results to differentiate.
+    if grad is None:
+        return (None,) * 13
     q, k, v, landmarks, context, inverse, stats = ctx.saved_tensors
     dq, dk, dv, dl = nystrom_attention_backward_op(grad, q, k, v, landmarks, context, inverse,
                                                    stats, *ctx.options)
