@@ -28,12 +28,15 @@ def is_view(func):
 
 
 def _custom_op_body(func):
-    """The Python function a ``torch.library.custom_op`` was defined with, or None."""
+    """The Python implementation of one of our ops, or None."""
+    from lapformer_mm.ops.nystrom import PYTHON_KERNELS
+    if func in PYTHON_KERNELS:
+        return PYTHON_KERNELS[func]
     try:
         from torch._library.custom_ops import _maybe_get_opdef
     except ImportError:
         return None
-    opdef = _maybe_get_opdef(func)
+    opdef = _maybe_get_opdef(func)  # the primitive ops are torch.library.custom_op
     return getattr(opdef, '_init_fn', None)
 
 
@@ -112,6 +115,9 @@ def module_call_counts(module, x, hw, rt, backward=True):
     both = None
     if backward:
         grad = torch.ones(x.shape, dtype=x.dtype)
+        # Gradients start unset, as in a training step after zero_grad(set_to_none=True).
+        module.zero_grad(set_to_none=True)
+        x.grad = None
 
         def step():
             out = module(x, hw)

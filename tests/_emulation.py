@@ -55,7 +55,7 @@ def make_launch(lib, record=None, hooks=()):
     tuple (the op-counting test uses it).
     """
     def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, shapes=''):
-        values = [_CTYPES[np.asarray(a).dtype](a.item()) for a in args]
+        values = [_CTYPES[np.asarray(a).dtype](np.asarray(a).item()) for a in args]
         argv = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         grid3 = (ctypes.c_uint * 3)(*(tuple(grid) + (1, 1))[:3])
         block3 = (ctypes.c_uint * 3)(*(tuple(block) + (1, 1))[:3])

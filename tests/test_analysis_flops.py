@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from lapformer_mm.analysis.flops import FLOP_HANDLES, flop_analyzer, flop_totals, traced_name
-from lapformer_mm.ops import kernels
+from lapformer_mm.ops import kernels, nystrom
 
 
 def traced_kinds(fn, *inputs):
@@ -23,8 +23,13 @@ def test_traced_names_match_the_tracer():
     assert traced_name(kernels.newton_schulz_op) in traced_kinds(
         lambda p: kernels.newton_schulz(p, 5, 'identity', 'reference'), P)
     q = torch.randn(1, 2, 5, 4)
+    lm = torch.randn(1, 2, 3, 4)
+    assert traced_name(nystrom.nystrom_attention_op) in traced_kinds(
+        lambda a, b: nystrom.nystrom_attention_call(a, None, a, b, 'laplacian', 4.0, 0.01, 5,
+                                                    'identity', True, 'injective', 1e-5,
+                                                    'reference'), q.requires_grad_(), lm)
     assert traced_name(torch.ops.aten.scaled_dot_product_attention) in traced_kinds(
-        lambda a: F.scaled_dot_product_attention(a, a, a), q)
+        lambda a: F.scaled_dot_product_attention(a, a, a), q.detach())
 
 
 def test_every_handle_is_named_and_unknown_ops_are_refused():

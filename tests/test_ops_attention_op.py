@@ -181,15 +181,19 @@ def test_mixed_operand_dtypes_follow_q_at_the_public_entry():
     assert out.dtype == torch.float32
 
 
-def test_the_op_passes_opcheck():
-    """Schema, fake implementation and autograd registration agree with the real op."""
+def test_the_ops_pass_opcheck():
+    """Schema and fake implementations agree with the real ops (autograd is the
+    NystromAttention Function's, tested above and below)."""
     for tied in (True, False):
         q, k, v, landmarks = inputs(1, 2, (3, 4), 3, 2, 2, tied, dtype=torch.float32, seed=3)
-        leaves = [t.clone().requires_grad_() for t in (q, None if tied else k, v, landmarks)
-                  if t is not None]
-        args = (leaves[0], None if tied else leaves[1], leaves[-2], leaves[-1], 'laplacian', 4.0,
-                0.01, 16, 'identity', True, 'injective', 1e-5, 'reference')
+        args = (q, None if tied else k, v, landmarks, 'laplacian', 4.0, 0.01, 16, 'identity',
+                True, 'injective', 1e-5, 'reference')
         torch.library.opcheck(OPS.nystrom_attention, args)
+        _, context, inverse, stats = OPS.nystrom_attention(*args)
+        grad = torch.randn(1, 12, 2, 2)
+        torch.library.opcheck(OPS.nystrom_attention_backward,
+                              (grad,) + args[:4] + (context, inverse, stats, 'laplacian', 4.0,
+                                                    0.01, True, 'injective', 1e-5, 'reference'))
 
 
 @pytest.mark.parametrize('kwargs', [dict(solver='exact'), dict(solver='cg')])
@@ -222,3 +226,20 @@ def test_flop_formula_counts_the_composite_parts():
     separate = nystrom_attention_flops((2, 3, 100, 32), (2, 3, 100, 32), 49, False, 16, False)
     assert separate['kernel'] - parts['kernel'] == batch * 100 * 49 * 33
     assert parts['visible'] - separate['visible'] == batch * 2 * 49 * 49 * 32
+
+
+def test_gradients_come_through_the_autograd_function():
+    """The op has no autograd kernel; NystromAttention (what the public entry calls) gives
+    the dense gradients for the raw op's arguments."""
+    from lapformer_mm.ops.nystrom import NystromAttention
+    q, k, v, landmarks = inputs(1, 2, (4, 5), 3, 4, 2, False, seed=12)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, landmarks)]
+    out, context, inverse, stats = NystromAttention.apply(
+        *leaves, 'laplacian', 4.0, 0.01, 40, 'identity', True, 'injective', 1e-5, 'reference')
+    assert not (context.requires_grad or inverse.requires_grad or stats.requires_grad)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+    got = torch.autograd.grad(out, leaves, grad)
+    expected, expected_grads = dense_grads(q, k, v, landmarks, grad.transpose(1, 2), False)
+    torch.testing.assert_close(out.transpose(1, 2), expected, rtol=1e-9, atol=1e-10)
+    for g, want in zip(got, expected_grads):
+        torch.testing.assert_close(g, want, rtol=1e-8, atol=1e-9)

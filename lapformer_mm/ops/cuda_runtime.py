@@ -240,12 +240,14 @@ def nystrom_splits(bh, n, target_blocks):
     return _ceil_div(max(n, 1), chunk), chunk
 
 
+@functools.lru_cache(maxsize=None)
 def nystrom_solve_smem(m, dv):
     """Dynamic shared memory (bytes) of nys_forward_solve: P, X, scratch, R, context, scale."""
     mp, ld = newton_schulz_stride(m)
     return 4 * (3 * mp * ld + 2 * m * dv + NYS_MP)
 
 
+@functools.lru_cache(maxsize=None)
 def nystrom_backward_solve_smem(m, dv):
     """Dynamic shared memory (bytes) of nys_backward_solve."""
     return 4 * (2 * m * m + 3 * m * dv + 2 * NYS_MP + NYS_DV)

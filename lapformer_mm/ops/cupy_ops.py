@@ -202,15 +202,21 @@ def newton_schulz(P, iters, init):
 _F32 = torch.float32
 
 
-def _strides(t):
-    """The 4 strides of a (B, h, n, d) operand as kernel arguments; zeros for None."""
-    return tuple(np.int64(s) for s in (t.stride() if t is not None else (0, 0, 0, 0)))
+def _operand(t):
+    """(pointer, 4 strides) of a (B, h, n, d) operand as kernel arguments; null for None.
+
+    Strides are 64-bit kernel parameters, so plain Python ints do (CuPy passes an int as
+    int64); the 32-bit ones below are numpy scalars of their exact type.
+    """
+    if t is None:
+        return (rt.pointer(None), 0, 0, 0, 0)
+    return (rt.pointer(t),) + t.stride()
 
 
-def _grad_strides(grad):
-    """(batch, head, row, column) strides of the (B, N, h, d_v) output gradient."""
+def _grad_operand(grad):
+    """(pointer, batch, head, row, column strides) of the (B, N, h, d_v) output gradient."""
     sb, sn, sh, sd = grad.stride()
-    return np.int64(sb), np.int64(sh), np.int64(sn), np.int64(sd)
+    return rt.pointer(grad), sb, sh, sn, sd
 
 
 def _token_layout(batch, heads, n, width, like):
@@ -222,6 +228,14 @@ def _token_layout(batch, heads, n, width, like):
 def _offset(tensor, floats):
     """Pointer ``floats`` fp32 elements into ``tensor`` (no ATen op)."""
     return np.uint64(tensor.data_ptr() + 4 * floats)
+
+
+@functools.lru_cache(maxsize=None)
+def _stage_names(dtype, kind):
+    """The 7 kernel instantiations (forward, then backward) for an element type and kind."""
+    element = rt.ELEMENT_TYPES[dtype]
+    return tuple(rt.nystrom_name(stage, element, kind)
+                 for stage in rt.NYS_FORWARD + rt.NYS_BACKWARD)
 
 
 def _kernel_scalars(kernel, lam):
@@ -260,29 +274,26 @@ def nystrom_attention_forward(q, k, v, landmarks, kernel, lam, eps, iters, ns_in
     work = torch.empty(part_floats + bh * (m + 1) * dv, dtype=_F32, device=device)
     part, fold = rt.pointer(work), _offset(work, part_floats)
     kind, neg_inv_lam, _ = _kernel_scalars(kernel, lam)
-    element = rt.ELEMENT_TYPES[q.dtype]
-    sizes = (np.int64(bh), np.int32(heads), np.int32(n), np.int32(m), np.int32(d), np.int32(dv))
+    names = _stage_names(q.dtype, kind)
+    sizes = (bh, np.int32(heads), np.int32(n), np.int32(m), np.int32(d), np.int32(dv))
     flag = np.int32(injective)
     shapes = _shapes(q=q, v=v, landmarks=landmarks)
-    lm = (rt.pointer(landmarks),) + _strides(landmarks)
+    qs, lm = _operand(q), _operand(landmarks)
+    pass_grid = (splits, min(bh, rt.MAX_GRID_YZ))
 
-    grid = (splits, min(bh, rt.MAX_GRID_YZ))
-    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_forward_stats', element, kind), q, grid,
-              rt.NYS_BLOCK, (rt.pointer(q), rt.pointer(k), rt.pointer(v), rt.pointer(landmarks))
-              + _strides(q) + _strides(k) + _strides(v) + _strides(landmarks)
-              + (part,) + sizes + (np.int32(chunk), neg_inv_lam, flag), shapes=shapes)
-    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_forward_solve', element, kind), q,
-              (min(bh, rt.MAX_GRID_X),), rt.NYS_BLOCK,
+    rt.launch(rt.NYSTROM_SOURCE, names[0], q, pass_grid, rt.NYS_BLOCK,
+              qs[:1] + _operand(k)[:1] + _operand(v)[:1] + lm[:1] + qs[1:] + _operand(k)[1:]
+              + _operand(v)[1:] + lm[1:] + (part,) + sizes + (np.int32(chunk), neg_inv_lam, flag),
+              shapes=shapes)
+    rt.launch(rt.NYSTROM_SOURCE, names[1], q, (min(bh, rt.MAX_GRID_X),), rt.NYS_BLOCK,
               lm + (part, rt.pointer(context), rt.pointer(inverse), rt.pointer(stats), fold)
               + sizes + (np.int32(chunk), np.int32(splits), neg_inv_lam, np.float32(eps),
                          np.int32(iters), np.int32(ns_init == 'authors'), np.int32(ns_refine),
                          flag, np.float32(whiten_eps)),
               shared_mem=rt.nystrom_solve_smem(m, dv), shapes=shapes)
-    tiles = -(-n // rt.NYS_TN)
-    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_forward_out', element, kind), q,
-              (min(tiles, rt.MAX_GRID_X), min(bh, rt.MAX_GRID_YZ)), rt.NYS_BLOCK,
-              (rt.pointer(q),) + _strides(q) + lm + (fold, rt.pointer(out)) + sizes
-              + (neg_inv_lam, flag), shapes=shapes)
+    rt.launch(rt.NYSTROM_SOURCE, names[2], q,
+              (min(-(-n // rt.NYS_TN), rt.MAX_GRID_X), min(bh, rt.MAX_GRID_YZ)), rt.NYS_BLOCK,
+              qs + lm + (fold, rt.pointer(out)) + sizes + (neg_inv_lam, flag), shapes=shapes)
     return out, context, inverse, stats
 
 
@@ -302,7 +313,7 @@ def nystrom_attention_backward(grad, q, k, v, landmarks, context, inverse, stats
     # The token layout (B, N, h, .), as the module's projections have it: their backward
     # then needs no copy. The landmarks' gradient takes their strides when dense.
     dq = _token_layout(batch, heads, n, d, q)
-    dk = q.new_empty(0) if k is None else _token_layout(batch, heads, n, d, q)
+    dk = None if k is None else _token_layout(batch, heads, n, d, q)
     dv_out = _token_layout(batch, heads, n, dv, q)
     dl = torch.empty_like(landmarks)
     splits, chunk = rt.nystrom_splits(bh, n, target_blocks(device))
@@ -313,35 +324,29 @@ def nystrom_attention_backward(grad, q, k, v, landmarks, context, inverse, stats
     part, solved = rt.pointer(work), _offset(work, reduce_floats)
     lpart = _offset(work, reduce_floats + work_floats)
     kind, neg_inv_lam, neg_coef = _kernel_scalars(kernel, lam)
-    element = rt.ELEMENT_TYPES[q.dtype]
-    sizes = (np.int64(bh), np.int32(heads), np.int32(n), np.int32(m), np.int32(d), np.int32(dv))
+    names = _stage_names(q.dtype, kind)
+    sizes = (bh, np.int32(heads), np.int32(n), np.int32(m), np.int32(d), np.int32(dv))
     flag = np.int32(normalize == 'injective')
     shapes = _shapes(grad=grad, q=q, v=v, landmarks=landmarks)
-    lm = (rt.pointer(landmarks),) + _strides(landmarks)
-    g = (rt.pointer(grad),) + _grad_strides(grad)
-    qs = (rt.pointer(q),) + _strides(q)
+    lm, g, qs = _operand(landmarks), _grad_operand(grad), _operand(q)
     pass_grid = (splits, min(bh, rt.MAX_GRID_YZ))
+    solve_grid = (min(bh, rt.MAX_GRID_X),)
 
-    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_backward_reduce', element, kind), q,
-              pass_grid, rt.NYS_BLOCK, g + qs + lm + (part,) + sizes
-              + (np.int32(chunk), neg_inv_lam, flag), shapes=shapes)
-    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_backward_solve', element, kind), q,
-              (min(bh, rt.MAX_GRID_X),), rt.NYS_BLOCK,
+    rt.launch(rt.NYSTROM_SOURCE, names[3], q, pass_grid, rt.NYS_BLOCK,
+              g + qs + lm + (part,) + sizes + (np.int32(chunk), neg_inv_lam, flag), shapes=shapes)
+    rt.launch(rt.NYSTROM_SOURCE, names[4], q, solve_grid, rt.NYS_BLOCK,
               lm + (part, rt.pointer(context), rt.pointer(inverse), rt.pointer(stats), solved)
               + sizes + (np.int32(splits), neg_inv_lam, neg_coef, np.float32(eps),
                          np.int32(ns_refine), flag),
               shared_mem=rt.nystrom_backward_solve_smem(m, dv), shapes=shapes)
-    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_backward_grads', element, kind), q,
-              pass_grid, rt.NYS_BLOCK,
-              g + qs + (rt.pointer(k),) + _strides(k) + (rt.pointer(v),) + _strides(v) + lm
-              + (rt.pointer(context), rt.pointer(stats), solved, rt.pointer(dq),
-                 rt.pointer(dk if k is not None else None)) + _strides(dq)
-              + (rt.pointer(dv_out),) + _strides(dv_out) + (lpart,)
+    rt.launch(rt.NYSTROM_SOURCE, names[5], q, pass_grid, rt.NYS_BLOCK,
+              g + qs + _operand(k) + _operand(v) + lm
+              + (rt.pointer(context), rt.pointer(stats), solved, rt.pointer(dq), rt.pointer(dk))
+              + dq.stride() + (rt.pointer(dv_out),) + dv_out.stride() + (lpart,)
               + sizes + (np.int32(chunk), neg_inv_lam, neg_coef, flag),
               shared_mem=rt.NYSTROM_GRADS_SMEM, shapes=shapes)
-    rt.launch(rt.NYSTROM_SOURCE, rt.nystrom_name('nys_backward_landmarks', element, kind), q,
-              (min(bh, rt.MAX_GRID_X),), rt.NYS_BLOCK,
-              (lpart, solved, rt.pointer(dl)) + _strides(dl)
-              + (np.int64(bh), np.int32(heads), np.int32(m), np.int32(d), np.int32(dv),
+    rt.launch(rt.NYSTROM_SOURCE, names[6], q, solve_grid, rt.NYS_BLOCK,
+              (lpart, solved) + _operand(dl)
+              + (bh, np.int32(heads), np.int32(m), np.int32(d), np.int32(dv),
                  np.int32(splits)), shapes=shapes)
-    return dq, dk, dv_out, dl
+    return dq, q.new_empty(0) if dk is None else dk, dv_out, dl

@@ -18,6 +18,8 @@ import functools
 import importlib
 import os
 
+import torch
+
 IMPLS = ('reference', 'cupy', 'cpu')
 ENV_VAR = 'LAPFORMER_OPS'
 
@@ -75,7 +77,13 @@ def resolve_impl(requested, device):
     An explicit 'cupy' or 'cpu' for the wrong device, or one that is not usable, raises a
     ``RuntimeError`` rather than silently falling back.
     """
-    device_type = device.type if hasattr(device, 'type') else str(device)
+    return _decided(requested, device.type if hasattr(device, 'type') else str(device))
+
+
+# torch.compile runs this once while tracing and keeps the answer: the availability checks
+# import modules, which a graph must not contain, and the answer is fixed per process.
+@torch.compiler.assume_constant_result
+def _decided(requested, device_type):
     key = (requested, device_type)
     impl = _DECIDED.get(key)
     if impl is None:
@@ -109,7 +117,13 @@ def clear_cache():
     cpu_ext_available.cache_clear()
 
 
+_MODULES = {'cupy': 'lapformer_mm.ops.cupy_ops', 'cpu': 'lapformer_mm.ops.cpu_ext'}
+_IMPORTED = {}
+
+
 def implementation(impl):
     """The module implementing the ops for ``impl`` ('cupy' or 'cpu'), imported lazily."""
-    return importlib.import_module({'cupy': 'lapformer_mm.ops.cupy_ops',
-                                    'cpu': 'lapformer_mm.ops.cpu_ext'}[impl])
+    module = _IMPORTED.get(impl)
+    if module is None:
+        module = _IMPORTED[impl] = importlib.import_module(_MODULES[impl])
+    return module

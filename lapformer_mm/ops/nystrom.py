@@ -45,8 +45,11 @@ stored. Each implementation module ('cupy': :mod:`.cupy_ops`, 'cpu': :mod:`.cpu_
 provides ``nystrom_attention_forward`` and ``nystrom_attention_backward`` with the
 arguments of the ops above except ``impl``, called after the op checked the operands.
 
-Dropout on Z (attention dropout in training) and the 'exact' and 'cg' solvers do not fold
-that way: they run the composite path (:func:`nystrom_composite`, autograd through the
+Autograd: :class:`NystromAttention`, an ``autograd.Function`` around the two ops (defined
+with ``torch.library`` define/impl); :func:`nystrom_attention_call` is the differentiable
+call and :func:`nystrom_forward` the entry LaplacianAttention uses (where an export hook
+goes). Dropout on Z (attention dropout in training) and the 'exact' and 'cg' solvers do
+not fold: they run the composite path (:func:`nystrom_composite`, autograd through the
 primitive ops of :mod:`.kernels`).
 """
 import dataclasses
@@ -280,16 +283,30 @@ def nystrom_attention_backward_reference(grad, q, k, v, landmarks, context, inve
 
 
 # ----------------------------------------------------------------------------
-# The registered ops.
+# The registered ops, and autograd on top of them.
+#
+# torch.library define/impl with an autograd.Function outside: measured the cheapest way
+# to attach autograd (benchmarks/cuda_host.py, 2026-12-01, this 2-core CPU machine with
+# a fake CuPy: forward with grad 59 µs and forward+backward 193 µs, against 147 µs and
+# 299 µs for torch.library.custom_op with register_autograd, whose per-call wrapper
+# rebuilds the schema's argument list; docs/cuda.md).
 # ----------------------------------------------------------------------------
 
-@torch.library.custom_op('lapformer_mm::nystrom_attention', mutates_args=())
-def nystrom_attention_op(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
-                         landmarks: torch.Tensor, kernel: str, lam: float, eps: float,
-                         iters: int, ns_init: str, ns_refine: bool, normalize: str,
-                         whiten_eps: float, impl: str
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, context, inverse, stats) of the module docstring's contract."""
+_LIBRARY = torch.library.Library('lapformer_mm', 'FRAGMENT')
+_LIBRARY.define(
+    'nystrom_attention(Tensor q, Tensor? k, Tensor v, Tensor landmarks, str kernel, float lam, '
+    'float eps, int iters, str ns_init, bool ns_refine, str normalize, float whiten_eps, '
+    'str impl) -> (Tensor, Tensor, Tensor, Tensor)')
+_LIBRARY.define(
+    'nystrom_attention_backward(Tensor grad, Tensor q, Tensor? k, Tensor v, Tensor landmarks, '
+    'Tensor context, Tensor inverse, Tensor stats, str kernel, float lam, float eps, '
+    'bool ns_refine, str normalize, float whiten_eps, str impl) '
+    '-> (Tensor, Tensor, Tensor, Tensor)')
+
+
+def nystrom_attention_kernel(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine,
+                             normalize, whiten_eps, impl):
+    """The op's implementation: operands checked once, then the implementation of ``impl``."""
     _check_op_operands('nystrom_attention', q, k, v, landmarks)
     args = (q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
             whiten_eps)
@@ -298,7 +315,31 @@ def nystrom_attention_op(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Te
     return implementation(impl).nystrom_attention_forward(*args)
 
 
-@nystrom_attention_op.register_fake
+def nystrom_attention_backward_kernel(grad, q, k, v, landmarks, context, inverse, stats, kernel,
+                                      lam, eps, ns_refine, normalize, whiten_eps, impl):
+    """The backward op's implementation."""
+    args = (grad, q, k, v, landmarks, context, inverse, stats, kernel, lam, eps, ns_refine,
+            normalize, whiten_eps)
+    if impl == 'reference':
+        return nystrom_attention_backward_reference(*args)
+    return implementation(impl).nystrom_attention_backward(*args)
+
+
+_LIBRARY.impl('nystrom_attention', nystrom_attention_kernel, 'CompositeExplicitAutograd')
+_LIBRARY.impl('nystrom_attention_backward', nystrom_attention_backward_kernel,
+              'CompositeExplicitAutograd')
+
+#: The ops (OpOverloads): ``(out, context, inverse, stats)`` and ``(dq, dk, dv, dlandmarks)``
+#: of the module docstring's contract.
+nystrom_attention_op = torch.ops.lapformer_mm.nystrom_attention.default
+nystrom_attention_backward_op = torch.ops.lapformer_mm.nystrom_attention_backward.default
+
+#: op -> its Python implementation (devtools/op_counts.py looks inside with it).
+PYTHON_KERNELS = {nystrom_attention_op: nystrom_attention_kernel,
+                  nystrom_attention_backward_op: nystrom_attention_backward_kernel}
+
+
+@torch.library.register_fake('lapformer_mm::nystrom_attention')
 def _(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize, whiten_eps,
       impl):
     _check_op_operands('nystrom_attention', q, k, v, landmarks)
@@ -311,50 +352,55 @@ def _(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize
             q.new_empty(batch, heads, rows, m, dtype=acc))
 
 
-@torch.library.custom_op('lapformer_mm::nystrom_attention_backward', mutates_args=())
-def nystrom_attention_backward_op(grad: torch.Tensor, q: torch.Tensor, k: Optional[torch.Tensor],
-                                  v: torch.Tensor, landmarks: torch.Tensor,
-                                  context: torch.Tensor, inverse: torch.Tensor,
-                                  stats: torch.Tensor, kernel: str, lam: float, eps: float,
-                                  ns_refine: bool, normalize: str, whiten_eps: float, impl: str
-                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                             torch.Tensor]:
-    """(dq, dk, dv, dlandmarks) of the module docstring's contract."""
-    args = (grad, q, k, v, landmarks, context, inverse, stats, kernel, lam, eps, ns_refine,
-            normalize, whiten_eps)
-    if impl == 'reference':
-        return nystrom_attention_backward_reference(*args)
-    return implementation(impl).nystrom_attention_backward(*args)
-
-
-@nystrom_attention_backward_op.register_fake
+@torch.library.register_fake('lapformer_mm::nystrom_attention_backward')
 def _(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam, eps, ns_refine, normalize,
       whiten_eps, impl):
     return (torch.empty_like(q), q.new_empty(0) if k is None else torch.empty_like(k),
             torch.empty_like(v), torch.empty_like(landmarks))
 
 
-def _attention_setup(ctx, inputs, output):
-    q, k, v, landmarks, kernel, lam, eps, _, _, ns_refine, normalize, whiten_eps, impl = inputs
-    _, context, inverse, stats = output
-    ctx.save_for_backward(q, k, v, landmarks, context, inverse, stats)
-    # Saved for the backward, not results to differentiate: no zero gradients are made
-    # for them (three kernels per call otherwise).
-    ctx.mark_non_differentiable(context, inverse, stats)
-    ctx.set_materialize_grads(False)
-    ctx.options = (kernel, lam, eps, ns_refine, normalize, whiten_eps, impl)
+class NystromAttention(torch.autograd.Function):
+    """Autograd of the op: the forward saves context, inverse and stats (non-differentiable
+    outputs, no zero gradients made for them); the backward op recomputes the kernel rows
+    from them (once differentiable). The op itself has no autograd kernel: differentiate
+    through this Function (:func:`nystrom_attention_call`, :func:`nystrom_forward`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
+                whiten_eps, impl):
+        out, context, inverse, stats = nystrom_attention_op(
+            q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
+            whiten_eps, impl)
+        ctx.save_for_backward(q, k, v, landmarks, context, inverse, stats)
+        ctx.mark_non_differentiable(context, inverse, stats)
+        ctx.set_materialize_grads(False)
+        ctx.options = (kernel, lam, eps, ns_refine, normalize, whiten_eps, impl)
+        return out, context, inverse, stats
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, grad_context, grad_inverse, grad_stats):
+        if grad is None:
+            return (None,) * 13
+        q, k, v, landmarks, context, inverse, stats = ctx.saved_tensors
+        dq, dk, dv, dl = nystrom_attention_backward_op(grad, q, k, v, landmarks, context,
+                                                       inverse, stats, *ctx.options)
+        return (dq, None if k is None else dk, dv, dl) + (None,) * 9
 
 
-def _attention_backward(ctx, grad, grad_context, grad_inverse, grad_stats):
-    if grad is None:
-        return (None,) * 13
-    q, k, v, landmarks, context, inverse, stats = ctx.saved_tensors
-    dq, dk, dv, dl = nystrom_attention_backward_op(grad, q, k, v, landmarks, context, inverse,
-                                                   stats, *ctx.options)
-    return (dq, None if k is None else dk, dv, dl) + (None,) * 9
-
-
-nystrom_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+def nystrom_attention_call(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine,
+                           normalize, whiten_eps, impl):
+    """The op's output (B, N, h, d_v) with autograd attached."""
+    args = (q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
+            whiten_eps, impl)
+    if torch.jit.is_tracing():
+        # A trace (the FLOP counter's) records the op itself; an autograd.Function would be
+        # an opaque PythonOp node without its options.
+        return nystrom_attention_op(*args)[0]
+    if v is q or v is k:
+        # torch.compile cannot trace a Function given one tensor twice; a view is another.
+        args = args[:2] + (v.view(v.shape),) + args[3:]
+    return NystromAttention.apply(*args)[0]
 
 
 def nystrom_attention_flops(q_shape, v_shape, m, tied, iters, ns_refine):
@@ -453,10 +499,10 @@ def nystrom_forward(q, k, v, landmarks, options, dropout_p=0.0):
     # The kernels read one element type: an odd operand follows q (under autocast all
     # four are the 16-bit outputs of one linear layer and nothing is cast).
     k = None if k is q else _like(k, q)
-    out = nystrom_attention_op(
+    out = nystrom_attention_call(
         q, k, _like(v, q), _like(landmarks, q), options.kernel, options.lam, options.eps,
         DEFAULT_NS_ITERS if options.iters is None else options.iters, options.ns_init,
-        options.ns_refine, options.normalize, options.whiten_eps, impl)[0]
+        options.ns_refine, options.normalize, options.whiten_eps, impl)
     return out.transpose(1, 2)
 
 
