@@ -15,26 +15,17 @@ import subprocess
 import pytest
 import torch
 from _attention_helpers import dense_kernel as dense_kernel_named
-from _emulation import EMU_DIR, build_command, build_library, make_launch
 
+from _emulation_fixtures import emu_lib  # noqa: F401 (a fixture)
+
+from devtools.cuda_emulation import EMU_DIR, build_command, make_launch
 from lapformer_mm.ops import cuda_runtime as rt
 from lapformer_mm.ops import cupy_ops, dispatch
 from lapformer_mm.ops.solvers import newton_schulz_iterate
 
 
-@pytest.fixture(scope='module')
-def emu_lib(tmp_path_factory):
-    """The kernels compiled for the CPU as a shared library."""
-    if shutil.which('g++') is None:
-        pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
-    lib, error = build_library(tmp_path_factory.mktemp('cuda_emu'))
-    if lib is None:
-        pytest.fail(f'g++ failed to build the emulation:\n{error}')
-    return lib
-
-
 @pytest.fixture
-def emulated(emu_lib, monkeypatch):
+def emulated(emu_lib, monkeypatch):  # noqa: F811 (the imported fixture)
     """Route ``cuda_runtime.launch`` to the CPU emulation; records launches."""
     launches = []
     monkeypatch.setattr(rt, 'launch', make_launch(emu_lib, launches))
@@ -58,7 +49,7 @@ def make_inputs(batch, n, m, d, dtype, seed):
     return x.to(dtype), y.to(dtype)
 
 
-def test_every_instantiation_is_emulated(emu_lib):
+def test_every_instantiation_is_emulated(emu_lib):  # noqa: F811 (the imported fixture)
     for names in rt.all_name_expressions().values():
         for name in names:
             assert emu_lib.emu_has_kernel(name.encode()) == 1, name

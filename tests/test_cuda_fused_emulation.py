@@ -2,35 +2,25 @@
 
 The whole CUDA path of ``lapformer_mm::nystrom_attention``: the public entry picks
 impl='cupy' for CPU tensors, ``cupy_ops`` packs the arguments and launch geometry it would
-hand a GPU, and the g++ emulation (tests/_emulation.py) runs the kernels. Values and
+hand a GPU, and the g++ emulation (devtools/cuda_emulation.py) runs the kernels. Values and
 gradients are compared with autograd of the dense fp64 reference ``dense_attention``:
 fp32, bf16 and fp16 inputs, tied and separate keys, both kernels and normalisations, odd
 N, m < 49, d not a multiple of 16, several row slices, more (batch, head) pairs than the
 grid allows.
 """
-import shutil
 
 import pytest
 import torch
 from _attention_helpers import dense_attention
-from _emulation import build_library, make_launch
+from _emulation_fixtures import emu_lib  # noqa: F401 (a fixture)
 
+from devtools.cuda_emulation import make_launch
 from lapformer_mm.ops import cuda_runtime as rt
 from lapformer_mm.ops import cupy_ops, dispatch, nystrom_attention, pool_landmarks
 
 
-@pytest.fixture(scope='module')
-def emu_lib(tmp_path_factory):
-    if shutil.which('g++') is None:
-        pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
-    lib, error = build_library(tmp_path_factory.mktemp('cuda_emu'))
-    if lib is None:
-        pytest.fail(f'g++ failed to build the emulation:\n{error}')
-    return lib
-
-
 @pytest.fixture
-def launches(emu_lib, monkeypatch):
+def launches(emu_lib, monkeypatch):  # noqa: F811 (the imported fixture)
     """impl=None on CPU tensors picks the CuPy path; its launches run in the emulation."""
     record = []
     monkeypatch.setattr(rt, 'launch', make_launch(emu_lib, record))
