@@ -11,7 +11,7 @@ grid allows.
 
 import pytest
 import torch
-from _attention_helpers import dense_attention
+from _attention_helpers import dense_attention, dense_attention_grads
 from _emulation_fixtures import emu_lib  # noqa: F401 (a fixture)
 
 from devtools.cuda_emulation import make_launch
@@ -63,12 +63,7 @@ def run(q, k, v, landmarks, tied, grad_seed=1, **options):
 
 
 def dense(q, k, v, landmarks, tied, grad, **options):
-    leaves = [t.detach().double().requires_grad_() for t in (q, v, landmarks)]
-    qd, vd, ld = leaves
-    kd = qd if tied else k.detach().double().requires_grad_()
-    out = dense_attention(qd, kd, vd, ld, **options)
-    wrt = [qd, vd, ld] if tied else [qd, kd, vd, ld]
-    return out, torch.autograd.grad(out, wrt, grad.double())
+    return dense_attention_grads(q, k, v, landmarks, grad, tied, **options)
 
 
 def assert_close_scaled(got, expected, tol):
