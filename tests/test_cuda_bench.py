@@ -7,7 +7,8 @@ from benchmarks import cuda_ops as bench
 
 
 def test_bench_cpu_smoke(tmp_path):
-    results, failed = bench.main(['--device', 'cpu', '--n', '40', '--m', '9', '--bh', '2', '--d', '8',
+    results, failed = bench.main(['--device', 'cpu', '--n', '40', '--m', '9', '--bh', '2',
+                                  '--d', '8',
                                   '--min-time-s', '0', '--sections', 'kernel', 'attention',
                                   'newton_schulz', '--out', str(tmp_path)])
     assert results and all(r['status'] == 'ok' for r in results), results
@@ -24,9 +25,10 @@ def target_rows(fused_ms, errored=False):
     n, bh = bench.TARGET_N, bench.TARGET_BH
     k = dict(section='kernel', n=n, m=49, bh=bh, mode='fwd+bwd', status='ok')
     a = dict(section='attention', n=n, bh=bh, mode='fwd+bwd', status='ok')
-    rows = [dict(k, method='laplacian reference', ms=10.0), dict(k, method='laplacian fused', ms=fused_ms),
+    rows = [dict(k, method='laplacian reference', ms=10.0),
+            dict(k, method='laplacian fused', ms=fused_ms),
             dict(a, method='softmax sdpa flash', m=None, ms=10.0),
-            dict(a, method='nystrom cupy', m=49, ms=fused_ms)]
+            dict(a, method='nystrom cupy', m=49, dtype='fp32', ms=fused_ms)]
     for m in (49, 64):
         ns = dict(section='newton_schulz', m=m, bh=64, mode='fwd', status='ok')
         rows += [dict(ns, method='bmm iterations', ms=10.0), dict(ns, method='fused', ms=fused_ms)]

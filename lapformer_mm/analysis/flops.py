@@ -8,8 +8,8 @@ each of them the count defined next to the op (:mod:`lapformer_mm.ops.nystrom`,
 :mod:`lapformer_mm.ops.kernels`):
 
 - the fused attention ``lapformer_mm::nystrom_attention`` (the default path): its kernel,
-  solve and visible parts, each the count of the composite path's ops below
-  (:func:`~lapformer_mm.ops.nystrom.nystrom_attention_flops`);
+  solve and visible parts, each the count of the composite path's ops below and reported
+  under their names (:func:`~lapformer_mm.ops.nystrom.nystrom_attention_flops`);
 
 - kernel matrix k(x, y), x (..., N, d), y (..., M, d): N·M·(d + 1) per batch element
   (:func:`~lapformer_mm.ops.kernels.pairwise_kernel_flops`). With ``qk_shared`` the
@@ -22,9 +22,8 @@ On the composite path (dropout on Z, the 'exact' and 'cg' solvers) the landmark-
 products around the solve (X · rhs and the refinement step) are ordinary matmuls, counted
 by mmengine's own handle. Each count belongs to a part: ``kernel`` and ``solve`` are the
 opaque ops; ``visible`` are products a tracer sees when the kernel and the solve are
-opaque (as in SOFT's released model). A handle returns ``{'<op>/<part>': flops}``.
-:func:`flop_totals` reports ``visible`` (comparable with the papers' tables) and ``full``
-(visible + kernel + solve).
+opaque (as in SOFT's released model). :func:`flop_totals` reports ``visible``
+(comparable with the papers' tables) and ``full`` (visible + kernel + solve).
 """
 import math
 from collections import Counter
@@ -46,36 +45,41 @@ def _batch(shape, core):
     return math.prod(shape[:-core])
 
 
-def _parts(name, **parts):
-    return Counter({f'{name}/{part}': flops for part, flops in parts.items()})
+#: The by-operator keys of the parts the opaque ops count (mmengine names an op's count by
+#: its name without namespace).
+PART_KEYS = {KERNEL: 'pairwise_kernel', SOLVE: 'newton_schulz'}
 
 
 def nystrom_attention_flops(inputs, outputs):
     """Traced ``lapformer_mm::nystrom_attention(q, k, v, landmarks, kernel, lam, eps, iters,
-    ns_init, ns_refine, ...)``; k is None when keys are tied."""
+    ns_init, ns_refine, ...)``; k is None when keys are tied.
+
+    Its parts are reported under the keys of the composite path's ops (kernel matrices as
+    ``pairwise_kernel``, the solve as ``newton_schulz``, the products as ``matmul``), so a
+    model's by-operator counts read the same whichever path it takes.
+    """
     tied = inputs[1].type().kind() == 'NoneType'
-    return _parts('nystrom_attention', **nystrom.nystrom_attention_flops(
-        _shape(inputs[0]), _shape(inputs[2]), _shape(inputs[3])[-2], tied,
-        inputs[7].toIValue(), inputs[9].toIValue()))
+    parts = nystrom.nystrom_attention_flops(_shape(inputs[0]), _shape(inputs[2]),
+                                            _shape(inputs[3])[-2], tied, inputs[7].toIValue(),
+                                            inputs[9].toIValue())
+    return Counter({PART_KEYS[KERNEL]: parts[KERNEL], PART_KEYS[SOLVE]: parts[SOLVE],
+                    'matmul': parts[VISIBLE]})
 
 
 def pairwise_kernel_flops(inputs, outputs):
     """Traced ``lapformer_mm::pairwise_kernel(x, y, ...)``."""
-    return _parts('pairwise_kernel', **{KERNEL: kernels.pairwise_kernel_flops(
-        _shape(inputs[0]), _shape(inputs[1]))})
+    return kernels.pairwise_kernel_flops(_shape(inputs[0]), _shape(inputs[1]))
 
 
 def newton_schulz_flops(inputs, outputs):
     """Traced ``lapformer_mm::newton_schulz(P, iters, ...)``."""
-    return _parts('newton_schulz', **{SOLVE: kernels.newton_schulz_flops(
-        _shape(inputs[0]), inputs[1].toIValue())})
+    return kernels.newton_schulz_flops(_shape(inputs[0]), inputs[1].toIValue())
 
 
 def softmax_attention_flops(inputs, outputs):
     """q (..., N, d), k (..., M, d), v (..., M, d_v) -> batch · N · M · (d + d_v)."""
     q, k, v = (_shape(t) for t in inputs[:3])
-    return _parts('scaled_dot_product_attention',
-                  **{VISIBLE: _batch(q, 2) * q[-2] * k[-2] * (q[-1] + v[-1])})
+    return _batch(q, 2) * q[-2] * k[-2] * (q[-1] + v[-1])
 
 
 #: op -> handle: the registered ops of lapformer_mm.ops (whichever implementation runs
@@ -118,11 +122,7 @@ def flop_totals(analyzer):
     with torch.no_grad():
         total = analyzer.total()
         by_op = analyzer.by_operator()
-    parts = {KERNEL: 0, SOLVE: 0}
-    for key, flops in by_op.items():
-        part = key.rpartition('/')[2]
-        if part in parts:
-            parts[part] += flops
+    parts = {part: by_op.get(key, 0) for part, key in PART_KEYS.items()}
     return dict(full=total, visible=total - parts[KERNEL] - parts[SOLVE], **parts)
 
 

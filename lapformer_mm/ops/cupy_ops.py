@@ -1,11 +1,13 @@
-"""CUDA (CuPy/NVRTC) implementations of the registered ops of :mod:`lapformer_mm.ops.kernels`.
+"""CUDA (CuPy/NVRTC) implementations of the registered ops, called when ``impl='cupy'``.
 
-Called by those ops when ``impl='cupy'``: :func:`pairwise_forward` and
-:func:`pairwise_backward` run the fused kernels of ``ops/pairwise_kernel.cu``,
-:func:`newton_schulz` runs ``ops/newton_schulz.cu`` when the m x m iterate fits
-in shared memory. The kernels read 16-bit inputs, accumulate in fp32 and write
-the input dtype. Each launch goes through ``cuda_runtime.launch``, which the
-CPU emulation test replaces.
+* the fused attention (:mod:`.nystrom`): :func:`nystrom_attention_forward` (3 launches)
+  and :func:`nystrom_attention_backward` (4) of ``ops/nystrom_attention.cu``;
+* the primitives (:mod:`.kernels`): :func:`pairwise_forward` and
+  :func:`pairwise_backward` run ``ops/pairwise_kernel.cu``, :func:`newton_schulz` runs
+  ``ops/newton_schulz.cu`` when the m x m iterate fits in shared memory.
+
+The kernels read 16-bit inputs, accumulate in fp32 and write the input dtype. Each
+launch goes through ``cuda_runtime.launch``, which the CPU emulation replaces.
 """
 import functools
 
@@ -245,8 +247,11 @@ def _kernel_scalars(kernel, lam):
 
 
 def _fused(q, v, landmarks):
+    """Whether the fused kernels take these operands (empty ones take the reference math:
+    a grid of 0 blocks is no launch)."""
     _check_int32(n=q.shape[2], m=landmarks.shape[2], d=q.shape[3], dv=v.shape[3])
-    return rt.nystrom_fused_supported(q.dtype, landmarks.shape[2], v.shape[3], q.shape[3])
+    return (q.numel() > 0 and v.numel() > 0
+            and rt.nystrom_fused_supported(q.dtype, landmarks.shape[2], v.shape[3], q.shape[3]))
 
 
 def nystrom_attention_forward(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine,

@@ -65,8 +65,9 @@ def requested_impl(impl=None):
     return impl
 
 
-# (requested, device type) -> impl. A plain dict, filled on the first call of each pair,
-# so a compiled graph reads it like a constant.
+# (requested, device type) -> impl, or the RuntimeError to raise for it. A plain dict,
+# filled by prepare() or on the first call of each pair, so a compiled graph reads it like
+# a constant.
 _DECIDED = {}
 
 
@@ -77,19 +78,35 @@ def resolve_impl(requested, device):
     An explicit 'cupy' or 'cpu' for the wrong device, or one that is not usable, raises a
     ``RuntimeError`` rather than silently falling back.
     """
-    return _decided(requested, device.type if hasattr(device, 'type') else str(device))
-
-
-# torch.compile runs this once while tracing and keeps the answer: the availability checks
-# import modules, which a graph must not contain, and the answer is fixed per process.
-@torch.compiler.assume_constant_result
-def _decided(requested, device_type):
-    key = (requested, device_type)
+    key = (requested, device.type if hasattr(device, 'type') else str(device))
     impl = _DECIDED.get(key)
     if impl is None:
-        impl = _decide(requested, device_type)
-        _DECIDED[key] = impl
+        impl = _DECIDED[key] = _decision(*key)
+    if isinstance(impl, Exception):
+        raise impl
     return impl
+
+
+def prepare(requested):
+    """Decide for the devices this process has, ahead of the first call.
+
+    Called where options are built (module construction, in eager mode): the availability
+    checks import modules, which torch.compile would not put in a graph, so a compiled
+    forward then only reads the decided value.
+    """
+    device_types = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
+    for device_type in device_types:
+        key = (requested, device_type)
+        if key not in _DECIDED:
+            _DECIDED[key] = _decision(requested, device_type)
+
+
+def _decision(requested, device_type):
+    """The implementation, or the error to raise when it is asked for."""
+    try:
+        return _decide(requested, device_type)
+    except RuntimeError as exc:
+        return exc
 
 
 def _decide(requested, device_type):

@@ -73,7 +73,7 @@ from ._checks import (
     check_probability,
 )
 from ._precision import compute_dtype
-from .dispatch import implementation, requested_impl, resolve_impl
+from .dispatch import implementation, prepare, requested_impl, resolve_impl
 from .kernels import newton_schulz, pairwise_kernel
 from .normalize import whiten
 from .reference_kernels import pairwise_grad_reference, pairwise_kernel_reference
@@ -123,6 +123,7 @@ class AttentionOptions:
             impl=requested_impl(self.impl))
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+        prepare(self.impl)
 
     @property
     def fused(self):
