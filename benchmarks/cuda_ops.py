@@ -6,9 +6,9 @@ Sections (d = 32 head width throughout):
   (``cupy_ops``), the reference path (``reference_kernels``), and plain
   ``torch.cdist(p=1)`` + exp; Laplacian and Gaussian; forward and
   forward+backward.
-* ``attention``: the whole Nyström attention with the cupy and the reference
-  backend vs softmax ``scaled_dot_product_attention``: fp32 (PyTorch's choice
-  of backend) and bf16 with the flash backend forced.
+* ``attention``: the whole Nyström attention (the fused op with impl='cupy', fp32 and
+  bf16; the reference math, fp32) vs softmax ``scaled_dot_product_attention``: fp32
+  (PyTorch's choice of backend) and bf16 with the flash backend forced.
 * ``newton_schulz``: the fused solve vs the same iterations with batched
   matmuls (``torch.bmm``) and the reference autograd.Function.
 
@@ -152,8 +152,8 @@ def environment(device):
     if device.type == 'cuda':
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, sms=props.multi_processor_count,
-                    cc=f'{props.major}.{props.minor}', torch_cuda=torch.version.cuda,
-                    clock_khz=clock_khz(device))
+                    cc=f'{props.major}.{props.minor}',
+                    torch_cuda=torch.version.cuda, clock_khz=clock_khz(device))
         peak = fp32_peak_flops(device)
         info['fp32_peak_tflops'] = None if peak is None else round(peak / 1e12, 2)
         try:
@@ -181,13 +181,13 @@ def cupy_usable(device):
 def kernel_methods(device):
     from lapformer_mm.ops import gaussian_kernel, laplacian_kernel
     methods = {
-        'laplacian reference': lambda x, y: laplacian_kernel(x, y, LAM, backend='reference'),
+        'laplacian reference': lambda x, y: laplacian_kernel(x, y, LAM, impl='reference'),
         'laplacian cdist+exp': lambda x, y: torch.exp(torch.cdist(x, y, p=1.0) * (-1.0 / LAM)),
-        'gaussian reference': lambda x, y: gaussian_kernel(x, y, LAM, backend='reference'),
+        'gaussian reference': lambda x, y: gaussian_kernel(x, y, LAM, impl='reference'),
     }
     if cupy_usable(device):
-        methods['laplacian fused'] = lambda x, y: laplacian_kernel(x, y, LAM, backend='cupy')
-        methods['gaussian fused'] = lambda x, y: gaussian_kernel(x, y, LAM, backend='cupy')
+        methods['laplacian fused'] = lambda x, y: laplacian_kernel(x, y, LAM, impl='cupy')
+        methods['gaussian fused'] = lambda x, y: gaussian_kernel(x, y, LAM, impl='cupy')
     return methods
 
 
@@ -212,22 +212,25 @@ def kernel_rows(args, device):
 
 def attention_rows(args, device):
     from lapformer_mm.ops import nystrom_attention
-    backends = ['reference'] + (['cupy'] if cupy_usable(device) else [])
+    impls = [('reference', torch.float32)]
+    if cupy_usable(device):
+        impls += [('cupy', torch.float32), ('cupy', torch.bfloat16)]
     for n in args.n:
         for bh in args.bh:
             for m in args.m:
-                for backend in backends:
-                    def make(mode, n=n, m=m, bh=bh, backend=backend):
-                        q, k, v = (torch.randn(1, bh, n, args.d, device=device, requires_grad=True)
-                                   for _ in range(3))
-                        lm = torch.randn(1, bh, m, args.d, device=device, requires_grad=True)
+                for impl, dtype in impls:
+                    def make(mode, n=n, m=m, bh=bh, impl=impl, dtype=dtype):
+                        q, k, v = (torch.randn(1, bh, n, args.d, device=device, dtype=dtype,
+                                               requires_grad=True) for _ in range(3))
+                        lm = torch.randn(1, bh, m, args.d, device=device, dtype=dtype,
+                                         requires_grad=True)
 
                         def op(q, k, v, lm):
-                            return nystrom_attention(q, k, v, lm, backend=backend)
+                            return nystrom_attention(q, k, v, lm, impl=impl)
                         run = forward_fn if mode == 'fwd' else forward_backward_fn
                         return run(op, q, k, v, lm)
-                    yield dict(section='attention', method=f'nystrom {backend}', n=n, m=m, bh=bh,
-                               dtype='fp32'), make, None
+                    yield dict(section='attention', method=f'nystrom {impl}', n=n, m=m, bh=bh,
+                               dtype='fp32' if dtype == torch.float32 else 'bf16'), make, None
             for dtype in (torch.float32, torch.bfloat16):
                 if dtype == torch.bfloat16 and device.type == 'cpu':
                     continue  # the flash backend is CUDA-only
@@ -236,8 +239,7 @@ def attention_rows(args, device):
 
                 def make(mode, n=n, bh=bh, dtype=dtype):
                     q, k, v = (torch.randn(1, bh, n, args.d, device=device, dtype=dtype,
-                                           requires_grad=True)
-                               for _ in range(3))
+                                           requires_grad=True) for _ in range(3))
                     run = forward_fn if mode == 'fwd' else forward_backward_fn
                     return run(sdpa(dtype), q, k, v)
                 name = 'softmax sdpa' if dtype == torch.float32 else 'softmax sdpa flash'
@@ -272,9 +274,9 @@ def bmm_iterations(P, iters):
 def newton_schulz_rows(args, device):
     from lapformer_mm.ops import DEFAULT_NS_ITERS, newton_schulz_pinv
     methods = {'reference (bmm iterations)':
-               lambda P: newton_schulz_pinv(P, DEFAULT_NS_ITERS, backend='reference')}
+               lambda P: newton_schulz_pinv(P, DEFAULT_NS_ITERS, impl='reference')}
     if cupy_usable(device):
-        methods['fused'] = lambda P: newton_schulz_pinv(P, DEFAULT_NS_ITERS, backend='cupy')
+        methods['fused'] = lambda P: newton_schulz_pinv(P, DEFAULT_NS_ITERS, impl='cupy')
         methods['bmm iterations'] = lambda P: bmm_iterations(P, DEFAULT_NS_ITERS)
     for m in args.m:
         for bh in args.bh:
@@ -352,7 +354,7 @@ def target_summary(results):
                _ms(results, method='laplacian fused', **kernel)), 5.0),
         (f'nystrom cupy fp32 fwd+bwd vs softmax SDPA flash bf16, N={TARGET_N} m=49 bh={TARGET_BH}',
          ratio(_ms(results, method='softmax sdpa flash', **attn),
-               _ms(results, method='nystrom cupy', m=49, **attn)), 1.0),
+               _ms(results, method='nystrom cupy', m=49, dtype='fp32', **attn)), 1.0),
     ]
     for m in (49, 64):
         ns = dict(section='newton_schulz', m=m, bh=64, mode='fwd')

@@ -143,7 +143,7 @@ def test_authors_start_is_selectable_end_to_end():
     (dict(landmark_grid=0), ValueError, 'landmark_grid=0'),
     (dict(iters=0), ValueError, 'iters=0'),
     (dict(iters=3.0), TypeError, 'iters'),
-    (dict(backend='triton'), ValueError, "backend='triton'.*allowed"),
+    (dict(impl='triton'), ValueError, "impl='triton'.*allowed"),
     (dict(newton_iters=3), ValueError,
      "LaplacianAttention: unknown key.*'newton_iters'; allowed: qk_shared, landmark_grid, "),
     (dict(attn_drop=1.5), ValueError, 'attn_drop=1.5'),
@@ -172,7 +172,7 @@ def test_bad_call_arguments():
 def test_attention_options_are_the_module_keywords():
     assert ATTN_CFG_KEYS == ('qk_shared', 'landmark_grid', 'kernel', 'lam', 'eps', 'solver',
                              'iters', 'ns_init', 'ns_refine', 'normalize', 'whiten_eps',
-                             'backend')
+                             'impl')
 
 
 def test_forward_does_not_revalidate_the_options(monkeypatch):

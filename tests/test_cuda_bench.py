@@ -27,7 +27,7 @@ def target_rows(fused_ms, errored=False):
     rows = [dict(k, method='laplacian reference', ms=10.0),
             dict(k, method='laplacian fused', ms=fused_ms),
             dict(a, method='softmax sdpa flash', m=None, ms=10.0),
-            dict(a, method='nystrom cupy', m=49, ms=fused_ms)]
+            dict(a, method='nystrom cupy', m=49, dtype='fp32', ms=fused_ms)]
     for m in (49, 64):
         ns = dict(section='newton_schulz', m=m, bh=64, mode='fwd', status='ok')
         rows += [dict(ns, method='bmm iterations', ms=10.0), dict(ns, method='fused', ms=fused_ms)]

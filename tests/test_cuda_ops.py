@@ -151,8 +151,8 @@ def test_runs_on_the_current_stream():
     assert (torch.eye(64, device=DEV) - w @ pinv.double()).abs().max() < 1e-2
 
 
-@pytest.mark.parametrize('batch, n, m',
-                         [(1, 3136, 49), pytest.param(70_000, 3, 2, marks=real_gpu_only)])
+@pytest.mark.parametrize('batch, n, m', [(1, 3136, 49),
+                                         pytest.param(70_000, 3, 2, marks=real_gpu_only)])
 def test_batch_heads_small_and_beyond_grid_limit(batch, n, m):
     """batch = 70000 exceeds gridDim.z (65535): blocks must loop over the batch."""
     x, y = inputs((batch, n, 8), (batch, m, 8), seed=5)
@@ -211,8 +211,8 @@ def spd(batch, m, dtype, seed=0):
     """
     gen = torch.Generator(device=DEV).manual_seed(seed)
     pts = torch.randn(batch, m, 32, generator=gen, device=DEV, dtype=torch.float64).cumsum(1) * 0.02
-    return (dense_kernel(pts, pts, 4.0, 'laplacian')
-            + 0.01 * torch.eye(m, device=DEV, dtype=torch.float64)).to(dtype)
+    eye = torch.eye(m, device=DEV, dtype=torch.float64)
+    return (dense_kernel(pts, pts, 4.0, 'laplacian') + 0.01 * eye).to(dtype)
 
 
 @pytest.mark.parametrize('init', ['identity', 'authors'])
@@ -283,31 +283,30 @@ def test_sign_of_subnormal_differences_and_operands():
     out = _ops().laplacian_kernel(x, y, 4.0)
     gx, gy = torch.autograd.grad(out, (x, y), torch.ones_like(out))
     # dK/dx_i = -sum_j K_ij sign(x_i - y_j) / 4, with K = 1 to fp32 precision here.
-    sign = torch.sign(x.detach().cpu().double()[0, :, None, 0]
-                      - y.detach().cpu().double()[0, None, :, 0])
+    xs, ys = x.detach().cpu().double(), y.detach().cpu().double()
+    sign = torch.sign(xs[0, :, None, 0] - ys[0, None, :, 0])
     torch.testing.assert_close(gx.cpu().double()[0, :, 0], -sign.sum(1) / 4.0)
     torch.testing.assert_close(gy.cpu().double()[0, :, 0], sign.sum(0) / 4.0)
 
 
 def test_registered_ops_enforce_their_contract():
-    """torch.ops.lapformer_mm.* with cuda_kernel=True are callable directly: strided inputs give
-    the right result, mixed dtypes or devices a clear error instead of reading past an
-    allocation."""
+    """torch.ops.lapformer_mm.* with impl='cupy' are callable directly: strided inputs give the
+    result, mixed dtypes or devices a clear error instead of reading past an allocation."""
     ops = torch.ops.lapformer_mm
     x, y = inputs((2, 40, 64), (2, 9, 32), seed=6)
     xs = x[..., ::2]
     assert not xs.is_contiguous()
-    got = ops.pairwise_kernel(xs, y, 4.0, 'laplacian', True)
+    got = ops.pairwise_kernel(xs, y, 4.0, 'laplacian', 'cupy')
     torch.testing.assert_close(got.double(),
                                dense_kernel(xs.double(), y.double(), 4.0, 'laplacian'),
                                rtol=1e-5, atol=1e-7)
     with pytest.raises(TypeError, match='y has dtype torch.float16 but x has torch.float32'):
-        ops.pairwise_kernel(xs, y.half(), 4.0, 'laplacian', True)
+        ops.pairwise_kernel(xs, y.half(), 4.0, 'laplacian', 'cupy')
     if DEV == 'cuda':
         with pytest.raises(ValueError, match='y is on cpu but x is on cuda'):
-            ops.pairwise_kernel(xs, y.cpu(), 4.0, 'laplacian', True)
+            ops.pairwise_kernel(xs, y.cpu(), 4.0, 'laplacian', 'cupy')
     with pytest.raises(TypeError, match=r'P has dtype torch.float16'):
-        ops.newton_schulz(torch.eye(4, device=DEV).half().expand(2, 4, 4), 3, 'identity', True)
+        ops.newton_schulz(torch.eye(4, device=DEV).half().expand(2, 4, 4), 3, 'identity', 'cupy')
 
 
 def test_newton_schulz_with_p_in_global_memory():
