@@ -18,10 +18,10 @@ def traced_kinds(fn, *inputs):
 def test_traced_names_match_the_tracer():
     x, y = torch.randn(1, 5, 4, requires_grad=True), torch.randn(1, 3, 4)
     assert traced_name(kernels.pairwise_kernel_op) in traced_kinds(
-        lambda a, b: kernels.pairwise_kernel(a, b, 4.0, 'laplacian', False), x, y)
+        lambda a, b: kernels.pairwise_kernel(a, b, 4.0, 'laplacian', 'reference'), x, y)
     P = torch.eye(3).expand(2, 3, 3)
     assert traced_name(kernels.newton_schulz_op) in traced_kinds(
-        lambda p: kernels.newton_schulz(p, 5, 'identity', False), P)
+        lambda p: kernels.newton_schulz(p, 5, 'identity', 'reference'), P)
     q = torch.randn(1, 2, 5, 4)
     assert traced_name(torch.ops.aten.scaled_dot_product_attention) in traced_kinds(
         lambda a: F.scaled_dot_product_attention(a, a, a), q)

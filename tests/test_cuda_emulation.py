@@ -20,7 +20,7 @@ import torch
 from _attention_helpers import dense_kernel as dense_kernel_named
 
 from lapformer_mm.ops import cuda_runtime as rt
-from lapformer_mm.ops import cupy_ops, kernels, nystrom
+from lapformer_mm.ops import cupy_ops, dispatch
 from lapformer_mm.ops.solvers import newton_schulz_iterate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,8 +240,7 @@ def test_blocks_loop_beyond_the_grid_limits(emulated, monkeypatch):
 @pytest.fixture
 def cupy_backend(emulated, monkeypatch):
     """The public functions choose the CuPy kernels for CPU tensors, run by the emulation."""
-    monkeypatch.setattr(kernels, 'uses_cupy', lambda backend, tensor: True)
-    monkeypatch.setattr(nystrom, 'backend_uses_cupy', lambda requested, tensor: True)
+    monkeypatch.setattr(dispatch, '_DECIDED', {(None, 'cpu'): 'cupy'})
     monkeypatch.setattr(cupy_ops, 'target_blocks', lambda device: 16)
     monkeypatch.setattr(rt, 'shared_memory_optin', lambda device_index: 48 * 1024)
     return emulated
@@ -249,7 +248,7 @@ def cupy_backend(emulated, monkeypatch):
 
 def test_public_functions_end_to_end_on_emulated_kernels(cupy_backend):
     """laplacian_kernel / gaussian_kernel / newton_schulz_pinv with autograd and strided
-    inputs, through the registered ops' cuda_kernel=True path."""
+    inputs, through the registered ops' impl='cupy' path."""
     from lapformer_mm.ops import gaussian_kernel, laplacian_kernel, newton_schulz_pinv
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(2, 3, 34, 40, generator=gen).transpose(-1, -2)[..., ::2].requires_grad_()  # (2, 3, 40, 17)
@@ -275,8 +274,9 @@ def test_public_functions_end_to_end_on_emulated_kernels(cupy_backend):
     torch.testing.assert_close(grad, -(inv.mT @ torch.ones_like(inv) @ inv.mT), rtol=1e-9, atol=1e-9)
 
 
-def test_attention_on_emulated_kernels_matches_dense_reference(cupy_backend):
-    """The whole attention with every kernel matrix and the solve on the CUDA kernels."""
+def test_composite_attention_on_emulated_kernels_matches_dense_reference(cupy_backend):
+    """The composite path (here the 'exact' solver) with every kernel matrix on the CUDA
+    kernels."""
     from _attention_helpers import dense_attention
 
     from lapformer_mm.ops import nystrom_attention, pool_landmarks
@@ -285,11 +285,10 @@ def test_attention_on_emulated_kernels_matches_dense_reference(cupy_backend):
     k = torch.randn(2, 2, 48, 16, generator=gen, dtype=torch.float64)
     v = torch.randn(2, 2, 48, 8, generator=gen, dtype=torch.float64)
     landmarks = pool_landmarks(k, (6, 8), 4)
-    out = nystrom_attention(q, k, v, landmarks, iters=60)
+    out = nystrom_attention(q, k, v, landmarks, solver='exact')
     torch.testing.assert_close(out, dense_attention(q, k, v, landmarks), rtol=1e-8, atol=1e-10)
     names = {launch[0] for launch in cupy_backend}
-    assert {rt.pairwise_forward_name('double', rt.LAPLACIAN),
-            rt.newton_schulz_name('double', True)} <= names
+    assert names == {rt.pairwise_forward_name('double', rt.LAPLACIAN)}
 
 
 def test_registered_ops_hand_the_kernels_contiguous_operands(cupy_backend):
@@ -298,12 +297,12 @@ def test_registered_ops_hand_the_kernels_contiguous_operands(cupy_backend):
     x, y = make_inputs(2, 33, 9, 34, torch.float32, seed=12)
     xs, ys = x[..., ::2], y.transpose(1, 2).contiguous().transpose(1, 2)[..., 1::2]
     assert not xs.is_contiguous() and not ys.is_contiguous()
-    out = torch.ops.lapformer_mm.pairwise_kernel(xs, ys, 4.0, 'laplacian', True)
+    out = torch.ops.lapformer_mm.pairwise_kernel(xs, ys, 4.0, 'laplacian', 'cupy')
     torch.testing.assert_close(out.double(), dense_kernel(xs.double(), ys.double(), 4.0, rt.LAPLACIAN),
                                rtol=1e-5, atol=1e-7)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).transpose(1, 2).contiguous().transpose(1, 2)
     dx, dy = torch.ops.lapformer_mm.pairwise_kernel_backward(g, out, xs, ys, 4.0, 'laplacian',
-                                                             True, True, True)
+                                                             True, True, 'cupy')
     ex, ey = dense_grads(xs, ys, g, 4.0, rt.LAPLACIAN)
     torch.testing.assert_close(dx.double(), ex, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dy.double(), ey, rtol=1e-5, atol=1e-6)

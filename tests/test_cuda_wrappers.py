@@ -30,17 +30,17 @@ def test_registered_ops_pass_opcheck():
     ops = torch.ops.lapformer_mm
     x = torch.randn(2, 5, 3, requires_grad=True)
     y = torch.randn(2, 4, 3, requires_grad=True)
-    kmat = ops.pairwise_kernel(x, y, 4.0, 'laplacian', False)
+    kmat = ops.pairwise_kernel(x, y, 4.0, 'laplacian', 'reference')
     for kind in ('laplacian', 'gaussian'):
-        torch.library.opcheck(ops.pairwise_kernel, (x, y, 4.0, kind, False))
+        torch.library.opcheck(ops.pairwise_kernel, (x, y, 4.0, kind, 'reference'))
     torch.library.opcheck(ops.pairwise_kernel_backward,
                           (torch.randn_like(kmat), kmat.detach(), x.detach(), y.detach(), 4.0,
-                           'gaussian', True, False, False))
+                           'gaussian', True, False, 'reference'))
     torch.library.opcheck(ops.pairwise_kernel_backward,
                           (torch.randn_like(kmat), kmat.detach(), x.detach(), y.detach(), 4.0,
-                           'laplacian', False, True, False))
+                           'laplacian', False, True, 'reference'))
     torch.library.opcheck(ops.newton_schulz, (spd(2, 4).float().requires_grad_(), 5, 'identity',
-                                              False))
+                                              'reference'))
 
 
 def test_pairwise_only_requested_gradients():
@@ -230,7 +230,7 @@ print(sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED))
 
 
 def test_cuda_entry_points_enforce_the_kernels_contract():
-    """With cuda_kernel=True the ops check what the kernels assume before any launch: one
+    """With impl='cupy' the ops check what the kernels assume before any launch: one
     dtype for all operands, consistent shapes (and one device: checked by the same code,
     run on a GPU in test_cuda_ops.py)."""
     ops = torch.ops.lapformer_mm
@@ -238,21 +238,21 @@ def test_cuda_entry_points_enforce_the_kernels_contract():
     x = torch.randn(2, 30, 16, generator=gen)[..., ::2]
     y = torch.randn(2, 7, 8, generator=gen)
     with pytest.raises(TypeError, match='pairwise_kernel: y has dtype torch.float16 but x has torch.float32'):
-        ops.pairwise_kernel(x, y.half(), 4.0, 'laplacian', True)
+        ops.pairwise_kernel(x, y.half(), 4.0, 'laplacian', 'cupy')
     with pytest.raises(ValueError, match=r'x must be \(batch, n, d\) and y \(batch, m, d\)'):
-        ops.pairwise_kernel(x, y[..., :5], 4.0, 'laplacian', True)
+        ops.pairwise_kernel(x, y[..., :5], 4.0, 'laplacian', 'cupy')
     with pytest.raises(TypeError, match=r"x has dtype torch.int64; allowed"):
-        ops.pairwise_kernel(x.long(), y.long(), 4.0, 'laplacian', True)
+        ops.pairwise_kernel(x.long(), y.long(), 4.0, 'laplacian', 'cupy')
     g = torch.randn(2, 30, 7, generator=gen)
     with pytest.raises(ValueError, match=r'kmat must be \(batch, n, m\) = \(2, 30, 7\)'):
-        ops.pairwise_kernel_backward(g, g[:, :5], x, y, 4.0, 'laplacian', True, True, True)
+        ops.pairwise_kernel_backward(g, g[:, :5], x, y, 4.0, 'laplacian', True, True, 'cupy')
     with pytest.raises(TypeError, match='grad has dtype torch.float64 but x has torch.float32'):
-        ops.pairwise_kernel_backward(g.double(), g, x, y, 4.0, 'laplacian', True, True, True)
+        ops.pairwise_kernel_backward(g.double(), g, x, y, 4.0, 'laplacian', True, True, 'cupy')
     P = torch.eye(4).expand(3, 4, 4)
     with pytest.raises(TypeError, match=r"newton_schulz: P has dtype torch.float16; allowed: \['torch.float32', 'torch.float64'\]"):
-        ops.newton_schulz(P.half(), 3, 'identity', True)
+        ops.newton_schulz(P.half(), 3, 'identity', 'cupy')
     with pytest.raises(ValueError, match=r'P must be \(batch, m, m\)'):
-        ops.newton_schulz(P[:, :3], 3, 'identity', True)
+        ops.newton_schulz(P[:, :3], 3, 'identity', 'cupy')
 
 
 def test_reference_ops_take_strided_operands():
@@ -261,9 +261,9 @@ def test_reference_ops_take_strided_operands():
     x = torch.randn(2, 30, 16, generator=gen)[..., ::2]
     y = torch.randn(2, 7, 8, generator=gen)
     expected = torch.exp(-(x[:, :, None] - y[:, None]).abs().sum(-1) / 4.0)
-    torch.testing.assert_close(ops.pairwise_kernel(x, y, 4.0, 'laplacian', False), expected)
+    torch.testing.assert_close(ops.pairwise_kernel(x, y, 4.0, 'laplacian', 'reference'), expected)
     P = torch.eye(4).expand(3, 4, 4)
-    torch.testing.assert_close(ops.newton_schulz(2.0 * P, 30, 'identity', False), 0.5 * P)
+    torch.testing.assert_close(ops.newton_schulz(2.0 * P, 30, 'identity', 'reference'), 0.5 * P)
 
 
 def test_ops_compute_in_fp32_under_autocast():

@@ -1,6 +1,6 @@
 """CUDA (CuPy/NVRTC) implementations of the registered ops of :mod:`lapformer_mm.ops.kernels`.
 
-Called by those ops when ``cuda_kernel=True``: :func:`pairwise_forward` and
+Called by those ops when ``impl='cupy'``: :func:`pairwise_forward` and
 :func:`pairwise_backward` run the fused kernels of ``ops/pairwise_kernel.cu``,
 :func:`newton_schulz` runs ``ops/newton_schulz.cu`` when the m x m iterate fits
 in shared memory. The kernels read 16-bit inputs, accumulate in fp32 and write
@@ -172,7 +172,7 @@ def _square_operands(op, **tensors):
 
 
 # ----------------------------------------------------------------------------
-# Entry points of the registered ops (cuda_kernel=True).
+# Entry points of the registered ops (impl='cupy').
 # ----------------------------------------------------------------------------
 
 def pairwise_forward(x, y, lam, kind):
@@ -192,3 +192,24 @@ def newton_schulz(P, iters, init):
     """Newton–Schulz inverse of fp32/fp64 P (batch, m, m), or None if it does not fit."""
     (P,) = _square_operands('newton_schulz', P=P)
     return fused_newton_schulz(P, iters, init == 'authors', rt.shared_memory_optin(P.device.index))
+
+
+# ----------------------------------------------------------------------------
+# The fused attention (lapformer_mm::nystrom_attention and its backward).
+# ----------------------------------------------------------------------------
+
+def nystrom_attention_forward(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine,
+                              normalize, whiten_eps):
+    """(out, context, inverse, stats) of the contract in :mod:`.nystrom`, operands checked."""
+    from .nystrom import nystrom_attention_reference
+    return nystrom_attention_reference(q, k, v, landmarks, kernel, lam, eps, iters, ns_init,
+                                       ns_refine, normalize, whiten_eps)
+
+
+def nystrom_attention_backward(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam,
+                               eps, ns_refine, normalize, whiten_eps):
+    """(dq, dk, dv, dlandmarks) of the contract in :mod:`.nystrom`."""
+    from .nystrom import nystrom_attention_backward_reference
+    return nystrom_attention_backward_reference(grad, q, k, v, landmarks, context, inverse,
+                                                stats, kernel, lam, eps, ns_refine, normalize,
+                                                whiten_eps)
