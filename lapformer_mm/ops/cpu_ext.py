@@ -135,8 +135,7 @@ def _whitening_scale(var, whiten_eps):
                        torch.zeros_like(denom))
 
 
-def nystrom_attention_forward(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine,
-                              normalize, whiten_eps):
+def nystrom_attention_forward(*args):
     """(out (B, N, h, d_v) in q's dtype, context, inverse, stats) of the op's contract.
 
     Per (b, h): one pass over the rows of k (tied: q) forms k(k, L) and R = k(k, L)ᵀ v; with
@@ -144,6 +143,13 @@ def nystrom_attention_forward(q, k, v, landmarks, kernel, lam, eps, iters, ns_in
     whitening statistics and keeps k(q, L) for the output, out = k(q, L) A + 1 bᵀ with
     A = (I − J/m) diag(s) context and b = colsum(context) / m (the whitening folded in).
     """
+    # The m x m and m x d_v algebra stays in the compute dtype under autocast.
+    with torch.autocast(device_type='cpu', enabled=False):
+        return _attention_forward(*args)
+
+
+def _attention_forward(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine,
+                       normalize, whiten_eps):
     ops = _ops()
     kind = KINDS[kernel]
     injective = normalize == 'injective'
@@ -169,8 +175,7 @@ def nystrom_attention_forward(q, k, v, landmarks, kernel, lam, eps, iters, ns_in
     return out, context, inverse, stats
 
 
-def nystrom_attention_backward(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam,
-                               eps, ns_refine, normalize, whiten_eps):
+def nystrom_attention_backward(*args):
     """(dq, dk, dv, dlandmarks) of the op's contract; dk is empty when k is None.
 
     A first pass over q recomputes C_q = k(q, L) and sums T = c̃ᵀ G and colsum(G); the
@@ -178,6 +183,12 @@ def nystrom_attention_backward(grad, q, k, v, landmarks, context, inverse, stats
     each row's dC_q (and, with tied keys, dC_k = v dRᵀ and dv = C_k dR) and the kernel
     gradient of q and L from it; separate keys take a third pass over k.
     """
+    with torch.autocast(device_type='cpu', enabled=False):
+        return _attention_backward(*args)
+
+
+def _attention_backward(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam, eps,
+                        ns_refine, normalize, whiten_eps):
     ops = _ops()
     kind = KINDS[kernel]
     injective = normalize == 'injective'
