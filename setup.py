@@ -48,16 +48,21 @@ def cpu_kernel_build():
         """Builds each module it can; one that fails is reported and left out."""
 
         def build_extensions(self):
+            self.failed = set()
             try:
                 super().build_extensions()
             except Exception as err:  # the compiler check itself failed (no compiler)
                 self.report(None, err)
+                self.failed = {ext.name for ext in self.extensions}
+            # What is not built is neither copied in place nor listed among the outputs.
+            self.extensions = [ext for ext in self.extensions if ext.name not in self.failed]
 
         def build_extension(self, ext):
             try:
                 super().build_extension(ext)
             except Exception as err:  # compile or link error: the package falls back
                 self.report(ext.name, err)
+                self.failed.add(ext.name)
 
         @staticmethod
         def report(name, err):
