@@ -24,7 +24,7 @@ CPU_COMMON_FLAGS = ['-O3', '-fvisibility=hidden', '-Wno-unknown-pragmas',
 CPU_CAPABILITY_FLAGS = {
     'default': [],
     'avx2': ['-mavx2', '-mfma', '-mf16c', '-mbmi2'],
-    'avx512': ['-mavx512f', '-mavx512bw', '-mavx512vl', '-mavx512dq', '-mfma'],
+    'avx512': ['-mavx512f', '-mavx512bw', '-mavx512vl', '-mavx512dq', '-mfma', '-mf16c'],
 }
 
 
