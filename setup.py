@@ -16,9 +16,10 @@ from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
 
-# Hidden symbols: the modules share no code at link time and export only their op registration.
+# Hidden symbols: the modules share no code at link time and export only their op registration;
+# no debug information (setuptools passes -g), which would triple the modules' size.
 # The at::vec headers trip GCC's unknown-pragma and maybe-uninitialized warnings.
-CPU_COMMON_FLAGS = ['-O3', '-fvisibility=hidden', '-Wno-unknown-pragmas',
+CPU_COMMON_FLAGS = ['-O3', '-g0', '-fvisibility=hidden', '-Wno-unknown-pragmas',
                     '-Wno-maybe-uninitialized']
 # The compiler flags of each at::vec capability, as torch builds its own kernels with them.
 CPU_CAPABILITY_FLAGS = {
