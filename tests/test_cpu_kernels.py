@@ -297,6 +297,24 @@ def test_results_bit_equal_with_1_and_2_threads(kind):
         assert torch.equal(a, b)
 
 
+@needs_ext
+@pytest.mark.parametrize('tied', [True, False], ids=['tied', 'separate'])
+def test_attention_bit_equal_with_1_and_2_threads(tied):
+    """The whole op, forward and gradients: its m x m and m x d_v products are too small for
+    the BLAS to split, the row passes are chunked."""
+    proj = _randn(2, 1200, 3 * 64, seed=40, dtype=torch.float32).requires_grad_()
+
+    def run():
+        q, k, v = (proj[..., i * 64:(i + 1) * 64].view(2, 1200, 2, 32).transpose(1, 2)
+                   for i in range(3))
+        k = q if tied else k
+        out = nystrom_attention(q, k, v, pool_landmarks(k, (30, 40), 7), impl='cpu')
+        return [out, *torch.autograd.grad(out.square().sum(), proj)]
+
+    for a, b in zip(_with_threads(1, run), _with_threads(2, run)):
+        assert torch.equal(a, b)
+
+
 def _run_python(code, env_extra, cwd=REPO):
     env = {**os.environ, **env_extra, 'PYTHONPATH': str(cwd)}
     return subprocess.run([sys.executable, '-c', code], cwd=cwd, env=env, capture_output=True,
