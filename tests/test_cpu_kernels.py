@@ -222,6 +222,41 @@ def test_attention_matches_dense_fp64(case, tied, kernel, normalize):
         _close(g, w, 1e-11)
 
 
+_BUILD_ATTENTION_CODE = '''
+import sys, torch
+sys.path.insert(0, 'tests')
+from _attention_helpers import dense_attention
+from lapformer_mm.ops import cpu_ext, nystrom_attention, pool_landmarks
+g = torch.Generator().manual_seed(0)
+proj = torch.randn(2, 11 * 13, 3 * 3 * 5, generator=g, dtype=torch.float64)
+q, k, v = (proj[..., i * 15:(i + 1) * 15].view(2, 143, 3, 5).transpose(1, 2) for i in range(3))
+worst = 0.0
+for keys in (q, k):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, keys, v)]
+    tied = keys is q
+    lm = [pool_landmarks(leaves[1], (11, 13), 3) for _ in range(2)]
+    got = nystrom_attention(leaves[0], leaves[0] if tied else leaves[1], leaves[2], lm[0],
+                            impl='cpu', iters=30)
+    want = dense_attention(leaves[0], leaves[0] if tied else leaves[1], leaves[2], lm[1])
+    grads = [torch.autograd.grad(o.square().sum(), leaves) for o in (got, want)]
+    for a, b in zip([got] + list(grads[0]), [want] + list(grads[1])):
+        worst = max(worst, ((a - b).norm() / b.norm()).item())
+print(cpu_ext.build(), worst)
+'''
+
+
+@needs_ext
+@pytest.mark.parametrize('ops', _builds())
+def test_every_build_runs_the_attention(ops):
+    """The attention's row passes in each build, selected as torch selects its own kernels."""
+    build = ops.name.rsplit('_', 1)[-1]
+    result = _run_python(_BUILD_ATTENTION_CODE, {'ATEN_CPU_CAPABILITY': build})
+    assert result.returncode == 0, result.stderr
+    loaded, worst = result.stdout.split()
+    assert loaded == build
+    assert float(worst) < 1e-11
+
+
 @needs_ext
 @pytest.mark.parametrize('tied', [True, False], ids=['tied', 'separate'])
 def test_attention_gradcheck(tied):

@@ -244,8 +244,8 @@ inline void add_phi(const Vectorized<acc_t>& t, const Vectorized<acc_t>& w,
   using Vec = Vectorized<acc_t>;
   if constexpr (KIND == kLaplacian) {
     // w with the sign of t flipped in; lanes with t == 0 (also -0) add nothing.
-    const Vec signed_w = w ^ (t & Vec(acc_t(-0.0)));
 #if defined(CPU_CAPABILITY_AVX512)
+    const Vec signed_w = w ^ (t & Vec(acc_t(-0.0)));
     // Masked adds: one instruction less per lane group than and-ing with a compare mask.
     if constexpr (std::is_same_v<acc_t, float>) {
       const __mmask16 nz = _mm512_cmp_ps_mask(t, _mm512_setzero_ps(), _CMP_NEQ_UQ);
@@ -256,10 +256,18 @@ inline void add_phi(const Vectorized<acc_t>& t, const Vectorized<acc_t>& w,
       ax = _mm512_mask_add_pd(ax, nz, ax, signed_w);
       sum = _mm512_mask_add_pd(sum, nz, sum, signed_w);
     }
-#else
-    const Vec s = signed_w & (t != Vec(acc_t(0)));
+#elif defined(CPU_CAPABILITY_AVX2) || defined(__aarch64__)
+    const Vec s = (w ^ (t & Vec(acc_t(-0.0)))) & (t != Vec(acc_t(0)));
     ax = ax + s;
     sum = sum + s;
+#else
+    // The portable build: at::vec's generic compare and bitwise ops go through memory lane
+    // by lane; a plain select per lane is what the compiler vectorises.
+    for (int64_t l = 0; l < Vec::size(); ++l) {
+      const acc_t s = t[l] > 0 ? w[l] : (t[l] < 0 ? -w[l] : acc_t(0));
+      ax[l] += s;
+      sum[l] += s;
+    }
 #endif
   } else {
     ax = at::vec::fmadd(t, w, ax);
