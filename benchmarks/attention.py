@@ -313,25 +313,25 @@ def soft_methods(args):
 
 
 def projected_inputs(num_tokens, args, generator):
-    """q, v (B, h, N, d): strided views of one (B, N, 2·h·d) projection, as the module has."""
+    """q and v (B, N, h·d) as two projections give them, LaplacianAttention's and SOFT's
+    (``W_q``, ``W_v``) alike; ``heads`` splits one into (B, h, N, d) views."""
     width = args.heads * args.head_dim
-    qv = torch.randn(args.batch, num_tokens, 2 * width, generator=generator)
+    q, v = (torch.randn(args.batch, num_tokens, width, generator=generator) for _ in range(2))
 
-    def split(t):
+    def heads(t):
         return t.view(args.batch, num_tokens, args.heads, args.head_dim).transpose(1, 2)
-    return qv, split
+    return q, v, heads
 
 
 def time_soft_round(methods, num_tokens, args, generator):
     """{(name, mode): [(wall s, CPU s), ...]}: the methods interleaved, rotated per round."""
-    qv, split = projected_inputs(num_tokens, args, generator)
+    q, v, heads = projected_inputs(num_tokens, args, generator)
     hw = grid_for(num_tokens)
-    width = args.heads * args.head_dim
 
     def call(name, mode):
-        leaf = qv.detach().requires_grad_(mode == 'fwdbwd')
+        leaves = [t.detach().requires_grad_(mode == 'fwdbwd') for t in (q, v)]
         with torch.set_grad_enabled(mode == 'fwdbwd'):
-            out = methods[name](split(leaf[..., :width]), split(leaf[..., width:]), hw)
+            out = methods[name](heads(leaves[0]), heads(leaves[1]), hw)
         if mode == 'fwdbwd':
             out.sum().backward()
 
