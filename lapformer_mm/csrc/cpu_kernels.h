@@ -203,13 +203,11 @@ at::Tensor pairwise_forward_typed(const at::Tensor& x, const at::Tensor& y, doub
   const auto xo = operand<scalar_t>(x);
   const auto yo = operand<scalar_t>(y);
   const int64_t psize = packed_size<acc_t>(M, d);
+  // Packing M x d values per (b, h) is too little work for a parallel region.
   std::vector<acc_t> packed(static_cast<size_t>(B * H * psize));
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      pack_columns(yo.row(bh / H, bh % H, 0), yo.sn, yo.sc, M, d, tile_width<acc_t>(),
-                   packed.data() + bh * psize);
-    }
-  });
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    pack_columns(yo.row(bh / H, bh % H, 0), yo.sn, yo.sc, M, d, tile_width<acc_t>(),
+                 packed.data() + bh * psize);
   const int64_t chunks = ceil_div(N, kChunkRows);
   const acc_t neg_inv_lam = static_cast<acc_t>(-1.0 / lam);
   acc_t* po = out.data_ptr<acc_t>();
@@ -347,15 +345,19 @@ void grad_chunk(const scalar_t* x, int64_t sxn, int64_t sxc, int64_t rows, int64
   for (; i < rows; ++i) block(std::integral_constant<int, 1>());
 }
 
-// Sum of the chunk partials (chunks x count) in chunk order into out[k * ldo_scale...]: a
-// fixed order whatever the threads.
+// Sums the chunk partials parts[(bh * chunks + c) * count + e] over c in chunk order (a fixed
+// order whatever the threads) and hands store(bh, e, sum) each. One parallel region for all
+// (b, h); a small reduction runs inline (each region costs a wake-up of the pool).
 template <typename acc_t, typename Store>
-void reduce_partials(const acc_t* parts, int64_t chunks, int64_t count, Store&& store) {
-  at::parallel_for(0, count, 2048, [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; ++e) {
-      acc_t s = parts[e];
-      for (int64_t c = 1; c < chunks; ++c) s += parts[c * count + e];
-      store(e, s);
+void reduce_partials(const acc_t* parts, int64_t BH, int64_t chunks, int64_t count,
+                     Store&& store) {
+  at::parallel_for(0, BH * count, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t bh = k / count, e = k % count;
+      const acc_t* p = parts + bh * chunks * count + e;
+      acc_t s = p[0];
+      for (int64_t c = 1; c < chunks; ++c) s += p[c * count];
+      store(bh, e, s);
     }
   });
 }
@@ -392,11 +394,9 @@ std::tuple<at::Tensor, at::Tensor> pairwise_backward_typed(const at::Tensor& gra
   const auto go = operand<w_t>(grad);
   const auto ko = operand<w_t>(kmat);
   std::vector<acc_t> ypack(static_cast<size_t>(B * H * M * dp));
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh)
-      for (int64_t j = 0; j < M; ++j)
-        stage_row(yo.row(bh / H, bh % H, j), yo.sc, d, dp, ypack.data() + (bh * M + j) * dp);
-  });
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t j = 0; j < M; ++j)
+      stage_row(yo.row(bh / H, bh % H, j), yo.sc, d, dp, ypack.data() + (bh * M + j) * dp);
   const int64_t chunks = ceil_div(N, kChunkRows);
   const int64_t part_size = M * dp;
   std::vector<acc_t> parts(need_y ? static_cast<size_t>(B * H * chunks * part_size) : 0);
@@ -428,13 +428,10 @@ std::tuple<at::Tensor, at::Tensor> pairwise_backward_typed(const at::Tensor& gra
   });
   if (need_y) {
     acc_t* pdy = dy.data_ptr<acc_t>();
-    for (int64_t bh = 0; bh < B * H; ++bh) {
-      reduce_partials(parts.data() + bh * chunks * part_size, chunks, part_size,
-                      [&](int64_t e, acc_t s) {
-                        const int64_t j = e / dp, c = e % dp;
-                        if (c < d) pdy[(bh * M + j) * d + c] = scale * s;
-                      });
-    }
+    reduce_partials(parts.data(), B * H, chunks, part_size, [&](int64_t bh, int64_t e, acc_t s) {
+      const int64_t j = e / dp, c = e % dp;
+      if (c < d) pdy[(bh * M + j) * d + c] = scale * s;
+    });
   }
   return {dx, dy};
 }
@@ -607,13 +604,10 @@ void reduce_into(const std::vector<acc_t>& parts, int64_t BH, int64_t chunks, in
                  int64_t np, at::Tensor& out) {
   const int64_t cols = out.size(3);
   acc_t* po = out.data_ptr<acc_t>();
-  for (int64_t bh = 0; bh < BH; ++bh) {
-    reduce_partials(parts.data() + bh * chunks * rows * np, chunks, rows * np,
-                    [&](int64_t e, acc_t v) {
-                      const int64_t r = e / np, c = e % np;
-                      if (c < cols) po[(bh * rows + r) * cols + c] = v;
-                    });
-  }
+  reduce_partials(parts.data(), BH, chunks, rows * np, [&](int64_t bh, int64_t e, acc_t v) {
+    const int64_t r = e / np, c = e % np;
+    if (c < cols) po[(bh * rows + r) * cols + c] = v;
+  });
 }
 
 // Forward pass over the rows of x: C = K(x, L) row by row. Optionally
