@@ -1,10 +1,81 @@
-"""Install lapformer_mm. The CUDA sources in ``ops/`` ship as ``lapformer_mm/_cuda_src``."""
+"""Install lapformer_mm. The CUDA sources in ``ops/`` ship as ``lapformer_mm/_cuda_src``.
+
+The CPU kernels (``lapformer_mm/csrc``) are built here as C++ extensions, one module per
+at::vec instruction set (``lapformer_mm._cpu_default``, ``_cpu_avx2``, ``_cpu_avx512`` on
+x86-64). A failed build (no compiler, no torch at build time) does not fail the install: the
+package then warns once on first use and runs the PyTorch reference
+(``lapformer_mm/ops/cpu_ext.py``). ``LAPFORMER_BUILD_CPU_EXT=0`` skips the build.
+"""
+import os
+import platform
 import re
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
+
+# Hidden symbols: the modules share no code at link time and export only their op registration;
+# no debug information (setuptools passes -g), which would triple the modules' size.
+# The at::vec headers trip GCC's unknown-pragma and maybe-uninitialized warnings.
+CPU_COMMON_FLAGS = ['-O3', '-g0', '-fvisibility=hidden', '-Wno-unknown-pragmas',
+                    '-Wno-maybe-uninitialized']
+# The compiler flags of each at::vec capability, as torch builds its own kernels with them.
+CPU_CAPABILITY_FLAGS = {
+    'default': [],
+    'avx2': ['-mavx2', '-mfma', '-mf16c', '-mbmi2'],
+    'avx512': ['-mavx512f', '-mavx512bw', '-mavx512vl', '-mavx512dq', '-mfma', '-mf16c'],
+}
+
+
+def cpu_kernel_build():
+    """(ext_modules, cmdclass) of the CPU kernels, or ([], {}) when they cannot be built here."""
+    if os.environ.get('LAPFORMER_BUILD_CPU_EXT', '1') == '0':
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except Exception as err:  # no torch at build time (an isolated build): reference only
+        print(f'lapformer_mm: not building the CPU kernels ({type(err).__name__}: {err})',
+              file=sys.stderr)
+        return [], {}
+    x86 = platform.machine().lower() in ('x86_64', 'amd64')
+    names = list(CPU_CAPABILITY_FLAGS) if x86 else ['default']
+    modules = [CppExtension(f'lapformer_mm._cpu_{name}', [f'lapformer_mm/csrc/cpu_{name}.cpp'],
+                            extra_compile_args=CPU_COMMON_FLAGS + CPU_CAPABILITY_FLAGS[name])
+               for name in names]
+
+    class OptionalBuildExtension(BuildExtension):
+        """Builds each module it can; one that fails is reported and left out."""
+
+        def build_extensions(self):
+            self.failed = set()
+            try:
+                super().build_extensions()
+            except Exception as err:  # the compiler check itself failed (no compiler)
+                self.report(None, err)
+                self.failed = {ext.name for ext in self.extensions}
+            # What is not built is neither copied in place nor listed among the outputs.
+            self.extensions = [ext for ext in self.extensions if ext.name not in self.failed]
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as err:  # compile or link error: the package falls back
+                self.report(ext.name, err)
+                self.failed.add(ext.name)
+
+        @staticmethod
+        def report(name, err):
+            what = name or 'the CPU kernels'
+            print(f'lapformer_mm: WARNING: building {what} failed ({type(err).__name__}: '
+                  f'{err}); lapformer_mm will run the PyTorch reference on the CPU',
+                  file=sys.stderr)
+
+    return modules, {'build_ext': OptionalBuildExtension}
+
+
+EXT_MODULES, CMDCLASS = cpu_kernel_build()
 
 
 def package_constant(name):
@@ -38,5 +109,7 @@ setup(
         'License :: OSI Approved :: Apache Software License',
         'Topic :: Scientific/Engineering :: Artificial Intelligence',
     ],
+    ext_modules=EXT_MODULES,
+    cmdclass=CMDCLASS,
     zip_safe=False,
 )

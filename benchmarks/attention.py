@@ -13,6 +13,13 @@ Two studies, each printing a table:
     The measurements behind two CPU choices of the reference ops: the
     Newton–Schulz solve on one thread, and the landmark gradient in blocks.
 
+``python benchmarks/attention.py soft [--threads 1 0]``
+    Forward and forward+backward of the Laplacian attention (the C++ CPU kernels and the
+    PyTorch reference) beside SOFT's attention core written out from its public
+    description (Gaussian kernel through GEMMs, 20 Newton iterations with the closed-form
+    inverse gradient), same shapes and landmarks, models interleaved in one process; the
+    ratios and the 16,384 -> 65,536 growth.
+
 ``python benchmarks/attention.py ns``
     Newton–Schulz iterations needed to reach a spectral residual
     ||I - P X||_2 < tol on landmark matrices P = k(L, L) + eps·I of smooth
@@ -27,7 +34,9 @@ import argparse
 import math
 import os
 import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ''):
@@ -38,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from devtools.profiling import peak_memory_bytes
-from devtools.timing import best_time, wall_times
+from devtools.timing import best_time, load_average, wall_times
 from lapformer_mm.ops import (
     injective_normalize,
     laplacian_kernel,
@@ -244,6 +253,143 @@ def plot(rows, path):
     print(f'plot written to {path}')
 
 
+# ---------------------------------------------------------------- SOFT comparison
+class SoftNewtonInverse(torch.autograd.Function):
+    """SOFT's Newton inverse of k(L, L) (fudan-zvg/SOFT, ``SOFT/kernel/inverse.py``).
+
+    alpha = 1.8 / max row sum², P = A + 0.01 I, X0 = alpha P, ``iters`` steps of
+    X <- 2X - X P X without autograd; backward -Xᵀ G Xᵀ.
+    """
+
+    @staticmethod
+    def forward(ctx, mat, iters):
+        with torch.no_grad():
+            alpha = 0.9 * 2 / mat.sum(-1).amax(-1) ** 2
+            p = mat + 0.01 * torch.eye(mat.shape[-1], dtype=mat.dtype)
+            x = alpha[..., None, None] * p
+            for _ in range(iters):
+                x = 2 * x - x @ p @ x
+        ctx.save_for_backward(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        xt = x.mT
+        return -(xt @ grad @ xt), None
+
+
+def soft_squared_distance(a, b):
+    """||a_i - b_j||² through GEMMs, as SOFT's ``subtraction_gaussian_kernel_torch``."""
+    ones_b = torch.ones(a.shape[-1], b.shape[-2], dtype=a.dtype)
+    ones_a = torch.ones(a.shape[-2], a.shape[-1], dtype=a.dtype)
+    return (a * a) @ ones_b + ones_a @ (b * b).mT - 2.0 * (a @ b.mT)
+
+
+def soft_core(q, v, hw, grid, iters=20):
+    """SOFT's attention core: exp(-|q - L|²/2) (P⁻¹ by Newton) exp(-|L - q|²/2) v, tied keys.
+
+    Queries scaled by d^(-1/4) as SOFT does; the landmarks pooled like ours.
+    """
+    q = q / q.shape[-1] ** 0.25
+    landmarks = pool_landmarks(q, hw, grid)
+    k1 = torch.exp(-soft_squared_distance(q, landmarks) / 2)
+    k2 = torch.exp(-soft_squared_distance(landmarks, landmarks) / 2)
+    return (k1 @ SoftNewtonInverse.apply(k2, iters)) @ (k1.mT @ v)
+
+
+SOFT_METHODS = ('laplacian_cpu', 'laplacian_reference', 'soft_core')
+
+
+def soft_methods(args):
+    """name -> fn(q, v, hw): our attention (tied keys, as the backbone's stages 1-3) or SOFT's."""
+    def ours(impl):
+        def run(q, v, hw):
+            return nystrom_attention(q, q, v, pool_landmarks(q, hw, args.landmark_grid),
+                                     lam=args.lam, impl=impl)
+        return run
+    return {'laplacian_cpu': ours('cpu'), 'laplacian_reference': ours('reference'),
+            'soft_core': lambda q, v, hw: soft_core(q, v, hw, args.landmark_grid)}
+
+
+def projected_inputs(num_tokens, args, generator):
+    """q and v (B, N, h·d) as two projections give them, LaplacianAttention's and SOFT's
+    (``W_q``, ``W_v``) alike; ``heads`` splits one into (B, h, N, d) views."""
+    width = args.heads * args.head_dim
+    q, v = (torch.randn(args.batch, num_tokens, width, generator=generator) for _ in range(2))
+
+    def heads(t):
+        return t.view(args.batch, num_tokens, args.heads, args.head_dim).transpose(1, 2)
+    return q, v, heads
+
+
+def time_soft_round(methods, num_tokens, args, generator):
+    """{(name, mode): [(wall s, CPU s), ...]}: the methods interleaved, rotated per round."""
+    q, v, heads = projected_inputs(num_tokens, args, generator)
+    hw = grid_for(num_tokens)
+
+    def call(name, mode):
+        leaves = [t.detach().requires_grad_(mode == 'fwdbwd') for t in (q, v)]
+        with torch.set_grad_enabled(mode == 'fwdbwd'):
+            out = methods[name](heads(leaves[0]), heads(leaves[1]), hw)
+        if mode == 'fwdbwd':
+            out.sum().backward()
+
+    keys = [(name, mode) for mode in ('fwd', 'fwdbwd') for name in methods]
+    for key in keys:
+        call(*key)  # warm-up
+    times = {key: [] for key in keys}
+    for round_index in range(args.repeats):
+        shift = round_index % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            wall, cpu = time.perf_counter(), time.process_time()
+            call(*key)
+            times[key].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return times
+
+
+def soft_study(args):
+    from lapformer_mm.cpu_malloc import keep_large_blocks
+    from lapformer_mm.ops import cpu_ext
+    if not cpu_ext.available():
+        raise SystemExit('the C++ CPU kernels are not built: python setup.py build_ext --inplace')
+    # As benchmarks/backbones.py: large blocks reused, not page-faulted in on every call.
+    malloc = 'glibc large blocks kept' if keep_large_blocks() else 'glibc defaults'
+    methods = {n: f for n, f in soft_methods(args).items() if n in args.methods}
+    saved = torch.get_num_threads()
+    print(f'# B={args.batch} h={args.heads} d={args.head_dim} m<={args.landmark_grid ** 2} '
+          f'lam={args.lam:g}, CPU kernels {cpu_ext.build()}, {malloc}, torch {torch.__version__}, '
+          f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, '
+          f'{time.strftime("%Y-%m-%d %H:%M %Z")}, load average {load_average()}')
+    print('| threads | N | method | fwd ms | fwd+bwd ms | fwd+bwd CPU ms | '
+          'fwd+bwd / soft_core |')
+    print('|---|---|---|---|---|---|---|')
+    medians = {}
+    for threads in args.threads:
+        torch.set_num_threads(threads or saved)
+        for num_tokens in args.tokens:
+            generator = torch.Generator().manual_seed(args.seed)
+            times = time_soft_round(methods, num_tokens, args, generator)
+            for key, runs in times.items():
+                medians[(torch.get_num_threads(), num_tokens) + key] = (
+                    statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs))
+            for name in methods:
+                at = (torch.get_num_threads(), num_tokens, name)
+                fwd, fb = medians[at + ('fwd',)], medians[at + ('fwdbwd',)]
+                soft = medians.get((torch.get_num_threads(), num_tokens, 'soft_core', 'fwdbwd'))
+                ratio = f'{fb[0] / soft[0]:.2f}' if soft else '-'
+                print(f'| {torch.get_num_threads()} | {num_tokens} | {name} | {fwd[0] * 1e3:.1f} | '
+                      f'{fb[0] * 1e3:.1f} | {fb[1] * 1e3:.1f} | {ratio} |', flush=True)
+    torch.set_num_threads(saved)
+    for (threads, num_tokens, name, mode), (wall, cpu) in sorted(medians.items()):
+        big = medians.get((threads, 4 * num_tokens, name, mode))
+        if mode == 'fwdbwd' and big is not None:
+            print(f'{name}, {threads} thread(s): fwd+bwd growth {num_tokens} -> {4 * num_tokens}: '
+                  f'{big[0] / wall:.2f}x wall, {big[1] / cpu:.2f}x CPU (target <= 4.6x)')
+    print(f'median of {args.repeats} interleaved rounds; load average at the end: '
+          f'{load_average()}')
+
+
 # ---------------------------------------------------------------- micro study
 def micro_study(args):
     """The two measurements behind the CPU-specific choices in the reference ops."""
@@ -300,6 +446,14 @@ def parse_args(argv=None):
     ns.add_argument('--tol', type=float, default=1e-3)
     ns.add_argument('--cond-limit', type=float, default=2000.0)
     ns.add_argument('--max-iters', type=int, default=40)
+    soft = sub.add_parser('soft', parents=[common], help="beside SOFT's attention core")
+    soft.add_argument('--tokens', type=int, nargs='+', default=[16384, 65536])
+    soft.add_argument('--methods', nargs='+', default=list(SOFT_METHODS), choices=SOFT_METHODS)
+    soft.add_argument('--batch', type=int, default=1)
+    soft.add_argument('--heads', type=int, default=2)
+    soft.add_argument('--repeats', type=int, default=5)
+    soft.add_argument('--threads', type=int, nargs='+', default=[1, 0],
+                      help='intra-op thread counts, one table block each (0: torch default)')
     micro = sub.add_parser('micro', help='thread and blocking micro-measurements')
     micro.add_argument('--tokens', type=int, default=262144)
     micro.add_argument('--repeats', type=int, default=21)
@@ -308,7 +462,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    studies = {'speed': speed_study, 'ns': ns_study, 'micro': micro_study}
+    studies = {'speed': speed_study, 'ns': ns_study, 'micro': micro_study, 'soft': soft_study}
     studies[args.study](args)
 
 

@@ -6,6 +6,7 @@ layout that lands on the paper's Medium size (docs/model_size.md).
 """
 import dataclasses
 
+import torch.nn.functional as F
 from torch import nn
 
 from ..ops import AttentionOptions, landmark_matrix, nystrom_forward
@@ -100,8 +101,16 @@ class LaplacianAttention(nn.Module):
         return self.local(grid).permute(0, 2, 3, 1).reshape(batch, num_tokens, channels)
 
     def project(self, x):
-        """q, k (B, h, N, d) and v (B, N, C) of x (B, N, C); k is q when keys are tied."""
-        projected = self.qkv(x).chunk(2 if self.qk_shared else 3, dim=-1)
+        """q, k (B, h, N, d) and v (B, N, C) of x (B, N, C); k is q when keys are tied.
+
+        One product per projection, each with its rows of the ``qkv`` weight (views): q, k
+        and v are contiguous (B, N, C) tensors, so the heads are views, the depth-wise
+        convolution reads v and the landmark pooling reads k as channels-last maps, and
+        neither copies them (the C-wide slices of one (B, N, 2C) product would be strided).
+        """
+        parts = 2 if self.qk_shared else 3
+        biases = self.qkv.bias.chunk(parts) if self.qkv.bias is not None else (None,) * parts
+        projected = [F.linear(x, w, b) for w, b in zip(self.qkv.weight.chunk(parts), biases)]
         q = self._split_heads(projected[0])
         k = q if self.qk_shared else self._split_heads(projected[1])
         return q, k, projected[-1]

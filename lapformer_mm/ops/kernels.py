@@ -13,11 +13,11 @@ These primitives serve the public kernel functions below and the attention's com
 path (dropout on Z, the 'exact' and 'cg' solvers); the default attention is one op,
 ``lapformer_mm::nystrom_attention`` (:mod:`.nystrom`). The implementation is the
 plain-PyTorch reference (:mod:`.reference_kernels`, :mod:`.solvers`) on every device;
-``impl='cupy'`` runs the CuPy kernels of :mod:`.cupy_ops` instead (CUDA tensors; the
-public functions decide ``impl`` by :func:`~lapformer_mm.ops.dispatch.resolve_impl`).
-The CPU extension implements only the fused attention, so ``impl='cpu'`` runs the
-reference here. The ops are opaque nodes to ``torch.compile``, with a fake
-implementation for shape propagation.
+``impl='cupy'`` runs the CuPy kernels of :mod:`.cupy_ops` instead (CUDA tensors) and
+``impl='cpu'`` the C++ kernels of :mod:`.cpu_ext` (CPU tensors; the Newton–Schulz op
+keeps the reference there); the public functions decide ``impl`` by
+:func:`~lapformer_mm.ops.dispatch.resolve_impl`. The ops are opaque nodes to
+``torch.compile``, with a fake implementation for shape propagation.
 """
 import math
 
@@ -36,6 +36,9 @@ from .dispatch import implementation, requested_impl, resolve_impl
 from .reference_kernels import pairwise_grad_reference, pairwise_kernel_reference
 from .solvers import DEFAULT_NS_ITERS, check_square, newton_schulz_iterate
 
+#: The implementations with their own kernel-matrix kernels (pairwise_forward/backward).
+FAST_KERNEL_IMPLS = ('cupy', 'cpu')
+
 
 @torch.library.custom_op('lapformer_mm::pairwise_kernel', mutates_args=())
 def pairwise_kernel_op(x: torch.Tensor, y: torch.Tensor, lam: float, kind: str,
@@ -44,7 +47,7 @@ def pairwise_kernel_op(x: torch.Tensor, y: torch.Tensor, lam: float, kind: str,
 
     Computes in fp32 for 16-bit inputs (fp64 stays fp64).
     """
-    if impl == 'cupy':
+    if impl in FAST_KERNEL_IMPLS:
         return implementation(impl).pairwise_forward(x, y, lam, kind)
     a = compute_dtype(x.dtype)
     return pairwise_kernel_reference(x.to(a), y.to(a), lam, kind).to(x.dtype)
@@ -64,7 +67,7 @@ def pairwise_kernel_backward_op(grad: torch.Tensor, kmat: torch.Tensor, x: torch
 
     An empty tensor stands for a gradient not needed.
     """
-    if impl == 'cupy':
+    if impl in FAST_KERNEL_IMPLS:
         return implementation(impl).pairwise_backward(grad, kmat, x, y, lam, kind, need_x,
                                                       need_y)
     a = compute_dtype(x.dtype)

@@ -33,8 +33,16 @@ def pool_landmarks(t, hw, grid=7):
 
 
 def pool_tokens(t, hw, grid):
-    """:func:`pool_landmarks` for callers that validated t, hw = (H, W) and grid already."""
+    """:func:`pool_landmarks` for callers that validated t, hw = (H, W) and grid already.
+
+    The heads are pooled as the channels of one (B, h·d, H, W) map. For head views of the
+    token layout (B, N, h·d), as the attention module has them, that map is a channels-last
+    view of the tokens and the pooling reads them in place; the result is a (B, h, m, d)
+    view of the pooled channels-last map.
+    """
     batch, heads, _, width = t.shape
-    maps = t.transpose(-1, -2).reshape(batch * heads, width, *hw)
+    # Through the (B, H, W, h·d) token view: a reshape straight to (B, h·d, H, W) may give a
+    # batch of one an odd stride, which makes aten pool a contiguous copy instead.
+    maps = t.transpose(1, 2).reshape(batch, *hw, heads * width).permute(0, 3, 1, 2)
     pooled = F.adaptive_avg_pool2d(maps, landmark_grid_size(hw, grid))
-    return pooled.reshape(batch, heads, width, -1).transpose(-1, -2)
+    return pooled.permute(0, 2, 3, 1).reshape(batch, -1, heads, width).transpose(1, 2)

@@ -1,0 +1,439 @@
+"""The C++ CPU kernels (lapformer_mm/csrc, lapformer_mm.ops.cpu_ext) against dense fp64 math.
+
+Every expected value comes from tests/_attention_helpers.py (explicit (N, M, d) difference
+tensors, a direct solve), never from the kernels. Skipped where the extension is not built;
+the fallback tests run either way.
+"""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _attention_helpers import dense_attention, dense_kernel
+
+from lapformer_mm.ops import cpu_ext, gaussian_kernel, laplacian_kernel, nystrom_attention
+from lapformer_mm.ops.landmarks import pool_landmarks
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ('laplacian', 'gaussian')
+FUNCTIONS = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
+
+needs_ext = pytest.mark.skipif(not cpu_ext.available(), reason='CPU kernels not built')
+
+
+def _randn(*shape, seed, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _builds():
+    """The modules built here that this CPU can run, each as its ops namespace."""
+    runnable = {'AVX512': ('default', 'avx2', 'avx512'), 'AVX2': ('default', 'avx2')}.get(
+        torch.backends.cpu.get_cpu_capability(), ('default',))
+    found = []
+    for build in runnable:
+        spec = importlib.util.find_spec(f'lapformer_mm._cpu_{build}')
+        if spec is not None:
+            torch.ops.load_library(spec.origin)
+            found.append(pytest.param(getattr(torch.ops, f'lapformer_mm_cpu_{build}'), id=build))
+    return found
+
+
+def _dense_value_and_grads(x, y, lam, kind, upstream):
+    xd, yd = (t.detach().double().requires_grad_() for t in (x, y))
+    k = dense_kernel(xd, yd, lam, kind)
+    dx, dy = torch.autograd.grad((k * upstream).sum(), (xd, yd))
+    return k.detach(), dx, dy
+
+
+def _close(got, want, rtol):
+    """Relative error in the 2-norm: entries near 0 (exp of large distances) weigh nothing."""
+    err = (got.double() - want).norm() / want.norm().clamp_min(1e-300)
+    assert err <= rtol, f'relative error {err:.2e} > {rtol:.0e}'
+
+
+# ----------------------------------------------------------------------------
+# The kernel matrix and its gradients, each build.
+# ----------------------------------------------------------------------------
+
+# (B, H, N, M, d): odd sizes, a single row, more columns than one register tile (64 fp32
+# lanes with AVX-512), more rows than columns and the reverse (the backward swaps roles),
+# and more rows than one chunk of 256 (the chunked sums).
+SHAPES = [(2, 3, 37, 5, 7), (1, 1, 1, 49, 32), (1, 2, 300, 67, 33), (2, 1, 11, 300, 3),
+          (1, 1, 600, 49, 1)]
+
+
+@needs_ext
+@pytest.mark.parametrize('ops', _builds())
+@pytest.mark.parametrize('kind', KINDS)
+@pytest.mark.parametrize('shape', SHAPES, ids=lambda s: 'x'.join(map(str, s)))
+def test_values_and_gradients_match_dense_fp64(ops, kind, shape):
+    batch, heads, n, m, d = shape
+    x = _randn(batch, heads, n, d, seed=1) * 0.5
+    y = _randn(batch, heads, m, d, seed=2) * 0.5
+    g = _randn(batch, heads, n, m, seed=3)
+    k_want, dx_want, dy_want = _dense_value_and_grads(x, y, 2.5, kind, g)
+    k = ops.pairwise_forward(x, y, 2.5, KINDS.index(kind))
+    dx, dy = ops.pairwise_backward(g, k, x, y, 2.5, KINDS.index(kind), True, True)
+    _close(k, k_want, 1e-14)
+    _close(dx, dx_want, 1e-13)
+    _close(dy, dy_want, 1e-13)
+    k32 = ops.pairwise_forward(x.float(), y.float(), 2.5, KINDS.index(kind))
+    dx32, dy32 = ops.pairwise_backward(g.float(), k32, x.float(), y.float(), 2.5,
+                                       KINDS.index(kind), True, True)
+    assert k32.dtype == dx32.dtype == torch.float32
+    _close(k32, k_want, 1e-6)
+    _close(dx32, dx_want, 1e-5)
+    _close(dy32, dy_want, 1e-5)
+
+
+@needs_ext
+@pytest.mark.parametrize('ops', _builds())
+@pytest.mark.parametrize('kind', KINDS)
+def test_strided_operands_read_right(ops, kind):
+    """Operands as the attention hands them over: head views of a projection, transposes."""
+    proj = _randn(2, 40, 3 * 12, seed=4)
+    x = proj[..., :12].view(2, 40, 3, 4).transpose(1, 2)          # row stride 36
+    y = _randn(2, 3, 4, 9, seed=5).transpose(-1, -2)[..., :4]     # channel stride 9
+    g = _randn(2, 3, 9, 40, seed=6).transpose(-1, -2)             # (2, 3, 40, 9), column-major
+    assert not (x.is_contiguous() or y.is_contiguous() or g.is_contiguous())
+    k_want, dx_want, dy_want = _dense_value_and_grads(x, y, 1.5, kind, g)
+    k = ops.pairwise_forward(x, y, 1.5, KINDS.index(kind))
+    dx, dy = ops.pairwise_backward(g, k.mT.contiguous().mT, x, y, 1.5, KINDS.index(kind),
+                                   True, True)
+    _close(k, k_want, 1e-14)
+    _close(dx, dx_want, 1e-13)
+    _close(dy, dy_want, 1e-13)
+
+
+@needs_ext
+@pytest.mark.parametrize('ops', _builds())
+def test_ties_have_gradient_zero(ops):
+    """|t| has gradient 0 at t = 0: coordinates equal to a landmark's add nothing."""
+    y = torch.tensor([[[[0.5, -1.0, 2.0] + [0.0] * 14]]], dtype=torch.float64)
+    x = torch.cat([y[0, 0], torch.tensor([[0.5] + [0.25] * 16], dtype=torch.float64)]).view(
+        1, 1, 2, 17)
+    g = torch.ones(1, 1, 2, 1, dtype=torch.float64)
+    k = ops.pairwise_forward(x, y, 2.0, 0)
+    dx, dy = ops.pairwise_backward(g, k, x, y, 2.0, 0, True, True)
+    diff = x - y
+    expected_dx = -(k[..., :1] / 2.0) * torch.sign(diff)          # sign(0) = 0
+    torch.testing.assert_close(dx, expected_dx, rtol=1e-14, atol=0)
+    torch.testing.assert_close(dy, -expected_dx.sum(-2, keepdim=True), rtol=1e-14, atol=0)
+    assert (dx[0, 0, 0] == 0).all() and dx[0, 0, 1, 0] == 0
+    # The landmark system's diagonal: x = y, every difference 0.
+    kll = ops.pairwise_forward(y, y, 2.0, 0)
+    dxl, dyl = ops.pairwise_backward(torch.ones_like(kll), kll, y, y, 2.0, 0, True, True)
+    assert (dxl == 0).all() and (dyl == 0).all()
+
+
+@needs_ext
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('kind', KINDS)
+def test_16_bit_inputs_accumulate_in_fp32(dtype, kind):
+    x = _randn(1, 2, 300, 32, seed=7).to(dtype)
+    y = _randn(1, 2, 49, 32, seed=8).to(dtype)
+    g = _randn(1, 2, 300, 49, seed=9)
+    # The expected values of the rounded inputs: only the accumulation is under test.
+    k_want, dx_want, dy_want = _dense_value_and_grads(x, y, 8.0, kind, g)
+    ops = cpu_ext._ops()
+    k = ops.pairwise_forward(x, y, 8.0, KINDS.index(kind))
+    assert k.dtype == torch.float32
+    dx, dy = ops.pairwise_backward(g.float(), k, x, y, 8.0, KINDS.index(kind), True, True)
+    _close(k, k_want, 1e-6)
+    _close(dx, dx_want, 1e-5)
+    _close(dy, dy_want, 1e-5)
+    out = FUNCTIONS[kind](x, y, 8.0, impl='cpu')
+    assert out.dtype == dtype
+    _close(out, k_want, 1e-2)
+
+
+@needs_ext
+@pytest.mark.parametrize('kind', KINDS)
+def test_public_kernel_functions_take_the_extension(kind):
+    """laplacian_kernel / gaussian_kernel with impl='cpu' (and by default on CPU)."""
+    x = _randn(2, 3, 30, 5, seed=10).requires_grad_()
+    y = _randn(2, 3, 7, 5, seed=11).requires_grad_()
+    g = _randn(2, 3, 30, 7, seed=12)
+    k_want, dx_want, dy_want = _dense_value_and_grads(x, y, 3.0, kind, g)
+    for impl in ('cpu', None):
+        k = FUNCTIONS[kind](x, y, 3.0, impl=impl)
+        dx, dy = torch.autograd.grad((k * g).sum(), (x, y))
+        _close(k, k_want, 1e-14)
+        _close(dx, dx_want, 1e-13)
+        _close(dy, dy_want, 1e-13)
+
+
+@needs_ext
+@pytest.mark.parametrize('kind', KINDS)
+def test_kernel_gradcheck(kind):
+    x = _randn(2, 6, 3, seed=13).requires_grad_()
+    y = _randn(2, 4, 3, seed=14).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: FUNCTIONS[kind](a, b, 1.5, impl='cpu'), (x, y))
+
+
+# ----------------------------------------------------------------------------
+# The fused attention.
+# ----------------------------------------------------------------------------
+
+def _projected(batch, heads, hw, d, dv, tied, seed, dtype=torch.float64):
+    """q, k, v head views of one (B, N, ·) projection, as the module builds them."""
+    n = hw[0] * hw[1]
+    proj = _randn(batch, n, heads * (2 * d + dv), seed=seed, dtype=dtype) * 0.8
+
+    def heads_of(t, width):
+        return t.reshape(batch, n, heads, width).transpose(1, 2)
+    q = heads_of(proj[..., :heads * d], d)
+    k = q if tied else heads_of(proj[..., heads * d:2 * heads * d], d)
+    v = heads_of(proj[..., 2 * heads * d:], dv)
+    return q, k, v
+
+
+# (B, h, hw, d, d_v, grid): a 7x7 grid (m = 49), odd everything, one row of landmarks, more
+# tokens than one chunk.
+ATTENTION_CASES = [(2, 3, (9, 11), 5, 7, 3), (1, 2, (23, 29), 32, 32, 7), (1, 1, (5, 3), 3, 1, 1),
+                   (2, 1, (3, 17), 4, 6, 2)]
+
+
+@needs_ext
+@pytest.mark.parametrize('case', ATTENTION_CASES, ids=lambda c: f'{c[0]}x{c[1]}x{c[2]}')
+@pytest.mark.parametrize('tied', [True, False], ids=['tied', 'separate'])
+@pytest.mark.parametrize('kernel', KINDS)
+@pytest.mark.parametrize('normalize', ['injective', 'none'])
+def test_attention_matches_dense_fp64(case, tied, kernel, normalize):
+    batch, heads, hw, d, dv, grid = case
+    q, k, v = _projected(batch, heads, hw, d, dv, tied, seed=20)
+    landmarks = pool_landmarks(k, hw, grid)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, landmarks)]
+    qd, kd, vd, ld = leaves
+    want = dense_attention(qd, qd if tied else kd, vd, ld, kernel=kernel, normalize=normalize)
+    upstream = _randn(*want.shape, seed=21)
+    wants = torch.autograd.grad((want * upstream).sum(), [qd, vd, ld] + ([] if tied else [kd]))
+    qc, kc, vc, lc = (t.detach().clone().requires_grad_() for t in (q, k, v, landmarks))
+    got = nystrom_attention(qc, qc if tied else kc, vc, lc, kernel=kernel, normalize=normalize,
+                            impl='cpu', iters=30)
+    grads = torch.autograd.grad((got * upstream).sum(), [qc, vc, lc] + ([] if tied else [kc]))
+    _close(got, want.detach(), 1e-12)
+    for name, g, w in zip(('q', 'v', 'landmarks', 'k'), grads, wants):
+        assert g.shape == w.shape, name
+        _close(g, w, 1e-11)
+
+
+_BUILD_ATTENTION_CODE = '''
+import sys, torch
+sys.path.insert(0, 'tests')
+from _attention_helpers import dense_attention
+from lapformer_mm.ops import cpu_ext, nystrom_attention, pool_landmarks
+g = torch.Generator().manual_seed(0)
+proj = torch.randn(2, 11 * 13, 3 * 3 * 5, generator=g, dtype=torch.float64)
+q, k, v = (proj[..., i * 15:(i + 1) * 15].view(2, 143, 3, 5).transpose(1, 2) for i in range(3))
+worst = 0.0
+for keys in (q, k):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, keys, v)]
+    tied = keys is q
+    lm = [pool_landmarks(leaves[1], (11, 13), 3) for _ in range(2)]
+    got = nystrom_attention(leaves[0], leaves[0] if tied else leaves[1], leaves[2], lm[0],
+                            impl='cpu', iters=30)
+    want = dense_attention(leaves[0], leaves[0] if tied else leaves[1], leaves[2], lm[1])
+    grads = [torch.autograd.grad(o.square().sum(), leaves) for o in (got, want)]
+    for a, b in zip([got] + list(grads[0]), [want] + list(grads[1])):
+        worst = max(worst, ((a - b).norm() / b.norm()).item())
+print(cpu_ext.build(), worst)
+'''
+
+
+@needs_ext
+@pytest.mark.parametrize('ops', _builds())
+def test_every_build_runs_the_attention(ops):
+    """The attention's row passes in each build, selected as torch selects its own kernels."""
+    build = ops.name.rsplit('_', 1)[-1]
+    result = _run_python(_BUILD_ATTENTION_CODE, {'ATEN_CPU_CAPABILITY': build})
+    assert result.returncode == 0, result.stderr
+    loaded, worst = result.stdout.split()
+    assert loaded == build
+    assert float(worst) < 1e-11
+
+
+@needs_ext
+@pytest.mark.parametrize('tied', [True, False], ids=['tied', 'separate'])
+def test_attention_gradcheck(tied):
+    q, k, v = _projected(1, 2, (3, 4), 3, 2, tied, seed=22)
+    landmarks = pool_landmarks(k, (3, 4), 2).detach()
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, landmarks)]
+
+    def attention(q, k, v, landmarks):
+        return nystrom_attention(q, q if tied else k, v, landmarks, impl='cpu', iters=40)
+    assert torch.autograd.gradcheck(attention, leaves, eps=1e-6, atol=1e-7)
+
+
+@needs_ext
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_attention_16_bit_operands_match_the_reference(dtype):
+    """16-bit operands are read as they are; the result agrees with the reference's fp32 math."""
+    q, k, v = _projected(1, 2, (16, 16), 32, 32, True, seed=23, dtype=torch.float32)
+    q, v = q.to(dtype), v.to(dtype)
+    landmarks = pool_landmarks(q, (16, 16), 7)
+    leaves = [[t.detach().clone().requires_grad_() for t in (q, v, landmarks)] for _ in range(2)]
+    outs = [nystrom_attention(a, a, b, c, impl=impl)
+            for (a, b, c), impl in zip(leaves, ('cpu', 'reference'))]
+    assert outs[0].dtype == dtype
+    upstream = _randn(*outs[0].shape, seed=24).to(dtype)
+    grads = [torch.autograd.grad((o * upstream).sum(), ls) for o, ls in zip(outs, leaves)]
+    _close(outs[0].float(), outs[1].double(), 2e-2)
+    for got, want in zip(*grads):
+        assert got.dtype == dtype
+        _close(got.float(), want.double(), 5e-2)
+
+
+# ----------------------------------------------------------------------------
+# Thread count, fallback, build.
+# ----------------------------------------------------------------------------
+
+def _with_threads(threads, fn):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_ext
+@pytest.mark.parametrize('kind', KINDS)
+def test_results_bit_equal_with_1_and_2_threads(kind):
+    """Every reduction has a fixed partition (chunks of 256 rows) and order."""
+    ops = cpu_ext._ops()
+    x = _randn(2, 2, 1500, 32, seed=30, dtype=torch.float32)
+    y = _randn(2, 2, 49, 32, seed=31, dtype=torch.float32)
+    g = _randn(2, 2, 1500, 49, seed=32, dtype=torch.float32)
+    v = _randn(2, 2, 1500, 16, seed=33, dtype=torch.float32)
+    gv = _randn(2, 2, 1500, 16, seed=34, dtype=torch.float32)
+    small = [_randn(2, 2, *s, seed=35 + i, dtype=torch.float32)
+             for i, s in enumerate([(49, 16), (1, 49), (1, 49), (49, 16)])]
+    code = KINDS.index(kind)
+
+    def run():
+        k = ops.pairwise_forward(x, y, 4.0, code)
+        results = [k, *ops.pairwise_backward(g, k, x, y, 4.0, code, True, True),
+                   *ops.pairwise_backward(g.mT, k.mT, y, x, 4.0, code, True, True)]
+        rhs, stats, rows = ops.attention_rows_forward(x, y, v, 4.0, code, True, True)
+        results += [rhs, stats, rows, ops.attention_rows_apply(rows, small[0], small[1][..., :16],
+                                                               torch.float32)]
+        results += ops.attention_grad_sums(x, y, gv, 4.0, code, True)
+        results += ops.attention_rows_backward(x, y, None, gv, small[0], small[1], small[2], v,
+                                               small[3], True, 4.0, code, True)
+        return results
+
+    one, two = _with_threads(1, run), _with_threads(2, run)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+@needs_ext
+@pytest.mark.parametrize('tied', [True, False], ids=['tied', 'separate'])
+def test_attention_bit_equal_with_1_and_2_threads(tied):
+    """The whole op, forward and gradients: its m x m and m x d_v products are too small for
+    the BLAS to split, the row passes are chunked."""
+    proj = _randn(2, 1200, 3 * 64, seed=40, dtype=torch.float32).requires_grad_()
+
+    def run():
+        q, k, v = (proj[..., i * 64:(i + 1) * 64].view(2, 1200, 2, 32).transpose(1, 2)
+                   for i in range(3))
+        k = q if tied else k
+        out = nystrom_attention(q, k, v, pool_landmarks(k, (30, 40), 7), impl='cpu')
+        return [out, *torch.autograd.grad(out.square().sum(), proj)]
+
+    for a, b in zip(_with_threads(1, run), _with_threads(2, run)):
+        assert torch.equal(a, b)
+
+
+def _run_python(code, env_extra, cwd=REPO):
+    env = {**os.environ, **env_extra, 'PYTHONPATH': str(cwd)}
+    return subprocess.run([sys.executable, '-c', code], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+_FALLBACK_CODE = '''
+import warnings, torch
+from lapformer_mm.ops import cpu_ext, dispatch, nystrom_attention, pool_landmarks
+{setup}
+q = torch.randn(1, 2, 36, 8, dtype=torch.float64)
+v = torch.randn(1, 2, 36, 8, dtype=torch.float64)
+L = pool_landmarks(q, (6, 6), 3)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    outs = [nystrom_attention(q, q, v, L) for _ in range(3)]
+    ref = nystrom_attention(q, q, v, L, impl='reference')
+print('impl', dispatch.resolve_impl(None, torch.device('cpu')))
+print('equal', all(torch.equal(o, ref) for o in outs))
+print('warnings', len([w for w in caught if 'CPU kernels' in str(w.message)]))
+for w in caught:
+    print('message', w.message)
+'''
+
+
+def test_disabled_extension_runs_the_reference_silently():
+    result = _run_python(_FALLBACK_CODE.format(setup=''), {'LAPFORMER_CPU_EXT': '0'})
+    assert result.returncode == 0, result.stderr
+    assert 'impl reference' in result.stdout and 'equal True' in result.stdout
+    assert 'warnings 0' in result.stdout
+
+
+def test_missing_extension_warns_once_and_runs_the_reference():
+    setup = ('import importlib.util\n'
+             '_find = importlib.util.find_spec\n'
+             'importlib.util.find_spec = lambda name, *a: (None if name.startswith('
+             '"lapformer_mm._cpu_") else _find(name, *a))')
+    result = _run_python(_FALLBACK_CODE.format(setup=setup), {'LAPFORMER_CPU_EXT': '1'})
+    assert result.returncode == 0, result.stderr
+    assert 'impl reference' in result.stdout and 'equal True' in result.stdout
+    assert 'warnings 1' in result.stdout, result.stdout
+    assert 'not available' in result.stdout and 'PyTorch reference' in result.stdout
+
+
+def _copy_checkout(dest):
+    """The files git tracks or does not ignore, as in a fresh clone of this working tree."""
+    listed = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard'],
+                            cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for name in listed:
+        source = REPO / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+
+
+def test_no_compiler_completes_the_build_with_a_warning(tmp_path):
+    _copy_checkout(tmp_path)
+    env = {**os.environ, 'CC': 'false', 'CXX': 'false'}
+    build = subprocess.run([sys.executable, 'setup.py', 'build_ext', '--inplace'], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr
+    assert 'lapformer_mm: WARNING: building' in build.stderr
+    assert not list((tmp_path / 'lapformer_mm').glob('_cpu_*.so'))
+    result = _run_python('from lapformer_mm.ops import cpu_ext; print(cpu_ext.available())',
+                         {}, cwd=tmp_path)
+    assert result.stdout.strip() == 'False', result.stderr
+    assert 'not available' in result.stderr
+
+
+@pytest.mark.slow
+def test_fresh_checkout_builds_and_loads_the_extension(tmp_path):
+    """The install step's build (setup.py's ext_modules) from the checkout's files alone."""
+    _copy_checkout(tmp_path)
+    build = subprocess.run([sys.executable, 'setup.py', 'build_ext', '--inplace'],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=1800)
+    assert build.returncode == 0, build.stderr
+    assert 'WARNING' not in build.stderr, build.stderr
+    code = ('import torch; from lapformer_mm.ops import cpu_ext, laplacian_kernel\n'
+            'x = torch.randn(1, 5, 3, dtype=torch.float64)\n'
+            'd = (x[:, :, None] - x[:, None]).abs().sum(-1)\n'
+            'print(cpu_ext.build(), torch.allclose(laplacian_kernel(x, x, 2.0, impl="cpu"), '
+            '(-d / 2.0).exp()))')
+    result = _run_python(code, {}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    expected = {'AVX512': 'avx512', 'AVX2': 'avx2'}.get(
+        torch.backends.cpu.get_cpu_capability(), 'default')
+    assert result.stdout.split() == [expected, 'True']
