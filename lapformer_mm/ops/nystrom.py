@@ -20,6 +20,7 @@ from ._checks import (
 )
 from ._precision import compute_dtype
 from .dispatch import backend_uses_cupy, requested_backend
+from .export import export_attention, exporting
 from .kernels import newton_schulz, pairwise_kernel
 from .normalize import whiten
 from .solvers import cg_solve, exact_solve
@@ -129,6 +130,8 @@ def nystrom_forward(q, k, v, landmarks, options, dropout_p=0.0):
     v (B, h, N, d_v), landmarks (B, h, m, d) on one device; ``options`` an
     :class:`AttentionOptions`; ``k is q`` when keys are tied.
     """
+    if exporting():
+        return export_attention(q, k, v, landmarks, options, dropout_p)
     use_cupy = backend_uses_cupy(options.backend, q)
     out_dtype = q.dtype
     dtype = compute_dtype(q.dtype)
