@@ -11,10 +11,12 @@ TINY_ARCH = dict(embed_dims=[16, 32, 40, 64], num_heads=[1, 2, 2, 4], depths=[1,
 
 #: An exported graph may be this many times further from eager fp32 than eager fp32 is
 #: from eager fp64 on the same input (per output, relative to its largest value). The
-#: whitening amplifies rounding, so the fp32 error itself is ~1e-4 of the output at random
-#: weights; measured ratios of honest exports were 1.1-2.5, a wrong bin edge or a
-#: dropped landmark chunk gives errors of order one.
-FACTOR = 4.0
+#: whitening amplifies rounding about 1000× (fp32 itself is ~1e-4 from fp64 at random
+#: weights), and ONNX Runtime's kernels round differently from ATen's (other summation
+#: orders, batch norm folded into convolutions), so an honest graph is 1.2-4.2× as far
+#: from eager fp32 (measured 2026-12-01 on the tiny backbone, Mask R-CNN and UperNet at
+#: 231×257 to 320×480); a wrong bin edge or a dropped landmark chunk is 1e-2 or more.
+FACTOR = 8.0
 #: Rounding floor of the fp32-vs-fp64 error (an output that fp32 computes exactly).
 FLOOR = 1e-6
 
