@@ -8,7 +8,7 @@ memcheck sees a read or write past any tensor's end. Shapes are not multiples
 of the tiles (tails in N, M and d), the gradient runs with one reduction slice
 and with several, and Newton–Schulz runs with P in shared memory and in global
 memory, fp32 and fp64. Each result is also compared with the ops' PyTorch
-reference (``cuda_kernel=False``), so a wrong value fails the script too (exit 1).
+reference (``impl='reference'``), so a wrong value fails the script too (exit 1).
 """
 import sys
 
@@ -39,9 +39,9 @@ def pairwise_cases():
             lam = 4.0 if kind == rt.LAPLACIAN else 40.0
             kmat = cupy_ops.fused_pairwise_forward(x, y, lam, kind)
             tag = f'{dtype} kind={kind}'
-            ok &= close(f'forward {tag}', kmat, ops.pairwise_kernel(x, y, lam, name, False), rtol)
+            ok &= close(f'forward {tag}', kmat, ops.pairwise_kernel(x, y, lam, name, 'reference'), rtol)
             g = torch.randn(kmat.shape, device='cuda', generator=gen).to(dtype)
-            expected = ops.pairwise_kernel_backward(g, kmat, x, y, lam, name, True, True, False)
+            expected = ops.pairwise_kernel_backward(g, kmat, x, y, lam, name, True, True, 'reference')
             for blocks in (1, 10_000):  # one reduction slice, and as many as the sizes allow
                 got = cupy_ops.fused_pairwise_backward(g, kmat, x, y, lam, kind, True, True, blocks)
                 ok &= close(f'dx {tag} blocks={blocks}', got[0], expected[0], rtol)

@@ -149,7 +149,7 @@ def precision_report():
     from benchmarks.numerics import EPS, LAM, SPREADS, WHITEN, dense_reference, inputs
     from lapformer_mm.ops import AttentionOptions
     from lapformer_mm.ops.export import export_attention, residual_precision
-    options = AttentionOptions(lam=LAM, eps=EPS, whiten_eps=WHITEN, backend='reference')
+    options = AttentionOptions(lam=LAM, eps=EPS, whiten_eps=WHITEN, impl='reference')
     lines = ['| spread | cond(P) | fp64 residual | fp32 residual |', '|---|---|---|---|']
     for spread in SPREADS:
         q, v, landmarks = inputs(spread)

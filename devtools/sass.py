@@ -55,7 +55,8 @@ def disassemble(nvdisasm, cubin):
     with tempfile.NamedTemporaryFile(suffix='.cubin') as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([nvdisasm, '-c', f.name], capture_output=True, text=True, check=True).stdout
+        text = subprocess.run([nvdisasm, '-c', f.name], capture_output=True, text=True,
+                              check=True).stdout
     functions, current, labels = {}, None, []
     for line in text.splitlines():
         stripped = line.strip()
@@ -95,7 +96,8 @@ def hot_loop(instructions, key_ops=FLOAT_OPS):
     best, best_float = None, -1
     all_loops = loops(instructions)
     for first, last in all_loops:
-        nested = [(a, b) for a, b in all_loops if first <= a and b <= last and (a, b) != (first, last)]
+        nested = [(a, b) for a, b in all_loops
+                  if first <= a and b <= last and (a, b) != (first, last)]
         own = [instructions[i][1] for i in range(first, last + 1)
                if not any(a <= i <= b for a, b in nested)]
         counts = collections.Counter(op.split('.')[0] for op in own if op != 'NOP')
@@ -109,12 +111,22 @@ class SassToolError(RuntimeError):
     """nvdisasm is missing, or NVRTC rejected a source."""
 
 
+_TILE_TERMS = {'pairwise_forward': 256, 'pairwise_backward': 32, 'nys_forward_stats': 256,
+               'nys_forward_out': 256, 'nys_backward_reduce': 256, 'nys_backward_grads': 128}
+
+
 def terms_per_iteration(kernel, counts):
-    if kernel.startswith('pairwise_forward'):
-        return 256
-    if kernel.startswith('pairwise_backward'):
-        return 32
-    return counts['FFMA'] + counts['DFMA']
+    terms = _TILE_TERMS.get(kernel.split('<')[0])
+    return counts['FFMA'] + counts['DFMA'] if terms is None else terms
+
+
+def hot_loop_ops(kernel):
+    """The opcodes whose count picks a kernel's hot loop."""
+    if kernel.startswith('newton_schulz'):
+        return ('FFMA', 'DFMA')  # its row-sum loop has more other float work
+    if kernel.startswith('nys_backward_grads'):
+        return ('FADD',)
+    return FLOAT_OPS
 
 
 def report(source_root=SOURCE_ROOT, arch='sm_90'):
@@ -133,9 +145,7 @@ def report(source_root=SOURCE_ROOT, arch='sm_90'):
             raise SassToolError(f'NVRTC failed on {source}:\n{log}')
         functions = disassemble(nvdisasm, cubin)
         for name in names:
-            # The solver's products are its FMAs; its row-sum loop has more other float work.
-            key_ops = ('FFMA', 'DFMA') if name.startswith('newton_schulz') else FLOAT_OPS
-            counts = hot_loop(functions[lowered[name]], key_ops)
+            counts = hot_loop(functions[lowered[name]], hot_loop_ops(name))
             if counts is None:
                 rows.append(dict(kernel=name, instructions=0, terms=0, per_term=None, histogram={}))
                 continue

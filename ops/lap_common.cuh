@@ -8,6 +8,13 @@
 // host functions that the emulation shim provides.
 #pragma once
 
+// One untyped dynamic shared buffer: templates may not redeclare an extern
+// __shared__ array with a different element type. (The CPU emulation shim
+// defines this macro itself.)
+#ifdef __CUDA_ARCH__
+#define LAP_DYNAMIC_SHARED_BYTES(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
 // Raw storage of torch.float16 / torch.bfloat16 elements (2 bytes each).
 struct lap_half { unsigned short bits; };
 struct lap_bf16 { unsigned short bits; };

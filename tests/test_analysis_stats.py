@@ -154,7 +154,7 @@ def test_nystrom_row_times_v_is_the_layer_output(qk_grid, solver, iters):
     row = attention_maps.nystrom_row(q, k, hw, index, attn)
     landmarks = pool_landmarks(k[None], hw, 2)
     out = nystrom_attention(q[None], k[None], v[None], landmarks, lam=4.0, eps=0.01,
-                            solver=solver, iters=iters, backend='reference')[0]
+                            solver=solver, iters=iters, impl='reference')[0]
     np.testing.assert_allclose(torch.einsum('hn,hnd->hd', row, v), out[:, index],
                                rtol=1e-7, atol=1e-9)
 

@@ -127,7 +127,7 @@ def test_attention_core_runs_in_fp32_under_autocast():
     (dict(iters=0), ValueError, 'iters=0'),
     (dict(iters=3.0), TypeError, 'iters'),
     (dict(ns_init='random'), ValueError, "ns_init='random'.*allowed"),
-    (dict(backend='triton'), ValueError, "backend='triton'.*allowed"),
+    (dict(impl='triton'), ValueError, "impl='triton'.*allowed"),
     (dict(newton_iters=3), ValueError,
      "LaplacianAttention: unknown key.*'newton_iters'; allowed: qk_shared, landmark_grid, "),
     (dict(attn_drop=1.5), ValueError, 'attn_drop=1.5'),
@@ -156,7 +156,7 @@ def test_bad_call_arguments():
 def test_attention_options_are_the_module_keywords():
     assert ATTN_CFG_KEYS == ('qk_shared', 'landmark_grid', 'kernel', 'lam', 'eps', 'solver',
                              'iters', 'ns_init', 'ns_refine', 'normalize', 'whiten_eps',
-                             'backend')
+                             'impl')
 
 
 def test_forward_does_not_revalidate_the_options(monkeypatch):

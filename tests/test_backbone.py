@@ -162,7 +162,7 @@ def test_arch_dict_and_alias():
     (dict(attn_cfg=dict(landmark_grid=0)), 'landmark_grid=0'),
     (dict(attn_cfg=dict(newton_iters=5, lamda=2)),
      r"attn_cfg: unknown key\(s\) 'lamda', 'newton_iters'; allowed: qk_shared, landmark_grid, "
-     'kernel, lam, eps, solver, iters, ns_init, ns_refine, normalize, whiten_eps, backend'),
+     'kernel, lam, eps, solver, iters, ns_init, ns_refine, normalize, whiten_eps, impl'),
     (dict(norm_cfg=dict(type='BN')), r"norm_cfg=\{'type': 'BN'\} builds BatchNorm2d"),
     (dict(norm_cfg=dict(type='GN', num_groups=1)), 'norm_cfg=.* builds GroupNorm'),
     (dict(norm_cfg=dict(type='NoSuchNorm')), "norm_cfg=.*'NoSuchNorm'"),

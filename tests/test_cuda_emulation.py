@@ -9,29 +9,17 @@ packing are the ones the GPU gets. Results are compared with dense float64
 formulas and ``torch.linalg.inv``. Shapes are small and odd (N = 1, M = 1,
 d = 17, sizes that are not multiples of the tiles).
 """
-import ctypes
 import shutil
 import subprocess
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from _attention_helpers import dense_kernel as dense_kernel_named
+from _emulation import EMU_DIR, build_command, build_library, make_launch
 
 from lapformer_mm.ops import cuda_runtime as rt
-from lapformer_mm.ops import cupy_ops, kernels, nystrom
+from lapformer_mm.ops import cupy_ops, dispatch
 from lapformer_mm.ops.solvers import newton_schulz_iterate
-
-ROOT = Path(__file__).resolve().parent.parent
-EMU_DIR = ROOT / 'tests' / 'cuda_emu'
-
-_CTYPES = {
-    np.dtype(np.uint64): ctypes.c_uint64,
-    np.dtype(np.int64): ctypes.c_int64,
-    np.dtype(np.int32): ctypes.c_int32,
-    np.dtype(np.float64): ctypes.c_double,
-}
 
 
 @pytest.fixture(scope='module')
@@ -39,16 +27,9 @@ def emu_lib(tmp_path_factory):
     """The kernels compiled for the CPU as a shared library."""
     if shutil.which('g++') is None:
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
-    out = tmp_path_factory.mktemp('cuda_emu') / 'emu.so'
-    cmd = ['g++', '-std=c++20', '-O2', '-pthread', '-shared', '-fPIC',
-           '-I', str(ROOT / 'ops'), str(EMU_DIR / 'driver.cpp'), '-o', str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(f'g++ failed to build the emulation:\n{proc.stderr}')
-    lib = ctypes.CDLL(str(out))
-    lib.emu_has_kernel.argtypes = [ctypes.c_char_p]
-    lib.emu_launch_kernel.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_ulonglong]
+    lib, error = build_library(tmp_path_factory.mktemp('cuda_emu'))
+    if lib is None:
+        pytest.fail(f'g++ failed to build the emulation:\n{error}')
     return lib
 
 
@@ -56,17 +37,7 @@ def emu_lib(tmp_path_factory):
 def emulated(emu_lib, monkeypatch):
     """Route ``cuda_runtime.launch`` to the CPU emulation; records launches."""
     launches = []
-
-    def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, shapes=''):
-        values = [_CTYPES[np.asarray(a).dtype](a.item()) for a in args]
-        argv = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        grid3 = (ctypes.c_uint * 3)(*(tuple(grid) + (1, 1))[:3])
-        block3 = (ctypes.c_uint * 3)(*(tuple(block) + (1, 1))[:3])
-        rc = emu_lib.emu_launch_kernel(name_expression.encode(), argv, grid3, block3, shared_mem)
-        assert rc == 0, f'emulation has no kernel {name_expression}'
-        launches.append((name_expression, tuple(grid), tuple(block), shared_mem))
-
-    monkeypatch.setattr(rt, 'launch', launch)
+    monkeypatch.setattr(rt, 'launch', make_launch(emu_lib, launches))
     return launches
 
 
@@ -240,8 +211,7 @@ def test_blocks_loop_beyond_the_grid_limits(emulated, monkeypatch):
 @pytest.fixture
 def cupy_backend(emulated, monkeypatch):
     """The public functions choose the CuPy kernels for CPU tensors, run by the emulation."""
-    monkeypatch.setattr(kernels, 'uses_cupy', lambda backend, tensor: True)
-    monkeypatch.setattr(nystrom, 'backend_uses_cupy', lambda requested, tensor: True)
+    monkeypatch.setattr(dispatch, '_DECIDED', {(None, 'cpu'): 'cupy'})
     monkeypatch.setattr(cupy_ops, 'target_blocks', lambda device: 16)
     monkeypatch.setattr(rt, 'shared_memory_optin', lambda device_index: 48 * 1024)
     return emulated
@@ -249,7 +219,7 @@ def cupy_backend(emulated, monkeypatch):
 
 def test_public_functions_end_to_end_on_emulated_kernels(cupy_backend):
     """laplacian_kernel / gaussian_kernel / newton_schulz_pinv with autograd and strided
-    inputs, through the registered ops' cuda_kernel=True path."""
+    inputs, through the registered ops' impl='cupy' path."""
     from lapformer_mm.ops import gaussian_kernel, laplacian_kernel, newton_schulz_pinv
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(2, 3, 34, 40, generator=gen).transpose(-1, -2)[..., ::2].requires_grad_()  # (2, 3, 40, 17)
@@ -275,8 +245,9 @@ def test_public_functions_end_to_end_on_emulated_kernels(cupy_backend):
     torch.testing.assert_close(grad, -(inv.mT @ torch.ones_like(inv) @ inv.mT), rtol=1e-9, atol=1e-9)
 
 
-def test_attention_on_emulated_kernels_matches_dense_reference(cupy_backend):
-    """The whole attention with every kernel matrix and the solve on the CUDA kernels."""
+def test_composite_attention_on_emulated_kernels_matches_dense_reference(cupy_backend):
+    """The composite path (here the 'exact' solver) with every kernel matrix on the CUDA
+    kernels."""
     from _attention_helpers import dense_attention
 
     from lapformer_mm.ops import nystrom_attention, pool_landmarks
@@ -285,11 +256,10 @@ def test_attention_on_emulated_kernels_matches_dense_reference(cupy_backend):
     k = torch.randn(2, 2, 48, 16, generator=gen, dtype=torch.float64)
     v = torch.randn(2, 2, 48, 8, generator=gen, dtype=torch.float64)
     landmarks = pool_landmarks(k, (6, 8), 4)
-    out = nystrom_attention(q, k, v, landmarks, iters=60)
+    out = nystrom_attention(q, k, v, landmarks, solver='exact')
     torch.testing.assert_close(out, dense_attention(q, k, v, landmarks), rtol=1e-8, atol=1e-10)
     names = {launch[0] for launch in cupy_backend}
-    assert {rt.pairwise_forward_name('double', rt.LAPLACIAN),
-            rt.newton_schulz_name('double', True)} <= names
+    assert names == {rt.pairwise_forward_name('double', rt.LAPLACIAN)}
 
 
 def test_registered_ops_hand_the_kernels_contiguous_operands(cupy_backend):
@@ -298,12 +268,12 @@ def test_registered_ops_hand_the_kernels_contiguous_operands(cupy_backend):
     x, y = make_inputs(2, 33, 9, 34, torch.float32, seed=12)
     xs, ys = x[..., ::2], y.transpose(1, 2).contiguous().transpose(1, 2)[..., 1::2]
     assert not xs.is_contiguous() and not ys.is_contiguous()
-    out = torch.ops.lapformer_mm.pairwise_kernel(xs, ys, 4.0, 'laplacian', True)
+    out = torch.ops.lapformer_mm.pairwise_kernel(xs, ys, 4.0, 'laplacian', 'cupy')
     torch.testing.assert_close(out.double(), dense_kernel(xs.double(), ys.double(), 4.0, rt.LAPLACIAN),
                                rtol=1e-5, atol=1e-7)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).transpose(1, 2).contiguous().transpose(1, 2)
     dx, dy = torch.ops.lapformer_mm.pairwise_kernel_backward(g, out, xs, ys, 4.0, 'laplacian',
-                                                             True, True, True)
+                                                             True, True, 'cupy')
     ex, ey = dense_grads(xs, ys, g, 4.0, rt.LAPLACIAN)
     torch.testing.assert_close(dx.double(), ex, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dy.double(), ey, rtol=1e-5, atol=1e-6)
@@ -318,9 +288,9 @@ def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):
     if shutil.which('g++') is None:
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
     exe = tmp_path / 'tsan_main'
-    build = subprocess.run(['g++', '-std=c++20', '-O1', '-g', '-fsanitize=thread', '-pthread',
-                            '-I', str(ROOT / 'ops'), '-I', str(EMU_DIR), str(EMU_DIR / 'tsan_main.cpp'),
-                            '-o', str(exe)], capture_output=True, text=True)
+    command = build_command(exe, '-fsanitize=thread', '-g', str(EMU_DIR / 'tsan_main.cpp'))
+    build = subprocess.run([c if c != '-O2' else '-O1' for c in command], capture_output=True,
+                           text=True)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
                          env={'TSAN_OPTIONS': 'halt_on_error=1 exitcode=66'})

@@ -282,22 +282,22 @@ def test_sign_of_subnormal_differences_and_operands():
 
 
 def test_registered_ops_enforce_their_contract():
-    """torch.ops.lapformer_mm.* with cuda_kernel=True are callable directly: strided inputs give the right
+    """torch.ops.lapformer_mm.* with impl='cupy' are callable directly: strided inputs give the right
     result, mixed dtypes or devices a clear error instead of reading past an allocation."""
     ops = torch.ops.lapformer_mm
     x, y = inputs((2, 40, 64), (2, 9, 32), seed=6)
     xs = x[..., ::2]
     assert not xs.is_contiguous()
-    got = ops.pairwise_kernel(xs, y, 4.0, 'laplacian', True)
+    got = ops.pairwise_kernel(xs, y, 4.0, 'laplacian', 'cupy')
     torch.testing.assert_close(got.double(), dense_kernel(xs.double(), y.double(), 4.0, 'laplacian'),
                                rtol=1e-5, atol=1e-7)
     with pytest.raises(TypeError, match='y has dtype torch.float16 but x has torch.float32'):
-        ops.pairwise_kernel(xs, y.half(), 4.0, 'laplacian', True)
+        ops.pairwise_kernel(xs, y.half(), 4.0, 'laplacian', 'cupy')
     if DEV == 'cuda':
         with pytest.raises(ValueError, match='y is on cpu but x is on cuda'):
-            ops.pairwise_kernel(xs, y.cpu(), 4.0, 'laplacian', True)
+            ops.pairwise_kernel(xs, y.cpu(), 4.0, 'laplacian', 'cupy')
     with pytest.raises(TypeError, match=r'P has dtype torch.float16'):
-        ops.newton_schulz(torch.eye(4, device=DEV).half().expand(2, 4, 4), 3, 'identity', True)
+        ops.newton_schulz(torch.eye(4, device=DEV).half().expand(2, 4, 4), 3, 'identity', 'cupy')
 
 
 def test_newton_schulz_with_p_in_global_memory():

@@ -23,6 +23,12 @@ def rows():
     ('pairwise_backward<float, 0, false>', 6.0),
     ('pairwise_backward<float, 0, true>', 6.0),
     ('newton_schulz<float, true>', 1.4),
+    # The fused attention's kernel tiles (ops/nystrom_attention.cu), 2026-12-01: 3.28, 3.47,
+    # 3.22 and 4.05 (its 32-row tile stages 6 values per 8 terms).
+    ('nys_forward_stats<float, 0>', 3.3),
+    ('nys_forward_out<float, 0>', 3.5),
+    ('nys_backward_reduce<float, 0>', 3.3),
+    ('nys_backward_grads<float, 0>', 4.1),
 ])
 def test_hot_loop_instructions_per_term(rows, kernel, max_per_term):
     row = rows[kernel]
@@ -34,6 +40,10 @@ def test_laplacian_terms_use_the_abs_modifier_and_no_integer_sign(rows):
     assert forward['FADD'] == 2 * 256 and 'FSETP' not in forward
     backward = rows['pairwise_backward<float, 0, false>']['histogram']
     assert 'I2FP' not in backward and 'FFMA' not in backward
+    for name in ('nys_forward_stats', 'nys_forward_out', 'nys_backward_reduce',
+                 'nys_backward_grads'):
+        row = rows[f'{name}<float, 0>']
+        assert row['histogram']['FADD'] == 2 * row['terms'] and 'FSETP' not in row['histogram']
 
 
 def test_newton_schulz_reads_shared_memory_directly(rows):

@@ -16,6 +16,8 @@ from lapformer_mm.ops import (
     nystrom_forward,
     pool_landmarks,
 )
+from devtools import fake_cupy as fake_cupy_module
+from devtools.fake_cupy import FakeCudaTensor as FakeTensor
 from lapformer_mm.ops import cuda_runtime as rt
 
 
@@ -30,17 +32,17 @@ def test_registered_ops_pass_opcheck():
     ops = torch.ops.lapformer_mm
     x = torch.randn(2, 5, 3, requires_grad=True)
     y = torch.randn(2, 4, 3, requires_grad=True)
-    kmat = ops.pairwise_kernel(x, y, 4.0, 'laplacian', False)
+    kmat = ops.pairwise_kernel(x, y, 4.0, 'laplacian', 'reference')
     for kind in ('laplacian', 'gaussian'):
-        torch.library.opcheck(ops.pairwise_kernel, (x, y, 4.0, kind, False))
+        torch.library.opcheck(ops.pairwise_kernel, (x, y, 4.0, kind, 'reference'))
     torch.library.opcheck(ops.pairwise_kernel_backward,
                           (torch.randn_like(kmat), kmat.detach(), x.detach(), y.detach(), 4.0,
-                           'gaussian', True, False, False))
+                           'gaussian', True, False, 'reference'))
     torch.library.opcheck(ops.pairwise_kernel_backward,
                           (torch.randn_like(kmat), kmat.detach(), x.detach(), y.detach(), 4.0,
-                           'laplacian', False, True, False))
+                           'laplacian', False, True, 'reference'))
     torch.library.opcheck(ops.newton_schulz, (spd(2, 4).float().requires_grad_(), 5, 'identity',
-                                              False))
+                                              'reference'))
 
 
 def test_pairwise_only_requested_gradients():
@@ -90,86 +92,10 @@ def test_launch_geometry_covers_grid_limits():
         rt.pairwise_backward_launch(1, 64, 64, 2 ** 40, target_blocks=1)
 
 
-class FakeCupy:
-    """Records what cuda_runtime asks of CuPy (no GPU needed)."""
-
-    def __init__(self, fail_compile=False, fail_launch=False):
-        self.events = []
-        fake = self
-
-        class Device:
-            def __init__(self, index):
-                self.index = index
-
-            def __enter__(self):
-                fake.events.append(('device', self.index))
-
-            def __exit__(self, *exc):
-                return False
-
-        class Stream:
-            def __init__(self, obj):
-                self.obj = obj
-
-            @classmethod
-            def from_external(cls, obj):
-                return cls(obj)
-
-            def __enter__(self):
-                fake.events.append(('stream', self.obj.cuda_stream))
-
-            def __exit__(self, *exc):
-                return False
-
-        class Kernel:
-            def __init__(self, name):
-                self.name = name
-                self.max_dynamic_shared_size_bytes = 0
-
-            def __setattr__(self, key, value):
-                if key == 'max_dynamic_shared_size_bytes' and value:
-                    fake.events.append(('optin', value))
-                object.__setattr__(self, key, value)
-
-            def __call__(self, grid, block, args, shared_mem=0):
-                if fail_launch:
-                    raise RuntimeError('too many resources requested for launch')
-                fake.events.append(('launch', self.name, grid, block, len(args), shared_mem))
-
-        class RawModule:
-            def __init__(self, code, options, name_expressions, backend):
-                fake.events.append(('compile', tuple(name_expressions), options, backend))
-                assert '#include "' not in code
-                if fail_compile:
-                    raise RuntimeError('error: identifier "oops" is undefined')
-
-            def get_function(self, name):
-                return Kernel(name)
-
-        self.cuda = type('cuda', (), {'Device': Device, 'Stream': Stream})
-        self.RawModule = RawModule
-
-
-class FakeTorchStream:
-    cuda_stream = 12345
-
-    def __cuda_stream__(self):
-        return (0, self.cuda_stream)
-
-
-class FakeTensor:
-    device = torch.device('cuda', 1)
-
-
 @pytest.fixture
 def fake_cupy(monkeypatch):
     def install(**kwargs):
-        fake = FakeCupy(**kwargs)
-        monkeypatch.setattr(rt, 'import_cupy', lambda: fake)
-        monkeypatch.setattr(rt, '_functions', {})
-        monkeypatch.setattr(rt, '_dynamic_smem_opted', {})
-        monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: FakeTorchStream())
-        return fake
+        return fake_cupy_module.install(rt, monkeypatch.setattr, current_device=1, **kwargs)[0]
     return install
 
 
@@ -184,8 +110,8 @@ def test_launch_compiles_once_per_dtype_on_the_tensors_device_and_stream(fake_cu
     assert len(compiles) == 1 and name in compiles[0][1] and len(compiles[0][1]) == 6
     assert compiles[0][2] == rt.NVRTC_OPTIONS and compiles[0][3] == 'nvrtc'
     launches = [e for e in fake.events if e[0] == 'launch']
-    assert launches[0] == ('launch', name, (1, 2, 3), (16, 16, 1), 2, 0) and len(launches) == 3
-    assert ('device', 1) in fake.events and ('stream', FakeTorchStream.cuda_stream) in fake.events
+    assert launches[0] == ('launch', name, (1, 2, 3), (16, 16, 1), 2, 0, 12345)
+    assert len(launches) == 3
 
 
 def test_launch_opts_into_large_dynamic_shared_memory_once(fake_cupy):
@@ -230,7 +156,7 @@ print(sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED))
 
 
 def test_cuda_entry_points_enforce_the_kernels_contract():
-    """With cuda_kernel=True the ops check what the kernels assume before any launch: one
+    """With impl='cupy' the ops check what the kernels assume before any launch: one
     dtype for all operands, consistent shapes (and one device: checked by the same code,
     run on a GPU in test_cuda_ops.py)."""
     ops = torch.ops.lapformer_mm
@@ -238,21 +164,21 @@ def test_cuda_entry_points_enforce_the_kernels_contract():
     x = torch.randn(2, 30, 16, generator=gen)[..., ::2]
     y = torch.randn(2, 7, 8, generator=gen)
     with pytest.raises(TypeError, match='pairwise_kernel: y has dtype torch.float16 but x has torch.float32'):
-        ops.pairwise_kernel(x, y.half(), 4.0, 'laplacian', True)
+        ops.pairwise_kernel(x, y.half(), 4.0, 'laplacian', 'cupy')
     with pytest.raises(ValueError, match=r'x must be \(batch, n, d\) and y \(batch, m, d\)'):
-        ops.pairwise_kernel(x, y[..., :5], 4.0, 'laplacian', True)
+        ops.pairwise_kernel(x, y[..., :5], 4.0, 'laplacian', 'cupy')
     with pytest.raises(TypeError, match=r"x has dtype torch.int64; allowed"):
-        ops.pairwise_kernel(x.long(), y.long(), 4.0, 'laplacian', True)
+        ops.pairwise_kernel(x.long(), y.long(), 4.0, 'laplacian', 'cupy')
     g = torch.randn(2, 30, 7, generator=gen)
     with pytest.raises(ValueError, match=r'kmat must be \(batch, n, m\) = \(2, 30, 7\)'):
-        ops.pairwise_kernel_backward(g, g[:, :5], x, y, 4.0, 'laplacian', True, True, True)
+        ops.pairwise_kernel_backward(g, g[:, :5], x, y, 4.0, 'laplacian', True, True, 'cupy')
     with pytest.raises(TypeError, match='grad has dtype torch.float64 but x has torch.float32'):
-        ops.pairwise_kernel_backward(g.double(), g, x, y, 4.0, 'laplacian', True, True, True)
+        ops.pairwise_kernel_backward(g.double(), g, x, y, 4.0, 'laplacian', True, True, 'cupy')
     P = torch.eye(4).expand(3, 4, 4)
     with pytest.raises(TypeError, match=r"newton_schulz: P has dtype torch.float16; allowed: \['torch.float32', 'torch.float64'\]"):
-        ops.newton_schulz(P.half(), 3, 'identity', True)
+        ops.newton_schulz(P.half(), 3, 'identity', 'cupy')
     with pytest.raises(ValueError, match=r'P must be \(batch, m, m\)'):
-        ops.newton_schulz(P[:, :3], 3, 'identity', True)
+        ops.newton_schulz(P[:, :3], 3, 'identity', 'cupy')
 
 
 def test_reference_ops_take_strided_operands():
@@ -261,9 +187,9 @@ def test_reference_ops_take_strided_operands():
     x = torch.randn(2, 30, 16, generator=gen)[..., ::2]
     y = torch.randn(2, 7, 8, generator=gen)
     expected = torch.exp(-(x[:, :, None] - y[:, None]).abs().sum(-1) / 4.0)
-    torch.testing.assert_close(ops.pairwise_kernel(x, y, 4.0, 'laplacian', False), expected)
+    torch.testing.assert_close(ops.pairwise_kernel(x, y, 4.0, 'laplacian', 'reference'), expected)
     P = torch.eye(4).expand(3, 4, 4)
-    torch.testing.assert_close(ops.newton_schulz(2.0 * P, 30, 'identity', False), 0.5 * P)
+    torch.testing.assert_close(ops.newton_schulz(2.0 * P, 30, 'identity', 'reference'), 0.5 * P)
 
 
 def test_ops_compute_in_fp32_under_autocast():

@@ -102,7 +102,7 @@ def test_export_attention_matches_dense_fp64(options, shared):
     k = q if shared else smooth_tokens(2, (14, 16), 8, 1.0, seed=4)
     v = smooth_tokens(2, (14, 16), 8, 1.0, seed=5)
     landmarks = pool_landmarks(k, (14, 16), 7)
-    opts = AttentionOptions(backend='reference', **options)
+    opts = AttentionOptions(impl='reference', **options)
     got = ex.export_attention(q, k, v, landmarks, opts)
     dense_args = {key: val for key, val in options.items()
                   if key in ('lam', 'eps', 'whiten_eps', 'kernel', 'normalize')}
@@ -135,7 +135,8 @@ def test_residual_precision_is_scoped_and_checked():
 @pytest.mark.parametrize('options, match', [
     (dict(solver='exact'), "solver='exact' does not export: only solver='newton'"),
     (dict(solver='cg'), "solver='cg' does not export"),
-    (dict(backend='cupy'), "backend='cupy' does not export.*reference"),
+    (dict(impl='cupy'), "impl='cupy' does not export.*reference"),
+    (dict(impl='cpu'), "impl='cpu' does not export"),
 ])
 def test_only_newton_and_reference_export(options, match):
     with pytest.raises(ValueError, match=match):

@@ -4,11 +4,12 @@ import torch
 from _attention_helpers import dense_injective, dense_l1_kernel
 
 from lapformer_mm.ops import (
+    dispatch,
     injective_normalize,
     laplacian_kernel,
     nystrom_attention,
     pool_landmarks,
-    resolve_backend,
+    resolve_impl,
 )
 
 
@@ -144,23 +145,32 @@ def test_mismatched_shapes_raise():
         pool_landmarks(q, (2, 3))
 
 
-def test_resolve_backend(monkeypatch):
-    cpu = torch.zeros(1)
+def test_resolve_impl(monkeypatch):
+    cpu = torch.device('cpu')
     monkeypatch.delenv('LAPFORMER_OPS', raising=False)
-    assert resolve_backend(None, cpu) == 'reference'
-    assert resolve_backend('reference', cpu) == 'reference'
-    with pytest.raises(RuntimeError, match="'cupy' needs CUDA tensors"):
-        resolve_backend('cupy', cpu)
-    with pytest.raises(ValueError, match="backend='triton'"):
-        resolve_backend('triton', cpu)
+    monkeypatch.setattr(dispatch, '_DECIDED', {})
+    monkeypatch.setattr(dispatch, '_AVAILABLE', dict(cupy=lambda: False, cpu=lambda: False))
+    assert resolve_impl(dispatch.requested_impl(None), cpu) == 'reference'
+    assert resolve_impl('reference', cpu) == 'reference'
+    with pytest.raises(RuntimeError, match="impl='cupy' runs on cuda tensors, got tensors on cpu"):
+        resolve_impl('cupy', cpu)
+    with pytest.raises(RuntimeError, match="impl='cpu' is not usable here"):
+        resolve_impl('cpu', cpu)
+    with pytest.raises(ValueError, match="impl='triton'"):
+        dispatch.requested_impl('triton')
     monkeypatch.setenv('LAPFORMER_OPS', 'reference')
-    assert resolve_backend(None, cpu) == 'reference'
+    assert dispatch.requested_impl(None) == 'reference'
     monkeypatch.setenv('LAPFORMER_OPS', 'cupy')
     with pytest.raises(RuntimeError, match='LAPFORMER_OPS'):
-        laplacian_kernel(cpu.view(1, 1), cpu.view(1, 1))
+        laplacian_kernel(torch.zeros(1, 1), torch.zeros(1, 1))
     monkeypatch.setenv('LAPFORMER_OPS', 'fast')
     with pytest.raises(ValueError, match="LAPFORMER_OPS='fast'"):
-        resolve_backend(None, cpu)
+        dispatch.requested_impl(None)
+    # The CPU extension is chosen for CPU tensors once it reports available (decisions are
+    # cached per (requested, device type)).
+    monkeypatch.setattr(dispatch, '_DECIDED', {})
+    monkeypatch.setattr(dispatch, '_AVAILABLE', dict(cupy=lambda: False, cpu=lambda: True))
+    assert resolve_impl(None, cpu) == 'cpu' and resolve_impl('cpu', cpu) == 'cpu'
 
 
 @pytest.mark.parametrize('dtype', [torch.float16, torch.float32])
@@ -168,12 +178,12 @@ def test_tied_keys_evaluate_the_query_kernel_once(monkeypatch, dtype):
     """k is q: k(q, L) serves as k(k, L), also when the inputs are cast to fp32 first."""
     from lapformer_mm.ops import nystrom
     calls = []
-    original = nystrom.pairwise_kernel
+    original = nystrom._reference_kernel
 
     def counting(x, y, *args):
         calls.append(x.shape[-2])
         return original(x, y, *args)
-    monkeypatch.setattr(nystrom, 'pairwise_kernel', counting)
+    monkeypatch.setattr(nystrom, '_reference_kernel', counting)
     q = torch.randn(1, 2, 12, 4).to(dtype)
     nystrom_attention(q, q, torch.randn(1, 2, 12, 4).to(dtype), pool_landmarks(q, (3, 4), 2))
     assert calls == [12, 4]  # k(q, L), then k(L, L)

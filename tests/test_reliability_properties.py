@@ -107,10 +107,10 @@ def attention_inputs(draw, solvers=('newton', 'exact')):
     return q, k, v, hw, options
 
 
-def run_attention(q, k, v, hw, options, backend=None):
+def run_attention(q, k, v, hw, options, impl=None):
     options = dict(options)
     landmarks = pool_landmarks(k, hw, options.pop('grid'))
-    return nystrom_attention(q, k, v, landmarks, backend=backend, **options)
+    return nystrom_attention(q, k, v, landmarks, impl=impl, **options)
 
 
 @PROPERTY
@@ -143,8 +143,8 @@ def test_kernels_cupy_matches_reference(inputs):
     fn = KERNELS[kind]
     xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
     xc, yc = x.clone().requires_grad_(), y.clone().requires_grad_()
-    ref = fn(xr, yr, lam, backend='reference')
-    got = fn(xc, yc, lam, backend='cupy')
+    ref = fn(xr, yr, lam, impl='reference')
+    got = fn(xc, yc, lam, impl='cupy')
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
     grad = torch.randn_like(ref)
     ref.backward(grad)
@@ -161,7 +161,7 @@ def test_nystrom_attention_cupy_matches_reference(inputs):
     shared = k is q
     q, v = q.cuda(), v.cuda()
     k = q if shared else k.cuda()
-    ref = run_attention(q, k, v, hw, options, backend='reference')
-    got = run_attention(q, k, v, hw, options, backend='cupy')
+    ref = run_attention(q, k, v, hw, options, impl='reference')
+    got = run_attention(q, k, v, hw, options, impl='cupy')
     assert finite(got)
     torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-4)

@@ -4,7 +4,12 @@ Counting convention (mmengine/fvcore): one FLOP is one multiply-add, counted by 
 with :class:`mmengine.analysis.FlopAnalyzer`; element-wise ops (activations, exp outside
 the kernels, the injective normalisation's centring and scaling) are not counted. The
 tracer does not see inside the attention's registered ops, so :data:`FLOP_HANDLES` gives
-each of them the count defined next to the op in :mod:`lapformer_mm.ops.kernels`:
+each of them the count defined next to the op (:mod:`lapformer_mm.ops.nystrom`,
+:mod:`lapformer_mm.ops.kernels`):
+
+- the fused attention ``lapformer_mm::nystrom_attention`` (the default path): its kernel,
+  solve and visible parts, each the count of the composite path's ops below
+  (:func:`~lapformer_mm.ops.nystrom.nystrom_attention_flops`);
 
 - kernel matrix k(x, y), x (..., N, d), y (..., M, d): N·M·(d + 1) per batch element
   (:func:`~lapformer_mm.ops.kernels.pairwise_kernel_flops`). With ``qk_shared`` the
@@ -13,19 +18,21 @@ each of them the count defined next to the op in :mod:`lapformer_mm.ops.kernels`
   2·m³·t + m² (:func:`~lapformer_mm.ops.kernels.newton_schulz_flops`).
 - softmax attention (the stage-4 option): N·M·(d + d_v) per head.
 
-The landmark-sized products around the solve (X · rhs and the refinement step) are
-ordinary matmuls, counted by mmengine's own handle. Each handle belongs to a part:
-``kernel`` and ``solve`` are the opaque ops; ``visible`` are products a tracer sees when
-the kernel and the solve are opaque (as in SOFT's released model). :func:`flop_totals`
-reports ``visible`` (comparable with the papers' tables) and ``full`` (visible + kernel +
-solve).
+On the composite path (dropout on Z, the 'exact' and 'cg' solvers) the landmark-sized
+products around the solve (X · rhs and the refinement step) are ordinary matmuls, counted
+by mmengine's own handle. Each count belongs to a part: ``kernel`` and ``solve`` are the
+opaque ops; ``visible`` are products a tracer sees when the kernel and the solve are
+opaque (as in SOFT's released model). A handle returns ``{'<op>/<part>': flops}``.
+:func:`flop_totals` reports ``visible`` (comparable with the papers' tables) and ``full``
+(visible + kernel + solve).
 """
 import math
+from collections import Counter
 
 import torch
 from torch import nn
 
-from lapformer_mm.ops import kernels
+from lapformer_mm.ops import kernels, nystrom
 
 KERNEL, SOLVE, VISIBLE = 'kernel', 'solve', 'visible'
 
@@ -39,29 +46,45 @@ def _batch(shape, core):
     return math.prod(shape[:-core])
 
 
+def _parts(name, **parts):
+    return Counter({f'{name}/{part}': flops for part, flops in parts.items()})
+
+
+def nystrom_attention_flops(inputs, outputs):
+    """Traced ``lapformer_mm::nystrom_attention(q, k, v, landmarks, kernel, lam, eps, iters,
+    ns_init, ns_refine, ...)``; k is None when keys are tied."""
+    tied = inputs[1].type().kind() == 'NoneType'
+    return _parts('nystrom_attention', **nystrom.nystrom_attention_flops(
+        _shape(inputs[0]), _shape(inputs[2]), _shape(inputs[3])[-2], tied,
+        inputs[7].toIValue(), inputs[9].toIValue()))
+
+
 def pairwise_kernel_flops(inputs, outputs):
     """Traced ``lapformer_mm::pairwise_kernel(x, y, ...)``."""
-    return kernels.pairwise_kernel_flops(_shape(inputs[0]), _shape(inputs[1]))
+    return _parts('pairwise_kernel', **{KERNEL: kernels.pairwise_kernel_flops(
+        _shape(inputs[0]), _shape(inputs[1]))})
 
 
 def newton_schulz_flops(inputs, outputs):
     """Traced ``lapformer_mm::newton_schulz(P, iters, ...)``."""
-    return kernels.newton_schulz_flops(_shape(inputs[0]), inputs[1].toIValue())
+    return _parts('newton_schulz', **{SOLVE: kernels.newton_schulz_flops(
+        _shape(inputs[0]), inputs[1].toIValue())})
 
 
 def softmax_attention_flops(inputs, outputs):
     """q (..., N, d), k (..., M, d), v (..., M, d_v) -> batch · N · M · (d + d_v)."""
     q, k, v = (_shape(t) for t in inputs[:3])
-    return _batch(q, 2) * q[-2] * k[-2] * (q[-1] + v[-1])
+    return _parts('scaled_dot_product_attention',
+                  **{VISIBLE: _batch(q, 2) * q[-2] * k[-2] * (q[-1] + v[-1])})
 
 
-#: op -> (part, handle): the registered ops of lapformer_mm.ops (one op per primitive,
-#: whichever backend runs it), and the aten op of the softmax stage, which mmengine has no
-#: handle for.
+#: op -> handle: the registered ops of lapformer_mm.ops (whichever implementation runs
+#: them), and the aten op of the softmax stage, which mmengine has no handle for.
 FLOP_HANDLES = {
-    kernels.pairwise_kernel_op: (KERNEL, pairwise_kernel_flops),
-    kernels.newton_schulz_op: (SOLVE, newton_schulz_flops),
-    torch.ops.aten.scaled_dot_product_attention: (VISIBLE, softmax_attention_flops),
+    nystrom.nystrom_attention_op: nystrom_attention_flops,
+    kernels.pairwise_kernel_op: pairwise_kernel_flops,
+    kernels.newton_schulz_op: newton_schulz_flops,
+    torch.ops.aten.scaled_dot_product_attention: softmax_attention_flops,
 }
 
 
@@ -80,17 +103,11 @@ def traced_name(op):
     raise TypeError(f'op must be a torch.ops operator or a torch.library custom op, got {op!r}')
 
 
-def operator_key(op):
-    """The key of ``op`` in ``FlopAnalyzer.by_operator()`` (the traced name without namespace)."""
-    return traced_name(op).split('::', 1)[-1]
-
-
 def flop_analyzer(model, inputs):
     """``FlopAnalyzer`` of ``model`` on the tuple ``inputs`` with :data:`FLOP_HANDLES` set."""
     from mmengine.analysis import FlopAnalyzer
     analyzer = FlopAnalyzer(model, inputs)
-    analyzer.set_op_handle(**{traced_name(op): handle
-                              for op, (_, handle) in FLOP_HANDLES.items()})
+    analyzer.set_op_handle(**{traced_name(op): handle for op, handle in FLOP_HANDLES.items()})
     analyzer.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
     analyzer.tracer_warnings('none')
     return analyzer
@@ -102,9 +119,10 @@ def flop_totals(analyzer):
         total = analyzer.total()
         by_op = analyzer.by_operator()
     parts = {KERNEL: 0, SOLVE: 0}
-    for op, (part, _) in FLOP_HANDLES.items():
+    for key, flops in by_op.items():
+        part = key.rpartition('/')[2]
         if part in parts:
-            parts[part] += by_op.get(operator_key(op), 0)
+            parts[part] += flops
     return dict(full=total, visible=total - parts[KERNEL] - parts[SOLVE], **parts)
 
 

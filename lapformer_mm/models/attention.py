@@ -35,7 +35,8 @@ class LaplacianAttention(nn.Module):
     1. ``q, k, v`` by one linear layer (``k = q`` when ``qk_shared``);
     2. landmarks: the keys average-pooled to at most ``landmark_grid``² points;
     3. ``o = Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v)`` per head
-       (:func:`lapformer_mm.ops.nystrom_forward`, fp32 even under autocast);
+       (:func:`lapformer_mm.ops.nystrom_forward`: one op, ``lapformer_mm::nystrom_attention``,
+       reading 16-bit q, k, v as they are and computing in fp32);
     4. ``o + dwconv3x3(v)`` on the H×W grid, then the output projection.
 
     The keyword-only arguments are the attention options (:data:`ATTN_CFG_KEYS`,
@@ -60,7 +61,7 @@ class LaplacianAttention(nn.Module):
             ``ns_init`` ('identity' | 'authors'), ``ns_refine`` (one step of
             iterative refinement after Newton–Schulz, docs/numerics.md),
             ``eps`` (ridge ε >= 0 added to k(L, L)), ``whiten_eps`` (δ >= 0 of
-            the whitening) and ``backend`` ('reference' | 'cupy' | None).
+            the whitening) and ``impl`` ('reference' | 'cupy' | 'cpu' | None).
     """
 
     def __init__(self, dim, num_heads, qkv_bias=True, attn_drop=0.0, proj_drop=0.0, *,

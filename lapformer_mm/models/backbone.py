@@ -194,7 +194,7 @@ class LaplacianFormer(BaseModule):
             ``lam`` (λ), ``landmark_grid``, ``kernel`` ('laplacian' |
             'gaussian'), ``normalize`` ('injective' | 'none'), ``solver``
             ('newton' | 'exact' | 'cg'), ``iters`` (solver iterations),
-            ``ns_init``, ``ns_refine``, ``eps``, ``whiten_eps``, ``backend``
+            ``ns_init``, ``ns_refine``, ``eps``, ``whiten_eps``, ``impl``
             and ``qk_shared``. An unknown key raises ValueError. Here
             ``qk_shared`` is one bool or one per stage, default
             (True, True, True, False): keys tied to queries in stages 1-3

@@ -22,7 +22,8 @@ import torch
 #: CUDA source files and the headers they include.
 PAIRWISE_SOURCE = 'pairwise_kernel.cu'
 NEWTON_SCHULZ_SOURCE = 'newton_schulz.cu'
-SOURCES = (PAIRWISE_SOURCE, NEWTON_SCHULZ_SOURCE)
+NYSTROM_SOURCE = 'nystrom_attention.cu'
+SOURCES = (PAIRWISE_SOURCE, NEWTON_SCHULZ_SOURCE, NYSTROM_SOURCE)
 
 #: NVRTC options used at run time and by the CI compile test.
 NVRTC_OPTIONS = ('-std=c++17',)
@@ -48,6 +49,20 @@ NS_MT = 4
 NS_STATIC_SMEM = 16   # the norm scalar, as reported by ptxas (counts against the limit)
 MAX_GRID_YZ = 65535
 MAX_GRID_X = 2 ** 31 - 1
+
+# Geometry of nystrom_attention.cu (its #defines).
+NYS_MP, NYS_DV = 64, 64        # the most landmarks and value columns of the fused kernels
+NYS_TN, NYS_TB, NYS_TK = 64, 32, 16
+NYS_BLOCK = (16, 16, 1)
+#: fp32/fp16/bf16 only: fp64 inputs take the reference math.
+NYS_ELEMENT_TYPES = ('float', 'lap_half', 'lap_bf16')
+#: Forward and backward stages of the fused attention, in launch order.
+NYS_FORWARD = ('nys_forward_stats', 'nys_forward_solve', 'nys_forward_out')
+NYS_BACKWARD = ('nys_backward_reduce', 'nys_backward_solve', 'nys_backward_grads',
+                'nys_backward_landmarks')
+#: Dynamic shared memory of nys_backward_grads (bytes; the layout at its top).
+NYSTROM_GRADS_SMEM = 4 * (2 * NYS_MP * (NYS_DV + 1) + 4 * NYS_TB * (NYS_MP + 1)
+                          + NYS_TK * (NYS_TB + NYS_MP + 2) + 3 * NYS_MP + 2 * NYS_TB)
 
 
 def source_dirs():
@@ -110,6 +125,14 @@ def newton_schulz_name(scalar_type, p_in_shared):
     return f"newton_schulz<{scalar_type}, {'true' if p_in_shared else 'false'}>"
 
 
+def nystrom_name(stage, element_type, kind):
+    """Template instantiation name of a stage of the fused attention (``NYS_FORWARD`` /
+    ``NYS_BACKWARD``); the landmark merge has no kernel kind."""
+    if stage == 'nys_backward_landmarks':
+        return f'{stage}<{element_type}>'
+    return f'{stage}<{element_type}, {kind}>'
+
+
 def all_name_expressions():
     """{source: [every template instantiation the Python side can launch]}."""
     pairwise = []
@@ -122,6 +145,9 @@ def all_name_expressions():
         PAIRWISE_SOURCE: pairwise,
         NEWTON_SCHULZ_SOURCE: [newton_schulz_name(s, shared) for s in ('float', 'double')
                                for shared in (True, False)],
+        NYSTROM_SOURCE: list(dict.fromkeys(
+            nystrom_name(stage, element_type, kind) for element_type in NYS_ELEMENT_TYPES
+            for kind in KINDS.values() for stage in NYS_FORWARD + NYS_BACKWARD)),
     }
 
 
@@ -196,6 +222,37 @@ def newton_schulz_launch(batch, m, itemsize, smem_limit):
     return grid, (threads, 1, 1), smem, p_in_shared
 
 
+def nystrom_fused_supported(dtype, m, dv, d):
+    """Whether the fused attention kernels take these operands (else the reference math)."""
+    return (ELEMENT_TYPES.get(dtype) in NYS_ELEMENT_TYPES and 1 <= m <= NYS_MP
+            and 1 <= dv <= NYS_DV and d >= 1)
+
+
+@functools.lru_cache(maxsize=None)
+def nystrom_splits(bh, n, target_blocks):
+    """(splits, chunk): the N rows of each (batch, head) cut into ``splits`` slices of
+    ``chunk`` rows (a multiple of both tile heights) so that about ``target_blocks``
+    blocks exist. Depends only on the shapes and the device, so results are
+    deterministic; every slice holds at least one row."""
+    tiles = _ceil_div(max(n, 1), NYS_TN)
+    splits = min(tiles, max(1, _ceil_div(target_blocks, bh)), MAX_GRID_X)
+    chunk = _ceil_div(tiles, splits) * NYS_TN
+    return _ceil_div(max(n, 1), chunk), chunk
+
+
+@functools.lru_cache(maxsize=None)
+def nystrom_solve_smem(m, dv):
+    """Dynamic shared memory (bytes) of nys_forward_solve: P, X, scratch, R, context, scale."""
+    mp, ld = newton_schulz_stride(m)
+    return 4 * (3 * mp * ld + 2 * m * dv + NYS_MP)
+
+
+@functools.lru_cache(maxsize=None)
+def nystrom_backward_solve_smem(m, dv):
+    """Dynamic shared memory (bytes) of nys_backward_solve."""
+    return 4 * (2 * m * m + 3 * m * dv + 2 * NYS_MP + NYS_DV)
+
+
 # ----------------------------------------------------------------------------
 # CuPy side: compile, cache, launch.
 # ----------------------------------------------------------------------------
@@ -216,7 +273,7 @@ def import_cupy():
 
 _lock = threading.Lock()
 _functions = {}
-_dynamic_smem_opted = {}
+_launchers = {}
 
 
 def compile_group(source, name_expression):
@@ -272,32 +329,83 @@ def pointer(tensor):
     return np.uint64(0 if tensor is None else tensor.data_ptr())
 
 
-def cupy_stream(cupy, device):
-    """PyTorch's current stream of ``device`` as a CuPy stream (no new stream is created)."""
-    torch_stream = torch.cuda.current_stream(device)
-    if hasattr(cupy.cuda.Stream, 'from_external') and hasattr(torch_stream, '__cuda_stream__'):
-        return cupy.cuda.Stream.from_external(torch_stream)  # CuPy >= 14
-    return cupy.cuda.ExternalStream(torch_stream.cuda_stream, device.index)
+def raw_stream(device_index):
+    """Handle of PyTorch's current stream on the device (the capture stream while a CUDA
+    graph is being captured)."""
+    get = getattr(torch._C, '_cuda_getCurrentRawStream', None)
+    if get is not None:
+        return get(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+_streams = {}
+_MAX_STREAMS = 256
+
+
+def cupy_stream(cupy, device_index):
+    """PyTorch's current stream of the device as a CuPy stream, one wrapper per stream.
+
+    The wrapper only names the handle, so it stays valid for whatever stream later has
+    that handle. Kernels are always launched on it, never on CuPy's own current stream
+    (the legacy default stream unless set), which would escape a CUDA graph capture on
+    PyTorch's stream and replay stale results.
+    """
+    handle = raw_stream(device_index)
+    key = (device_index, handle)
+    stream = _streams.get(key)
+    if stream is None:
+        if len(_streams) >= _MAX_STREAMS:
+            _streams.clear()
+        external = getattr(cupy.cuda, 'ExternalStream', None)
+        if external is not None:
+            stream = external(handle, device_index)
+        else:  # CuPy without ExternalStream: wrap PyTorch's stream object
+            stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream(device_index))
+        _streams[key] = stream
+    return stream
+
+
+def _launcher(cupy, device_index, source, name_expression, shared_mem):
+    """The low-level launch function of a kernel on the device (cached), opted into
+    ``shared_mem`` bytes of dynamic shared memory."""
+    key = (device_index, source, name_expression)
+    entry = _launchers.get(key)
+    if entry is None:
+        function = get_function(device_index, source, name_expression)
+        with cupy.cuda.Device(device_index):
+            # RawKernel.kernel is the device's compiled Function: calling it directly skips
+            # RawKernel's per-call device lookup.
+            entry = [function, getattr(function, 'kernel', function), 0]
+        _launchers[key] = entry
+    if shared_mem > entry[2]:
+        # Dynamic + static above 48 KiB needs the opt-in (m = 64 fp32 already does).
+        with cupy.cuda.Device(device_index):
+            entry[0].max_dynamic_shared_size_bytes = shared_mem
+        entry[2] = shared_mem
+    return entry[1]
 
 
 def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, shapes=''):
     """Launch a kernel on the current PyTorch stream of ``tensor``'s device.
 
     ``args`` must already have their exact C types (numpy scalars, pointers
-    from :func:`pointer`). Failures raise :class:`CudaOpsError` naming the
-    kernel, the launch geometry and ``shapes`` (a string, or a callable that
+    from :func:`pointer`). No host synchronisation; a device context is entered only when
+    the tensor's device is not the current one. Failures raise :class:`CudaOpsError`
+    naming the kernel, the launch geometry and ``shapes`` (a string, or a callable that
     makes it: the message is only formatted on failure).
     """
     cupy = import_cupy()
     device_index = tensor.device.index
-    function = get_function(device_index, source, name_expression)
     try:
-        with cupy.cuda.Device(device_index), cupy_stream(cupy, tensor.device):
-            if shared_mem and _dynamic_smem_opted.get(id(function), -1) < shared_mem:
-                # Dynamic + static above 48 KiB needs the opt-in (m = 64 fp32 already does).
-                function.max_dynamic_shared_size_bytes = shared_mem
-                _dynamic_smem_opted[id(function)] = shared_mem
-            function(grid, block, args, shared_mem=shared_mem)
+        call = _launcher(cupy, device_index, source, name_expression, shared_mem)
+        stream = cupy_stream(cupy, device_index)
+        if cupy.cuda.runtime.getDevice() == device_index:
+            call(grid, block, args, shared_mem=shared_mem, stream=stream)
+        else:
+            with cupy.cuda.Device(device_index):
+                call(grid, block, args, shared_mem=shared_mem, stream=stream)
+    except CudaOpsError:
+        raise
     except Exception as exc:
         raise CudaOpsError(f'launching {name_expression} (grid={grid}, block={block}, '
                            f'shared_mem={shared_mem}) for '

@@ -1,6 +1,6 @@
 """CUDA (CuPy/NVRTC) implementations of the registered ops of :mod:`lapformer_mm.ops.kernels`.
 
-Called by those ops when ``cuda_kernel=True``: :func:`pairwise_forward` and
+Called by those ops when ``impl='cupy'``: :func:`pairwise_forward` and
 :func:`pairwise_backward` run the fused kernels of ``ops/pairwise_kernel.cu``,
 :func:`newton_schulz` runs ``ops/newton_schulz.cu`` when the m x m iterate fits
 in shared memory. The kernels read 16-bit inputs, accumulate in fp32 and write
@@ -172,7 +172,7 @@ def _square_operands(op, **tensors):
 
 
 # ----------------------------------------------------------------------------
-# Entry points of the registered ops (cuda_kernel=True).
+# Entry points of the registered ops (impl='cupy').
 # ----------------------------------------------------------------------------
 
 def pairwise_forward(x, y, lam, kind):
@@ -192,3 +192,161 @@ def newton_schulz(P, iters, init):
     """Newton–Schulz inverse of fp32/fp64 P (batch, m, m), or None if it does not fit."""
     (P,) = _square_operands('newton_schulz', P=P)
     return fused_newton_schulz(P, iters, init == 'authors', rt.shared_memory_optin(P.device.index))
+
+
+# ----------------------------------------------------------------------------
+# The fused attention (lapformer_mm::nystrom_attention and its backward): 3 launches
+# forward, 4 backward (ops/nystrom_attention.cu), no N x m matrix in memory.
+# ----------------------------------------------------------------------------
+
+_F32 = torch.float32
+
+
+def _operand(t):
+    """(pointer, 4 strides) of a (B, h, n, d) operand as kernel arguments; null for None.
+
+    Strides are 64-bit kernel parameters, so plain Python ints do (CuPy passes an int as
+    int64); the 32-bit ones below are numpy scalars of their exact type.
+    """
+    if t is None:
+        return (rt.pointer(None), 0, 0, 0, 0)
+    return (rt.pointer(t),) + t.stride()
+
+
+def _grad_operand(grad):
+    """(pointer, batch, head, row, column strides) of the (B, N, h, d_v) output gradient."""
+    sb, sn, sh, sd = grad.stride()
+    return rt.pointer(grad), sb, sh, sn, sd
+
+
+def _token_layout(batch, heads, n, width, like):
+    """An uninitialised (B, h, n, width) view of a contiguous (B, n, h, width) tensor."""
+    return torch.empty(batch, n, heads, width, dtype=like.dtype,
+                       device=like.device).transpose(1, 2)
+
+
+def _offset(tensor, floats):
+    """Pointer ``floats`` fp32 elements into ``tensor`` (no ATen op)."""
+    return np.uint64(tensor.data_ptr() + 4 * floats)
+
+
+@functools.lru_cache(maxsize=None)
+def _stage_names(dtype, kind):
+    """The 7 kernel instantiations (forward, then backward) for an element type and kind."""
+    element = rt.ELEMENT_TYPES[dtype]
+    return tuple(rt.nystrom_name(stage, element, kind)
+                 for stage in rt.NYS_FORWARD + rt.NYS_BACKWARD)
+
+
+def _kernel_scalars(kernel, lam):
+    """(kind, -1/lam, -coef): the kernel code and the constants of its value and gradient."""
+    kind = rt.KINDS[kernel]
+    return kind, np.float32(-1.0 / lam), np.float32(-(1.0 if kind == rt.LAPLACIAN else 2.0) / lam)
+
+
+def _fused(q, v, landmarks):
+    _check_int32(n=q.shape[2], m=landmarks.shape[2], d=q.shape[3], dv=v.shape[3])
+    return rt.nystrom_fused_supported(q.dtype, landmarks.shape[2], v.shape[3], q.shape[3])
+
+
+def nystrom_attention_forward(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine,
+                              normalize, whiten_eps):
+    """(out, context, inverse, stats) of the contract in :mod:`.nystrom`, operands checked.
+
+    fp64 operands, more than ``rt.NYS_MP`` landmarks or wider values than ``rt.NYS_DV``
+    run the reference math (on the GPU) instead of the fused kernels.
+    """
+    if not _fused(q, v, landmarks):
+        from .nystrom import nystrom_attention_reference
+        return nystrom_attention_reference(q, k, v, landmarks, kernel, lam, eps, iters, ns_init,
+                                           ns_refine, normalize, whiten_eps)
+    batch, heads, n, d = q.shape
+    m, dv = landmarks.shape[2], v.shape[3]
+    bh = batch * heads
+    device = q.device
+    injective = normalize == 'injective'
+    out = torch.empty(batch, n, heads, dv, dtype=q.dtype, device=device)
+    context = torch.empty(batch, heads, m, dv, dtype=_F32, device=device)
+    inverse = torch.empty(batch, heads, m, m, dtype=_F32, device=device)
+    stats = torch.empty(batch, heads, 2 if injective else 0, m, dtype=_F32, device=device)
+    splits, chunk = rt.nystrom_splits(bh, n, target_blocks(device))
+    part_floats = bh * splits * (2 * m + m * dv)
+    work = torch.empty(part_floats + bh * (m + 1) * dv, dtype=_F32, device=device)
+    part, fold = rt.pointer(work), _offset(work, part_floats)
+    kind, neg_inv_lam, _ = _kernel_scalars(kernel, lam)
+    names = _stage_names(q.dtype, kind)
+    sizes = (bh, np.int32(heads), np.int32(n), np.int32(m), np.int32(d), np.int32(dv))
+    flag = np.int32(injective)
+    shapes = _shapes(q=q, v=v, landmarks=landmarks)
+    qs, lm = _operand(q), _operand(landmarks)
+    pass_grid = (splits, min(bh, rt.MAX_GRID_YZ))
+
+    rt.launch(rt.NYSTROM_SOURCE, names[0], q, pass_grid, rt.NYS_BLOCK,
+              qs[:1] + _operand(k)[:1] + _operand(v)[:1] + lm[:1] + qs[1:] + _operand(k)[1:]
+              + _operand(v)[1:] + lm[1:] + (part,) + sizes + (np.int32(chunk), neg_inv_lam, flag),
+              shapes=shapes)
+    rt.launch(rt.NYSTROM_SOURCE, names[1], q, (min(bh, rt.MAX_GRID_X),), rt.NYS_BLOCK,
+              lm + (part, rt.pointer(context), rt.pointer(inverse), rt.pointer(stats), fold)
+              + sizes + (np.int32(chunk), np.int32(splits), neg_inv_lam, np.float32(eps),
+                         np.int32(iters), np.int32(ns_init == 'authors'), np.int32(ns_refine),
+                         flag, np.float32(whiten_eps)),
+              shared_mem=rt.nystrom_solve_smem(m, dv), shapes=shapes)
+    rt.launch(rt.NYSTROM_SOURCE, names[2], q,
+              (min(-(-n // rt.NYS_TN), rt.MAX_GRID_X), min(bh, rt.MAX_GRID_YZ)), rt.NYS_BLOCK,
+              qs + lm + (fold, rt.pointer(out)) + sizes + (neg_inv_lam, flag), shapes=shapes)
+    return out, context, inverse, stats
+
+
+def nystrom_attention_backward(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam,
+                               eps, ns_refine, normalize, whiten_eps):
+    """(dq, dk, dv, dlandmarks) of the contract in :mod:`.nystrom`."""
+    if not _fused(q, v, landmarks):
+        from .nystrom import nystrom_attention_backward_reference
+        return nystrom_attention_backward_reference(grad, q, k, v, landmarks, context, inverse,
+                                                    stats, kernel, lam, eps, ns_refine,
+                                                    normalize, whiten_eps)
+    batch, heads, n, d = q.shape
+    m, dv = landmarks.shape[2], v.shape[3]
+    bh = batch * heads
+    device = q.device
+    grad = grad if grad.dtype == q.dtype else grad.to(q.dtype)
+    # The token layout (B, N, h, .), as the module's projections have it: their backward
+    # then needs no copy. The landmarks' gradient takes their strides when dense.
+    dq = _token_layout(batch, heads, n, d, q)
+    dk = None if k is None else _token_layout(batch, heads, n, d, q)
+    dv_out = _token_layout(batch, heads, n, dv, q)
+    dl = torch.empty_like(landmarks)
+    splits, chunk = rt.nystrom_splits(bh, n, target_blocks(device))
+    reduce_floats = bh * splits * (m * dv + dv)
+    work_floats = bh * (m * dv + m + m * d)
+    lpart_floats = bh * splits * m * d
+    work = torch.empty(reduce_floats + work_floats + lpart_floats, dtype=_F32, device=device)
+    part, solved = rt.pointer(work), _offset(work, reduce_floats)
+    lpart = _offset(work, reduce_floats + work_floats)
+    kind, neg_inv_lam, neg_coef = _kernel_scalars(kernel, lam)
+    names = _stage_names(q.dtype, kind)
+    sizes = (bh, np.int32(heads), np.int32(n), np.int32(m), np.int32(d), np.int32(dv))
+    flag = np.int32(normalize == 'injective')
+    shapes = _shapes(grad=grad, q=q, v=v, landmarks=landmarks)
+    lm, g, qs = _operand(landmarks), _grad_operand(grad), _operand(q)
+    pass_grid = (splits, min(bh, rt.MAX_GRID_YZ))
+    solve_grid = (min(bh, rt.MAX_GRID_X),)
+
+    rt.launch(rt.NYSTROM_SOURCE, names[3], q, pass_grid, rt.NYS_BLOCK,
+              g + qs + lm + (part,) + sizes + (np.int32(chunk), neg_inv_lam, flag), shapes=shapes)
+    rt.launch(rt.NYSTROM_SOURCE, names[4], q, solve_grid, rt.NYS_BLOCK,
+              lm + (part, rt.pointer(context), rt.pointer(inverse), rt.pointer(stats), solved)
+              + sizes + (np.int32(splits), neg_inv_lam, neg_coef, np.float32(eps),
+                         np.int32(ns_refine), flag),
+              shared_mem=rt.nystrom_backward_solve_smem(m, dv), shapes=shapes)
+    rt.launch(rt.NYSTROM_SOURCE, names[5], q, pass_grid, rt.NYS_BLOCK,
+              g + qs + _operand(k) + _operand(v) + lm
+              + (rt.pointer(context), rt.pointer(stats), solved, rt.pointer(dq), rt.pointer(dk))
+              + dq.stride() + (rt.pointer(dv_out),) + dv_out.stride() + (lpart,)
+              + sizes + (np.int32(chunk), neg_inv_lam, neg_coef, flag),
+              shared_mem=rt.NYSTROM_GRADS_SMEM, shapes=shapes)
+    rt.launch(rt.NYSTROM_SOURCE, names[6], q, solve_grid, rt.NYS_BLOCK,
+              (lpart, solved) + _operand(dl)
+              + (bh, np.int32(heads), np.int32(m), np.int32(d), np.int32(dv),
+                 np.int32(splits)), shapes=shapes)
+    return dq, q.new_empty(0) if dk is None else dk, dv_out, dl

@@ -1,16 +1,30 @@
-"""Choice between the pure-PyTorch reference ops and the CuPy CUDA kernels.
+"""Which implementation runs the registered ops: one flag, ``impl``, decided in one place.
 
-``backend=None`` means: the environment variable ``LAPFORMER_OPS``
-('reference' or 'cupy') when set, else 'cupy' for CUDA tensors when
-``import cupy`` works, else 'reference'. ``lapformer_mm.ops.cupy_ops`` is
-imported only when the CuPy path is chosen.
+``impl`` is one of :data:`IMPLS`:
+
+* ``'reference'``: the plain-PyTorch math next to each op, on every device (the ground
+  truth of the tests);
+* ``'cupy'``: the CUDA kernels of ``ops/*.cu``, compiled by NVRTC through CuPy
+  (:mod:`lapformer_mm.ops.cupy_ops`), for CUDA tensors;
+* ``'cpu'``: the C++ CPU extension (:mod:`lapformer_mm.ops.cpu_ext`, when it is
+  installed and reports ``available()``), for CPU tensors.
+
+A requested ``impl=None`` means: the environment variable ``LAPFORMER_OPS`` when set
+(read once, where the options are built: :func:`requested_impl`), else the fast
+implementation of the tensor's device when it is usable, else ``'reference'``
+(:func:`resolve_impl`). CuPy and the CPU extension are imported only when chosen.
 """
 import functools
 import importlib
 import os
 
-BACKENDS = ('reference', 'cupy')
+import torch
+
+IMPLS = ('reference', 'cupy', 'cpu')
 ENV_VAR = 'LAPFORMER_OPS'
+
+#: The device type each fast implementation runs on.
+IMPL_DEVICE = {'cupy': 'cuda', 'cpu': 'cpu'}
 
 
 @functools.lru_cache(maxsize=1)
@@ -23,56 +37,93 @@ def cupy_available():
     return True
 
 
-def requested_backend(backend=None):
-    """The validated ``backend`` argument, else the environment variable, else None.
+@functools.lru_cache(maxsize=1)
+def cpu_ext_available():
+    """True when :mod:`lapformer_mm.ops.cpu_ext` imports and reports ``available()`` (cached)."""
+    try:
+        module = importlib.import_module('lapformer_mm.ops.cpu_ext')
+    except ImportError:
+        return False
+    return bool(module.available())
 
-    Read once where options are built (:class:`~lapformer_mm.ops.AttentionOptions`),
-    not per kernel call.
-    """
-    if backend is None:
-        backend = os.environ.get(ENV_VAR) or None
+
+_AVAILABLE = {'cupy': cupy_available, 'cpu': cpu_ext_available}
+_INSTALL_HINT = {'cupy': 'pip install cupy-cuda12x or cupy-cuda13x (matching the driver)',
+                 'cpu': 'build the C++ CPU extension (lapformer_mm.ops.cpu_ext)'}
+
+
+def requested_impl(impl=None):
+    """The validated ``impl`` argument, else the environment variable, else None."""
+    if impl is None:
+        impl = os.environ.get(ENV_VAR) or None
         name = f'environment variable {ENV_VAR}'
     else:
-        name = 'backend'
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f'{name}={backend!r} is not supported; allowed: '
-                         f'{", ".join(repr(b) for b in BACKENDS)} or None')
-    return backend
+        name = 'impl'
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f'{name}={impl!r} is not supported; allowed: '
+                         f'{", ".join(repr(i) for i in IMPLS)} or None')
+    return impl
 
 
-def backend_uses_cupy(requested, tensor):
-    """Whether ops on ``tensor`` run the CuPy kernels, given a :func:`requested_backend`.
+# (requested, device type) -> impl. A plain dict, filled on the first call of each pair,
+# so a compiled graph reads it like a constant.
+_DECIDED = {}
 
-    None picks CuPy for CUDA tensors when it imports. An explicit 'cupy' with a
-    non-CUDA tensor or without CuPy raises a ``RuntimeError`` rather than
-    silently falling back.
+
+def resolve_impl(requested, device):
+    """The implementation ops on ``device`` run, for a :func:`requested_impl` value.
+
+    None picks the device's fast implementation when it is usable, else 'reference'.
+    An explicit 'cupy' or 'cpu' for the wrong device, or one that is not usable, raises a
+    ``RuntimeError`` rather than silently falling back.
     """
-    on_cuda = tensor is not None and tensor.is_cuda
+    return _decided(requested, device.type if hasattr(device, 'type') else str(device))
+
+
+# torch.compile runs this once while tracing and keeps the answer: the availability checks
+# import modules, which a graph must not contain, and the answer is fixed per process.
+@torch.compiler.assume_constant_result
+def _decided(requested, device_type):
+    key = (requested, device_type)
+    impl = _DECIDED.get(key)
+    if impl is None:
+        impl = _decide(requested, device_type)
+        _DECIDED[key] = impl
+    return impl
+
+
+def _decide(requested, device_type):
     if requested is None:
-        return on_cuda and cupy_available()
-    if requested == 'cupy':
-        if tensor is not None and not on_cuda:
-            raise RuntimeError(
-                f"backend 'cupy' needs CUDA tensors, got a tensor on "
-                f'{tensor.device}; use backend=\'reference\' or unset {ENV_VAR}')
-        if not cupy_available():
-            raise RuntimeError(
-                "backend 'cupy' needs CuPy (pip install cupy-cuda12x) and a "
-                f"CUDA device; use backend='reference' or unset {ENV_VAR}")
-        return True
-    return False
+        for impl, impl_device in IMPL_DEVICE.items():
+            if impl_device == device_type and _AVAILABLE[impl]():
+                return impl
+        return 'reference'
+    if requested == 'reference':
+        return requested
+    if IMPL_DEVICE[requested] != device_type:
+        raise RuntimeError(f'impl={requested!r} runs on {IMPL_DEVICE[requested]} tensors, got '
+                           f"tensors on {device_type}; use impl='reference' or None, or unset "
+                           f'{ENV_VAR}')
+    if not _AVAILABLE[requested]():
+        raise RuntimeError(f'impl={requested!r} is not usable here ({_INSTALL_HINT[requested]}); '
+                           f"use impl='reference' or None, or unset {ENV_VAR}")
+    return requested
 
 
-def uses_cupy(backend, tensor):
-    """:func:`backend_uses_cupy` for a ``backend`` argument not yet validated (one call)."""
-    return backend_uses_cupy(requested_backend(backend), tensor)
+def clear_cache():
+    """Forget the decisions and availability checks (tests that fake an environment)."""
+    _DECIDED.clear()
+    cupy_available.cache_clear()
+    cpu_ext_available.cache_clear()
 
 
-def resolve_backend(backend=None, tensor=None):
-    """'reference' or 'cupy': the backend ops on ``tensor`` use (None: no tensor)."""
-    return 'cupy' if uses_cupy(backend, tensor) else 'reference'
+_MODULES = {'cupy': 'lapformer_mm.ops.cupy_ops', 'cpu': 'lapformer_mm.ops.cpu_ext'}
+_IMPORTED = {}
 
 
-def cupy_ops():
-    """The lazily imported ``lapformer_mm.ops.cupy_ops`` module."""
-    return importlib.import_module('lapformer_mm.ops.cupy_ops')
+def implementation(impl):
+    """The module implementing the ops for ``impl`` ('cupy' or 'cpu'), imported lazily."""
+    module = _IMPORTED.get(impl)
+    if module is None:
+        module = _IMPORTED[impl] = importlib.import_module(_MODULES[impl])
+    return module

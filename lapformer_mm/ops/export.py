@@ -17,7 +17,7 @@ the attention takes the forms here instead; eager calls, ``torch.compile`` and t
 * :func:`export_attention`: the Nyström attention from these, with the refinement step's
   residual in fp64 (default) or fp32 (:func:`residual_precision`).
 
-Only ``solver='newton'`` with the plain-PyTorch reference backend exports
+Only ``solver='newton'`` with the plain-PyTorch reference implementation exports
 (:func:`check_exportable`).
 """
 import contextlib
@@ -69,9 +69,10 @@ def check_exportable(options):
         raise ValueError(f"solver={options.solver!r} does not export: only solver='newton' "
                          '(Newton–Schulz, unrolled into matmuls) has an export form; '
                          "build the model with attn_cfg=dict(solver='newton') to export it")
-    if options.backend not in (None, 'reference'):
-        raise ValueError(f'backend={options.backend!r} does not export: the exporters trace '
-                         "the plain-PyTorch reference; use backend='reference' (or None)")
+    if options.impl not in (None, 'reference'):
+        raise ValueError(f'impl={options.impl!r} does not export: the exporters trace the '
+                         "plain-PyTorch reference; use impl='reference' (or None, and unset "
+                         'LAPFORMER_OPS)')
 
 
 #: Landmarks per step of :func:`pairwise_kernel_export` (one row of the default 7 × 7

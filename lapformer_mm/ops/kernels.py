@@ -2,18 +2,22 @@
 
 One ``torch.library.custom_op`` per primitive, each defined once:
 
-* ``lapformer_mm::pairwise_kernel(x, y, lam, kind, cuda_kernel)``: the kernel
+* ``lapformer_mm::pairwise_kernel(x, y, lam, kind, impl)``: the kernel
   matrix exp(-dist(x_i, y_j) / lam) of x (batch, N, d) and y (batch, M, d),
   ``kind`` 'laplacian' (ℓ1) or 'gaussian' (squared ℓ2); its gradient is the op
   ``lapformer_mm::pairwise_kernel_backward``;
-* ``lapformer_mm::newton_schulz(P, iters, init, cuda_kernel)``: the
+* ``lapformer_mm::newton_schulz(P, iters, init, impl)``: the
   Newton–Schulz inverse of SPD P (batch, m, m), gradient ``-Xᵀ G Xᵀ``.
 
-The implementation is the plain-PyTorch reference (:mod:`.reference_kernels`,
-:mod:`.solvers`) on every device; ``cuda_kernel=True`` runs the CuPy kernels of
-:mod:`.cupy_ops` instead (CUDA tensors; the public functions decide it once per
-call from the backend). The ops are opaque nodes to ``torch.compile``, with a
-fake implementation for shape propagation.
+These primitives serve the public kernel functions below and the attention's composite
+path (dropout on Z, the 'exact' and 'cg' solvers); the default attention is one op,
+``lapformer_mm::nystrom_attention`` (:mod:`.nystrom`). The implementation is the
+plain-PyTorch reference (:mod:`.reference_kernels`, :mod:`.solvers`) on every device;
+``impl='cupy'`` runs the CuPy kernels of :mod:`.cupy_ops` instead (CUDA tensors; the
+public functions decide ``impl`` by :func:`~lapformer_mm.ops.dispatch.resolve_impl`).
+The CPU extension implements only the fused attention, so ``impl='cpu'`` runs the
+reference here. The ops are opaque nodes to ``torch.compile``, with a fake
+implementation for shape propagation.
 """
 import math
 
@@ -28,40 +32,41 @@ from ._checks import (
     check_positive,
 )
 from ._precision import compute_dtype
-from .dispatch import cupy_ops, uses_cupy
+from .dispatch import implementation, requested_impl, resolve_impl
 from .reference_kernels import pairwise_grad_reference, pairwise_kernel_reference
 from .solvers import DEFAULT_NS_ITERS, check_square, newton_schulz_iterate
 
 
 @torch.library.custom_op('lapformer_mm::pairwise_kernel', mutates_args=())
 def pairwise_kernel_op(x: torch.Tensor, y: torch.Tensor, lam: float, kind: str,
-                       cuda_kernel: bool) -> torch.Tensor:
+                       impl: str) -> torch.Tensor:
     """Kernel matrix (batch, N, M) of x (batch, N, d), y (batch, M, d), in x's dtype.
 
     Computes in fp32 for 16-bit inputs (fp64 stays fp64).
     """
-    if cuda_kernel:
-        return cupy_ops().pairwise_forward(x, y, lam, kind)
+    if impl == 'cupy':
+        return implementation(impl).pairwise_forward(x, y, lam, kind)
     a = compute_dtype(x.dtype)
     return pairwise_kernel_reference(x.to(a), y.to(a), lam, kind).to(x.dtype)
 
 
 @pairwise_kernel_op.register_fake
-def _(x, y, lam, kind, cuda_kernel):
+def _(x, y, lam, kind, impl):
     return x.new_empty(x.shape[0], x.shape[1], y.shape[1])
 
 
 @torch.library.custom_op('lapformer_mm::pairwise_kernel_backward', mutates_args=())
 def pairwise_kernel_backward_op(grad: torch.Tensor, kmat: torch.Tensor, x: torch.Tensor,
                                 y: torch.Tensor, lam: float, kind: str, need_x: bool,
-                                need_y: bool, cuda_kernel: bool
+                                need_y: bool, impl: str
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dy) of the kernel matrix kmat = K(x, y) for the output gradient grad.
 
     An empty tensor stands for a gradient not needed.
     """
-    if cuda_kernel:
-        return cupy_ops().pairwise_backward(grad, kmat, x, y, lam, kind, need_x, need_y)
+    if impl == 'cupy':
+        return implementation(impl).pairwise_backward(grad, kmat, x, y, lam, kind, need_x,
+                                                      need_y)
     a = compute_dtype(x.dtype)
     w = grad.to(a) * kmat.to(a)
     xa, ya = x.to(a), y.to(a)
@@ -71,23 +76,23 @@ def pairwise_kernel_backward_op(grad: torch.Tensor, kmat: torch.Tensor, x: torch
 
 
 @pairwise_kernel_backward_op.register_fake
-def _(grad, kmat, x, y, lam, kind, need_x, need_y, cuda_kernel):
+def _(grad, kmat, x, y, lam, kind, need_x, need_y, impl):
     return (torch.empty_like(x) if need_x else x.new_empty(0),
             torch.empty_like(y) if need_y else y.new_empty(0))
 
 
 def _pairwise_setup(ctx, inputs, output):
-    x, y, lam, kind, cuda_kernel = inputs
+    x, y, lam, kind, impl = inputs
     ctx.save_for_backward(x, y, output)
-    ctx.options = (lam, kind, cuda_kernel)
+    ctx.options = (lam, kind, impl)
 
 
 def _pairwise_backward(ctx, grad):
     x, y, kmat = ctx.saved_tensors
-    lam, kind, cuda_kernel = ctx.options
+    lam, kind, impl = ctx.options
     need_x, need_y = ctx.needs_input_grad[:2]
     dx, dy = pairwise_kernel_backward_op(grad.to(kmat.dtype).contiguous(), kmat, x, y, lam,
-                                         kind, need_x, need_y, cuda_kernel)
+                                         kind, need_x, need_y, impl)
     return dx if need_x else None, dy if need_y else None, None, None, None
 
 
@@ -95,17 +100,17 @@ pairwise_kernel_op.register_autograd(_pairwise_backward, setup_context=_pairwise
 
 
 @torch.library.custom_op('lapformer_mm::newton_schulz', mutates_args=())
-def newton_schulz_op(P: torch.Tensor, iters: int, init: str, cuda_kernel: bool) -> torch.Tensor:
+def newton_schulz_op(P: torch.Tensor, iters: int, init: str, impl: str) -> torch.Tensor:
     """Newton–Schulz inverse X of SPD P (batch, m, m), fp32 or fp64."""
-    if cuda_kernel:
-        out = cupy_ops().newton_schulz(P, iters, init)
+    if impl == 'cupy':
+        out = implementation(impl).newton_schulz(P, iters, init)
         if out is not None:
             return out
     return newton_schulz_iterate(P, iters, init)
 
 
 @newton_schulz_op.register_fake
-def _(P, iters, init, cuda_kernel):
+def _(P, iters, init, impl):
     return torch.empty_like(P)
 
 
@@ -152,48 +157,52 @@ def _as_batch(t):
     return t.reshape(-1, t.shape[-2], t.shape[-1])
 
 
-def pairwise_kernel(x, y, lam, kind, cuda_kernel):
+def pairwise_kernel(x, y, lam, kind, impl):
     """K(x, y) (..., N, M) for x (..., N, d), y (..., M, d) with equal batch dims; unchecked."""
-    kmat = pairwise_kernel_op(_as_batch(x), _as_batch(y), lam, kind, cuda_kernel)
+    kmat = pairwise_kernel_op(_as_batch(x), _as_batch(y), lam, kind, impl)
     return kmat.view(*x.shape[:-1], y.shape[-2])
 
 
-def newton_schulz(P, iters, init, cuda_kernel):
+def newton_schulz(P, iters, init, impl):
     """Newton–Schulz inverse of SPD P (..., m, m) in P's compute dtype; unchecked.
 
     ``iters=None`` uses :data:`~lapformer_mm.ops.solvers.DEFAULT_NS_ITERS`.
     """
     iters = DEFAULT_NS_ITERS if iters is None else iters
     p3 = _as_batch(P).to(compute_dtype(P.dtype))
-    return newton_schulz_op(p3, iters, init, cuda_kernel).view(P.shape).to(P.dtype)
+    return newton_schulz_op(p3, iters, init, impl).view(P.shape).to(P.dtype)
 
 
-def _kernel_matrix(kind, x, y, lam, backend):
+def _resolve(impl, tensor):
+    return resolve_impl(requested_impl(impl), tensor.device)
+
+
+def _kernel_matrix(kind, x, y, lam, impl):
     check_kernel_pair(x, y)
     lam = check_positive('lam', lam)
-    return pairwise_kernel(x, y, lam, kind, uses_cupy(backend, x))
+    return pairwise_kernel(x, y, lam, kind, _resolve(impl, x))
 
 
-def laplacian_kernel(x, y, lam=4.0, *, backend=None):
+def laplacian_kernel(x, y, lam=4.0, *, impl=None):
     """exp(-||x_i - y_j||_1 / lam) for x (..., N, d), y (..., M, d) -> (..., N, M).
 
     Neither forward nor backward builds an (..., N, M, d) tensor; the gradient
-    of |t| at t = 0 is 0. ``backend``: see :class:`~lapformer_mm.ops.AttentionOptions`.
+    of |t| at t = 0 is 0. ``impl``: see :class:`~lapformer_mm.ops.AttentionOptions`.
     """
-    return _kernel_matrix('laplacian', x, y, lam, backend)
+    return _kernel_matrix('laplacian', x, y, lam, impl)
 
 
-def gaussian_kernel(x, y, lam=4.0, *, backend=None):
+def gaussian_kernel(x, y, lam=4.0, *, impl=None):
     """exp(-||x_i - y_j||_2^2 / lam) for x (..., N, d), y (..., M, d) -> (..., N, M)."""
-    return _kernel_matrix('gaussian', x, y, lam, backend)
+    return _kernel_matrix('gaussian', x, y, lam, impl)
 
 
-def kernel_matrix(kernel, x, y, lam=4.0, *, backend=None):
+def kernel_matrix(kernel, x, y, lam=4.0, *, impl=None):
     """The kernel named ``kernel`` ('laplacian' or 'gaussian') of x and y."""
-    return _kernel_matrix(check_choice('kernel', kernel, KERNELS), x, y, lam, backend)
+    return _kernel_matrix(check_choice('kernel', kernel, KERNELS), x, y, lam, impl)
 
 
-def newton_schulz_pinv(P, iters=None, init='identity', *, backend=None):
+def newton_schulz_pinv(P, iters=None, init='identity', *, impl=None):
     """Inverse of the symmetric positive definite P (..., m, m), as given.
 
     The caller adds ε·I. ``init='identity'`` starts from I / ||P||_inf,
@@ -204,4 +213,4 @@ def newton_schulz_pinv(P, iters=None, init='identity', *, backend=None):
     check_square('P', P)
     iters = check_optional_int('iters', iters)
     check_choice('init', init, NS_INITS)
-    return newton_schulz(P, iters, init, uses_cupy(backend, P))
+    return newton_schulz(P, iters, init, _resolve(impl, P))

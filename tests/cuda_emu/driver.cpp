@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "newton_schulz.cu"
+#include "nystrom_attention.cu"
 #include "pairwise_kernel.cu"
 
 namespace {
@@ -36,11 +37,20 @@ void launch_kernel(void** args, dim3 grid, dim3 block, std::size_t shared) {
     EMU_ENTRY(pairwise_backward<T, 0, false>), EMU_ENTRY(pairwise_backward<T, 0, true>), \
     EMU_ENTRY(pairwise_backward<T, 1, false>), EMU_ENTRY(pairwise_backward<T, 1, true>)
 
+#define EMU_NYSTROM_KIND(T, K)                                                          \
+    EMU_ENTRY(nys_forward_stats<T, K>), EMU_ENTRY(nys_forward_solve<T, K>),                \
+    EMU_ENTRY(nys_forward_out<T, K>), EMU_ENTRY(nys_backward_reduce<T, K>),                \
+    EMU_ENTRY(nys_backward_solve<T, K>), EMU_ENTRY(nys_backward_grads<T, K>)
+
+#define EMU_NYSTROM(T) \
+    EMU_NYSTROM_KIND(T, 0), EMU_NYSTROM_KIND(T, 1), EMU_ENTRY(nys_backward_landmarks<T>)
+
 const std::map<std::string, Launcher>& kernels() {
     static const std::map<std::string, Launcher> table = {
         EMU_PAIRWISE(float), EMU_PAIRWISE(double), EMU_PAIRWISE(lap_half), EMU_PAIRWISE(lap_bf16),
         EMU_ENTRY(newton_schulz<float, true>), EMU_ENTRY(newton_schulz<float, false>),
         EMU_ENTRY(newton_schulz<double, true>), EMU_ENTRY(newton_schulz<double, false>),
+        EMU_NYSTROM(float), EMU_NYSTROM(lap_half), EMU_NYSTROM(lap_bf16),
     };
     return table;
 }
@@ -49,10 +59,12 @@ const std::map<std::string, Launcher>& kernels() {
 
 extern "C" int emu_has_kernel(const char* name) { return kernels().count(name) ? 1 : 0; }
 
+// 0: launched; 1: no such kernel; 2: the kernel wrote past the dynamic shared memory
+// the host asked for.
 extern "C" int emu_launch_kernel(const char* name, void** args, const unsigned* grid, const unsigned* block,
                                  unsigned long long shared) {
     auto it = kernels().find(name);
     if (it == kernels().end()) return 1;
     it->second(args, dim3(grid[0], grid[1], grid[2]), dim3(block[0], block[1], block[2]), shared);
-    return 0;
+    return emu_dynamic_shared_overrun ? 2 : 0;
 }

@@ -26,6 +26,7 @@ inline dim3 blockDim;
 inline dim3 gridDim;
 inline std::barrier<>* emu_block_barrier = nullptr;
 inline unsigned char* emu_dynamic_shared = nullptr;
+inline bool emu_dynamic_shared_overrun = false;
 
 #define __global__
 #define __device__
@@ -66,12 +67,17 @@ inline unsigned int lap_host_float_to_bits(float f) {
     return u;
 }
 
+// Bytes after the requested dynamic shared memory that must keep this value: a kernel
+// whose layout needs more than the host asked for overwrites them.
+constexpr std::size_t emu_canary_bytes = 256;
+constexpr unsigned char emu_canary = 0xA5;
+
 // Runs `body` (the kernel call) for every thread of every block.
 template <typename Body>
 void emu_launch(dim3 grid, dim3 block, std::size_t dynamic_shared, Body body) {
     gridDim = grid;
     blockDim = block;
-    std::vector<unsigned char> shared(dynamic_shared + 16);
+    std::vector<unsigned char> shared(dynamic_shared + emu_canary_bytes, emu_canary);
     emu_dynamic_shared = shared.data();
     const unsigned nthreads = block.x * block.y * block.z;
     for (unsigned bz = 0; bz < grid.z; ++bz)
@@ -90,4 +96,6 @@ void emu_launch(dim3 grid, dim3 block, std::size_t dynamic_shared, Body body) {
                 }
                 for (auto& th : threads) th.join();
             }
+    emu_dynamic_shared_overrun = std::any_of(shared.begin() + dynamic_shared, shared.end(),
+                                             [](unsigned char b) { return b != emu_canary; });
 }

@@ -1,0 +1,104 @@
+"""A stand-in for CuPy that records what ``lapformer_mm.ops.cuda_runtime`` asks of it.
+
+No GPU needed: compiles, device contexts, stream wrappers and launches become events, so
+the CPU tests check the host path (one compile per element type, the stream a kernel is
+launched on, the shared-memory opt-in) and ``benchmarks/cuda_host.py`` times it.
+:func:`install` patches a ``cuda_runtime`` module to use it.
+"""
+import torch
+
+
+class FakeCupy:
+    """``events``: ('compile', names, options, backend), ('device', index), ('stream', handle),
+    ('optin', bytes), ('launch', name, grid, block, nargs, shared_mem, stream handle)."""
+
+    def __init__(self, fail_compile=False, fail_launch=False, current_device=0, record=True):
+        self.events = []
+        self.current_device = current_device
+        fake = self
+
+        def log(event):
+            if record:
+                fake.events.append(event)
+
+        class Device:
+            def __init__(self, index):
+                self.index = index
+
+            def __enter__(self):
+                log(('device', self.index))
+                self.previous, fake.current_device = fake.current_device, self.index
+
+            def __exit__(self, *exc):
+                fake.current_device = self.previous
+                return False
+
+        class ExternalStream:
+            def __init__(self, ptr, device_id=-1):
+                log(('stream', ptr))
+                self.ptr = ptr
+
+        class Stream:
+            @classmethod
+            def from_external(cls, obj):
+                return ExternalStream(obj.cuda_stream)
+
+        class Kernel:
+            def __init__(self, name):
+                self.name = name
+                self.max_dynamic_shared_size_bytes = 0
+
+            def __setattr__(self, key, value):
+                if key == 'max_dynamic_shared_size_bytes' and value:
+                    log(('optin', value))
+                object.__setattr__(self, key, value)
+
+            def __call__(self, grid, block, args, shared_mem=0, stream=None):
+                if fail_launch:
+                    raise RuntimeError('too many resources requested for launch')
+                if stream is None:
+                    raise AssertionError('a kernel was launched on CuPy\'s current stream')
+                log(('launch', self.name, grid, block, len(args), shared_mem, stream.ptr))
+
+        class RawModule:
+            def __init__(self, code, options, name_expressions, backend):
+                log(('compile', tuple(name_expressions), options, backend))
+                assert '#include "' not in code
+                if fail_compile:
+                    raise RuntimeError('error: identifier "oops" is undefined')
+
+            def get_function(self, name):
+                return Kernel(name)
+
+        runtime = type('runtime', (), {'getDevice': staticmethod(lambda: fake.current_device)})
+        self.cuda = type('cuda', (), {'Device': Device, 'Stream': Stream,
+                                      'ExternalStream': ExternalStream, 'runtime': runtime})
+        self.RawModule = RawModule
+
+
+class FakeStreams:
+    """PyTorch's current stream handle per device, settable (``set(handle)``)."""
+
+    def __init__(self, handle=12345):
+        self.handle = handle
+
+    def __call__(self, device_index):
+        return self.handle
+
+
+def install(rt, setattr_, **kwargs):
+    """Make ``rt`` (``cuda_runtime``) use a new :class:`FakeCupy`; ``setattr_`` is
+    ``monkeypatch.setattr`` (or ``setattr`` for a script). Returns (fake, streams)."""
+    fake = FakeCupy(**kwargs)
+    streams = FakeStreams()
+    setattr_(rt, 'import_cupy', lambda: fake)
+    setattr_(rt, '_functions', {})
+    setattr_(rt, '_launchers', {})
+    setattr_(rt, '_streams', {})
+    setattr_(rt, 'raw_stream', streams)
+    return fake, streams
+
+
+class FakeCudaTensor:
+    """Has what ``cuda_runtime.launch`` reads of a tensor: its device."""
+    device = torch.device('cuda', 1)

@@ -1,0 +1,213 @@
+"""The fused attention op on a GPU: values, gradients, determinism, streams, CUDA graphs.
+
+Marked ``gpu``: skipped without CUDA and CuPy (tests/conftest.py); tools/gpu_check.sh runs
+it. Imports no OpenMMLab package except through the backbone test, which needs mmengine.
+The same kernels run on the CPU through the emulation in test_cuda_fused_emulation.py.
+"""
+import pytest
+import torch
+from _attention_helpers import dense_attention
+
+pytestmark = pytest.mark.gpu
+
+
+def attention_inputs(batch, heads, hw, d, dv, tied, dtype, seed=0, strided=False):
+    from lapformer_mm.ops import pool_landmarks
+    gen = torch.Generator(device='cuda').manual_seed(seed)
+    n = hw[0] * hw[1]
+    if strided:
+        qkv = torch.randn(batch, n, 3 * heads * d, generator=gen, device='cuda')
+        q, k, v = (t.view(batch, n, heads, d).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    else:
+        q, k = (torch.randn(batch, heads, n, d, generator=gen, device='cuda') for _ in range(2))
+        v = torch.randn(batch, heads, n, dv, generator=gen, device='cuda')
+    if tied:
+        k = q
+    landmarks = pool_landmarks(k, hw, 7)
+    return tuple(t.to(dtype) for t in (q, k, v, landmarks))
+
+
+def grads_of(q, k, v, landmarks, tied, grad, **options):
+    from lapformer_mm.ops import nystrom_attention
+    leaves = [t.detach().clone().requires_grad_() for t in (q, v, landmarks)]
+    qa, va, la = leaves
+    ka = qa if tied else k.detach().clone().requires_grad_()
+    out = nystrom_attention(qa, ka, va, la, **options)
+    wrt = [qa, va, la] if tied else [qa, ka, va, la]
+    return (out,) + torch.autograd.grad(out, wrt, grad.to(out.dtype))
+
+
+def dense_grads(q, k, v, landmarks, tied, grad):
+    leaves = [t.detach().double().requires_grad_() for t in (q, v, landmarks)]
+    qd, vd, ld = leaves
+    kd = qd if tied else k.detach().double().requires_grad_()
+    out = dense_attention(qd, kd, vd, ld)
+    wrt = [qd, vd, ld] if tied else [qd, kd, vd, ld]
+    return (out,) + torch.autograd.grad(out, wrt, grad.double())
+
+
+def assert_close_scaled(got, expected, tol):
+    scale = expected.abs().max().item() or 1.0
+    torch.testing.assert_close(got.double(), expected.double(), rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize('dtype, tol, grad_tol', [(torch.float32, 5e-5, 5e-4),
+                                                  (torch.bfloat16, 2e-2, 5e-2),
+                                                  (torch.float16, 3e-3, 1e-2)])
+@pytest.mark.parametrize('tied', [True, False])
+def test_fused_matches_dense_fp64(dtype, tol, grad_tol, tied):
+    """Stage 1 of Tiny at 224 (N = 3136, m = 49, d = 32), strided head views."""
+    q, k, v, landmarks = attention_inputs(2, 2, (56, 56), 32, 32, tied, dtype, strided=True)
+    grad = torch.randn(2, 2, 3136, 32, device='cuda', dtype=torch.float64)
+    got = grads_of(q, k, v, landmarks, tied, grad, impl='cupy')
+    assert all(t.dtype == dtype for t in got)
+    for g, e in zip(got, dense_grads(q, k, v, landmarks, tied, grad)):
+        assert_close_scaled(g, e, tol if g is got[0] else grad_tol)
+
+
+def test_reruns_are_bit_equal_and_grid_limits_loop():
+    """70000 (batch, head) pairs exceed gridDim.y (65535): blocks loop over them."""
+    q, k, v, landmarks = attention_inputs(1, 70_000, (3, 3), 8, 8, False, torch.float32, seed=1)
+    grad = torch.randn(1, 70_000, 9, 8, device='cuda', dtype=torch.float64)
+    first = grads_of(q, k, v, landmarks, False, grad, impl='cupy')
+    again = grads_of(q, k, v, landmarks, False, grad, impl='cupy')
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    ref = grads_of(q[:, :50], k[:, :50], v[:, :50], landmarks[:, :50], False, grad[:, :50],
+                   impl='reference')
+    for g, e in zip(first, ref):
+        assert_close_scaled(g[:, :50], e, 5e-4)
+
+
+def test_inputs_written_late_on_a_side_stream_are_seen():
+    """The kernels run on PyTorch's current stream, so they wait for the side stream's work."""
+    from lapformer_mm.ops import nystrom_attention
+    q, k, v, landmarks = attention_inputs(2, 2, (32, 32), 32, 32, False, torch.float32, seed=2)
+    expected = nystrom_attention(q, k, v, landmarks, impl='cupy')
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        q2 = q * 1.0
+        out = nystrom_attention(q2, k, v, landmarks, impl='cupy')
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, expected)
+
+
+def _module(qk_shared=True):
+    from lapformer_mm.models.attention import LaplacianAttention
+    torch.manual_seed(0)
+    return LaplacianAttention(64, 2, qk_shared=qk_shared, impl='cupy').cuda()
+
+
+def _warm_up(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+@pytest.mark.parametrize('tied', [True, False])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_cuda_graph_replay_of_the_op_on_new_inputs_is_bit_equal_to_eager(tied, dtype):
+    """Capture the op's forward and backward after a warm-up; replaying with new inputs
+    copied into the static ones gives the eager results bit for bit (a kernel launched on
+    the legacy default stream would escape the capture and replay stale values)."""
+    from lapformer_mm.ops import nystrom_attention
+    static = [t.detach().clone().requires_grad_() for t in
+              attention_inputs(2, 2, (20, 30), 32, 32, tied, dtype, seed=3)]
+    if tied:
+        static[1] = static[0]
+    static_g = torch.randn(2, 2, 600, 32, device='cuda').to(dtype)
+    leaves = [static[0], static[2], static[3]] if tied else static
+
+    def step():
+        out = nystrom_attention(*static, impl='cupy')
+        return (out,) + torch.autograd.grad(out, leaves, static_g)
+    _warm_up(step)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_results = step()
+    for seed in (4, 5):
+        fresh = attention_inputs(2, 2, (20, 30), 32, 32, tied, dtype, seed=seed)
+        g = torch.randn(2, 2, 600, 32, device='cuda').to(dtype)
+        with torch.no_grad():
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+            static_g.copy_(g)
+        graph.replay()
+        replayed = [t.clone() for t in static_results]
+        eager = grads_of(fresh[0], fresh[1], fresh[2], fresh[3], tied, g, impl='cupy')
+        for a, b in zip(replayed, eager):
+            assert torch.equal(a, b)
+
+
+def test_cuda_graph_of_a_training_step_of_the_module():
+    """The whole module forward + backward captured (PyTorch's whole-network pattern):
+    replay on new inputs matches eager (the projections' GEMMs may pick other algorithms
+    under capture, so this one compares to 1e-6)."""
+    module = _module(qk_shared=False)
+    hw = (24, 32)
+    static_x = torch.randn(2, 768, 64, device='cuda', requires_grad=True)
+    static_g = torch.randn(2, 768, 64, device='cuda')
+
+    def step():
+        module.zero_grad(set_to_none=True)
+        static_x.grad = None
+        module(static_x, hw).backward(static_g)
+    _warm_up(step)
+    graph = torch.cuda.CUDAGraph()
+    module.zero_grad(set_to_none=True)
+    static_x.grad = None
+    with torch.cuda.graph(graph):
+        static_out = module(static_x, hw)
+        static_out.backward(static_g)
+    static_grads = (static_x.grad, module.qkv.weight.grad)
+    gen = torch.Generator(device='cuda').manual_seed(6)
+    x = torch.randn(2, 768, 64, device='cuda', generator=gen)
+    g = torch.randn(2, 768, 64, device='cuda', generator=gen)
+    with torch.no_grad():
+        static_x.copy_(x)
+        static_g.copy_(g)
+    graph.replay()
+    x_eager = x.clone().requires_grad_()
+    out = module(x_eager, hw)
+    eager = (out,) + torch.autograd.grad(out, (x_eager, module.qkv.weight), g)
+    for a, b in zip((static_out,) + static_grads, eager):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_gpu_kernels_per_attention_forward():
+    """Profiler count of one LaplacianAttention forward (fp32): 3 kernels of ours and the
+    layer's own (projections, pooling, local conv, sum), at most 10 in all."""
+    from torch.profiler import ProfilerActivity, profile
+    module = _module().eval()
+    x = torch.randn(2, 768, 64, device='cuda')
+    with torch.no_grad():
+        module(x, (24, 32))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            module(x, (24, 32))
+            torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and 'memcpy' not in e.name.lower() and 'memset' not in e.name.lower()]
+    print('kernels per LaplacianAttention forward:', len(kernels), kernels)
+    assert sum('nys_forward' in name for name in kernels) == 3
+    assert len(kernels) <= 10
+
+
+def test_torch_compile_reduce_overhead_backbone_runs():
+    pytest.importorskip('mmengine')
+    from lapformer_mm.models.backbone import LaplacianFormer
+    torch.manual_seed(0)
+    model = LaplacianFormer(arch='tiny', drop_path_rate=0.0, attn_cfg=dict(impl='cupy'))
+    model = model.cuda().eval()
+    x = torch.randn(1, 3, 128, 160, device='cuda')
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, mode='reduce-overhead')
+        for _ in range(3):
+            outs = compiled(x)
+    for a, b in zip(outs, eager):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

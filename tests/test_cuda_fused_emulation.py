@@ -1,0 +1,231 @@
+"""The fused attention kernels (ops/nystrom_attention.cu), run on the CPU by the emulation.
+
+The whole CUDA path of ``lapformer_mm::nystrom_attention``: the public entry picks
+impl='cupy' for CPU tensors, ``cupy_ops`` packs the arguments and launch geometry it would
+hand a GPU, and the g++ emulation (tests/_emulation.py) runs the kernels. Values and
+gradients are compared with autograd of the dense fp64 reference ``dense_attention``:
+fp32, bf16 and fp16 inputs, tied and separate keys, both kernels and normalisations, odd
+N, m < 49, d not a multiple of 16, several row slices, more (batch, head) pairs than the
+grid allows.
+"""
+import shutil
+
+import pytest
+import torch
+from _attention_helpers import dense_attention
+from _emulation import build_library, make_launch
+
+from lapformer_mm.ops import cuda_runtime as rt
+from lapformer_mm.ops import cupy_ops, dispatch, nystrom_attention, pool_landmarks
+
+
+@pytest.fixture(scope='module')
+def emu_lib(tmp_path_factory):
+    if shutil.which('g++') is None:
+        pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
+    lib, error = build_library(tmp_path_factory.mktemp('cuda_emu'))
+    if lib is None:
+        pytest.fail(f'g++ failed to build the emulation:\n{error}')
+    return lib
+
+
+@pytest.fixture
+def launches(emu_lib, monkeypatch):
+    """impl=None on CPU tensors picks the CuPy path; its launches run in the emulation."""
+    record = []
+    monkeypatch.setattr(rt, 'launch', make_launch(emu_lib, record))
+    monkeypatch.setattr(dispatch, '_DECIDED', {(None, 'cpu'): 'cupy', ('cupy', 'cpu'): 'cupy'})
+    monkeypatch.setattr(cupy_ops, 'target_blocks', lambda device: 8)
+    return record
+
+
+def make_inputs(batch, heads, hw, d, dv, grid, tied, dtype, seed, scale=1.0, strided=False):
+    gen = torch.Generator().manual_seed(seed)
+    n = hw[0] * hw[1]
+    width = 3 * heads * max(d, dv)
+    if strided:
+        # Head views of one projection, as LaplacianAttention hands them over.
+        qkv = torch.randn(batch, n, width, generator=gen, dtype=torch.float64)
+        parts = qkv.split(heads * max(d, dv), dim=-1)
+        q, k, v = (p.view(batch, n, heads, -1).transpose(1, 2) for p in parts)
+        q, k, v = q[..., :d], k[..., :d], v[..., :dv]
+    else:
+        q, k = (torch.randn(batch, heads, n, d, generator=gen, dtype=torch.float64)
+                for _ in range(2))
+        v = torch.randn(batch, heads, n, dv, generator=gen, dtype=torch.float64)
+    q, k = scale * q, scale * k
+    if tied:
+        k = q
+    landmarks = pool_landmarks(k, hw, grid)
+    return tuple(t.to(dtype) for t in (q, k, v, landmarks))
+
+
+def run(q, k, v, landmarks, tied, grad_seed=1, **options):
+    """Output and gradients of the attention (fused path) for a fixed random output grad."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, v, landmarks)]
+    qa, va, la = leaves
+    ka = qa if tied else k.detach().clone().requires_grad_()
+    out = nystrom_attention(qa, ka, va, la, **options)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed),
+                       dtype=torch.float64).to(out.dtype)
+    wrt = [qa, va, la] if tied else [qa, ka, va, la]
+    return out, torch.autograd.grad(out, wrt, grad), grad
+
+
+def dense(q, k, v, landmarks, tied, grad, **options):
+    leaves = [t.detach().double().requires_grad_() for t in (q, v, landmarks)]
+    qd, vd, ld = leaves
+    kd = qd if tied else k.detach().double().requires_grad_()
+    out = dense_attention(qd, kd, vd, ld, **options)
+    wrt = [qd, vd, ld] if tied else [qd, kd, vd, ld]
+    return out, torch.autograd.grad(out, wrt, grad.double())
+
+
+def assert_close_scaled(got, expected, tol):
+    """|got - expected| <= tol · max|expected| + tol · |expected|, per tensor."""
+    scale = expected.abs().max().item() or 1.0
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * scale)
+
+
+FORWARD = [rt.nystrom_name(s, 'float', 0) for s in rt.NYS_FORWARD]
+BACKWARD = [rt.nystrom_name(s, 'float', 0) for s in rt.NYS_BACKWARD]
+
+
+@pytest.mark.parametrize('kernel, lam', [('laplacian', 4.0), ('gaussian', 12.0)])
+@pytest.mark.parametrize('normalize', ['injective', 'none'])
+@pytest.mark.parametrize('tied', [True, False])
+def test_fp32_matches_dense_fp64_with_gradients(launches, kernel, lam, normalize, tied):
+    """N = 67 (two row tiles of 64 with a tail, three of 32), m = 12, d = 20 (a d-chunk tail),
+    d_v = 24; target_blocks = 8 over 3 (batch, head) pairs gives 2 row slices."""
+    q, k, v, landmarks = make_inputs(1, 3, (67, 1), 20, 24, 12, tied, torch.float32, seed=3)
+    options = dict(kernel=kernel, lam=lam, normalize=normalize)
+    out, grads, grad = run(q, k, v, landmarks, tied, iters=30, **options)
+    names = [entry[0].replace(', 1>', ', 0>') for entry in launches]
+    assert names == FORWARD + BACKWARD
+    assert launches[0][1] == (2, 3)  # (row slices, batch·heads)
+    expected, expected_grads = dense(q, k, v, landmarks, tied, grad, **options)
+    assert_close_scaled(out, expected, 2e-5)
+    for got, want in zip(grads, expected_grads):
+        assert_close_scaled(got, want, 2e-4)
+
+
+@pytest.mark.parametrize('dtype, tol, grad_tol', [(torch.bfloat16, 2e-2, 5e-2),
+                                                  (torch.float16, 3e-3, 1e-2)])
+@pytest.mark.parametrize('tied', [True, False])
+def test_16_bit_inputs_match_dense_fp64(launches, dtype, tol, grad_tol, tied):
+    """16-bit operands are read directly (no cast kernels); fp32 inside, output in the input
+    dtype, so the error is one rounding of the output (and of each gradient)."""
+    q, k, v, landmarks = make_inputs(2, 1, (7, 5), 16, 16, 4, tied, dtype, seed=4)
+    out, grads, grad = run(q, k, v, landmarks, tied)
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    element = rt.ELEMENT_TYPES[dtype]
+    assert launches[0][0] == rt.nystrom_name('nys_forward_stats', element, 0)
+    expected, expected_grads = dense(q, k, v, landmarks, tied, grad)
+    assert_close_scaled(out, expected, tol)
+    for got, want in zip(grads, expected_grads):
+        assert_close_scaled(got, want, grad_tol)
+
+
+def identical_tokens(dtype):
+    """36 equal tokens of norm ~480 (60 per channel) and values of std 100: every kernel
+    value is 1, each column's variance 0, so the whitening scale is exactly 1/sqrt(δ) = 316,
+    and s · context (~1e5) would overflow fp16 (65504) if it were stored in the input dtype."""
+    gen = torch.Generator().manual_seed(6)
+    q = (60.0 + torch.zeros(1, 1, 36, 8, dtype=torch.float64)).to(dtype)
+    v = (100 * torch.randn(1, 1, 36, 8, generator=gen, dtype=torch.float64)).abs().to(dtype)
+    return q, v, pool_landmarks(q, (6, 6), 3)
+
+
+def test_fp16_stays_finite_where_the_whitening_scale_reaches_its_bound(launches):
+    q, v, landmarks = identical_tokens(torch.float16)
+    raw = torch.ops.lapformer_mm.nystrom_attention(
+        q, None, v, landmarks, 'laplacian', 4.0, 0.01, 16, 'identity', True, 'injective', 1e-5,
+        'cupy')
+    assert raw[3][0, 0, 1].min() > 316 and (raw[3][..., 1:, :, None] * raw[1]).abs().max() > 7e4
+    out, grads, grad = run(q, q, v, landmarks, True)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    expected, _ = dense(q, q, v, landmarks, True, grad)
+    assert_close_scaled(out, expected, 3e-3)
+
+
+def test_strided_operands_and_gradient(launches):
+    """q, k, v as head views of one (B, N, 3C) projection and a non-contiguous output
+    gradient: the kernels read them in place, nothing is copied first."""
+    q, k, v, landmarks = make_inputs(2, 2, (5, 7), 12, 12, 3, False, torch.float32, seed=7,
+                                     strided=True)
+    assert not q.is_contiguous() and not v.is_contiguous()
+    qa, ka, va, la = (t.clone().requires_grad_() for t in (q, k, v, landmarks))
+    qa, ka, va = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (qa, ka, va))
+    out = nystrom_attention(qa, ka, va, la)
+    grad = torch.randn(2, 35, 2, 12, generator=torch.Generator().manual_seed(9)).transpose(1, 2)
+    assert not grad.is_contiguous()
+    got = torch.autograd.grad(out, (qa, ka, va, la), grad)
+    expected, expected_grads = dense(q, k, v, landmarks, False, grad.double())
+    assert_close_scaled(out, expected, 2e-5)
+    for g, want in zip(got, expected_grads):
+        assert_close_scaled(g, want, 2e-4)
+
+
+def test_largest_and_smallest_landmark_and_value_counts(launches):
+    """m = 64 and d_v = 64 fill every tile column; m = 1 and N = 1 leave most of it padding."""
+    for hw, grid, d, dv, seed in (((8, 9), 8, 17, 64, 10), ((1, 1), 1, 3, 1, 11),
+                                  ((1, 9), 1, 5, 2, 12)):
+        q, k, v, landmarks = make_inputs(1, 1, hw, d, dv, grid, False, torch.float32, seed=seed)
+        out, grads, grad = run(q, k, v, landmarks, False)
+        expected, expected_grads = dense(q, k, v, landmarks, False, grad)
+        assert_close_scaled(out, expected, 2e-5)
+        for got, want in zip(grads, expected_grads):
+            assert_close_scaled(got, want, 2e-4)
+
+
+def test_blocks_loop_over_heads_and_tiles_beyond_the_grid_limits(launches, monkeypatch):
+    """With every grid extent capped at 1, one block must walk all (batch, head) pairs, row
+    tiles and slices, as it does past 65535 pairs on a GPU."""
+    monkeypatch.setattr(rt, 'MAX_GRID_YZ', 1)
+    monkeypatch.setattr(rt, 'MAX_GRID_X', 1)
+    rt.nystrom_splits.cache_clear()
+    try:
+        q, k, v, landmarks = make_inputs(2, 3, (10, 13), 8, 8, 3, False, torch.float32, seed=13)
+        out, grads, grad = run(q, k, v, landmarks, False)
+    finally:
+        rt.nystrom_splits.cache_clear()
+    assert all(entry[1] in ((1, 1), (1,)) for entry in launches), launches
+    expected, expected_grads = dense(q, k, v, landmarks, False, grad)
+    assert_close_scaled(out, expected, 2e-5)
+    for got, want in zip(grads, expected_grads):
+        assert_close_scaled(got, want, 2e-4)
+
+
+def test_reruns_are_bit_equal_and_slices_only_reorder_sums(launches, monkeypatch):
+    q, k, v, landmarks = make_inputs(1, 1, (13, 11), 8, 8, 3, False, torch.float32, seed=14)
+    first = run(q, k, v, landmarks, False)
+    again = run(q, k, v, landmarks, False)
+    for a, b in zip((first[0],) + first[1], (again[0],) + again[1]):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(cupy_ops, 'target_blocks', lambda device: 1)
+    single = run(q, k, v, landmarks, False)
+    assert launches[-1][1] == (1,) and launches[-2][1] == (1, 1)
+    for a, b in zip((first[0],) + first[1], (single[0],) + single[1]):
+        assert_close_scaled(a, b.double(), 1e-5)
+
+
+def test_options_reach_the_kernels(launches):
+    """ns_refine off, the authors' start, other eps/lam/whiten_eps and few iterations: the
+    fused path equals the reference implementation run with the same options."""
+    q, k, v, landmarks = make_inputs(1, 2, (6, 7), 8, 8, 3, False, torch.float32, seed=15)
+    options = dict(ns_refine=False, ns_init='authors', iters=6, eps=0.05, lam=3.0,
+                   whiten_eps=1e-3)
+    out, grads, grad = run(q, k, v, landmarks, False, **options)
+    ref_out, ref_grads, _ = run(q, k, v, landmarks, False, impl='reference', **options)
+    assert_close_scaled(out, ref_out.double(), 2e-5)
+    for got, want in zip(grads, ref_grads):
+        assert_close_scaled(got, want.double(), 2e-4)
+
+
+def test_unsupported_sizes_take_the_reference_math(launches):
+    """m = 81 > 64 landmarks (and fp64 operands) run the reference implementation."""
+    q, k, v, landmarks = make_inputs(1, 1, (9, 9), 4, 4, 9, False, torch.float32, seed=16)
+    run(q, k, v, landmarks, False)
+    q64 = make_inputs(1, 1, (4, 4), 4, 4, 2, False, torch.float64, seed=17)
+    run(*q64, False)
+    assert not launches

@@ -1,0 +1,245 @@
+"""The fused attention op ``lapformer_mm::nystrom_attention`` against the dense fp64 reference.
+
+Every implementation keeps the contract of :mod:`lapformer_mm.ops.nystrom`; here the
+reference implementation runs (CPU), through the public entry and the raw op: values and
+gradients against autograd of ``dense_attention``, the output layout, 16-bit inputs,
+autocast, strided operands, the op checks and the composite path.
+"""
+import pytest
+import torch
+from _attention_helpers import dense_attention
+
+from lapformer_mm.ops import AttentionOptions, nystrom_attention, nystrom_forward, pool_landmarks
+from lapformer_mm.ops.nystrom import nystrom_attention_flops, nystrom_attention_op
+
+OPS = torch.ops.lapformer_mm
+
+
+def inputs(batch, heads, hw, d, dv, grid, tied, dtype=torch.float64, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    n = hw[0] * hw[1]
+    q = scale * torch.randn(batch, heads, n, d, generator=gen, dtype=torch.float64)
+    k = q if tied else scale * torch.randn(batch, heads, n, d, generator=gen,
+                                           dtype=torch.float64)
+    v = torch.randn(batch, heads, n, dv, generator=gen, dtype=torch.float64)
+    landmarks = pool_landmarks(k, hw, grid)
+    return tuple(t.to(dtype) for t in (q, k, v, landmarks))
+
+
+def dense_grads(q, k, v, landmarks, grad, tied, **options):
+    leaves = [t.detach().double().requires_grad_() for t in (q, v, landmarks)]
+    qd, vd, ld = leaves
+    kd = qd if tied else k.detach().double().requires_grad_()
+    out = dense_attention(qd, kd, vd, ld, **options)
+    wrt = [qd, vd, ld] if tied else [qd, kd, vd, ld]
+    return out, torch.autograd.grad(out, wrt, grad.double())
+
+
+KERNEL_LAM = [('laplacian', 4.0), ('gaussian', 12.0)]
+
+
+@pytest.mark.parametrize('kernel, lam', KERNEL_LAM)
+@pytest.mark.parametrize('normalize', ['injective', 'none'])
+@pytest.mark.parametrize('tied', [True, False])
+def test_values_and_gradients_match_dense_fp64(kernel, lam, normalize, tied):
+    """Odd N (35), m = 12 < 49, d = 5 and d_v = 7 (not multiples of anything)."""
+    q, k, v, landmarks = inputs(2, 3, (5, 7), 5, 7, 4, tied, seed=1)
+    leaves = [t.clone().requires_grad_() for t in (q, v, landmarks)]
+    qa, va, la = leaves
+    ka = qa if tied else k.clone().requires_grad_()
+    options = dict(kernel=kernel, lam=lam, normalize=normalize)
+    out = nystrom_attention(qa, ka, va, la, iters=40, **options)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    expected, expected_grads = dense_grads(q, k, v, landmarks, grad, tied, **options)
+    torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-10)
+    wrt = [qa, va, la] if tied else [qa, ka, va, la]
+    for got, want in zip(torch.autograd.grad(out, wrt, grad), expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-9)
+
+
+def test_output_is_a_view_of_the_token_layout():
+    q, k, v, landmarks = inputs(2, 3, (4, 4), 4, 6, 2, False)
+    out = nystrom_forward(q, k, v, landmarks, AttentionOptions())
+    assert out.shape == (2, 3, 16, 6)
+    tokens = out.transpose(1, 2)
+    assert tokens.is_contiguous() and tokens.reshape(2, 16, 18).data_ptr() == out.data_ptr()
+    raw = OPS.nystrom_attention(q, None, v, landmarks, 'laplacian', 4.0, 0.01, 16, 'identity',
+                                True, 'injective', 1e-5, 'reference')
+    shapes = [tuple(t.shape) for t in raw]
+    assert shapes == [(2, 16, 3, 6), (2, 3, 4, 6), (2, 3, 4, 4), (2, 3, 2, 4)]
+    assert [t.dtype for t in raw[1:]] == [torch.float64] * 3
+
+
+def test_saved_statistics_are_the_whitening_of_the_kernel_rows():
+    q, _, v, landmarks = inputs(1, 2, (5, 5), 3, 2, 3, True, seed=4)
+    _, context, inverse, stats = OPS.nystrom_attention(
+        q, None, v, landmarks, 'laplacian', 4.0, 0.01, 40, 'identity', True, 'injective', 1e-5,
+        'reference')
+    c = torch.exp(-(q.unsqueeze(-2) - landmarks.unsqueeze(-3)).abs().sum(-1) / 4.0)
+    centred = c - c.mean(-1, keepdim=True)
+    torch.testing.assert_close(stats[..., 0, :], centred.mean(-2))
+    torch.testing.assert_close(stats[..., 1, :], (centred.var(-2, unbiased=False) + 1e-5).rsqrt())
+    p = torch.exp(-(landmarks.unsqueeze(-2) - landmarks.unsqueeze(-3)).abs().sum(-1) / 4.0)
+    p = p + 0.01 * torch.eye(9, dtype=p.dtype)
+    torch.testing.assert_close(inverse, torch.linalg.inv(p), rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(context, torch.linalg.solve(p, c.mT @ v), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize('dtype, tol', [(torch.float32, 2e-5), (torch.bfloat16, 3e-2),
+                                        (torch.float16, 4e-3)])
+def test_16_bit_inputs_compute_in_fp32_and_return_their_dtype(dtype, tol):
+    q, k, v, landmarks = inputs(1, 2, (6, 6), 8, 8, 3, False, dtype=dtype, seed=5)
+    out = nystrom_attention(q, k, v, landmarks)
+    assert out.dtype == dtype
+    expected = dense_attention(q, k, v, landmarks)  # the rounded inputs, in fp64
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * scale)
+
+
+def test_fp16_does_not_overflow_where_the_whitening_scale_reaches_its_bound():
+    """36 equal tokens of norm ~480 and values of std 100: each column's variance is 0, the
+    whitening scale exactly 1/sqrt(whiten_eps) = 316, and s · context (~1e5) would overflow
+    fp16 (65504) if it were kept in the input dtype; statistics and context stay fp32."""
+    gen = torch.Generator().manual_seed(6)
+    q = (60.0 + torch.zeros(1, 1, 36, 8, dtype=torch.float64)).half()
+    v = (100 * torch.randn(1, 1, 36, 8, generator=gen, dtype=torch.float64)).abs().half()
+    landmarks = pool_landmarks(q, (6, 6), 3)
+    _, context, _, stats = OPS.nystrom_attention(q, None, v, landmarks, 'laplacian', 4.0, 0.01,
+                                                 16, 'identity', True, 'injective', 1e-5,
+                                                 'reference')
+    assert stats[0, 0, 1].min() > 316 and (stats[..., 1:, :, None] * context).abs().max() > 7e4
+    out = nystrom_attention(q, q, v, landmarks)
+    assert torch.isfinite(out).all()
+    expected = dense_attention(q, q, v, landmarks)
+    torch.testing.assert_close(out.double(), expected, rtol=3e-3,
+                               atol=3e-3 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_autocast_keeps_16_bit_operands_and_casts_nothing(dtype):
+    """The op has no autocast rule: it receives the 16-bit tensors and returns that dtype."""
+    q, k, v, landmarks = inputs(1, 2, (4, 5), 4, 4, 2, False, dtype=dtype, seed=7)
+    seen = []
+    with torch.autocast('cpu', dtype=dtype):
+        out = nystrom_attention(q, k, v, landmarks)
+        with _DtypeSpy(seen):
+            nystrom_attention(q, k, v, landmarks)
+    assert out.dtype == dtype
+    assert seen and all(d == dtype for d in seen)
+
+
+class _DtypeSpy(torch.overrides.TorchFunctionMode):
+    """Records the dtypes of the tensors handed to the fused op."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.lapformer_mm.nystrom_attention.default:
+            self.seen.extend(a.dtype for a in args if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+def test_strided_operands_give_the_dense_result():
+    """The module hands over head views of one (B, N, 3C) projection; nothing is copied for
+    the op's sake, and any stride pattern reads right."""
+    gen = torch.Generator().manual_seed(8)
+    qkv = torch.randn(2, 20, 3 * 12, generator=gen, dtype=torch.float64)
+    q, k, v = (t.view(2, 20, 3, 4).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    assert not q.is_contiguous()
+    landmarks = pool_landmarks(k, (4, 5), 2)
+    out = nystrom_attention(q, k, v, landmarks, iters=40)
+    torch.testing.assert_close(out, dense_attention(q, k, v, landmarks), rtol=1e-9, atol=1e-10)
+
+
+def test_other_batch_ranks_fold_into_the_op():
+    q, k, v, landmarks = inputs(2, 3, (4, 4), 4, 5, 2, False, seed=9)
+    flat = nystrom_attention(q[0], k[0], v[0], landmarks[0])
+    torch.testing.assert_close(flat, nystrom_attention(q, k, v, landmarks)[0])
+    nested = [t.reshape(2, 3, 1, *t.shape[-2:]) for t in (q, k, v, landmarks)]
+    torch.testing.assert_close(nystrom_attention(*nested)[:, :, 0],
+                               nystrom_attention(q, k, v, landmarks))
+
+
+def test_the_op_checks_its_operands():
+    q, k, v, landmarks = inputs(1, 2, (4, 4), 4, 4, 2, False, dtype=torch.float32)
+    args = ('laplacian', 4.0, 0.01, 16, 'identity', True, 'injective', 1e-5, 'reference')
+    with pytest.raises(TypeError, match='nystrom_attention: v has dtype torch.float16 but q has'):
+        OPS.nystrom_attention(q, k, v.half(), landmarks, *args)
+    with pytest.raises(ValueError, match=r'nystrom_attention: q must be \(B, h, N, d\)'):
+        OPS.nystrom_attention(q[0], k[0], v[0], landmarks[0], *args)
+    with pytest.raises(ValueError, match='landmarks must be'):
+        OPS.nystrom_attention(q, k, v, landmarks[..., :3], *args)
+    with pytest.raises(ValueError, match='k must have the shape of q'):
+        OPS.nystrom_attention(q, k[:, :, :5], v, landmarks, *args)
+
+
+def test_mixed_operand_dtypes_follow_q_at_the_public_entry():
+    q, k, v, landmarks = inputs(1, 2, (4, 4), 4, 4, 2, False, dtype=torch.float32)
+    out = nystrom_attention(q, k, v.double(), landmarks.half())
+    assert out.dtype == torch.float32
+
+
+def test_the_ops_pass_opcheck():
+    """Schema and fake implementations agree with the real ops (autograd is the
+    NystromAttention Function's, tested above and below)."""
+    for tied in (True, False):
+        q, k, v, landmarks = inputs(1, 2, (3, 4), 3, 2, 2, tied, dtype=torch.float32, seed=3)
+        args = (q, None if tied else k, v, landmarks, 'laplacian', 4.0, 0.01, 16, 'identity',
+                True, 'injective', 1e-5, 'reference')
+        torch.library.opcheck(OPS.nystrom_attention, args)
+        _, context, inverse, stats = OPS.nystrom_attention(*args)
+        grad = torch.randn(1, 12, 2, 2)
+        torch.library.opcheck(OPS.nystrom_attention_backward,
+                              (grad,) + args[:4] + (context, inverse, stats, 'laplacian', 4.0,
+                                                    0.01, True, 'injective', 1e-5, 'reference'))
+
+
+@pytest.mark.parametrize('kwargs', [dict(solver='exact'), dict(solver='cg')])
+def test_other_solvers_take_the_composite_path(kwargs, monkeypatch):
+    from lapformer_mm.ops import nystrom
+    calls = []
+    monkeypatch.setattr(nystrom, 'nystrom_attention_op',
+                        lambda *a: calls.append(a) or nystrom_attention_op(*a))
+    q, k, v, landmarks = inputs(1, 2, (4, 4), 4, 4, 2, False, seed=10)
+    out = nystrom_attention(q, k, v, landmarks, **kwargs)
+    torch.testing.assert_close(out, dense_attention(q, k, v, landmarks), rtol=1e-7, atol=1e-8)
+    assert not calls
+    nystrom_attention(q, k, v, landmarks)
+    assert len(calls) == 1
+
+
+def test_dropout_takes_the_composite_path():
+    q, k, v, landmarks = inputs(1, 2, (4, 4), 4, 4, 2, False, seed=11)
+    torch.manual_seed(0)
+    dropped = nystrom_attention(q, k, v, landmarks, dropout_p=0.5)
+    assert not torch.allclose(dropped, nystrom_attention(q, k, v, landmarks))
+
+
+def test_flop_formula_counts_the_composite_parts():
+    parts = nystrom_attention_flops((2, 3, 100, 32), (2, 3, 100, 32), 49, True, 16, True)
+    batch = 6
+    assert parts == dict(kernel=batch * (100 * 49 + 49 * 49) * 33,
+                         solve=batch * (2 * 49 ** 3 * 16 + 49 * 49),
+                         visible=batch * (2 * 100 * 49 * 32 + 3 * 49 * 49 * 32))
+    separate = nystrom_attention_flops((2, 3, 100, 32), (2, 3, 100, 32), 49, False, 16, False)
+    assert separate['kernel'] - parts['kernel'] == batch * 100 * 49 * 33
+    assert parts['visible'] - separate['visible'] == batch * 2 * 49 * 49 * 32
+
+
+def test_gradients_come_through_the_autograd_function():
+    """The op has no autograd kernel; NystromAttention (what the public entry calls) gives
+    the dense gradients for the raw op's arguments."""
+    from lapformer_mm.ops.nystrom import NystromAttention
+    q, k, v, landmarks = inputs(1, 2, (4, 5), 3, 4, 2, False, seed=12)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, landmarks)]
+    out, context, inverse, stats = NystromAttention.apply(
+        *leaves, 'laplacian', 4.0, 0.01, 40, 'identity', True, 'injective', 1e-5, 'reference')
+    assert not (context.requires_grad or inverse.requires_grad or stats.requires_grad)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+    got = torch.autograd.grad(out, leaves, grad)
+    expected, expected_grads = dense_grads(q, k, v, landmarks, grad.transpose(1, 2), False)
+    torch.testing.assert_close(out.transpose(1, 2), expected, rtol=1e-9, atol=1e-10)
+    for g, want in zip(got, expected_grads):
+        torch.testing.assert_close(g, want, rtol=1e-8, atol=1e-9)
