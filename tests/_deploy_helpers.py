@@ -95,15 +95,34 @@ def constant_values(proto):
     return values
 
 
+#: Ops through which a Reshape's target shape is assembled from pieces.
+_SHAPE_PLUMBING = {'Concat': None, 'Unsqueeze': 1, 'Squeeze': 1, 'Cast': 1, 'Identity': 1}
+
+
 def frozen_reshapes(proto, sizes):
-    """Reshape nodes whose constant target shape contains one of ``sizes``."""
+    """Reshape nodes whose target shape has a constant piece that is one of ``sizes``.
+
+    The target is followed back through Concat/Unsqueeze/Squeeze/Cast: the TorchScript
+    exporter assembles it from a dynamic batch and constant sizes.
+    """
     constants = constant_values(proto)
+    producers = {out: node for node in proto.graph.node for out in node.output}
+
+    def constant_pieces(name):
+        if name in constants:
+            return [int(v) for v in constants[name].reshape(-1)]
+        node = producers.get(name)
+        if node is None or node.op_type not in _SHAPE_PLUMBING:
+            return []
+        inputs = node.input[:_SHAPE_PLUMBING[node.op_type]]
+        return [v for i in inputs for v in constant_pieces(i)]
+
     frozen = []
     for node in proto.graph.node:
-        if node.op_type == 'Reshape' and node.input[1] in constants:
-            target = [int(v) for v in constants[node.input[1]].reshape(-1)]
-            if set(target) & set(sizes):
-                frozen.append((node.name, target))
+        if node.op_type == 'Reshape':
+            pieces = constant_pieces(node.input[1])
+            if set(pieces) & set(sizes):
+                frozen.append((node.name, pieces))
     return frozen
 
 
