@@ -62,7 +62,8 @@ def export_all(names, size, exporter, folder):
 
 
 def time_round_robin(calls, repeats):
-    """{key: [seconds, ...]}: one warm-up each, then ``repeats`` rounds in rotated order."""
+    """{key: [(wall s, process CPU s), ...]}: one warm-up each, then ``repeats`` rounds in
+    rotated order (load changes hit every model alike)."""
     for fn in calls.values():
         fn()
     keys = list(calls)
@@ -70,9 +71,9 @@ def time_round_robin(calls, repeats):
     for round_index in range(repeats):
         shift = round_index % len(keys)
         for key in keys[shift:] + keys[:shift]:
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             calls[key]()
-            times[key].append(time.perf_counter() - start)
+            times[key].append((time.perf_counter() - wall, time.process_time() - cpu))
     return times
 
 
@@ -102,8 +103,10 @@ def benchmark(args):
             info[f'load_before_{label}'] = load_average()
             times = time_round_robin(calls, args.repeats)
             for (name, kind), runs in times.items():
-                rows.setdefault(name, {})[f'{kind} {label}'] = statistics.median(runs)
-                rows[name][f'{kind} {label} runs'] = runs
+                row = rows.setdefault(name, {})
+                row[f'{kind} {label}'] = statistics.median(w for w, _ in runs)
+                row[f'{kind} {label} cpu'] = statistics.median(c for _, c in runs)
+                row[f'{kind} {label} runs'] = runs
             print(f'# {label} done, load average {load_average()}', flush=True)
         torch.set_num_threads(all_threads)
     info['load_after'] = load_average()
@@ -122,20 +125,31 @@ def _eager(model, x):
 
 
 def format_table(info):
+    """Median wall seconds per call (process CPU seconds in brackets for one thread)."""
     all_label = f"{info['all_threads']} threads"
     columns = [('ort', '1 thread'), ('eager', '1 thread'), ('ort', all_label),
                ('eager', all_label)]
     head = ('| model | ' + ' | '.join(f'{"ONNX Runtime" if k == "ort" else "eager"} '
                                       f'{label} (s)' for k, label in columns)
-            + ' | ONNX Runtime 1 thread / LapF-T |')
-    lines = [head, '|---' * (len(columns) + 2) + '|']
+            + ' | ONNX Runtime 1 thread, PVTv2-b1 / model | eager 1 thread, PVTv2-b1 / '
+              'model |')
+    lines = [head, '|---' * (len(columns) + 3) + '|']
     rows = info['rows']
-    ref = rows.get(REFERENCE, {}).get('ort 1 thread')
+    base = rows.get('pvtv2-b1', {})
     for name, row in rows.items():
-        cells = [f"{row[f'{k} {label}']:.3f}" if f'{k} {label}' in row else
-                 'does not export' for k, label in columns]
-        ratio = row.get('ort 1 thread')
-        cells.append(f'{ratio / ref:.2f}' if ratio and ref else '—')
+        cells = []
+        for kind, label in columns:
+            key = f'{kind} {label}'
+            if key not in row:
+                cells.append('does not export')
+                continue
+            cell = f'{row[key]:.3f}'
+            if label == '1 thread':
+                cell += f' ({row[key + " cpu"]:.3f})'
+            cells.append(cell)
+        for key in ('ort 1 thread', 'eager 1 thread'):
+            ratio = base.get(key), row.get(key)
+            cells.append(f'{ratio[0] / ratio[1]:.2f}' if all(ratio) else '—')
         lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
     lines.append(f"\nload average before {info['load_before']}, after {info['load_after']}")
     for name, export in info['exports'].items():
