@@ -6,9 +6,9 @@ Sections (d = 32 head width throughout):
   (``cupy_ops``), the reference path (``reference_kernels``), and plain
   ``torch.cdist(p=1)`` + exp; Laplacian and Gaussian; forward and
   forward+backward.
-* ``attention``: the whole Nyström attention with the cupy and the reference
-  backend vs softmax ``scaled_dot_product_attention``: fp32 (PyTorch's choice
-  of backend) and bf16 with the flash backend forced.
+* ``attention``: the whole Nyström attention (the fused op with impl='cupy', fp32 and
+  bf16; the reference math, fp32) vs softmax ``scaled_dot_product_attention``: fp32
+  (PyTorch's choice of backend) and bf16 with the flash backend forced.
 * ``newton_schulz``: the fused solve vs the same iterations with batched
   matmuls (``torch.bmm``) and the reference autograd.Function.
 
@@ -61,7 +61,8 @@ FP32_LANES_PER_SM = {(7, 0): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128, (8, 7): 12
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--device', default='cuda', choices=['cuda', 'cpu'])
     p.add_argument('--n', type=int, nargs='+', default=[3136, 16384, TARGET_N], help='tokens N')
     p.add_argument('--m', type=int, nargs='+', default=[49, 64, 128], help='landmarks m')
@@ -71,7 +72,8 @@ def parse_args(argv):
                    choices=['kernel', 'attention', 'newton_schulz'])
     p.add_argument('--budget-s', type=float, default=200.0,
                    help='stop measuring (rows marked skipped) after this many seconds')
-    p.add_argument('--min-time-s', type=float, default=0.2, help='measure each row at least this long')
+    p.add_argument('--min-time-s', type=float, default=0.2,
+                   help='measure each row at least this long')
     p.add_argument('--out', type=Path, default=None, help='folder for bench_ops.md / .json')
     return p.parse_args(argv)
 
@@ -149,7 +151,8 @@ def environment(device):
             'command': ' '.join(sys.argv), 'device': str(device)}
     if device.type == 'cuda':
         props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, sms=props.multi_processor_count, cc=f'{props.major}.{props.minor}',
+        info.update(gpu=props.name, sms=props.multi_processor_count,
+                    cc=f'{props.major}.{props.minor}',
                     torch_cuda=torch.version.cuda, clock_khz=clock_khz(device))
         peak = fp32_peak_flops(device)
         info['fp32_peak_tflops'] = None if peak is None else round(peak / 1e12, 2)
@@ -178,13 +181,13 @@ def cupy_usable(device):
 def kernel_methods(device):
     from lapformer_mm.ops import gaussian_kernel, laplacian_kernel
     methods = {
-        'laplacian reference': lambda x, y: laplacian_kernel(x, y, LAM, backend='reference'),
+        'laplacian reference': lambda x, y: laplacian_kernel(x, y, LAM, impl='reference'),
         'laplacian cdist+exp': lambda x, y: torch.exp(torch.cdist(x, y, p=1.0) * (-1.0 / LAM)),
-        'gaussian reference': lambda x, y: gaussian_kernel(x, y, LAM, backend='reference'),
+        'gaussian reference': lambda x, y: gaussian_kernel(x, y, LAM, impl='reference'),
     }
     if cupy_usable(device):
-        methods['laplacian fused'] = lambda x, y: laplacian_kernel(x, y, LAM, backend='cupy')
-        methods['gaussian fused'] = lambda x, y: gaussian_kernel(x, y, LAM, backend='cupy')
+        methods['laplacian fused'] = lambda x, y: laplacian_kernel(x, y, LAM, impl='cupy')
+        methods['gaussian fused'] = lambda x, y: gaussian_kernel(x, y, LAM, impl='cupy')
     return methods
 
 
@@ -209,21 +212,25 @@ def kernel_rows(args, device):
 
 def attention_rows(args, device):
     from lapformer_mm.ops import nystrom_attention
-    backends = ['reference'] + (['cupy'] if cupy_usable(device) else [])
+    impls = [('reference', torch.float32)]
+    if cupy_usable(device):
+        impls += [('cupy', torch.float32), ('cupy', torch.bfloat16)]
     for n in args.n:
         for bh in args.bh:
             for m in args.m:
-                for backend in backends:
-                    def make(mode, n=n, m=m, bh=bh, backend=backend):
-                        q, k, v = (torch.randn(1, bh, n, args.d, device=device, requires_grad=True)
-                                   for _ in range(3))
-                        lm = torch.randn(1, bh, m, args.d, device=device, requires_grad=True)
+                for impl, dtype in impls:
+                    def make(mode, n=n, m=m, bh=bh, impl=impl, dtype=dtype):
+                        q, k, v = (torch.randn(1, bh, n, args.d, device=device, dtype=dtype,
+                                               requires_grad=True) for _ in range(3))
+                        lm = torch.randn(1, bh, m, args.d, device=device, dtype=dtype,
+                                         requires_grad=True)
 
                         def op(q, k, v, lm):
-                            return nystrom_attention(q, k, v, lm, backend=backend)
-                        return (forward_fn if mode == 'fwd' else forward_backward_fn)(op, q, k, v, lm)
-                    yield dict(section='attention', method=f'nystrom {backend}', n=n, m=m, bh=bh,
-                               dtype='fp32'), make, None
+                            return nystrom_attention(q, k, v, lm, impl=impl)
+                        run = forward_fn if mode == 'fwd' else forward_backward_fn
+                        return run(op, q, k, v, lm)
+                    yield dict(section='attention', method=f'nystrom {impl}', n=n, m=m, bh=bh,
+                               dtype='fp32' if dtype == torch.float32 else 'bf16'), make, None
             for dtype in (torch.float32, torch.bfloat16):
                 if dtype == torch.bfloat16 and device.type == 'cpu':
                     continue  # the flash backend is CUDA-only
@@ -231,9 +238,10 @@ def attention_rows(args, device):
                     continue  # seconds per call in fp32; the bf16 row stands for it
 
                 def make(mode, n=n, bh=bh, dtype=dtype):
-                    q, k, v = (torch.randn(1, bh, n, args.d, device=device, dtype=dtype, requires_grad=True)
-                               for _ in range(3))
-                    return (forward_fn if mode == 'fwd' else forward_backward_fn)(sdpa(dtype), q, k, v)
+                    q, k, v = (torch.randn(1, bh, n, args.d, device=device, dtype=dtype,
+                                           requires_grad=True) for _ in range(3))
+                    run = forward_fn if mode == 'fwd' else forward_backward_fn
+                    return run(sdpa(dtype), q, k, v)
                 name = 'softmax sdpa' if dtype == torch.float32 else 'softmax sdpa flash'
                 yield dict(section='attention', method=name, n=n, m=None, bh=bh,
                            dtype='fp32' if dtype == torch.float32 else 'bf16'), make, None
@@ -266,16 +274,17 @@ def bmm_iterations(P, iters):
 def newton_schulz_rows(args, device):
     from lapformer_mm.ops import DEFAULT_NS_ITERS, newton_schulz_pinv
     methods = {'reference (bmm iterations)':
-               lambda P: newton_schulz_pinv(P, DEFAULT_NS_ITERS, backend='reference')}
+               lambda P: newton_schulz_pinv(P, DEFAULT_NS_ITERS, impl='reference')}
     if cupy_usable(device):
-        methods['fused'] = lambda P: newton_schulz_pinv(P, DEFAULT_NS_ITERS, backend='cupy')
+        methods['fused'] = lambda P: newton_schulz_pinv(P, DEFAULT_NS_ITERS, impl='cupy')
         methods['bmm iterations'] = lambda P: bmm_iterations(P, DEFAULT_NS_ITERS)
     for m in args.m:
         for bh in args.bh:
             for name, op in methods.items():
                 def make(mode, op=op, m=m, bh=bh):
                     pts = torch.randn(bh, m, args.d, device=device).cumsum(1) * 0.02
-                    P = torch.exp(-torch.cdist(pts, pts, p=1.0) / LAM) + 0.01 * torch.eye(m, device=device)
+                    P = (torch.exp(-torch.cdist(pts, pts, p=1.0) / LAM)
+                         + 0.01 * torch.eye(m, device=device))
                     P.requires_grad_(mode != 'fwd')
                     return (forward_fn if mode == 'fwd' else forward_backward_fn)(op, P)
                 modes = ('fwd',) if name == 'bmm iterations' else ('fwd', 'fwd+bwd')
@@ -345,7 +354,7 @@ def target_summary(results):
                _ms(results, method='laplacian fused', **kernel)), 5.0),
         (f'nystrom cupy fp32 fwd+bwd vs softmax SDPA flash bf16, N={TARGET_N} m=49 bh={TARGET_BH}',
          ratio(_ms(results, method='softmax sdpa flash', **attn),
-               _ms(results, method='nystrom cupy', m=49, **attn)), 1.0),
+               _ms(results, method='nystrom cupy', m=49, dtype='fp32', **attn)), 1.0),
     ]
     for m in (49, 64):
         ns = dict(section='newton_schulz', m=m, bh=64, mode='fwd')
@@ -364,7 +373,8 @@ def target_verdict(speedup, required):
 def failures(results):
     """Rows whose measurement raised (not OOM or budget skips), and missed targets."""
     errors = [r for r in results if r.get('status', '').startswith('error')]
-    missed = [t for t in target_summary(results) if not target_verdict(t[1], t[2]).startswith('PASS')]
+    missed = [t for t in target_summary(results)
+              if not target_verdict(t[1], t[2]).startswith('PASS')]
     return errors, missed
 
 
@@ -410,7 +420,8 @@ def to_markdown(results, env):
     lines += [f'- {k}: {v}' for k, v in env.items()]
     lines += ['', '## Targets (speed-up = slower time / faster time)', '']
     lines += [f'- {target_verdict(value, required)}: {name}: '
-              + ('not measured' if value is None else f'{value:.2f}x') + f' (target >= {required:g}x)'
+              + ('not measured' if value is None else f'{value:.2f}x')
+              + f' (target >= {required:g}x)'
               for name, value, required in target_summary(results)]
     lines += ['', '| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
     lines += [format_row(r) for r in results]
@@ -427,7 +438,8 @@ def main(argv=None):
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / 'bench_ops.md').write_text(to_markdown(results, env))
-            (args.out / 'bench_ops.json').write_text(json.dumps({'env': env, 'results': results}, indent=1))
+            (args.out / 'bench_ops.json').write_text(
+                json.dumps({'env': env, 'results': results}, indent=1))
 
     results = run(args, on_row=save)
     save(results)

@@ -16,7 +16,8 @@ def dense_gaussian_kernel(x, y, lam):
 
 
 def dense_kernel(x, y, lam, kind):
-    """The kernel named ``kind`` ('laplacian' or 'gaussian') through an explicit difference tensor."""
+    """The kernel named ``kind`` ('laplacian' or 'gaussian'), through an explicit difference
+    tensor."""
     return {'laplacian': dense_l1_kernel, 'gaussian': dense_gaussian_kernel}[kind](x, y, lam)
 
 
@@ -58,7 +59,8 @@ def dense_attention(q, k, v, landmarks, lam=4.0, eps=0.01, whiten_eps=1e-5, kern
 
 
 def dense_attention_module(module, x, hw, qk_shared, landmark_grid, **options):
-    """A LaplacianAttention's output for x (B, N, C) on hw, written out with :func:`dense_attention`.
+    """A LaplacianAttention's output for x (B, N, C) on hw, written out with
+    :func:`dense_attention`.
 
     Reads only the module's weights; ``qk_shared``, ``landmark_grid`` and the
     :func:`dense_attention` ``options`` are what the caller expects the module to use.
@@ -77,3 +79,13 @@ def dense_attention_module(module, x, hw, qk_shared, landmark_grid, **options):
                      module.local.bias, padding=1, groups=channels)
     out = out + local.flatten(2).transpose(1, 2)
     return F.linear(out, module.proj.weight, module.proj.bias)
+
+
+def dense_attention_grads(q, k, v, landmarks, grad, tied, **options):
+    """(out, gradients) of :func:`dense_attention` in fp64 for the output gradient ``grad``;
+    the gradients of (q, v, landmarks) when ``tied`` (k is q), else of (q, k, v, landmarks)."""
+    qd, vd, ld = (t.detach().double().requires_grad_() for t in (q, v, landmarks))
+    kd = qd if tied else k.detach().double().requires_grad_()
+    out = dense_attention(qd, kd, vd, ld, **options)
+    wrt = [qd, vd, ld] if tied else [qd, kd, vd, ld]
+    return out, torch.autograd.grad(out, wrt, grad.double())

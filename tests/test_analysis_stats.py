@@ -135,8 +135,10 @@ def test_attention_rows_match_direct_numpy(qk_grid):
     gau = np.exp(-(diff ** 2).sum(-1) / lam)
     logits = np.einsum('hd,hnd->hn', qn[:, index], kn) / np.sqrt(6)
     soft = np.exp(logits - logits.max(-1, keepdims=True))
-    np.testing.assert_allclose(rows['laplacian'], lap[:, index] / lap[:, index].sum(-1, keepdims=True))
-    np.testing.assert_allclose(rows['gaussian'], gau[:, index] / gau[:, index].sum(-1, keepdims=True))
+    np.testing.assert_allclose(rows['laplacian'],
+                               lap[:, index] / lap[:, index].sum(-1, keepdims=True))
+    np.testing.assert_allclose(rows['gaussian'],
+                               gau[:, index] / gau[:, index].sum(-1, keepdims=True))
     np.testing.assert_allclose(rows['softmax'], soft / soft.sum(-1, keepdims=True))
     for name, kernel in (('laplacian_injective', lap), ('gaussian_injective', gau)):
         centred = kernel - kernel.mean(-1, keepdims=True)

@@ -15,26 +15,16 @@ import subprocess
 import pytest
 import torch
 from _attention_helpers import dense_kernel as dense_kernel_named
-from _emulation import EMU_DIR, build_command, build_library, make_launch
+from _emulation_fixtures import emu_lib  # noqa: F401 (a fixture)
 
+from devtools.cuda_emulation import EMU_DIR, build_command, make_launch
 from lapformer_mm.ops import cuda_runtime as rt
 from lapformer_mm.ops import cupy_ops, dispatch
 from lapformer_mm.ops.solvers import newton_schulz_iterate
 
 
-@pytest.fixture(scope='module')
-def emu_lib(tmp_path_factory):
-    """The kernels compiled for the CPU as a shared library."""
-    if shutil.which('g++') is None:
-        pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
-    lib, error = build_library(tmp_path_factory.mktemp('cuda_emu'))
-    if lib is None:
-        pytest.fail(f'g++ failed to build the emulation:\n{error}')
-    return lib
-
-
 @pytest.fixture
-def emulated(emu_lib, monkeypatch):
+def emulated(emu_lib, monkeypatch):  # noqa: F811 (the imported fixture)
     """Route ``cuda_runtime.launch`` to the CPU emulation; records launches."""
     launches = []
     monkeypatch.setattr(rt, 'launch', make_launch(emu_lib, launches))
@@ -58,7 +48,7 @@ def make_inputs(batch, n, m, d, dtype, seed):
     return x.to(dtype), y.to(dtype)
 
 
-def test_every_instantiation_is_emulated(emu_lib):
+def test_every_instantiation_is_emulated(emu_lib):  # noqa: F811 (the imported fixture)
     for names in rt.all_name_expressions().values():
         for name in names:
             assert emu_lib.emu_has_kernel(name.encode()) == 1, name
@@ -193,7 +183,8 @@ def test_blocks_loop_beyond_the_grid_limits(emulated, monkeypatch):
     x, y = make_inputs(3, 130, 66, 17, torch.float32, seed=21)
     kmat = cupy_ops.fused_pairwise_forward(x, y, 4.0, rt.LAPLACIAN)
     assert emulated[-1][1] == (2, 1, 1)
-    torch.testing.assert_close(kmat.double(), dense_kernel(x.double(), y.double(), 4.0, rt.LAPLACIAN),
+    torch.testing.assert_close(kmat.double(),
+                               dense_kernel(x.double(), y.double(), 4.0, rt.LAPLACIAN),
                                rtol=1e-5, atol=1e-7)
     g = torch.randn(kmat.shape, generator=torch.Generator().manual_seed(3))
     dx, dy = cupy_ops.fused_pairwise_backward(g, kmat, x, y, 4.0, rt.LAPLACIAN, True, True, 4)
@@ -205,7 +196,8 @@ def test_blocks_loop_beyond_the_grid_limits(emulated, monkeypatch):
     P = spd_batch(4, 6, torch.float64, seed=2)
     out = cupy_ops.fused_newton_schulz(P, 10, False, smem_limit=48 * 1024)
     assert emulated[-1][1] == (1,)
-    torch.testing.assert_close(out, newton_schulz_iterate(P, 10, 'identity'), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out, newton_schulz_iterate(P, 10, 'identity'), rtol=1e-10,
+                               atol=1e-12)
 
 
 @pytest.fixture
@@ -222,9 +214,11 @@ def test_public_functions_end_to_end_on_emulated_kernels(cupy_backend):
     inputs, through the registered ops' impl='cupy' path."""
     from lapformer_mm.ops import gaussian_kernel, laplacian_kernel, newton_schulz_pinv
     gen = torch.Generator().manual_seed(8)
-    x = torch.randn(2, 3, 34, 40, generator=gen).transpose(-1, -2)[..., ::2].requires_grad_()  # (2, 3, 40, 17)
+    # (2, 3, 40, 17), strided
+    x = torch.randn(2, 3, 34, 40, generator=gen).transpose(-1, -2)[..., ::2].requires_grad_()
     y = torch.randn(2, 3, 5, 17, generator=gen).requires_grad_()
-    for fn, kind, lam in ((laplacian_kernel, rt.LAPLACIAN, 4.0), (gaussian_kernel, rt.GAUSSIAN, 30.0)):
+    for fn, kind, lam in ((laplacian_kernel, rt.LAPLACIAN, 4.0),
+                          (gaussian_kernel, rt.GAUSSIAN, 30.0)):
         out = fn(x, y, lam)
         xd, yd = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
         ref = dense_kernel(xd, yd, lam, kind)
@@ -242,7 +236,8 @@ def test_public_functions_end_to_end_on_emulated_kernels(cupy_backend):
     assert cupy_backend[-1][0] == rt.newton_schulz_name('double', True)
     (grad,) = torch.autograd.grad(X.sum(), P)
     inv = torch.linalg.inv(P.detach())
-    torch.testing.assert_close(grad, -(inv.mT @ torch.ones_like(inv) @ inv.mT), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(grad, -(inv.mT @ torch.ones_like(inv) @ inv.mT), rtol=1e-9,
+                               atol=1e-9)
 
 
 def test_composite_attention_on_emulated_kernels_matches_dense_reference(cupy_backend):
@@ -269,9 +264,11 @@ def test_registered_ops_hand_the_kernels_contiguous_operands(cupy_backend):
     xs, ys = x[..., ::2], y.transpose(1, 2).contiguous().transpose(1, 2)[..., 1::2]
     assert not xs.is_contiguous() and not ys.is_contiguous()
     out = torch.ops.lapformer_mm.pairwise_kernel(xs, ys, 4.0, 'laplacian', 'cupy')
-    torch.testing.assert_close(out.double(), dense_kernel(xs.double(), ys.double(), 4.0, rt.LAPLACIAN),
+    torch.testing.assert_close(out.double(),
+                               dense_kernel(xs.double(), ys.double(), 4.0, rt.LAPLACIAN),
                                rtol=1e-5, atol=1e-7)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).transpose(1, 2).contiguous().transpose(1, 2)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    g = g.transpose(1, 2).contiguous().transpose(1, 2)
     dx, dy = torch.ops.lapformer_mm.pairwise_kernel_backward(g, out, xs, ys, 4.0, 'laplacian',
                                                              True, True, 'cupy')
     ex, ey = dense_grads(xs, ys, g, 4.0, rt.LAPLACIAN)

@@ -1,18 +1,18 @@
 """Launches plus ATen compute ops per LaplacianAttention call on the emulated CUDA path.
 
 The module runs with impl='cupy' on CPU tensors, its launches executed by the g++
-emulation (tests/_emulation.py), so the host code is the GPU's. A TorchDispatchMode
+emulation (devtools/cuda_emulation.py), so the host code is the GPU's. A TorchDispatchMode
 (devtools/op_counts.py) counts every ATen op outside and inside our ops; views (outputs
 aliasing an input, ``_unsafe_view``) and allocations (``empty*``, no kernel) are counted
 apart. Targets of issue #24: at most 10 forward, at most 30 forward+backward (the layer
 before the fused op: 35 and 104).
 """
-import shutil
 
 import pytest
 import torch
-from _emulation import build_library, make_launch
+from _emulation_fixtures import emu_lib  # noqa: F401 (a fixture)
 
+from devtools.cuda_emulation import make_launch
 from devtools.op_counts import module_call_counts
 from lapformer_mm.models.attention import LaplacianAttention
 from lapformer_mm.ops import cuda_runtime as rt
@@ -22,18 +22,8 @@ from lapformer_mm.ops import cupy_ops, dispatch
 HOST_SYNCS = {'aten::_local_scalar_dense', 'aten::item', 'aten::is_nonzero', 'aten::equal'}
 
 
-@pytest.fixture(scope='module')
-def emu_lib(tmp_path_factory):
-    if shutil.which('g++') is None:
-        pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
-    lib, error = build_library(tmp_path_factory.mktemp('cuda_emu'))
-    if lib is None:
-        pytest.fail(f'g++ failed to build the emulation:\n{error}')
-    return lib
-
-
 @pytest.fixture
-def cupy_path(emu_lib, monkeypatch):
+def cupy_path(emu_lib, monkeypatch):  # noqa: F811 (the imported fixture)
     monkeypatch.setattr(rt, 'launch', make_launch(emu_lib))
     monkeypatch.setattr(dispatch, '_DECIDED', {(None, 'cpu'): 'cupy'})
     monkeypatch.setattr(cupy_ops, 'target_blocks', lambda device: 8)

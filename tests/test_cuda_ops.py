@@ -21,7 +21,8 @@ from _attention_helpers import dense_kernel
 
 DEV = os.environ.get('LAPFORMER_GPU_TEST_DEVICE', 'cuda')
 pytestmark = pytest.mark.gpu if DEV == 'cuda' else []
-real_gpu_only = pytest.mark.skipif(DEV != 'cuda', reason='needs a real CUDA device or too large to emulate')
+real_gpu_only = pytest.mark.skipif(DEV != 'cuda',
+                                   reason='needs a real CUDA device or too large to emulate')
 
 
 def _ops():
@@ -140,15 +141,18 @@ def test_runs_on_the_current_stream():
         torch.cuda._sleep(50_000_000)  # keeps the side stream busy
         x = x0 * 2.0
         out = _ops().laplacian_kernel(x, y, 4.0)
-        pinv = _ops().newton_schulz_pinv(_ops().laplacian_kernel(y, y, 4.0) + 0.01 * torch.eye(64, device=DEV), 20)
+        pinv = _ops().newton_schulz_pinv(
+            _ops().laplacian_kernel(y, y, 4.0) + 0.01 * torch.eye(64, device=DEV), 20)
     side.synchronize()
-    torch.testing.assert_close(out.double(), dense_kernel(2.0 * x0.double(), y.double(), 4.0, 'laplacian'),
+    torch.testing.assert_close(out.double(),
+                               dense_kernel(2.0 * x0.double(), y.double(), 4.0, 'laplacian'),
                                rtol=1e-5, atol=1e-7)
     w = dense_kernel(y.double(), y.double(), 4.0, 'laplacian') + 0.01 * torch.eye(64, device=DEV)
     assert (torch.eye(64, device=DEV) - w @ pinv.double()).abs().max() < 1e-2
 
 
-@pytest.mark.parametrize('batch, n, m', [(1, 3136, 49), pytest.param(70_000, 3, 2, marks=real_gpu_only)])
+@pytest.mark.parametrize('batch, n, m', [(1, 3136, 49),
+                                         pytest.param(70_000, 3, 2, marks=real_gpu_only)])
 def test_batch_heads_small_and_beyond_grid_limit(batch, n, m):
     """batch = 70000 exceeds gridDim.z (65535): blocks must loop over the batch."""
     x, y = inputs((batch, n, 8), (batch, m, 8), seed=5)
@@ -173,7 +177,8 @@ def test_matches_reference_path_at_attention_size():
     ref = laplacian_kernel(x, y, 4.0, backend='reference')
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-7)
     g = torch.randn_like(out)
-    assert_grads_close(torch.autograd.grad(out, (x, y), g), torch.autograd.grad(ref, (x, y), g), 1e-4)
+    assert_grads_close(torch.autograd.grad(out, (x, y), g), torch.autograd.grad(ref, (x, y), g),
+                       1e-4)
 
 
 def test_backward_is_deterministic():
@@ -194,7 +199,8 @@ def test_autocast_runs_in_fp32():
         P = _ops().laplacian_kernel(y, y, 4.0) + 0.01 * torch.eye(49, device=DEV)
         X = _ops().newton_schulz_pinv(P, 20)
     assert out.dtype == torch.float32 and X.dtype == torch.float32
-    torch.testing.assert_close(out.double(), dense_kernel(x.half().double(), y.half().double(), 4.0, 'laplacian'),
+    torch.testing.assert_close(out.double(),
+                               dense_kernel(x.half().double(), y.half().double(), 4.0, 'laplacian'),
                                rtol=1e-5, atol=1e-7)
 
 
@@ -205,7 +211,8 @@ def spd(batch, m, dtype, seed=0):
     """
     gen = torch.Generator(device=DEV).manual_seed(seed)
     pts = torch.randn(batch, m, 32, generator=gen, device=DEV, dtype=torch.float64).cumsum(1) * 0.02
-    return (dense_kernel(pts, pts, 4.0, 'laplacian') + 0.01 * torch.eye(m, device=DEV, dtype=torch.float64)).to(dtype)
+    eye = torch.eye(m, device=DEV, dtype=torch.float64)
+    return (dense_kernel(pts, pts, 4.0, 'laplacian') + 0.01 * eye).to(dtype)
 
 
 @pytest.mark.parametrize('init', ['identity', 'authors'])
@@ -276,20 +283,22 @@ def test_sign_of_subnormal_differences_and_operands():
     out = _ops().laplacian_kernel(x, y, 4.0)
     gx, gy = torch.autograd.grad(out, (x, y), torch.ones_like(out))
     # dK/dx_i = -sum_j K_ij sign(x_i - y_j) / 4, with K = 1 to fp32 precision here.
-    sign = torch.sign(x.detach().cpu().double()[0, :, None, 0] - y.detach().cpu().double()[0, None, :, 0])
+    xs, ys = x.detach().cpu().double(), y.detach().cpu().double()
+    sign = torch.sign(xs[0, :, None, 0] - ys[0, None, :, 0])
     torch.testing.assert_close(gx.cpu().double()[0, :, 0], -sign.sum(1) / 4.0)
     torch.testing.assert_close(gy.cpu().double()[0, :, 0], sign.sum(0) / 4.0)
 
 
 def test_registered_ops_enforce_their_contract():
-    """torch.ops.lapformer_mm.* with impl='cupy' are callable directly: strided inputs give the right
+    """torch.ops.lapformer_mm.* with impl='cupy' are callable directly: strided inputs give the
     result, mixed dtypes or devices a clear error instead of reading past an allocation."""
     ops = torch.ops.lapformer_mm
     x, y = inputs((2, 40, 64), (2, 9, 32), seed=6)
     xs = x[..., ::2]
     assert not xs.is_contiguous()
     got = ops.pairwise_kernel(xs, y, 4.0, 'laplacian', 'cupy')
-    torch.testing.assert_close(got.double(), dense_kernel(xs.double(), y.double(), 4.0, 'laplacian'),
+    torch.testing.assert_close(got.double(),
+                               dense_kernel(xs.double(), y.double(), 4.0, 'laplacian'),
                                rtol=1e-5, atol=1e-7)
     with pytest.raises(TypeError, match='y has dtype torch.float16 but x has torch.float32'):
         ops.pairwise_kernel(xs, y.half(), 4.0, 'laplacian', 'cupy')

@@ -8,6 +8,8 @@ code is driven by a fake CuPy. The kernels themselves are covered by
 import pytest
 import torch
 
+from devtools import fake_cupy as fake_cupy_module
+from devtools.fake_cupy import FakeCudaTensor as FakeTensor
 from lapformer_mm.ops import (
     AttentionOptions,
     gaussian_kernel,
@@ -16,8 +18,6 @@ from lapformer_mm.ops import (
     nystrom_forward,
     pool_landmarks,
 )
-from devtools import fake_cupy as fake_cupy_module
-from devtools.fake_cupy import FakeCudaTensor as FakeTensor
 from lapformer_mm.ops import cuda_runtime as rt
 
 
@@ -84,8 +84,10 @@ def test_launch_geometry_covers_grid_limits():
     assert rt.newton_schulz_stride(128) == (128, 132) and rt.newton_schulz_stride(64) == (64, 68)
     assert rt.newton_schulz_stride(49) == (52, 52) and rt.newton_schulz_stride(1) == (4, 4)
     # H100/H200 (227 KiB opt-in): P, X, T in shared memory; A100 (163 KiB): P stays global.
-    assert rt.newton_schulz_launch(8, 128, 4, 227 * 1024) == ((8,), (1024, 1, 1), 3 * 4 * 128 * 132, 1)
-    assert rt.newton_schulz_launch(8, 128, 4, 163 * 1024) == ((8,), (1024, 1, 1), 2 * 4 * 128 * 132, 0)
+    assert (rt.newton_schulz_launch(8, 128, 4, 227 * 1024)
+            == ((8,), (1024, 1, 1), 3 * 4 * 128 * 132, 1))
+    assert (rt.newton_schulz_launch(8, 128, 4, 163 * 1024)
+            == ((8,), (1024, 1, 1), 2 * 4 * 128 * 132, 0))
     assert rt.newton_schulz_launch(64, 49, 4, 48 * 1024) == ((64,), (192, 1, 1), 3 * 4 * 52 * 52, 1)
     assert rt.newton_schulz_launch(8, 129, 4, 10 ** 9) is None
     with pytest.raises(ValueError, match='d=.*grid limit'):
@@ -103,9 +105,10 @@ def test_launch_compiles_once_per_dtype_on_the_tensors_device_and_stream(fake_cu
     fake = fake_cupy()
     name = rt.pairwise_forward_name('float', rt.LAPLACIAN)
     for _ in range(2):
-        rt.launch(rt.PAIRWISE_SOURCE, name, FakeTensor(), (1, 2, 3), (16, 16, 1), (1, 2), shapes='x')
-    rt.launch(rt.PAIRWISE_SOURCE, rt.pairwise_backward_name('float', rt.GAUSSIAN, True), FakeTensor(),
-              (1, 1, 1), (16, 16, 1), ())
+        rt.launch(rt.PAIRWISE_SOURCE, name, FakeTensor(), (1, 2, 3), (16, 16, 1), (1, 2),
+                  shapes='x')
+    rt.launch(rt.PAIRWISE_SOURCE, rt.pairwise_backward_name('float', rt.GAUSSIAN, True),
+              FakeTensor(), (1, 1, 1), (16, 16, 1), ())
     compiles = [e for e in fake.events if e[0] == 'compile']
     assert len(compiles) == 1 and name in compiles[0][1] and len(compiles[0][1]) == 6
     assert compiles[0][2] == rt.NVRTC_OPTIONS and compiles[0][3] == 'nvrtc'
@@ -118,18 +121,21 @@ def test_launch_opts_into_large_dynamic_shared_memory_once(fake_cupy):
     fake = fake_cupy()
     name = rt.newton_schulz_name('float', True)
     for _ in range(2):
-        rt.launch(rt.NEWTON_SCHULZ_SOURCE, name, FakeTensor(), (8,), (256, 1, 1), (), shared_mem=49152)
+        rt.launch(rt.NEWTON_SCHULZ_SOURCE, name, FakeTensor(), (8,), (256, 1, 1), (),
+                  shared_mem=49152)
     assert [e for e in fake.events if e[0] == 'optin'] == [('optin', 49152)]
 
 
 def test_compile_and_launch_failures_name_kernel_and_shapes(fake_cupy):
     fake_cupy(fail_compile=True)
     with pytest.raises(rt.CudaOpsError, match=r'pairwise_forward<float, 0>.*oops'):
-        rt.launch(rt.PAIRWISE_SOURCE, rt.pairwise_forward_name('float', 0), FakeTensor(), (1,), (1,), ())
+        rt.launch(rt.PAIRWISE_SOURCE, rt.pairwise_forward_name('float', 0), FakeTensor(), (1,),
+                  (1,), ())
     fake_cupy(fail_launch=True)
-    with pytest.raises(rt.CudaOpsError, match=r'newton_schulz<float, true>.*x \(2, 3\).*too many resources'):
-        rt.launch(rt.NEWTON_SCHULZ_SOURCE, rt.newton_schulz_name('float', True), FakeTensor(), (1,), (1,), (),
-                  shapes='x (2, 3)')
+    with pytest.raises(rt.CudaOpsError,
+                       match=r'newton_schulz<float, true>.*x \(2, 3\).*too many resources'):
+        rt.launch(rt.NEWTON_SCHULZ_SOURCE, rt.newton_schulz_name('float', True), FakeTensor(),
+                  (1,), (1,), (), shapes='x (2, 3)')
 
 
 def test_cuda_ops_import_without_openmmlab():
@@ -163,7 +169,8 @@ def test_cuda_entry_points_enforce_the_kernels_contract():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 30, 16, generator=gen)[..., ::2]
     y = torch.randn(2, 7, 8, generator=gen)
-    with pytest.raises(TypeError, match='pairwise_kernel: y has dtype torch.float16 but x has torch.float32'):
+    with pytest.raises(TypeError,
+                       match='pairwise_kernel: y has dtype torch.float16 but x has torch.float32'):
         ops.pairwise_kernel(x, y.half(), 4.0, 'laplacian', 'cupy')
     with pytest.raises(ValueError, match=r'x must be \(batch, n, d\) and y \(batch, m, d\)'):
         ops.pairwise_kernel(x, y[..., :5], 4.0, 'laplacian', 'cupy')
@@ -175,7 +182,9 @@ def test_cuda_entry_points_enforce_the_kernels_contract():
     with pytest.raises(TypeError, match='grad has dtype torch.float64 but x has torch.float32'):
         ops.pairwise_kernel_backward(g.double(), g, x, y, 4.0, 'laplacian', True, True, 'cupy')
     P = torch.eye(4).expand(3, 4, 4)
-    with pytest.raises(TypeError, match=r"newton_schulz: P has dtype torch.float16; allowed: \['torch.float32', 'torch.float64'\]"):
+    allowed = r"\['torch.float32', 'torch.float64'\]"
+    with pytest.raises(TypeError, match=r'newton_schulz: P has dtype torch.float16; allowed: '
+                                        + allowed):
         ops.newton_schulz(P.half(), 3, 'identity', 'cupy')
     with pytest.raises(ValueError, match=r'P must be \(batch, m, m\)'):
         ops.newton_schulz(P[:, :3], 3, 'identity', 'cupy')

@@ -7,7 +7,7 @@ autocast, strided operands, the op checks and the composite path.
 """
 import pytest
 import torch
-from _attention_helpers import dense_attention
+from _attention_helpers import dense_attention, dense_attention_grads
 
 from lapformer_mm.ops import AttentionOptions, nystrom_attention, nystrom_forward, pool_landmarks
 from lapformer_mm.ops.nystrom import nystrom_attention_flops, nystrom_attention_op
@@ -27,12 +27,7 @@ def inputs(batch, heads, hw, d, dv, grid, tied, dtype=torch.float64, seed=0, sca
 
 
 def dense_grads(q, k, v, landmarks, grad, tied, **options):
-    leaves = [t.detach().double().requires_grad_() for t in (q, v, landmarks)]
-    qd, vd, ld = leaves
-    kd = qd if tied else k.detach().double().requires_grad_()
-    out = dense_attention(qd, kd, vd, ld, **options)
-    wrt = [qd, vd, ld] if tied else [qd, kd, vd, ld]
-    return out, torch.autograd.grad(out, wrt, grad.double())
+    return dense_attention_grads(q, k, v, landmarks, grad, tied, **options)
 
 
 KERNEL_LAM = [('laplacian', 4.0), ('gaussian', 12.0)]

@@ -50,7 +50,8 @@ def test_kernels_finite_bounded_and_exact(inputs):
     k = KERNELS[kind](x, y, lam)
     assert k.shape == (*x.shape[:-1], y.shape[-2])
     assert finite(k) and bool((k >= 0).all()) and bool((k <= 1).all())
-    torch.testing.assert_close(k.double(), dense_kernel(x.double(), y.double(), lam, kind), rtol=1e-4,
+    torch.testing.assert_close(k.double(), dense_kernel(x.double(), y.double(), lam, kind),
+                               rtol=1e-4,
                                atol=1e-6)
     (k * torch.randn_like(k)).sum().backward()
     assert finite(x.grad, y.grad)

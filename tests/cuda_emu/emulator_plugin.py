@@ -3,7 +3,7 @@
     LAPFORMER_GPU_TEST_DEVICE=cpu PYTHONPATH=.:tests/cuda_emu \\
         python -m pytest -p emulator_plugin tests/test_cuda_ops.py
 
-Builds the g++ emulation (tests/_emulation.py), sends ``cuda_runtime.launch`` to it and
+Builds the g++ emulation (devtools/cuda_emulation.py), sends ``cuda_runtime.launch`` to it and
 makes the public functions choose the CuPy kernels for CPU tensors, so they run the
 kernels' logic end to end. For development only: a few minutes on two cores, so not
 part of CI.
@@ -17,9 +17,8 @@ _TARGET_BLOCKS = 64
 
 
 def pytest_configure(config):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from _emulation import build_library, make_launch
-
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from devtools.cuda_emulation import build_library, make_launch
     from lapformer_mm.ops import cuda_runtime as rt
     from lapformer_mm.ops import cupy_ops, dispatch
 

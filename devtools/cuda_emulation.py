@@ -1,5 +1,8 @@
 """The g++ emulation of the CUDA kernels (tests/cuda_emu): build it, and launch through it.
 
+Used by the emulation tests and by scripts that run the CUDA path on the CPU
+(benchmarks/numerics_stages.py); :func:`emulate` switches a process over.
+
 ``ops/*.cu`` compile unchanged under ``tests/cuda_emu/shim.h`` (threads of a block are
 std::threads, ``__syncthreads`` a std::barrier, ``__shared__`` static storage, blocks one
 at a time); :func:`make_launch` gives a stand-in for ``cuda_runtime.launch`` so that the
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 EMU_DIR = ROOT / 'tests' / 'cuda_emu'
 
 _CTYPES = {
@@ -71,3 +74,17 @@ def make_launch(lib, record=None, hooks=()):
         for hook in hooks:
             hook(entry)
     return launch
+
+
+def emulate(folder, target_blocks=8):
+    """Route ``cuda_runtime.launch`` to the emulation built in ``folder`` and make impl=None
+    choose the CuPy path for CPU tensors, for the rest of the process (scripts only)."""
+    from lapformer_mm.ops import cuda_runtime as rt
+    from lapformer_mm.ops import cupy_ops, dispatch
+    lib, error = build_library(folder)
+    if lib is None:
+        raise RuntimeError(f'g++ failed to build the emulation:\n{error}')
+    rt.launch = make_launch(lib)
+    cupy_ops.target_blocks = lambda device: target_blocks
+    dispatch._DECIDED[(None, 'cpu')] = 'cupy'
+    return lib
