@@ -103,6 +103,8 @@ setup(
         'cls': ['mmcv>=2.0.0,<2.2.0', 'mmpretrain>=1.2,<1.3', 'torchvision'],
         'cuda12': ['cupy-cuda12x>=13'],
         'cuda13': ['cupy-cuda13x>=13'],
+        # ONNX export (both exporters) and its check on ONNX Runtime (lapformer_mm.deploy).
+        'deploy': ['onnx>=1.16', 'onnxscript>=0.5', 'onnxruntime>=1.17'],
     },
     classifiers=[
         'Programming Language :: Python :: 3',

@@ -17,6 +17,7 @@ from mmengine.registry import MODELS
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..ops.export import exporting
 from .attention import LaplacianAttention, check_attn_cfg_keys
 from .layers import ConvStem, SoftmaxAttention, TransformerBlock, build_token_norm, conv_norm_act
 from .pretrained import load_backbone_weights
@@ -46,6 +47,8 @@ ARCH_SETTINGS: Dict[str, Dict[str, List[int]]] = {
 ARCH_ALIASES = {'t': 'tiny', 's': 'small', 'm': 'medium', 'l': 'large',
                 'h': 'huge'}
 NUM_STAGES = 4
+#: Output strides of the four stages (the stem's 4, then one stride-2 conv per stage).
+STAGE_STRIDES = (4, 8, 16, 32)
 STAGE4_ATTENTIONS = ('laplacian', 'softmax')
 # The backbone's own attention defaults; every other key keeps LaplacianAttention's.
 ATTN_CFG_DEFAULTS = dict(qk_shared=(True, True, True, False))
@@ -127,6 +130,19 @@ def tokens_to_map(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
     return x.transpose(1, 2).reshape(B, C, hw[0], hw[1])
 
 
+def map_size(x: torch.Tensor):
+    """(H, W) of a (B, C, H, W) map, as the attention's checks and the exporters need them.
+
+    Python ints in eager mode and under the FLOP counter's ``torch.jit`` trace, where
+    sizes would otherwise be tensors, which the checks reject. While exporting they stay
+    symbolic (SymInt, or the TorchScript exporter's traced sizes): ``int()`` would freeze
+    every reshape of the graph to the example size.
+    """
+    if exporting():
+        return x.shape[2], x.shape[3]
+    return int(x.shape[2]), int(x.shape[3])
+
+
 class LaplacianFormerStage(nn.Module):
     """Optional stride-2 downsampling conv, then a stack of blocks.
 
@@ -143,9 +159,7 @@ class LaplacianFormerStage(nn.Module):
     def forward(self, x: torch.Tensor
                 ) -> Tuple[torch.Tensor, Tuple[int, int]]:
         x = self.downsample(x)
-        # Python ints: under torch.jit.trace (FLOP counting, export) shapes
-        # would otherwise be tensors, which the attention's checks reject.
-        hw = (int(x.shape[2]), int(x.shape[3]))
+        hw = map_size(x)
         # Contiguous tokens once per stage: every residual add and norm of the
         # stage would otherwise stride through a transposed view.
         x = x.flatten(2).transpose(1, 2).contiguous()
@@ -346,6 +360,23 @@ class LaplacianFormer(BaseModule):
                 # raw memory) read channels-last strides as garbage.
                 outs.append(x.contiguous())
         return tuple(outs)
+
+    def export_min_size(self) -> int:
+        """The smallest image height (and width) this backbone exports for.
+
+        Every stage with Laplacian attention must be at least its landmark grid g × g:
+        stage i maps are ceil(H / s_i) with s_i = :data:`STAGE_STRIDES`, so
+        H >= (g - 1)·s_i + 1 (193 for g = 7 in all four stages, 97 with
+        ``stage4_attention='softmax'``). Eager calls take any size (the grid is clipped
+        to the map); the export form keeps m = g² landmarks, a static shape
+        (docs/deploy.md).
+        """
+        minimum = 1
+        for stride, stage in zip(STAGE_STRIDES, self.stages):
+            for block in stage.blocks:
+                if isinstance(block.attn, LaplacianAttention):
+                    minimum = max(minimum, (block.attn.landmark_grid - 1) * stride + 1)
+        return minimum
 
     def _check_input(self, x: torch.Tensor) -> None:
         """A floating (B, in_channels, H, W) batch, else an error saying what is wrong."""

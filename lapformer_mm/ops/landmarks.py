@@ -2,12 +2,20 @@
 import torch.nn.functional as F
 
 from ._checks import check_float_tensor, check_int
+from .export import exporting, pool_tokens_export
 
 
 def check_hw(hw, num_tokens):
-    """Require hw = (H, W) positive ints with H·W == num_tokens; returns (H, W)."""
+    """Require hw = (H, W) positive ints with H·W == num_tokens; returns (H, W).
+
+    While exporting, H and W are symbolic (SymInt, or traced sizes under the TorchScript
+    exporter): only the pair is checked, since comparing them would specialise the graph
+    to the example size.
+    """
     if not isinstance(hw, (tuple, list)) or len(hw) != 2:
         raise TypeError(f'hw must be a pair (H, W), got {hw!r}')
+    if exporting():
+        return hw[0], hw[1]
     height, width = (check_int(n, v) for n, v in zip(('hw[0]', 'hw[1]'), hw))
     if height * width != num_tokens:
         raise ValueError(f'hw={tuple(hw)} gives H*W={height * width} but the '
@@ -40,6 +48,8 @@ def pool_tokens(t, hw, grid):
     view of the tokens and the pooling reads them in place; the result is a (B, h, m, d)
     view of the pooled channels-last map.
     """
+    if exporting():
+        return pool_tokens_export(t, hw, grid)
     batch, heads, _, width = t.shape
     # Through the (B, H, W, h·d) token view: a reshape straight to (B, h·d, H, W) may give a
     # batch of one an odd stride, which makes aten pool a contiguous copy instead.

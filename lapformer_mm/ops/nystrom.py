@@ -74,6 +74,7 @@ from ._checks import (
 )
 from ._precision import compute_dtype
 from .dispatch import implementation, prepare, requested_impl, resolve_impl
+from .export import export_attention, exporting
 from .kernels import newton_schulz, pairwise_kernel
 from .normalize import whiten
 from .reference_kernels import pairwise_grad_reference, pairwise_kernel_reference
@@ -492,7 +493,8 @@ def nystrom_forward(q, k, v, landmarks, options, dropout_p=0.0):
     (B, h, N, d_v) view of the op's (B, N, h, d_v) output, so ``.transpose(1, 2)`` gives
     the token layout without a copy. Operands are checked once, in the op.
     """
-    # The export hook (lapformer_mm.ops.export) goes first here.
+    if exporting():
+        return export_attention(q, k, v, landmarks, options, dropout_p)
     if dropout_p > 0 or not options.fused:
         check_attention_inputs(q, k, v, landmarks)
         return nystrom_composite(q, k, v, landmarks, options, dropout_p)

@@ -1,0 +1,93 @@
+"""Export a detector's or segmentor's backbone, features or raw outputs to one ONNX file.
+
+mmdet-style arguments: a config, an optional checkpoint (random weights without one),
+``--target backbone | features | model``, ``--shape H W`` of the example input,
+``--batch``, ``--dynamic`` (symbolic batch, height and width, H and W from the model's
+minimum up), ``--exporter dynamo | torchscript``, ``--out``; ``--verify`` runs the file in
+ONNX Runtime and prints the largest absolute and relative error against PyTorch at the
+export size and at two other sizes (dynamic exports), beside eager fp32's own error
+against fp64. The input of the graph is the normalised, padded batch the model's data
+preprocessor makes (docs/deploy.md). Needs the ``[deploy]`` extra (onnx, onnxscript,
+onnxruntime).
+
+Examples::
+
+    python tools/export_onnx.py configs/retinanet_lapformer_t.py --target model \\
+        --shape 800 1344 --dynamic --out work_dirs/retinanet_t.onnx --verify
+    python tools/export_onnx.py configs/upernet_lapformer_t_ade20k.py ckpt.pth \\
+        --target model --shape 512 512 --exporter torchscript --out upernet_t.onnx
+"""
+import argparse
+import os.path as osp
+import sys
+import time
+
+from mmengine.config import DictAction
+
+from lapformer_mm import deploy
+from lapformer_mm.ops.export import RESIDUAL_PRECISIONS
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description='Export a model to ONNX')
+    parser.add_argument('config', help='mmdet or mmseg config file')
+    parser.add_argument('checkpoint', nargs='?', default=None,
+                        help='checkpoint file (default: random weights)')
+    parser.add_argument('--target', choices=deploy.TARGETS, default='model',
+                        help="what to export: 'backbone', 'features' (backbone + neck) or "
+                             "'model' (raw head outputs, no post-processing; default)")
+    parser.add_argument('--shape', type=int, nargs=2, default=(800, 1344),
+                        metavar=('H', 'W'), help='example input size (default 800 1344)')
+    parser.add_argument('--batch', type=int, default=1, help='example batch (default 1)')
+    parser.add_argument('--dynamic', action='store_true',
+                        help='symbolic batch, height and width instead of the example sizes')
+    parser.add_argument('--exporter', choices=deploy.EXPORTERS, default='dynamo',
+                        help="torch.onnx.export(dynamo=True) (default) or the TorchScript "
+                             "exporter (dynamo=False)")
+    parser.add_argument('--residual', choices=RESIDUAL_PRECISIONS, default='fp64',
+                        help='precision of the attention refinement residual: fp64 '
+                             '(default; ONNX Runtime CPU) or fp32 (no fp64 tensor: '
+                             'TensorRT, mobile runtimes)')
+    parser.add_argument('--opset', type=int, default=deploy.DEFAULT_OPSET,
+                        help=f'ONNX opset (default {deploy.DEFAULT_OPSET})')
+    parser.add_argument('--out', help='output file (default: <config name>_<target>.onnx)')
+    parser.add_argument('--verify', action='store_true',
+                        help='run the file in ONNX Runtime and print its error against '
+                             'PyTorch')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings, key=value')
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = args.out or f'{osp.splitext(osp.basename(args.config))[0]}_{args.target}.onnx'
+    start = time.perf_counter()
+    try:
+        module, names = deploy.export_config(
+            args.config, out, checkpoint=args.checkpoint, target=args.target,
+            cfg_options=args.cfg_options, shape=tuple(args.shape), batch=args.batch,
+            dynamic=args.dynamic, exporter=args.exporter, residual=args.residual,
+            opset=args.opset)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f'export_onnx: {err}', file=sys.stderr)
+        return 2
+    summary = deploy.graph_summary(out)
+    print(f'wrote {out} ({summary["megabytes"]:.1f} MB, {summary["nodes"]} nodes, opset '
+          f'{args.opset}, {args.exporter} exporter, {"dynamic" if args.dynamic else "static"}'
+          f' shape, {time.perf_counter() - start:.0f} s); outputs: {", ".join(names)}')
+    if args.verify:
+        if args.dynamic:
+            sizes = deploy.verify_sizes(args.shape, deploy.export_min_size(module))
+        else:
+            sizes = [tuple(args.shape)]
+            print('static export: verified at the export size only')
+        rows = deploy.verify_onnx(out, module, sizes, batch=args.batch)
+        print('ONNX Runtime against PyTorch eager (max rel: largest error / largest '
+              'output value, the largest over the outputs):')
+        print(deploy.format_rows(rows))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

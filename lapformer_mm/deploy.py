@@ -1,0 +1,441 @@
+"""Export LaplacianFormer models to ONNX or ``torch.export`` and check them on ONNX Runtime.
+
+:func:`export_onnx` writes one ``.onnx`` file of a module with either of torch's
+exporters (``'dynamo'``, torch's default, or ``'torchscript'``, what mmdeploy calls),
+static or with symbolic batch, height and width; :func:`export_program` is the
+``torch.export`` program (AOTInductor, ExecuTorch, Torch-TensorRT); :func:`verify_onnx`
+runs a file in ONNX Runtime against the eager model; :func:`export_config` does it from an
+mmdet/mmseg config (``tools/export_onnx.py``). While they trace, the attention takes its
+export form (:mod:`lapformer_mm.ops.export`); the model you pass is not changed (the
+exporters get a prepared copy, :func:`prepare_for_export`).
+
+Targets of a detector or segmentor (:class:`ExportModule`): ``'backbone'``;
+``'features'``, backbone + neck, what every mmdet/mmseg head consumes; ``'model'``, the
+raw outputs without post-processing: a single-stage detector's class and box maps
+(RetinaNet), a two-stage detector's FPN features and RPN maps (the RoI stage needs
+mmcv's RoIAlign), a segmentor's decode-head logits (UperNet, Semantic FPN) at 1/4 of the
+input. The input is the normalised, padded batch the model's data preprocessor makes.
+
+Sizes: a LaplacianFormer exports for H, W >= ``export_min_size()`` (every Laplacian stage
+at least its landmark grid; 193 for the default layout); a dynamic export declares that
+as the range of its height and width. onnx and onnxruntime (the ``[deploy]`` extra) are
+imported only by the functions that need them.
+"""
+import copy
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .ops.export import (
+    RESIDUAL_PRECISIONS,
+    AdaptiveAvgPool2dExport,
+    check_exportable,
+    residual_precision,
+)
+
+TARGETS = ('backbone', 'features', 'model')
+EXPORTERS = ('dynamo', 'torchscript')
+#: The opset both exporters write: 20 has a Gelu operator (ONNX Runtime runs it as one
+#: kernel instead of the five nodes of its erf form). ONNX Runtime >= 1.16 and TensorRT
+#: >= 10 read it; 17 is the lowest that works (LayerNormalization), 18 what TensorRT 8.6
+#: reads.
+DEFAULT_OPSET = 20
+INPUT_NAME = 'input'
+#: Largest weight size written into the .onnx file itself (protobuf's 2 GiB limit, with
+#: room for the graph); above it the weights go to an external data file.
+SINGLE_FILE_BYTES = 2 ** 31 - 2 ** 26
+DEPLOY_HINT = "pip install 'lapformer_mm[deploy]' (onnx, onnxscript, onnxruntime)"
+
+
+def _import(name):
+    try:
+        return __import__(name)
+    except ImportError as err:
+        raise ImportError(f'{name} is needed to export and check ONNX models: '
+                          f'{DEPLOY_HINT}') from err
+
+
+def _check_choice(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f'{name}={value!r} is not supported; allowed: '
+                         f'{", ".join(map(repr, allowed))}')
+    return value
+
+
+def _check_shape(shape):
+    if (not isinstance(shape, (tuple, list)) or len(shape) != 2
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
+                       for s in shape)):
+        raise ValueError(f'shape must be (H, W), two positive ints, got {shape!r}')
+    return tuple(shape)
+
+
+def _check_batch(batch):
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ValueError(f'batch must be a positive int, got {batch!r}')
+    return batch
+
+
+def export_min_size(model: nn.Module) -> int:
+    """The smallest H and W the LaplacianFormer backbones in ``model`` export for (1: none)."""
+    from .models.backbone import LaplacianFormer
+    sizes = [m.export_min_size() for m in model.modules() if isinstance(m, LaplacianFormer)]
+    return max(sizes, default=1)
+
+
+def check_export_size(model: nn.Module, shape: Sequence[int]) -> None:
+    """Raise a ValueError naming the minimum when ``shape`` (H, W) is below the export range."""
+    minimum = export_min_size(model)
+    if min(shape) < minimum:
+        raise ValueError(
+            f'shape {shape[0]}x{shape[1]} is below the export size range: every stage map '
+            f'must be at least its landmark grid, so H and W must be >= {minimum} for this '
+            f'model (docs/deploy.md)')
+
+
+def _head_output_names(head) -> Tuple[str, ...]:
+    """Names of the lists a dense head's forward returns (RetinaNet, RPN, FCOS-like)."""
+    from mmdet.models.dense_heads import RPNHead
+    if isinstance(head, RPNHead):
+        return ('rpn_cls', 'rpn_bbox')
+    return ('cls_score', 'bbox_pred', 'centerness', 'extra')
+
+
+class ExportModule(nn.Module):
+    """``target`` of a detector, segmentor or backbone as a module with tensor outputs.
+
+    forward(x) returns a flat tuple of tensors; :attr:`output_names` names them once
+    a forward has run. ``target='backbone'`` of a bare backbone is the backbone.
+    """
+
+    def __init__(self, model: nn.Module, target: str = 'backbone'):
+        super().__init__()
+        self.target = _check_choice('target', target, TARGETS)
+        self.model = model
+        is_network = hasattr(model, 'backbone')
+        if not is_network and target != 'backbone':
+            raise ValueError(f"target={target!r} needs a detector or segmentor (a model with "
+                             f"a backbone); {type(model).__name__} supports only 'backbone'")
+        if target == 'model' and not any(hasattr(model, head) for head in
+                                         ('decode_head', 'rpn_head', 'bbox_head')):
+            raise ValueError(
+                f"target='model' supports mmdet single-stage detectors (bbox_head), "
+                f'two-stage detectors (rpn_head: FPN features and RPN maps) and mmseg '
+                f'encoder-decoders (decode_head); {type(model).__name__} has none of them')
+        self.output_names: List[str] = []
+
+    def _named_outputs(self, x) -> List[Tuple[str, torch.Tensor]]:
+        model = self.model
+        if self.target == 'backbone':
+            backbone = getattr(model, 'backbone', model)
+            return [(f'stage{i}', t) for i, t in enumerate(_as_list(backbone(x)))]
+        feats = model.extract_feat(x)
+        named = [(f'feat{i}', t) for i, t in enumerate(feats)]
+        if self.target == 'features':
+            return named
+        if hasattr(model, 'decode_head'):
+            return [('seg_logits', model.decode_head(feats))]
+        head = model.rpn_head if hasattr(model, 'rpn_head') else model.bbox_head
+        outs = [(f'{name}{i}', t)
+                for name, level_outs in zip(_head_output_names(head), head(feats))
+                for i, t in enumerate(level_outs)]
+        return named + outs if hasattr(model, 'rpn_head') else outs
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        named = self._named_outputs(x)
+        self.output_names = [name for name, _ in named]
+        return tuple(t for _, t in named)
+
+
+def _as_list(outs):
+    return [outs] if isinstance(outs, torch.Tensor) else list(outs)
+
+
+def prepare_for_export(model: nn.Module) -> nn.Module:
+    """An eval-mode copy of ``model`` that the exporters can trace.
+
+    SyncBatchNorm becomes BatchNorm (mmengine's ``revert_sync_batchnorm``) and
+    ``nn.AdaptiveAvgPool2d`` (mmseg's pyramid pooling) its export form; the attention
+    options are checked (:func:`~lapformer_mm.ops.export.check_exportable`).
+    """
+    from .models.attention import LaplacianAttention
+    prepared = copy.deepcopy(model).eval()
+    try:
+        from mmengine.model import revert_sync_batchnorm
+        prepared = revert_sync_batchnorm(prepared)
+    except ImportError:
+        pass
+    for name, module in list(prepared.named_modules()):
+        if isinstance(module, LaplacianAttention):
+            try:
+                check_exportable(module.options)
+            except ValueError as err:
+                raise ValueError(f'{name}: {err}') from None
+        for child_name, child in module.named_children():
+            if isinstance(child, nn.AdaptiveAvgPool2d):
+                setattr(module, child_name, AdaptiveAvgPool2dExport(child.output_size))
+    return prepared
+
+
+def example_input(shape, batch, seed=0, dtype=torch.float32):
+    """A fixed random (batch, 3, H, W) input: normalised images have unit scale."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, *shape, generator=gen, dtype=dtype)
+
+
+def _dynamic_dims(min_size):
+    Dim = torch.export.Dim
+    return {0: Dim('batch', min=1, max=1024), 2: Dim('height', min=min_size, max=16384),
+            3: Dim('width', min=min_size, max=16384)}
+
+
+def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333),
+                batch: int = 1, dynamic: bool = False, exporter: str = 'dynamo',
+                residual: str = 'fp64', opset: int = DEFAULT_OPSET) -> List[str]:
+    """Write ``model`` (e.g. an :class:`ExportModule`) as one ONNX file ``out``.
+
+    Args:
+        model: a module taking one (B, 3, H, W) tensor; not modified.
+        out: the ``.onnx`` path (its folder is created).
+        shape: (H, W) of the example input; at least :func:`export_min_size`.
+        batch: batch of the example input. With ``dynamic`` the graph takes any batch;
+            it is traced at batch >= 2 (torch.export specialises a size-1 dimension).
+        dynamic: symbolic batch, height and width (range: :func:`export_min_size` to
+            16384) instead of the example's sizes.
+        exporter: 'dynamo' (:func:`export_program`, then :func:`program_to_onnx`:
+            ``torch.onnx.export(dynamo=True)``) or 'torchscript' (``dynamo=False``,
+            ``dynamic_axes``).
+        residual: 'fp64' (the eager numerics; ONNX Runtime CPU) or 'fp32' (no fp64
+            tensor in the graph, for TensorRT and mobile runtimes): the precision of the
+            attention's refinement residual (docs/deploy.md has the accuracy of each).
+        opset: the ONNX opset.
+
+    Returns the output names. Weights go into the file unless they exceed ~2 GB.
+    """
+    shape = _check_shape(shape)
+    _check_choice('exporter', exporter, EXPORTERS)
+    if exporter == 'dynamo':
+        program = export_program(model, shape=shape, batch=batch, dynamic=dynamic,
+                                 residual=residual)
+        names = output_names(model, shape)
+        program_to_onnx(program, out, output_names=names, opset=opset)
+        return names
+    batch = _check_batch(batch)
+    _check_choice('residual', residual, RESIDUAL_PRECISIONS)
+    check_export_size(model, shape)
+    module = prepare_for_export(model)
+    x = example_input(shape, max(batch, 2) if dynamic else batch)
+    _makedirs_for(out)
+    with torch.no_grad(), residual_precision(residual):
+        outputs = _as_list(module(x))
+        names = _names(module, len(outputs))
+        axes = None
+        if dynamic:
+            axes = {INPUT_NAME: {0: 'batch', 2: 'height', 3: 'width'}}
+            for name, t in zip(names, outputs):
+                axes[name] = {0: 'batch', **{d: f'{name}_dim{d}' for d in range(2, t.dim())}}
+        torch.onnx.export(module, (x, ), out, dynamo=False, input_names=[INPUT_NAME],
+                          output_names=names, opset_version=opset, dynamic_axes=axes)
+    return names
+
+
+def _makedirs_for(path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def _names(module, count):
+    return list(getattr(module, 'output_names', [])) or [f'output{i}' for i in range(count)]
+
+
+def output_names(model: nn.Module, shape: Sequence[int]) -> List[str]:
+    """The names :func:`export_onnx` gives the outputs of ``model``, from one forward."""
+    module = prepare_for_export(model)
+    with torch.no_grad():
+        count = len(_as_list(module(example_input(tuple(shape), 1))))
+    return _names(module, count)
+
+
+class _SingleInput(nn.Module):
+    """``module`` with its one input named ``x`` (the key of the dynamic shapes)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+
+def export_program(model: nn.Module, *, shape: Sequence[int] = (800, 1333), batch: int = 2,
+                   dynamic: bool = True, residual: str = 'fp64'):
+    """``torch.export.export`` of ``model`` (not modified): an ExportedProgram.
+
+    Same arguments as :func:`export_onnx`; a dynamic program checks the size range when
+    called. ``program.run_decompositions()`` lowers it to core ATen with no lapformer_mm
+    op left.
+    """
+    shape = _check_shape(shape)
+    batch = _check_batch(batch)
+    _check_choice('residual', residual, RESIDUAL_PRECISIONS)
+    check_export_size(model, shape)
+    module = _SingleInput(prepare_for_export(model)).eval()
+    x = example_input(shape, max(batch, 2) if dynamic else batch)
+    dims = {'x': _dynamic_dims(export_min_size(model))} if dynamic else None
+    with torch.no_grad(), residual_precision(residual):
+        return torch.export.export(module, (x, ), dynamic_shapes=dims)
+
+
+def program_to_onnx(program, out: str, *, output_names: Optional[Sequence[str]] = None,
+                    opset: int = DEFAULT_OPSET) -> None:
+    """Convert an :func:`export_program` program to the ONNX file ``out`` (dynamo exporter).
+
+    Its dynamic dimensions stay symbolic; the weights go into the file unless they
+    exceed ~2 GB.
+    """
+    _makedirs_for(out)
+    external = sum(t.numel() * t.element_size()
+                   for t in program.state_dict.values()) > SINGLE_FILE_BYTES
+    torch.onnx.export(program, program.example_inputs[0], out, dynamo=True,
+                      input_names=[INPUT_NAME], opset_version=opset, verbose=False,
+                      output_names=list(output_names) if output_names else None,
+                      external_data=external)
+
+
+def ort_session(path: str, threads: Optional[int] = None):
+    """An ONNX Runtime CPU session of ``path``; ``threads`` intra-op threads (None: all)."""
+    ort = _import('onnxruntime')
+    options = ort.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(path, options, providers=['CPUExecutionProvider'])
+
+
+def run_onnx(session, x: torch.Tensor) -> List[torch.Tensor]:
+    """Outputs of an ONNX Runtime ``session`` on ``x``, as tensors."""
+    outs = session.run(None, {session.get_inputs()[0].name: x.detach().cpu().numpy()})
+    return [torch.from_numpy(o) for o in outs]
+
+
+def output_error(outs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> Dict[str, float]:
+    """max_abs: largest |out - ref|; max_rel: the largest of max |out - ref| / max |ref|
+    over the outputs (a whole-map relative error, meaningful where single values are ~0)."""
+    if len(outs) != len(refs):
+        raise ValueError(f'{len(outs)} outputs against {len(refs)} references')
+    max_abs = max_rel = 0.0
+    for out, ref in zip(outs, refs):
+        if out.shape != ref.shape:
+            raise ValueError(f'output shape {tuple(out.shape)} against {tuple(ref.shape)}')
+        err = (out.double() - ref.double()).abs().max().item()
+        max_abs = max(max_abs, err)
+        max_rel = max(max_rel, err / max(ref.double().abs().max().item(), 1e-30))
+    return dict(max_abs=max_abs, max_rel=max_rel)
+
+
+def verify_sizes(shape: Sequence[int], min_size: int) -> List[Tuple[int, int]]:
+    """The export size and two others, neither a multiple of 32 (both >= ``min_size``)."""
+    height, width = shape
+    return [(height, width), (max(min_size, height * 3 // 4 + 3), width + 37),
+            (height + 45, max(min_size, width * 3 // 4 + 11))]
+
+
+def verify_onnx(path: str, model: nn.Module, sizes: Sequence[Sequence[int]], batch: int = 1,
+                threads: Optional[int] = None, fp64: bool = True) -> List[Dict]:
+    """ONNX Runtime against eager PyTorch (fp32) on a random input of each size.
+
+    Returns one dict per size: size, batch, max_abs, max_rel (:func:`output_error`) and,
+    with ``fp64``, fp32_vs_fp64_rel: eager fp32 against eager fp64 on the same input, the
+    rounding error an exported graph cannot be expected to beat.
+    """
+    session = ort_session(path, threads)
+    module = ExportModule(model) if not hasattr(model, 'output_names') else model
+    module = copy.deepcopy(module).eval()
+    module64 = copy.deepcopy(module).double() if fp64 else None
+    rows = []
+    for size in sizes:
+        x = example_input(tuple(size), batch, seed=1)
+        with torch.no_grad():
+            refs = _as_list(module(x))
+            row = dict(size=tuple(size), batch=batch, **output_error(run_onnx(session, x), refs))
+            if module64 is not None:
+                refs64 = _as_list(module64(x.double()))
+                row['fp32_vs_fp64_rel'] = output_error(refs, refs64)['max_rel']
+        rows.append(row)
+    return rows
+
+
+def build_model(config, checkpoint: Optional[str] = None, cfg_options: Optional[dict] = None):
+    """(model in eval mode, scope) of an mmdet/mmseg config; weights from ``checkpoint``.
+
+    Without a checkpoint the weights are random (the backbone's ``init_cfg`` is dropped,
+    nothing is downloaded). The checkpoint (a full detector/segmentor checkpoint or its
+    state dict) is read with ``weights_only=True`` and must match the model.
+    """
+    from .analysis.model_zoo import build_from_config
+    model, scope = build_from_config(config, cfg_options)
+    if checkpoint is not None:
+        from .checkpoint import safe_load
+        state = safe_load(checkpoint)
+        state = state.get('state_dict', state) if isinstance(state, dict) else state
+        state = {k[len('module.'):] if k.startswith('module.') else k: v
+                 for k, v in state.items()}
+        report = model.load_state_dict(state, strict=False)
+        if report.missing_keys or report.unexpected_keys:
+            raise ValueError(
+                f'checkpoint {checkpoint!r} does not match the model of {config}: '
+                f'{len(report.missing_keys)} missing keys (e.g. {report.missing_keys[:3]}), '
+                f'{len(report.unexpected_keys)} unexpected (e.g. '
+                f'{report.unexpected_keys[:3]})')
+    return model, scope
+
+
+def export_config(config, out: str, *, checkpoint: Optional[str] = None,
+                  target: str = 'backbone', cfg_options: Optional[dict] = None,
+                  **export_kwargs) -> Tuple[ExportModule, List[str]]:
+    """Build the model of ``config`` and :func:`export_onnx` its ``target`` to ``out``.
+
+    Returns the (unprepared) :class:`ExportModule` and the output names.
+    """
+    model, _ = build_model(config, checkpoint, cfg_options)
+    module = ExportModule(model, target)
+    return module, export_onnx(module, out, **export_kwargs)
+
+
+def graph_summary(path: str) -> Dict:
+    """Facts about an ONNX file: opset, node domains, fp64 tensors, file size."""
+    onnx = _import('onnx')
+    proto = onnx.load(path)
+    inferred = onnx.shape_inference.infer_shapes(proto)
+    double = onnx.TensorProto.DOUBLE
+    values = list(inferred.graph.value_info) + list(inferred.graph.output)
+    fp64 = sorted({v.name for v in values if v.type.tensor_type.elem_type == double}
+                  | {t.name for t in proto.graph.initializer if t.data_type == double})
+    return dict(opset=[(o.domain or 'ai.onnx', o.version) for o in proto.opset_import],
+                domains=sorted({n.domain or 'ai.onnx' for n in proto.graph.node}),
+                nodes=len(proto.graph.node), fp64_tensors=len(fp64),
+                megabytes=os.path.getsize(path) / 2 ** 20)
+
+
+def format_rows(rows: Sequence[Dict]) -> str:
+    """A markdown table of :func:`verify_onnx` rows."""
+    has64 = any('fp32_vs_fp64_rel' in r for r in rows)
+    head = '| size | batch | max abs error | max rel error |' + (
+        ' eager fp32 vs fp64 (rel) |' if has64 else '')
+    lines = [head, '|---' * (4 + has64) + '|']
+    for r in rows:
+        line = (f"| {r['size'][0]}x{r['size'][1]} | {r['batch']} | {r['max_abs']:.2e} | "
+                f"{r['max_rel']:.2e} |")
+        if has64:
+            line += f" {r['fp32_vs_fp64_rel']:.2e} |"
+        lines.append(line)
+    return '\n'.join(lines)
+
+
+__all__ = ['DEFAULT_OPSET', 'EXPORTERS', 'ExportModule', 'TARGETS', 'build_model',
+           'check_export_size', 'export_config', 'export_min_size', 'export_onnx',
+           'export_program', 'format_rows', 'graph_summary', 'ort_session', 'output_error',
+           'output_names', 'prepare_for_export', 'program_to_onnx', 'run_onnx', 'verify_onnx',
+           'verify_sizes']

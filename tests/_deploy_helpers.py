@@ -1,0 +1,137 @@
+"""Shared pieces of the deploy tests: a tiny backbone, the accuracy measure, graph checks."""
+import copy
+
+import torch
+
+from lapformer_mm.models import LaplacianFormer
+
+#: Four stages of one block each, narrow: the export paths of the default layout
+#: (keys tied in stages 1-3, separate in stage 4) at a fraction of the trace time.
+TINY_ARCH = dict(embed_dims=[16, 32, 40, 64], num_heads=[1, 2, 2, 4], depths=[1, 1, 1, 1])
+
+#: An exported graph may be this many times further from eager fp32 than eager fp32 is
+#: from eager fp64 on the same input (per output, relative to its largest value). The
+#: whitening amplifies rounding about 1000× (fp32 itself is ~1e-4 from fp64 at random
+#: weights), and ONNX Runtime's kernels round differently from ATen's (other summation
+#: orders, batch norm folded into convolutions), so an honest graph is 1.2-4.2× as far
+#: from eager fp32 (measured 2026-12-01 on the tiny backbone, Mask R-CNN and UperNet at
+#: 231×257 to 320×480); a wrong bin edge or a dropped landmark chunk is 1e-2 or more.
+FACTOR = 8.0
+#: Rounding floor of the fp32-vs-fp64 error (an output that fp32 computes exactly).
+FLOOR = 1e-6
+
+
+def tiny_backbone(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    model = LaplacianFormer(TINY_ARCH, drop_path_rate=0.0, **kwargs)
+    model.init_weights()
+    return model.eval()
+
+
+def relative_errors(outs, refs):
+    """max |out - ref| / max |ref| of each output pair."""
+    assert len(outs) == len(refs)
+    errors = []
+    for out, ref in zip(outs, refs):
+        assert out.shape == ref.shape, (out.shape, ref.shape)
+        ref = ref.double()
+        errors.append(((out.double() - ref).abs().max() / ref.abs().max()).item())
+    return errors
+
+
+def eager_references(module, x):
+    """(fp32 outputs, fp64 outputs) of ``module`` (a copy goes to fp64) on ``x``."""
+    module64 = copy.deepcopy(module).double()
+    with torch.no_grad():
+        out32 = module(x)
+        out64 = module64(x.double())
+    return as_list(out32), as_list(out64)
+
+
+def as_list(outs):
+    return [outs] if isinstance(outs, torch.Tensor) else list(outs)
+
+
+def assert_as_close_as_fp32(outs, module, x, what=''):
+    """Each of ``outs`` within FACTOR × (eager fp32 vs fp64) of eager fp32 on ``x``."""
+    ref32, ref64 = eager_references(module, x)
+    errors = relative_errors(outs, ref32)
+    budget = [FACTOR * max(e, FLOOR) for e in relative_errors(ref32, ref64)]
+    bad = [(i, f'{e:.2e} > {b:.2e}') for i, (e, b) in enumerate(zip(errors, budget)) if e > b]
+    assert not bad, f'{what} {tuple(x.shape)}: outputs further from eager fp32 than ' \
+                    f'{FACTOR}x the fp32-vs-fp64 error: {bad}'
+    return errors, budget
+
+
+def non_standard_nodes(proto):
+    """(domain, op) of nodes outside the standard ONNX domain, and local functions."""
+    nodes = {(n.domain, n.op_type) for n in proto.graph.node if n.domain not in ('', 'ai.onnx')}
+    return sorted(nodes) + [('function', f.name) for f in proto.functions]
+
+
+def fp64_tensors(proto):
+    """Names of the fp64 tensors of an ONNX model (values, initializers, cast targets)."""
+    import onnx
+    inferred = onnx.shape_inference.infer_shapes(proto)
+    double = onnx.TensorProto.DOUBLE
+    values = list(inferred.graph.value_info) + list(inferred.graph.output) + list(
+        inferred.graph.input)
+    names = {v.name for v in values if v.type.tensor_type.elem_type == double}
+    names |= {t.name for t in proto.graph.initializer if t.data_type == double}
+    names |= {n.output[0] for n in proto.graph.node if n.op_type == 'Cast' and any(
+        a.name == 'to' and a.i == double for a in n.attribute)}
+    return sorted(names)
+
+
+def constant_values(proto):
+    """{name: numpy array} of the initializers and Constant nodes."""
+    from onnx import numpy_helper
+    values = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    for node in proto.graph.node:
+        if node.op_type == 'Constant':
+            for attr in node.attribute:
+                if attr.name == 'value':
+                    values[node.output[0]] = numpy_helper.to_array(attr.t)
+    return values
+
+
+#: Ops through which a Reshape's target shape is assembled from pieces.
+_SHAPE_PLUMBING = {'Concat': None, 'Unsqueeze': 1, 'Squeeze': 1, 'Cast': 1, 'Identity': 1}
+
+
+def frozen_reshapes(proto, sizes):
+    """Reshape nodes whose target shape has a constant piece that is one of ``sizes``.
+
+    The target is followed back through Concat/Unsqueeze/Squeeze/Cast: the TorchScript
+    exporter assembles it from a dynamic batch and constant sizes.
+    """
+    constants = constant_values(proto)
+    producers = {out: node for node in proto.graph.node for out in node.output}
+
+    def constant_pieces(name):
+        if name in constants:
+            return [int(v) for v in constants[name].reshape(-1)]
+        node = producers.get(name)
+        if node is None or node.op_type not in _SHAPE_PLUMBING:
+            return []
+        inputs = node.input[:_SHAPE_PLUMBING[node.op_type]]
+        return [v for i in inputs for v in constant_pieces(i)]
+
+    frozen = []
+    for node in proto.graph.node:
+        if node.op_type == 'Reshape':
+            pieces = constant_pieces(node.input[1])
+            if set(pieces) & set(sizes):
+                frozen.append((node.name, pieces))
+    return frozen
+
+
+def stage_sizes(shape):
+    """The spatial numbers a graph traced at ``shape`` could freeze: H, W of the input
+    and of each stage, and each stage's H·W."""
+    height, width = shape
+    sizes = {height, width, height * width}
+    for stride in (2, 4, 8, 16, 32):
+        h, w = -(-height // stride), -(-width // stride)
+        sizes |= {h, w, h * w}
+    return sizes

@@ -1,0 +1,123 @@
+"""Whole networks through ONNX Runtime: a tiny Mask R-CNN (FPN features and RPN maps),
+a tiny UperNet (segmentor logits, its pyramid pooling in the export form), a tiny
+RetinaNet through the command-line tool.
+
+Each is exported with dynamic sizes at one size and batch 2, then run at two other sizes
+with batch 1, held to the measure of tests/test_deploy_backbone.py (FACTOR × eager fp32's
+own error against fp64). The eager reference is the unchanged model, whose pyramid
+pooling is ATen's ``adaptive_avg_pool2d``.
+"""
+from pathlib import Path
+
+import pytest
+from _deploy_helpers import TINY_ARCH, assert_as_close_as_fp32, non_standard_nodes
+
+from lapformer_mm import deploy
+from lapformer_mm.cli import export_onnx as cli
+
+onnx = pytest.importorskip('onnx')
+pytest.importorskip('onnxruntime')
+pytest.importorskip('mmdet')
+pytest.importorskip('mmseg')
+
+DIMS = TINY_ARCH['embed_dims']
+FPN = 32
+# The toy configs name their arch ('tiny'); a dict replaces the name only with _delete_.
+ARCH = dict(TINY_ARCH, _delete_=True)
+MASK_RCNN = ('configs/toy/maskrcnn_lapformer_t_toy.py', {
+    'model.backbone.arch': ARCH, 'model.neck.in_channels': DIMS,
+    'model.neck.out_channels': FPN, 'model.rpn_head.in_channels': FPN,
+    'model.rpn_head.feat_channels': FPN,
+    'model.roi_head.bbox_roi_extractor.out_channels': FPN,
+    'model.roi_head.bbox_head.in_channels': FPN,
+    'model.roi_head.bbox_head.conv_out_channels': FPN,
+    'model.roi_head.mask_roi_extractor.out_channels': FPN,
+    'model.roi_head.mask_head.in_channels': FPN,
+    'model.roi_head.mask_head.conv_out_channels': FPN})
+UPERNET = ('configs/toy/upernet_lapformer_t_toy.py', {
+    'model.backbone.arch': ARCH, 'model.decode_head.in_channels': DIMS,
+    'model.decode_head.channels': 16, 'model.auxiliary_head.in_channels': DIMS[2],
+    'model.auxiliary_head.channels': 16})
+RETINANET = ('configs/toy/retinanet_lapformer_t_toy.py', )
+REPO = Path(__file__).resolve().parents[1]
+
+EXPORT_SHAPE = (232, 296)
+OTHER_SIZES = [(231, 257), (256, 320)]
+EXPECTED_OUTPUTS = {
+    'maskrcnn': [f'feat{i}' for i in range(5)] + [f'rpn_cls{i}' for i in range(5)]
+    + [f'rpn_bbox{i}' for i in range(5)],
+    'upernet': ['seg_logits'],
+}
+
+
+@pytest.fixture(scope='module')
+def models():
+    return {name: deploy.build_model(config, cfg_options=options)[0]
+            for name, (config, options) in (('maskrcnn', MASK_RCNN), ('upernet', UPERNET))}
+
+
+@pytest.mark.parametrize('exporter', [pytest.param('dynamo', marks=pytest.mark.slow),
+                                      'torchscript'])
+@pytest.mark.parametrize('name', ['maskrcnn', 'upernet'])
+def test_network_outputs_through_onnx_runtime(models, tmp_path, name, exporter):
+    module = deploy.ExportModule(models[name], 'model')
+    path = str(tmp_path / f'{name}.onnx')
+    names = deploy.export_onnx(module, path, shape=EXPORT_SHAPE, batch=2, dynamic=True,
+                               exporter=exporter)
+    assert names == EXPECTED_OUTPUTS[name]
+    proto = onnx.load(path)
+    onnx.checker.check_model(proto, full_check=True)
+    assert non_standard_nodes(proto) == []
+    assert [o.name for o in proto.graph.output] == names
+    session = deploy.ort_session(path)
+    for size in OTHER_SIZES:
+        x = deploy.example_input(size, 1, seed=size[1])
+        outs = deploy.run_onnx(session, x)
+        assert_as_close_as_fp32(outs, module, x, f'{name} {exporter}')
+
+
+def test_targets_of_a_network(models):
+    x = deploy.example_input(EXPORT_SHAPE, 1)
+    model = models['maskrcnn']
+    backbone = deploy.ExportModule(model, 'backbone')
+    assert len(backbone(x)) == 4 and backbone.output_names == [f'stage{i}' for i in range(4)]
+    features = deploy.ExportModule(model, 'features')
+    assert len(features(x)) == 5 and features.output_names == [f'feat{i}' for i in range(5)]
+    with pytest.raises(ValueError, match="target='features' needs a detector or segmentor"):
+        deploy.ExportModule(model.backbone, 'features')
+    with pytest.raises(ValueError, match="target='head' is not supported"):
+        deploy.ExportModule(model, 'head')
+
+
+def tiny_retinanet_config(folder):
+    """A user config on top of the toy RetinaNet with the tiny backbone (--cfg-options
+    cannot turn the arch name into a dict)."""
+    path = folder / 'retinanet_tiny.py'
+    path.write_text(f"_base_ = [{str(REPO / RETINANET[0])!r}]\n"
+                    f"model = dict(backbone=dict(arch={ARCH!r}), "
+                    f"neck=dict(in_channels={DIMS[1:]!r}))\n")
+    return str(path)
+
+
+def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys):
+    out = str(tmp_path / 'retinanet.onnx')
+    code = cli.main([tiny_retinanet_config(tmp_path), '--target', 'model', '--shape',
+                     *map(str, EXPORT_SHAPE), '--dynamic', '--exporter', 'torchscript',
+                     '--out', out, '--verify'])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    names = [f'cls_score{i}' for i in range(5)] + [f'bbox_pred{i}' for i in range(5)]
+    assert f'outputs: {", ".join(names)}' in printed
+    rows = [line for line in printed.splitlines() if line.startswith('| 2') or
+            line.startswith('| 1') or line.startswith('| 3')]
+    assert len(rows) == 3, printed  # the export size and two others
+    for row in rows:
+        rel = float(row.split('|')[4])
+        assert rel < 1e-2, row
+
+
+def test_cli_names_the_minimum_size(tmp_path, capsys):
+    code = cli.main([tiny_retinanet_config(tmp_path), '--shape', '128', '128', '--exporter',
+                     'torchscript', '--out', str(tmp_path / 'x.onnx')])
+    assert code == 2
+    assert 'H and W must be >= 193' in capsys.readouterr().err

@@ -1,0 +1,270 @@
+"""The export forms of the attention's primitives (lapformer_mm.ops.export).
+
+Each form against an independent computation (ATen's adaptive pooling, the dense
+difference-tensor kernels, a direct inverse, the dense fp64 attention), then through
+both ONNX exporters and ONNX Runtime; and the selection: the forms are taken only while
+an exporter traces, never in eager calls or the FLOP counter's jit trace.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _attention_helpers import dense_attention, dense_kernel, smooth_tokens
+from _deploy_helpers import non_standard_nodes, relative_errors, tiny_backbone
+
+from lapformer_mm import deploy
+from lapformer_mm.ops import AttentionOptions, pool_landmarks
+from lapformer_mm.ops import export as ex
+
+onnx = pytest.importorskip('onnx')
+ort = pytest.importorskip('onnxruntime')
+
+
+def test_bin_average_matrix_has_adaptive_pooling_bins():
+    # The identity's columns pooled by ATen give each bin's members and 1/count exactly.
+    for size in range(1, 41):
+        for bins in range(1, 10):
+            eye = torch.eye(size, dtype=torch.float64).unsqueeze(0)
+            expected = F.adaptive_avg_pool1d(eye, bins)[0].T
+            got = ex.bin_average_matrix(size, bins, torch.float64, 'cpu')
+            assert torch.equal(got, expected), (size, bins)
+
+
+@pytest.mark.parametrize('hw, out', [((7, 7), (7, 7)), ((56, 72), (7, 7)), ((29, 37), (7, 7)),
+                                     ((8, 10), (7, 7)), ((13, 9), (6, 6)), ((3, 5), (7, 7)),
+                                     ((11, 17), (1, 1)), ((20, 23), (3, 2))])
+def test_adaptive_avg_pool2d_export_matches_aten(hw, out):
+    maps = torch.randn(2, 3, *hw, dtype=torch.float64)
+    expected = F.adaptive_avg_pool2d(maps, out)
+    torch.testing.assert_close(ex.adaptive_avg_pool2d_export(maps, out), expected,
+                               rtol=1e-12, atol=1e-13)
+    module = ex.AdaptiveAvgPool2dExport(out)
+    torch.testing.assert_close(module(maps), expected, rtol=1e-12, atol=1e-13)
+
+
+def test_adaptive_pool_module_rejects_bad_sizes():
+    for bad in (0, (3, ), (2, None), 'x'):
+        with pytest.raises(ValueError, match='output_size'):
+            ex.AdaptiveAvgPool2dExport(bad)
+
+
+@pytest.mark.parametrize('hw', [(7, 7), (9, 8), (29, 37)])
+def test_pool_tokens_export_matches_pool_landmarks(hw):
+    tokens = torch.randn(2, 3, hw[0] * hw[1], 5, dtype=torch.float64)
+    torch.testing.assert_close(ex.pool_tokens_export(tokens, hw, 7),
+                               pool_landmarks(tokens, hw, 7), rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize('kind', ['laplacian', 'gaussian'])
+@pytest.mark.parametrize('num_landmarks, chunk', [(10, 7), (49, 7), (49, None), (3, 7),
+                                                  (13, 4)])
+def test_pairwise_kernel_export_matches_dense(kind, num_landmarks, chunk):
+    gen = torch.Generator().manual_seed(num_landmarks)
+    x = torch.randn(2, 3, 50, 8, generator=gen, dtype=torch.float64)
+    y = torch.randn(2, 3, num_landmarks, 8, generator=gen, dtype=torch.float64)
+    got = ex.pairwise_kernel_export(x, y, 2.5, kind, chunk=chunk)
+    torch.testing.assert_close(got, dense_kernel(x, y, 2.5, kind), rtol=1e-12, atol=1e-14)
+
+
+def test_gaussian_export_is_exact_at_large_norms():
+    # The difference form: k(x, x) = 1 in fp32 at any norm (the matmul expansion gives
+    # 0.14 at |x| ~ 5700, docs/numerics.md).
+    x = torch.full((1, 4, 32), 1000.0)
+    got = ex.pairwise_kernel_export(x, x, 4.0, 'gaussian')
+    torch.testing.assert_close(torch.diagonal(got, dim1=-2, dim2=-1), torch.ones(1, 4))
+
+
+@pytest.mark.parametrize('init, iters', [('identity', 16), ('authors', 24)])
+def test_newton_schulz_export_inverts(init, iters):
+    gen = torch.Generator().manual_seed(1)
+    landmarks = torch.randn(3, 49, 16, generator=gen, dtype=torch.float64)
+    P = dense_kernel(landmarks, landmarks, 4.0, 'laplacian') + 0.01 * torch.eye(
+        49, dtype=torch.float64)
+    got = ex.newton_schulz_export(P.view(3, 1, 49, 49), iters, init).view(3, 49, 49)
+    torch.testing.assert_close(got, torch.linalg.inv(P), rtol=1e-9, atol=1e-9)
+
+
+OPTION_CASES = [
+    dict(),
+    dict(kernel='gaussian', lam=8.0),
+    dict(normalize='none'),
+    dict(ns_refine=False),
+    dict(ns_init='authors', iters=24),
+    dict(eps=0.1, whiten_eps=0.0),
+]
+
+
+@pytest.mark.parametrize('options', OPTION_CASES)
+@pytest.mark.parametrize('shared', [True, False])
+def test_export_attention_matches_dense_fp64(options, shared):
+    q = smooth_tokens(2, (14, 16), 8, 1.0, seed=3)
+    k = q if shared else smooth_tokens(2, (14, 16), 8, 1.0, seed=4)
+    v = smooth_tokens(2, (14, 16), 8, 1.0, seed=5)
+    landmarks = pool_landmarks(k, (14, 16), 7)
+    opts = AttentionOptions(impl='reference', **options)
+    got = ex.export_attention(q, k, v, landmarks, opts)
+    dense_args = {key: val for key, val in options.items()
+                  if key in ('lam', 'eps', 'whiten_eps', 'kernel', 'normalize')}
+    expected = dense_attention(q, k, v, landmarks, **dense_args)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize('precision', ex.RESIDUAL_PRECISIONS)
+def test_export_attention_fp32_both_residuals_near_dense(precision):
+    q = smooth_tokens(1, (14, 16), 8, 1.0, seed=6)
+    v = smooth_tokens(1, (14, 16), 8, 1.0, seed=7)
+    landmarks = pool_landmarks(q, (14, 16), 7)
+    expected = dense_attention(q, q, v, landmarks)
+    qf, vf, lf = q.float(), v.float(), landmarks.float()
+    with ex.residual_precision(precision):
+        got = ex.export_attention(qf, qf, vf, lf, AttentionOptions())
+    assert got.dtype == torch.float32
+    assert relative_errors([got], [expected])[0] < 1e-5
+
+
+def test_residual_precision_is_scoped_and_checked():
+    with pytest.raises(ValueError, match="'fp64', 'fp32'"):
+        with ex.residual_precision('fp16'):
+            pass
+    with ex.residual_precision('fp32'):
+        assert ex._RESIDUAL.get() == 'fp32'
+    assert ex._RESIDUAL.get() == 'fp64'
+
+
+@pytest.mark.parametrize('options, match', [
+    (dict(solver='exact'), "solver='exact' does not export: only solver='newton'"),
+    (dict(solver='cg'), "solver='cg' does not export"),
+    (dict(impl='cupy'), "impl='cupy' does not export.*reference"),
+    (dict(impl='cpu'), "impl='cpu' does not export"),
+])
+def test_only_newton_and_reference_export(options, match):
+    with pytest.raises(ValueError, match=match):
+        ex.check_exportable(AttentionOptions(**options))
+    model = tiny_backbone(attn_cfg=options)
+    with pytest.raises(ValueError, match='stages.0.blocks.0.attn: ' + match.split(' ')[0]):
+        deploy.prepare_for_export(model)
+
+
+class Primitives(torch.nn.Module):
+    """Every export form in one graph: q (B, h, N, d), v, landmarks (B, h, m, d), maps."""
+
+    def forward(self, q, v, landmarks, maps):
+        eye = torch.eye(landmarks.shape[-2], dtype=q.dtype)
+        P = ex.pairwise_kernel_export(landmarks, landmarks, 4.0, 'laplacian', None) + 0.01 * eye
+        return (ex.pairwise_kernel_export(q, landmarks, 4.0, 'laplacian'),
+                ex.pairwise_kernel_export(q, landmarks, 4.0, 'gaussian'),
+                ex.newton_schulz_export(P, 16, 'identity'),
+                ex.adaptive_avg_pool2d_export(maps, (7, 7)),
+                ex.export_attention(q, q, v, landmarks, AttentionOptions()))
+
+
+def primitive_inputs(num_tokens, hw, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = 0.5 * torch.randn(2, 2, num_tokens, 8, generator=gen)
+    v = torch.randn(2, 2, num_tokens, 8, generator=gen)
+    landmarks = q[:, :, :49] + 0.1 * torch.randn(2, 2, 49, 8, generator=gen)
+    maps = torch.randn(2, 3, *hw, generator=gen)
+    return q, v, landmarks, maps
+
+
+def primitive_references(q, v, landmarks, maps):
+    """The dense fp64 computations of each output of :class:`Primitives`."""
+    q, v, landmarks, maps = (t.double() for t in (q, v, landmarks, maps))
+    P = dense_kernel(landmarks, landmarks, 4.0, 'laplacian') + 0.01 * torch.eye(
+        49, dtype=torch.float64)
+    return [dense_kernel(q, landmarks, 4.0, 'laplacian'),
+            dense_kernel(q, landmarks, 4.0, 'gaussian'), torch.linalg.inv(P),
+            F.adaptive_avg_pool2d(maps, (7, 7)), dense_attention(q, q, v, landmarks)]
+
+
+@pytest.mark.parametrize('exporter, precision', [('dynamo', 'fp64'), ('torchscript', 'fp64'),
+                                                 ('torchscript', 'fp32')])
+def test_primitives_through_both_exporters_and_onnx_runtime(tmp_path, exporter, precision):
+    path = str(tmp_path / 'primitives.onnx')
+    names = ['q', 'v', 'landmarks', 'maps']
+    args = primitive_inputs(120, (20, 23), seed=0)
+    with torch.no_grad(), ex.residual_precision(precision):
+        if exporter == 'dynamo':
+            n = torch.export.Dim('n', min=49)
+            h, w = torch.export.Dim('h', min=2), torch.export.Dim('w', min=2)
+            torch.onnx.export(Primitives().eval(), args, path, dynamo=True, verbose=False,
+                              input_names=names, dynamic_shapes=(
+                                  {2: n}, {2: n}, None, {2: h, 3: w}))
+        else:
+            torch.onnx.export(Primitives().eval(), args, path, dynamo=False, opset_version=18,
+                              input_names=names, dynamic_axes={
+                                  'q': {2: 'n'}, 'v': {2: 'n'}, 'maps': {2: 'h', 3: 'w'}})
+    proto = onnx.load(path)
+    onnx.checker.check_model(proto, full_check=True)
+    assert non_standard_nodes(proto) == []
+    session = deploy.ort_session(path)
+    for num_tokens, hw in ((120, (20, 23)), (203, (57, 31))):  # the export size and another
+        inputs = primitive_inputs(num_tokens, hw, seed=num_tokens)
+        outs = session.run(None, {name: t.numpy() for name, t in zip(names, inputs)})
+        errors = relative_errors([torch.from_numpy(o) for o in outs],
+                                 primitive_references(*inputs))
+        assert max(errors) < 1e-5, (exporter, num_tokens, errors)
+
+
+_SEEN = []
+
+
+class _Flags(torch.nn.Module):
+    """Records :func:`~lapformer_mm.ops.export.exporting` at each call, in a module-level
+    list: torch.export traces a copy of the module's state."""
+
+    def forward(self, x):
+        _SEEN.append(ex.exporting())
+        return x + 1
+
+
+def test_exporting_flag_only_under_exporters(tmp_path):
+    probe = _Flags()
+    x = torch.ones(2)
+    _SEEN.clear()
+    probe(x)
+    torch.jit.trace(probe, (x, ), check_trace=False)
+    assert _SEEN == [False, False]  # the FLOP counter's trace keeps the registered ops
+    _SEEN.clear()
+    torch.export.export(probe, (x, ))
+    assert _SEEN and all(_SEEN)
+    _SEEN.clear()
+    torch.onnx.export(probe, (x, ), str(tmp_path / 'f.onnx'), dynamo=False)
+    assert _SEEN and all(_SEEN)
+    _SEEN.clear()
+    probe(x)
+    assert _SEEN == [False]
+
+
+class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.name()))
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_and_flop_count_unchanged_outside_exporters(tmp_path):
+    from lapformer_mm.analysis.flops import flop_analyzer, flop_totals
+    model = tiny_backbone()
+    x = torch.randn(1, 3, 200, 232)
+    with torch.no_grad():
+        before = model(x)
+    flops_before = flop_totals(flop_analyzer(model, (x, )))
+    # The registered ops carry the FLOP handles: a count that saw the export form
+    # instead would have no kernel or solve part.
+    assert flops_before['kernel'] > 0 and flops_before['solve'] > 0
+    recorder = _OpRecorder()
+    with torch.no_grad(), recorder:
+        model(x)
+    assert any(op.startswith('lapformer_mm::') for op in recorder.ops), recorder.ops
+    assert 'aten::linalg_vector_norm' not in recorder.ops  # the export form's ℓ1
+    deploy.export_onnx(model, str(tmp_path / 'b.onnx'), shape=(200, 232),
+                       exporter='torchscript')
+    with torch.no_grad():
+        after = model(copy.deepcopy(x))
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert flop_totals(flop_analyzer(model, (x, ))) == flops_before
