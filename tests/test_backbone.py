@@ -167,6 +167,19 @@ def test_bad_arguments_name_the_argument(kwargs, match):
         LaplacianFormer(**kwargs)
 
 
+def test_attn_cfg_backend_is_the_old_name_of_impl():
+    """Configs of the earlier release (attn_cfg backend=...) reach every attention as impl."""
+    with pytest.warns(FutureWarning, match="'backend' is renamed 'impl'"):
+        model = LaplacianFormer(SMALL_ARCH, attn_cfg=dict(backend='reference'))
+    impls = {m.options.impl for m in model.modules() if isinstance(m, LaplacianAttention)}
+    assert impls == {'reference'}
+    with pytest.raises(ValueError, match="'backend' is the old name of 'impl'"):
+        LaplacianFormer(SMALL_ARCH, attn_cfg=dict(backend='reference', impl='reference'))
+    with pytest.raises(ValueError, match="impl='triton' is not supported"):
+        with pytest.warns(FutureWarning):
+            LaplacianFormer(SMALL_ARCH, attn_cfg=dict(backend='triton'))
+
+
 def test_bad_types_raise_type_error():
     with pytest.raises(TypeError, match='out_indices'):
         LaplacianFormer(out_indices=(0.5, ))

@@ -109,9 +109,12 @@ def test_solvers_match_linalg_solve(solver):
 
 def test_exact_inverse_and_cg_gradient():
     P = spd(2, 5, seed=5).requires_grad_()
-    B = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    B = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5),
+                    requires_grad=True)
     torch.testing.assert_close(exact_inverse(P), torch.linalg.inv(P))
-    assert torch.autograd.gradcheck(lambda p, b: cg_solve(p, b, iters=5), (P, B))
+    # Four steps for m = 5: the m-th step divides round-off by round-off, a function whose
+    # finite differences disagree with its exact derivative for some right-hand sides.
+    assert torch.autograd.gradcheck(lambda p, b: cg_solve(p, b, iters=4), (P, B))
 
 
 def test_cg_zero_rhs_stays_finite():

@@ -96,6 +96,22 @@ def resolve_arch(arch: Union[str, dict]) -> Dict[str, List]:
     return settings
 
 
+def _renamed_backend_key(attn_cfg: dict) -> dict:
+    """``attn_cfg`` with the key ``backend`` (the name before 2026-12) read as ``impl``.
+
+    Configs written against the earlier release keep working, with a FutureWarning.
+    """
+    if 'backend' not in attn_cfg:
+        return attn_cfg
+    if 'impl' in attn_cfg:
+        raise ValueError("attn_cfg: 'backend' is the old name of 'impl'; give only 'impl'")
+    warnings.warn("attn_cfg key 'backend' is renamed 'impl'; 'backend' will be removed",
+                  FutureWarning, stacklevel=4)
+    attn_cfg = dict(attn_cfg)
+    attn_cfg['impl'] = attn_cfg.pop('backend')
+    return attn_cfg
+
+
 def resolve_attn_cfg(attn_cfg: Optional[dict]) -> List[dict]:
     """LaplacianAttention keyword arguments of each stage, from the backbone's ``attn_cfg``.
 
@@ -108,6 +124,7 @@ def resolve_attn_cfg(attn_cfg: Optional[dict]) -> List[dict]:
     if not isinstance(attn_cfg, dict):
         raise TypeError(f'attn_cfg must be a dict or None, got {type(attn_cfg).__name__} '
                         f'{attn_cfg!r}')
+    attn_cfg = _renamed_backend_key(attn_cfg)
     check_attn_cfg_keys('attn_cfg', attn_cfg)
     cfg = dict(ATTN_CFG_DEFAULTS, **attn_cfg)
     qk_shared = cfg.pop('qk_shared')
