@@ -437,3 +437,15 @@ def test_fresh_checkout_builds_and_loads_the_extension(tmp_path):
     expected = {'AVX512': 'avx512', 'AVX2': 'avx2'}.get(
         torch.backends.cpu.get_cpu_capability(), 'default')
     assert result.stdout.split() == [expected, 'True']
+
+
+@pytest.mark.skipif(os.environ.get('LAPFORMER_REQUIRE_CPU_EXT') != '1',
+                    reason='only where the project set up the environment (make test sets '
+                           'LAPFORMER_REQUIRE_CPU_EXT=1)')
+def test_the_install_step_built_the_extension():
+    """`make env` (pip install --no-build-isolation -e .) builds the kernels in place.
+
+    Without this, an install that silently skipped the build would turn every kernel test
+    above into a skip.
+    """
+    assert cpu_ext.available(), 'the install step did not build lapformer_mm._cpu_*'

@@ -28,7 +28,7 @@ log() { echo "[setup] $*"; }
 
 # The C++ sources count: the editable install builds the CPU kernels from them in place.
 inputs_hash() {
-    cat "$ROOT/setup.py" "$ROOT/requirements.txt" "$ROOT"/requirements/*.txt \
+    cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/requirements.txt" "$ROOT"/requirements/*.txt \
         "$ROOT/tools/setup_env.sh" "$ROOT"/lapformer_mm/csrc/* | sha256sum | cut -d' ' -f1
 }
 
@@ -84,7 +84,9 @@ if [[ ${BASH_SOURCE[0]} != "$0" ]]; then
     return 0  # sourced (by a test): the functions only
 fi
 
-if [[ -f $STAMP && "$(cat "$STAMP")" == "$(inputs_hash)" ]] && stack_imports; then
+# A checkout whose built kernels were removed (git clean) installs again to rebuild them.
+if [[ -f $STAMP && "$(cat "$STAMP")" == "$(inputs_hash)" ]] && stack_imports \
+        && compgen -G "$ROOT/lapformer_mm/_cpu_*.so" >/dev/null; then
     log "environment at $VENV is up to date"
     exit 0
 fi
