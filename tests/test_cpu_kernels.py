@@ -350,8 +350,16 @@ def test_attention_bit_equal_with_1_and_2_threads(tied):
         assert torch.equal(a, b)
 
 
+# A copy of the checkout must import its own files only: the development install's editable
+# finder would otherwise serve the copy's missing submodules (the built kernels) from REPO.
+_OWN_FILES_ONLY = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+                   "if 'Editable' not in getattr(f, '__name__', type(f).__name__)]\n")
+
+
 def _run_python(code, env_extra, cwd=REPO):
     env = {**os.environ, **env_extra, 'PYTHONPATH': str(cwd)}
+    if Path(cwd) != REPO:
+        code = _OWN_FILES_ONLY + code
     return subprocess.run([sys.executable, '-c', code], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 

@@ -9,7 +9,7 @@ import dataclasses
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import AttentionOptions, landmark_matrix, nystrom_forward
+from ..ops import AttentionOptions, landmark_matrix, nystrom_forward, resolve_impl
 from ..ops._checks import check_bool, check_int, check_probability
 from ..ops.landmarks import check_hw, pool_tokens
 
@@ -103,14 +103,21 @@ class LaplacianAttention(nn.Module):
     def project(self, x):
         """q, k (B, h, N, d) and v (B, N, C) of x (B, N, C); k is q when keys are tied.
 
-        One product per projection, each with its rows of the ``qkv`` weight (views): q, k
-        and v are contiguous (B, N, C) tensors, so the heads are views, the depth-wise
-        convolution reads v and the landmark pooling reads k as channels-last maps, and
-        neither copies them (the C-wide slices of one (B, N, 2C) product would be strided).
+        Where the CUDA kernels run the attention, one product: they read the strided head
+        views of its C-wide slices, and on a GPU every extra launch costs more than a layout
+        does. Elsewhere one product per projection, each with its rows of the ``qkv`` weight
+        (views): q, k and v are contiguous (B, N, C) tensors, so the heads are views, the
+        depth-wise convolution reads v and the landmark pooling reads k as channels-last
+        maps, and neither copies them (docs/benchmarks.md, CPU kernels).
         """
         parts = 2 if self.qk_shared else 3
-        biases = self.qkv.bias.chunk(parts) if self.qkv.bias is not None else (None,) * parts
-        projected = [F.linear(x, w, b) for w, b in zip(self.qkv.weight.chunk(parts), biases)]
+        if resolve_impl(self.options.impl, x.device) == 'cupy':
+            projected = self.qkv(x).chunk(parts, dim=-1)
+        else:
+            biases = (self.qkv.bias.chunk(parts) if self.qkv.bias is not None
+                      else (None,) * parts)
+            projected = [F.linear(x, w, b)
+                         for w, b in zip(self.qkv.weight.chunk(parts), biases)]
         q = self._split_heads(projected[0])
         k = q if self.qk_shared else self._split_heads(projected[1])
         return q, k, projected[-1]

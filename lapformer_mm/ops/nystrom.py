@@ -323,8 +323,23 @@ def nystrom_attention_backward_kernel(grad, q, k, v, landmarks, context, inverse
     args = (grad, q, k, v, landmarks, context, inverse, stats, kernel, lam, eps, ns_refine,
             normalize, whiten_eps)
     if impl == 'reference':
-        return nystrom_attention_backward_reference(*args)
-    return implementation(impl).nystrom_attention_backward(*args)
+        grads = nystrom_attention_backward_reference(*args)
+    else:
+        grads = implementation(impl).nystrom_attention_backward(*args)
+    return tuple(grad if ref is None else _in_layout_of(grad, ref)
+                 for grad, ref in zip(grads, (q, k, v, landmarks)))
+
+
+def _in_layout_of(t, ref):
+    """t with the strides of ``torch.empty_like(ref)``, which the fake kernel declares.
+
+    The fused kernels write each gradient in its operand's layout already (the module's
+    head views, the pooled landmarks' channels-last view); other layouts pay a copy.
+    """
+    if t.stride() == ref.stride():
+        return t
+    out = torch.empty_like(ref)
+    return t if out.stride() == t.stride() else out.copy_(t)
 
 
 _LIBRARY.impl('nystrom_attention', nystrom_attention_kernel, 'CompositeExplicitAutograd')
