@@ -10,6 +10,9 @@ import pytest
 
 from devtools import sass
 
+# Compiling and disassembling every kernel takes about 50 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope='module')
 def rows():
