@@ -19,8 +19,11 @@ HERE = Path(__file__).parent
 # Hidden symbols: the modules share no code at link time and export only their op registration;
 # no debug information (setuptools passes -g), which would triple the modules' size.
 # The at::vec headers trip GCC's unknown-pragma and maybe-uninitialized warnings.
+# -fopenmp: at::parallel_for is inline, and without _OPENMP it runs the whole range on the
+# calling thread; torch's wheel loads libgomp.so.1 already, so the modules share its runtime.
+CPU_OPENMP_FLAGS = ['-fopenmp']
 CPU_COMMON_FLAGS = ['-O3', '-g0', '-fvisibility=hidden', '-Wno-unknown-pragmas',
-                    '-Wno-maybe-uninitialized']
+                    '-Wno-maybe-uninitialized'] + CPU_OPENMP_FLAGS
 # The compiler flags of each at::vec capability, as torch builds its own kernels with them.
 CPU_CAPABILITY_FLAGS = {
     'default': [],
@@ -42,7 +45,8 @@ def cpu_kernel_build():
     x86 = platform.machine().lower() in ('x86_64', 'amd64')
     names = list(CPU_CAPABILITY_FLAGS) if x86 else ['default']
     modules = [CppExtension(f'lapformer_mm._cpu_{name}', [f'lapformer_mm/csrc/cpu_{name}.cpp'],
-                            extra_compile_args=CPU_COMMON_FLAGS + CPU_CAPABILITY_FLAGS[name])
+                            extra_compile_args=CPU_COMMON_FLAGS + CPU_CAPABILITY_FLAGS[name],
+                            extra_link_args=CPU_OPENMP_FLAGS)
                for name in names]
 
     class OptionalBuildExtension(BuildExtension):

@@ -457,3 +457,14 @@ def test_the_install_step_built_the_extension():
     above into a skip.
     """
     assert cpu_ext.available(), 'the install step did not build lapformer_mm._cpu_*'
+
+
+@needs_ext
+def test_every_build_calls_the_openmp_runtime():
+    """at::parallel_for is inline: compiled without -fopenmp it runs every range on the
+    calling thread (the first build did, at the speed of one thread with two). A module
+    compiled with OpenMP calls GOMP_parallel."""
+    for build in ('default', 'avx2', 'avx512'):
+        spec = importlib.util.find_spec(f'lapformer_mm._cpu_{build}')
+        if spec is not None:
+            assert b'GOMP_parallel' in Path(spec.origin).read_bytes(), spec.origin
