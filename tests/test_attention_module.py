@@ -189,3 +189,19 @@ def test_forward_does_not_revalidate_the_options(monkeypatch):
         monkeypatch.setattr(attention, name, fail)
     with torch.no_grad():
         assert module(torch.randn(1, 20, 32), (4, 5)).shape == (1, 20, 32)
+
+
+@pytest.mark.parametrize('qk_shared', [True, False])
+def test_torch_compile_traces_one_graph_equal_to_eager(qk_shared):
+    """fullgraph=True: the dispatch decision, the op's fake kernels and the module trace
+    without a graph break (what mode='reduce-overhead' and inductor need); values and input
+    gradient bit-equal to eager on the device's default implementation."""
+    torch.manual_seed(0)
+    module = LaplacianAttention(64, 2, qk_shared=qk_shared).train()
+    x = torch.randn(2, 63, 64, requires_grad=True)
+    ref = module(x, (7, 9))
+    ref_grad, = torch.autograd.grad(ref.square().sum(), x)
+    compiled = torch.compile(module, backend='aot_eager', fullgraph=True)
+    out = compiled(x, (7, 9))
+    grad, = torch.autograd.grad(out.square().sum(), x)
+    assert torch.equal(out, ref) and torch.equal(grad, ref_grad)
