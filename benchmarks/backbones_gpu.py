@@ -46,7 +46,7 @@ if __package__ in (None, ''):
 
 import torch
 
-from devtools.timing import parse_size
+from devtools.timing import parse_size, time_once
 
 MODELS = ('laplacianformer-t', 'pvtv2-b1', 'swin-t')
 BASELINES = ('pvtv2-b1', 'swin-t')
@@ -202,15 +202,7 @@ def graphed_step(model, step, warmups=3):
 
 
 def median_ms(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(time_once(fn, 'cuda') * 1e3 for _ in range(repeats))
 
 
 def count_kernels(fn):

@@ -27,6 +27,8 @@ import warnings
 
 import torch
 
+from .normalize import whitening_scale
+from .nystrom import apply_inverse
 from .solvers import newton_schulz_iterate
 
 ENV_VAR = 'LAPFORMER_CPU_EXT'
@@ -119,22 +121,6 @@ def _landmark_system(ops, landmarks, lam, kind, eps):
     return w, w + eps * torch.eye(w.shape[-1], dtype=w.dtype)
 
 
-def _solve(inverse, P, rhs, ns_refine):
-    """X rhs, then one refinement step with the residual in fp64 (as the reference)."""
-    x = torch.matmul(inverse, rhs)
-    if ns_refine:
-        residual = rhs.double() - torch.matmul(P.double(), x.double())
-        x = x + torch.matmul(inverse, residual.to(x.dtype))
-    return x
-
-
-def _whitening_scale(var, whiten_eps):
-    """(var + δ)^(-1/2), 0 where var + δ = 0 (a constant column stays 0 once centred)."""
-    denom = var + whiten_eps
-    return torch.where(denom > 0, denom.clamp_min(torch.finfo(denom.dtype).tiny).rsqrt(),
-                       torch.zeros_like(denom))
-
-
 def nystrom_attention_forward(*args):
     """(out (B, N, h, d_v) in q's dtype, context, inverse, stats) of the op's contract.
 
@@ -161,9 +147,9 @@ def _attention_forward(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_
     else:
         rhs, _, _ = ops.attention_rows_forward(k, landmarks, v, lam, kind, False, False)
         _, raw, rows = ops.attention_rows_forward(q, landmarks, None, lam, kind, injective, True)
-    context = _solve(inverse, P, rhs, ns_refine)
+    context = apply_inverse(inverse, P, rhs, ns_refine)
     if injective:
-        mean, scale = raw[:, :, :1], _whitening_scale(raw[:, :, 1:], whiten_eps)
+        mean, scale = raw[:, :, :1], whitening_scale(raw[:, :, 1:], whiten_eps)
         stats = torch.cat((mean, scale), dim=2)
         scaled = scale.mT * context
         folded = scaled - scaled.mean(-2, keepdim=True)
@@ -204,7 +190,7 @@ def _attention_backward(grad, q, k, v, landmarks, context, inverse, stats, kerne
         mean = a = None
         d_context, scaled = t, context
     w, P = _landmark_system(ops, landmarks, lam, kind, eps)
-    d_rhs = _solve(inverse, P, d_context, ns_refine)
+    d_rhs = apply_inverse(inverse, P, d_context, ns_refine)
     if k is None:
         dq, dl, dv = ops.attention_rows_backward(q, landmarks, rows, g, scaled, a, mean, v,
                                                  d_rhs, True, lam, kind, injective)

@@ -20,14 +20,21 @@ def injective_normalize(C, whiten_eps=1e-5):
     return whiten(C, check_non_negative('whiten_eps', whiten_eps))
 
 
+def whitening_scale(var, whiten_eps):
+    """s = (var + δ)^-½ of the whitening, 0 where var + δ = 0.
+
+    With whiten_eps = 0 a column constant over the queries has var + δ = 0 and is all zeros
+    once centred: keep it 0 (0 · rsqrt(0) would be NaN, and a masked-out rsqrt(0) would
+    still put NaN into the gradient).
+    """
+    denom = var + whiten_eps
+    positive = denom > 0
+    return torch.where(positive, torch.where(positive, denom, torch.ones_like(denom)).rsqrt(),
+                       torch.zeros_like(denom))
+
+
 def whiten(C, whiten_eps):
     """:func:`injective_normalize` for callers that validated C and whiten_eps already."""
     centred = C - C.mean(-1, keepdim=True)
-    denom = centred.var(-2, unbiased=False, keepdim=True) + whiten_eps
-    # With whiten_eps = 0 a column constant over the queries has denom 0 and is
-    # all zeros once centred: keep it 0 (0 · rsqrt(0) would be NaN, and a
-    # masked-out rsqrt(0) would still put NaN into the gradient).
-    positive = denom > 0
-    scale = torch.where(positive, torch.where(positive, denom, torch.ones_like(denom)).rsqrt(),
-                        torch.zeros_like(denom))
+    scale = whitening_scale(centred.var(-2, unbiased=False, keepdim=True), whiten_eps)
     return centred * scale + 1.0 / C.shape[-1]

@@ -76,7 +76,7 @@ from ._precision import compute_dtype
 from .dispatch import implementation, prepare, requested_impl, resolve_impl
 from .export import export_attention, exporting
 from .kernels import newton_schulz, pairwise_kernel
-from .normalize import whiten
+from .normalize import whiten, whitening_scale
 from .reference_kernels import pairwise_grad_reference, pairwise_kernel_reference
 from .solvers import DEFAULT_NS_ITERS, cg_solve, exact_solve, newton_schulz_iterate
 
@@ -183,8 +183,12 @@ def _landmark_system_reference(landmarks, lam, eps, kernel):
     return w + eps * torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
 
 
-def _refine(inverse, P, rhs, x):
-    """x + X (rhs − P x), the residual in fp64 (neither cancellation nor TF32 limits it)."""
+def apply_inverse(inverse, P, rhs, ns_refine):
+    """X rhs for the Newton–Schulz inverse X of P, then with ``ns_refine`` one refinement step
+    x + X (rhs − P x), the residual in fp64 (neither cancellation nor TF32 limits it)."""
+    x = torch.matmul(inverse, rhs)
+    if not ns_refine:
+        return x
     residual = rhs.double() - torch.matmul(P.double(), x.double())
     return x + torch.matmul(inverse, residual.to(x.dtype))
 
@@ -192,11 +196,8 @@ def _refine(inverse, P, rhs, x):
 def _whitening_stats(centred, whiten_eps):
     """(μ, s) (..., 1, m) of the row-centred C: column mean, (var + δ)^-½ (0 where var + δ = 0)."""
     mean = centred.mean(-2, keepdim=True)
-    denom = (centred - mean).square().mean(-2, keepdim=True) + whiten_eps
-    positive = denom > 0
-    scale = torch.where(positive, torch.where(positive, denom, torch.ones_like(denom)).rsqrt(),
-                        torch.zeros_like(denom))
-    return mean, scale
+    var = (centred - mean).square().mean(-2, keepdim=True)
+    return mean, whitening_scale(var, whiten_eps)
 
 
 def nystrom_attention_reference(q, k, v, landmarks, kernel, lam, eps, iters, ns_init,
@@ -215,9 +216,7 @@ def nystrom_attention_reference(q, k, v, landmarks, kernel, lam, eps, iters, ns_
         batch_shape = P.shape
         inverse = newton_schulz_iterate(_as3(P), iters, ns_init).view(batch_shape)
         rhs = torch.matmul(c_k.mT, v)
-        context = torch.matmul(inverse, rhs)
-        if ns_refine:
-            context = _refine(inverse, P, rhs, context)
+        context = apply_inverse(inverse, P, rhs, ns_refine)
         m = landmarks.shape[-2]
         if normalize == 'injective':
             centred = c_q - c_q.mean(-1, keepdim=True)
@@ -261,9 +260,7 @@ def nystrom_attention_backward_reference(grad, q, k, v, landmarks, context, inve
             d_context = torch.matmul(c_q.mT, g)
             d_cq = torch.matmul(g, context.mT)
         P = _landmark_system_reference(la, lam, eps, kernel)
-        d_rhs = torch.matmul(inverse, d_context)
-        if ns_refine:
-            d_rhs = _refine(inverse, P, d_context, d_rhs)
+        d_rhs = apply_inverse(inverse, P, d_context, ns_refine)
         d_p = -torch.matmul(d_rhs, context.mT)
         d_ck = torch.matmul(va, d_rhs.mT)
         dv = torch.matmul(c_k, d_rhs)
@@ -455,8 +452,7 @@ def solve_landmark_system(P, rhs, options, impl):
     """
     if options.solver == 'newton':
         inverse = newton_schulz(P, options.iters, options.ns_init, impl)
-        x = torch.matmul(inverse, rhs)
-        return _refine(inverse, P, rhs, x) if options.ns_refine else x
+        return apply_inverse(inverse, P, rhs, options.ns_refine)
     if options.solver == 'exact':
         return exact_solve(P, rhs)
     return cg_solve(P, rhs, options.iters)
