@@ -143,10 +143,18 @@ def bin_average_matrix(size, bins, dtype, device):
 def adaptive_avg_pool2d_export(maps, output_size):
     """``F.adaptive_avg_pool2d(maps, output_size)`` for maps (..., H, W), from matmuls."""
     out_h, out_w = output_size
-    height, width = maps.shape[-2], maps.shape[-1]
+    lead, (height, width) = maps.shape[:-2], maps.shape[-2:]
     rows = bin_average_matrix(height, out_h, maps.dtype, maps.device)
     cols = bin_average_matrix(width, out_w, maps.dtype, maps.device)
-    return torch.matmul(rows, torch.matmul(maps, cols.transpose(-1, -2)))
+    # As batched products over one leading dimension, with the bin matrices expanded to
+    # it: torch.matmul of a 4-D map by a matrix folds the map to (B·C·H, W), and with
+    # symbolic H that fold makes torch.export guard on ``B·C % (B·C·ceil(H/4)) != 0``,
+    # which it cannot prove over a user's Dim range ("Constraints violated (h)").
+    flat = maps.reshape(-1, height, width)
+    count = flat.shape[0]
+    pooled = torch.bmm(rows.expand(count, out_h, height),
+                       torch.bmm(flat, cols.transpose(0, 1).expand(count, width, out_w)))
+    return pooled.reshape(*lead, out_h, out_w)
 
 
 class AdaptiveAvgPool2dExport(torch.nn.Module):
