@@ -150,8 +150,12 @@ def adaptive_avg_pool2d_export(maps, output_size):
     # it: torch.matmul of a 4-D map by a matrix folds the map to (B·C·H, W), and with
     # symbolic H that fold makes torch.export guard on ``B·C % (B·C·ceil(H/4)) != 0``,
     # which it cannot prove over a user's Dim range ("Constraints violated (h)").
-    flat = maps.reshape(-1, height, width)
-    count = flat.shape[0]
+    # The leading count spelled out, not -1: inferring it divides the symbolic numel,
+    # another guard torch.export cannot always prove.
+    count = 1
+    for size in lead:
+        count = count * size
+    flat = maps.reshape(count, height, width)
     pooled = torch.bmm(rows.expand(count, out_h, height),
                        torch.bmm(flat, cols.transpose(0, 1).expand(count, width, out_w)))
     return pooled.reshape(*lead, out_h, out_w)
