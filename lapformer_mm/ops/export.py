@@ -8,9 +8,10 @@ the attention takes the forms here instead; eager calls, ``torch.compile`` and t
 ``torch.jit`` trace of the FLOP counter keep the registered ops.
 
 * :func:`pairwise_kernel_export`: the kernel matrix a few landmarks at a time, so no
-  (..., N, M, d) tensor of the whole input exists: the ℓ1 distance as ``ReduceL1`` of
-  ``x - y_j``, the squared ℓ2 distance from the coordinate differences (the matmul
-  expansion loses it to cancellation at large norms, docs/numerics.md).
+  (..., N, M, d) tensor of the whole input exists: the ℓ1 distance as ``ReduceSum`` of
+  ``|x - y_j|``, the squared ℓ2 distance from the coordinate differences (the matmul
+  expansion loses it to cancellation at large norms, docs/numerics.md); or, in the
+  opt-in 'ort' :func:`kernel_form`, one node of the ONNX Runtime op library.
 * :func:`newton_schulz_export`: the Newton–Schulz iterations unrolled into matmuls.
 * :func:`adaptive_avg_pool2d_export`: two averaging matrices built from the integer bin
   edges of ``adaptive_avg_pool2d``, for any input size, symbolic sizes included.
@@ -82,15 +83,47 @@ def check_exportable(options):
 LANDMARK_CHUNK = 7
 
 
+#: Forms of the kernel matrix in an exported ONNX graph: 'standard' (standard-domain
+#: operators only, every runtime) or 'ort' (one ``lapformer_mm::PairwiseKernel`` node per
+#: kernel matrix, for ONNX Runtime with the op library of tools/build_ort_ops.py).
+KERNEL_FORMS = ('standard', 'ort')
+_KERNEL_FORM = contextvars.ContextVar('lapformer_mm_export_kernel_form', default='standard')
+#: The ONNX domain, operator and its version of the op library's kernel matrix node.
+ORT_DOMAIN = 'lapformer_mm'
+ORT_KERNEL_OP = 'PairwiseKernel'
+ORT_OPSET_VERSION = 1
+
+
+@contextlib.contextmanager
+def kernel_form(form):
+    """Within the block, exported kernel matrices take ``form`` (one of :data:`KERNEL_FORMS`).
+
+    Scoped to the block (and the current thread or task), like :func:`residual_precision`;
+    nothing changes on import or outside exporters.
+    """
+    if form not in KERNEL_FORMS:
+        raise ValueError(f'kernel form {form!r} is not supported; allowed: '
+                         f'{", ".join(map(repr, KERNEL_FORMS))}')
+    token = _KERNEL_FORM.set(form)
+    try:
+        yield
+    finally:
+        _KERNEL_FORM.reset(token)
+
+
 def pairwise_kernel_export(x, y, lam, kind, chunk=LANDMARK_CHUNK):
     """exp(-dist(x_i, y_j) / lam) (..., N, M) for x (..., N, d), y (..., M, d).
 
-    ``chunk`` landmarks y_j per step (None: all M at once, for the landmarks' own
-    M × M matrix), so no (..., N, M, d) tensor of the whole input exists. M must be
-    static (it is: the landmark grid). The differences are laid out (..., chunk, d, N):
-    ONNX Runtime's broadcast then subtracts one scalar from a run of N values and
-    reduces over d across whole rows, 1.3-1.5× faster than the (..., N, chunk, d) layout.
+    In the 'ort' :func:`kernel_form` (fp32 inputs with equal leading dims), one
+    :func:`ort_pairwise_kernel` node. Otherwise standard operators: ``chunk``
+    landmarks y_j per step (None: all M at once, for the landmarks' own M × M matrix),
+    so no (..., N, M, d) tensor of the whole input exists. M must be static (it is: the
+    landmark grid). The differences are laid out (..., chunk, d, N): ONNX Runtime's
+    broadcast then subtracts one scalar from a run of N values and reduces over d across
+    whole rows, 1.3-1.5× faster than the (..., N, chunk, d) layout.
     """
+    if _KERNEL_FORM.get() == 'ort' and x.dtype == torch.float32 and y.dtype == torch.float32:
+        return ort_pairwise_kernel(x, y, lam, kind)
     num = y.shape[-2]
     step = num if chunk is None else chunk
     xt = x.transpose(-1, -2).unsqueeze(-3)
@@ -98,14 +131,47 @@ def pairwise_kernel_export(x, y, lam, kind, chunk=LANDMARK_CHUNK):
 
     def distance(rows):
         diff = xt - rows
+        # Abs/Mul then ReduceSum, not ReduceL1/ReduceL2: the same sums (exact for ℓ1; for
+        # the Gaussian no sqrt-then-square round trip), and ONNX Runtime's ReduceSum is
+        # vectorised where its ReduceL1 runs a scalar loop (docs/deploy.md).
         if kind == 'laplacian':
-            return torch.linalg.vector_norm(diff, ord=1, dim=-2)
-        # As the reference: the ℓ2 norm of the differences, squared.
-        return torch.linalg.vector_norm(diff, ord=2, dim=-2).square()
+            return diff.abs().sum(dim=-2)
+        return (diff * diff).sum(dim=-2)
 
     parts = [distance(yt[..., start:start + step, :, :]) for start in range(0, num, step)]
     dist = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
     return torch.exp(dist * (-1.0 / lam)).transpose(-1, -2)
+
+
+class _OrtPairwiseKernel(torch.autograd.Function):
+    """The op library's node for the TorchScript exporter (its ``symbolic``); the forward
+    (what the trace runs) is the standard form."""
+
+    @staticmethod
+    def forward(ctx, x, y, lam, kind):
+        with kernel_form('standard'):
+            return pairwise_kernel_export(x, y, lam, kind)
+
+    @staticmethod
+    def symbolic(g, x, y, lam, kind):
+        out = g.op(f'{ORT_DOMAIN}::{ORT_KERNEL_OP}', x, y, lam_f=float(lam), kind_s=kind)
+        # x's dtype and rank with unknown sizes: the exporter's later symbolics read the
+        # dtype (type promotion), and the sizes are the runtime's to compute.
+        return out.setType(x.type().with_sizes([None] * x.type().dim()))
+
+
+def ort_pairwise_kernel(x, y, lam, kind):
+    """``lapformer_mm::PairwiseKernel(x, y)``, attributes lam and kind: (..., N, M).
+
+    Under torch.export (and so the dynamo ONNX exporter) a ``torch.onnx.ops.symbolic``
+    node, under the TorchScript exporter the ``symbolic`` of an autograd Function; x and y
+    must have equal leading dims. Only ONNX Runtime with the op library runs the node.
+    """
+    if torch.compiler.is_exporting():
+        return torch.onnx.ops.symbolic(
+            f'{ORT_DOMAIN}::{ORT_KERNEL_OP}', (x, y), dict(lam=float(lam), kind=kind),
+            dtype=x.dtype, shape=(*x.shape[:-1], y.shape[-2]), version=ORT_OPSET_VERSION)
+    return _OrtPairwiseKernel.apply(x, y, float(lam), kind)
 
 
 def newton_schulz_export(P, iters, init):
