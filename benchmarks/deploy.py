@@ -43,7 +43,7 @@ from devtools.timing import load_average, parse_size
 from lapformer_mm import deploy
 from lapformer_mm.analysis.model_zoo import build_backbone
 from lapformer_mm.cpu_malloc import keep_large_blocks
-from lapformer_mm.ops import export as ex
+from lapformer_mm.ops import reference
 
 REFERENCE = 'laplacianformer-t'
 BASELINE = 'pvtv2-b1'
@@ -57,9 +57,9 @@ FORMS = (('standard, before', False, True), ('standard', False, False),
 def previous_l1_form():
     """The standard file's ℓ1 kernel as it was before: ``ReduceL1`` of the differences
     (the baseline of the speed table; the project no longer writes it)."""
-    current = ex.pairwise_kernel_export
+    current = reference.similarity_export
 
-    def reduce_l1(x, y, lam, kind, chunk=ex.LANDMARK_CHUNK):
+    def reduce_l1(x, y, lam, kind, chunk=reference.LANDMARK_CHUNK):
         if kind != 'laplacian':
             return current(x, y, lam, kind, chunk)
         step = y.shape[-2] if chunk is None else chunk
@@ -69,11 +69,11 @@ def previous_l1_form():
         dist = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
         return torch.exp(dist * (-1.0 / lam)).transpose(-1, -2)
 
-    ex.pairwise_kernel_export = reduce_l1
+    reference.similarity_export = reduce_l1
     try:
         yield
     finally:
-        ex.pairwise_kernel_export = current
+        reference.similarity_export = current
 
 
 def export_all(names, size, exporter, folder):
@@ -261,8 +261,8 @@ def parity_report(export_shape=(512, 640), sizes=((480, 736), (608, 800), (800, 
 def precision_report():
     """Markdown tables: export-form error against conditioning, and at the backbone."""
     from benchmarks.numerics import EPS, LAM, SPREADS, WHITEN, dense_reference, inputs
-    from lapformer_mm.ops import AttentionOptions
-    from lapformer_mm.ops.export import export_attention, residual_precision
+    from lapformer_mm.ops import AttentionOptions, nystrom_attention
+    from lapformer_mm.ops.export import residual_precision
     options = AttentionOptions(lam=LAM, eps=EPS, whiten_eps=WHITEN, impl='reference')
     lines = ['| spread | cond(P) | fp64 residual | fp32 residual |', '|---|---|---|---|']
     for spread in SPREADS:
@@ -272,7 +272,7 @@ def precision_report():
         for precision in ('fp64', 'fp32'):
             qf, vf, lf = q.float(), v.float(), landmarks.float()
             with residual_precision(precision):
-                out = export_attention(qf, qf, vf, lf, options)
+                out = nystrom_attention(qf, qf, vf, lf, options, export=True)
             errs.append(((out.double() - ref).norm() / ref.norm()).item())
         lines.append(f'| {spread:g} | {cond:.3g} | {errs[0]:.1e} | {errs[1]:.1e} |')
     lines += ['', backbone_precision()]

@@ -76,15 +76,23 @@ def make_launch(lib, record=None, hooks=()):
     return launch
 
 
+def route_cpu_tensors_to_cuda_backend(setattr_):
+    """Make the CUDA backend take CPU tensors (impl=None and impl='cupy' alike), through
+    ``setattr_`` (``monkeypatch.setattr`` in tests, ``setattr`` in scripts)."""
+    from lapformer_mm.ops.backends import cuda
+    setattr_(cuda, 'DEVICE', 'cpu')
+    setattr_(cuda, '_AVAILABLE', [True])
+
+
 def emulate(folder, target_blocks=8):
     """Route ``cuda_runtime.launch`` to the emulation built in ``folder`` and make impl=None
-    choose the CuPy path for CPU tensors, for the rest of the process (scripts only)."""
+    choose the CUDA backend for CPU tensors, for the rest of the process (scripts only)."""
     from lapformer_mm.ops import cuda_runtime as rt
-    from lapformer_mm.ops import cupy_ops, dispatch
+    from lapformer_mm.ops import cupy_ops
     lib, error = build_library(folder)
     if lib is None:
         raise RuntimeError(f'g++ failed to build the emulation:\n{error}')
     rt.launch = make_launch(lib)
     cupy_ops.target_blocks = lambda device: target_blocks
-    dispatch._DECIDED[(None, 'cpu')] = 'cupy'
+    route_cpu_tensors_to_cuda_backend(setattr)
     return lib

@@ -14,9 +14,9 @@ import torch
 from _attention_helpers import dense_attention, dense_attention_grads
 from _emulation_fixtures import emu_lib  # noqa: F401 (a fixture)
 
-from devtools.cuda_emulation import make_launch
+from devtools.cuda_emulation import make_launch, route_cpu_tensors_to_cuda_backend
 from lapformer_mm.ops import cuda_runtime as rt
-from lapformer_mm.ops import cupy_ops, dispatch, nystrom_attention, pool_landmarks
+from lapformer_mm.ops import cupy_ops, nystrom_attention, pool_landmarks
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def launches(emu_lib, monkeypatch):  # noqa: F811 (the imported fixture)
     """impl=None on CPU tensors picks the CuPy path; its launches run in the emulation."""
     record = []
     monkeypatch.setattr(rt, 'launch', make_launch(emu_lib, record))
-    monkeypatch.setattr(dispatch, '_DECIDED', {(None, 'cpu'): 'cupy', ('cupy', 'cpu'): 'cupy'})
+    route_cpu_tensors_to_cuda_backend(monkeypatch.setattr)
     monkeypatch.setattr(cupy_ops, 'target_blocks', lambda device: 8)
     return record
 

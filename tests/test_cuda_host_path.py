@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from devtools import fake_cupy
+from devtools.cuda_emulation import route_cpu_tensors_to_cuda_backend
 from devtools.op_counts import count_call
 from lapformer_mm.ops import cuda_runtime as rt
-from lapformer_mm.ops import cupy_ops, dispatch, nystrom_attention, pool_landmarks
+from lapformer_mm.ops import cupy_ops, nystrom_attention, pool_landmarks
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def fake(monkeypatch):
     """CuPy faked; the fused op's CuPy path chosen for CPU tensors (the kernels do not run:
     outputs are uninitialised, only the host side is exercised)."""
     cupy, streams = fake_cupy.install(rt, monkeypatch.setattr, current_device=None)
-    monkeypatch.setattr(dispatch, '_DECIDED', {(None, 'cpu'): 'cupy'})
+    route_cpu_tensors_to_cuda_backend(monkeypatch.setattr)
     monkeypatch.setattr(cupy_ops, 'target_blocks', lambda device: 8)
     return cupy, streams
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from _emulation_fixtures import emu_lib  # noqa: F401 (a fixture)
 
-from devtools.cuda_emulation import make_launch
+from devtools.cuda_emulation import make_launch, route_cpu_tensors_to_cuda_backend
 from devtools.op_counts import module_call_counts
 from lapformer_mm.models.attention import LaplacianAttention
 from lapformer_mm.ops import cuda_runtime as rt
-from lapformer_mm.ops import cupy_ops, dispatch
+from lapformer_mm.ops import cupy_ops
 
 # Ops that wait for the device (a CUDA tensor's value read on the host).
 HOST_SYNCS = {'aten::_local_scalar_dense', 'aten::item', 'aten::is_nonzero', 'aten::equal'}
@@ -25,7 +25,7 @@ HOST_SYNCS = {'aten::_local_scalar_dense', 'aten::item', 'aten::is_nonzero', 'at
 @pytest.fixture
 def cupy_path(emu_lib, monkeypatch):  # noqa: F811 (the imported fixture)
     monkeypatch.setattr(rt, 'launch', make_launch(emu_lib))
-    monkeypatch.setattr(dispatch, '_DECIDED', {(None, 'cpu'): 'cupy'})
+    route_cpu_tensors_to_cuda_backend(monkeypatch.setattr)
     monkeypatch.setattr(cupy_ops, 'target_blocks', lambda device: 8)
 
 

@@ -1,4 +1,4 @@
-"""The export forms of the attention's primitives (lapformer_mm.ops.export).
+"""The export forms of the attention's primitives (lapformer_mm.ops.reference, export=True).
 
 Each form against an independent computation (ATen's adaptive pooling, the dense
 difference-tensor kernels, a direct inverse, the dense fp64 attention), then through
@@ -20,8 +20,9 @@ from _deploy_helpers import (
 )
 
 from lapformer_mm import deploy
-from lapformer_mm.ops import AttentionOptions, pool_landmarks
+from lapformer_mm.ops import AttentionOptions, nystrom_attention, pool_landmarks
 from lapformer_mm.ops import export as ex
+from lapformer_mm.ops import reference as ref
 
 onnx = pytest.importorskip('onnx')
 ort = pytest.importorskip('onnxruntime')
@@ -33,7 +34,7 @@ def test_bin_average_matrix_has_adaptive_pooling_bins():
         for bins in range(1, 10):
             eye = torch.eye(size, dtype=torch.float64).unsqueeze(0)
             expected = F.adaptive_avg_pool1d(eye, bins)[0].T
-            got = ex.bin_average_matrix(size, bins, torch.float64, 'cpu')
+            got = ref.bin_average_matrix(size, bins, torch.float64, 'cpu')
             assert torch.equal(got, expected), (size, bins)
 
 
@@ -43,7 +44,7 @@ def test_bin_average_matrix_has_adaptive_pooling_bins():
 def test_adaptive_avg_pool2d_export_matches_aten(hw, out):
     maps = torch.randn(2, 3, *hw, dtype=torch.float64)
     expected = F.adaptive_avg_pool2d(maps, out)
-    torch.testing.assert_close(ex.adaptive_avg_pool2d_export(maps, out), expected,
+    torch.testing.assert_close(ref.adaptive_avg_pool2d_export(maps, out), expected,
                                rtol=1e-12, atol=1e-13)
     module = ex.AdaptiveAvgPool2dExport(out)
     torch.testing.assert_close(module(maps), expected, rtol=1e-12, atol=1e-13)
@@ -56,9 +57,9 @@ def test_adaptive_pool_module_rejects_bad_sizes():
 
 
 @pytest.mark.parametrize('hw', [(7, 7), (9, 8), (29, 37)])
-def test_pool_tokens_export_matches_pool_landmarks(hw):
+def test_pool_landmarks_export_matches_pool_landmarks(hw):
     tokens = torch.randn(2, 3, hw[0] * hw[1], 5, dtype=torch.float64)
-    torch.testing.assert_close(ex.pool_tokens_export(tokens, hw, 7),
+    torch.testing.assert_close(ref.pool_landmarks_export(tokens, hw, 7),
                                pool_landmarks(tokens, hw, 7), rtol=1e-12, atol=1e-13)
 
 
@@ -69,7 +70,7 @@ def test_pairwise_kernel_export_matches_dense(kind, num_landmarks, chunk):
     gen = torch.Generator().manual_seed(num_landmarks)
     x = torch.randn(2, 3, 50, 8, generator=gen, dtype=torch.float64)
     y = torch.randn(2, 3, num_landmarks, 8, generator=gen, dtype=torch.float64)
-    got = ex.pairwise_kernel_export(x, y, 2.5, kind, chunk=chunk)
+    got = ref.similarity_export(x, y, 2.5, kind, chunk=chunk)
     torch.testing.assert_close(got, dense_kernel(x, y, 2.5, kind), rtol=1e-12, atol=1e-14)
 
 
@@ -77,7 +78,7 @@ def test_gaussian_export_is_exact_at_large_norms():
     # The difference form: k(x, x) = 1 in fp32 at any norm (the matmul expansion gives
     # 0.14 at |x| ~ 5700, docs/numerics.md).
     x = torch.full((1, 4, 32), 1000.0)
-    got = ex.pairwise_kernel_export(x, x, 4.0, 'gaussian')
+    got = ref.similarity_export(x, x, 4.0, 'gaussian')
     torch.testing.assert_close(torch.diagonal(got, dim1=-2, dim2=-1), torch.ones(1, 4))
 
 
@@ -87,7 +88,7 @@ def test_newton_schulz_export_inverts(init, iters):
     landmarks = torch.randn(3, 49, 16, generator=gen, dtype=torch.float64)
     P = dense_kernel(landmarks, landmarks, 4.0, 'laplacian') + 0.01 * torch.eye(
         49, dtype=torch.float64)
-    got = ex.newton_schulz_export(P.view(3, 1, 49, 49), iters, init).view(3, 49, 49)
+    got = ref.newton_schulz(P.view(3, 1, 49, 49), iters, init).view(3, 49, 49)
     torch.testing.assert_close(got, torch.linalg.inv(P), rtol=1e-9, atol=1e-9)
 
 
@@ -109,7 +110,7 @@ def test_export_attention_matches_dense_fp64(options, shared):
     v = smooth_tokens(2, (14, 16), 8, 1.0, seed=5)
     landmarks = pool_landmarks(k, (14, 16), 7)
     opts = AttentionOptions(impl='reference', **options)
-    got = ex.export_attention(q, k, v, landmarks, opts)
+    got = nystrom_attention(q, k, v, landmarks, opts, export=True)
     dense_args = {key: val for key, val in options.items()
                   if key in ('lam', 'eps', 'whiten_eps', 'kernel', 'normalize')}
     expected = dense_attention(q, k, v, landmarks, **dense_args)
@@ -124,23 +125,24 @@ def test_export_attention_fp32_both_residuals_near_dense(precision):
     expected = dense_attention(q, q, v, landmarks)
     qf, vf, lf = q.float(), v.float(), landmarks.float()
     with ex.residual_precision(precision):
-        got = ex.export_attention(qf, qf, vf, lf, AttentionOptions())
+        got = nystrom_attention(qf, qf, vf, lf, AttentionOptions(), export=True)
     assert got.dtype == torch.float32
     assert relative_errors([got], [expected])[0] < 1e-5
 
 
-@pytest.mark.parametrize('switch, var, bad, allowed', [
-    (ex.residual_precision, ex._RESIDUAL, 'fp16', "'fp64', 'fp32'"),
-    (ex.kernel_form, ex._KERNEL_FORM, 'tensorrt', "'standard', 'ort'")])
-def test_export_switches_are_scoped_and_checked(switch, var, bad, allowed):
-    default, other = var.get(), [v for v in (ex.RESIDUAL_PRECISIONS + ex.KERNEL_FORMS)
-                                 if v != var.get() and v in allowed][0]
-    with pytest.raises(ValueError, match=allowed):
-        with switch(bad):
+def test_export_switches_are_scoped_and_checked():
+    with pytest.raises(ValueError, match="'fp64', 'fp32'"):
+        with ex.residual_precision('fp16'):
             pass
-    with switch(other):
-        assert var.get() == other
-    assert var.get() == default
+    with pytest.raises(ValueError, match="kernel form 'tensorrt'.*'standard', 'ort'"):
+        with ex.kernel_form('tensorrt'):
+            pass
+    with ex.residual_precision('fp32'), ex.kernel_form('ort'):
+        assert ref._RESIDUAL.get() == torch.float32
+        assert ref._SIMILARITY_NODE.get() is ex.ort_pairwise_kernel
+        with ex.kernel_form('standard'):
+            assert ref._SIMILARITY_NODE.get() is None
+    assert ref._RESIDUAL.get() == torch.float64 and ref._SIMILARITY_NODE.get() is None
 
 
 @pytest.mark.parametrize('options, match', [
@@ -162,12 +164,12 @@ class Primitives(torch.nn.Module):
 
     def forward(self, q, v, landmarks, maps):
         eye = torch.eye(landmarks.shape[-2], dtype=q.dtype)
-        P = ex.pairwise_kernel_export(landmarks, landmarks, 4.0, 'laplacian', None) + 0.01 * eye
-        return (ex.pairwise_kernel_export(q, landmarks, 4.0, 'laplacian'),
-                ex.pairwise_kernel_export(q, landmarks, 4.0, 'gaussian'),
-                ex.newton_schulz_export(P, 16, 'identity'),
-                ex.adaptive_avg_pool2d_export(maps, (7, 7)),
-                ex.export_attention(q, q, v, landmarks, AttentionOptions()))
+        P = ref.similarity_export(landmarks, landmarks, 4.0, 'laplacian', None) + 0.01 * eye
+        return (ref.similarity_export(q, landmarks, 4.0, 'laplacian'),
+                ref.similarity_export(q, landmarks, 4.0, 'gaussian'),
+                ref.newton_schulz(P, 16, 'identity'),
+                ref.adaptive_avg_pool2d_export(maps, (7, 7)),
+                nystrom_attention(q, q, v, landmarks, AttentionOptions(), export=True))
 
 
 def primitive_inputs(num_tokens, hw, seed):
@@ -226,9 +228,9 @@ class KernelPair(torch.nn.Module):
     own matrix."""
 
     def forward(self, q, landmarks):
-        return (ex.pairwise_kernel_export(q, landmarks, 4.0, 'laplacian'),
-                ex.pairwise_kernel_export(q, landmarks, 2.5, 'gaussian'),
-                ex.pairwise_kernel_export(landmarks, landmarks, 4.0, 'laplacian', None))
+        return (ref.similarity_export(q, landmarks, 4.0, 'laplacian'),
+                ref.similarity_export(q, landmarks, 2.5, 'gaussian'),
+                ref.similarity_export(landmarks, landmarks, 4.0, 'laplacian', None))
 
 
 def _kernel_inputs(num_tokens, num_landmarks, seed):

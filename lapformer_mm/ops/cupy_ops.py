@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from . import cuda_runtime as rt
-from ._precision import compute_dtype
+from .reference import compute_dtype
 
 _DTYPES = tuple(rt.ELEMENT_TYPES)
 # Sizes are 32-bit ints in the kernels; the margin keeps "size + tile - 1" from overflowing.
@@ -262,9 +262,7 @@ def nystrom_attention_forward(q, k, v, landmarks, kernel, lam, eps, iters, ns_in
     run the reference math (on the GPU) instead of the fused kernels.
     """
     if not _fused(q, v, landmarks):
-        from .nystrom import nystrom_attention_reference
-        return nystrom_attention_reference(q, k, v, landmarks, kernel, lam, eps, iters, ns_init,
-                                           ns_refine, normalize, whiten_eps)
+        raise RuntimeError('the fused kernels do not take these operands (see not_supported)')
     batch, heads, n, d = q.shape
     m, dv = landmarks.shape[2], v.shape[3]
     bh = batch * heads
@@ -306,10 +304,7 @@ def nystrom_attention_backward(grad, q, k, v, landmarks, context, inverse, stats
                                eps, ns_refine, normalize, whiten_eps):
     """(dq, dk, dv, dlandmarks) of the contract in :mod:`.nystrom`."""
     if not _fused(q, v, landmarks):
-        from .nystrom import nystrom_attention_backward_reference
-        return nystrom_attention_backward_reference(grad, q, k, v, landmarks, context, inverse,
-                                                    stats, kernel, lam, eps, ns_refine,
-                                                    normalize, whiten_eps)
+        raise RuntimeError('the fused kernels do not take these operands (see not_supported)')
     batch, heads, n, d = q.shape
     m, dv = landmarks.shape[2], v.shape[3]
     bh = batch * heads

@@ -18,9 +18,13 @@ _TARGET_BLOCKS = 64
 
 def pytest_configure(config):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from devtools.cuda_emulation import build_library, make_launch
+    from devtools.cuda_emulation import (
+        build_library,
+        make_launch,
+        route_cpu_tensors_to_cuda_backend,
+    )
     from lapformer_mm.ops import cuda_runtime as rt
-    from lapformer_mm.ops import cupy_ops, dispatch
+    from lapformer_mm.ops import cupy_ops
 
     lib, error = build_library(tempfile.mkdtemp(prefix='lapformer_emu_'))
     if lib is None:
@@ -28,5 +32,4 @@ def pytest_configure(config):
     rt.launch = make_launch(lib)
     rt.shared_memory_optin = lambda device_index: _SMEM_LIMIT
     cupy_ops.target_blocks = lambda device: _TARGET_BLOCKS
-    dispatch._DECIDED[(None, 'cpu')] = 'cupy'
-    dispatch._DECIDED[('cupy', 'cpu')] = 'cupy'
+    route_cpu_tensors_to_cuda_backend(setattr)
