@@ -99,7 +99,11 @@ setup(
     python_requires='>=3.9',
     packages=find_packages(include=['lapformer_mm', 'lapformer_mm.*']) + ['lapformer_mm._cuda_src'],
     package_dir={'lapformer_mm._cuda_src': 'ops'},
-    package_data={'lapformer_mm._cuda_src': ['*.cu', '*.cuh']},
+    # The ONNX Runtime op library's sources ship so that an installed package can build it
+    # (tools/build_ort_ops.py, opt-in: it needs ONNX Runtime's C headers, which no wheel has).
+    package_data={'lapformer_mm._cuda_src': ['*.cu', '*.cuh'],
+                  'lapformer_mm': ['csrc/onnxruntime/*.cpp', 'csrc/onnxruntime/*.h',
+                                   'csrc/onnxruntime/*.map']},
     install_requires=[f"torch>={package_constant('TORCH_FLOOR')}", 'numpy', 'mmengine>=0.10,<1'],
     extras_require={
         'det': ['mmcv>=2.0.0,<2.2.0', 'mmdet>=3.3,<3.4', 'pycocotools'],
