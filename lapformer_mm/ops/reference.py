@@ -392,7 +392,8 @@ def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=Fal
         c_q = similarity(qa, la, opts.lam, opts.kernel, export)
         c_k = c_q if k is None else similarity(k.to(dtype), la, opts.lam, opts.kernel, export)
         P = landmark_system(la, opts.lam, opts.eps, opts.kernel, export)
-        context, inverse = _solve(P, torch.matmul(c_k.mT, va), opts, solver)
+        # transpose, not .mT: the TorchScript exporter has no aten::mT.
+        context, inverse = _solve(P, torch.matmul(c_k.transpose(-1, -2), va), opts, solver)
         m = la.shape[-2]
         if opts.normalize == 'injective':
             centred = c_q - c_q.mean(-1, keepdim=True)
