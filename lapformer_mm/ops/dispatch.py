@@ -4,8 +4,8 @@
 
 * ``'reference'``: the plain-PyTorch math next to each op, on every device (the ground
   truth of the tests);
-* ``'cupy'``: the CUDA kernels of ``ops/*.cu``, compiled by NVRTC through CuPy
-  (:mod:`lapformer_mm.ops.cupy_ops`), for CUDA tensors;
+* ``'cupy'``: the CUDA kernels of ``lapformer_mm/csrc/cuda``, compiled by NVRTC through
+  CuPy (:mod:`lapformer_mm.ops.backends.cuda`), for CUDA tensors;
 * ``'cpu'``: the C++ CPU extension (:mod:`lapformer_mm.ops.cpu_ext`, when it is
   installed and reports ``available()``), for CPU tensors.
 
@@ -134,7 +134,9 @@ def clear_cache():
     cpu_ext_available.cache_clear()
 
 
-_MODULES = {'cupy': 'lapformer_mm.ops.cupy_ops', 'cpu': 'lapformer_mm.ops.cpu_ext'}
+# TEMPORARY (issue #33, until #31's op module lands): the CUDA backend behind the old
+# module interface.
+_MODULES = {'cupy': 'lapformer_mm.ops._cuda_adapter', 'cpu': 'lapformer_mm.ops.cpu_ext'}
 _IMPORTED = {}
 
 

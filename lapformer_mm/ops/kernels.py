@@ -36,8 +36,9 @@ from .dispatch import implementation, requested_impl, resolve_impl
 from .reference_kernels import pairwise_grad_reference, pairwise_kernel_reference
 from .solvers import DEFAULT_NS_ITERS, check_square, newton_schulz_iterate
 
-#: The implementations with their own kernel-matrix kernels (pairwise_forward/backward).
-FAST_KERNEL_IMPLS = ('cupy', 'cpu')
+#: The implementations with their own kernel-matrix kernels (pairwise_forward/backward);
+#: the CUDA backend has the fused attention only, and the primitives run the reference.
+FAST_KERNEL_IMPLS = ('cpu',)
 
 
 @torch.library.custom_op('lapformer_mm::pairwise_kernel', mutates_args=())
@@ -105,10 +106,6 @@ pairwise_kernel_op.register_autograd(_pairwise_backward, setup_context=_pairwise
 @torch.library.custom_op('lapformer_mm::newton_schulz', mutates_args=())
 def newton_schulz_op(P: torch.Tensor, iters: int, init: str, impl: str) -> torch.Tensor:
     """Newton–Schulz inverse X of SPD P (batch, m, m), fp32 or fp64."""
-    if impl == 'cupy':
-        out = implementation(impl).newton_schulz(P, iters, init)
-        if out is not None:
-            return out
     return newton_schulz_iterate(P, iters, init)
 
 
