@@ -34,7 +34,8 @@ def build_library(folder, variant, float_only=None):
         float_only = variant.name != FULL_VARIANT
     out = Path(folder) / f'emu_{variant.name}{"_f32" if float_only else ""}.so'
     defines = variant.defines + (('-DEMU_FLOAT_ONLY',) if float_only else ())
-    proc = subprocess.run(build_command(out, defines, '-shared', '-fPIC',
+    # Hidden symbols: each variant's kernels keep their own static shared arrays.
+    proc = subprocess.run(build_command(out, defines, '-shared', '-fPIC', '-fvisibility=hidden',
                                         str(EMU_DIR / 'driver.cpp')),
                           capture_output=True, text=True)
     if proc.returncode != 0:

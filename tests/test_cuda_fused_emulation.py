@@ -10,12 +10,21 @@ N, m < 49, d not a multiple of 16, several row slices, more (batch, head) pairs 
 grid allows.
 """
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 from _attention_helpers import dense_attention, dense_attention_grads
 from _emulation_fixtures import emu_lib  # noqa: F401 (a fixture)
 
-from devtools.cuda_emulation import emulated_limits, make_launch, params_layout
+from devtools.cuda_emulation import (
+    EMU_DIR,
+    build_command,
+    emulated_limits,
+    make_launch,
+    params_layout,
+)
 from lapformer_mm.ops import dispatch, nystrom_attention, pool_landmarks
 from lapformer_mm.ops.backends import _cuda_launch as cl
 from lapformer_mm.ops.backends import cuda
@@ -326,3 +335,24 @@ def test_the_variants_the_support_table_states():
         assert picked(kib, 49, 32) == ('dv32_tb32', 32, 32)
         assert picked(kib, 64, 64) == ('dv64_tb32', 64, 64)
     assert all(cl.row_pass_static_smem(v) <= cl.DEFAULT_SMEM for v in cl.VARIANTS)
+
+
+@pytest.mark.slow
+def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):
+    """tests/cuda_emu/tsan_main.cpp launches every stage on the emulation of the 16-row
+    gradient variant built with -fsanitize=thread, the solves in three column passes: a
+    missing __syncthreads() between a shared-memory write and another thread's read is a
+    reported race."""
+    if shutil.which('g++') is None:
+        pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
+    exe = tmp_path / 'tsan_main'
+    variant = cl.VARIANT_BY_NAME['dv32_tb16']
+    command = build_command(exe, variant.defines + ('-DEMU_FLOAT_ONLY',), '-fsanitize=thread',
+                            '-g', str(EMU_DIR / 'tsan_main.cpp'))
+    build = subprocess.run([c if c != '-O2' else '-O1' for c in command], capture_output=True,
+                           text=True)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
+                         env={'TSAN_OPTIONS': 'halt_on_error=1 exitcode=66'})
+    assert run.returncode == 0 and 'ThreadSanitizer' not in run.stderr, run.stderr[-4000:]
+    assert 'launched, rc=0' in run.stdout

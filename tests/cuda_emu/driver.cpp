@@ -4,6 +4,10 @@
 // launch ABI: an array of pointers to the argument values, here the one nys_params.
 // EMU_FLOAT_ONLY leaves out the 16-bit instantiations (variants other than the default
 // are checked in fp32 only, which builds in a third of the time).
+//
+// Built with -fvisibility=hidden: several variants' libraries live in one process, and
+// their template kernels' static (shared-memory) arrays, sized by each variant, must not
+// be merged into one object by the dynamic linker (GNU unique symbols).
 #include "shim.h"
 
 #include <cstddef>
@@ -46,11 +50,13 @@ const std::map<std::string, Launcher>& kernels() {
 
 }  // namespace
 
-extern "C" int emu_has_kernel(const char* name) { return kernels().count(name) ? 1 : 0; }
+#define EMU_EXPORT extern "C" __attribute__((visibility("default")))
+
+EMU_EXPORT int emu_has_kernel(const char* name) { return kernels().count(name) ? 1 : 0; }
 
 // "name offset" lines of nys_params as g++ lays it out, then "sizeof N": the host's
 // numpy dtype must match (tests/test_cuda_fused_emulation.py).
-extern "C" const char* emu_params_layout() {
+EMU_EXPORT const char* emu_params_layout() {
     static char buf[4096];
     int used = 0;
 #define EMU_LINE(name, value) \
@@ -77,7 +83,7 @@ extern "C" const char* emu_params_layout() {
 
 // 0: launched; 1: no such kernel; 2: the kernel wrote past the dynamic shared memory
 // the host asked for.
-extern "C" int emu_launch_kernel(const char* name, void** args, const unsigned* grid, const unsigned* block,
+EMU_EXPORT int emu_launch_kernel(const char* name, void** args, const unsigned* grid, const unsigned* block,
                                  unsigned long long shared) {
     auto it = kernels().find(name);
     if (it == kernels().end()) return 1;

@@ -235,8 +235,8 @@ def warmup(device=None, dtypes=(torch.float32,), value_dims=(32, 64), m=cl.MAX_M
     """Compile, load and opt in the kernels the op will pick on ``device`` for these dtypes
     and value widths, ahead of any CUDA-graph capture (a first use inside a capture raises
     :class:`~._cuda_launch.CaptureError`). Returns the variants loaded."""
-    device = torch.device('cuda', torch.cuda.current_device() if device is None else
-                          torch.device(device).index or 0)
+    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+    device = torch.device('cuda', index)
     limits = device_limits(device)
     loaded = []
     for dv in value_dims:
