@@ -36,8 +36,9 @@ from devtools import fake_cupy
 from devtools.op_counts import module_call_counts
 from devtools.timing import load_average
 from lapformer_mm.models.attention import LaplacianAttention
-from lapformer_mm.ops import AttentionOptions, cupy_ops, dispatch, nystrom_forward, pool_landmarks
-from lapformer_mm.ops import cuda_runtime as rt
+from lapformer_mm.ops import AttentionOptions, dispatch, nystrom_forward, pool_landmarks
+from lapformer_mm.ops.backends import _cuda_launch as rt
+from lapformer_mm.ops.backends import cuda
 from lapformer_mm.ops.nystrom import (
     NystromAttention,
     nystrom_attention_backward_kernel,
@@ -67,16 +68,17 @@ def per_call_us(fns, repeats, rounds=10):
 def install_fake():
     """The fake CuPy, and impl='cupy' for CPU tensors; returns a function undoing it."""
     saved = {name: getattr(rt, name) for name in
-             ('import_cupy', '_functions', '_launchers', '_streams', 'raw_stream')}
-    saved_blocks = cupy_ops.target_blocks
+             ('import_cupy', '_groups', '_streams', 'raw_stream', 'capturing')}
+    saved_limits = cuda.device_limits
     fake_cupy.install(rt, setattr, current_device=None, record=False)
-    cupy_ops.target_blocks = lambda device: 528
+    h200 = cuda.DeviceLimits((9, 0), 132, 227 * 1024, 13)
+    cuda.device_limits = lambda device: h200
     dispatch._DECIDED[(None, 'cpu')] = 'cupy'
 
     def undo():
         for name, value in saved.items():
             setattr(rt, name, value)
-        cupy_ops.target_blocks = saved_blocks
+        cuda.device_limits = saved_limits
         dispatch._DECIDED.pop((None, 'cpu'), None)
     return undo
 

@@ -603,22 +603,9 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_solve(const nys_para
             K[e] = lap_exp(dist * p.neg_inv_lam);
             X[e] = p.inverse[bh * m * m + e];
         }
-        if (tid < m) {
-            const float s = p.injective ? p.stats[bh * 2 * m + m + tid] : 1.0f;
-            float a = 0.0f;
-            if (p.injective) {
-                // a_j = s_j^3 sum_e T_je context_je / N over every value column.
-                float ds = 0.0f;
-                for (int c = 0; c < dv; ++c) {
-                    float t = 0.0f;
-                    for (int sp = 0; sp < p.splits; ++sp) t += pb[sp * part_stride + tid * dv + c];
-                    ds += t * cb[tid * dv + c];
-                }
-                a = s * s * s * ds / (float)p.n;
-            }
-            sv[tid] = s;
-            av[tid] = a;
-        }
+        if (tid < m) sv[tid] = p.injective ? p.stats[bh * 2 * m + m + tid] : 1.0f;
+        // a_j = s_j^3 sum_e T_je context_je / N, summed over the passes in column order.
+        float ds = 0.0f;
         float dp[NYS_DPR];
 #pragma unroll
         for (int r = 0; r < NYS_DPR; ++r) dp[r] = 0.0f;
@@ -638,6 +625,9 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_solve(const nys_para
             }
             __syncthreads();
             if (p.injective) {
+                if (tid < m)
+                    for (int c = 0; c < w; ++c) ds += Dc[tid * lc + c] * Cx[tid * lc + c];
+                __syncthreads();
                 for (int e = tid; e < mw; e += NYS_THREADS) {
                     const int j = e / w, c = e % w;
                     Dc[j * lc + c] = sv[j] * Dc[j * lc + c] + gs[c] / (float)m;
@@ -700,7 +690,10 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_solve(const nys_para
             K[e] *= X[j * (m + 1) + l] + X[l * (m + 1) + j];
         }
         __syncthreads();
-        if (tid < m) wb[md + tid] = av[tid];
+        if (tid < m) {
+            const float s = sv[tid];
+            wb[md + tid] = p.injective ? s * s * s * ds / (float)p.n : 0.0f;
+        }
         for (int e = tid; e < m * d; e += NYS_THREADS) {
             const int j = e / d, t = e % d;
             const float a = lap_load(lb + j * p.L.sn + t * p.L.sd);
