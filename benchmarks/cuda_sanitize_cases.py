@@ -2,7 +2,8 @@
 
     export PYTORCH_NO_CUDA_MEMORY_CACHING=1
     compute-sanitizer --tool memcheck  python3 benchmarks/cuda_sanitize_cases.py
-    compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize_cases.py   # synccheck, initcheck
+    compute-sanitizer --tool racecheck python3 benchmarks/cuda_sanitize_cases.py
+    (and --tool synccheck, --tool initcheck)
 
 Without PyTorch's caching allocator every tensor is its own cudaMalloc, so memcheck sees a
 read or write past any tensor's end. The cases are the fused ones of the backbones: m = 49

@@ -5,7 +5,6 @@ registration and ``torch.compile`` of the public path are covered. The CUDA back
 host code is covered by ``test_cuda_host_path.py`` (a fake CuPy), its kernels by
 ``test_cuda_fused_emulation.py`` and, on a GPU, ``test_cuda_attention_gpu.py``.
 """
-import pytest
 import torch
 
 from lapformer_mm.ops import (
