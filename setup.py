@@ -1,10 +1,10 @@
 """Install lapformer_mm. The CUDA sources (``lapformer_mm/csrc/cuda``) ship as package data.
 
-The CPU kernels (``lapformer_mm/csrc``) are built here as C++ extensions, one module per
+The CPU kernels (``lapformer_mm/csrc/cpu``) are built here as C++ extensions, one module per
 at::vec instruction set (``lapformer_mm._cpu_default``, ``_cpu_avx2``, ``_cpu_avx512`` on
 x86-64). A failed build (no compiler, no torch at build time) does not fail the install: the
 package then warns once on first use and runs the PyTorch reference
-(``lapformer_mm/ops/cpu_ext.py``). ``LAPFORMER_BUILD_CPU_EXT=0`` skips the build.
+(``lapformer_mm/ops/backends/cpu.py``). ``LAPFORMER_BUILD_CPU_EXT=0`` skips the build.
 """
 import os
 import platform
@@ -44,7 +44,7 @@ def cpu_kernel_build():
         return [], {}
     x86 = platform.machine().lower() in ('x86_64', 'amd64')
     names = list(CPU_CAPABILITY_FLAGS) if x86 else ['default']
-    modules = [CppExtension(f'lapformer_mm._cpu_{name}', [f'lapformer_mm/csrc/cpu_{name}.cpp'],
+    modules = [CppExtension(f'lapformer_mm._cpu_{name}', [f'lapformer_mm/csrc/cpu/cpu_{name}.cpp'],
                             extra_compile_args=CPU_COMMON_FLAGS + CPU_CAPABILITY_FLAGS[name],
                             extra_link_args=CPU_OPENMP_FLAGS)
                for name in names]

@@ -54,7 +54,7 @@ from lapformer_mm.ops import (
     nystrom_attention,
     pool_landmarks,
 )
-from lapformer_mm.ops.solvers import newton_schulz_iterate
+from lapformer_mm.ops.reference import newton_schulz as newton_schulz_iterate
 
 
 # ---------------------------------------------------------------- NS study
@@ -350,7 +350,7 @@ def time_soft_round(methods, num_tokens, args, generator):
 
 def soft_study(args):
     from lapformer_mm.cpu_malloc import keep_large_blocks
-    from lapformer_mm.ops import cpu_ext
+    from lapformer_mm.ops.backends import cpu as cpu_ext
     if not cpu_ext.available():
         raise SystemExit('the C++ CPU kernels are not built: python setup.py build_ext --inplace')
     # As benchmarks/backbones.py: large blocks reused, not page-faulted in on every call.
@@ -393,8 +393,8 @@ def soft_study(args):
 # ---------------------------------------------------------------- micro study
 def micro_study(args):
     """The two measurements behind the CPU-specific choices in the reference ops."""
-    from lapformer_mm.ops import reference_kernels
-    from lapformer_mm.ops.solvers import newton_schulz_iterate as iterate
+    from lapformer_mm.ops import reference
+    iterate = reference.newton_schulz
     P = torch.randn(1, 49, 49)
     P = P @ P.mT + torch.eye(49)
     saved = torch.get_num_threads()
@@ -411,9 +411,9 @@ def micro_study(args):
     wall_full, _ = best_time(
         lambda: torch.ops.aten._cdist_backward(full, y, x, 1.0, full), args.repeats)
     wall_blocked, _ = best_time(
-        lambda: reference_kernels.cdist_backward_l1(g, y, x), args.repeats)
+        lambda: reference._l1_grad_native(g, y, x), args.repeats)
     print(f'landmark gradient at N={n}: one _cdist_backward call {wall_full * 1e3:.1f} ms, '
-          f'blocks of {reference_kernels.NATIVE_BLOCK_ROWS} rows {wall_blocked * 1e3:.1f} ms')
+          f'blocks of {reference.NATIVE_BLOCK_ROWS} rows {wall_blocked * 1e3:.1f} ms')
     print(f'load average: {os.getloadavg()[0]:.1f}')
 
 

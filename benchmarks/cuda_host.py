@@ -6,7 +6,7 @@ GPU call pays before the kernels run: the custom op's dispatch, autograd, argume
 packing, the launches' Python. Rows (median of ``--repeats`` calls after a warm-up):
 
 * ``op``: ``torch.ops.lapformer_mm.nystrom_attention`` on inputs without grad;
-* ``entry``: ``nystrom_forward`` (the module's entry: dispatch decision, op, view);
+* ``entry``: ``nystrom_attention`` (the module's entry: dispatch decision, op, view);
 * ``entry+grad``: the same with inputs requiring grad (the autograd node is built);
 * ``entry fwd+bwd``: that and the backward op;
 * ``autograd.Function`` rows: the op and its backward op through the package's
@@ -36,15 +36,13 @@ from devtools import fake_cupy
 from devtools.op_counts import module_call_counts
 from devtools.timing import load_average
 from lapformer_mm.models.attention import LaplacianAttention
-from lapformer_mm.ops import AttentionOptions, dispatch, nystrom_forward, pool_landmarks
+from lapformer_mm.ops import AttentionOptions, nystrom_attention, pool_landmarks
+from lapformer_mm.ops.attention import NystromAttentionFunction as NystromAttention
+from lapformer_mm.ops.attention import _backward_impl as nystrom_attention_backward_kernel
+from lapformer_mm.ops.attention import _forward_impl as nystrom_attention_kernel
+from lapformer_mm.ops.attention import nystrom_attention_op
 from lapformer_mm.ops.backends import _cuda_launch as rt
-from lapformer_mm.ops.backends import cuda
-from lapformer_mm.ops.nystrom import (
-    NystromAttention,
-    nystrom_attention_backward_kernel,
-    nystrom_attention_kernel,
-    nystrom_attention_op,
-)
+from lapformer_mm.ops.backends import cuda as cuda_backend
 
 OPTIONS = ('laplacian', 4.0, 0.01, 16, 'identity', True, 'injective', 1e-5)
 
@@ -69,23 +67,23 @@ def install_fake():
     """The fake CuPy, and impl='cupy' for CPU tensors; returns a function undoing it."""
     saved = {name: getattr(rt, name) for name in
              ('import_cupy', '_groups', '_streams', 'raw_stream', 'capturing')}
-    saved_limits = cuda.device_limits
     fake_cupy.install(rt, setattr, current_device=None, record=False)
-    h200 = cuda.DeviceLimits((9, 0), 132, 227 * 1024, 13)
-    cuda.device_limits = lambda device: h200
-    dispatch._DECIDED[(None, 'cpu')] = 'cupy'
+    saved_backend = cuda_backend.DEVICE, cuda_backend._AVAILABLE, cuda_backend.device_limits
+    h200 = cuda_backend.DeviceLimits((9, 0), 132, 227 * 1024, 13)
+    cuda_backend.DEVICE, cuda_backend._AVAILABLE = 'cpu', [True]
+    cuda_backend.device_limits = lambda device: h200
 
     def undo():
         for name, value in saved.items():
             setattr(rt, name, value)
-        cuda.device_limits = saved_limits
-        dispatch._DECIDED.pop((None, 'cpu'), None)
+        (cuda_backend.DEVICE, cuda_backend._AVAILABLE,
+         cuda_backend.device_limits) = saved_backend
     return undo
 
 
 def register_autograd_variant():
     """The same op as torch.library.custom_op with register_autograd: the other way to
-    attach autograd, kept here to measure the choice (lapformer_mm/ops/nystrom.py)."""
+    attach autograd, kept here to measure the choice (lapformer_mm/ops/attention.py)."""
     @torch.library.custom_op('lapformer_host_bench::nystrom_attention', mutates_args=())
     def forward(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
                 landmarks: torch.Tensor, kernel: str, lam: float, eps: float, iters: int,
@@ -123,9 +121,9 @@ def rows(repeats):
         fns[name] = fn
 
     add('op', lambda: nystrom_attention_op(q, k, v, landmarks, *OPTIONS, 'cupy'))
-    add('entry', lambda: nystrom_forward(q, k, v, landmarks, options))
-    add('entry+grad', lambda: nystrom_forward(*grads, options))
-    add('entry fwd+bwd', lambda: torch.autograd.grad(nystrom_forward(*grads, options), grads, g))
+    add('entry', lambda: nystrom_attention(q, k, v, landmarks, options))
+    add('entry+grad', lambda: nystrom_attention(*grads, options))
+    add('entry fwd+bwd', lambda: torch.autograd.grad(nystrom_attention(*grads, options), grads, g))
     add('autograd.Function: fwd+grad',
         lambda: NystromAttention.apply(*grads, *OPTIONS, 'cupy')[0])
     add('autograd.Function: fwd+bwd', lambda: torch.autograd.grad(

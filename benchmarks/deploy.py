@@ -161,8 +161,8 @@ def format_table(info):
 def precision_report():
     """Markdown tables: export-form error against conditioning, and at the backbone."""
     from benchmarks.numerics import EPS, LAM, SPREADS, WHITEN, dense_reference, inputs
-    from lapformer_mm.ops import AttentionOptions
-    from lapformer_mm.ops.export import export_attention, residual_precision
+    from lapformer_mm.ops import AttentionOptions, nystrom_attention
+    from lapformer_mm.ops.export import residual_precision
     options = AttentionOptions(lam=LAM, eps=EPS, whiten_eps=WHITEN, impl='reference')
     lines = ['| spread | cond(P) | fp64 residual | fp32 residual |', '|---|---|---|---|']
     for spread in SPREADS:
@@ -172,7 +172,7 @@ def precision_report():
         for precision in ('fp64', 'fp32'):
             qf, vf, lf = q.float(), v.float(), landmarks.float()
             with residual_precision(precision):
-                out = export_attention(qf, qf, vf, lf, options)
+                out = nystrom_attention(qf, qf, vf, lf, options, export=True)
             errs.append(((out.double() - ref).norm() / ref.norm()).item())
         lines.append(f'| {spread:g} | {cond:.3g} | {errs[0]:.1e} | {errs[1]:.1e} |')
     lines += ['', backbone_precision()]

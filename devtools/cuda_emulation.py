@@ -110,14 +110,22 @@ def emulated_limits(smem_optin=227 * 1024, sms=2, capability=(9, 0)):
     return DeviceLimits(capability, sms, smem_optin, 12)
 
 
+def route_cpu_tensors_to_cuda_backend(setattr_, limits=None):
+    """Make the CUDA backend take CPU tensors (impl=None and impl='cupy' alike) on an
+    emulated device (:func:`emulated_limits`), through ``setattr_``
+    (``monkeypatch.setattr`` in tests, ``setattr`` in scripts)."""
+    from lapformer_mm.ops.backends import cuda
+    limits = emulated_limits() if limits is None else limits
+    setattr_(cuda, 'DEVICE', 'cpu')
+    setattr_(cuda, '_AVAILABLE', [True])
+    setattr_(cuda, 'device_limits', lambda device: limits)
+
+
 def emulate(folder, target_blocks=8):
     """Route the CUDA backend's launches to the emulation built in ``folder`` and make
     impl=None choose it for CPU tensors, for the rest of the process (scripts only)."""
-    from lapformer_mm.ops import dispatch
-    from lapformer_mm.ops.backends import _cuda_launch, cuda
+    from lapformer_mm.ops.backends import _cuda_launch
     emulation = Emulation(folder)
     _cuda_launch.launch = make_launch(emulation)
-    limits = emulated_limits(sms=max(1, target_blocks // 4))
-    cuda.device_limits = lambda device: limits
-    dispatch._DECIDED[(None, 'cpu')] = 'cupy'
+    route_cpu_tensors_to_cuda_backend(setattr, emulated_limits(sms=max(1, target_blocks // 4)))
     return emulation

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from lapformer_mm.analysis.flops import FLOP_HANDLES, flop_analyzer, flop_totals, traced_name
-from lapformer_mm.ops import kernels, nystrom
+from lapformer_mm.ops import attention, laplacian_kernel, nystrom_attention
 
 
 def traced_kinds(fn, *inputs):
@@ -17,17 +17,13 @@ def traced_kinds(fn, *inputs):
 
 def test_traced_names_match_the_tracer():
     x, y = torch.randn(1, 5, 4, requires_grad=True), torch.randn(1, 3, 4)
-    assert traced_name(kernels.pairwise_kernel_op) in traced_kinds(
-        lambda a, b: kernels.pairwise_kernel(a, b, 4.0, 'laplacian', 'reference'), x, y)
-    P = torch.eye(3).expand(2, 3, 3)
-    assert traced_name(kernels.newton_schulz_op) in traced_kinds(
-        lambda p: kernels.newton_schulz(p, 5, 'identity', 'reference'), P)
+    assert traced_name(torch.ops.aten.cdist) in traced_kinds(
+        lambda a, b: laplacian_kernel(a, b, 4.0), x, y)
     q = torch.randn(1, 2, 5, 4)
     lm = torch.randn(1, 2, 3, 4)
-    assert traced_name(nystrom.nystrom_attention_op) in traced_kinds(
-        lambda a, b: nystrom.nystrom_attention_call(a, None, a, b, 'laplacian', 4.0, 0.01, 5,
-                                                    'identity', True, 'injective', 1e-5,
-                                                    'reference'), q.requires_grad_(), lm)
+    for impl in ('reference', None):
+        assert traced_name(attention.nystrom_attention_op) in traced_kinds(
+            lambda a, b: nystrom_attention(a, a, a, b, impl=impl), q.requires_grad_(), lm)
     assert traced_name(torch.ops.aten.scaled_dot_product_attention) in traced_kinds(
         lambda a: F.scaled_dot_product_attention(a, a, a), q.detach())
 

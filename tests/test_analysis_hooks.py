@@ -24,13 +24,13 @@ def test_laplacianformer_records_shapes_and_q_fed_to_the_kernel(monkeypatch, qk_
     model = model_zoo.build_backbone('laplacianformer-t', config_overrides=dict(
         TINY_LAPLACIAN, attn_cfg=dict(qk_shared=qk_shared)))
     seen = []
-    original = attention_module.nystrom_forward
+    original = attention_module.nystrom_attention
 
     def spy(q, k, v, landmarks, *args, **kwargs):
         seen.append((q.clone(), k.clone()))
         return original(q, k, v, landmarks, *args, **kwargs)
 
-    monkeypatch.setattr(attention_module, 'nystrom_forward', spy)
+    monkeypatch.setattr(attention_module, 'nystrom_attention', spy)
     records = _run(model, (32, 48))
     assert [r.stage for r in records] == [0, 1, 1, 2, 3]
     grids = [(8, 12), (4, 6), (4, 6), (2, 3), (1, 2)]

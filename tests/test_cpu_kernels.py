@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (lapformer_mm/csrc, lapformer_mm.ops.cpu_ext) against dense fp64 math.
+"""The C++ CPU kernels (lapformer_mm/csrc/cpu, lapformer_mm.ops.backends.cpu) against dense fp64.
 
 Every expected value comes from tests/_attention_helpers.py (explicit (N, M, d) difference
 tensors, a direct solve), never from the kernels. Skipped where the extension is not built;
@@ -15,12 +15,11 @@ import pytest
 import torch
 from _attention_helpers import dense_attention, dense_kernel
 
-from lapformer_mm.ops import cpu_ext, gaussian_kernel, laplacian_kernel, nystrom_attention
-from lapformer_mm.ops.landmarks import pool_landmarks
+from lapformer_mm.ops import nystrom_attention, pool_landmarks
+from lapformer_mm.ops.backends import cpu as cpu_ext
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ('laplacian', 'gaussian')
-FUNCTIONS = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
 
 needs_ext = pytest.mark.skipif(not cpu_ext.available(), reason='CPU kernels not built')
 
@@ -146,33 +145,6 @@ def test_16_bit_inputs_accumulate_in_fp32(dtype, kind):
     _close(k, k_want, 1e-6)
     _close(dx, dx_want, 1e-5)
     _close(dy, dy_want, 1e-5)
-    out = FUNCTIONS[kind](x, y, 8.0, impl='cpu')
-    assert out.dtype == dtype
-    _close(out, k_want, 1e-2)
-
-
-@needs_ext
-@pytest.mark.parametrize('kind', KINDS)
-def test_public_kernel_functions_take_the_extension(kind):
-    """laplacian_kernel / gaussian_kernel with impl='cpu' (and by default on CPU)."""
-    x = _randn(2, 3, 30, 5, seed=10).requires_grad_()
-    y = _randn(2, 3, 7, 5, seed=11).requires_grad_()
-    g = _randn(2, 3, 30, 7, seed=12)
-    k_want, dx_want, dy_want = _dense_value_and_grads(x, y, 3.0, kind, g)
-    for impl in ('cpu', None):
-        k = FUNCTIONS[kind](x, y, 3.0, impl=impl)
-        dx, dy = torch.autograd.grad((k * g).sum(), (x, y))
-        _close(k, k_want, 1e-14)
-        _close(dx, dx_want, 1e-13)
-        _close(dy, dy_want, 1e-13)
-
-
-@needs_ext
-@pytest.mark.parametrize('kind', KINDS)
-def test_kernel_gradcheck(kind):
-    x = _randn(2, 6, 3, seed=13).requires_grad_()
-    y = _randn(2, 4, 3, seed=14).requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: FUNCTIONS[kind](a, b, 1.5, impl='cpu'), (x, y))
 
 
 # ----------------------------------------------------------------------------
@@ -226,7 +198,8 @@ _BUILD_ATTENTION_CODE = '''
 import sys, torch
 sys.path.insert(0, 'tests')
 from _attention_helpers import dense_attention
-from lapformer_mm.ops import cpu_ext, nystrom_attention, pool_landmarks
+from lapformer_mm.ops import nystrom_attention, pool_landmarks
+from lapformer_mm.ops.backends import cpu as cpu_ext
 g = torch.Generator().manual_seed(0)
 proj = torch.randn(2, 11 * 13, 3 * 3 * 5, generator=g, dtype=torch.float64)
 q, k, v = (proj[..., i * 15:(i + 1) * 15].view(2, 143, 3, 5).transpose(1, 2) for i in range(3))
@@ -366,7 +339,7 @@ def _run_python(code, env_extra, cwd=REPO):
 
 _FALLBACK_CODE = '''
 import warnings, torch
-from lapformer_mm.ops import cpu_ext, dispatch, nystrom_attention, pool_landmarks
+from lapformer_mm.ops import AttentionOptions, nystrom_attention, pool_landmarks, resolve_impl
 {setup}
 q = torch.randn(1, 2, 36, 8, dtype=torch.float64)
 v = torch.randn(1, 2, 36, 8, dtype=torch.float64)
@@ -375,7 +348,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     outs = [nystrom_attention(q, q, v, L) for _ in range(3)]
     ref = nystrom_attention(q, q, v, L, impl='reference')
-print('impl', dispatch.resolve_impl(None, torch.device('cpu')))
+print('impl', resolve_impl(q, q, v, L, AttentionOptions()))
 print('equal', all(torch.equal(o, ref) for o in outs))
 print('warnings', len([w for w in caught if 'CPU kernels' in str(w.message)]))
 for w in caught:
@@ -421,7 +394,7 @@ def test_no_compiler_completes_the_build_with_a_warning(tmp_path):
     assert build.returncode == 0, build.stderr
     assert 'lapformer_mm: WARNING: building' in build.stderr
     assert not list((tmp_path / 'lapformer_mm').glob('_cpu_*.so'))
-    result = _run_python('from lapformer_mm.ops import cpu_ext; print(cpu_ext.available())',
+    result = _run_python('from lapformer_mm.ops.backends import cpu; print(cpu.available())',
                          {}, cwd=tmp_path)
     assert result.stdout.strip() == 'False', result.stderr
     assert 'not available' in result.stderr
@@ -435,10 +408,10 @@ def test_fresh_checkout_builds_and_loads_the_extension(tmp_path):
                            cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert build.returncode == 0, build.stderr
     assert 'WARNING' not in build.stderr, build.stderr
-    code = ('import torch; from lapformer_mm.ops import cpu_ext, laplacian_kernel\n'
-            'x = torch.randn(1, 5, 3, dtype=torch.float64)\n'
-            'd = (x[:, :, None] - x[:, None]).abs().sum(-1)\n'
-            'print(cpu_ext.build(), torch.allclose(laplacian_kernel(x, x, 2.0, impl="cpu"), '
+    code = ('import torch; from lapformer_mm.ops.backends import cpu\n'
+            'x = torch.randn(1, 1, 5, 3, dtype=torch.float64)\n'
+            'd = (x[:, :, :, None] - x[:, :, None]).abs().sum(-1)\n'
+            'print(cpu.build(), torch.allclose(cpu._ops().pairwise_forward(x, x, 2.0, 0), '
             '(-d / 2.0).exp()))')
     result = _run_python(code, {}, cwd=tmp_path)
     assert result.returncode == 0, result.stderr

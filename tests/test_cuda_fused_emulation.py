@@ -24,8 +24,9 @@ from devtools.cuda_emulation import (
     emulated_limits,
     make_launch,
     params_layout,
+    route_cpu_tensors_to_cuda_backend,
 )
-from lapformer_mm.ops import dispatch, nystrom_attention, pool_landmarks
+from lapformer_mm.ops import nystrom_attention, pool_landmarks
 from lapformer_mm.ops.backends import _cuda_launch as cl
 from lapformer_mm.ops.backends import cuda
 
@@ -42,8 +43,7 @@ def launches(emu_lib, monkeypatch):  # noqa: F811 (the imported fixture)
     on an H200's 227 KiB shared-memory limit with 8 target blocks."""
     record = []
     monkeypatch.setattr(cl, 'launch', make_launch(emu_lib, record))
-    monkeypatch.setattr(dispatch, '_DECIDED', {(None, 'cpu'): 'cupy', ('cupy', 'cpu'): 'cupy'})
-    use_limits(monkeypatch)
+    route_cpu_tensors_to_cuda_backend(monkeypatch.setattr)
     return record
 
 

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from devtools import fake_cupy
-from devtools.cuda_emulation import emulated_limits
+from devtools.cuda_emulation import emulated_limits, route_cpu_tensors_to_cuda_backend
 from devtools.op_counts import count_call
-from lapformer_mm.ops import dispatch, nystrom_attention, pool_landmarks
+from lapformer_mm.ops import nystrom_attention, pool_landmarks
 from lapformer_mm.ops.backends import _cuda_launch as cl
 from lapformer_mm.ops.backends import cuda
+from lapformer_mm.ops.reference import OpOptions
 
 H200 = emulated_limits(smem_optin=227 * 1024, sms=2)
 
@@ -27,8 +28,7 @@ def fake(monkeypatch):
     """CuPy faked; the fused op's CuPy path chosen for CPU tensors (the kernels do not run:
     outputs are uninitialised, only the host side is exercised)."""
     cupy, streams = fake_cupy.install(cl, monkeypatch.setattr, current_device=None)
-    monkeypatch.setattr(dispatch, '_DECIDED', {(None, 'cpu'): 'cupy'})
-    monkeypatch.setattr(cuda, 'device_limits', lambda device: H200)
+    route_cpu_tensors_to_cuda_backend(monkeypatch.setattr, H200)
     return cupy, streams
 
 
@@ -91,11 +91,10 @@ def test_a_first_call_inside_a_capture_raises_and_warmup_prevents_it(fake, monke
 
 
 def cuda_options(**overrides):
-    from lapformer_mm.ops._cuda_adapter import _Options
     fields = dict(kernel='laplacian', lam=4.0, eps=0.01, iters=16, ns_init='identity',
                   ns_refine=True, normalize='injective', whiten_eps=1e-5)
     fields.update(overrides)
-    return _Options(**fields)
+    return OpOptions(**fields)
 
 
 def test_launches_follow_pytorchs_current_stream_one_wrapper_each(fake):

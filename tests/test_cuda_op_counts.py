@@ -12,12 +12,10 @@ import pytest
 import torch
 from _emulation_fixtures import emu_lib  # noqa: F401 (a fixture)
 
-from devtools.cuda_emulation import emulated_limits, make_launch
+from devtools.cuda_emulation import make_launch, route_cpu_tensors_to_cuda_backend
 from devtools.op_counts import module_call_counts
 from lapformer_mm.models.attention import LaplacianAttention
-from lapformer_mm.ops import dispatch
 from lapformer_mm.ops.backends import _cuda_launch as rt
-from lapformer_mm.ops.backends import cuda
 
 # Ops that wait for the device (a CUDA tensor's value read on the host).
 HOST_SYNCS = {'aten::_local_scalar_dense', 'aten::item', 'aten::is_nonzero', 'aten::equal'}
@@ -26,9 +24,7 @@ HOST_SYNCS = {'aten::_local_scalar_dense', 'aten::item', 'aten::is_nonzero', 'at
 @pytest.fixture
 def cupy_path(emu_lib, monkeypatch):  # noqa: F811 (the imported fixture)
     monkeypatch.setattr(rt, 'launch', make_launch(emu_lib))
-    monkeypatch.setattr(dispatch, '_DECIDED', {(None, 'cpu'): 'cupy'})
-    limits = emulated_limits(sms=2)
-    monkeypatch.setattr(cuda, 'device_limits', lambda device: limits)
+    route_cpu_tensors_to_cuda_backend(monkeypatch.setattr)
 
 
 @pytest.mark.parametrize('qk_shared', [True, False])

@@ -1,4 +1,4 @@
-"""The export forms of the attention's primitives (lapformer_mm.ops.export).
+"""The export forms of the attention's primitives (lapformer_mm.ops.reference, export=True).
 
 Each form against an independent computation (ATen's adaptive pooling, the dense
 difference-tensor kernels, a direct inverse, the dense fp64 attention), then through
@@ -14,8 +14,9 @@ from _attention_helpers import dense_attention, dense_kernel, smooth_tokens
 from _deploy_helpers import non_standard_nodes, relative_errors, tiny_backbone
 
 from lapformer_mm import deploy
-from lapformer_mm.ops import AttentionOptions, pool_landmarks
+from lapformer_mm.ops import AttentionOptions, nystrom_attention, pool_landmarks
 from lapformer_mm.ops import export as ex
+from lapformer_mm.ops import reference as ref
 
 onnx = pytest.importorskip('onnx')
 ort = pytest.importorskip('onnxruntime')
@@ -27,7 +28,7 @@ def test_bin_average_matrix_has_adaptive_pooling_bins():
         for bins in range(1, 10):
             eye = torch.eye(size, dtype=torch.float64).unsqueeze(0)
             expected = F.adaptive_avg_pool1d(eye, bins)[0].T
-            got = ex.bin_average_matrix(size, bins, torch.float64, 'cpu')
+            got = ref.bin_average_matrix(size, bins, torch.float64, 'cpu')
             assert torch.equal(got, expected), (size, bins)
 
 
@@ -37,7 +38,7 @@ def test_bin_average_matrix_has_adaptive_pooling_bins():
 def test_adaptive_avg_pool2d_export_matches_aten(hw, out):
     maps = torch.randn(2, 3, *hw, dtype=torch.float64)
     expected = F.adaptive_avg_pool2d(maps, out)
-    torch.testing.assert_close(ex.adaptive_avg_pool2d_export(maps, out), expected,
+    torch.testing.assert_close(ref.adaptive_avg_pool2d_export(maps, out), expected,
                                rtol=1e-12, atol=1e-13)
     module = ex.AdaptiveAvgPool2dExport(out)
     torch.testing.assert_close(module(maps), expected, rtol=1e-12, atol=1e-13)
@@ -50,9 +51,9 @@ def test_adaptive_pool_module_rejects_bad_sizes():
 
 
 @pytest.mark.parametrize('hw', [(7, 7), (9, 8), (29, 37)])
-def test_pool_tokens_export_matches_pool_landmarks(hw):
+def test_pool_landmarks_export_matches_pool_landmarks(hw):
     tokens = torch.randn(2, 3, hw[0] * hw[1], 5, dtype=torch.float64)
-    torch.testing.assert_close(ex.pool_tokens_export(tokens, hw, 7),
+    torch.testing.assert_close(ref.pool_landmarks_export(tokens, hw, 7),
                                pool_landmarks(tokens, hw, 7), rtol=1e-12, atol=1e-13)
 
 
@@ -63,7 +64,7 @@ def test_pairwise_kernel_export_matches_dense(kind, num_landmarks, chunk):
     gen = torch.Generator().manual_seed(num_landmarks)
     x = torch.randn(2, 3, 50, 8, generator=gen, dtype=torch.float64)
     y = torch.randn(2, 3, num_landmarks, 8, generator=gen, dtype=torch.float64)
-    got = ex.pairwise_kernel_export(x, y, 2.5, kind, chunk=chunk)
+    got = ref.similarity_export(x, y, 2.5, kind, chunk=chunk)
     torch.testing.assert_close(got, dense_kernel(x, y, 2.5, kind), rtol=1e-12, atol=1e-14)
 
 
@@ -71,7 +72,7 @@ def test_gaussian_export_is_exact_at_large_norms():
     # The difference form: k(x, x) = 1 in fp32 at any norm (the matmul expansion gives
     # 0.14 at |x| ~ 5700, docs/numerics.md).
     x = torch.full((1, 4, 32), 1000.0)
-    got = ex.pairwise_kernel_export(x, x, 4.0, 'gaussian')
+    got = ref.similarity_export(x, x, 4.0, 'gaussian')
     torch.testing.assert_close(torch.diagonal(got, dim1=-2, dim2=-1), torch.ones(1, 4))
 
 
@@ -81,7 +82,7 @@ def test_newton_schulz_export_inverts(init, iters):
     landmarks = torch.randn(3, 49, 16, generator=gen, dtype=torch.float64)
     P = dense_kernel(landmarks, landmarks, 4.0, 'laplacian') + 0.01 * torch.eye(
         49, dtype=torch.float64)
-    got = ex.newton_schulz_export(P.view(3, 1, 49, 49), iters, init).view(3, 49, 49)
+    got = ref.newton_schulz(P.view(3, 1, 49, 49), iters, init).view(3, 49, 49)
     torch.testing.assert_close(got, torch.linalg.inv(P), rtol=1e-9, atol=1e-9)
 
 
@@ -103,7 +104,7 @@ def test_export_attention_matches_dense_fp64(options, shared):
     v = smooth_tokens(2, (14, 16), 8, 1.0, seed=5)
     landmarks = pool_landmarks(k, (14, 16), 7)
     opts = AttentionOptions(impl='reference', **options)
-    got = ex.export_attention(q, k, v, landmarks, opts)
+    got = nystrom_attention(q, k, v, landmarks, opts, export=True)
     dense_args = {key: val for key, val in options.items()
                   if key in ('lam', 'eps', 'whiten_eps', 'kernel', 'normalize')}
     expected = dense_attention(q, k, v, landmarks, **dense_args)
@@ -118,7 +119,7 @@ def test_export_attention_fp32_both_residuals_near_dense(precision):
     expected = dense_attention(q, q, v, landmarks)
     qf, vf, lf = q.float(), v.float(), landmarks.float()
     with ex.residual_precision(precision):
-        got = ex.export_attention(qf, qf, vf, lf, AttentionOptions())
+        got = nystrom_attention(qf, qf, vf, lf, AttentionOptions(), export=True)
     assert got.dtype == torch.float32
     assert relative_errors([got], [expected])[0] < 1e-5
 
@@ -128,8 +129,8 @@ def test_residual_precision_is_scoped_and_checked():
         with ex.residual_precision('fp16'):
             pass
     with ex.residual_precision('fp32'):
-        assert ex._RESIDUAL.get() == 'fp32'
-    assert ex._RESIDUAL.get() == 'fp64'
+        assert ref._RESIDUAL.get() == torch.float32
+    assert ref._RESIDUAL.get() == torch.float64
 
 
 @pytest.mark.parametrize('options, match', [
@@ -151,12 +152,12 @@ class Primitives(torch.nn.Module):
 
     def forward(self, q, v, landmarks, maps):
         eye = torch.eye(landmarks.shape[-2], dtype=q.dtype)
-        P = ex.pairwise_kernel_export(landmarks, landmarks, 4.0, 'laplacian', None) + 0.01 * eye
-        return (ex.pairwise_kernel_export(q, landmarks, 4.0, 'laplacian'),
-                ex.pairwise_kernel_export(q, landmarks, 4.0, 'gaussian'),
-                ex.newton_schulz_export(P, 16, 'identity'),
-                ex.adaptive_avg_pool2d_export(maps, (7, 7)),
-                ex.export_attention(q, q, v, landmarks, AttentionOptions()))
+        P = ref.similarity_export(landmarks, landmarks, 4.0, 'laplacian', None) + 0.01 * eye
+        return (ref.similarity_export(q, landmarks, 4.0, 'laplacian'),
+                ref.similarity_export(q, landmarks, 4.0, 'gaussian'),
+                ref.newton_schulz(P, 16, 'identity'),
+                ref.adaptive_avg_pool2d_export(maps, (7, 7)),
+                nystrom_attention(q, q, v, landmarks, AttentionOptions(), export=True))
 
 
 def primitive_inputs(num_tokens, hw, seed):

@@ -9,8 +9,9 @@ import pytest
 import torch
 from _attention_helpers import dense_attention, dense_attention_grads
 
-from lapformer_mm.ops import AttentionOptions, nystrom_attention, nystrom_forward, pool_landmarks
-from lapformer_mm.ops.nystrom import nystrom_attention_flops, nystrom_attention_op
+from lapformer_mm.ops import AttentionOptions, nystrom_attention, pool_landmarks
+from lapformer_mm.ops.attention import attention_flops as nystrom_attention_flops
+from lapformer_mm.ops.attention import nystrom_attention_op
 
 OPS = torch.ops.lapformer_mm
 
@@ -54,7 +55,7 @@ def test_values_and_gradients_match_dense_fp64(kernel, lam, normalize, tied):
 
 def test_output_is_a_view_of_the_token_layout():
     q, k, v, landmarks = inputs(2, 3, (4, 4), 4, 6, 2, False)
-    out = nystrom_forward(q, k, v, landmarks, AttentionOptions())
+    out = nystrom_attention(q, k, v, landmarks, AttentionOptions())
     assert out.shape == (2, 3, 16, 6)
     tokens = out.transpose(1, 2)
     assert tokens.is_contiguous() and tokens.reshape(2, 16, 18).data_ptr() == out.data_ptr()
@@ -192,8 +193,8 @@ def test_the_ops_pass_opcheck():
 
 
 @pytest.mark.parametrize('kwargs', [dict(solver='exact'), dict(solver='cg')])
-def test_other_solvers_take_the_composite_path(kwargs, monkeypatch):
-    from lapformer_mm.ops import nystrom
+def test_other_solvers_take_the_reference_path(kwargs, monkeypatch):
+    from lapformer_mm.ops import attention as nystrom
     calls = []
     monkeypatch.setattr(nystrom, 'nystrom_attention_op',
                         lambda *a: calls.append(a) or nystrom_attention_op(*a))
@@ -205,7 +206,7 @@ def test_other_solvers_take_the_composite_path(kwargs, monkeypatch):
     assert len(calls) == 1
 
 
-def test_dropout_takes_the_composite_path():
+def test_dropout_takes_the_reference_path():
     q, k, v, landmarks = inputs(1, 2, (4, 4), 4, 4, 2, False, seed=11)
     torch.manual_seed(0)
     dropped = nystrom_attention(q, k, v, landmarks, dropout_p=0.5)
@@ -226,7 +227,7 @@ def test_flop_formula_counts_the_composite_parts():
 def test_gradients_come_through_the_autograd_function():
     """The op has no autograd kernel; NystromAttention (what the public entry calls) gives
     the dense gradients for the raw op's arguments."""
-    from lapformer_mm.ops.nystrom import NystromAttention
+    from lapformer_mm.ops.attention import NystromAttentionFunction as NystromAttention
     q, k, v, landmarks = inputs(1, 2, (4, 5), 3, 4, 2, False, seed=12)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, landmarks)]
     out, context, inverse, stats = NystromAttention.apply(

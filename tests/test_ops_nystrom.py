@@ -4,13 +4,15 @@ import torch
 from _attention_helpers import dense_injective, dense_l1_kernel
 
 from lapformer_mm.ops import (
-    dispatch,
+    AttentionOptions,
+    attention,
     injective_normalize,
-    laplacian_kernel,
     nystrom_attention,
     pool_landmarks,
+    reference,
     resolve_impl,
 )
+from lapformer_mm.ops.backends import cpu, cuda
 
 
 def qkv(shape, seed=0, dtype=torch.float64):
@@ -145,45 +147,55 @@ def test_mismatched_shapes_raise():
         pool_landmarks(q, (2, 3))
 
 
-def test_resolve_impl(monkeypatch):
-    cpu = torch.device('cpu')
+def test_resolve_impl_takes_the_first_backend_without_reasons(monkeypatch):
     monkeypatch.delenv('LAPFORMER_OPS', raising=False)
-    monkeypatch.setattr(dispatch, '_DECIDED', {})
-    monkeypatch.setattr(dispatch, '_AVAILABLE', dict(cupy=lambda: False, cpu=lambda: False))
-    assert resolve_impl(dispatch.requested_impl(None), cpu) == 'reference'
-    assert resolve_impl('reference', cpu) == 'reference'
-    with pytest.raises(RuntimeError, match="impl='cupy' runs on cuda tensors, got tensors on cpu"):
-        resolve_impl('cupy', cpu)
-    with pytest.raises(RuntimeError, match="impl='cpu' is not usable here"):
-        resolve_impl('cpu', cpu)
+    q = torch.randn(1, 2, 12, 4)
+    lm = pool_landmarks(q, (3, 4), 2)
+
+    def impl(**options):
+        return resolve_impl(q, q, q, lm, AttentionOptions(**options))
+    monkeypatch.setattr(cpu, 'available', lambda: False)
+    monkeypatch.setattr(cuda, 'available', lambda: False)
+    assert impl() == 'reference' and impl(impl='reference') == 'reference'
+    with pytest.raises(RuntimeError, match="impl='cupy' cannot run this call: it runs on cuda "
+                                           'tensors, got tensors on cpu'):
+        impl(impl='cupy')
+    with pytest.raises(RuntimeError, match="impl='cpu' cannot run this call: it is not usable"):
+        impl(impl='cpu')
     with pytest.raises(ValueError, match="impl='triton'"):
-        dispatch.requested_impl('triton')
+        AttentionOptions(impl='triton')
     monkeypatch.setenv('LAPFORMER_OPS', 'reference')
-    assert dispatch.requested_impl(None) == 'reference'
+    assert AttentionOptions().impl == 'reference'
     monkeypatch.setenv('LAPFORMER_OPS', 'cupy')
     with pytest.raises(RuntimeError, match='LAPFORMER_OPS'):
-        laplacian_kernel(torch.zeros(1, 1), torch.zeros(1, 1))
+        nystrom_attention(q, q, q, lm)
     monkeypatch.setenv('LAPFORMER_OPS', 'fast')
     with pytest.raises(ValueError, match="LAPFORMER_OPS='fast'"):
-        dispatch.requested_impl(None)
-    # The CPU extension is chosen for CPU tensors once it reports available (decisions are
-    # cached per (requested, device type)).
-    monkeypatch.setattr(dispatch, '_DECIDED', {})
-    monkeypatch.setattr(dispatch, '_AVAILABLE', dict(cupy=lambda: False, cpu=lambda: True))
-    assert resolve_impl(None, cpu) == 'cpu' and resolve_impl('cpu', cpu) == 'cpu'
+        AttentionOptions()
+    monkeypatch.delenv('LAPFORMER_OPS')
+    # An available backend that reports reasons: impl=None warns once and takes the
+    # reference; the explicit impl raises the reasons.
+    monkeypatch.setattr(cpu, 'available', lambda: True)
+    assert impl() == 'cpu' and impl(impl='cpu') == 'cpu'
+    monkeypatch.setattr(cpu, 'not_supported', lambda *args: ['a reason'])
+    attention._warn_fallback.cache_clear()
+    with pytest.warns(RuntimeWarning, match=r"'cpu' attention backend does not support this "
+                                            r'call \(a reason\)'):
+        assert impl() == 'reference'
+    with pytest.raises(RuntimeError, match="impl='cpu' cannot run this call: a reason"):
+        impl(impl='cpu')
 
 
 @pytest.mark.parametrize('dtype', [torch.float16, torch.float32])
 def test_tied_keys_evaluate_the_query_kernel_once(monkeypatch, dtype):
     """k is q: k(q, L) serves as k(k, L), also when the inputs are cast to fp32 first."""
-    from lapformer_mm.ops import nystrom
     calls = []
-    original = nystrom._reference_kernel
+    original = reference.similarity_values
 
     def counting(x, y, *args):
         calls.append(x.shape[-2])
         return original(x, y, *args)
-    monkeypatch.setattr(nystrom, '_reference_kernel', counting)
+    monkeypatch.setattr(reference, 'similarity_values', counting)
     q = torch.randn(1, 2, 12, 4).to(dtype)
     nystrom_attention(q, q, torch.randn(1, 2, 12, 4).to(dtype), pool_landmarks(q, (3, 4), 2),
                       impl='reference')

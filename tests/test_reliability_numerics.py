@@ -216,7 +216,7 @@ def test_fp32_default_newton_within_3x_of_an_fp32_direct_solve(spread):
 def test_default_iterations_meet_the_residual_at_the_worst_case():
     """Identical landmarks with eps = 0.01: the default leaves 1.6e-6 < 1e-3; one step
     fewer would leave 1.25e-3, so the default is the fewest that meet the bound."""
-    from lapformer_mm.ops.solvers import newton_schulz_iterate
+    from lapformer_mm.ops.reference import newton_schulz as newton_schulz_iterate
     P = torch.ones(1, 49, 49, dtype=torch.float64) + 0.01 * torch.eye(49, dtype=torch.float64)
 
     def residual(iters):

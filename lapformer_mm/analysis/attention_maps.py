@@ -48,7 +48,7 @@ def row_normalised_kernel_row(q_i, k, kernel, lam):
     """k(q_i, k_j) / sum_j k(q_i, k_j): q_i (h, d), k (h, N, d) -> (h, N)."""
     from lapformer_mm.ops import gaussian_kernel, laplacian_kernel
     fn = laplacian_kernel if kernel == 'laplacian' else gaussian_kernel
-    row = fn(q_i[:, None], k, lam, impl='reference')[:, 0]
+    row = fn(q_i[:, None], k, lam)[:, 0]
     return row / row.sum(-1, keepdim=True)
 
 
@@ -69,7 +69,7 @@ def injective_dense_row(q, k, index, kernel, lam, whiten_eps):
         raise ValueError(f'the dense injective row needs N <= {MAX_DENSE_TOKENS} tokens, '
                          f'got N={q.shape[-2]}; use a smaller --size or a later --stage')
     fn = laplacian_kernel if kernel == 'laplacian' else gaussian_kernel
-    return injective_normalize(fn(q, k, lam, impl='reference'), whiten_eps)[:, index]
+    return injective_normalize(fn(q, k, lam), whiten_eps)[:, index]
 
 
 def nystrom_row(q, k, hw, index, attn):
@@ -91,11 +91,11 @@ def nystrom_row(q, k, hw, index, attn):
     )
     opts = attn.options
     landmarks = pool_landmarks(k[None], hw, attn.landmark_grid)[0]
-    c_q = kernel_matrix(opts.kernel, q, landmarks, opts.lam, impl='reference')
-    c_k = kernel_matrix(opts.kernel, k, landmarks, opts.lam, impl='reference')
-    p = landmark_matrix(landmarks, opts, impl='reference')
+    c_q = kernel_matrix(opts.kernel, q, landmarks, opts.lam)
+    c_k = kernel_matrix(opts.kernel, k, landmarks, opts.lam)
+    p = landmark_matrix(landmarks, opts)
     if opts.solver == 'newton':
-        x = newton_schulz_pinv(p, opts.iters, opts.ns_init, impl='reference')
+        x = newton_schulz_pinv(p, opts.iters, opts.ns_init)
         p_inv = 2 * x - x @ p @ x if opts.ns_refine else x
     else:
         p_inv = torch.linalg.inv(p)
@@ -132,7 +132,7 @@ def kernel_gradient_curves(distances, lam):
     curves = {}
     for name, fn in (('laplacian', laplacian_kernel), ('gaussian', gaussian_kernel)):
         x = r[:, None].clone().requires_grad_(True)
-        values = fn(x, torch.zeros(1, 1, dtype=torch.float64), lam, impl='reference')
+        values = fn(x, torch.zeros(1, 1, dtype=torch.float64), lam)
         (grad,) = torch.autograd.grad(values.sum(), x)
         curves[name] = (values.detach()[:, 0].numpy(), grad[:, 0].numpy())
     return curves

@@ -1,29 +1,24 @@
-"""FLOPs of LaplacianFormer models with mmengine's ``FlopAnalyzer``, custom ops included.
+"""FLOPs of LaplacianFormer models with mmengine's ``FlopAnalyzer``, the attention op included.
 
 Counting convention (mmengine/fvcore): one FLOP is one multiply-add, counted by tracing
 with :class:`mmengine.analysis.FlopAnalyzer`; element-wise ops (activations, exp outside
 the kernels, the injective normalisation's centring and scaling) are not counted. The
-tracer does not see inside the attention's registered ops, so :data:`FLOP_HANDLES` gives
-each of them the count defined next to the op (:mod:`lapformer_mm.ops.nystrom`,
-:mod:`lapformer_mm.ops.kernels`):
+tracer does not see inside the attention's registered op, so :data:`FLOP_HANDLES` gives it
+the count defined next to the op (:func:`lapformer_mm.ops.attention.attention_flops`):
 
-- the fused attention ``lapformer_mm::nystrom_attention`` (the default path): its kernel,
-  solve and visible parts, each the count of the composite path's ops below and reported
-  under their names (:func:`~lapformer_mm.ops.nystrom.nystrom_attention_flops`);
-
-- kernel matrix k(x, y), x (..., N, d), y (..., M, d): N·M·(d + 1) per batch element
-  (:func:`~lapformer_mm.ops.kernels.pairwise_kernel_flops`). With ``qk_shared`` the
-  query and key kernels coincide and are evaluated (and counted) once.
-- Newton–Schulz inverse of P (..., m, m), t iterations of X <- X (2I - P X):
-  2·m³·t + m² (:func:`~lapformer_mm.ops.kernels.newton_schulz_flops`).
+- the attention ``lapformer_mm::nystrom_attention`` (solver='newton'): its kernel, solve and
+  visible parts, reported under ``pairwise_kernel``, ``newton_schulz`` and ``matmul``;
+- the kernel matrices of the reference path ('exact' and 'cg' solvers), traced as
+  ``aten::cdist``: N·M·(d + 1) per batch element, also under ``pairwise_kernel`` (each
+  (pair, channel) one subtract-abs-accumulate, plus one exp per pair). With ``qk_shared`` the
+  query and key kernels coincide and are evaluated (and counted) once;
 - softmax attention (the stage-4 option): N·M·(d + d_v) per head.
 
-On the composite path (dropout on Z, the 'exact' and 'cg' solvers) the landmark-sized
-products around the solve (X · rhs and the refinement step) are ordinary matmuls, counted
-by mmengine's own handle. Each count belongs to a part: ``kernel`` and ``solve`` are the
-opaque ops; ``visible`` are products a tracer sees when the kernel and the solve are
-opaque (as in SOFT's released model). :func:`flop_totals` reports ``visible``
-(comparable with the papers' tables) and ``full`` (visible + kernel + solve).
+On the reference path the landmark-sized products around the solve are ordinary matmuls,
+counted by mmengine's own handle. Each count belongs to a part: ``kernel`` and ``solve`` are
+inside the op; ``visible`` are products a tracer sees when the kernel and the solve are
+opaque (as in SOFT's released model). :func:`flop_totals` reports ``visible`` (comparable
+with the papers' tables) and ``full`` (visible + kernel + solve).
 """
 import math
 from collections import Counter
@@ -31,7 +26,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from lapformer_mm.ops import kernels, nystrom
+from lapformer_mm.ops import attention
 
 KERNEL, SOLVE, VISIBLE = 'kernel', 'solve', 'visible'
 
@@ -45,35 +40,26 @@ def _batch(shape, core):
     return math.prod(shape[:-core])
 
 
-#: The by-operator keys of the parts the opaque ops count (mmengine names an op's count by
-#: its name without namespace).
+#: The by-operator keys of the parts the op counts (mmengine names an op's count by its name
+#: without namespace).
 PART_KEYS = {KERNEL: 'pairwise_kernel', SOLVE: 'newton_schulz'}
 
 
 def nystrom_attention_flops(inputs, outputs):
     """Traced ``lapformer_mm::nystrom_attention(q, k, v, landmarks, kernel, lam, eps, iters,
-    ns_init, ns_refine, ...)``; k is None when keys are tied.
-
-    Its parts are reported under the keys of the composite path's ops (kernel matrices as
-    ``pairwise_kernel``, the solve as ``newton_schulz``, the products as ``matmul``), so a
-    model's by-operator counts read the same whichever path it takes.
-    """
+    ns_init, ns_refine, ...)``; k is None when keys are tied."""
     tied = inputs[1].type().kind() == 'NoneType'
-    parts = nystrom.nystrom_attention_flops(_shape(inputs[0]), _shape(inputs[2]),
-                                            _shape(inputs[3])[-2], tied, inputs[7].toIValue(),
-                                            inputs[9].toIValue())
+    parts = attention.attention_flops(_shape(inputs[0]), _shape(inputs[2]),
+                                      _shape(inputs[3])[-2], tied, inputs[7].toIValue(),
+                                      inputs[9].toIValue())
     return Counter({PART_KEYS[KERNEL]: parts[KERNEL], PART_KEYS[SOLVE]: parts[SOLVE],
                     'matmul': parts[VISIBLE]})
 
 
-def pairwise_kernel_flops(inputs, outputs):
-    """Traced ``lapformer_mm::pairwise_kernel(x, y, ...)``."""
-    return kernels.pairwise_kernel_flops(_shape(inputs[0]), _shape(inputs[1]))
-
-
-def newton_schulz_flops(inputs, outputs):
-    """Traced ``lapformer_mm::newton_schulz(P, iters, ...)``."""
-    return kernels.newton_schulz_flops(_shape(inputs[0]), inputs[1].toIValue())
+def cdist_flops(inputs, outputs):
+    """Traced ``aten::cdist(x, y, ...)``: batch · N · M · (d + 1), a kernel matrix's count."""
+    x, y = _shape(inputs[0]), _shape(inputs[1])
+    return Counter({PART_KEYS[KERNEL]: _batch(x, 2) * x[-2] * y[-2] * (x[-1] + 1)})
 
 
 def softmax_attention_flops(inputs, outputs):
@@ -85,9 +71,8 @@ def softmax_attention_flops(inputs, outputs):
 #: op -> handle: the registered ops of lapformer_mm.ops (whichever implementation runs
 #: them), and the aten op of the softmax stage, which mmengine has no handle for.
 FLOP_HANDLES = {
-    nystrom.nystrom_attention_op: nystrom_attention_flops,
-    kernels.pairwise_kernel_op: pairwise_kernel_flops,
-    kernels.newton_schulz_op: newton_schulz_flops,
+    attention.nystrom_attention_op: nystrom_attention_flops,
+    torch.ops.aten.cdist: cdist_flops,
     torch.ops.aten.scaled_dot_product_attention: softmax_attention_flops,
 }
 

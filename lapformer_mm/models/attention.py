@@ -9,9 +9,12 @@ import dataclasses
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import AttentionOptions, landmark_matrix, nystrom_forward, resolve_impl
+from ..ops import AttentionOptions, landmark_matrix, nystrom_attention
 from ..ops._checks import check_bool, check_int, check_probability
-from ..ops.landmarks import check_hw, pool_tokens
+from ..ops.attention import one_projection
+from ..ops.export import exporting
+from ..ops.functional import check_hw
+from ..ops.reference import pool_landmarks
 
 # The attention options: the module's keyword-only arguments and the keys of the
 # backbone's attn_cfg. All but the first two are AttentionOptions fields, whose
@@ -36,7 +39,7 @@ class LaplacianAttention(nn.Module):
     1. ``q, k, v`` by one linear layer (``k = q`` when ``qk_shared``);
     2. landmarks: the keys average-pooled to at most ``landmark_grid``² points;
     3. ``o = Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v)`` per head
-       (:func:`lapformer_mm.ops.nystrom_forward`: one op, ``lapformer_mm::nystrom_attention``,
+       (:func:`lapformer_mm.ops.nystrom_attention`: one op, ``lapformer_mm::nystrom_attention``,
        reading 16-bit q, k, v as they are and computing in fp32);
     4. ``o + dwconv3x3(v)`` on the H×W grid, then the output projection.
 
@@ -103,15 +106,15 @@ class LaplacianAttention(nn.Module):
     def project(self, x):
         """q, k (B, h, N, d) and v (B, N, C) of x (B, N, C); k is q when keys are tied.
 
-        Where the CUDA kernels run the attention, one product: they read the strided head
-        views of its C-wide slices, and on a GPU every extra launch costs more than a layout
-        does. Elsewhere one product per projection, each with its rows of the ``qkv`` weight
-        (views): q, k and v are contiguous (B, N, C) tensors, so the heads are views, the
-        depth-wise convolution reads v and the landmark pooling reads k as channels-last
-        maps, and neither copies them (docs/benchmarks.md, CPU kernels).
+        On a GPU one product: the CUDA kernels read the strided head views of its C-wide
+        slices, and there every extra launch costs more than a layout does. On a CPU one
+        product per projection, each with its rows of the ``qkv`` weight (views): q, k and v
+        are contiguous (B, N, C) tensors, so the heads are views, the depth-wise convolution
+        reads v and the landmark pooling reads k as channels-last maps, and neither copies
+        them (docs/benchmarks.md, CPU kernels).
         """
         parts = 2 if self.qk_shared else 3
-        if resolve_impl(self.options.impl, x.device) == 'cupy':
+        if one_projection(x.device):
             projected = self.qkv(x).chunk(parts, dim=-1)
         else:
             biases = (self.qkv.bias.chunk(parts) if self.qkv.bias is not None
@@ -125,11 +128,10 @@ class LaplacianAttention(nn.Module):
     def landmark_system(self, x, hw):
         """P = k(L, L) + eps·I (B, h, m, m), the matrix the attention inverts for x (B, N, C).
 
-        For diagnostics and analysis; :meth:`forward` builds it inside
-        :func:`~lapformer_mm.ops.nystrom_forward`.
+        For diagnostics and analysis; :meth:`forward` builds it inside the op.
         """
         _, k, _ = self.project(x)
-        landmarks = pool_tokens(k, check_hw(hw, x.shape[1]), self.landmark_grid)
+        landmarks = pool_landmarks(k, check_hw(hw, x.shape[1]), self.landmark_grid)
         return landmark_matrix(landmarks, self.options)
 
     def forward(self, x, hw):
@@ -138,9 +140,11 @@ class LaplacianAttention(nn.Module):
             raise ValueError(f'x must be (B, N, {self.dim}), got shape {tuple(x.shape)}')
         hw = check_hw(hw, x.shape[1])
         q, k, v = self.project(x)
-        landmarks = pool_tokens(k, hw, self.landmark_grid)
-        out = nystrom_forward(q, k, self._split_heads(v), landmarks, self.options,
-                              dropout_p=self.attn_drop if self.training else 0.0)
+        export = exporting()
+        landmarks = pool_landmarks(k, hw, self.landmark_grid, export)
+        out = nystrom_attention(q, k, self._split_heads(v), landmarks, self.options,
+                                dropout_p=self.attn_drop if self.training else 0.0,
+                                export=export)
         out = out.transpose(1, 2).reshape(x.shape) + self._local_term(v, hw)
         return self.proj_drop(self.proj(out))
 

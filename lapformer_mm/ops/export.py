@@ -1,66 +1,44 @@
-"""The attention's primitives in standard operators, for ONNX and ``torch.export``.
+"""What the exporters need of the attention: when they trace, what can export, and the residual.
 
-The registered ops of :mod:`lapformer_mm.ops.kernels` are opaque to the exporters
-(``lapformer_mm::pairwise_kernel`` has no ONNX translation and ``torch.cdist`` lowers to
-``aten._cdist_forward``, which has none either), and ``adaptive_avg_pool2d`` exports only
-when the input is a multiple of the output. While an exporter runs (:func:`exporting`)
-the attention takes the forms here instead; eager calls, ``torch.compile`` and the
-``torch.jit`` trace of the FLOP counter keep the registered ops.
-
-* :func:`pairwise_kernel_export`: the kernel matrix a few landmarks at a time, so no
-  (..., N, M, d) tensor of the whole input exists: the ℓ1 distance as ``ReduceL1`` of
-  ``x - y_j``, the squared ℓ2 distance from the coordinate differences (the matmul
-  expansion loses it to cancellation at large norms, docs/numerics.md).
-* :func:`newton_schulz_export`: the Newton–Schulz iterations unrolled into matmuls.
-* :func:`adaptive_avg_pool2d_export`: two averaging matrices built from the integer bin
-  edges of ``adaptive_avg_pool2d``, for any input size, symbolic sizes included.
-* :func:`export_attention`: the Nyström attention from these, with the refinement step's
-  residual in fp64 (default) or fp32 (:func:`residual_precision`).
-
-Only ``solver='newton'`` with the plain-PyTorch reference implementation exports
-(:func:`check_exportable`).
+While ``torch.onnx.export`` (either exporter) or ``torch.export`` traces (:func:`exporting`), the
+attention runs :func:`lapformer_mm.ops.reference.forward` with ``export=True``: the similarity
+and the landmark pooling take their standard-operator forms there. Eager calls,
+``torch.compile`` and the ``torch.jit`` trace of the FLOP counter keep the op.
 """
 import contextlib
-import contextvars
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from ._precision import compute_dtype
-from .normalize import whiten
-from .solvers import DEFAULT_NS_ITERS
+from . import reference
 
-#: Precisions of the refinement step's residual ``b - P x`` in the exported attention:
-#: 'fp64' as in eager (ONNX Runtime CPU runs fp64 matmuls), 'fp32' for runtimes without
-#: fp64 (TensorRT, mobile delegates). docs/deploy.md gives each one's accuracy.
-RESIDUAL_PRECISIONS = ('fp64', 'fp32')
-_RESIDUAL = contextvars.ContextVar('lapformer_mm_export_residual', default='fp64')
+#: Precisions of the refinement step's residual ``b - P x`` in an exported attention: 'fp64'
+#: as in eager (ONNX Runtime CPU runs fp64 matmuls), 'fp32' for runtimes without fp64
+#: (TensorRT, mobile delegates). docs/deploy.md gives each one's accuracy.
+RESIDUAL_PRECISIONS = {'fp64': torch.float64, 'fp32': torch.float32}
 
 
 def exporting():
     """True while ``torch.onnx.export`` (either exporter) or ``torch.export`` traces.
 
-    Not ``torch.jit.is_tracing()``: the FLOP counter's jit trace must see the
-    registered ops, which carry its FLOP handles.
+    Not ``torch.jit.is_tracing()``: the FLOP counter's jit trace must see the registered op,
+    which carries its FLOP handle.
     """
     return torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting()
 
 
 @contextlib.contextmanager
 def residual_precision(precision):
-    """Within the block, exported attention forms its refinement residual in ``precision``.
+    """Within the block the attention forms its refinement residual in ``precision``.
 
-    ``precision``: one of :data:`RESIDUAL_PRECISIONS`. Scoped to the block (and the
-    current thread or task); eager calls are not affected.
+    ``precision``: one of :data:`RESIDUAL_PRECISIONS`. Scoped to the block (and the current
+    thread or task); the deploy tools wrap the export in it.
     """
     if precision not in RESIDUAL_PRECISIONS:
         raise ValueError(f'residual precision {precision!r} is not supported; allowed: '
                          f'{", ".join(map(repr, RESIDUAL_PRECISIONS))}')
-    token = _RESIDUAL.set(precision)
-    try:
+    with reference.residual_dtype(RESIDUAL_PRECISIONS[precision]):
         yield
-    finally:
-        _RESIDUAL.reset(token)
 
 
 def check_exportable(options):
@@ -75,85 +53,11 @@ def check_exportable(options):
                          'LAPFORMER_OPS)')
 
 
-#: Landmarks per step of :func:`pairwise_kernel_export` (one row of the default 7 × 7
-#: grid): each step holds a (..., 7, d, N) difference, 7× the input. One landmark per
-#: step was no faster in ONNX Runtime and made 7× the nodes, which the exporters trace
-#: at several milliseconds each.
-LANDMARK_CHUNK = 7
+class AdaptiveAvgPool2dExport(nn.Module):
+    """``nn.AdaptiveAvgPool2d`` from two averaging matrices, for any input size.
 
-
-def pairwise_kernel_export(x, y, lam, kind, chunk=LANDMARK_CHUNK):
-    """exp(-dist(x_i, y_j) / lam) (..., N, M) for x (..., N, d), y (..., M, d).
-
-    ``chunk`` landmarks y_j per step (None: all M at once, for the landmarks' own
-    M × M matrix), so no (..., N, M, d) tensor of the whole input exists. M must be
-    static (it is: the landmark grid). The differences are laid out (..., chunk, d, N):
-    ONNX Runtime's broadcast then subtracts one scalar from a run of N values and
-    reduces over d across whole rows, 1.3-1.5× faster than the (..., N, chunk, d) layout.
-    """
-    num = y.shape[-2]
-    step = num if chunk is None else chunk
-    xt = x.transpose(-1, -2).unsqueeze(-3)
-    yt = y.unsqueeze(-1)
-
-    def distance(rows):
-        diff = xt - rows
-        if kind == 'laplacian':
-            return torch.linalg.vector_norm(diff, ord=1, dim=-2)
-        # As the reference: the ℓ2 norm of the differences, squared.
-        return torch.linalg.vector_norm(diff, ord=2, dim=-2).square()
-
-    parts = [distance(yt[..., start:start + step, :, :]) for start in range(0, num, step)]
-    dist = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
-    return torch.exp(dist * (-1.0 / lam)).transpose(-1, -2)
-
-
-def newton_schulz_export(P, iters, init):
-    """Newton–Schulz inverse of SPD P (..., m, m): ``iters`` steps X <- 2X - X (P X).
-
-    The reference's iteration (:func:`~lapformer_mm.ops.solvers.newton_schulz_iterate`)
-    unrolled, on (batch, m, m) with the same ``baddbmm`` (two traced ops per step).
-    """
-    m = P.shape[-1]
-    p = P.reshape(-1, m, m)
-    norm = p.abs().sum(-1).amax(-1, keepdim=True).unsqueeze(-1)
-    if init == 'identity':
-        x = torch.eye(m, dtype=P.dtype, device=P.device) / norm
-    else:
-        x = p * (1.8 / (norm * norm))
-    for _ in range(iters):
-        x = torch.baddbmm(x, x, torch.bmm(p, x), beta=2.0, alpha=-1.0)
-    return x.reshape(P.shape)
-
-
-def bin_average_matrix(size, bins, dtype, device):
-    """(bins, size) averaging matrix of ``adaptive_avg_pool*``'s bins over ``size`` inputs.
-
-    Bin i covers [floor(i·size / bins), ceil((i + 1)·size / bins)), the integer edges
-    of ATen's adaptive pooling; ``size`` may be an int, a SymInt or a traced size.
-    """
-    index = torch.arange(bins, device=device)
-    start = torch.div(index * size, bins, rounding_mode='floor')
-    end = torch.div((index + 1) * size + (bins - 1), bins, rounding_mode='floor')
-    cols = torch.arange(size, device=device)
-    inside = (cols >= start.unsqueeze(-1)) & (cols < end.unsqueeze(-1))
-    return inside.to(dtype) / (end - start).unsqueeze(-1).to(dtype)
-
-
-def adaptive_avg_pool2d_export(maps, output_size):
-    """``F.adaptive_avg_pool2d(maps, output_size)`` for maps (..., H, W), from matmuls."""
-    out_h, out_w = output_size
-    height, width = maps.shape[-2], maps.shape[-1]
-    rows = bin_average_matrix(height, out_h, maps.dtype, maps.device)
-    cols = bin_average_matrix(width, out_w, maps.dtype, maps.device)
-    return torch.matmul(rows, torch.matmul(maps, cols.transpose(-1, -2)))
-
-
-class AdaptiveAvgPool2dExport(torch.nn.Module):
-    """Module form of :func:`adaptive_avg_pool2d_export` for an int or pair output size.
-
-    What the deploy tools put in place of ``nn.AdaptiveAvgPool2d`` (mmseg's pyramid
-    pooling) in the copy of a model they export.
+    What the deploy tools put in place of ``nn.AdaptiveAvgPool2d`` (mmseg's pyramid pooling)
+    in the copy of a model they export.
     """
 
     def __init__(self, output_size):
@@ -167,66 +71,7 @@ class AdaptiveAvgPool2dExport(torch.nn.Module):
         self.output_size = tuple(output_size)
 
     def forward(self, x):
-        return adaptive_avg_pool2d_export(x, self.output_size)
+        return reference.adaptive_avg_pool2d_export(x, self.output_size)
 
     def extra_repr(self):
         return f'output_size={self.output_size}'
-
-
-def pool_tokens_export(t, hw, grid):
-    """Landmarks of tokens t (B, h, N, d) on hw = (H, W): the grid × grid bin averages.
-
-    The export form of :func:`~lapformer_mm.ops.landmarks.pool_tokens`, which clips the
-    grid to min(grid, H) × min(grid, W); here every stage is at least grid × grid (the
-    export's size range, docs/deploy.md), so m = grid² is static.
-    """
-    batch, heads, _, width = t.shape
-    height, cols = hw
-    if torch.compiler.is_exporting():
-        # Symbolic sizes: a runtime check in the exported program (and a clear error at
-        # export time); the traced sizes of the TorchScript exporter have none.
-        torch._check(height >= grid, lambda: f'every stage map must be at least {grid} '
-                                              f'× {grid} to export (docs/deploy.md)')
-        torch._check(cols >= grid, lambda: f'every stage map must be at least {grid} '
-                                            f'× {grid} to export (docs/deploy.md)')
-    maps = t.transpose(-1, -2).reshape(batch * heads, width, height, cols)
-    pooled = adaptive_avg_pool2d_export(maps, (grid, grid))
-    return pooled.reshape(batch, heads, width, grid * grid).transpose(-1, -2)
-
-
-def export_attention(q, k, v, landmarks, options, dropout_p=0.0):
-    """:func:`~lapformer_mm.ops.nystrom_forward` in standard operators (same arguments).
-
-    Computes in fp32 (fp64 stays fp64) and returns q's dtype, as the eager op does; the
-    refinement residual follows :func:`residual_precision` (fp32 inputs only: fp64
-    inputs keep fp64 throughout).
-    """
-    check_exportable(options)
-    out_dtype = q.dtype
-    dtype = compute_dtype(q.dtype)
-    shared = k is q
-    q, v, landmarks = (_cast(t, dtype) for t in (q, v, landmarks))
-    k = q if shared else _cast(k, dtype)
-    c_q = pairwise_kernel_export(q, landmarks, options.lam, options.kernel)
-    c_k = c_q if shared else pairwise_kernel_export(k, landmarks, options.lam, options.kernel)
-    w = pairwise_kernel_export(landmarks, landmarks, options.lam, options.kernel, chunk=None)
-    P = w + options.eps * torch.eye(w.shape[-1], dtype=dtype, device=w.device)
-    rhs = torch.matmul(c_k.transpose(-1, -2), v)
-    iters = DEFAULT_NS_ITERS if options.iters is None else options.iters
-    inverse = newton_schulz_export(P, iters, options.ns_init)
-    context = torch.matmul(inverse, rhs)
-    if options.ns_refine:
-        if _RESIDUAL.get() == 'fp64':
-            residual = _cast(rhs.double() - torch.matmul(P.double(), context.double()), dtype)
-        else:
-            residual = rhs - torch.matmul(P, context)
-        context = context + torch.matmul(inverse, residual)
-    z = whiten(c_q, options.whiten_eps) if options.normalize == 'injective' else c_q
-    if dropout_p > 0:
-        z = F.dropout(z, dropout_p, training=True)
-    return _cast(torch.matmul(z, context), out_dtype)
-
-
-def _cast(t, dtype):
-    # A cast to the tensor's own dtype is still a traced node (two, under torch.export).
-    return t if t.dtype == dtype else t.to(dtype)

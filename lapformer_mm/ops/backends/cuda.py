@@ -2,7 +2,8 @@
 
 The kernels are ``lapformer_mm/csrc/cuda/nystrom_attention.cu``, compiled at run time by
 NVRTC through CuPy for the device's own architecture (:mod:`._cuda_launch`). The math is
-the reference's (:mod:`lapformer_mm.ops.reference`); the op asks :func:`not_supported`
+the reference's (:mod:`lapformer_mm.ops.reference`, the stage functions the kernels'
+comments name); the op (:mod:`lapformer_mm.ops.attention`) asks :func:`not_supported`
 first and runs the reference where this returns reasons, so nothing here falls back.
 
 Operands and results are those of the op's contract: q (B, h, N, d), k None when keys are
@@ -29,14 +30,25 @@ _MAX_SIZE = 2 ** 31 - 2 ** 16
 _F32 = torch.float32
 
 
-@functools.lru_cache(maxsize=1)
+_AVAILABLE = []
+
+
 def available():
-    """True when ``import cupy`` succeeds (cached; CuPy is imported here, never at import)."""
-    try:
-        cl.import_cupy()
-    except Exception:  # a broken CUDA install raises more than ImportError
-        return False
-    return True
+    """True when ``import cupy`` succeeds (checked once; CuPy is imported here, never at
+    module import)."""
+    if not _AVAILABLE:
+        try:
+            cl.import_cupy()
+            _AVAILABLE.append(True)
+        except Exception:  # a broken CUDA install raises more than ImportError
+            _AVAILABLE.append(False)
+    return _AVAILABLE[0]
+
+
+def clear_cache():
+    """Forget the availability check and the device limits (tests that fake an environment)."""
+    _AVAILABLE.clear()
+    _device_limits.cache_clear()
 
 
 class DeviceLimits(NamedTuple):

@@ -1,0 +1,409 @@
+"""The Nyström attention op: its options, the registered op pair, autograd, and the one entry.
+
+:func:`nystrom_attention` is the entry the attention module and users call::
+
+    nystrom_attention(q, k, v, landmarks, options)
+      a backend runs the call  -> NystromAttentionFunction
+                                  -> lapformer_mm::nystrom_attention          -> backend.forward
+                                  -> lapformer_mm::nystrom_attention_backward -> backend.backward
+      otherwise                -> reference.forward, differentiated by autograd
+         (impl='reference', no usable backend, dropout on Z, the 'exact' and 'cg' solvers,
+          while an exporter traces)
+
+The backends (:mod:`.backends.cuda`, impl 'cupy'; :mod:`.backends.cpu`, impl 'cpu') each say
+what they support (``available()``, ``not_supported(...)`` reasons); the first one for the
+tensors' device with no reasons runs the call (:func:`select_backend`). The math, and the
+stages the backends share, are in :mod:`.reference`.
+
+Op contract (per batch element b and head h; every backend keeps it):
+
+``nystrom_attention(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine,
+normalize, whiten_eps, impl) -> (out, context, inverse, stats)``
+
+* q (B, h, N, d); k (B, h, N, d) or None when keys are tied to queries; v (B, h, N, d_v);
+  landmarks (B, h, m, d); any strides, one floating dtype and device for all four.
+* out (B, N, h, d_v), contiguous, q's dtype: the token layout the module needs next.
+* context (B, h, m, d_v) = P⁻¹ k(k, L)ᵀ v; inverse (B, h, m, m) the Newton–Schulz X ≈ P⁻¹;
+  stats (B, h, 2, m) the whitening's μ and s ((B, h, 0, m) for normalize='none'); fp32
+  (fp64 for fp64 inputs), saved for the backward as flash-attn saves softmax_lse.
+
+``nystrom_attention_backward(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam,
+eps, ns_refine, normalize, whiten_eps, impl) -> (dq, dk, dv, dlandmarks)``: grad (B, N, h,
+d_v) any strides; dk is empty when k is None; each gradient has its operand's dtype.
+"""
+import dataclasses
+import functools
+import math
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from . import reference
+from ._checks import (
+    KERNELS,
+    NORMALIZATIONS,
+    NS_INITS,
+    SOLVERS,
+    check_bool,
+    check_choice,
+    check_float_tensor,
+    check_non_negative,
+    check_optional_int,
+    check_positive,
+    check_probability,
+)
+from .backends import cpu, cuda
+from .export import check_exportable, exporting
+
+#: The implementations: the reference on every device, and the backends by their names.
+BACKENDS = {cuda.NAME: cuda, cpu.NAME: cpu}
+IMPLS = ('reference',) + tuple(BACKENDS)
+ENV_VAR = 'LAPFORMER_OPS'
+
+
+def requested_impl(impl=None):
+    """The validated ``impl`` argument, else the environment variable, else None."""
+    name = 'impl'
+    if impl is None:
+        impl = os.environ.get(ENV_VAR) or None
+        name = f'environment variable {ENV_VAR}'
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f'{name}={impl!r} is not supported; allowed: '
+                         f'{", ".join(repr(i) for i in IMPLS)} or None')
+    return impl
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """Validated options of the Nyström attention; built once, used on every call.
+
+    This docstring is the reference list of the options (docs/attention.md links here).
+
+    kernel: 'laplacian' exp(-||·||_1/lam) or 'gaussian' exp(-||·||_2²/lam), lam > 0.
+    eps: ridge ε >= 0 added to k(L, L).
+    solver: 'newton' (Newton–Schulz, ``iters`` steps from the ``ns_init`` start 'identity'
+    or 'authors'; with ``ns_refine``, the default, one step of iterative refinement
+    follows), 'exact' or 'cg' (to a tolerance, at most ``iters`` steps); the last two run
+    the reference on every device.
+    iters: None for the solver's default (Newton–Schulz: ``reference.DEFAULT_NS_ITERS``).
+    normalize: 'injective' (centre, whiten per landmark column, add 1/m) or 'none'.
+    whiten_eps: δ >= 0 of the whitening; with 0, a landmark column constant over the
+    queries is centred to 0 rather than divided by 0.
+    impl: 'reference', 'cupy' (CUDA tensors), 'cpu' (the C++ CPU kernels) or None: the
+    environment variable ``LAPFORMER_OPS`` when set (read here, once), else the backend of
+    the tensors' device when it supports the call, else the reference
+    (:func:`select_backend`).
+    """
+    kernel: str = 'laplacian'
+    lam: float = 4.0
+    eps: float = 0.01
+    solver: str = 'newton'
+    iters: Optional[int] = None
+    ns_init: str = 'identity'
+    ns_refine: bool = True
+    normalize: str = 'injective'
+    whiten_eps: float = 1e-5
+    impl: Optional[str] = None
+
+    def __post_init__(self):
+        checked = dict(
+            kernel=check_choice('kernel', self.kernel, KERNELS),
+            lam=check_positive('lam', self.lam),
+            eps=check_non_negative('eps', self.eps),
+            solver=check_choice('solver', self.solver, SOLVERS),
+            iters=check_optional_int('iters', self.iters),
+            ns_init=check_choice('ns_init', self.ns_init, NS_INITS),
+            ns_refine=check_bool('ns_refine', self.ns_refine),
+            normalize=check_choice('normalize', self.normalize, NORMALIZATIONS),
+            whiten_eps=check_non_negative('whiten_eps', self.whiten_eps),
+            impl=requested_impl(self.impl))
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+        iters = self.iters
+        if iters is None and self.solver == 'newton':
+            iters = reference.DEFAULT_NS_ITERS
+        # What the op and the backends read (not a field: derived, not compared or printed).
+        object.__setattr__(self, 'op_options', reference.OpOptions(
+            self.kernel, self.lam, self.eps, iters, self.ns_init, self.ns_refine,
+            self.normalize, self.whiten_eps))
+
+
+def check_attention_inputs(q, k, v, landmarks, min_dim=3):
+    """q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) must agree; k may be None."""
+    for name, t in (('q', q), ('k', k), ('v', v), ('landmarks', landmarks)):
+        if t is not None:
+            check_float_tensor(name, t, min_dim=min_dim)
+    if k is not None and k.shape != q.shape:
+        raise ValueError(f'k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}')
+    if v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(f'v must be (..., N, d_v) with the batch dims and N of q '
+                         f'{tuple(q.shape)}, got {tuple(v.shape)}')
+    if landmarks.shape[:-2] != q.shape[:-2] or landmarks.shape[-1] != q.shape[-1]:
+        raise ValueError(f'landmarks must be (..., m, d) with the batch dims and d '
+                         f'of q {tuple(q.shape)}, got {tuple(landmarks.shape)}')
+    devices = {t.device for t in (q, k, v, landmarks) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
+
+
+def _check_op_operands(q, k, v, landmarks):
+    """The op's operands: 4-D, consistent, one dtype (the kernels read one type)."""
+    if q.dim() != 4:
+        raise ValueError(f'nystrom_attention: q must be (B, h, N, d), got shape '
+                         f'{tuple(q.shape)}')
+    check_attention_inputs(q, k, v, landmarks, min_dim=4)
+    for name, t in (('k', k), ('v', v), ('landmarks', landmarks)):
+        if t is not None and t.dtype != q.dtype:
+            raise TypeError(f'nystrom_attention: {name} has dtype {t.dtype} but q has '
+                            f'{q.dtype}; all operands must share one dtype')
+
+
+# ----------------------------------------------------------------------------
+# Which implementation runs a call
+# ----------------------------------------------------------------------------
+
+_INSTALL_HINT = {cuda.NAME: 'pip install cupy-cuda12x or cupy-cuda13x (matching the driver)',
+                 cpu.NAME: 'reinstall with a C++ compiler: pip install --no-build-isolation -e .'}
+
+
+def _reasons(backend, q, k, v, landmarks, opts):
+    """Why ``backend`` cannot run this call (empty: it can)."""
+    if q.device.type != backend.DEVICE:
+        return (f'it runs on {backend.DEVICE} tensors, got tensors on {q.device.type}',)
+    if not backend.available():
+        return (f'it is not usable here ({_INSTALL_HINT[backend.NAME]})',)
+    return tuple(backend.not_supported(q, k, v, landmarks, opts))
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(name, reasons):
+    warnings.warn(f'lapformer_mm: the {name!r} attention backend does not support this call '
+                  f'({"; ".join(reasons)}); running the PyTorch reference', RuntimeWarning,
+                  stacklevel=4)
+
+
+def select_backend(q, k, v, landmarks, options):
+    """The backend module that runs this call, or None for the reference.
+
+    impl=None takes the backend of the tensors' device when it is available and reports no
+    reasons (one warning names them when it does); an explicit 'cupy' or 'cpu' that cannot
+    run the call raises a RuntimeError with its reasons instead of falling back.
+    """
+    impl = options.impl
+    if impl == 'reference':
+        return None
+    opts = options.op_options
+    if impl is not None:
+        backend = BACKENDS[impl]
+        reasons = _reasons(backend, q, k, v, landmarks, opts)
+        if reasons:
+            raise RuntimeError(f'impl={impl!r} cannot run this call: {"; ".join(reasons)}; use '
+                               f"impl='reference' or None, or unset {ENV_VAR}")
+        return backend
+    for backend in BACKENDS.values():
+        if backend.DEVICE == q.device.type and backend.available():
+            reasons = tuple(backend.not_supported(q, k, v, landmarks, opts))
+            if not reasons:
+                return backend
+            _warn_fallback(backend.NAME, reasons)
+    return None
+
+
+def one_projection(device):
+    """Whether the attention on ``device`` takes q, k, v as strided views of one product:
+    the CUDA kernels read them so, and on a GPU a launch costs more than a layout does."""
+    return device.type == cuda.DEVICE
+
+
+def resolve_impl(q, k, v, landmarks, options):
+    """The name of the implementation that runs this call ('reference', 'cupy' or 'cpu')."""
+    backend = select_backend(q, None if k is q else k, v, landmarks, options)
+    return 'reference' if backend is None else backend.NAME
+
+
+# ----------------------------------------------------------------------------
+# The registered ops. torch.library define/impl with an autograd.Function outside: the
+# cheapest way to attach autograd per call (docs/cuda.md, host path).
+# ----------------------------------------------------------------------------
+
+_LIBRARY = torch.library.Library('lapformer_mm', 'FRAGMENT')
+_LIBRARY.define(
+    'nystrom_attention(Tensor q, Tensor? k, Tensor v, Tensor landmarks, str kernel, float lam, '
+    'float eps, int iters, str ns_init, bool ns_refine, str normalize, float whiten_eps, '
+    'str impl) -> (Tensor, Tensor, Tensor, Tensor)')
+_LIBRARY.define(
+    'nystrom_attention_backward(Tensor grad, Tensor q, Tensor? k, Tensor v, Tensor landmarks, '
+    'Tensor context, Tensor inverse, Tensor stats, str kernel, float lam, float eps, '
+    'bool ns_refine, str normalize, float whiten_eps, str impl) '
+    '-> (Tensor, Tensor, Tensor, Tensor)')
+
+
+def _forward_impl(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
+                  whiten_eps, impl):
+    _check_op_operands(q, k, v, landmarks)
+    opts = reference.OpOptions(kernel, lam, eps, iters, ns_init, ns_refine, normalize,
+                               whiten_eps)
+    if impl == 'reference':
+        out, context, inverse, stats = reference.forward(q, k, v, landmarks, opts)
+        return out.transpose(1, 2).contiguous(), context, inverse, stats
+    return BACKENDS[impl].forward(q, k, v, landmarks, opts)
+
+
+def _backward_impl(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam, eps,
+                   ns_refine, normalize, whiten_eps, impl):
+    # The backward reuses the forward's inverse: it takes no iteration count or start.
+    opts = reference.OpOptions(kernel, lam, eps, 0, 'identity', ns_refine, normalize,
+                               whiten_eps)
+    if impl == 'reference':
+        grads = reference.backward(grad.transpose(1, 2), q, k, v, landmarks, context, inverse,
+                                   stats, opts)
+    else:
+        grads = BACKENDS[impl].backward(grad, q, k, v, landmarks, context, inverse, stats, opts)
+    return tuple(g if ref is None else _in_layout_of(g, ref)
+                 for g, ref in zip(grads, (q, k, v, landmarks)))
+
+
+def _in_layout_of(t, ref):
+    """t with the strides of ``torch.empty_like(ref)``, which the fake kernel declares (the
+    fused kernels write each gradient in its operand's layout already; others pay a copy)."""
+    if t.stride() == ref.stride():
+        return t
+    out = torch.empty_like(ref)
+    return t if out.stride() == t.stride() else out.copy_(t)
+
+
+_LIBRARY.impl('nystrom_attention', _forward_impl, 'CompositeExplicitAutograd')
+_LIBRARY.impl('nystrom_attention_backward', _backward_impl, 'CompositeExplicitAutograd')
+
+nystrom_attention_op = torch.ops.lapformer_mm.nystrom_attention.default
+nystrom_attention_backward_op = torch.ops.lapformer_mm.nystrom_attention_backward.default
+
+#: op -> its Python implementation (devtools/op_counts.py looks inside with it).
+PYTHON_KERNELS = {nystrom_attention_op: _forward_impl,
+                  nystrom_attention_backward_op: _backward_impl}
+
+
+@torch.library.register_fake('lapformer_mm::nystrom_attention')
+def _(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize, whiten_eps,
+      impl):
+    _check_op_operands(q, k, v, landmarks)
+    batch, heads, n, _ = q.shape
+    m, dv = landmarks.shape[-2], v.shape[-1]
+    acc = reference.compute_dtype(q.dtype)
+    rows = 2 if normalize == 'injective' else 0
+    return (q.new_empty(batch, n, heads, dv), q.new_empty(batch, heads, m, dv, dtype=acc),
+            q.new_empty(batch, heads, m, m, dtype=acc),
+            q.new_empty(batch, heads, rows, m, dtype=acc))
+
+
+@torch.library.register_fake('lapformer_mm::nystrom_attention_backward')
+def _(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam, eps, ns_refine, normalize,
+      whiten_eps, impl):
+    return (torch.empty_like(q), q.new_empty(0) if k is None else torch.empty_like(k),
+            torch.empty_like(v), torch.empty_like(landmarks))
+
+
+class NystromAttentionFunction(torch.autograd.Function):
+    """Autograd of the op: the forward saves context, inverse and stats (non-differentiable
+    outputs); the backward op recomputes the kernel rows from them (once differentiable)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
+                whiten_eps, impl):
+        out, context, inverse, stats = nystrom_attention_op(
+            q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
+            whiten_eps, impl)
+        ctx.save_for_backward(q, k, v, landmarks, context, inverse, stats)
+        ctx.mark_non_differentiable(context, inverse, stats)
+        ctx.set_materialize_grads(False)
+        ctx.options = (kernel, lam, eps, ns_refine, normalize, whiten_eps, impl)
+        return out, context, inverse, stats
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, grad_context, grad_inverse, grad_stats):
+        if grad is None:
+            return (None,) * 13
+        q, k, v, landmarks, context, inverse, stats = ctx.saved_tensors
+        dq, dk, dv, dl = nystrom_attention_backward_op(grad, q, k, v, landmarks, context,
+                                                       inverse, stats, *ctx.options)
+        return (dq, None if k is None else dk, dv, dl) + (None,) * 9
+
+
+def attention_flops(q_shape, v_shape, m, tied, iters, ns_refine):
+    """{'kernel', 'solve', 'visible'} multiply-adds of one op call, q (B, h, N, d), v (..., d_v).
+
+    kernel: k(q, L), k(k, L) unless tied, k(L, L): (N·m·(1 or 2) + m²)·(d + 1);
+    solve: Newton–Schulz, 2·m³·iters + m²; visible: C_kᵀ v and Z · context, 2·N·m·d_v,
+    and the m × m by m × d_v products of the solve, three with ns_refine, else one.
+    """
+    batch = math.prod(q_shape[:-2])
+    n, d = q_shape[-2], q_shape[-1]
+    kernel = (n * m * (1 if tied else 2) + m * m) * (d + 1)
+    solve = 2 * m ** 3 * iters + m * m
+    visible = 2 * n * m * v_shape[-1] + (3 if ns_refine else 1) * m * m * v_shape[-1]
+    return {'kernel': batch * kernel, 'solve': batch * solve, 'visible': batch * visible}
+
+
+# ----------------------------------------------------------------------------
+# The entry
+# ----------------------------------------------------------------------------
+
+def nystrom_attention(q, k, v, landmarks, options=None, *, dropout_p=0.0, export=None,
+                      **kwargs):
+    """Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v), evaluated right to left.
+
+    q, k (..., N, d) (``k is q`` when keys are tied), v (..., N, d_v), landmarks L (..., m, d)
+    -> (..., N, d_v), at least one batch dim. For 4-D (B, h, N, d) operands the result is a
+    view of the op's (B, N, h, d_v) token layout. Cost O(N·m·d + m²·d + m³·iters), memory
+    O(N·m + N·d) (the backends: O(N·d)).
+
+    options: an :class:`AttentionOptions` (modules build it once), or its fields as keyword
+    arguments. dropout_p: dropout on Z (attention dropout). export: whether an exporter is
+    tracing (None: ask torch). The math runs in fp32 (fp64 stays fp64) with autocast off;
+    the result has q's dtype.
+    """
+    if options is None:
+        options = AttentionOptions(**kwargs)
+    elif kwargs or not isinstance(options, AttentionOptions):
+        raise TypeError('pass either an AttentionOptions or its fields as keywords, '
+                        f'got {type(options).__name__} and {sorted(kwargs)}')
+    check_probability('dropout_p', dropout_p)
+    check_attention_inputs(q, k, v, landmarks)
+    if q.dim() != 4:
+        # The op is (B, h, N, d): fold the other batch dims into h.
+        fold = [None if t is None else t.reshape(1, -1, *t.shape[-2:])
+                for t in (q, k, v, landmarks)]
+        fold[1] = fold[0] if k is q else fold[1]
+        out = nystrom_attention(*fold, options, dropout_p=dropout_p, export=export)
+        return out.reshape(*q.shape[:-2], *out.shape[-2:])
+    tied = k is q
+    if exporting() if export is None else export:
+        check_exportable(options)
+        return reference.forward(q, None if tied else k, v, landmarks, options.op_options,
+                                 export=True)[0]
+    if dropout_p > 0 or options.solver != 'newton':
+        return reference.forward(q, None if tied else k, v, landmarks, options.op_options,
+                                 options.solver, dropout_p)[0]
+    # The backends read one element type: an odd operand follows q (under autocast all four
+    # are the 16-bit outputs of one linear layer and nothing is cast).
+    k, v, landmarks = (None if tied else _like(k, q)), _like(v, q), _like(landmarks, q)
+    backend = select_backend(q, k, v, landmarks, options)
+    tracing = torch.jit.is_tracing()
+    if backend is None and not tracing:
+        return reference.forward(q, k, v, landmarks, options.op_options)[0]
+    args = (q, k, v, landmarks, *options.op_options,
+            'reference' if backend is None else backend.NAME)
+    if tracing:
+        # A trace (the FLOP counter's) records the op itself, with its options.
+        return nystrom_attention_op(*args)[0].transpose(1, 2)
+    if v is q or v is k:
+        # torch.compile cannot trace a Function given one tensor twice; a view is another.
+        args = args[:2] + (v.view(v.shape),) + args[3:]
+    return NystromAttentionFunction.apply(*args)[0].transpose(1, 2)
+
+
+def _like(t, q):
+    return t if t.dtype == q.dtype else t.to(q.dtype)

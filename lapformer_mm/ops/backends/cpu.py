@@ -1,0 +1,187 @@
+"""The C++ CPU kernels (``lapformer_mm/csrc/cpu``) as the attention op's 'cpu' backend.
+
+``setup.py`` builds one extension module per at::vec instruction set
+(``lapformer_mm._cpu_default``, ``_cpu_avx2``, ``_cpu_avx512``); the one named by
+``torch.backends.cpu.get_cpu_capability()`` is loaded (``ATEN_CPU_CAPABILITY=default``
+selects the portable build), or the best one below it that was built.
+``LAPFORMER_CPU_EXT=0`` disables the backend; when no build is installed (no compiler at
+install time) :func:`available` says so once, in a warning, and the op runs the reference.
+
+The kernels read q, k, v and the landmarks in the layout and dtype they come in (the strided
+views of the qkv projection, 16-bit under autocast): the kernel rows are formed and consumed
+in C++, the whitening statistics come from the same pass, and the m × m middle steps are the
+reference's stages (:func:`~lapformer_mm.ops.reference.solve_context`,
+:func:`~lapformer_mm.ops.reference.context_grads`,
+:func:`~lapformer_mm.ops.reference.solve_grads`).
+"""
+import importlib.util
+import os
+import warnings
+
+import torch
+
+from .. import reference
+
+NAME = 'cpu'
+DEVICE = 'cpu'
+ENV_VAR = 'LAPFORMER_CPU_EXT'
+KINDS = {'laplacian': 0, 'gaussian': 1}
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+# torch.backends.cpu.get_cpu_capability() -> the builds that may run there, best first.
+_BUILDS = {'AVX512': ('avx512', 'avx2', 'default'), 'AVX2': ('avx2', 'default')}
+
+# (the ops namespace of the loaded build or None, its name or why none loaded), filled once;
+# a plain global, so a compiled graph reads it as a constant.
+_LOADED = []
+
+
+def _load():
+    if _LOADED:
+        return _LOADED[0]
+    capability = torch.backends.cpu.get_cpu_capability()
+    tried = []
+    result = None
+    for build in _BUILDS.get(capability, ('default',)):
+        spec = importlib.util.find_spec(f'lapformer_mm._cpu_{build}')
+        if spec is None or spec.origin is None:
+            tried.append(build)
+            continue
+        try:
+            torch.ops.load_library(spec.origin)
+            result = getattr(torch.ops, f'lapformer_mm_cpu_{build}'), build
+        except OSError as err:
+            result = None, f'lapformer_mm._cpu_{build} does not load: {err}'
+        break
+    if result is None:
+        result = None, (f'no build of the CPU kernels is installed (looked for '
+                        f'{", ".join(f"lapformer_mm._cpu_{b}" for b in tried)}; '
+                        f'reinstall with a C++ compiler: pip install --no-build-isolation -e .)')
+    _LOADED.append(result)
+    if result[0] is None and os.environ.get(ENV_VAR, '1') != '0':
+        warnings.warn(f'lapformer_mm: the C++ CPU kernels are not available ({result[1]}); '
+                      f'the attention runs the slower PyTorch reference on the CPU',
+                      RuntimeWarning, stacklevel=4)
+    return result
+
+
+_DISABLED = []
+
+
+def disabled():
+    """True when ``LAPFORMER_CPU_EXT=0`` asks for the PyTorch reference (read once)."""
+    if not _DISABLED:
+        _DISABLED.append(os.environ.get(ENV_VAR, '1') == '0')
+    return _DISABLED[0]
+
+
+def available():
+    """Whether a build is loaded and the backend not disabled; warns once when none is built."""
+    return not disabled() and _load()[0] is not None
+
+
+def build():
+    """The loaded build ('avx512', 'avx2', 'default') or None."""
+    ops, detail = _load()
+    return detail if ops is not None else None
+
+
+def clear_cache():
+    """Forget the loaded build and the environment (tests that fake an environment)."""
+    _LOADED.clear()
+    _DISABLED.clear()
+
+
+def _ops():
+    ops, detail = _load()
+    if ops is None:
+        raise RuntimeError(f'lapformer_mm: the C++ CPU kernels are not available ({detail})')
+    return ops
+
+
+def not_supported(q, k, v, landmarks, opts):
+    """Why the kernels cannot run this call (empty: they can)."""
+    reasons = []
+    if q.dtype not in DTYPES:
+        reasons.append(f'dtype {q.dtype} (supported: {", ".join(map(str, DTYPES))})')
+    if any(t is not None and t.device.type != 'cpu' for t in (q, k, v, landmarks)):
+        reasons.append('operands must all be CPU tensors')
+    return reasons
+
+
+def _landmark_system(ops, landmarks, opts):
+    """(k(L, L), P = k(L, L) + eps·I), (B, h, m, m) in the compute dtype."""
+    w = ops.pairwise_forward(landmarks, landmarks, opts.lam, KINDS[opts.kernel])
+    return w, w + opts.eps * torch.eye(w.shape[-1], dtype=w.dtype)
+
+
+def forward(q, k, v, landmarks, opts):
+    """(out (B, N, h, d_v), context, inverse, stats) of the op's contract.
+
+    Per (b, h): one pass over the rows of k (tied: q) forms k(k, L) and R = k(k, L)ᵀ v; with
+    separate keys a second pass over q forms k(q, L). The query pass also sums the whitening
+    statistics and keeps k(q, L) for out = k(q, L) A + 1 bᵀ, A = (I − J/m) diag(s) context,
+    b = colsum(context) / m (the whitening folded in).
+    """
+    ops, kind = _ops(), KINDS[opts.kernel]
+    injective = opts.normalize == 'injective'
+    with torch.autocast(device_type='cpu', enabled=False):
+        _, P = _landmark_system(ops, landmarks, opts)
+        if k is None:
+            rhs, raw, rows = ops.attention_rows_forward(q, landmarks, v, opts.lam, kind,
+                                                        injective, True)
+        else:
+            rhs, _, _ = ops.attention_rows_forward(k, landmarks, v, opts.lam, kind, False, False)
+            _, raw, rows = ops.attention_rows_forward(q, landmarks, None, opts.lam, kind,
+                                                      injective, True)
+        context, inverse = reference.solve_context(P, rhs, opts)
+        m = landmarks.shape[-2]
+        if injective:
+            mean = raw[:, :, :1]
+            scale = reference.whitening_scale(raw[:, :, 1:], opts.whiten_eps)
+            stats = torch.cat((mean, scale), dim=2)
+            scaled = scale.mT * context
+            folded = scaled - scaled.mean(-2, keepdim=True)
+            bias = context.sum(-2, keepdim=True) / m
+        else:
+            stats = context.new_empty(*context.shape[:2], 0, m)
+            folded, bias = context, context.new_zeros(*context.shape[:2], 1, context.shape[-1])
+        out = ops.attention_rows_apply(rows, folded, bias, q.dtype)
+    return out, context, inverse, stats
+
+
+def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
+    """(dq, dk, dv, dlandmarks) of the op's contract; dk is empty when k is None.
+
+    A first pass over q recomputes C_q and sums T = c̃ᵀ G and colsum(G); the m × d_v algebra
+    in between is the reference's; a second pass forms each row's dC_q (with tied keys also
+    dC_k = v dRᵀ and dv = C_k dR) and the kernel gradient of q and L; separate keys take a
+    third pass over k.
+    """
+    ops, kind = _ops(), KINDS[opts.kernel]
+    injective = opts.normalize == 'injective'
+    g = grad.transpose(1, 2)
+    with torch.autocast(device_type='cpu', enabled=False):
+        t, gsum, rows = ops.attention_grad_sums(q, landmarks, g, opts.lam, kind, injective)
+        d_context, a, scaled = reference.context_grads(t, gsum, context, stats, q.shape[-2],
+                                                       opts.normalize)
+        mean = stats[:, :, :1].contiguous() if injective else None
+        a = a.contiguous() if injective else None
+        w, P = _landmark_system(ops, landmarks, opts)
+        d_rhs, d_p = reference.solve_grads(inverse, P, d_context, context, opts.ns_refine)
+        if k is None:
+            dq, dl, dv = ops.attention_rows_backward(q, landmarks, rows, g, scaled, a, mean, v,
+                                                     d_rhs, True, opts.lam, kind, injective)
+            dk = q.new_empty(0)
+        else:
+            dq, dl, _ = ops.attention_rows_backward(q, landmarks, rows, g, scaled, a, mean, None,
+                                                    None, False, opts.lam, kind, injective)
+            dk, dl_k, dv = ops.attention_rows_backward(k, landmarks, None, None, None, None,
+                                                       None, v, d_rhs, True, opts.lam, kind,
+                                                       injective)
+            dl = dl + dl_k
+            dk = dk.transpose(1, 2)
+        # P = k(L, L) + eps·I: L is both operands.
+        dlx, dly = ops.pairwise_backward(d_p, w, landmarks, landmarks, opts.lam, kind, True, True)
+        dl = dl + dlx + dly
+    return dq.transpose(1, 2), dk, dv.transpose(1, 2), dl.to(landmarks.dtype)

@@ -1,0 +1,106 @@
+"""The attention's primitives as checked public functions over :mod:`.reference`.
+
+For tests, analysis and users who compose their own attention; the attention module calls the
+op (:func:`~lapformer_mm.ops.attention.nystrom_attention`) instead.
+"""
+import torch
+
+from . import reference
+from ._checks import (
+    KERNELS,
+    NS_INITS,
+    check_choice,
+    check_float_tensor,
+    check_int,
+    check_kernel_pair,
+    check_non_negative,
+    check_optional_int,
+    check_positive,
+)
+
+
+def kernel_matrix(kernel, x, y, lam=4.0):
+    """The kernel ``kernel`` ('laplacian' or 'gaussian') of x (..., N, d), y (..., M, d)
+    -> (..., N, M) in x's dtype (computed in fp32, fp64 stays fp64).
+
+    Neither forward nor backward builds an (..., N, M, d) tensor; the gradient of |t| at
+    t = 0 is 0.
+    """
+    check_choice('kernel', kernel, KERNELS)
+    check_kernel_pair(x, y)
+    lam = check_positive('lam', lam)
+    dtype = reference.compute_dtype(x.dtype)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return reference.similarity(x.to(dtype), y.to(dtype), lam, kernel).to(x.dtype)
+
+
+def laplacian_kernel(x, y, lam=4.0):
+    """exp(-||x_i - y_j||_1 / lam) for x (..., N, d), y (..., M, d) -> (..., N, M)."""
+    return kernel_matrix('laplacian', x, y, lam)
+
+
+def gaussian_kernel(x, y, lam=4.0):
+    """exp(-||x_i - y_j||_2^2 / lam) for x (..., N, d), y (..., M, d) -> (..., N, M)."""
+    return kernel_matrix('gaussian', x, y, lam)
+
+
+def newton_schulz_pinv(P, iters=None, init='identity'):
+    """Inverse of the symmetric positive definite P (..., m, m), as given (the caller adds εI).
+
+    ``init='identity'`` starts from I / ||P||_inf, ``init='authors'`` from 1.8 / ||P||_inf² · P;
+    ``iters=None`` uses :data:`~lapformer_mm.ops.reference.DEFAULT_NS_ITERS`. Computes in
+    fp32 (fp64 stays fp64) and returns P's dtype; differentiable through the iterations.
+    """
+    reference.check_square('P', P)
+    iters = check_optional_int('iters', iters)
+    check_choice('init', init, NS_INITS)
+    iters = reference.DEFAULT_NS_ITERS if iters is None else iters
+    p = P.to(reference.compute_dtype(P.dtype))
+    return reference.newton_schulz(p, iters, init).to(P.dtype)
+
+
+def check_hw(hw, num_tokens):
+    """Require hw = (H, W) positive ints with H·W == num_tokens; returns (H, W).
+
+    Sizes that are not Python ints (SymInt while ``torch.export`` traces, traced sizes under
+    the TorchScript exporter) pass unchecked: comparing them would specialise the graph to
+    the example size.
+    """
+    if not isinstance(hw, (tuple, list)) or len(hw) != 2:
+        raise TypeError(f'hw must be a pair (H, W), got {hw!r}')
+    if isinstance(hw[0], (torch.SymInt, torch.Tensor)) or isinstance(hw[1],
+                                                                    (torch.SymInt, torch.Tensor)):
+        return hw[0], hw[1]
+    height, width = (check_int(n, v) for n, v in zip(('hw[0]', 'hw[1]'), hw))
+    if height * width != num_tokens:
+        raise ValueError(f'hw={tuple(hw)} gives H*W={height * width} but the '
+                         f'input has N={num_tokens} tokens')
+    return height, width
+
+
+def pool_landmarks(t, hw, grid=7):
+    """Adaptive average pooling of tokens t (B, h, N, d) on an H×W grid -> (B, h, m, d),
+    m = min(grid, H) · min(grid, W), in row-major grid order."""
+    check_float_tensor('t', t, min_dim=4)
+    if t.dim() != 4:
+        raise ValueError(f't must be (B, h, N, d), got shape {tuple(t.shape)}')
+    return reference.pool_landmarks(t, check_hw(hw, t.shape[2]), check_int('grid', grid))
+
+
+def injective_normalize(C, whiten_eps=1e-5):
+    """Z = c̃ diag(s) + 1/m for C (..., N, m), per sample and per head, no running statistics:
+    c̃ = C − rowmean(C), s_j = (var_i c̃_ij + δ)^-½ (biased var; 0 where var + δ = 0)."""
+    check_float_tensor('C', C)
+    return reference.whiten(C, check_non_negative('whiten_eps', whiten_eps))
+
+
+def landmark_matrix(landmarks, options):
+    """P = k(L, L) + eps·I (..., m, m) for landmarks (..., m, d) and an ``AttentionOptions``."""
+    dtype = reference.compute_dtype(landmarks.dtype)
+    return reference.landmark_system(landmarks.to(dtype), options.lam, options.eps,
+                                     options.kernel)
+
+
+exact_solve = reference.exact_solve
+exact_inverse = reference.exact_inverse
+cg_solve = reference.cg_solve

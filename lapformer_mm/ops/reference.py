@@ -1,0 +1,555 @@
+"""The attention's math in plain PyTorch: the ground truth on every device, and the stages the
+backends share.
+
+Read top to bottom, it is the attention in the order it runs (docs/design.md §2):
+
+1. landmarks            :func:`pool_landmarks`    L = the keys averaged on a g × g grid
+2. similarity           :func:`similarity`        k(x, y) = exp(-dist(x, y) / λ), dist ℓ1
+                                                  ('laplacian') or squared ℓ2 ('gaussian')
+3. landmark system      :func:`landmark_system`   P = k(L, L) + εI
+4. solve                :func:`newton_schulz`, :func:`apply_inverse`, :func:`solve_context`:
+                        context = X R, X ≈ P⁻¹, R = k(k, L)ᵀ v, one refinement step;
+                        :func:`exact_solve` and :func:`cg_solve` for the ablations
+5. feature map          :func:`whitening_stats`, :func:`whitening_scale`: Z = c̃ diag(s) + 1/m
+6. output               :func:`forward`           out = Z · context
+7. backward             :func:`backward` from :func:`context_grads` and :func:`solve_grads`,
+                        which the CPU backend calls too
+
+Everything computes in fp32 (fp64 stays fp64, :func:`compute_dtype`). While an exporter traces
+(``export=True``, decided by the caller) the two primitives the exporters cannot take switch to
+standard operators inside themselves: ``torch.cdist`` becomes a chunked ℓ1 / ℓ2 of coordinate
+differences, and adaptive pooling of a size the grid does not divide becomes two averaging
+matrices. This module imports torch and the argument checks only.
+"""
+import contextlib
+import contextvars
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_float_tensor, check_optional_int
+
+
+class OpOptions(NamedTuple):
+    """The options the op and its backends read (validated by ``AttentionOptions``)."""
+    kernel: str
+    lam: float
+    eps: float
+    iters: int
+    ns_init: str
+    ns_refine: bool
+    normalize: str
+    whiten_eps: float
+
+
+def compute_dtype(dtype):
+    """fp64 stays fp64; every other floating dtype computes in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------
+# 1. Landmarks
+# ----------------------------------------------------------------------------
+
+def landmark_grid_size(hw, grid):
+    """(gh, gw): the grid clipped to the input grid, so gh·gw <= grid²."""
+    return min(grid, hw[0]), min(grid, hw[1])
+
+
+def pool_landmarks(t, hw, grid, export=False):
+    """Adaptive average pooling of tokens t (B, h, N, d) on hw = (H, W) -> (B, h, m, d).
+
+    m = min(grid, H) · min(grid, W), row-major. The heads are pooled as the channels of one
+    (B, h·d, H, W) map: for head views of the (B, N, h·d) tokens, as the attention module has
+    them, that map is a channels-last view and the pooling reads it in place.
+    """
+    batch, heads, _, width = t.shape
+    if export:
+        return pool_landmarks_export(t, hw, grid)
+    # Through the (B, H, W, h·d) token view: a reshape straight to (B, h·d, H, W) may give a
+    # batch of one an odd stride, which makes aten pool a contiguous copy instead.
+    maps = t.transpose(1, 2).reshape(batch, *hw, heads * width).permute(0, 3, 1, 2)
+    pooled = F.adaptive_avg_pool2d(maps, landmark_grid_size(hw, grid))
+    return pooled.permute(0, 2, 3, 1).reshape(batch, -1, heads, width).transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------
+# 2. Similarity: the kernel function k(x, y) and its gradient
+# ----------------------------------------------------------------------------
+
+#: Byte budget of the (rows, M, d) sign tensor of the chunked ℓ1 gradient.
+CHUNK_BYTES = 32 * 2 ** 20
+
+#: Rows of b per ``_cdist_backward`` call when summing over many b rows (the landmark
+#: gradient sums over all N tokens): that kernel rereads b once per row of a, so blocks
+#: that stay in cache are faster (docs/attention.md).
+NATIVE_BLOCK_ROWS = 512
+
+
+def similarity_values(x, y, lam, kernel):
+    """exp(-dist(x_i, y_j) / lam) for x (..., N, d), y (..., M, d) -> (..., N, M), no autograd.
+
+    The squared ℓ2 comes from the coordinate differences, not the matmul expansion
+    |x|² + |y|² − 2x·y, which loses it to cancellation at large norms in fp32.
+    """
+    if kernel == 'laplacian':
+        dist = torch.cdist(x, y, p=1.0)
+    else:
+        dist = torch.cdist(x, y, p=2.0, compute_mode='donot_use_mm_for_euclid_dist').square_()
+    return dist.mul_(-1.0 / lam).exp_()
+
+
+def _l1_grad_native(g, a3, b3):
+    """sum_j g[:, i, j] · sign(a_i - b_j) by ``aten._cdist_backward`` (CPU tensors).
+
+    Its ``cdist`` argument is read only for p not in {1, 2, inf}; the gradient block is
+    passed there because it has the required shape.
+    """
+    grad = None
+    for start in range(0, b3.shape[1], NATIVE_BLOCK_ROWS):
+        g_block = g[:, :, start:start + NATIVE_BLOCK_ROWS].contiguous()
+        part = torch.ops.aten._cdist_backward(
+            g_block, a3.contiguous(), b3[:, start:start + NATIVE_BLOCK_ROWS].contiguous(),
+            1.0, g_block)
+        grad = part if grad is None else grad.add_(part)
+    return grad
+
+
+def _l1_grad_chunked(g, a3, b3, chunk_bytes=CHUNK_BYTES):
+    """sum_j g[:, i, j] · sign(a_i - b_j), rows of a in chunks (CUDA's ``_cdist_backward``
+    allocates an (N, M, d) buffer)."""
+    batch, num_a, width = a3.shape
+    per_row = batch * b3.shape[1] * width * a3.element_size()
+    rows = max(1, chunk_bytes // max(per_row, 1))
+    grad = torch.empty_like(a3)
+    for start in range(0, num_a, rows):
+        stop = min(start + rows, num_a)
+        sign = torch.sign(a3[:, start:stop, None, :] - b3[:, None, :, :])
+        grad[:, start:stop] = torch.einsum('bij,bijd->bid', g[:, start:stop], sign)
+    return grad
+
+
+def similarity_grad(w, rows, red, lam, kernel):
+    """d/d rows of Σ_ij g_ij K_ij given w = g ⊙ K: (batch, n_rows, n_red) -> (batch, n_rows, d).
+
+    dK/d dist = -K / lam; d|t|/dt = sign(t) (0 at t = 0) and d t²/dt = 2t.
+    """
+    if kernel == 'laplacian':
+        if rows.device.type == 'cpu' and w.numel() > 0:
+            return _l1_grad_native(w, rows, red).mul_(-1.0 / lam)
+        return _l1_grad_chunked(w, rows, red).mul_(-1.0 / lam)
+    return (w.sum(-1, keepdim=True) * rows - torch.bmm(w, red)).mul_(-2.0 / lam)
+
+
+def _as3(t):
+    """(..., n, d) -> (batch, n, d)."""
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+class _Similarity(torch.autograd.Function):
+    """k(x, y) with the gradient of :func:`similarity_grad`: no (..., N, M, d) tensor."""
+
+    @staticmethod
+    def forward(ctx, x, y, lam, kernel):
+        kmat = similarity_values(x, y, lam, kernel)
+        ctx.save_for_backward(x, y, kmat)
+        ctx.options = (lam, kernel)
+        return kmat
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, y, kmat = ctx.saved_tensors
+        lam, kernel = ctx.options
+        w = _as3(grad * kmat)
+        x3, y3 = _as3(x), _as3(y)
+        dx = similarity_grad(w, x3, y3, lam, kernel).view(x.shape) if ctx.needs_input_grad[0] \
+            else None
+        dy = similarity_grad(w.mT, y3, x3, lam, kernel).view(y.shape) \
+            if ctx.needs_input_grad[1] else None
+        return dx, dy, None, None
+
+
+def similarity(x, y, lam, kernel, export=False):
+    """The kernel matrix k(x_i, y_j) (..., N, M) of x (..., N, d) and y (..., M, d)."""
+    if export:
+        return similarity_export(x, y, lam, kernel)
+    # A jit trace (the FLOP counter's) must see aten::cdist, not an opaque Function.
+    if (torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
+            and not torch.jit.is_tracing()):
+        return _Similarity.apply(x, y, lam, kernel)
+    return similarity_values(x, y, lam, kernel)
+
+
+# ----------------------------------------------------------------------------
+# 3–4. The landmark system and its solve
+# ----------------------------------------------------------------------------
+
+def landmark_system(landmarks, lam, eps, kernel, export=False):
+    """P = k(L, L) + eps·I (..., m, m)."""
+    # All m landmarks in one step while exporting: the m × m matrix is small.
+    w = (similarity_export(landmarks, landmarks, lam, kernel, chunk=None) if export
+         else similarity(landmarks, landmarks, lam, kernel))
+    return w + eps * torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
+
+
+#: Newton–Schulz iterations used when ``iters=None``. From X₀ = I / ||P||_inf the residual
+#: after t steps is at most (1 − ε/(m + ε))^(2^t); 16 steps bring the worst case ε = 0.01
+#: allows, identical landmarks (P = 1 1ᵀ + ε I, cond 4901 at m = 49), below 1e-3
+#: (docs/numerics.md).
+DEFAULT_NS_ITERS = 16
+
+
+def newton_schulz_start(P, init):
+    """X₀: 'identity' I / ||P||_inf (every eigenvalue of P X₀ in (0, 1]), or 'authors'
+    1.8 / ||P||_inf² · P (the LaplacianFormer code's start)."""
+    norm = P.abs().sum(-1).amax(-1).view(*P.shape[:-2], 1, 1)
+    if init == 'identity':
+        return torch.eye(P.shape[-1], dtype=P.dtype, device=P.device) / norm
+    return P * (1.8 / (norm * norm))
+
+
+def newton_schulz(P, iters, init):
+    """X ≈ P⁻¹ for SPD P (..., m, m): X_{t+1} = 2 X_t − X_t P X_t from :func:`newton_schulz_start`.
+
+    On CUDA the iterate runs in fp64: torch's fp32 matmuls there follow the user's TF32
+    setting, whose 10-bit mantissa caps the residual near 1e-3, and m × m products are too
+    small for fp64 to matter.
+    """
+    p = _as3(P.double() if P.is_cuda else P)
+    x = newton_schulz_start(p, init).expand_as(p).contiguous()
+    for _ in range(iters):
+        x = torch.baddbmm(x, x, torch.bmm(p, x), beta=2.0, alpha=-1.0)
+    return x.view(P.shape).to(P.dtype)
+
+
+_RESIDUAL = contextvars.ContextVar('lapformer_mm_residual_dtype', default=torch.float64)
+
+
+@contextlib.contextmanager
+def residual_dtype(dtype):
+    """Within the block the refinement step forms its residual in ``dtype`` (fp64 by default;
+    fp32 for runtimes without fp64, ``lapformer_mm.ops.export.residual_precision``)."""
+    token = _RESIDUAL.set(dtype)
+    try:
+        yield
+    finally:
+        _RESIDUAL.reset(token)
+
+
+def apply_inverse(inverse, P, rhs, ns_refine):
+    """X rhs, then with ``ns_refine`` one refinement step x + X (rhs − P x).
+
+    With near-identical landmarks (cond(P) in the thousands) an fp32 X is accurate to ~1e-3,
+    which the whitening amplifies; the step brings the solve to an fp32 direct solve's error.
+    The residual is formed in fp64 (neither cancellation nor TF32 limits it).
+    """
+    x = torch.matmul(inverse, rhs)
+    if not ns_refine:
+        return x
+    wide = torch.promote_types(_RESIDUAL.get(), x.dtype)
+    residual = rhs.to(wide) - torch.matmul(P.to(wide), x.to(wide))
+    return x + torch.matmul(inverse, residual.to(x.dtype))
+
+
+def solve_context(P, rhs, opts):
+    """(context, X): context = P⁻¹ rhs by Newton–Schulz (with the refinement step)."""
+    inverse = newton_schulz(P, opts.iters, opts.ns_init)
+    return apply_inverse(inverse, P, rhs, opts.ns_refine), inverse
+
+
+def check_square(name, P):
+    """Require a floating tensor (..., m, m)."""
+    check_float_tensor(name, P)
+    if P.shape[-1] != P.shape[-2]:
+        raise ValueError(f'{name} must be square (..., m, m), got shape {tuple(P.shape)}')
+    return P
+
+
+def exact_solve(P, B):
+    """Solve P X = B exactly; P (..., m, m), B (..., m, k) -> (..., m, k).
+
+    A singular P (identical landmarks with ``eps=0``) raises a ``ValueError`` that says so.
+    """
+    check_square('P', P)
+    check_float_tensor('B', B)
+    dtype = compute_dtype(P.dtype)
+    x, info = torch.linalg.solve_ex(P.to(dtype), B.to(dtype))
+    if bool((info != 0).any()):
+        raise ValueError('the landmark matrix P = k(L, L) + eps·I is singular (identical '
+                         'landmarks with eps=0?): use eps > 0 (default 0.01)')
+    return x.to(B.dtype)
+
+
+def exact_inverse(P):
+    """Exact inverse of P (..., m, m) via ``torch.linalg.inv``."""
+    check_square('P', P)
+    return torch.linalg.inv(P.to(compute_dtype(P.dtype))).to(P.dtype)
+
+
+def _cg_step_size(num, den, active):
+    """num / den for the active columns, 0 elsewhere and where den == 0 (the denominator is
+    replaced before dividing: a masked-out division by ~0 would still put NaN in the gradient)."""
+    active = active & (den != 0)
+    safe = torch.where(active, den, torch.ones_like(den))
+    return torch.where(active, num / safe, torch.zeros_like(num))
+
+
+#: CG stops when every column's residual is below this share of its right-hand side's (times
+#: the dtype's epsilon), or after CG_MAX_ITERS_PER_M · m steps.
+CG_TOL_EPS = 10.0
+CG_MAX_ITERS_PER_M = 10
+
+
+def cg_solve(P, B, iters=None):
+    """Conjugate gradient for SPD P (..., m, m), all columns of B (..., m, k) at once.
+
+    Runs until every column's ||r|` <= CG_TOL_EPS · eps(dtype) · ||b||, at most ``iters``
+    steps (default CG_MAX_ITERS_PER_M · m: in floating point CG needs more than m steps). A
+    converged column stops moving (its next steps would divide round-off by round-off). The
+    convergence check synchronises once per step; CG is the ablation baseline.
+    """
+    check_square('P', P)
+    check_float_tensor('B', B)
+    iters = check_optional_int('iters', iters)
+    if B.shape[-2] != P.shape[-1]:
+        raise ValueError(f'B must be (..., m, k) with m = {P.shape[-1]}, got shape '
+                         f'{tuple(B.shape)}')
+    iters = CG_MAX_ITERS_PER_M * P.shape[-1] if iters is None else iters
+    dtype = compute_dtype(P.dtype)
+    P, residual = P.to(dtype), B.to(dtype)
+    x = torch.zeros_like(residual)
+    direction = residual
+    rs = (residual * residual).sum(-2, keepdim=True)
+    tol = torch.finfo(dtype).eps * CG_TOL_EPS
+    floor = torch.clamp(tol * tol * rs, min=torch.finfo(dtype).tiny)
+    for _ in range(iters):
+        active = rs > floor
+        if not bool(active.any()):
+            break
+        p_dir = torch.matmul(P, direction)
+        alpha = _cg_step_size(rs, (direction * p_dir).sum(-2, keepdim=True), active)
+        x = x + alpha * direction
+        residual = residual - alpha * p_dir
+        rs_new = (residual * residual).sum(-2, keepdim=True)
+        direction = residual + _cg_step_size(rs_new, rs, active) * direction
+        rs = torch.where(active, rs_new, rs)
+    return x.to(B.dtype)
+
+
+# ----------------------------------------------------------------------------
+# 5. The injective feature map
+# ----------------------------------------------------------------------------
+
+def whitening_scale(var, whiten_eps):
+    """s = (var + δ)^-½, 0 where var + δ = 0 (a column constant over the queries is all zeros
+    once centred; 0 · rsqrt(0) would be NaN, and a masked-out rsqrt(0) would still put NaN
+    into the gradient)."""
+    denom = var + whiten_eps
+    positive = denom > 0
+    return torch.where(positive, torch.where(positive, denom, torch.ones_like(denom)).rsqrt(),
+                       torch.zeros_like(denom))
+
+
+def whitening_stats(centred, whiten_eps):
+    """(μ, s) (..., 1, m) of the row-centred c̃: column mean and (var + δ)^-½ over queries."""
+    mean = centred.mean(-2, keepdim=True)
+    var = (centred - mean).square().mean(-2, keepdim=True)
+    return mean, whitening_scale(var, whiten_eps)
+
+
+def whiten(C, whiten_eps):
+    """Z = c̃ diag(s) + 1/m for C (..., N, m): centred over landmarks, whitened over queries."""
+    centred = C - C.mean(-1, keepdim=True)
+    _, scale = whitening_stats(centred, whiten_eps)
+    return centred * scale + 1.0 / C.shape[-1]
+
+
+# ----------------------------------------------------------------------------
+# 6. The forward
+# ----------------------------------------------------------------------------
+
+def _solve(P, rhs, opts, solver):
+    if solver == 'newton':
+        return solve_context(P, rhs, opts)
+    if solver == 'exact':
+        return exact_solve(P, rhs), None
+    return cg_solve(P, rhs, opts.iters), None
+
+
+def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=False):
+    """Z(k(q, L)) · P⁻¹ · k(k, L)ᵀ v -> (out (B, h, N, d_v) in q's dtype, context, X, stats).
+
+    q (B, h, N, d); k None when keys are tied to q; v (B, h, N, d_v); landmarks (B, h, m, d).
+    Differentiable (autograd); computes in fp32 (fp64 stays fp64) with autocast off. ``stats``
+    (B, h, 2, m) are the whitening's μ and s ((B, h, 0, m) for normalize='none'); X is None
+    for the 'exact' and 'cg' solvers. Dropout acts on Z.
+    """
+    dtype = compute_dtype(q.dtype)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        qa, va, la = q.to(dtype), v.to(dtype), landmarks.to(dtype)
+        c_q = similarity(qa, la, opts.lam, opts.kernel, export)
+        c_k = c_q if k is None else similarity(k.to(dtype), la, opts.lam, opts.kernel, export)
+        P = landmark_system(la, opts.lam, opts.eps, opts.kernel, export)
+        context, inverse = _solve(P, torch.matmul(c_k.mT, va), opts, solver)
+        m = la.shape[-2]
+        if opts.normalize == 'injective':
+            centred = c_q - c_q.mean(-1, keepdim=True)
+            mean, scale = whitening_stats(centred, opts.whiten_eps)
+            z = centred * scale + 1.0 / m
+            stats = torch.cat((mean, scale), dim=-2)
+        else:
+            z = c_q
+            stats = c_q.new_empty(*c_q.shape[:-2], 0, m)
+        if dropout_p > 0:
+            z = F.dropout(z, dropout_p, training=True)
+        out = torch.matmul(z, context)
+    return out.to(q.dtype), context, inverse, stats
+
+
+# ----------------------------------------------------------------------------
+# 7. The backward (closed form; it treats the solve as exact)
+# ----------------------------------------------------------------------------
+
+def context_grads(t, gsum, context, stats, n, normalize):
+    """(dcontext, a, scaled) from T = c̃ᵀ G (or C_qᵀ G) and colsum(G) (..., 1, d_v).
+
+    injective: dcontext = diag(s) T + 1 colsum(G)ᵀ / m, a_j = s_j³ Σ_e T_je context_je / N,
+    scaled = diag(s) context; 'none': dcontext = T, and a, scaled are None and context.
+    """
+    if normalize != 'injective':
+        return t, None, context
+    scale = stats[..., 1:, :]
+    m = context.shape[-2]
+    d_context = scale.mT * t + gsum / m
+    a = scale.square() * scale * (t * context).sum(-1).unsqueeze(-2) / n
+    return d_context, a, scale.mT * context
+
+
+def solve_grads(inverse, P, d_context, context, ns_refine):
+    """(dR, dP): dR = P⁻¹ dcontext (X, refined as the forward), dP = −dR contextᵀ."""
+    d_rhs = apply_inverse(inverse, P, d_context, ns_refine)
+    return d_rhs, -torch.matmul(d_rhs, context.mT)
+
+
+def _kernel_grads(w, x, la, lam, kernel):
+    """(dx, dL) of Σ w ⊙ ... for w = g ⊙ k(x, L) (B, h, n, m)."""
+    return (similarity_grad(_as3(w), _as3(x), _as3(la), lam, kernel),
+            similarity_grad(_as3(w.mT), _as3(la), _as3(x), lam, kernel))
+
+
+def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
+    """(dq, dk, dv, dlandmarks) of :func:`forward` for grad (B, h, N, d_v) of its output.
+
+    With G = grad: dc̃ = G contextᵀ diag(s) − (c̃ − μ) diag(a), dC_q = dc̃ − rowmean(dc̃),
+    dC_k = v dRᵀ, dv = C_k dR, then the similarity gradients (:func:`context_grads`,
+    :func:`solve_grads`). dk is an empty tensor when k is None (its gradient is in dq).
+    N × m matrices are formed.
+    """
+    dtype = compute_dtype(q.dtype)
+    tied = k is None
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        g, qa, va, la = grad.to(dtype), q.to(dtype), v.to(dtype), landmarks.to(dtype)
+        ka = qa if tied else k.to(dtype)
+        c_q = similarity_values(qa, la, opts.lam, opts.kernel)
+        c_k = c_q if tied else similarity_values(ka, la, opts.lam, opts.kernel)
+        if opts.normalize == 'injective':
+            centred = c_q - c_q.mean(-1, keepdim=True)
+            d_context, a, _ = context_grads(torch.matmul(centred.mT, g), g.sum(-2, keepdim=True),
+                                            context, stats, q.shape[-2], opts.normalize)
+            scale, mean = stats[..., 1:, :], stats[..., :1, :]
+            d_centred = torch.matmul(g, context.mT) * scale - (centred - mean) * a
+            d_cq = d_centred - d_centred.mean(-1, keepdim=True)
+        else:
+            d_context = torch.matmul(c_q.mT, g)
+            d_cq = torch.matmul(g, context.mT)
+        P = landmark_system(la, opts.lam, opts.eps, opts.kernel)
+        d_rhs, d_p = solve_grads(inverse, P, d_context, context, opts.ns_refine)
+        d_ck = torch.matmul(va, d_rhs.mT)
+        dv = torch.matmul(c_k, d_rhs)
+        dq, dl = _kernel_grads((d_cq + d_ck if tied else d_cq) * c_q, qa, la, opts.lam,
+                               opts.kernel)
+        if tied:
+            dk = q.new_empty(0)
+        else:
+            dk, dl_k = _kernel_grads(d_ck * c_k, ka, la, opts.lam, opts.kernel)
+            dl = dl + dl_k
+            dk = dk.view(k.shape).to(k.dtype)
+        # P = k(L, L) + eps·I: L is both operands and k is symmetric.
+        w_p = (d_p + d_p.mT) * (P - opts.eps * torch.eye(P.shape[-1], dtype=P.dtype,
+                                                           device=P.device))
+        dl = dl + similarity_grad(_as3(w_p), _as3(la), _as3(la), opts.lam, opts.kernel)
+    return (dq.view(q.shape).to(q.dtype), dk, dv.to(v.dtype),
+            dl.view(landmarks.shape).to(landmarks.dtype))
+
+
+# ----------------------------------------------------------------------------
+# Export forms of the two primitives (standard operators only)
+# ----------------------------------------------------------------------------
+
+#: Landmarks per step of the exported similarity (one row of the default 7 × 7 grid): each
+#: step holds a (..., 7, d, N) difference, 7× the input, and one node per step is traced.
+LANDMARK_CHUNK = 7
+
+
+def similarity_export(x, y, lam, kernel, chunk=LANDMARK_CHUNK):
+    """:func:`similarity` from coordinate differences, ``chunk`` landmarks y_j per step (None:
+    all at once).
+
+    No (..., N, M, d) tensor of the whole input exists; M must be static (the landmark grid).
+    The differences are laid out (..., chunk, d, N): ONNX Runtime's broadcast then subtracts
+    one scalar from a run of N values and reduces over d across whole rows.
+    """
+    num = y.shape[-2]
+    step = num if chunk is None else chunk
+    xt = x.transpose(-1, -2).unsqueeze(-3)
+    yt = y.unsqueeze(-1)
+
+    def dist(rows):
+        diff = xt - rows
+        if kernel == 'laplacian':
+            return torch.linalg.vector_norm(diff, ord=1, dim=-2)
+        return torch.linalg.vector_norm(diff, ord=2, dim=-2).square()
+
+    parts = [dist(yt[..., start:start + step, :, :]) for start in range(0, num, step)]
+    d = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+    return torch.exp(d * (-1.0 / lam)).transpose(-1, -2)
+
+
+def bin_average_matrix(size, bins, dtype, device):
+    """(bins, size) averaging matrix of adaptive pooling's bins over ``size`` inputs.
+
+    Bin i covers [floor(i·size / bins), ceil((i + 1)·size / bins)), ATen's integer edges;
+    ``size`` may be an int, a SymInt or a traced size.
+    """
+    index = torch.arange(bins, device=device)
+    start = torch.div(index * size, bins, rounding_mode='floor')
+    end = torch.div((index + 1) * size + (bins - 1), bins, rounding_mode='floor')
+    cols = torch.arange(size, device=device)
+    inside = (cols >= start.unsqueeze(-1)) & (cols < end.unsqueeze(-1))
+    return inside.to(dtype) / (end - start).unsqueeze(-1).to(dtype)
+
+
+def adaptive_avg_pool2d_export(maps, output_size):
+    """``F.adaptive_avg_pool2d(maps, output_size)`` for maps (..., H, W), from matmuls."""
+    out_h, out_w = output_size
+    rows = bin_average_matrix(maps.shape[-2], out_h, maps.dtype, maps.device)
+    cols = bin_average_matrix(maps.shape[-1], out_w, maps.dtype, maps.device)
+    return torch.matmul(rows, torch.matmul(maps, cols.transpose(-1, -2)))
+
+
+def pool_landmarks_export(t, hw, grid):
+    """:func:`pool_landmarks` with bin matrices; every stage is at least grid × grid in the
+    export's size range (docs/deploy.md), so m = grid² is static."""
+    batch, heads, _, width = t.shape
+    height, cols = hw
+    if torch.compiler.is_exporting():
+        # Symbolic sizes: a runtime check in the exported program and a clear error at export
+        # time (the TorchScript exporter's traced sizes have none).
+        message = f'every stage map must be at least {grid} × {grid} to export (docs/deploy.md)'
+        torch._check(height >= grid, lambda: message)
+        torch._check(cols >= grid, lambda: message)
+    maps = t.transpose(-1, -2).reshape(batch * heads, width, height, cols)
+    pooled = adaptive_avg_pool2d_export(maps, (grid, grid))
+    return pooled.reshape(batch, heads, width, grid * grid).transpose(-1, -2)
