@@ -78,10 +78,10 @@ def test_each_variant_compiles_within_its_shared_memory_and_hot_loop_bounds(nvrt
     if not sass.find_nvdisasm():
         pytest.fail('nvdisasm not found: pip install nvidia-cuda-nvdisasm (requirements/tests.txt)')
     rows = {r['kernel']: r for r in sass.report(variant, 'sm_90')}
-    # The kernel tiles (the same loop in every variant): 3.28, 3.47 and 3.22 instructions
-    # per term when measured (docs/cuda.md has the command and the table).
+    # The kernel tiles (the same loop in every variant): 3.28, 3.47 and 3.22-3.30
+    # instructions per term when measured (benchmarks/cuda_sass.py --variant NAME).
     for stage, bound in (('nys_forward_stats', 3.3), ('nys_forward_out', 3.5),
-                         ('nys_backward_reduce', 3.3)):
+                         ('nys_backward_reduce', 3.32)):
         row = rows[f'{stage}<float, 0>']
         assert row['terms'] > 0 and row['per_term'] <= bound, row
         assert row['histogram']['FADD'] == 2 * row['terms'] and 'FSETP' not in row['histogram']
