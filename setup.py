@@ -1,4 +1,4 @@
-"""Install lapformer_mm. The CUDA sources in ``ops/`` ship as ``lapformer_mm/_cuda_src``.
+"""Install lapformer_mm. The CUDA sources (``lapformer_mm/csrc/cuda``) ship as package data.
 
 The CPU kernels (``lapformer_mm/csrc/cpu``) are built here as C++ extensions, one module per
 at::vec instruction set (``lapformer_mm._cpu_default``, ``_cpu_avx2``, ``_cpu_avx512`` on
@@ -97,9 +97,9 @@ setup(
     long_description_content_type='text/markdown',
     license='Apache-2.0',
     python_requires='>=3.9',
-    packages=find_packages(include=['lapformer_mm', 'lapformer_mm.*']) + ['lapformer_mm._cuda_src'],
-    package_dir={'lapformer_mm._cuda_src': 'ops'},
-    package_data={'lapformer_mm._cuda_src': ['*.cu', '*.cuh']},
+    packages=find_packages(include=['lapformer_mm', 'lapformer_mm.*']),
+    # Compiled at run time by NVRTC (lapformer_mm/ops/backends/_cuda_launch.py).
+    package_data={'lapformer_mm': ['csrc/cuda/*.cu', 'csrc/cuda/*.cuh']},
     install_requires=[f"torch>={package_constant('TORCH_FLOOR')}", 'numpy', 'mmengine>=0.10,<1'],
     extras_require={
         'det': ['mmcv>=2.0.0,<2.2.0', 'mmdet>=3.3,<3.4', 'pycocotools'],
