@@ -1,4 +1,4 @@
-"""Install lapformer_mm. The CUDA sources in ``ops/`` ship as ``lapformer_mm/_cuda_src``.
+"""Install lapformer_mm. The CUDA sources (``lapformer_mm/csrc/cuda``) ship as package data.
 
 The CPU kernels (``lapformer_mm/csrc/cpu``) are built here as C++ extensions, one module per
 at::vec instruction set (``lapformer_mm._cpu_default``, ``_cpu_avx2``, ``_cpu_avx512`` on
@@ -97,12 +97,12 @@ setup(
     long_description_content_type='text/markdown',
     license='Apache-2.0',
     python_requires='>=3.9',
-    packages=find_packages(include=['lapformer_mm', 'lapformer_mm.*']) + ['lapformer_mm._cuda_src'],
-    package_dir={'lapformer_mm._cuda_src': 'ops'},
-    # The ONNX Runtime op library's sources ship so that an installed package can build it
-    # (tools/build_ort_ops.py, opt-in: it needs ONNX Runtime's C headers, which no wheel has).
-    package_data={'lapformer_mm._cuda_src': ['*.cu', '*.cuh'],
-                  'lapformer_mm': ['csrc/onnxruntime/*.cpp', 'csrc/onnxruntime/*.h',
+    packages=find_packages(include=['lapformer_mm', 'lapformer_mm.*']),
+    # The CUDA sources are compiled at run time by NVRTC (lapformer_mm/ops/backends/
+    # _cuda_launch.py); the ONNX Runtime op library's ship so that an installed package can
+    # build it (tools/build_ort_ops.py, opt-in: it needs ONNX Runtime's C headers).
+    package_data={'lapformer_mm': ['csrc/cuda/*.cu', 'csrc/cuda/*.cuh',
+                                   'csrc/onnxruntime/*.cpp', 'csrc/onnxruntime/*.h',
                                    'csrc/onnxruntime/*.map']},
     install_requires=[f"torch>={package_constant('TORCH_FLOOR')}", 'numpy', 'mmengine>=0.10,<1'],
     extras_require={

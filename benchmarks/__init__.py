@@ -8,7 +8,7 @@
 - ``backbones.py``: LaplacianFormer-T/S against mmdet's PVTv2 and Swin (cost, memory, profile);
 - ``backbones_gpu.py``: LaplacianFormer-T against timm's PVTv2-b1 and Swin-T on a GPU;
 - ``inference.py``: speed and peak memory of a whole detector or segmentor config;
-- ``cuda_ops.py``: the CUDA kernels against the PyTorch paths, with PASS/FAIL targets;
+- ``cuda_kernels.py``: per-kernel GPU times of the fused attention from the profiler;
 - ``cuda_sass.py``: instruction counts of the CUDA kernels' hot loops (no GPU);
 - ``cuda_sanitize_cases.py``: every kernel instantiation once, for compute-sanitizer;
 - ``malloc_faults.py``: page faults of large CPU allocations with and without

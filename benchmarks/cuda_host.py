@@ -36,12 +36,12 @@ from devtools import fake_cupy
 from devtools.op_counts import module_call_counts
 from devtools.timing import load_average
 from lapformer_mm.models.attention import LaplacianAttention
-from lapformer_mm.ops import AttentionOptions, cupy_ops, nystrom_attention, pool_landmarks
-from lapformer_mm.ops import cuda_runtime as rt
+from lapformer_mm.ops import AttentionOptions, nystrom_attention, pool_landmarks
 from lapformer_mm.ops.attention import NystromAttentionFunction as NystromAttention
 from lapformer_mm.ops.attention import _backward_impl as nystrom_attention_backward_kernel
 from lapformer_mm.ops.attention import _forward_impl as nystrom_attention_kernel
 from lapformer_mm.ops.attention import nystrom_attention_op
+from lapformer_mm.ops.backends import _cuda_launch as rt
 from lapformer_mm.ops.backends import cuda as cuda_backend
 
 OPTIONS = ('laplacian', 4.0, 0.01, 16, 'identity', True, 'injective', 1e-5)
@@ -66,18 +66,18 @@ def per_call_us(fns, repeats, rounds=10):
 def install_fake():
     """The fake CuPy, and impl='cupy' for CPU tensors; returns a function undoing it."""
     saved = {name: getattr(rt, name) for name in
-             ('import_cupy', '_functions', '_launchers', '_streams', 'raw_stream')}
-    saved_blocks = cupy_ops.target_blocks
+             ('import_cupy', '_groups', '_streams', 'raw_stream', 'capturing')}
     fake_cupy.install(rt, setattr, current_device=None, record=False)
-    cupy_ops.target_blocks = lambda device: 528
-    saved_backend = cuda_backend.DEVICE, cuda_backend._AVAILABLE
+    saved_backend = cuda_backend.DEVICE, cuda_backend._AVAILABLE, cuda_backend.device_limits
+    h200 = cuda_backend.DeviceLimits((9, 0), 132, 227 * 1024, 13)
     cuda_backend.DEVICE, cuda_backend._AVAILABLE = 'cpu', [True]
+    cuda_backend.device_limits = lambda device: h200
 
     def undo():
         for name, value in saved.items():
             setattr(rt, name, value)
-        cupy_ops.target_blocks = saved_blocks
-        cuda_backend.DEVICE, cuda_backend._AVAILABLE = saved_backend
+        (cuda_backend.DEVICE, cuda_backend._AVAILABLE,
+         cuda_backend.device_limits) = saved_backend
     return undo
 
 

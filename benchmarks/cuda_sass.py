@@ -3,8 +3,8 @@
 See :mod:`devtools.sass` for what is counted. Needs the pip packages
 ``nvidia-cuda-nvrtc-cu12`` and ``nvidia-cuda-nvdisasm``.
 
-    python benchmarks/cuda_sass.py                             # this checkout
-    python benchmarks/cuda_sass.py --source-root /tmp/old      # another checkout (before/after)
+    python benchmarks/cuda_sass.py                       # the default variant, sm_90
+    python benchmarks/cuda_sass.py --variant dv32_tb16 --arch sm_75
 """
 import argparse
 import sys
@@ -14,19 +14,18 @@ if __package__ in (None, ''):
     # Run as a script (python benchmarks/NAME.py): the checkout's root holds devtools/.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from devtools.sass import SOURCE_ROOT, SassToolError, report
+from devtools.sass import SassToolError, report
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--source-root', default=str(SOURCE_ROOT),
-                   help='checkout whose ops/ and cuda_runtime.py to read')
+    p.add_argument('--variant', default='dv64_tb32', help='a name of _cuda_launch.VARIANTS')
     p.add_argument('--arch', default='sm_90')
     p.add_argument('--kernels', default='float', help='substring of the instantiations to show')
     args = p.parse_args(argv)
     try:
-        rows = [r for r in report(args.source_root, args.arch) if args.kernels in r['kernel']]
+        rows = [r for r in report(args.variant, args.arch) if args.kernels in r['kernel']]
     except SassToolError as err:
         print(f'cuda_sass: {err}', file=sys.stderr)
         return 2

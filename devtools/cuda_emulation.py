@@ -3,45 +3,46 @@
 Used by the emulation tests and by scripts that run the CUDA path on the CPU
 (benchmarks/numerics_stages.py); :func:`emulate` switches a process over.
 
-``ops/*.cu`` compile unchanged under ``tests/cuda_emu/shim.h`` (threads of a block are
-std::threads, ``__syncthreads`` a std::barrier, ``__shared__`` static storage, blocks one
-at a time); :func:`make_launch` gives a stand-in for ``cuda_runtime.launch`` so that the
-host code of ``cupy_ops`` (launch geometry, argument packing, partial sums) runs against
-CPU tensors.
+``lapformer_mm/csrc/cuda/nystrom_attention.cu`` compiles unchanged under
+``tests/cuda_emu/shim.h`` (threads of a block are std::threads, ``__syncthreads`` a
+std::barrier, ``__shared__`` static storage, blocks one at a time), one library per tile
+variant with the same ``-D`` options NVRTC gets; :func:`make_launch` gives a stand-in for
+``_cuda_launch.launch`` that hands the kernels the same ``nys_params`` bytes, so the host
+code of the CUDA backend (plans, geometry, the parameter struct) runs against CPU tensors.
 """
 import ctypes
 import subprocess
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 EMU_DIR = ROOT / 'tests' / 'cuda_emu'
-
-_CTYPES = {
-    np.dtype(np.uint64): ctypes.c_uint64,
-    np.dtype(np.int64): ctypes.c_int64,
-    np.dtype(np.int32): ctypes.c_int32,
-    np.dtype(np.float32): ctypes.c_float,
-    np.dtype(np.float64): ctypes.c_double,
-}
+CUDA_DIR = ROOT / 'lapformer_mm' / 'csrc' / 'cuda'
+#: The variant built with every element type; the others are built for fp32 only.
+FULL_VARIANT = 'dv32_tb32'
 
 
-def build_command(out, *extra):
+def build_command(out, defines, *extra):
     """The g++ command that builds the emulation library (or, with ``extra``, a program)."""
-    return ['g++', '-std=c++20', '-O2', '-pthread', '-I', str(ROOT / 'ops'), '-I', str(EMU_DIR),
-            *extra, '-o', str(out)]
+    return ['g++', '-std=c++20', '-O2', '-pthread', '-I', str(CUDA_DIR), '-I', str(EMU_DIR),
+            *defines, *extra, '-o', str(out)]
 
 
-def build_library(folder):
-    """The kernels compiled for the CPU as a shared library in ``folder``; (lib, stderr)."""
-    out = Path(folder) / 'emu.so'
-    proc = subprocess.run(build_command(out, '-shared', '-fPIC', str(EMU_DIR / 'driver.cpp')),
+def build_library(folder, variant, float_only=None):
+    """The kernels of ``variant`` compiled for the CPU as a shared library in ``folder``;
+    (lib, stderr)."""
+    if float_only is None:
+        float_only = variant.name != FULL_VARIANT
+    out = Path(folder) / f'emu_{variant.name}{"_f32" if float_only else ""}.so'
+    defines = variant.defines + (('-DEMU_FLOAT_ONLY',) if float_only else ())
+    # Hidden symbols: each variant's kernels keep their own static shared arrays.
+    proc = subprocess.run(build_command(out, defines, '-shared', '-fPIC', '-fvisibility=hidden',
+                                        str(EMU_DIR / 'driver.cpp')),
                           capture_output=True, text=True)
     if proc.returncode != 0:
         return None, proc.stderr
     lib = ctypes.CDLL(str(out))
     lib.emu_has_kernel.argtypes = [ctypes.c_char_p]
+    lib.emu_params_layout.restype = ctypes.c_char_p
     lib.emu_launch_kernel.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_ulonglong]
     return lib, ''
@@ -51,24 +52,51 @@ class EmulationError(RuntimeError):
     """The emulation has no such kernel, or a kernel overran its dynamic shared memory."""
 
 
-def make_launch(lib, record=None, hooks=()):
-    """A ``cuda_runtime.launch`` that runs kernels in the emulation.
+class Emulation:
+    """Emulation libraries built on demand, one per variant, in ``folder``."""
 
-    Appends (name, grid, block, shared_mem) to ``record``; calls each hook with the same
-    tuple (the op-counting test uses it).
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        self.libs = {}
+
+    def library(self, variant):
+        lib = self.libs.get(variant.name)
+        if lib is None:
+            lib, error = build_library(self.folder, variant)
+            if lib is None:
+                raise RuntimeError(f'g++ failed to build the emulation of {variant.name}:\n{error}')
+            self.libs[variant.name] = lib
+        return lib
+
+
+def params_layout(lib):
+    """{field: offset} of ``nys_params`` as g++ laid it out, plus 'sizeof'."""
+    pairs = (line.split() for line in lib.emu_params_layout().decode().splitlines())
+    return {name: int(value) for name, value in pairs}
+
+
+def make_launch(emulation, record=None, hooks=()):
+    """A ``_cuda_launch.launch`` that runs kernels in the emulation.
+
+    Appends (name, grid, block, shared_mem, variant name) to ``record``; calls each hook
+    with the same tuple (the op-counting test uses it).
     """
-    def launch(source, name_expression, tensor, grid, block, args, shared_mem=0, shapes=''):
-        values = [_CTYPES[np.asarray(a).dtype](np.asarray(a).item()) for a in args]
-        argv = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    def launch(name, variant, tensor, grid, block, params, shared_mem=0, shapes='',
+               smem_limit=0):
+        lib = emulation.library(variant)
+        argv = (ctypes.c_void_p * 1)(params.ctypes.data)
         grid3 = (ctypes.c_uint * 3)(*(tuple(grid) + (1, 1))[:3])
         block3 = (ctypes.c_uint * 3)(*(tuple(block) + (1, 1))[:3])
-        rc = lib.emu_launch_kernel(name_expression.encode(), argv, grid3, block3, shared_mem)
+        if smem_limit and shared_mem > smem_limit:
+            raise EmulationError(f'{name} asks {shared_mem} bytes of shared memory, over the '
+                                 f'device limit {smem_limit}')
+        rc = lib.emu_launch_kernel(name.encode(), argv, grid3, block3, shared_mem)
         if rc == 1:
-            raise EmulationError(f'emulation has no kernel {name_expression}')
+            raise EmulationError(f'emulation of {variant.name} has no kernel {name}')
         if rc == 2:
-            raise EmulationError(f'{name_expression} wrote past its {shared_mem} bytes of '
+            raise EmulationError(f'{name} ({variant.name}) wrote past its {shared_mem} bytes of '
                                  'dynamic shared memory')
-        entry = (name_expression, tuple(grid), tuple(block), shared_mem)
+        entry = (name, tuple(grid), tuple(block), shared_mem, variant.name)
         if record is not None:
             record.append(entry)
         for hook in hooks:
@@ -76,23 +104,28 @@ def make_launch(lib, record=None, hooks=()):
     return launch
 
 
-def route_cpu_tensors_to_cuda_backend(setattr_):
-    """Make the CUDA backend take CPU tensors (impl=None and impl='cupy' alike), through
-    ``setattr_`` (``monkeypatch.setattr`` in tests, ``setattr`` in scripts)."""
+def emulated_limits(smem_optin=227 * 1024, sms=2, capability=(9, 0)):
+    """The device limits the CUDA backend reads, for a device that is not there."""
+    from lapformer_mm.ops.backends.cuda import DeviceLimits
+    return DeviceLimits(capability, sms, smem_optin, 12)
+
+
+def route_cpu_tensors_to_cuda_backend(setattr_, limits=None):
+    """Make the CUDA backend take CPU tensors (impl=None and impl='cupy' alike) on an
+    emulated device (:func:`emulated_limits`), through ``setattr_``
+    (``monkeypatch.setattr`` in tests, ``setattr`` in scripts)."""
     from lapformer_mm.ops.backends import cuda
+    limits = emulated_limits() if limits is None else limits
     setattr_(cuda, 'DEVICE', 'cpu')
     setattr_(cuda, '_AVAILABLE', [True])
+    setattr_(cuda, 'device_limits', lambda device: limits)
 
 
 def emulate(folder, target_blocks=8):
-    """Route ``cuda_runtime.launch`` to the emulation built in ``folder`` and make impl=None
-    choose the CUDA backend for CPU tensors, for the rest of the process (scripts only)."""
-    from lapformer_mm.ops import cuda_runtime as rt
-    from lapformer_mm.ops import cupy_ops
-    lib, error = build_library(folder)
-    if lib is None:
-        raise RuntimeError(f'g++ failed to build the emulation:\n{error}')
-    rt.launch = make_launch(lib)
-    cupy_ops.target_blocks = lambda device: target_blocks
-    route_cpu_tensors_to_cuda_backend(setattr)
-    return lib
+    """Route the CUDA backend's launches to the emulation built in ``folder`` and make
+    impl=None choose it for CPU tensors, for the rest of the process (scripts only)."""
+    from lapformer_mm.ops.backends import _cuda_launch
+    emulation = Emulation(folder)
+    _cuda_launch.launch = make_launch(emulation)
+    route_cpu_tensors_to_cuda_backend(setattr, emulated_limits(sms=max(1, target_blocks // 4)))
+    return emulation

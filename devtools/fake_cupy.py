@@ -1,16 +1,16 @@
-"""A stand-in for CuPy that records what ``lapformer_mm.ops.cuda_runtime`` asks of it.
+"""A stand-in for CuPy that records what ``lapformer_mm.ops.backends._cuda_launch`` asks of it.
 
 No GPU needed: compiles, device contexts, stream wrappers and launches become events, so
-the CPU tests check the host path (one compile per element type, the stream a kernel is
-launched on, the shared-memory opt-in) and ``benchmarks/cuda_host.py`` times it.
-:func:`install` patches a ``cuda_runtime`` module to use it.
+the CPU tests check the host path (one compile per variant and element type, the stream a
+kernel is launched on, the shared-memory opt-in, nothing loaded inside a capture) and
+``benchmarks/cuda_host.py`` times it. :func:`install` patches ``_cuda_launch`` to use it.
 """
 import torch
 
 
 class FakeCupy:
     """``events``: ('compile', names, options, backend), ('device', index), ('stream', handle),
-    ('optin', bytes), ('launch', name, grid, block, nargs, shared_mem, stream handle)."""
+    ('optin', name, bytes), ('launch', name, grid, block, args, shared_mem, stream handle)."""
 
     def __init__(self, fail_compile=False, fail_launch=False, current_device=0, record=True):
         self.events = []
@@ -50,7 +50,7 @@ class FakeCupy:
 
             def __setattr__(self, key, value):
                 if key == 'max_dynamic_shared_size_bytes' and value:
-                    log(('optin', value))
+                    log(('optin', self.name, value))
                 object.__setattr__(self, key, value)
 
             def __call__(self, grid, block, args, shared_mem=0, stream=None):
@@ -58,7 +58,7 @@ class FakeCupy:
                     raise RuntimeError('too many resources requested for launch')
                 if stream is None:
                     raise AssertionError('a kernel was launched on CuPy\'s current stream')
-                log(('launch', self.name, grid, block, len(args), shared_mem, stream.ptr))
+                log(('launch', self.name, grid, block, args, shared_mem, stream.ptr))
 
         class RawModule:
             def __init__(self, code, options, name_expressions, backend):
@@ -86,19 +86,20 @@ class FakeStreams:
         return self.handle
 
 
-def install(rt, setattr_, **kwargs):
-    """Make ``rt`` (``cuda_runtime``) use a new :class:`FakeCupy`; ``setattr_`` is
-    ``monkeypatch.setattr`` (or ``setattr`` for a script). Returns (fake, streams)."""
+def install(cl, setattr_, **kwargs):
+    """Make ``cl`` (``_cuda_launch``) use a new :class:`FakeCupy`, never capturing;
+    ``setattr_`` is ``monkeypatch.setattr`` (or ``setattr`` for a script). Returns
+    (fake, streams)."""
     fake = FakeCupy(**kwargs)
     streams = FakeStreams()
-    setattr_(rt, 'import_cupy', lambda: fake)
-    setattr_(rt, '_functions', {})
-    setattr_(rt, '_launchers', {})
-    setattr_(rt, '_streams', {})
-    setattr_(rt, 'raw_stream', streams)
+    setattr_(cl, 'import_cupy', lambda: fake)
+    setattr_(cl, '_groups', {})
+    setattr_(cl, '_streams', {})
+    setattr_(cl, 'raw_stream', streams)
+    setattr_(cl, 'capturing', lambda device_index: False)
     return fake, streams
 
 
 class FakeCudaTensor:
-    """Has what ``cuda_runtime.launch`` reads of a tensor: its device."""
+    """Has what ``_cuda_launch.launch`` reads of a tensor: its device."""
     device = torch.device('cuda', 1)

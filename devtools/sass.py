@@ -1,30 +1,25 @@
 """SASS instruction counts of the CUDA kernels' hot loops, without a GPU.
 
-Each instantiation is compiled with NVRTC for one architecture (with CuPy's
-options, as at run time) and the cubin disassembled with ``nvdisasm`` (pip
-package ``nvidia-cuda-nvdisasm``). A kernel's hot loop is, of its loops
-(backward branches), the one with the most floating-point instructions of its
-own (nested loops' instructions not counted; for Newton–Schulz, the most FMAs).
-Instructions per term: one ``|x - y|``/``(x - y)^2`` accumulation of the kernel
-matrix or gradient, or one FMA of the Newton–Schulz products. The forward's
-loop body holds PW_TK x 4 x 4 = 256 terms (the d-chunk, fully unrolled, times
-each thread's 4 x 4 outputs); the gradient's 4 x 4 x 2 = 32 (its reduction
-loop is unrolled 4 times); the Newton–Schulz loop's terms are its FMAs.
-``benchmarks/cuda_sass.py`` prints the table (docs/cuda.md). Development tooling of a
-source checkout: it reads ``ops/`` and ``lapformer_mm/ops/cuda_runtime.py`` there.
+Each variant's fp32 instantiations are compiled with NVRTC for one architecture (with
+CuPy's options and the variant's -D geometry, as at run time; :func:`compile_variant`,
+cached, so the compile and SASS tests share one compile) and the cubin disassembled with
+``nvdisasm`` (pip package ``nvidia-cuda-nvdisasm``). A kernel's hot loop is, of its loops
+(backward branches), the one with the most floating-point instructions of its own (nested
+loops' instructions not counted). Instructions per term: one ``|x - y|``/``(x - y)^2``
+accumulation of a kernel tile (TK x rows/thread x columns/thread terms per iteration) or
+of the gradient (its reduction loop unrolled 4 times: 4 x 8 x 4 terms).
+``benchmarks/cuda_sass.py`` prints the table (docs/cuda.md).
 """
 import collections
-import importlib.util
+import functools
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-from pathlib import Path
 
 from .nvrtc import CUPY_ADDED_OPTIONS, Nvrtc, find_nvrtc, nvidia_wheel_files
 
-SOURCE_ROOT = Path(__file__).resolve().parents[1]
 FLOAT_OPS = ('FADD', 'FFMA', 'FMUL', 'FSEL', 'FSETP', 'DADD', 'DFMA', 'DMUL', 'DSETP', 'FMNMX')
 _INSTRUCTION = re.compile(r'/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;')
 _BRANCH_TARGET = re.compile(r'BRA\s+`\((\.L_x_\d+)\)')
@@ -39,15 +34,6 @@ def find_nvdisasm():
         return explicit
     hits = nvidia_wheel_files('bin/nvdisasm')
     return hits[0] if hits else shutil.which('nvdisasm')
-
-
-def load_runtime(source_root):
-    """``cuda_runtime`` of the checkout at ``source_root`` (its sources and instantiations)."""
-    path = Path(source_root) / 'lapformer_mm' / 'ops' / 'cuda_runtime.py'
-    spec = importlib.util.spec_from_file_location(f'cuda_runtime_{abs(hash(str(path)))}', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def disassemble(nvdisasm, cubin):
@@ -111,47 +97,59 @@ class SassToolError(RuntimeError):
     """nvdisasm is missing, or NVRTC rejected a source."""
 
 
-_TILE_TERMS = {'pairwise_forward': 256, 'pairwise_backward': 32, 'nys_forward_stats': 256,
-               'nys_forward_out': 256, 'nys_backward_reduce': 256, 'nys_backward_grads': 128}
+_TILE_TERMS = {'nys_forward_stats': 256, 'nys_forward_out': 256, 'nys_backward_reduce': 256,
+               'nys_backward_grads': 128}
 
 
 def terms_per_iteration(kernel, counts):
     terms = _TILE_TERMS.get(kernel.split('<')[0])
-    return counts['FFMA'] + counts['DFMA'] if terms is None else terms
+    return counts['FFMA'] if terms is None else terms
 
 
 def hot_loop_ops(kernel):
     """The opcodes whose count picks a kernel's hot loop."""
-    if kernel.startswith('newton_schulz'):
-        return ('FFMA', 'DFMA')  # its row-sum loop has more other float work
     if kernel.startswith('nys_backward_grads'):
         return ('FADD',)
     return FLOAT_OPS
 
 
-def report(source_root=SOURCE_ROOT, arch='sm_90'):
-    """[{kernel, instructions, terms, per_term, histogram}] of every instantiation."""
-    rt = load_runtime(source_root)
-    nvrtc = Nvrtc(find_nvrtc())
+def _runtime():
+    from lapformer_mm.ops.backends import _cuda_launch
+    return _cuda_launch
+
+
+@functools.lru_cache(maxsize=None)
+def compile_variant(variant_name, arch, element_types=('float',), ptxas_verbose=True):
+    """(status, log, {name: lowered}, cubin) of one variant's instantiations for ``arch``,
+    compiled once per process."""
+    cl = _runtime()
+    variant = cl.VARIANT_BY_NAME[variant_name]
+    names = cl.kernel_names(element_types)
+    options = ((f'--gpu-architecture={arch}',) + (('--ptxas-options=-v',) if ptxas_verbose
+                                                   else ()) + cl.NVRTC_OPTIONS
+               + variant.defines + CUPY_ADDED_OPTIONS)
+    return Nvrtc(find_nvrtc()).compile(cl.load_source(), cl.SOURCE, options, names)
+
+
+def report(variant_name='dv64_tb32', arch='sm_90'):
+    """[{kernel, instructions, terms, per_term, histogram}] of a variant's fp32 kernels."""
     nvdisasm = find_nvdisasm()
     if not nvdisasm:
         raise SassToolError('nvdisasm not found: pip install nvidia-cuda-nvdisasm '
                             '(or set LAPFORMER_NVDISASM)')
+    status, log, lowered, cubin = compile_variant(variant_name, arch)
+    if status != 0:
+        raise SassToolError(f'NVRTC failed on {variant_name}:\n{log}')
+    functions = disassemble(nvdisasm, cubin)
     rows = []
-    for source, names in rt.all_name_expressions().items():
-        options = (f'--gpu-architecture={arch}',) + tuple(rt.NVRTC_OPTIONS) + CUPY_ADDED_OPTIONS
-        status, log, lowered, cubin = nvrtc.compile(rt.load_source(source), source, options, names)
-        if status != 0:
-            raise SassToolError(f'NVRTC failed on {source}:\n{log}')
-        functions = disassemble(nvdisasm, cubin)
-        for name in names:
-            counts = hot_loop(functions[lowered[name]], hot_loop_ops(name))
-            if counts is None:
-                rows.append(dict(kernel=name, instructions=0, terms=0, per_term=None, histogram={}))
-                continue
-            terms = terms_per_iteration(name, counts)
-            total = sum(counts.values())
-            rows.append(dict(kernel=name, instructions=total, terms=terms,
-                             per_term=total / terms if terms else None,
-                             histogram=dict(counts.most_common())))
+    for name, mangled in lowered.items():
+        counts = hot_loop(functions[mangled], hot_loop_ops(name))
+        if counts is None:
+            rows.append(dict(kernel=name, instructions=0, terms=0, per_term=None, histogram={}))
+            continue
+        terms = terms_per_iteration(name, counts)
+        total = sum(counts.values())
+        rows.append(dict(kernel=name, instructions=total, terms=terms,
+                         per_term=total / terms if terms else None,
+                         histogram=dict(counts.most_common())))
     return rows

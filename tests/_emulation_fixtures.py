@@ -1,17 +1,15 @@
-"""The emulation library as a module-scoped pytest fixture (import it into a test module)."""
+"""The emulation as a module-scoped pytest fixture (import it into a test module)."""
 import shutil
 
 import pytest
 
-from devtools.cuda_emulation import build_library
+from devtools.cuda_emulation import Emulation
 
 
 @pytest.fixture(scope='module')
 def emu_lib(tmp_path_factory):
-    """The CUDA kernels compiled for the CPU by g++ (devtools/cuda_emulation.py)."""
+    """The CUDA kernels compiled for the CPU by g++ (devtools/cuda_emulation.py), one
+    library per tile variant, built when a test first launches it."""
     if shutil.which('g++') is None:
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
-    lib, error = build_library(tmp_path_factory.mktemp('cuda_emu'))
-    if lib is None:
-        pytest.fail(f'g++ failed to build the emulation:\n{error}')
-    return lib
+    return Emulation(tmp_path_factory.mktemp('cuda_emu'))

@@ -1,31 +1,49 @@
-"""The fused attention kernels (ops/nystrom_attention.cu), run on the CPU by the emulation.
+"""The fused attention kernels (lapformer_mm/csrc/cuda), run on the CPU by the emulation.
 
 The whole CUDA path of ``lapformer_mm::nystrom_attention``: the public entry picks
-impl='cupy' for CPU tensors, ``cupy_ops`` packs the arguments and launch geometry it would
-hand a GPU, and the g++ emulation (devtools/cuda_emulation.py) runs the kernels. Values and
+impl='cupy' for CPU tensors, the CUDA backend (lapformer_mm/ops/backends/cuda.py) plans the
+variant for the device's shared-memory limit and fills the parameter struct it would hand a
+GPU, and the g++ emulation (devtools/cuda_emulation.py) runs the kernels. Values and
 gradients are compared with autograd of the dense fp64 reference ``dense_attention``:
 fp32, bf16 and fp16 inputs, tied and separate keys, both kernels and normalisations, odd
 N, m < 49, d not a multiple of 16, several row slices, more (batch, head) pairs than the
 grid allows.
 """
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 from _attention_helpers import dense_attention, dense_attention_grads
 from _emulation_fixtures import emu_lib  # noqa: F401 (a fixture)
 
-from devtools.cuda_emulation import make_launch, route_cpu_tensors_to_cuda_backend
-from lapformer_mm.ops import cuda_runtime as rt
-from lapformer_mm.ops import cupy_ops, nystrom_attention, pool_landmarks
+from devtools.cuda_emulation import (
+    EMU_DIR,
+    build_command,
+    emulated_limits,
+    make_launch,
+    params_layout,
+    route_cpu_tensors_to_cuda_backend,
+)
+from lapformer_mm.ops import nystrom_attention, pool_landmarks
+from lapformer_mm.ops.backends import _cuda_launch as cl
+from lapformer_mm.ops.backends import cuda
+
+
+def use_limits(monkeypatch, smem_optin=227 * 1024, sms=2):
+    """The emulated device: its shared-memory opt-in limit, and 4 blocks per SM."""
+    limits = emulated_limits(smem_optin=smem_optin, sms=sms)
+    monkeypatch.setattr(cuda, 'device_limits', lambda device: limits)
 
 
 @pytest.fixture
 def launches(emu_lib, monkeypatch):  # noqa: F811 (the imported fixture)
-    """impl=None on CPU tensors picks the CuPy path; its launches run in the emulation."""
+    """impl=None on CPU tensors picks the CUDA backend; its launches run in the emulation,
+    on an H200's 227 KiB shared-memory limit with 8 target blocks."""
     record = []
-    monkeypatch.setattr(rt, 'launch', make_launch(emu_lib, record))
+    monkeypatch.setattr(cl, 'launch', make_launch(emu_lib, record))
     route_cpu_tensors_to_cuda_backend(monkeypatch.setattr)
-    monkeypatch.setattr(cupy_ops, 'target_blocks', lambda device: 8)
     return record
 
 
@@ -72,8 +90,8 @@ def assert_close_scaled(got, expected, tol):
     torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * scale)
 
 
-FORWARD = [rt.nystrom_name(s, 'float', 0) for s in rt.NYS_FORWARD]
-BACKWARD = [rt.nystrom_name(s, 'float', 0) for s in rt.NYS_BACKWARD]
+FORWARD = [cl.kernel_name(s, 'float', 0) for s in cl.FORWARD]
+BACKWARD = [cl.kernel_name(s, 'float', 0) for s in cl.BACKWARD]
 
 
 @pytest.mark.parametrize('kernel, lam', [('laplacian', 4.0), ('gaussian', 12.0)])
@@ -103,8 +121,8 @@ def test_16_bit_inputs_match_dense_fp64(launches, dtype, tol, grad_tol, tied):
     q, k, v, landmarks = make_inputs(2, 1, (7, 5), 16, 16, 4, tied, dtype, seed=4)
     out, grads, grad = run(q, k, v, landmarks, tied)
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
-    element = rt.ELEMENT_TYPES[dtype]
-    assert launches[0][0] == rt.nystrom_name('nys_forward_stats', element, 0)
+    element = cl.ELEMENT_TYPES[dtype]
+    assert [e[0] for e in launches] == [cl.kernel_name(s, element, 0) for s in cl.STAGES]
     expected, expected_grads = dense(q, k, v, landmarks, tied, grad)
     assert_close_scaled(out, expected, tol)
     for got, want in zip(grads, expected_grads):
@@ -166,14 +184,14 @@ def test_largest_and_smallest_landmark_and_value_counts(launches):
 def test_blocks_loop_over_heads_and_tiles_beyond_the_grid_limits(launches, monkeypatch):
     """With every grid extent capped at 1, one block must walk all (batch, head) pairs, row
     tiles and slices, as it does past 65535 pairs on a GPU."""
-    monkeypatch.setattr(rt, 'MAX_GRID_YZ', 1)
-    monkeypatch.setattr(rt, 'MAX_GRID_X', 1)
-    rt.nystrom_splits.cache_clear()
+    monkeypatch.setattr(cl, 'MAX_GRID_YZ', 1)
+    monkeypatch.setattr(cl, 'MAX_GRID_X', 1)
+    cl.splits.cache_clear()
     try:
         q, k, v, landmarks = make_inputs(2, 3, (10, 13), 8, 8, 3, False, torch.float32, seed=13)
         out, grads, grad = run(q, k, v, landmarks, False)
     finally:
-        rt.nystrom_splits.cache_clear()
+        cl.splits.cache_clear()
     assert all(entry[1] in ((1, 1), (1,)) for entry in launches), launches
     expected, expected_grads = dense(q, k, v, landmarks, False, grad)
     assert_close_scaled(out, expected, 2e-5)
@@ -187,7 +205,7 @@ def test_reruns_are_bit_equal_and_slices_only_reorder_sums(launches, monkeypatch
     again = run(q, k, v, landmarks, False)
     for a, b in zip((first[0],) + first[1], (again[0],) + again[1]):
         assert torch.equal(a, b)
-    monkeypatch.setattr(cupy_ops, 'target_blocks', lambda device: 1)
+    monkeypatch.setattr(cuda, 'target_blocks', lambda device: 1)
     single = run(q, k, v, landmarks, False)
     assert launches[-1][1] == (1,) and launches[-2][1] == (1, 1)
     for a, b in zip((first[0],) + first[1], (single[0],) + single[1]):
@@ -242,7 +260,7 @@ def test_backbone_on_the_emulated_cuda_path_is_as_exact_as_the_reference_math(la
     truth = run(exact, x.double())
     launches.clear()
     got, ref = run(fused, x), run(reference, x)
-    assert {entry[0].split('<')[0] for entry in launches} == set(rt.NYS_FORWARD + rt.NYS_BACKWARD)
+    assert {entry[0].split('<')[0] for entry in launches} == set(cl.STAGES)
     for g, r, t in zip(got, ref, truth):
         scale = t.abs().max()
         error = ((g - t).abs().max() / scale).item()
@@ -263,3 +281,78 @@ def test_refinement_step_holds_near_identical_landmarks(launches):
                         - expected).abs().max() / expected.abs().max()).item()
               for refine in (True, False)}
     assert errors[True] < 3e-5 < 1e-4 < errors[False], errors
+
+
+def test_parameter_struct_layout_matches_the_c_struct(emu_lib):  # noqa: F811
+    """The numpy dtype the host fills is nys_params byte for byte as g++ lays it out
+    (offsetof / sizeof from the emulation library; NVRTC uses the same x86-64 / NVPTX
+    natural alignment for these 8- and 4-byte fields)."""
+    lib = emu_lib.library(cl.VARIANT_BY_NAME['dv32_tb32'])
+    assert params_layout(lib) == cl.params_layout()
+
+
+# (m, d_v) of Tiny's stages (49 landmarks, 32-wide heads) and of the widest tiles.
+LIMIT_CASES = [((7, 9), 7, 32), ((8, 9), 8, 64)]
+
+
+@pytest.mark.parametrize('kib', [48, 64, 96, 100, 164, 227])
+def test_each_shared_memory_limit_picks_a_variant_or_the_reference(launches, monkeypatch, kib):
+    """Per device limit (Pascal 48, T4 64, V100 96, RTX 30/40 100, A100 164, H100/H200 227
+    KiB): the variant the plan picks is the one that runs, every launch asks no more shared
+    memory than the limit (the emulation refuses more), and values and gradients match the
+    dense fp64 reference; where nothing fits, no kernel runs and the reference answers."""
+    use_limits(monkeypatch, smem_optin=kib * 1024)
+    for (hw, grid, dv) in LIMIT_CASES:
+        launches.clear()
+        q, k, v, landmarks = make_inputs(1, 1, hw, 12, dv, grid, False, torch.float32, seed=20)
+        m = grid * grid
+        plan = cl.plan(m, dv, kib * 1024)
+        out, grads, grad = run(q, k, v, landmarks, False)
+        if isinstance(plan, cl.Plan):
+            assert [e[0] for e in launches] == FORWARD + BACKWARD
+            assert {e[4] for e in launches} == {plan.variant.name}
+            assert max(e[3] for e in launches) <= kib * 1024
+        else:
+            assert not launches and plan
+        expected, expected_grads = dense(q, k, v, landmarks, False, grad)
+        assert_close_scaled(out, expected, 2e-5)
+        for got, want in zip(grads, expected_grads):
+            assert_close_scaled(got, want, 2e-4)
+
+
+def test_the_variants_the_support_table_states():
+    """docs/cuda.md's support table, from the plans: what each limit runs at Tiny's
+    (m = 49, d_v = 32) and at (64, 64), and that 64 KiB (T4, RTX 20xx) runs both fused."""
+    def picked(kib, m, dv):
+        plan = cl.plan(m, dv, kib * 1024)
+        return (plan.variant.name, plan.solve_cols, plan.backward_solve_cols) \
+            if isinstance(plan, cl.Plan) else None
+    assert picked(48, 49, 32) == ('dv32_tb16', 32, 32)
+    assert picked(48, 64, 64) is None
+    assert picked(64, 49, 32) == ('dv32_tb32', 32, 32)
+    assert picked(64, 64, 64) == ('dv64_tb16', 16, 32)
+    for kib in (96, 100, 164, 227):
+        assert picked(kib, 49, 32) == ('dv32_tb32', 32, 32)
+        assert picked(kib, 64, 64) == ('dv64_tb32', 64, 64)
+    assert all(cl.row_pass_static_smem(v) <= cl.DEFAULT_SMEM for v in cl.VARIANTS)
+
+
+@pytest.mark.slow
+def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):
+    """tests/cuda_emu/tsan_main.cpp launches every stage on the emulation of the 16-row
+    gradient variant built with -fsanitize=thread, the solves in three column passes: a
+    missing __syncthreads() between a shared-memory write and another thread's read is a
+    reported race."""
+    if shutil.which('g++') is None:
+        pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
+    exe = tmp_path / 'tsan_main'
+    variant = cl.VARIANT_BY_NAME['dv32_tb16']
+    command = build_command(exe, variant.defines + ('-DEMU_FLOAT_ONLY',), '-fsanitize=thread',
+                            '-g', str(EMU_DIR / 'tsan_main.cpp'))
+    build = subprocess.run([c if c != '-O2' else '-O1' for c in command], capture_output=True,
+                           text=True)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
+                         env={'TSAN_OPTIONS': 'halt_on_error=1 exitcode=66'})
+    assert run.returncode == 0 and 'ThreadSanitizer' not in run.stderr, run.stderr[-4000:]
+    assert 'launched, rc=0' in run.stdout

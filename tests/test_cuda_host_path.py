@@ -1,28 +1,34 @@
-"""The host path of the CUDA ops with a fake CuPy (devtools/fake_cupy.py): no GPU needed.
+"""The host path of the CUDA backend with a fake CuPy (devtools/fake_cupy.py): no GPU needed.
 
-What makes the CuPy path thin and CUDA-graph safe, checked on the CPU: compiled kernels
-and stream wrappers are cached, every launch names PyTorch's current stream (so a
-capture stream is followed and CuPy's own current stream, the legacy default stream, is
-never used), a device context is entered only when the device is not current, strided
-operands reach the kernels without copies, and nothing allocates outside PyTorch.
+What makes the CuPy path thin, per-device and CUDA-graph safe, checked on the CPU: one
+compile per (variant, element type) with the variant's -D geometry, the opt-in done once
+at load, nothing compiled or loaded inside a capture (a clear error, or warmup() first),
+every launch on PyTorch's current stream (so a capture stream is followed and CuPy's own
+current stream, the legacy default stream, is never used), a device context entered only
+when the device is not current, strided operands passed without copies, one struct
+argument per launch, and reasons instead of exceptions for what the kernels cannot take.
 """
+import numpy as np
 import pytest
 import torch
 
 from devtools import fake_cupy
-from devtools.cuda_emulation import route_cpu_tensors_to_cuda_backend
+from devtools.cuda_emulation import emulated_limits, route_cpu_tensors_to_cuda_backend
 from devtools.op_counts import count_call
-from lapformer_mm.ops import cuda_runtime as rt
-from lapformer_mm.ops import cupy_ops, nystrom_attention, pool_landmarks
+from lapformer_mm.ops import nystrom_attention, pool_landmarks
+from lapformer_mm.ops.backends import _cuda_launch as cl
+from lapformer_mm.ops.backends import cuda
+from lapformer_mm.ops.reference import OpOptions
+
+H200 = emulated_limits(smem_optin=227 * 1024, sms=2)
 
 
 @pytest.fixture
 def fake(monkeypatch):
     """CuPy faked; the fused op's CuPy path chosen for CPU tensors (the kernels do not run:
     outputs are uninitialised, only the host side is exercised)."""
-    cupy, streams = fake_cupy.install(rt, monkeypatch.setattr, current_device=None)
-    route_cpu_tensors_to_cuda_backend(monkeypatch.setattr)
-    monkeypatch.setattr(cupy_ops, 'target_blocks', lambda device: 8)
+    cupy, streams = fake_cupy.install(cl, monkeypatch.setattr, current_device=None)
+    route_cpu_tensors_to_cuda_backend(monkeypatch.setattr, H200)
     return cupy, streams
 
 
@@ -39,14 +45,56 @@ def launches(cupy):
     return [e for e in cupy.events if e[0] == 'launch']
 
 
-def test_one_compile_per_element_type_and_cached_launchers(fake):
+def test_one_compile_per_variant_and_element_type_with_its_geometry(fake):
     cupy, _ = fake
     q, k, v, landmarks = attention_inputs()
     for _ in range(3):
         nystrom_attention(q, k, v, landmarks)
     compiles = [e for e in cupy.events if e[0] == 'compile']
     assert len(compiles) == 1 and all('<float' in name for name in compiles[0][1])
-    assert [e[1].split('<')[0] for e in launches(cupy)] == list(rt.NYS_FORWARD) * 3
+    variant = cl.VARIANT_BY_NAME['dv32_tb32']
+    assert compiles[0][2] == cl.NVRTC_OPTIONS + variant.defines and compiles[0][3] == 'nvrtc'
+    assert [e[1].split('<')[0] for e in launches(cupy)] == list(cl.FORWARD) * 3
+    # One argument per launch: the parameter struct, a numpy array of size one.
+    assert all(len(e[4]) == 1 and e[4][0].dtype == cl.PARAMS_DTYPE and e[4][0].size == 1
+               for e in launches(cupy))
+    assert all(e[3] == variant.block for e in launches(cupy))
+
+
+def test_opt_in_happens_once_at_load_to_the_devices_limit(fake):
+    """The solve and gradient kernels are opted into all the device allows when the module
+    loads, so no later call (inside a capture, say) changes a function attribute."""
+    cupy, _ = fake
+    q, k, v, landmarks = (t.detach().requires_grad_() for t in attention_inputs())
+    nystrom_attention(q, k, v, landmarks).sum().backward()
+    nystrom_attention(q, k, v, landmarks).sum().backward()
+    optins = {e[1].split('<')[0]: e[2] for e in cupy.events if e[0] == 'optin'}
+    assert optins == {'nys_forward_solve': H200.smem_optin - cl.NS_STATIC_SMEM,
+                      'nys_backward_solve': H200.smem_optin,
+                      'nys_backward_grads': H200.smem_optin}
+    assert len([e for e in cupy.events if e[0] == 'optin']) == 3 * 2  # both kinds, once
+
+
+def test_a_first_call_inside_a_capture_raises_and_warmup_prevents_it(fake, monkeypatch):
+    cupy, _ = fake
+    q, k, v, landmarks = attention_inputs()
+    monkeypatch.setattr(cl, 'capturing', lambda device_index: True)
+    with pytest.raises(cl.CaptureError, match=r'Run the attention once eagerly.*warmup\(\)'):
+        cuda.forward(q, k, v, landmarks, cuda_options())
+    monkeypatch.setattr(cl, 'capturing', lambda device_index: False)
+    loaded = cuda.warmup(torch.device('cuda', 0), dtypes=(torch.float32,), value_dims=(32,))
+    assert loaded == [('dv32_tb32', torch.float32)]
+    compiles = len([e for e in cupy.events if e[0] == 'compile'])
+    monkeypatch.setattr(cl, 'capturing', lambda device_index: True)
+    group = cl.load_group(0, cl.VARIANT_BY_NAME['dv32_tb32'], 'float', H200.smem_optin)
+    assert len(group) == 13 and len([e for e in cupy.events if e[0] == 'compile']) == compiles
+
+
+def cuda_options(**overrides):
+    fields = dict(kernel='laplacian', lam=4.0, eps=0.01, iters=16, ns_init='identity',
+                  ns_refine=True, normalize='injective', whiten_eps=1e-5)
+    fields.update(overrides)
+    return OpOptions(**fields)
 
 
 def test_launches_follow_pytorchs_current_stream_one_wrapper_each(fake):
@@ -62,18 +110,30 @@ def test_launches_follow_pytorchs_current_stream_one_wrapper_each(fake):
     assert [e[-1] for e in launches(cupy)] == [12345] * 6 + [777] * 3
 
 
-def test_device_context_only_when_the_device_is_not_current(fake, monkeypatch):
+def test_device_context_only_when_the_device_is_not_current(fake):
     cupy, _ = fake
     tensor = fake_cupy.FakeCudaTensor()
-    name = rt.nystrom_name('nys_forward_stats', 'float', 0)
+    name = cl.kernel_name('nys_forward_stats', 'float', 0)
+    variant, params = cl.VARIANTS[0], cl.new_params()
     cupy.current_device = 1
-    rt.launch(rt.NYSTROM_SOURCE, name, tensor, (1, 1), (16, 16, 1), ())
+    cl.launch(name, variant, tensor, (1, 1), variant.block, params)
     first = len([e for e in cupy.events if e[0] == 'device'])
-    rt.launch(rt.NYSTROM_SOURCE, name, tensor, (1, 1), (16, 16, 1), ())
+    cl.launch(name, variant, tensor, (1, 1), variant.block, params)
     assert len([e for e in cupy.events if e[0] == 'device']) == first
     cupy.current_device = 0
-    rt.launch(rt.NYSTROM_SOURCE, name, tensor, (1, 1), (16, 16, 1), ())
+    cl.launch(name, variant, tensor, (1, 1), variant.block, params)
     assert [e for e in cupy.events if e[0] == 'device'][-1] == ('device', 1)
+
+
+def test_compile_and_launch_failures_name_kernel_and_shapes(monkeypatch):
+    name = cl.kernel_name('nys_forward_out', 'float', 1)
+    for kwargs, pattern in ((dict(fail_compile=True), r'dv64_tb16, float.*oops'),
+                            (dict(fail_launch=True),
+                             r'nys_forward_out<float, 1> \(dv64_tb16.*q \(1, 2\).*too many')):
+        fake_cupy.install(cl, monkeypatch.setattr, current_device=1, **kwargs)
+        with pytest.raises(cl.CudaOpsError, match=pattern):
+            cl.launch(name, cl.VARIANT_BY_NAME['dv64_tb16'], fake_cupy.FakeCudaTensor(), (1,),
+                      (16, 16, 1), cl.new_params(), shapes='q (1, 2)')
 
 
 def test_strided_operands_are_passed_as_they_are(fake):
@@ -82,20 +142,69 @@ def test_strided_operands_are_passed_as_they_are(fake):
     gradients and one workspace, and neither computes anything outside our launches."""
     q, k, v, landmarks = (t.detach().requires_grad_() for t in attention_inputs())
     assert not q.is_contiguous()
-    out, counter = count_call(lambda: nystrom_attention(q, k, v, landmarks), rt)
+    out, counter = count_call(lambda: nystrom_attention(q, k, v, landmarks), cl)
     assert not counter.compute, dict(counter.compute)
     assert counter.totals()['allocations'] == 5 and counter.totals()['launches'] == 3
     grad = torch.ones_like(out)
-    _, counter = count_call(lambda: torch.autograd.grad(out, (q, k, v, landmarks), grad), rt)
+    _, counter = count_call(lambda: torch.autograd.grad(out, (q, k, v, landmarks), grad), cl)
     assert not counter.compute, dict(counter.compute)
     assert counter.totals()['launches'] == 4
 
 
+def test_the_struct_carries_pointers_strides_and_options(fake):
+    cupy, _ = fake
+    q, k, v, landmarks = attention_inputs()
+    nystrom_attention(q, k, v, landmarks, kernel='gaussian', lam=2.0, ns_init='authors')
+    p = launches(cupy)[0][4][0][0]
+    assert p['q']['ptr'] == q.data_ptr()
+    assert tuple(int(p['q'][s]) for s in ('sb', 'sh', 'sn', 'sd')) == q.stride()
+    assert p['k']['ptr'] == k.data_ptr() and p['L']['ptr'] == landmarks.data_ptr()
+    assert (int(p['bh_count']), int(p['heads']), int(p['n']), int(p['m']), int(p['d']),
+            int(p['dv'])) == (4, 2, 48, landmarks.shape[2], 32, 32)
+    assert p['neg_inv_lam'] == np.float32(-0.5) and p['neg_coef'] == np.float32(-1.0)
+    assert p['init_authors'] == 1 and p['injective'] == 1 and p['refine'] == 1
+    tied = nystrom_attention(q, q, v, landmarks)
+    assert tied is not None and launches(cupy)[-1][4][0][0]['k']['ptr'] == 0
+
+
 def test_plans_are_cached_per_shape():
-    rt.nystrom_splits.cache_clear()
+    cl.splits.cache_clear()
     for _ in range(3):
-        rt.nystrom_splits(8, 16650, 528)
-    info = rt.nystrom_splits.cache_info()
+        cl.splits(8, 16650, 528, 64)
+    info = cl.splits.cache_info()
     assert info.misses == 1 and info.hits == 2
-    splits, chunk = rt.nystrom_splits(8, 16650, 528)
-    assert splits * chunk >= 16650 > (splits - 1) * chunk and chunk % rt.NYS_TN == 0
+    splits, chunk = cl.splits(8, 16650, 528, 64)
+    assert splits * chunk >= 16650 > (splits - 1) * chunk and chunk % 64 == 0
+
+
+@pytest.mark.parametrize('limits, shapes, reason', [
+    (H200, dict(dtype=torch.float64), r'dtype torch.float64; the CUDA kernels take'),
+    (H200, dict(m=81), r'm = 81 landmarks; the CUDA kernels take 1 to 64'),
+    (H200, dict(dv=96), r'd_v = 96 value columns'),
+    (H200, dict(n=0), r'empty operands'),
+    (emulated_limits(capability=(5, 2)), {}, r'compute capability 5.2; .* 6.0 or later'),
+    (emulated_limits(capability=(7, 0))._replace(nvrtc_major=13), {},
+     r'NVRTC 13 cannot compile for sm_70; install cupy-cuda12x'),
+    (emulated_limits(smem_optin=48 * 1024), dict(m=64, dv=64),
+     r'variant dv64_tb16: the gradient kernel needs 56,064 bytes .* allows 49,152'),
+])
+def test_not_supported_names_the_reason(monkeypatch, limits, shapes, reason):
+    monkeypatch.setattr(cuda, 'device_limits', lambda device: limits)
+    size = dict(n=10, m=9, dv=8, dtype=torch.float32)
+    size.update(shapes)
+    q = torch.zeros(1, 2, size['n'], 4, dtype=size['dtype'])
+    v = torch.zeros(1, 2, size['n'], size['dv'], dtype=size['dtype'])
+    landmarks = torch.zeros(1, 2, size['m'], 4, dtype=size['dtype'])
+    reasons = cuda.not_supported(q, None, v, landmarks, cuda_options())
+    assert any(__import__('re').search(reason, r) for r in reasons), reasons
+
+
+def test_not_supported_never_raises(monkeypatch):
+    def broken(device):
+        raise RuntimeError('CUDA driver version is insufficient')
+    monkeypatch.setattr(cuda, 'device_limits', broken)
+    q = torch.zeros(1, 1, 4, 4)
+    reasons = cuda.not_supported(q, None, q, q, cuda_options())
+    assert reasons and 'insufficient' in reasons[0]
+    monkeypatch.setattr(cuda, 'device_limits', lambda device: H200)
+    assert cuda.not_supported(q, None, q, q, cuda_options()) == ()

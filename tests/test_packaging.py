@@ -13,23 +13,22 @@ def test_wheel_ships_cuda_sources_and_runtime_finds_them(tmp_path):
     subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation',
                     '-q', '-w', str(tmp_path / 'dist'), ROOT], check=True)
     wheel, = (tmp_path / 'dist').glob('lapformer_mm-*.whl')
-    sources = sorted(p.name for p in Path(ROOT, 'ops').iterdir() if p.suffix in ('.cu', '.cuh'))
+    folder = Path(ROOT, 'lapformer_mm', 'csrc', 'cuda')
+    sources = sorted(p.name for p in folder.iterdir() if p.suffix in ('.cu', '.cuh'))
     assert sources
     with zipfile.ZipFile(wheel) as archive:
         shipped = sorted(Path(n).name for n in archive.namelist()
-                         if n.startswith('lapformer_mm/_cuda_src/'))
+                         if n.startswith('lapformer_mm/csrc/cuda/'))
         archive.extractall(tmp_path / 'site')
     assert shipped == sources
 
-    # From the unpacked wheel alone (outside the repo), the runtime locates every source there.
-    code = ('import lapformer_mm.ops.cuda_runtime as rt, sys; '
-            f'print(*[rt.find_source(n) for n in {sources!r}], sep="\\n")')
+    # From the unpacked wheel alone (outside the repo), the backend finds and inlines them.
+    code = ('from lapformer_mm.ops.backends import _cuda_launch as cl; '
+            'print(cl.source_dir()); assert "struct nys_params" in cl.load_source()')
     found = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, check=True,
                            capture_output=True, text=True,
                            env={'PYTHONPATH': str(tmp_path / 'site'), 'PATH': '/usr/bin:/bin'})
-    located = [Path(line) for line in found.stdout.split()]
-    assert [p.name for p in located] == sources
-    assert all(p.is_relative_to(tmp_path / 'site' / 'lapformer_mm' / '_cuda_src') for p in located)
+    assert Path(found.stdout.strip()) == tmp_path / 'site' / 'lapformer_mm' / 'csrc' / 'cuda'
 
 
 def test_torch_floor_is_stated_once_and_required_everywhere(tmp_path):

@@ -1,38 +1,39 @@
 #!/usr/bin/env bash
-# GPU check of the CUDA ops and the backbone (one GPU, under 5 minutes: the step limits
-# below add up to 300 s).
+# GPU check of the CUDA backend and the backbone (one GPU, under 5 minutes: the step
+# limits below add up to at most 300 s).
 #
 #   OUT=/tmp/gpu_check bash tools/gpu_check.sh          # every step
-#   STEPS="tests bench_ops" OUT=... bash tools/gpu_check.sh   # a subset
+#   STEPS="tests sanitizer" OUT=... bash tools/gpu_check.sh   # a subset
 #
 # Steps, each with a time limit; results in $OUT (8 files):
-#   env          env.txt            GPU, driver, torch / CuPy / timm versions
-#   tests        gpu_tests.txt      pytest -m gpu: tests/test_cuda_ops.py, the fused attention
-#                                   (tests/test_cuda_attention_gpu.py: values, CUDA graphs,
-#                                   torch.compile) and the attention-level CuPy-vs-reference
-#                                   property tests; a skipped test fails the step
-#   sanitizer    sanitizer.txt      compute-sanitizer memcheck and racecheck of
-#                                   benchmarks/cuda_sanitize_cases.py (every kernel instantiation)
-#   bench_ops    bench_ops.md       kernel, solver and attention benchmark; PASS/FAIL per target
+#   env          env.txt            GPU, driver, torch / CuPy / NVRTC, the backend's plans
+#   tests        gpu_tests.txt      pytest -m gpu: tests/test_cuda_attention_gpu.py (values with
+#                                   launch counts, every option's gradients, each shared-memory
+#                                   variant forced, grid limits, CUDA graphs, torch.compile) and
+#                                   the attention-level CuPy-vs-reference property tests; a
+#                                   skipped test fails the step. Then a CUDA-graph capture with
+#                                   no warm-up in a fresh process (appended): it must raise the
+#                                   backend's CaptureError, or work
+#   sanitizer    sanitizer.txt      compute-sanitizer memcheck, racecheck, synccheck, initcheck
+#                                   of benchmarks/cuda_sanitize_cases.py (m = 49, 64; d_v = 32, 64)
+#   kernels      kernel_times.md    per-kernel profiler times at (bh, N) = (4, 66600), (32, 1050)
+#   ncu          ncu.txt            Nsight Compute shared-memory bank conflicts and load/store
+#                                   counts of the backward kernels (where ncu exists)
 #   backbones    backbones_h200.json, backbones.md
 #                                   LaplacianFormer-T (CuPy) vs timm PVTv2-b1 and Swin-T at
-#                                   800x1333, batch 2: fwd and fwd+bwd, fp32/bf16/fp16 autocast,
-#                                   eager and CUDA-graph replay, kernels per call, peak memory;
-#                                   the 0.8x target's verdict (copy the JSON to
+#                                   800x1333, batch 2 (copy the JSON to
 #                                   docs/cuda_results/backbones_h200.json)
-#   numerics     numerics_stages.md per-stage error vs fp64 of LaplacianFormer-T (fused path) and
-#                                   PVTv2-b1, fp32/bf16/fp16, 448x640 (docs/numerics.md)
 #   summary.txt  PASS/FAIL per step
 # Needs torch with CUDA, CuPy (cupy-cuda12x or cupy-cuda13x), numpy, pytest, hypothesis;
-# the backbone and numerics steps also timm and mmengine (no other OpenMMLab package).
-# Exit status: 0 only when every step ran and passed (every row ran; the backbone target's
-# verdict is reported, not enforced).
+# the backbone step also timm and mmengine (no other OpenMMLab package).
+# Exit status: 0 only when every step ran and passed (the backbone target's verdict is
+# reported, not enforced).
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check_out}"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-env tests sanitizer bench_ops backbones numerics}"
+STEPS="${STEPS:-env tests sanitizer kernels ncu backbones}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -71,14 +72,18 @@ print('gpu', p.name, 'cc', f'{p.major}.{p.minor}', 'sms', p.multi_processor_coun
       'smem optin', getattr(p, 'shared_memory_per_block_optin', None))
 import cupy
 print('cupy', cupy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())
+from lapformer_mm.ops.backends import _cuda_launch as cl, cuda
+limits = cuda.device_limits(torch.device('cuda'))
+print('backend limits', limits)
+for m, dv in ((49, 32), (64, 64)):
+    print(f'plan m={m} dv={dv}:', cl.plan(m, dv, limits.smem_optin))
 for name in ('timm', 'hypothesis', 'mmengine'):
     try:
         print(name, __import__(name).__version__)
     except ImportError:
         print(name, 'missing')
-import lapformer_mm.ops.cupy_ops  # must import without OpenMMLab packages
-import lapformer_mm.ops.nystrom
-print('lapformer_mm.ops.cupy_ops and the fused op import')
+import lapformer_mm.ops.nystrom  # must import without OpenMMLab packages
+print('lapformer_mm.ops.backends.cuda and the fused op import')
 EOF
     } > "$OUT/env.txt" 2>&1
     rc=$?
@@ -92,35 +97,61 @@ fi
 
 if wanted tests; then
     # -rs lists skips: a skipped GPU test here means CUDA or CuPy was not usable.
-    run_step tests 60 "$OUT/gpu_tests.txt" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
-        tests/test_cuda_ops.py tests/test_cuda_attention_gpu.py tests/test_reliability_properties.py
+    run_step tests 80 "$OUT/gpu_tests.txt" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
+        tests/test_cuda_attention_gpu.py tests/test_reliability_properties.py
     if grep -qE "[0-9]+ skipped" "$OUT/gpu_tests.txt"; then
         record "tests: no skips" 1 0 "(a GPU test was skipped)"
     fi
+    echo "=== CUDA-graph capture without warm-up (fresh process) ===" >> "$OUT/gpu_tests.txt"
+    start=$(date +%s)
+    timeout 15 "$PY" - >> "$OUT/gpu_tests.txt" 2>&1 <<'EOF'
+import torch
+from lapformer_mm.ops import nystrom_attention, pool_landmarks
+from lapformer_mm.ops.backends._cuda_launch import CaptureError
+q = torch.randn(2, 2, 196, 32, device='cuda')
+landmarks = pool_landmarks(q, (14, 14), 7)
+graph = torch.cuda.CUDAGraph()
+try:
+    with torch.cuda.graph(graph):
+        out = nystrom_attention(q, q, q.clone(), landmarks, impl='cupy')
+    graph.replay()
+    print('capture without warm-up: works')
+except CaptureError as err:
+    print('capture without warm-up: CaptureError as designed:', err)
+EOF
+    record "tests: capture without warm-up" $? $(( $(date +%s) - start ))
 fi
 
 if wanted sanitizer; then
-    for tool in memcheck racecheck; do
+    for tool in memcheck racecheck synccheck initcheck; do
         echo "=== compute-sanitizer --tool $tool ===" >> "$OUT/sanitizer.txt"
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 run_step "sanitizer $tool" 40 "$OUT/sanitizer.txt" \
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 run_step "sanitizer $tool" 15 "$OUT/sanitizer.txt" \
             compute-sanitizer --tool "$tool" --error-exitcode 3 "$PY" benchmarks/cuda_sanitize_cases.py
     done
 fi
 
-if wanted bench_ops; then
-    run_step bench_ops 40 "$OUT/bench_ops.log" "$PY" benchmarks/cuda_ops.py --out "$OUT" \
-        --n 66600 --m 49 64 --bh 4 64 --budget-s 25 --min-time-s 0.05
-    rm -f "$OUT/bench_ops.log" "$OUT/bench_ops.json"
+if wanted kernels; then
+    run_step kernels 20 "$OUT/kernels.log" "$PY" benchmarks/cuda_kernels.py \
+        --out "$OUT/kernel_times.md" --repeats 20
+    rm -f "$OUT/kernels.log"
+fi
+
+if wanted ncu; then
+    if command -v ncu > /dev/null; then
+        # The backward kernels of the profiled calls: bank conflicts of shared loads and
+        # stores, and the shared / global load and store instruction counts.
+        run_step ncu 25 "$OUT/ncu.txt" ncu --clock-control none -k regex:nys_backward \
+            --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,smsp__inst_executed_op_global_ld.sum,smsp__inst_executed_op_global_st.sum \
+            "$PY" benchmarks/cuda_kernels.py --repeats 1
+    else
+        echo "ncu not found: no counters" > "$OUT/ncu.txt"
+        record ncu 0 0 "(skipped: no ncu)"
+    fi
 fi
 
 if wanted backbones; then
-    run_step backbones 85 "$OUT/backbones.md" "$PY" benchmarks/backbones_gpu.py \
+    run_step backbones 75 "$OUT/backbones.md" "$PY" benchmarks/backbones_gpu.py \
         --json "$OUT/backbones_h200.json" --size 800x1333 --batch 2 --repeats 5
-fi
-
-if wanted numerics; then
-    run_step numerics 20 "$OUT/numerics_stages.md" "$PY" benchmarks/numerics_stages.py \
-        --device cuda --size 448x640 --baseline timm
 fi
 
 echo "gpu_check: $( [ "$status" -eq 0 ] && echo PASS || echo FAIL ) (steps: $STEPS)" | tee -a "$SUMMARY"

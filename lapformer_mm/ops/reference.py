@@ -392,7 +392,7 @@ def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=Fal
         c_q = similarity(qa, la, opts.lam, opts.kernel, export)
         c_k = c_q if k is None else similarity(k.to(dtype), la, opts.lam, opts.kernel, export)
         P = landmark_system(la, opts.lam, opts.eps, opts.kernel, export)
-        # transpose, not .mT: the TorchScript exporter has no symbolic for aten::mT.
+        # transpose, not .mT: the TorchScript exporter has no aten::mT.
         context, inverse = _solve(P, torch.matmul(c_k.transpose(-1, -2), va), opts, solver)
         m = la.shape[-2]
         if opts.normalize == 'injective':

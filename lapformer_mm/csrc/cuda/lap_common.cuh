@@ -1,0 +1,225 @@
+// Helpers of the fused attention (nystrom_attention.cu): element types, the kernel
+// function's terms, and the Newton-Schulz iteration on padded shared-memory matrices.
+//
+// The kernels are compiled at run time by NVRTC (through CuPy) with no CUDA
+// headers on the include path, so nothing here includes <cuda_fp16.h> or the
+// standard library: fp16 and bf16 tensors are read as raw 16-bit patterns and
+// converted with PTX (fp16) or bit arithmetic (bf16). Without __CUDA_ARCH__
+// (the g++ CPU emulation used by the tests) the conversions fall back to
+// host functions that the emulation shim provides.
+#pragma once
+
+// One untyped dynamic shared buffer: templates may not redeclare an extern
+// __shared__ array with a different element type. (The CPU emulation shim
+// defines this macro itself.)
+#ifdef __CUDA_ARCH__
+#define LAP_DYNAMIC_SHARED_BYTES(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+// Raw storage of torch.float16 / torch.bfloat16 elements (2 bytes each).
+struct lap_half { unsigned short bits; };
+struct lap_bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float lap_load(const float* p) { return *p; }
+
+__device__ __forceinline__ float lap_load(const lap_half* p) {
+#ifdef __CUDA_ARCH__
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p->bits));
+    return f;
+#else
+    return lap_host_half_to_float(p->bits);
+#endif
+}
+
+__device__ __forceinline__ float lap_load(const lap_bf16* p) {
+    // bf16 is the upper half of an fp32 bit pattern.
+#ifdef __CUDA_ARCH__
+    return __int_as_float(((int)p->bits) << 16);
+#else
+    return lap_host_bits_to_float(((unsigned int)p->bits) << 16);
+#endif
+}
+
+__device__ __forceinline__ void lap_store(float* p, float v) { *p = v; }
+
+__device__ __forceinline__ void lap_store(lap_half* p, float v) {
+#ifdef __CUDA_ARCH__
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    p->bits = h;
+#else
+    p->bits = lap_host_float_to_half(v);
+#endif
+}
+
+__device__ __forceinline__ void lap_store(lap_bf16* p, float v) {
+    // Round to nearest even on the upper 16 bits (PTX cvt.rn.bf16.f32 needs
+    // sm_80; this works on every architecture). NaN stays a quiet NaN.
+#ifdef __CUDA_ARCH__
+    unsigned int u = (unsigned int)__float_as_int(v);
+#else
+    unsigned int u = lap_host_float_to_bits(v);
+#endif
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        p->bits = 0x7fc0;
+        return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    p->bits = (unsigned short)(u >> 16);
+}
+
+// expf rather than __expf: __expf's error grows with |argument| and would
+// break the 1e-5 relative agreement with PyTorch at large distances; one exp
+// per output is negligible next to the d-long distance loop.
+__device__ __forceinline__ float lap_exp(float v) { return expf(v); }
+
+// fabsf rather than `v < 0 ? -v : v`: the library call lets ptxas fold
+// |.| into the consuming FADD as an operand modifier (2 instructions per
+// Laplacian term instead of 4); the two differ only for -0 and NaN.
+__device__ __forceinline__ float lap_abs(float v) { return fabsf(v); }
+
+// w * sign(a - b) with sign(0) = 0 (the subgradient of |t| at t = 0), given
+// nw = -w. a and b are compared directly instead of subtracting them: CuPy
+// compiles with -ftz=true, which would flush a subnormal a - b to 0 and lose
+// its sign. The fp32 comparisons are written in PTX without .ftz so that
+// subnormal a or b keep their sign too (PyTorch's CPU sign does).
+__device__ __forceinline__ float lap_signed_weight(float a, float b, float w, float nw) {
+#ifdef __CUDA_ARCH__
+    float s;
+    asm("{\n\t.reg .pred gt, lt;\n\t.reg .f32 t;\n\t"
+        "setp.gt.f32 gt, %1, %2;\n\tsetp.lt.f32 lt, %1, %2;\n\t"
+        "selp.f32 t, %4, 0f00000000, lt;\n\tselp.f32 %0, %3, t, gt;\n\t}"
+        : "=f"(s) : "f"(a), "f"(b), "f"(w), "f"(nw));
+    return s;
+#else
+    return a > b ? w : (a < b ? nw : 0.0f);
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Newton-Schulz.
+// ---------------------------------------------------------------------------
+
+#define NS_MT 4   // micro-tile edge
+
+// 16 bytes of S: one vector load or store.
+template <typename S> struct __align__(16) ns_vec { S v[16 / sizeof(S)]; };
+
+template <typename S>
+__device__ __forceinline__ ns_vec<S> ns_load_vec(const S* p) {
+    return *reinterpret_cast<const ns_vec<S>*>(p);
+}
+
+// Row stride of the padded layout: ld = 4 (mod 8) keeps the rows a warp reads together in
+// different banks (the host sizes the buffers with the same rule).
+__device__ __forceinline__ int ns_stride(int mp) { return (mp % 8 == 4) ? mp : mp + 4; }
+
+// acc = a[rows 4 ti.., :] @ b[:, cols 4 tj..] over the padded size mp; a and b are padded
+// shared memory (stride ld), read 16 bytes at a time.
+template <typename S>
+__device__ __forceinline__ void ns_tile_product(const S* __restrict__ a, const S* __restrict__ b,
+                                                int mp, int ld, int ti, int tj,
+                                                S acc[NS_MT][NS_MT]) {
+    constexpr int KV = 16 / sizeof(S);
+#pragma unroll
+    for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+        for (int c = 0; c < NS_MT; ++c) acc[r][c] = S(0);
+    const int r0 = ti * NS_MT, c0 = tj * NS_MT;
+    for (int k0 = 0; k0 < mp; k0 += KV) {
+        S av[NS_MT][KV];
+#pragma unroll
+        for (int r = 0; r < NS_MT; ++r) {
+            const ns_vec<S> v = ns_load_vec(a + (r0 + r) * ld + k0);
+#pragma unroll
+            for (int kk = 0; kk < KV; ++kk) av[r][kk] = v.v[kk];
+        }
+#pragma unroll
+        for (int kk = 0; kk < KV; ++kk) {
+            S bv[NS_MT];
+#pragma unroll
+            for (int c = 0; c < NS_MT; c += KV) {
+                const ns_vec<S> v = ns_load_vec(b + (k0 + kk) * ld + c0 + c);
+#pragma unroll
+                for (int q = 0; q < KV; ++q) bv[c + q] = v.v[q];
+            }
+#pragma unroll
+            for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+                for (int c = 0; c < NS_MT; ++c) acc[r][c] += av[r][kk] * bv[c];
+        }
+    }
+}
+
+// X = the Newton-Schulz inverse of P after `iters` steps: X <- 2X - X (P X), from
+// X0 = I / ||P||_inf ('identity') or 1.8 P / ||P||_inf^2 ('authors'), as
+// lapformer_mm/ops/solvers.py. P, X and the scratch T are padded mp x ld shared memory;
+// T must hold zeros on entry (its padding stays zero, which keeps the products' padding
+// zero). Every thread of the block calls this; threads past the (mp/4)^2 tiles only help
+// with the element-wise steps.
+template <typename S>
+__device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, int m, int iters,
+                                           int init_authors) {
+    __shared__ S norm_shared;
+    const int mp = (m + NS_MT - 1) / NS_MT * NS_MT;
+    const int ld = ns_stride(mp);
+    const int size = mp * ld;
+    const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const int nthreads = blockDim.x * blockDim.y * blockDim.z;
+    const int nt = mp / NS_MT;
+    const bool has_tile = tid < nt * nt;
+    const int ti = has_tile ? tid / nt : 0;
+    const int tj = has_tile ? tid % nt : 0;
+    // ||P||_inf's row sums in T's column 0.
+    for (int r = tid; r < m; r += nthreads) {
+        S s = S(0);
+        for (int c = 0; c < m; ++c) s += lap_abs(Ps[r * ld + c]);
+        T[r * ld] = s;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        S mx = T[0];
+        for (int r = 1; r < m; ++r) mx = T[r * ld] > mx ? T[r * ld] : mx;
+        norm_shared = mx;
+    }
+    __syncthreads();
+    const S norm = norm_shared;
+    const S start_scale = init_authors ? S(1.8) / (norm * norm) : S(1) / norm;
+    for (int e = tid; e < size; e += nthreads) {
+        const int r = e / ld, c = e % ld;
+        S v = S(0);
+        if (r < m && c < m) {
+            const S p = Ps[r * ld + c];
+            v = init_authors ? p * start_scale : (r == c ? start_scale : S(0));
+        }
+        X[e] = v;
+    }
+    // The first product overwrites T's column 0 before anything reads T again.
+    __syncthreads();
+
+    for (int it = 0; it < iters; ++it) {
+        S acc[NS_MT][NS_MT];
+        if (has_tile) {
+            ns_tile_product<S>(Ps, X, mp, ld, ti, tj, acc);
+#pragma unroll
+            for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+                for (int c = 0; c < NS_MT; ++c) T[(ti * NS_MT + r) * ld + tj * NS_MT + c] = acc[r][c];
+        }
+        __syncthreads();
+        if (has_tile) ns_tile_product<S>(X, T, mp, ld, ti, tj, acc);
+        // Every thread must finish reading X before any thread overwrites it.
+        __syncthreads();
+        if (has_tile) {
+#pragma unroll
+            for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+                for (int c = 0; c < NS_MT; ++c) {
+                    S* x = X + (ti * NS_MT + r) * ld + tj * NS_MT + c;
+                    *x = S(2) * *x - acc[r][c];
+                }
+        }
+        __syncthreads();
+    }
+}

@@ -1,0 +1,941 @@
+// The fused Nystrom attention: forward in 3 launches, backward in 4, no N x m matrix in
+// global memory (lapformer_mm/ops/nystrom.py states the contract and the math).
+//
+// Per (batch, head) bh, with C = k(., L) the kernel rows against the m landmarks,
+// c~ = C - rowmean(C), s the per-landmark whitening scale and P = k(L, L) + eps I:
+//
+//   forward   nys_forward_stats   over N: column statistics of c~ (Chan's per-tile
+//                                 mean and M2) and R = C_k^T v, per row slice
+//             nys_forward_solve   per bh: merge the slices in order, P, Newton-Schulz,
+//                                 context = X R (+ X (R - P X R), residual in fp64),
+//                                 fold = diag(s) context, b = colsum(context) / m
+//             nys_forward_out     over N: out = c~ fold + b (normalize='none': C context),
+//                                 written in the (B, N, h, d_v) token layout
+//   backward  nys_backward_reduce over N: T = c~^T G and colsum(G), per row slice
+//             nys_backward_solve  per bh: dcontext, a = s^3 (T . context) / N,
+//                                 dR = X dcontext (refined), dP = -dR context^T and the
+//                                 landmarks' gradient through P
+//             nys_backward_grads  over N: dc~ = (G context^T) diag(s) - (c~ - mu) diag(a),
+//                                 dC_q = dc~ - rowmean(dc~), dC_k = v dR^T, dv = C_k dR,
+//                                 dq, dk through the kernel, landmark partials per slice
+//             nys_backward_landmarks  per bh: the landmark gradient, slices summed in order
+//
+// The math is lapformer_mm/ops/reference.py's (the stage functions named there); the
+// backend lapformer_mm/ops/backends/cuda.py fills one nys_params per call and launches.
+//
+// Row slices ("splits") are fixed by the shapes and the SM count, and every sum over
+// them runs in slice order: no atomics, bit-equal reruns. Inputs q, k, v, L and the
+// output gradient are read with arbitrary strides; element types fp32, fp16, bf16
+// (fp64 inputs take the reference); everything accumulates in fp32. Limits: m <= NYS_MP
+// landmarks and d_v <= NYS_DV (the backend's not_supported says which variant fits);
+// any N, d and number of (batch, head) pairs (blocks loop beyond the grid limits).
+//
+// Threads: NYS_TX x NYS_TY per block. A kernel tile is TN rows x NYS_MP landmark
+// columns, each thread holding TN/NYS_TY x NYS_MP/NYS_TX of them (rows ty + NYS_TY r,
+// columns tx + NYS_TX c); d streams through shared memory in chunks of NYS_TK.
+#include "lap_common.cuh"
+
+// The tile geometry comes from the host, one source for both sides
+// (lapformer_mm/ops/backends/_cuda_launch.py, VARIANTS), as -D options that are part of
+// the compile's cache key.
+#if !defined(NYS_MP) || !defined(NYS_DV) || !defined(NYS_TN) || !defined(NYS_TB) || \
+    !defined(NYS_TK) || !defined(NYS_TX) || !defined(NYS_TY)
+#error "compile with the tile geometry of a variant: -DNYS_MP= -DNYS_DV= -DNYS_TN= -DNYS_TB= -DNYS_TK= -DNYS_TX= -DNYS_TY= (lapformer_mm/ops/backends/_cuda_launch.py)"
+#endif
+// NYS_MP: landmark columns of a tile (the most landmarks); NYS_DV: value columns (the
+// widest head of v); NYS_TN / NYS_TB: rows of a tile in the row passes / the gradient
+// pass; NYS_TK: the d-chunk staged in shared memory; NYS_TX x NYS_TY threads a block.
+#define NYS_THREADS (NYS_TX * NYS_TY)
+#define NYS_DW (NYS_MP > NYS_DV ? NYS_MP : NYS_DV)  // tiles that hold G or v, then C_k
+static_assert(NYS_MP % NYS_TX == 0 && NYS_MP % NYS_TY == 0 && NYS_DV % NYS_TX == 0 &&
+                  NYS_TN % NYS_TY == 0 && NYS_TB % NYS_TY == 0,
+              "each thread holds whole rows and columns of a tile");
+static_assert(NYS_TK == NYS_TX, "the gradient pass maps the d-chunk onto threadIdx.x");
+static_assert(NYS_THREADS % NYS_MP == 0, "the column statistics split rows among groups");
+constexpr int NYS_RM = NYS_MP / NYS_TY;  // landmark rows per thread of a C^T x product
+constexpr int NYS_CM = NYS_MP / NYS_TX;  // landmark columns per thread of a kernel tile
+constexpr int NYS_CV = NYS_DV / NYS_TX;  // value columns per thread
+constexpr int NYS_GROUPS = NYS_THREADS / NYS_MP;  // row groups of the column statistics
+// dP's elements per thread in the backward solve (held in registers over the chunks).
+constexpr int NYS_DPR = (NYS_MP * NYS_MP + NYS_THREADS - 1) / NYS_THREADS;
+
+// One operand: base pointer and element strides of its batch, head, row and column.
+struct nys_operand {
+    void* ptr;
+    long long sb, sh, sn, sd;
+};
+
+// Everything a launch reads, filled once per call on the host and passed by value to
+// every kernel (flash-attn's Flash_fwd_params pattern). The host mirrors this layout as
+// a numpy structured dtype (_cuda_launch.PARAMS_DTYPE); the emulation checks the offsets.
+struct nys_params {
+    nys_operand q, k, v, L;  // inputs; k.ptr null: keys tied to queries (C_k = C_q)
+    nys_operand g;           // the gradient of out, (B, N, h, d_v) as (b, h, n, c) strides
+    nys_operand grad_q, grad_k, grad_v, grad_l;  // grad_k.ptr null when keys are tied
+    void* out;               // (B, N, h, d_v), contiguous
+    float* part;             // per-slice partials of the row passes
+    float* fold;             // forward: [diag(s) context; b] per bh
+    float* context;
+    float* inverse;
+    float* stats;
+    float* work;             // backward: [dR, a, dL through P] per bh
+    float* lpart;            // backward: the landmarks' gradient per slice
+    long long bh_count;
+    int heads, n, m, d, dv;
+    int chunk, splits;       // rows of a slice, slices per bh
+    int iters, init_authors, refine, injective;
+    int solve_cols;          // value columns per pass of the solve kernels
+    float neg_inv_lam, neg_coef, eps, whiten_eps;
+};
+
+template <typename T>
+__device__ __forceinline__ const T* nys_in(const nys_operand& o, long long bh, int heads) {
+    return static_cast<const T*>(o.ptr) + (bh / heads) * o.sb + (bh % heads) * o.sh;
+}
+
+template <typename T>
+__device__ __forceinline__ T* nys_out(const nys_operand& o, long long bh, int heads) {
+    return static_cast<T*>(o.ptr) + (bh / heads) * o.sb + (bh % heads) * o.sh;
+}
+
+template <int KIND>
+__device__ __forceinline__ float nys_term(float diff) {
+    return KIND == 0 ? lap_abs(diff) : diff * diff;
+}
+
+// w * phi'(a - b) up to the constant: sign(a - b) (Laplacian), a - b (Gaussian).
+template <int KIND>
+__device__ __forceinline__ float nys_dphi(float a, float b, float w) {
+    return KIND == 0 ? lap_signed_weight(a, b, w, -w) : w * (a - b);
+}
+
+__device__ __forceinline__ int nys_tid() { return threadIdx.y * NYS_TX + threadIdx.x; }
+
+// Zeroes a thread's accumulator block.
+template <int R, int C>
+__device__ __forceinline__ void nys_zero(float (&acc)[R][C]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[r][c] = 0.0f;
+}
+
+// ct[i][j] = exp(-sum_t phi(x[i, t] - L[j, t]) / lam) for the tile's rows i < nrows and
+// landmarks j < m, 0 elsewhere (so padded rows and columns add nothing to any sum).
+// x points at the tile's first row. Ends with a barrier: ct is ready for every thread.
+template <int TN, typename T, int KIND>
+__device__ void nys_kernel_tile(const T* __restrict__ x, long long xsn, long long xsd, int nrows,
+                                const T* __restrict__ L, long long lsn, long long lsd, int m,
+                                int d, float neg_inv_lam, float (*xs)[TN + 1],
+                                float (*ys)[NYS_MP + 1], float (*ct)[NYS_MP + 1]) {
+    constexpr int R = TN / NYS_TY, C = NYS_CM;
+    const int tx = threadIdx.x, ty = threadIdx.y, tid = nys_tid();
+    float acc[R][C];
+    nys_zero(acc);
+    for (int k0 = 0; k0 < d; k0 += NYS_TK) {
+        // Zero padding on both sides makes the tail terms vanish.
+        for (int e = tid; e < TN * NYS_TK; e += NYS_THREADS) {
+            const int r = e / NYS_TK, kk = e % NYS_TK;
+            float value = 0.0f;
+            if (r < nrows && k0 + kk < d) value = lap_load(x + r * xsn + (k0 + kk) * xsd);
+            xs[kk][r] = value;
+        }
+        for (int e = tid; e < NYS_MP * NYS_TK; e += NYS_THREADS) {
+            const int j = e / NYS_TK, kk = e % NYS_TK;
+            float value = 0.0f;
+            if (j < m && k0 + kk < d) value = lap_load(L + j * lsn + (k0 + kk) * lsd);
+            ys[kk][j] = value;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < NYS_TK; ++kk) {
+            float xr[R], yc[C];
+#pragma unroll
+            for (int r = 0; r < R; ++r) xr[r] = xs[kk][ty + NYS_TY * r];
+#pragma unroll
+            for (int c = 0; c < C; ++c) yc[c] = ys[kk][tx + NYS_TX * c];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int c = 0; c < C; ++c) acc[r][c] += nys_term<KIND>(xr[r] - yc[c]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int i = ty + NYS_TY * r;
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            const int j = tx + NYS_TX * c;
+            ct[i][j] = (i < nrows && j < m) ? lap_exp(acc[r][c] * neg_inv_lam) : 0.0f;
+        }
+    }
+    __syncthreads();
+}
+
+// rm[i] = mean over the m landmarks of row i (0 for padded rows). Ends with a barrier.
+template <int TN>
+__device__ void nys_row_means(float (*ct)[NYS_MP + 1], int nrows, int m, float* rm) {
+    for (int i = nys_tid(); i < TN; i += NYS_THREADS) {
+        float s = 0.0f;
+        if (i < nrows)
+            for (int j = 0; j < m; ++j) s += ct[i][j];
+        rm[i] = s / (float)m;
+    }
+    __syncthreads();
+}
+
+// dst[i][t] = x[i, t] for rows i < nrows and columns t < width, 0 elsewhere, over the
+// first NYS_DV columns of rows W + 1 wide (no barrier).
+template <int TN, int W, typename T>
+__device__ void nys_load_rows(const T* __restrict__ x, long long sn, long long st, int nrows,
+                              int width, float (*dst)[W + 1]) {
+    for (int e = nys_tid(); e < TN * NYS_DV; e += NYS_THREADS) {
+        const int i = e / NYS_DV, t = e % NYS_DV;
+        dst[i][t] = (i < nrows && t < width) ? lap_load(x + i * sn + t * st) : 0.0f;
+    }
+}
+
+// acc[r][c] += sum_i a[i][ty + NYS_TY r] * b[i][tx + NYS_TX c]: the thread's block of the
+// (NYS_MP x NYS_DV) product a^T b over the tile's rows.
+__device__ __forceinline__ void nys_acc_atb(float (*a)[NYS_MP + 1], float (*b)[NYS_DV + 1],
+                                            int nrows, float acc[NYS_RM][NYS_CV]) {
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    for (int i = 0; i < nrows; ++i) {
+        float ar[NYS_RM], bc[NYS_CV];
+#pragma unroll
+        for (int r = 0; r < NYS_RM; ++r) ar[r] = a[i][ty + NYS_TY * r];
+#pragma unroll
+        for (int c = 0; c < NYS_CV; ++c) bc[c] = b[i][tx + NYS_TX * c];
+#pragma unroll
+        for (int r = 0; r < NYS_RM; ++r)
+#pragma unroll
+            for (int c = 0; c < NYS_CV; ++c) acc[r][c] += ar[r] * bc[c];
+    }
+}
+
+// Writes the thread's block of a C^T x product (rows j < m, columns e < dv) to dst (m x dv).
+__device__ __forceinline__ void nys_store_atb(const float (&acc)[NYS_RM][NYS_CV], int m, int dv,
+                                              float* __restrict__ dst) {
+    const int tx = threadIdx.x, ty = threadIdx.y;
+#pragma unroll
+    for (int r = 0; r < NYS_RM; ++r) {
+        const int j = ty + NYS_TY * r;
+#pragma unroll
+        for (int c = 0; c < NYS_CV; ++c) {
+            const int e = tx + NYS_TX * c;
+            if (j < m && e < dv) dst[j * dv + e] = acc[r][c];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Forward.
+// ---------------------------------------------------------------------------
+
+// Pass 1: one block per (row slice, bh). Writes, per slice, the column mean and M2 of
+// c~ over the slice's rows (injective) and R = C_k^T v (m x d_v): part[bh, split] =
+// [mean (m), M2 (m), R (m x d_v)].
+template <typename T, int KIND>
+__global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_params p) {
+    __shared__ float xs[NYS_TK][NYS_TN + 1];
+    __shared__ float ys[NYS_TK][NYS_MP + 1];
+    __shared__ float ct[NYS_TN][NYS_MP + 1];
+    __shared__ float vt[NYS_TN][NYS_DV + 1];
+    __shared__ float rm[NYS_TN];
+    __shared__ float group_mean[NYS_GROUPS][NYS_MP];
+    __shared__ float group_m2[NYS_GROUPS][NYS_MP];
+    const int tid = nys_tid();
+    const int m = p.m, dv = p.dv;
+    const int split = blockIdx.x, splits = gridDim.x;
+    const int row_begin = split * p.chunk, row_end = min(p.n, row_begin + p.chunk);
+    const long long part_stride = 2LL * m + (long long)m * dv;
+    // Every thread works on the statistics: column tid % NYS_MP over the tile rows of its
+    // group, the groups merged in order by the first NYS_MP threads.
+    constexpr int GROUP_ROWS = (NYS_TN + NYS_GROUPS - 1) / NYS_GROUPS;
+    const int column = tid % NYS_MP, group = tid / NYS_MP;
+
+    for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y) {
+        const T* qb = nys_in<T>(p.q, bh, p.heads);
+        const T* kb = p.k.ptr == nullptr ? nullptr : nys_in<T>(p.k, bh, p.heads);
+        const T* vb = nys_in<T>(p.v, bh, p.heads);
+        const T* lb = nys_in<T>(p.L, bh, p.heads);
+        // Column tid's running count, mean and M2 (threads tid < m).
+        int count = 0;
+        float mean = 0.0f, m2 = 0.0f;
+        float acc[NYS_RM][NYS_CV];
+        nys_zero(acc);
+        for (int row0 = row_begin; row0 < row_end; row0 += NYS_TN) {
+            const int nrows = min(NYS_TN, row_end - row0);
+            nys_kernel_tile<NYS_TN, T, KIND>(qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
+                                             p.L.sn, p.L.sd, m, p.d, p.neg_inv_lam, xs, ys, ct);
+            if (p.injective) {
+                nys_row_means<NYS_TN>(ct, nrows, m, rm);
+                // Two passes over the group's rows, then Chan et al.'s merge: no
+                // E[x^2] - E[x]^2.
+                const int i0 = min(nrows, group * GROUP_ROWS);
+                const int i1 = min(nrows, i0 + GROUP_ROWS);
+                float s = 0.0f, gm2 = 0.0f;
+                for (int i = i0; i < i1; ++i) s += ct[i][column] - rm[i];
+                const float gmean = i1 > i0 ? s / (float)(i1 - i0) : 0.0f;
+                for (int i = i0; i < i1; ++i) {
+                    const float dev = ct[i][column] - rm[i] - gmean;
+                    gm2 += dev * dev;
+                }
+                group_mean[group][column] = gmean;
+                group_m2[group][column] = gm2;
+                __syncthreads();
+                if (tid < m) {
+                    for (int gi = 0; gi < NYS_GROUPS; ++gi) {
+                        const int nb_rows = min(nrows, (gi + 1) * GROUP_ROWS) -
+                                            min(nrows, gi * GROUP_ROWS);
+                        if (nb_rows <= 0) continue;
+                        const float na = (float)count, nb = (float)nb_rows, total = na + nb;
+                        const float delta = group_mean[gi][tid] - mean;
+                        mean += delta * (nb / total);
+                        m2 += group_m2[gi][tid] + delta * delta * (na * nb / total);
+                        count += nb_rows;
+                    }
+                }
+            }
+            // The statistics read ct and the group sums; the key tile overwrites ct and
+            // the next tile the sums only after the staging barrier inside
+            // nys_kernel_tile, which every thread reaches after reading.
+            if (kb != nullptr)
+                nys_kernel_tile<NYS_TN, T, KIND>(kb + row0 * p.k.sn, p.k.sn, p.k.sd, nrows, lb,
+                                                 p.L.sn, p.L.sd, m, p.d, p.neg_inv_lam, xs, ys,
+                                                 ct);
+            nys_load_rows<NYS_TN, NYS_DV, T>(vb + row0 * p.v.sn, p.v.sn, p.v.sd, nrows, dv, vt);
+            __syncthreads();
+            nys_acc_atb(ct, vt, nrows, acc);
+            // ct and vt are rewritten by the next tile.
+            __syncthreads();
+        }
+        float* pb = p.part + (bh * splits + split) * part_stride;
+        if (p.injective && tid < m) {
+            pb[tid] = mean;
+            pb[m + tid] = m2;
+        }
+        nys_store_atb(acc, m, dv, pb + 2 * m);
+    }
+}
+
+// P = k(L, L) + eps I into padded shared memory (zeros outside m x m); Tz zeroed.
+template <typename T, int KIND>
+__device__ void nys_landmark_system(const T* __restrict__ lb, long long lsn, long long lsd, int m,
+                                    int d, float neg_inv_lam, float eps, float* Ps, float* Tz,
+                                    int mp, int ld) {
+    for (int e = nys_tid(); e < mp * ld; e += NYS_THREADS) {
+        const int r = e / ld, c = e % ld;
+        float value = 0.0f;
+        if (r < m && c < m) {
+            float dist = 0.0f;
+            for (int t = 0; t < d; ++t)
+                dist += nys_term<KIND>(lap_load(lb + r * lsn + t * lsd) -
+                                       lap_load(lb + c * lsn + t * lsd));
+            value = lap_exp(dist * neg_inv_lam) + (r == c ? eps : 0.0f);
+        }
+        Ps[e] = value;
+        Tz[e] = 0.0f;
+    }
+}
+
+// Pass 2: one block per bh (blocks loop over bh). Outputs context (bh, m, d_v),
+// inverse (bh, m, m), stats (bh, 2, m) = [mean, s] (injective), and
+// fold (bh, m + 1, d_v) = [diag(s) context; colsum(context) / m] for the output pass
+// (normalize='none': [context; 0]).
+//
+// Dynamic shared memory (floats): P, X and the Newton-Schulz scratch (mp x ld each, the
+// padded layout of ns_iterate), then R and the context for solve_cols value columns at a
+// time (m x solve_cols each) and the scale (NYS_MP); _cuda_launch.solve_smem sizes it.
+// Every column of the solve is independent, so devices with less shared memory take the
+// value columns in several passes with the same sums in the same order.
+template <typename T, int KIND>
+__global__ void __launch_bounds__(NYS_THREADS) nys_forward_solve(const nys_params p) {
+    LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
+    const int m = p.m, dv = p.dv, cw = p.solve_cols;
+    const int mp = (m + NS_MT - 1) / NS_MT * NS_MT;
+    const int ld = ns_stride(mp);
+    float* Ps = reinterpret_cast<float*>(smem_bytes);
+    float* X = Ps + mp * ld;
+    float* Tn = X + mp * ld;
+    float* R = Tn + mp * ld;
+    float* Cx = R + m * cw;
+    float* sv = Cx + m * cw;
+    const int tid = nys_tid();
+    const int md = m * dv;
+    const long long part_stride = 2LL * m + (long long)m * dv;
+
+    for (long long bh = blockIdx.x; bh < p.bh_count; bh += gridDim.x) {
+        const T* lb = nys_in<T>(p.L, bh, p.heads);
+        const float* pb = p.part + bh * p.splits * part_stride;
+        nys_landmark_system<T, KIND>(lb, p.L.sn, p.L.sd, m, p.d, p.neg_inv_lam, p.eps, Ps, Tn,
+                                     mp, ld);
+        if (tid < m) {
+            float scale = 1.0f, mean = 0.0f;
+            if (p.injective) {
+                float m2 = 0.0f, na = 0.0f;
+                for (int sp = 0; sp < p.splits; ++sp) {
+                    const float nb = (float)min(p.chunk, p.n - sp * p.chunk);
+                    const float mean_b = pb[sp * part_stride + tid];
+                    const float total = na + nb, delta = mean_b - mean;
+                    mean += delta * (nb / total);
+                    m2 += pb[sp * part_stride + m + tid] + delta * delta * (na * nb / total);
+                    na = total;
+                }
+                // A column constant over the queries with whiten_eps = 0 stays 0.
+                const float denom = m2 / (float)p.n + p.whiten_eps;
+                scale = denom > 0.0f ? 1.0f / sqrtf(denom) : 0.0f;
+                p.stats[bh * 2 * m + tid] = mean;
+                p.stats[bh * 2 * m + m + tid] = scale;
+            }
+            sv[tid] = scale;
+        }
+        __syncthreads();
+        ns_iterate<float>(Ps, X, Tn, m, p.iters, p.init_authors);
+        float* cb = p.context + bh * md;
+        float* fb = p.fold + bh * (md + dv);
+        for (int c0 = 0; c0 < dv; c0 += cw) {
+            const int w = min(cw, dv - c0), mw = m * w;
+            for (int e = tid; e < mw; e += NYS_THREADS) {
+                const int j = e / w, c = c0 + e % w;
+                float s = 0.0f;
+                for (int sp = 0; sp < p.splits; ++sp) s += pb[sp * part_stride + 2 * m + j * dv + c];
+                R[e] = s;
+            }
+            __syncthreads();
+            for (int e = tid; e < mw; e += NYS_THREADS) {
+                const int j = e / w, c = e % w;
+                float s = 0.0f;
+                for (int l = 0; l < m; ++l) s += X[j * ld + l] * R[l * w + c];
+                Cx[e] = s;
+            }
+            __syncthreads();
+            if (p.refine) {
+                // R <- R - P context in fp64 (each thread owns its element), then
+                // context += X R, as the reference does.
+                for (int e = tid; e < mw; e += NYS_THREADS) {
+                    const int j = e / w, c = e % w;
+                    double s = (double)R[e];
+                    for (int l = 0; l < m; ++l) s -= (double)Ps[j * ld + l] * (double)Cx[l * w + c];
+                    R[e] = (float)s;
+                }
+                __syncthreads();
+                for (int e = tid; e < mw; e += NYS_THREADS) {
+                    const int j = e / w, c = e % w;
+                    float s = 0.0f;
+                    for (int l = 0; l < m; ++l) s += X[j * ld + l] * R[l * w + c];
+                    Cx[e] += s;
+                }
+                __syncthreads();
+            }
+            for (int e = tid; e < mw; e += NYS_THREADS) {
+                const int j = e / w, c = c0 + e % w;
+                cb[j * dv + c] = Cx[e];
+                fb[j * dv + c] = sv[j] * Cx[e];
+            }
+            for (int c = tid; c < w; c += NYS_THREADS) {
+                float s = 0.0f;
+                if (p.injective)
+                    for (int j = 0; j < m; ++j) s += Cx[j * w + c];
+                fb[md + c0 + c] = s / (float)m;
+            }
+            // R and Cx are rewritten by the next columns.
+            __syncthreads();
+        }
+        float* ib = p.inverse + bh * m * m;
+        for (int e = tid; e < m * m; e += NYS_THREADS) ib[e] = X[(e / m) * ld + e % m];
+        // The next bh of this block reuses every buffer.
+        __syncthreads();
+    }
+}
+
+// Pass 3: one block per (row tile, bh). out (B, N, heads, d_v), contiguous, the input
+// dtype: out[i] = (C[i] - rowmean C[i]) fold + b, or C[i] context for 'none'.
+template <typename T, int KIND>
+__global__ void __launch_bounds__(NYS_THREADS) nys_forward_out(const nys_params p) {
+    __shared__ float xs[NYS_TK][NYS_TN + 1];
+    __shared__ float ys[NYS_TK][NYS_MP + 1];
+    __shared__ float ct[NYS_TN][NYS_MP + 1];
+    __shared__ float fp[NYS_MP][NYS_DV + 1];
+    __shared__ float bv[NYS_DV];
+    __shared__ float rm[NYS_TN];
+    constexpr int R = NYS_TN / NYS_TY;
+    const int tx = threadIdx.x, ty = threadIdx.y, tid = nys_tid();
+    const int n = p.n, m = p.m, dv = p.dv, heads = p.heads;
+    const int tiles = (n + NYS_TN - 1) / NYS_TN;
+    T* out = static_cast<T*>(p.out);
+
+    for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y) {
+        const T* qb = nys_in<T>(p.q, bh, heads);
+        const T* lb = nys_in<T>(p.L, bh, heads);
+        const float* fb = p.fold + bh * (long long)(m + 1) * dv;
+        for (int e = tid; e < m * dv; e += NYS_THREADS) fp[e / dv][e % dv] = fb[e];
+        for (int c = tid; c < dv; c += NYS_THREADS) bv[c] = fb[m * dv + c];
+        const long long batch = bh / heads, head = bh % heads;
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            const int row0 = tile * NYS_TN, nrows = min(NYS_TN, n - row0);
+            // fp and bv are complete after the barriers inside nys_kernel_tile.
+            nys_kernel_tile<NYS_TN, T, KIND>(qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
+                                             p.L.sn, p.L.sd, m, p.d, p.neg_inv_lam, xs, ys, ct);
+            if (p.injective) nys_row_means<NYS_TN>(ct, nrows, m, rm);
+            float acc[R][NYS_CV];
+            nys_zero(acc);
+            for (int j = 0; j < m; ++j) {
+                float cr[R], fc[NYS_CV];
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const int i = ty + NYS_TY * r;
+                    cr[r] = p.injective ? ct[i][j] - rm[i] : ct[i][j];
+                }
+#pragma unroll
+                for (int c = 0; c < NYS_CV; ++c) fc[c] = fp[j][tx + NYS_TX * c];
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int c = 0; c < NYS_CV; ++c) acc[r][c] += cr[r] * fc[c];
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int i = ty + NYS_TY * r;
+                if (i >= nrows) continue;
+                T* ob = out + ((batch * n + row0 + i) * heads + head) * dv;
+#pragma unroll
+                for (int c = 0; c < NYS_CV; ++c) {
+                    const int e = tx + NYS_TX * c;
+                    if (e < dv) lap_store(ob + e, acc[r][c] + bv[e]);
+                }
+            }
+            // ct and rm are rewritten by the next tile after its staging barrier.
+        }
+        // fp and bv are reloaded for the next bh.
+        __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Backward. G is the gradient of out, (B, N, heads, d_v), operand p.g.
+// ---------------------------------------------------------------------------
+
+// Pass A: one block per (row slice, bh): part[bh, split] = [T = c~^T G (m x d_v),
+// colsum(G) (d_v)] over the slice's rows (T = C_q^T G for 'none').
+template <typename T, int KIND>
+__global__ void __launch_bounds__(NYS_THREADS) nys_backward_reduce(const nys_params p) {
+    __shared__ float xs[NYS_TK][NYS_TN + 1];
+    __shared__ float ys[NYS_TK][NYS_MP + 1];
+    __shared__ float ct[NYS_TN][NYS_MP + 1];
+    __shared__ float gt[NYS_TN][NYS_DV + 1];
+    __shared__ float rm[NYS_TN];
+    const int tid = nys_tid();
+    const int m = p.m, dv = p.dv;
+    const int split = blockIdx.x, splits = gridDim.x;
+    const int row_begin = split * p.chunk, row_end = min(p.n, row_begin + p.chunk);
+    const long long part_stride = (long long)m * dv + dv;
+
+    for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y) {
+        const T* gb = nys_in<T>(p.g, bh, p.heads);
+        const T* qb = nys_in<T>(p.q, bh, p.heads);
+        const T* lb = nys_in<T>(p.L, bh, p.heads);
+        float acc[NYS_RM][NYS_CV];
+        nys_zero(acc);
+        float gsum = 0.0f;  // column tid of G (threads tid < d_v)
+        for (int row0 = row_begin; row0 < row_end; row0 += NYS_TN) {
+            const int nrows = min(NYS_TN, row_end - row0);
+            nys_kernel_tile<NYS_TN, T, KIND>(qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
+                                             p.L.sn, p.L.sd, m, p.d, p.neg_inv_lam, xs, ys, ct);
+            if (p.injective) {
+                nys_row_means<NYS_TN>(ct, nrows, m, rm);
+                for (int e = tid; e < NYS_TN * NYS_MP; e += NYS_THREADS) {
+                    const int i = e / NYS_MP, j = e % NYS_MP;
+                    if (i < nrows && j < m) ct[i][j] -= rm[i];
+                }
+            }
+            nys_load_rows<NYS_TN, NYS_DV, T>(gb + row0 * p.g.sn, p.g.sn, p.g.sd, nrows, dv, gt);
+            __syncthreads();
+            nys_acc_atb(ct, gt, nrows, acc);
+            if (tid < dv)
+                for (int i = 0; i < nrows; ++i) gsum += gt[i][tid];
+            // ct and gt are rewritten by the next tile.
+            __syncthreads();
+        }
+        float* pb = p.part + (bh * splits + split) * part_stride;
+        nys_store_atb(acc, m, dv, pb);
+        if (tid < dv) pb[m * dv + tid] = gsum;
+    }
+}
+
+// Pass B0: one block per bh. work[bh] = [dR (m x d_v), a (m), dL through P (m x d)].
+//
+// Dynamic shared memory (floats): k(L, L) (m x m); X (m x m), then dP (m x (m + 1));
+// the context, dcontext and dR for solve_cols value columns at a time (m x (solve_cols
+// + 1) each: the odd row stride keeps the dP loop's reads of the context in distinct
+// banks); the scale and a (NYS_MP each); colsum(G) (solve_cols);
+// _cuda_launch.backward_solve_smem sizes it. dP sums over every value column, so each
+// thread keeps its dP elements in registers across the column passes.
+template <typename T, int KIND>
+__global__ void __launch_bounds__(NYS_THREADS) nys_backward_solve(const nys_params p) {
+    LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
+    const int m = p.m, dv = p.dv, d = p.d, cw = p.solve_cols, lc = cw + 1;
+    float* K = reinterpret_cast<float*>(smem_bytes);   // k(L, L), later (dP + dP^T) * k
+    float* X = K + m * m;                              // X, later dP (row stride m + 1)
+    float* Cx = X + m * (m + 1);
+    float* Dc = Cx + m * lc;
+    float* DR = Dc + m * lc;
+    float* sv = DR + m * lc;
+    float* av = sv + NYS_MP;
+    float* gs = av + NYS_MP;
+    const int tid = nys_tid();
+    const int md = m * dv;
+    const long long part_stride = (long long)md + dv;
+    const long long work_stride = (long long)md + m + (long long)m * d;
+
+    for (long long bh = blockIdx.x; bh < p.bh_count; bh += gridDim.x) {
+        const T* lb = nys_in<T>(p.L, bh, p.heads);
+        const float* pb = p.part + bh * p.splits * part_stride;
+        const float* cb = p.context + bh * md;
+        float* wb = p.work + bh * work_stride;
+        for (int e = tid; e < m * m; e += NYS_THREADS) {
+            const int r = e / m, c = e % m;
+            float dist = 0.0f;
+            for (int t = 0; t < d; ++t)
+                dist += nys_term<KIND>(lap_load(lb + r * p.L.sn + t * p.L.sd) -
+                                       lap_load(lb + c * p.L.sn + t * p.L.sd));
+            K[e] = lap_exp(dist * p.neg_inv_lam);
+            X[e] = p.inverse[bh * m * m + e];
+        }
+        if (tid < m) sv[tid] = p.injective ? p.stats[bh * 2 * m + m + tid] : 1.0f;
+        // a_j = s_j^3 sum_e T_je context_je / N, summed over the passes in column order.
+        float ds = 0.0f;
+        float dp[NYS_DPR];
+#pragma unroll
+        for (int r = 0; r < NYS_DPR; ++r) dp[r] = 0.0f;
+        for (int c0 = 0; c0 < dv; c0 += cw) {
+            const int w = min(cw, dv - c0), mw = m * w;
+            for (int e = tid; e < mw; e += NYS_THREADS) {
+                const int j = e / w, c = e % w;
+                float s = 0.0f;
+                for (int sp = 0; sp < p.splits; ++sp) s += pb[sp * part_stride + j * dv + c0 + c];
+                Dc[j * lc + c] = s;                        // T, until dcontext replaces it
+                Cx[j * lc + c] = cb[j * dv + c0 + c];
+            }
+            for (int c = tid; c < w; c += NYS_THREADS) {
+                float s = 0.0f;
+                for (int sp = 0; sp < p.splits; ++sp) s += pb[sp * part_stride + md + c0 + c];
+                gs[c] = s;
+            }
+            __syncthreads();
+            if (p.injective) {
+                if (tid < m)
+                    for (int c = 0; c < w; ++c) ds += Dc[tid * lc + c] * Cx[tid * lc + c];
+                __syncthreads();
+                for (int e = tid; e < mw; e += NYS_THREADS) {
+                    const int j = e / w, c = e % w;
+                    Dc[j * lc + c] = sv[j] * Dc[j * lc + c] + gs[c] / (float)m;
+                }
+                __syncthreads();
+            }
+            for (int e = tid; e < mw; e += NYS_THREADS) {
+                const int j = e / w, c = e % w;
+                float s = 0.0f;
+                for (int l = 0; l < m; ++l) s += X[j * m + l] * Dc[l * lc + c];
+                DR[j * lc + c] = s;
+            }
+            __syncthreads();
+            if (p.refine) {
+                for (int e = tid; e < mw; e += NYS_THREADS) {
+                    const int j = e / w, c = e % w;
+                    double s = (double)Dc[j * lc + c];
+                    for (int l = 0; l < m; ++l)
+                        s -= ((double)K[j * m + l] + (j == l ? (double)p.eps : 0.0)) *
+                             (double)DR[l * lc + c];
+                    Dc[j * lc + c] = (float)s;
+                }
+                __syncthreads();
+                for (int e = tid; e < mw; e += NYS_THREADS) {
+                    const int j = e / w, c = e % w;
+                    float s = 0.0f;
+                    for (int l = 0; l < m; ++l) s += X[j * m + l] * Dc[l * lc + c];
+                    DR[j * lc + c] += s;
+                }
+                __syncthreads();
+            }
+            // dP = -dR context^T, summed over the value columns in order.
+#pragma unroll
+            for (int r = 0; r < NYS_DPR; ++r) {
+                const int e = tid + r * NYS_THREADS;
+                if (e < m * m) {
+                    const int j = e / m, l = e % m;
+                    float s = dp[r];
+                    for (int c = 0; c < w; ++c) s += DR[j * lc + c] * Cx[l * lc + c];
+                    dp[r] = s;
+                }
+            }
+            for (int e = tid; e < mw; e += NYS_THREADS) {
+                const int j = e / w, c = e % w;
+                wb[j * dv + c0 + c] = DR[j * lc + c];
+            }
+            // Cx, Dc, DR and gs are rewritten by the next columns.
+            __syncthreads();
+        }
+        // X is no longer needed: dP takes its place.
+#pragma unroll
+        for (int r = 0; r < NYS_DPR; ++r) {
+            const int e = tid + r * NYS_THREADS;
+            if (e < m * m) X[(e / m) * (m + 1) + e % m] = -dp[r];
+        }
+        __syncthreads();
+        // L is both operands of the symmetric k(L, L): the weight is (dP + dP^T) * k.
+        for (int e = tid; e < m * m; e += NYS_THREADS) {
+            const int j = e / m, l = e % m;
+            K[e] *= X[j * (m + 1) + l] + X[l * (m + 1) + j];
+        }
+        __syncthreads();
+        if (tid < m) {
+            const float s = sv[tid];
+            wb[md + tid] = p.injective ? s * s * s * ds / (float)p.n : 0.0f;
+        }
+        for (int e = tid; e < m * d; e += NYS_THREADS) {
+            const int j = e / d, t = e % d;
+            const float a = lap_load(lb + j * p.L.sn + t * p.L.sd);
+            float s = 0.0f;
+            for (int l = 0; l < m; ++l)
+                s += nys_dphi<KIND>(a, lap_load(lb + l * p.L.sn + t * p.L.sd), K[j * m + l]);
+            wb[md + m + e] = p.neg_coef * s;
+        }
+        // The next bh of this block reuses every buffer.
+        __syncthreads();
+    }
+}
+
+// dgrad[i, t] = neg_coef * sum_j w[i][j] phi'(x[i, t] - L[j, t]) for the tile's rows,
+// written in the input dtype to dx (row and column strides dxsn, dxsd), and the landmarks'
+// share -neg_coef * sum_i (...) added to the slice's fp32 partial lp (m x d; written, not
+// added, when `first`). Stages x and L chunk by chunk through xs, ys.
+template <typename T, int KIND>
+__device__ void nys_kernel_grads(const T* __restrict__ x, long long xsn, long long xsd,
+                                 int nrows, const T* __restrict__ L, long long lsn,
+                                 long long lsd, int m, int d, float (*w)[NYS_MP + 1],
+                                 float neg_coef, T* __restrict__ dx, long long dxsn,
+                                 long long dxsd, float* __restrict__ lp, bool first,
+                                 float (*xs)[NYS_TB + 1], float (*ys)[NYS_MP + 1]) {
+    const int tx = threadIdx.x, ty = threadIdx.y, tid = nys_tid();
+    for (int k0 = 0; k0 < d; k0 += NYS_TK) {
+        for (int e = tid; e < NYS_TB * NYS_TK; e += NYS_THREADS) {
+            const int r = e / NYS_TK, kk = e % NYS_TK;
+            xs[kk][r] = (r < nrows && k0 + kk < d) ? lap_load(x + r * xsn + (k0 + kk) * xsd) : 0.0f;
+        }
+        for (int e = tid; e < NYS_MP * NYS_TK; e += NYS_THREADS) {
+            const int j = e / NYS_TK, kk = e % NYS_TK;
+            ys[kk][j] = (j < m && k0 + kk < d) ? lap_load(L + j * lsn + (k0 + kk) * lsd) : 0.0f;
+        }
+        __syncthreads();
+        const int t = k0 + tx;
+        if (t < d) {
+#pragma unroll
+            for (int r = 0; r < NYS_TB / NYS_TY; ++r) {
+                const int i = ty + NYS_TY * r;
+                if (i >= nrows) continue;
+                const float xi = xs[tx][i];
+                float s = 0.0f;
+                for (int j = 0; j < m; ++j) s += nys_dphi<KIND>(xi, ys[tx][j], w[i][j]);
+                lap_store(dx + i * dxsn + t * dxsd, neg_coef * s);
+            }
+#pragma unroll
+            for (int r = 0; r < NYS_RM; ++r) {
+                const int j = ty + NYS_TY * r;
+                if (j >= m) continue;
+                const float lj = ys[tx][j];
+                float s = 0.0f;
+                for (int i = 0; i < nrows; ++i) s += nys_dphi<KIND>(xs[tx][i], lj, w[i][j]);
+                float* dst = lp + j * (long long)d + t;
+                *dst = first ? -neg_coef * s : *dst - neg_coef * s;
+            }
+        }
+        // xs and ys are restaged for the next chunk.
+        __syncthreads();
+    }
+}
+
+// Pass B: one block per (row slice, bh). grad_q, grad_k (B, h, N, d) and grad_v
+// (B, h, N, d_v) in the input dtype; lpart[bh, split] (m x d, fp32) the landmarks'
+// gradient through C_q and C_k over the slice's rows.
+//
+// Dynamic shared memory (floats, fixed by the variant):
+// 2 NYS_MP (NYS_DV + 1) + 2 NYS_TB (NYS_MP + 1) + 2 NYS_TB (NYS_DW + 1)
+// + NYS_TK (NYS_TB + 1) + NYS_TK (NYS_MP + 1) + 3 NYS_MP + 2 NYS_TB, as laid out below;
+// _cuda_launch.grads_smem is the same number of bytes.
+template <typename T, int KIND>
+__global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_params p) {
+    LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
+    typedef float RowM[NYS_MP + 1];
+    typedef float RowV[NYS_DV + 1];
+    typedef float RowW[NYS_DW + 1];
+    typedef float RowB[NYS_TB + 1];
+    RowV* cx = reinterpret_cast<RowV*>(smem_bytes);   // context
+    RowV* dr = cx + NYS_MP;                            // dR
+    RowM* cq = reinterpret_cast<RowM*>(dr + NYS_MP);   // C_q tile
+    RowM* wq = cq + NYS_TB;                            // dc~, then dC_q * C_q (+ dC_k * C_q)
+    RowW* gt = reinterpret_cast<RowW*>(wq + NYS_TB);   // G, then dC_k * C_k (separate keys)
+    RowW* vt = gt + NYS_TB;                            // v, then the C_k tile
+    RowB* xs = reinterpret_cast<RowB*>(vt + NYS_TB);
+    RowM* ys = reinterpret_cast<RowM*>(xs + NYS_TK);
+    float* sv = reinterpret_cast<float*>(ys + NYS_TK);
+    float* mu = sv + NYS_MP;
+    float* av = mu + NYS_MP;
+    float* rm = av + NYS_MP;
+    float* rm2 = rm + NYS_TB;
+    // gt and vt double as landmark-wide tiles: rows of NYS_DW >= NYS_MP floats.
+    RowM* wk = reinterpret_cast<RowM*>(gt);
+    RowM* ck = reinterpret_cast<RowM*>(vt);
+    constexpr int R = NYS_TB / NYS_TY;
+    const int tx = threadIdx.x, ty = threadIdx.y, tid = nys_tid();
+    const int m = p.m, d = p.d, dv = p.dv, injective = p.injective;
+    const float neg_coef = p.neg_coef;
+    const int split = blockIdx.x, splits = gridDim.x;
+    const int row_begin = split * p.chunk, row_end = min(p.n, row_begin + p.chunk);
+    const int md = m * dv;
+    const long long work_stride = (long long)md + m + (long long)m * d;
+    const bool tied = p.k.ptr == nullptr;
+
+    for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y) {
+        const T* gb = nys_in<T>(p.g, bh, p.heads);
+        const T* qb = nys_in<T>(p.q, bh, p.heads);
+        const T* kb = tied ? nullptr : nys_in<T>(p.k, bh, p.heads);
+        const T* vb = nys_in<T>(p.v, bh, p.heads);
+        const T* lb = nys_in<T>(p.L, bh, p.heads);
+        const float* wb = p.work + bh * work_stride;
+        T* dqb = nys_out<T>(p.grad_q, bh, p.heads);
+        T* dkb = tied ? nullptr : nys_out<T>(p.grad_k, bh, p.heads);
+        T* dvb = nys_out<T>(p.grad_v, bh, p.heads);
+        for (int e = tid; e < NYS_MP * NYS_DV; e += NYS_THREADS) {
+            const int j = e / NYS_DV, c = e % NYS_DV;
+            const bool in = j < m && c < dv;
+            cx[j][c] = in ? p.context[bh * md + j * dv + c] : 0.0f;
+            dr[j][c] = in ? wb[j * dv + c] : 0.0f;
+        }
+        for (int j = tid; j < NYS_MP; j += NYS_THREADS) {
+            const bool in = injective && j < m;
+            mu[j] = in ? p.stats[bh * 2 * m + j] : 0.0f;
+            sv[j] = in ? p.stats[bh * 2 * m + m + j] : 0.0f;
+            av[j] = in ? wb[md + j] : 0.0f;
+        }
+        float* lp = p.lpart + (bh * splits + split) * (long long)m * d;
+        for (int row0 = row_begin; row0 < row_end; row0 += NYS_TB) {
+            const int nrows = min(NYS_TB, row_end - row0);
+            const bool first = row0 == row_begin;
+            // cx, dr and the vectors are complete after the barriers inside.
+            nys_kernel_tile<NYS_TB, T, KIND>(qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
+                                             p.L.sn, p.L.sd, m, d, p.neg_inv_lam, xs, ys, cq);
+            nys_load_rows<NYS_TB, NYS_DW, T>(gb + row0 * p.g.sn, p.g.sn, p.g.sd, nrows, dv, gt);
+            nys_load_rows<NYS_TB, NYS_DW, T>(vb + row0 * p.v.sn, p.v.sn, p.v.sd, nrows, dv, vt);
+            if (injective)
+                nys_row_means<NYS_TB>(cq, nrows, m, rm);
+            else
+                __syncthreads();
+            // G context^T -> dc~, and dC_k = v dR^T, for the thread's rows and landmarks.
+            float dck[R][NYS_CM];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int i = ty + NYS_TY * r;
+#pragma unroll
+                for (int c = 0; c < NYS_CM; ++c) {
+                    const int j = tx + NYS_TX * c;
+                    float gc = 0.0f, vd = 0.0f;
+                    for (int e = 0; e < dv; ++e) {
+                        gc += gt[i][e] * cx[j][e];
+                        vd += vt[i][e] * dr[j][e];
+                    }
+                    const bool in = i < nrows && j < m;
+                    float dct = gc;
+                    if (injective) dct = sv[j] * gc - av[j] * (cq[i][j] - rm[i] - mu[j]);
+                    wq[i][j] = in ? dct : 0.0f;
+                    dck[r][c] = in ? vd : 0.0f;
+                }
+            }
+            // wq is complete, and every thread is done with gt and vt.
+            __syncthreads();
+            if (injective) nys_row_means<NYS_TB>(wq, nrows, m, rm2);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int i = ty + NYS_TY * r;
+#pragma unroll
+                for (int c = 0; c < NYS_CM; ++c) {
+                    const int j = tx + NYS_TX * c;
+                    const float dcq = injective && j < m && i < nrows ? wq[i][j] - rm2[i] : wq[i][j];
+                    if (tied) {
+                        wq[i][j] = (dcq + dck[r][c]) * cq[i][j];
+                    } else {
+                        wq[i][j] = dcq * cq[i][j];
+                        wk[i][j] = dck[r][c];
+                    }
+                }
+            }
+            if (!tied)
+                // The C_k tile goes to vt's place after the staging barrier inside.
+                nys_kernel_tile<NYS_TB, T, KIND>(kb + row0 * p.k.sn, p.k.sn, p.k.sd, nrows, lb,
+                                                 p.L.sn, p.L.sd, m, d, p.neg_inv_lam, xs, ys, ck);
+            else
+                __syncthreads();
+            // dv = C_k dR for the thread's rows and value columns.
+            RowM* cv = tied ? cq : ck;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int i = ty + NYS_TY * r;
+                if (i >= nrows) continue;
+                float acc[NYS_CV];
+#pragma unroll
+                for (int c = 0; c < NYS_CV; ++c) acc[c] = 0.0f;
+                for (int j = 0; j < m; ++j) {
+                    const float c_ij = cv[i][j];
+#pragma unroll
+                    for (int c = 0; c < NYS_CV; ++c) acc[c] += c_ij * dr[j][tx + NYS_TX * c];
+                }
+                T* dvi = dvb + (row0 + i) * p.grad_v.sn;
+#pragma unroll
+                for (int c = 0; c < NYS_CV; ++c) {
+                    const int e = tx + NYS_TX * c;
+                    if (e < dv) lap_store(dvi + e * p.grad_v.sd, acc[c]);
+                }
+            }
+            if (!tied) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const int i = ty + NYS_TY * r;
+#pragma unroll
+                    for (int c = 0; c < NYS_CM; ++c) {
+                        const int j = tx + NYS_TX * c;
+                        wk[i][j] *= ck[i][j];
+                    }
+                }
+            }
+            // wq and wk are complete; the staging below overwrites only xs and ys.
+            __syncthreads();
+            nys_kernel_grads<T, KIND>(qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb, p.L.sn,
+                                      p.L.sd, m, d, wq, neg_coef, dqb + row0 * p.grad_q.sn,
+                                      p.grad_q.sn, p.grad_q.sd, lp, first, xs, ys);
+            if (!tied)
+                nys_kernel_grads<T, KIND>(kb + row0 * p.k.sn, p.k.sn, p.k.sd, nrows, lb, p.L.sn,
+                                          p.L.sd, m, d, wk, neg_coef, dkb + row0 * p.grad_k.sn,
+                                          p.grad_k.sn, p.grad_k.sd, lp, false, xs, ys);
+        }
+    }
+}
+
+// Pass B1: one block per bh. grad_l (B, h, m, d), the input dtype: the part through P
+// plus the slices' partials in slice order.
+template <typename T>
+__global__ void __launch_bounds__(NYS_THREADS) nys_backward_landmarks(const nys_params p) {
+    const int m = p.m, d = p.d;
+    const long long md = (long long)m * d;
+    const long long work_stride = (long long)m * p.dv + m + md;
+    for (long long bh = blockIdx.x; bh < p.bh_count; bh += gridDim.x) {
+        const float* pb = p.lpart + bh * p.splits * md;
+        const float* wb = p.work + bh * work_stride + (long long)m * p.dv + m;
+        T* db = nys_out<T>(p.grad_l, bh, p.heads);
+        for (long long e = nys_tid(); e < md; e += NYS_THREADS) {
+            float s = wb[e];
+            for (int sp = 0; sp < p.splits; ++sp) s += pb[sp * md + e];
+            lap_store(db + (e / d) * p.grad_l.sn + (e % d) * p.grad_l.sd, s);
+        }
+    }
+}
