@@ -82,33 +82,46 @@ class SameColourTask:
             todo = todo[~far]
         return centres
 
-    def sample(self, num, generator):
-        """``num`` images (num, 3, S, S) in [0, 1] and labels (num,) from ``generator``."""
-        size = self.image_size
+    def layout(self, num, generator):
+        """The scenes of ``num`` images, drawn from ``generator``: a dict of ``labels``
+        (num,), ``hues`` (num, 2) indices into :data:`HUES`, ``centres`` (num, 2, 2) as
+        (y, x), ``radii`` (num, 2) and ``squares`` (num, 2) bools (else circles)."""
         labels = torch.randint(0, 2, (num,), generator=generator)
         first = torch.randint(0, len(HUES), (num,), generator=generator)
         # A different hue: an offset of 1..5 around the wheel.
         offset = torch.randint(1, len(HUES), (num,), generator=generator)
         second = torch.where(labels.bool(), first, (first + offset) % len(HUES))
-        hues = torch.stack([first, second], dim=1)  # (num, 2)
-        centres = self._centres(num, generator)  # (num, 2, 2)
+        centres = self._centres(num, generator)
         low, high = self.radius
         radii = low + (high - low) * torch.rand(num, 2, generator=generator)
         squares = torch.rand(num, 2, generator=generator) < 0.5
+        return dict(labels=labels, hues=torch.stack([first, second], dim=1),
+                    centres=centres, radii=radii, squares=squares)
+
+    def render(self, scenes, generator):
+        """Images (num, 3, S, S) in [0, 1] of :meth:`layout`'s ``scenes``; the
+        background noise is drawn from ``generator``."""
+        size = self.image_size
+        num = len(scenes['labels'])
         images = (self.background
                   + self.noise * torch.randn(num, 3, size, size, generator=generator))
         coords = torch.arange(size, dtype=torch.float32)
+        centres = scenes['centres']
         dy = coords.view(1, 1, size, 1) - centres[..., 0, None, None]  # (num, 2, S, 1)
         dx = coords.view(1, 1, 1, size) - centres[..., 1, None, None]  # (num, 2, 1, S)
-        r = radii[..., None, None]
-        inside = torch.where(squares[..., None, None],
+        r = scenes['radii'][..., None, None]
+        inside = torch.where(scenes['squares'][..., None, None],
                              torch.maximum(dy.abs(), dx.abs()) <= r,
                              dy * dy + dx * dx <= r * r)  # (num, 2, S, S)
         for obj in range(2):
-            colour = HUES[hues[:, obj]][:, :, None, None]  # (num, 3, 1, 1)
-            mask = inside[:, obj, None]
-            images = torch.where(mask, colour, images)
-        return images.clamp_(0.0, 1.0), labels
+            colour = HUES[scenes['hues'][:, obj]][:, :, None, None]  # (num, 3, 1, 1)
+            images = torch.where(inside[:, obj, None], colour, images)
+        return images.clamp_(0.0, 1.0)
+
+    def sample(self, num, generator):
+        """``num`` images (num, 3, S, S) in [0, 1] and labels (num,) from ``generator``."""
+        scenes = self.layout(num, generator)
+        return self.render(scenes, generator), scenes['labels']
 
     def describe(self):
         return (f'same_colour: {self.image_size}x{self.image_size}, 2 objects of radius '

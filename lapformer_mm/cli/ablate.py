@@ -53,8 +53,11 @@ def parse_args(argv=None):
     toy.add_argument('--val-size', type=int, default=2000,
                      help='images of the fixed validation set')
     toy.add_argument('--early-step', type=int, default=None,
-                     help='step of the early accuracy column (default: steps // 3)')
+                     help='step of the early accuracy column (default: steps // 2)')
     toy.add_argument('--log-every', type=int, default=100, help='progress interval (steps)')
+    toy.add_argument('--resume', action='store_true',
+                     help='keep the finished runs of an interrupted sweep with the same '
+                     'settings (runs.partial.json under --out) and run only the others')
     toy.add_argument('--threads', type=int, default=None,
                      help="torch's intra-op threads (default: torch's own choice); 1 is "
                      'faster on a loaded machine')
@@ -77,7 +80,7 @@ def parse_args(argv=None):
     if args.threads is not None and args.threads < 1:
         parser.error(f'--threads must be >= 1, got {args.threads}')
     if args.early_step is None:
-        args.early_step = max(1, args.steps // 3)
+        args.early_step = max(1, args.steps // 2)
     elif not 1 <= args.early_step <= args.steps:
         parser.error(f'--early-step must be in [1, --steps={args.steps}], got '
                      f'{args.early_step}')
@@ -92,6 +95,25 @@ def parse_args(argv=None):
 
 def _now():
     return datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')
+
+
+# The settings that make runs of two sweeps the same runs.
+RUN_SETTINGS = ('task', 'steps', 'warmup', 'batch_size', 'lr', 'val_size', 'early_step')
+
+
+def _resumable_runs(path, settings):
+    """{(variant, seed): run} of ``path`` (runs.partial.json), if it was written with
+    the same :data:`RUN_SETTINGS`; else none, with a message why."""
+    if not osp.exists(path):
+        return {}
+    with open(path) as f:
+        saved = json.load(f)
+    differ = [key for key in RUN_SETTINGS if saved['settings'].get(key) != settings[key]]
+    if differ:
+        print(f'--resume: {path} has other settings ({", ".join(differ)}); starting over',
+              flush=True)
+        return {}
+    return {(run['variant'], run['seed']): run for run in saved['runs']}
 
 
 def run_toy(args):
@@ -114,10 +136,17 @@ def run_toy(args):
           f'{args.steps} steps each, {torch.get_num_threads()} thread(s)', flush=True)
     val_set = validation_set(task, args.val_size)
     os.makedirs(args.out, exist_ok=True)
+    partial = osp.join(args.out, 'runs.partial.json')
+    done = _resumable_runs(partial, settings) if args.resume else {}
     runs, start = [], time.perf_counter()
-    for name, attn_cfg in args.variant_cfgs:
-        for seed in seeds:
+    # Seed-major: an interrupted sweep has the same seeds of every variant.
+    for seed in seeds:
+        for name, attn_cfg in args.variant_cfgs:
             prefix = f'[{len(runs) + 1}/{total} {name} seed {seed}]'
+            if (name, seed) in done:
+                runs.append(done.pop((name, seed)))
+                print(f'{prefix} kept from {partial}', flush=True)
+                continue
             run = train_run(task, attn_cfg, seed, args.steps, val_set, warmup=args.warmup,
                             batch_size=args.batch_size, lr=args.lr,
                             early_step=args.early_step, log_every=args.log_every,
@@ -128,16 +157,18 @@ def run_toy(args):
                         else f"took off at step {run['takeoff_step']}")
             print(f"{prefix} final acc {100 * run['final_acc']:.1f} %, {took_off}, "
                   f"{run['seconds']:.0f} s", flush=True)
-            # Partial results survive an interrupted sweep.
-            with open(osp.join(args.out, 'runs.partial.json'), 'w') as f:
-                json.dump(dict(settings=settings, runs=runs), f)
+            # Partial results survive an interrupted sweep (--resume).
+            with open(partial, 'w') as f:
+                # Kept runs not reached yet stay in the file.
+                json.dump(dict(settings=settings, runs=runs + list(done.values())), f)
     settings.update(finished=_now(), seconds=time.perf_counter() - start,
                     load_average_end=os.getloadavg())
     table, paths = write_report(
         runs, args.out, settings,
         plot_title=f"{settings['task']}: {args.steps} steps, warm-up {args.warmup}, "
         f'{len(seeds)} seeds')
-    os.remove(osp.join(args.out, 'runs.partial.json'))
+    if osp.exists(partial):
+        os.remove(partial)
     print(table)
     print(f"{total} runs in {settings['seconds'] / 60:.1f} min; wrote "
           + ', '.join(paths.values()))
