@@ -235,3 +235,23 @@ def test_collect_without_finished_runs_fails(tmp_path, capsys):
     assert ablate.main(['--config', TOY_CLS_CONFIG, '--seeds', '1', '--out',
                         str(tmp_path), '--collect']) == 1
     assert 'no finished run to collect' in capsys.readouterr().err
+
+
+def test_report_only_writes_the_finished_runs_of_an_interrupted_sweep(tmp_path, capsys):
+    out = tmp_path / 'ablate'
+    out.mkdir()
+    settings = dict(task='same_colour', steps=2, warmup=1, batch_size=2, lr=1e-3,
+                    val_size=4, early_step=1, started='2026-12-01 21:00 UTC')
+    fake = dict(variant='noglobal', seed=1, attn_cfg={'global_term': False},
+                losses=[0.7, 0.7], takeoff_step=None, early_step=1, early_acc=0.5,
+                final_acc=0.5, seconds=2.0)
+    (out / 'runs.partial.json').write_text(json.dumps(dict(settings=settings, runs=[fake])))
+    args = ['--seeds', '2', '--steps', '2', '--warmup', '1', '--batch-size', '2',
+            '--val-size', '4', '--out', str(out), '--resume', '--report-only']
+    assert ablate.main(args) == 0
+    assert 'not run (--report-only)' in capsys.readouterr().out
+    data = json.loads((out / 'runs.json').read_text())
+    assert [(r['variant'], r['seed']) for r in data['runs']] == [('noglobal', 1)]
+    assert data['settings']['missing'] == [['default', 0], ['noglobal', 0], ['default', 1]]
+    assert data['settings']['started'] == '2026-12-01 21:00 UTC'
+    assert (out / 'runs.partial.json').exists()

@@ -58,6 +58,8 @@ def parse_args(argv=None):
     toy.add_argument('--resume', action='store_true',
                      help='keep the finished runs of an interrupted sweep with the same '
                      'settings (runs.partial.json under --out) and run only the others')
+    toy.add_argument('--report-only', action='store_true',
+                     help='with --resume: write the report of the finished runs, train none')
     toy.add_argument('--threads', type=int, default=None,
                      help="torch's intra-op threads (default: torch's own choice); 1 is "
                      'faster on a loaded machine')
@@ -86,6 +88,8 @@ def parse_args(argv=None):
                      f'{args.early_step}')
     if args.config is None and (args.run or args.collect):
         parser.error('--run and --collect need --config')
+    if args.report_only and not args.resume:
+        parser.error('--report-only needs --resume')
     try:
         args.variant_cfgs = parse_variants(args.variants)
     except ValueError as err:
@@ -102,18 +106,18 @@ RUN_SETTINGS = ('task', 'steps', 'warmup', 'batch_size', 'lr', 'val_size', 'earl
 
 
 def _resumable_runs(path, settings):
-    """{(variant, seed): run} of ``path`` (runs.partial.json), if it was written with
-    the same :data:`RUN_SETTINGS`; else none, with a message why."""
+    """({(variant, seed): run}, settings) of ``path`` (runs.partial.json), if it was
+    written with the same :data:`RUN_SETTINGS`; else none, with a message why."""
     if not osp.exists(path):
-        return {}
+        return {}, {}
     with open(path) as f:
         saved = json.load(f)
     differ = [key for key in RUN_SETTINGS if saved['settings'].get(key) != settings[key]]
     if differ:
         print(f'--resume: {path} has other settings ({", ".join(differ)}); starting over',
               flush=True)
-        return {}
-    return {(run['variant'], run['seed']): run for run in saved['runs']}
+        return {}, {}
+    return {(run['variant'], run['seed']): run for run in saved['runs']}, saved['settings']
 
 
 def run_toy(args):
@@ -137,7 +141,7 @@ def run_toy(args):
     val_set = validation_set(task, args.val_size)
     os.makedirs(args.out, exist_ok=True)
     partial = osp.join(args.out, 'runs.partial.json')
-    done = _resumable_runs(partial, settings) if args.resume else {}
+    done, saved_settings = _resumable_runs(partial, settings) if args.resume else ({}, {})
     runs, start = [], time.perf_counter()
     # Seed-major: an interrupted sweep has the same seeds of every variant.
     for seed in seeds:
@@ -146,6 +150,10 @@ def run_toy(args):
             if (name, seed) in done:
                 runs.append(done.pop((name, seed)))
                 print(f'{prefix} kept from {partial}', flush=True)
+                continue
+            if args.report_only:
+                settings.setdefault('missing', []).append([name, seed])
+                print(f'{prefix} not run (--report-only)', flush=True)
                 continue
             run = train_run(task, attn_cfg, seed, args.steps, val_set, warmup=args.warmup,
                             batch_size=args.batch_size, lr=args.lr,
@@ -161,13 +169,22 @@ def run_toy(args):
             with open(partial, 'w') as f:
                 # Kept runs not reached yet stay in the file.
                 json.dump(dict(settings=settings, runs=runs + list(done.values())), f)
-    settings.update(finished=_now(), seconds=time.perf_counter() - start,
-                    load_average_end=os.getloadavg())
+    if not runs:
+        print(f'no finished run in {partial}', file=sys.stderr)
+        return 1
+    if args.report_only:
+        # The sweep's own times, not this call's.
+        settings.update(started=saved_settings.get('started'),
+                        seconds=sum(run['seconds'] for run in runs),
+                        load_average_start=saved_settings.get('load_average_start'))
+    else:
+        settings.update(seconds=time.perf_counter() - start)
+    settings.update(finished=_now(), load_average_end=os.getloadavg())
     table, paths = write_report(
         runs, args.out, settings,
         plot_title=f"{settings['task']}: {args.steps} steps, warm-up {args.warmup}, "
         f'{len(seeds)} seeds')
-    if osp.exists(partial):
+    if osp.exists(partial) and not args.report_only:
         os.remove(partial)
     print(table)
     print(f"{total} runs in {settings['seconds'] / 60:.1f} min; wrote "
