@@ -170,9 +170,9 @@ def test_bad_call_arguments():
 
 
 def test_attention_options_are_the_module_keywords():
-    assert ATTN_CFG_KEYS == ('qk_shared', 'landmark_grid', 'global_term', 'kernel', 'lam',
-                             'eps', 'solver', 'iters', 'ns_init', 'ns_refine', 'normalize',
-                             'whiten_eps', 'impl')
+    assert ATTN_CFG_KEYS == ('qk_shared', 'landmark_grid', 'kernel', 'lam', 'eps', 'solver',
+                             'iters', 'ns_init', 'ns_refine', 'normalize', 'whiten_eps',
+                             'impl', 'global_term')
 
 
 def test_forward_does_not_revalidate_the_options(monkeypatch):

@@ -14,10 +14,10 @@ from ..ops._checks import check_bool, check_int, check_probability
 from ..ops.landmarks import check_hw, pool_tokens
 
 # The attention options: the module's keyword-only arguments and the keys of the
-# backbone's attn_cfg. All but the first three are AttentionOptions fields, whose
-# defaults apply.
-ATTN_CFG_KEYS = ('qk_shared', 'landmark_grid', 'global_term') + tuple(
-    field.name for field in dataclasses.fields(AttentionOptions))
+# backbone's attn_cfg. All but the first two and the last are AttentionOptions fields,
+# whose defaults apply; the last, global_term, is for the ablations' control only.
+ATTN_CFG_KEYS = ('qk_shared', 'landmark_grid') + tuple(
+    field.name for field in dataclasses.fields(AttentionOptions)) + ('global_term', )
 
 
 def check_attn_cfg_keys(arg, keys):
