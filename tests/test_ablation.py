@@ -3,10 +3,11 @@ import json
 import math
 import os
 import os.path as osp
+import sys
 
 import pytest
 import torch
-from _shared import CONFIG_DIR
+from _shared import CONFIG_DIR, TOOLS, run_tool
 
 from lapformer_mm.ablation.real import collect_run, plan_runs
 from lapformer_mm.ablation.tasks import HUES, SameColourTask, build_task
@@ -255,3 +256,10 @@ def test_report_only_writes_the_finished_runs_of_an_interrupted_sweep(tmp_path, 
     assert data['settings']['missing'] == [['default', 0], ['noglobal', 0], ['default', 1]]
     assert data['settings']['started'] == '2026-12-01 21:00 UTC'
     assert (out / 'runs.partial.json').exists()
+
+
+def test_tool_wrapper_prints_the_commands(tmp_path):
+    """tools/ablate.py runs from the checkout (no training: the real-config path)."""
+    out = run_tool([sys.executable, osp.join(TOOLS, 'ablate.py'), '--config', TOY_CLS_CONFIG,
+                    '--seeds', '1', '--out', tmp_path])
+    assert out.count('python tools/train.py') == 2 and 'commands.sh' in out
