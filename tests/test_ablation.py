@@ -225,6 +225,7 @@ def test_real_config_collects_finished_work_dirs(tmp_path, capsys):
     captured = capsys.readouterr()
     assert 'not finished' in captured.err and 'noglobal/seed1' in captured.err
     table = (out / 'table.md').read_text()
+    assert table.splitlines()[0].endswith('| first validation acc (%) |')
     assert '| default | (defaults) | 2 | 85.0 ± 7.1 | 1/2 | 60 | 35.0 ± 7.1 |' in table
     assert '| noglobal | global_term=False | 1 | 25.0 ± 0.0 | 0/1 | — |' in table
     data = json.loads((out / 'runs.json').read_text())

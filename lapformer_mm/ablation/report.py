@@ -57,10 +57,12 @@ def _cfg_text(cfg):
     return ', '.join(f'{k}={v!r}' for k, v in cfg.items()) or '(defaults)'
 
 
-def format_table(rows):
-    """The rows as a Markdown table."""
+def format_table(rows, early_label=None):
+    """The rows as a Markdown table; ``early_label`` heads the last column (default: the
+    early step when every row has the same)."""
     early_steps = {str(row['early_step']) for row in rows if row['early_step'] is not None}
-    early = f'acc at step {early_steps.pop()} (%)' if len(early_steps) == 1 else COLUMNS[-1]
+    early = early_label or (f'acc at step {early_steps.pop()} (%)' if len(early_steps) == 1
+                            else COLUMNS[-1])
     header = list(COLUMNS[:-1]) + [early]
     lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
     for row in rows:
@@ -124,12 +126,12 @@ def plot_losses(runs, path, title=None, window=TAKEOFF_WINDOW):
     return path
 
 
-def write_report(runs, out_dir, settings, plot_title=None):
+def write_report(runs, out_dir, settings, plot_title=None, early_label=None):
     """Write ``table.md``, ``runs.json`` and ``loss_curves.png`` under ``out_dir``; return
     (table text, {kind: path})."""
     os.makedirs(out_dir, exist_ok=True)
     rows = summarize(runs)
-    table = format_table(rows)
+    table = format_table(rows, early_label)
     paths = dict(table=osp.join(out_dir, 'table.md'), json=osp.join(out_dir, 'runs.json'),
                  plot=osp.join(out_dir, 'loss_curves.png'))
     with open(paths['table'], 'w') as f:

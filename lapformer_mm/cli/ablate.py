@@ -211,7 +211,8 @@ def run_real(args):
                         seeds=seeds, collected=_now(),
                         missing=[[r['variant'], r['seed']] for r in missing])
         table, paths = write_report(collected, args.out, settings,
-                                    plot_title=osp.basename(args.config))
+                                    plot_title=osp.basename(args.config),
+                                    early_label='first validation acc (%)')
         print(table)
         print('wrote ' + ', '.join(paths.values()))
         return 0
