@@ -4,7 +4,10 @@
 # `make test` (ruff, then the whole test suite; CI runs it). `make test-fast` is ruff and the
 # tests not marked `slow` (none trains, builds with pip or takes more than ~10 s; under 5
 # minutes on 2 cores), `make lint` ruff alone. `make smoke-fullsize` runs the full-size
-# configs for two iterations on synthetic 1333x800 images (docs/full_size.md).
+# configs for two iterations on synthetic 1333x800 images (docs/full_size.md). `make ablate`
+# trains the attention variants on the long-range toy task, 5 seeds each, and writes the
+# table, plot and JSON to work_dirs/ablate (docs/results.md, Ablations; ABLATE_ARGS=... adds
+# or overrides tools/ablate.py options).
 # Each sets up the environment first, idempotently.
 VENV ?= $(CURDIR)/.venv
 export LAPFORMER_VENV := $(VENV)
@@ -15,7 +18,7 @@ test test-fast: export LAPFORMER_REQUIRE_CPU_EXT := 1
 # `make ort-ops ORT_INCLUDE_DIR=DIR`; by default the copy in ../shared beside the checkout.
 ORT_INCLUDE_DIR ?= $(CURDIR)/../shared/third_party/onnxruntime-1.29/include
 
-.PHONY: env main seg pretrain smoke-fullsize lint test test-fast ort-ops
+.PHONY: env main seg pretrain smoke-fullsize ablate lint test test-fast ort-ops
 
 env:
 	@tools/setup_env.sh
@@ -31,6 +34,14 @@ pretrain: env
 
 smoke-fullsize: env
 	@$(VENV)/bin/python tools/smoke_fullsize.py
+
+# One thread by default, as the job scripts: immune to OpenMP over-subscription when the
+# machine is shared.
+ablate: env
+	@$(VENV)/bin/python tools/ablate.py --task same_colour \
+		--variants default gaussian none cg cg_capped lam=1,2,8 --seeds 5 --steps 150 \
+		--warmup 15 --val-size 1000 --threads $${LAPFORMER_NUM_THREADS:-1} \
+		--out work_dirs/ablate $(ABLATE_ARGS)
 
 lint: env
 	@$(VENV)/bin/ruff check .

@@ -172,7 +172,7 @@ def test_bad_call_arguments():
 def test_attention_options_are_the_module_keywords():
     assert ATTN_CFG_KEYS == ('qk_shared', 'landmark_grid', 'kernel', 'lam', 'eps', 'solver',
                              'iters', 'ns_init', 'ns_refine', 'normalize', 'whiten_eps',
-                             'impl')
+                             'impl', 'global_term')
 
 
 def test_forward_does_not_revalidate_the_options(monkeypatch):
@@ -205,3 +205,30 @@ def test_torch_compile_traces_one_graph_equal_to_eager(qk_shared):
     out = compiled(x, (7, 9))
     grad, = torch.autograd.grad(out.square().sum(), x)
     assert torch.equal(out, ref) and torch.equal(grad, ref_grad)
+
+
+def test_global_term_false_leaves_the_local_term_alone():
+    """The ablations' control: proj(dwconv3x3(v)), no Nyström term; the default keeps it."""
+    torch.manual_seed(0)
+    module = LaplacianAttention(32, 2).eval()
+    control = LaplacianAttention(32, 2, global_term=False).eval()
+    control.load_state_dict(module.state_dict())
+    x = torch.randn(2, 6 * 5, 32)
+    _, _, v = module.project(x)
+    with torch.no_grad():
+        local_only = module.proj(module._local_term(v, (6, 5)))
+        torch.testing.assert_close(control(x, (6, 5)), local_only, rtol=0, atol=0)
+        assert not torch.allclose(module(x, (6, 5)), local_only)
+        explicit = LaplacianAttention(32, 2, global_term=True).eval()
+        explicit.load_state_dict(module.state_dict())
+        assert torch.equal(explicit(x, (6, 5)), module(x, (6, 5)))
+    assert 'global_term=False' in repr(control) and 'global_term' not in repr(module)
+
+
+def test_global_term_is_a_bool_and_an_attn_cfg_key():
+    with pytest.raises(TypeError, match='global_term'):
+        LaplacianAttention(32, 2, global_term='no')
+    from lapformer_mm.models import LaplacianFormer
+    model = LaplacianFormer(dict(embed_dims=[16] * 4, num_heads=[1] * 4, depths=[1] * 4),
+                            attn_cfg=dict(global_term=False))
+    assert all(not stage.blocks[0].attn.global_term for stage in model.stages)

@@ -190,12 +190,12 @@ def test_resolve_impl_takes_the_first_backend_without_reasons(monkeypatch):
 def test_tied_keys_evaluate_the_query_kernel_once(monkeypatch, dtype):
     """k is q: k(q, L) serves as k(k, L), also when the inputs are cast to fp32 first."""
     calls = []
-    original = reference.similarity_values
+    original = reference.similarity
 
     def counting(x, y, *args):
         calls.append(x.shape[-2])
         return original(x, y, *args)
-    monkeypatch.setattr(reference, 'similarity_values', counting)
+    monkeypatch.setattr(reference, 'similarity', counting)
     q = torch.randn(1, 2, 12, 4).to(dtype)
     nystrom_attention(q, q, torch.randn(1, 2, 12, 4).to(dtype), pool_landmarks(q, (3, 4), 2),
                       impl='reference')

@@ -17,10 +17,10 @@ from ..ops.functional import check_hw
 from ..ops.reference import pool_landmarks
 
 # The attention options: the module's keyword-only arguments and the keys of the
-# backbone's attn_cfg. All but the first two are AttentionOptions fields, whose
-# defaults apply.
+# backbone's attn_cfg. All but the first two and the last are AttentionOptions fields,
+# whose defaults apply; the last, global_term, is for the ablations' control only.
 ATTN_CFG_KEYS = ('qk_shared', 'landmark_grid') + tuple(
-    field.name for field in dataclasses.fields(AttentionOptions))
+    field.name for field in dataclasses.fields(AttentionOptions)) + ('global_term', )
 
 
 def check_attn_cfg_keys(arg, keys):
@@ -57,6 +57,11 @@ class LaplacianAttention(nn.Module):
             Default True. The ``qkv`` layer outputs [q, v] when True and
             [q, k, v] when False, each C wide, heads contiguous.
         landmark_grid (int): Landmark grid g (m <= g²). Default 7.
+        global_term (bool): Keep step 3, the Nyström term. Default True. False leaves
+            only the local term (step 4), the control of the ablations
+            (:mod:`lapformer_mm.ablation`): a model that cannot carry information
+            across the image, so a task it solves does not need long-range attention.
+            Not meant for training real models.
         **options: the fields of :class:`lapformer_mm.ops.AttentionOptions`,
             with its defaults: ``lam`` (kernel bandwidth λ > 0), ``kernel``
             ('laplacian' | 'gaussian'), ``normalize`` ('injective' | 'none'),
@@ -69,7 +74,7 @@ class LaplacianAttention(nn.Module):
     """
 
     def __init__(self, dim, num_heads, qkv_bias=True, attn_drop=0.0, proj_drop=0.0, *,
-                 qk_shared=True, landmark_grid=7, **options):
+                 qk_shared=True, landmark_grid=7, global_term=True, **options):
         super().__init__()
         dim = check_int('dim', dim)
         num_heads = check_int('num_heads', num_heads)
@@ -79,6 +84,7 @@ class LaplacianAttention(nn.Module):
         self.num_heads = num_heads
         self.qk_shared = check_bool('qk_shared', qk_shared)
         self.landmark_grid = check_int('landmark_grid', landmark_grid)
+        self.global_term = check_bool('global_term', global_term)
         check_attn_cfg_keys('LaplacianAttention', options)
         self.options = AttentionOptions(**options)
         self.attn_drop = check_probability('attn_drop', attn_drop)
@@ -140,6 +146,8 @@ class LaplacianAttention(nn.Module):
             raise ValueError(f'x must be (B, N, {self.dim}), got shape {tuple(x.shape)}')
         hw = check_hw(hw, x.shape[1])
         q, k, v = self.project(x)
+        if not self.global_term:
+            return self.proj_drop(self.proj(self._local_term(v, hw)))
         export = exporting()
         landmarks = pool_landmarks(k, hw, self.landmark_grid, export)
         out = nystrom_attention(q, k, self._split_heads(v), landmarks, self.options,
@@ -149,6 +157,7 @@ class LaplacianAttention(nn.Module):
         return self.proj_drop(self.proj(out))
 
     def extra_repr(self):
+        control = '' if self.global_term else 'global_term=False, '
         return (f'dim={self.dim}, num_heads={self.num_heads}, qk_shared={self.qk_shared}, '
-                f'landmark_grid={self.landmark_grid}, {self.options}')
+                f'landmark_grid={self.landmark_grid}, {control}{self.options}')
 

@@ -198,8 +198,8 @@ class LaplacianFormer(BaseModule):
             ``embed_dims``, ``num_heads``, ``depths`` and optional
             ``mlp_ratios`` (a number or four numbers; default 4).
         in_channels (int): Input image channels. Default 3.
-        out_indices (Sequence[int]): Stages (0-3) whose maps are returned,
-            at strides 4, 8, 16, 32. Default (0, 1, 2, 3).
+        out_indices (Sequence[int]): Stages (0 to ``num_stages`` - 1) whose
+            maps are returned, at strides 4, 8, 16, 32. Default (0, 1, 2, 3).
         qkv_bias (bool): Bias in the q/k/v projections. Default True.
         drop_rate (float): Dropout after the MLP and attention projections.
         attn_drop_rate (float): Dropout on attention weights.
@@ -211,8 +211,9 @@ class LaplacianFormer(BaseModule):
             ``lam`` (λ), ``landmark_grid``, ``kernel`` ('laplacian' |
             'gaussian'), ``normalize`` ('injective' | 'none'), ``solver``
             ('newton' | 'exact' | 'cg'), ``iters`` (solver iterations),
-            ``ns_init``, ``ns_refine``, ``eps``, ``whiten_eps``, ``impl``
-            and ``qk_shared``. An unknown key raises ValueError. Here
+            ``ns_init``, ``ns_refine``, ``eps``, ``whiten_eps``, ``impl``,
+            ``global_term`` (False only in the ablations' control) and
+            ``qk_shared``. An unknown key raises ValueError. Here
             ``qk_shared`` is one bool or one per stage, default
             (True, True, True, False): keys tied to queries in stages 1-3
             (the SOFT layout), separate in stage 4, which lands on the
@@ -235,7 +236,7 @@ class LaplacianFormer(BaseModule):
             'softmax' (plain multi-head attention with separate q, k, v, the
             SOFT layout; ``attn_cfg`` does not apply to it).
         frozen_stages (int): -1 freezes nothing, 0 the stem, k >= 1 the stem
-            and stages 1..k (with their output norms). At most 4.
+            and stages 1..k (with their output norms). At most ``num_stages``.
         norm_eval (bool): Keep BatchNorm layers (of ``conv_norm_cfg``) in
             eval mode during training. Default False.
         with_cp (bool): Gradient checkpointing of each block. Default False.
@@ -246,6 +247,12 @@ class LaplacianFormer(BaseModule):
             or a classifier/detector checkpoint (``backbone.`` prefix, or
             the ``prefix`` given in the dict), loaded with
             ``weights_only=True``; missing/unexpected keys are logged.
+        num_stages (int): Build the stem and the first ``num_stages`` stages
+            (1-4), as mmdet's PVT (last in the signature, so positional calls keep
+            their meaning); the per-stage settings (``arch``,
+            ``qk_shared``) keep four entries and the first ones apply, so a
+            checkpoint of the four-stage model loads into it (the keys of the
+            stages left out are reported as unexpected). Default 4.
     """
 
     def __init__(self,
@@ -266,7 +273,8 @@ class LaplacianFormer(BaseModule):
                  norm_eval: bool = False,
                  with_cp: bool = False,
                  pretrained: Optional[str] = None,
-                 init_cfg: Optional[Union[dict, List[dict]]] = None):
+                 init_cfg: Optional[Union[dict, List[dict]]] = None,
+                 num_stages: int = NUM_STAGES):
         if not (pretrained is None or isinstance(pretrained, str)):
             raise TypeError(f'pretrained must be a str (a checkpoint path) or None, got '
                             f'{type(pretrained).__name__} {pretrained!r}')
@@ -281,11 +289,17 @@ class LaplacianFormer(BaseModule):
             init_cfg = dict(type='Pretrained', checkpoint=pretrained)
         super().__init__(init_cfg=init_cfg)
         self.arch_settings = resolve_arch(arch)
-        self.out_indices = self._check_out_indices(out_indices)
+        if (not isinstance(num_stages, int) or isinstance(num_stages, bool)
+                or not 1 <= num_stages <= NUM_STAGES):
+            raise ValueError(f'num_stages must be an int in [1, {NUM_STAGES}], got '
+                             f'{num_stages!r}')
+        self.num_stages = num_stages
+        self.out_indices = self._check_out_indices(out_indices, num_stages)
         if not isinstance(frozen_stages, int) or not (
-                -1 <= frozen_stages <= NUM_STAGES):
+                -1 <= frozen_stages <= num_stages):
             raise ValueError(f'frozen_stages must be an int in [-1, '
-                             f'{NUM_STAGES}], got {frozen_stages!r}')
+                             f'{num_stages}] (num_stages={num_stages}), got '
+                             f'{frozen_stages!r}')
         if not 0.0 <= drop_path_rate < 1.0:
             raise ValueError(
                 f'drop_path_rate must be in [0, 1), got {drop_path_rate!r}')
@@ -304,14 +318,14 @@ class LaplacianFormer(BaseModule):
         self.qk_shared = tuple(cfg['qk_shared'] for cfg in stage_attn_cfgs)
 
         dims = self.arch_settings['embed_dims']
-        depths = self.arch_settings['depths']
+        depths = self.arch_settings['depths'][:num_stages]
         block_dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
         common = dict(qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate)
 
         self.stem = ConvStem(in_channels, dims[0], conv_norm_cfg, conv_act_cfg)
         self.stages = nn.ModuleList()
         first_block = 0
-        for i in range(NUM_STAGES):
+        for i in range(num_stages):
             heads = self.arch_settings['num_heads'][i]
             use_softmax = (i == NUM_STAGES - 1 and stage4_attention == 'softmax')
             blocks = [
@@ -337,18 +351,21 @@ class LaplacianFormer(BaseModule):
         self._freeze_stages()
 
     @staticmethod
-    def _check_out_indices(out_indices: Sequence[int]) -> Tuple[int, ...]:
+    def _check_out_indices(out_indices: Sequence[int],
+                           num_stages: int = NUM_STAGES) -> Tuple[int, ...]:
         if isinstance(out_indices, int):
             out_indices = (out_indices, )
         if (not isinstance(out_indices, Sequence) or not out_indices
                 or not all(isinstance(i, int) for i in out_indices)):
             raise TypeError('out_indices must be a non-empty sequence of '
                             f'ints, got {out_indices!r}')
-        out_indices = tuple(i + NUM_STAGES if i < 0 else i
+        given = tuple(out_indices)
+        out_indices = tuple(i + num_stages if i < 0 else i
                             for i in out_indices)
-        if not all(0 <= i < NUM_STAGES for i in out_indices):
-            raise ValueError(f'out_indices must be in [0, {NUM_STAGES}) (or '
-                             f'negative from the end), got {out_indices!r}')
+        if not all(0 <= i < num_stages for i in out_indices):
+            raise ValueError(f'out_indices must be in [0, {num_stages}) (or '
+                             f'negative from the end) with num_stages={num_stages}, '
+                             f'got {given!r}')
         if len(set(out_indices)) != len(out_indices):
             raise ValueError(
                 f'out_indices must not repeat, got {out_indices!r}')
@@ -356,8 +373,8 @@ class LaplacianFormer(BaseModule):
 
     @property
     def embed_dims(self) -> List[int]:
-        """Channels of the four stage outputs."""
-        return list(self.arch_settings['embed_dims'])
+        """Channels of the stage outputs (``num_stages`` of them)."""
+        return list(self.arch_settings['embed_dims'][:self.num_stages])
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """(B, C_in, H, W) -> maps (B, C_i, ~H/s_i, ~W/s_i), s_i = 4, 8, 16, 32.

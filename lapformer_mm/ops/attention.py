@@ -3,17 +3,17 @@
 :func:`nystrom_attention` is the entry the attention module and users call::
 
     nystrom_attention(q, k, v, landmarks, options)
-      a backend runs the call  -> NystromAttentionFunction
-                                  -> lapformer_mm::nystrom_attention          -> backend.forward
-                                  -> lapformer_mm::nystrom_attention_backward -> backend.backward
-      otherwise                -> reference.forward, differentiated by autograd
-         (impl='reference', no usable backend, dropout on Z, the 'exact' and 'cg' solvers,
-          while an exporter traces)
+      Newton–Schulz, no dropout -> NystromAttentionFunction
+          -> lapformer_mm::nystrom_attention          -> backend.forward  (or reference.forward)
+          -> lapformer_mm::nystrom_attention_backward -> backend.backward (or reference.backward)
+      dropout on Z, the 'exact' and 'cg' solvers, while an exporter traces
+          -> reference.forward, differentiated by autograd
 
 The backends (:mod:`.backends.cuda`, impl 'cupy'; :mod:`.backends.cpu`, impl 'cpu') each say
 what they support (``available()``, ``not_supported(...)`` reasons); the first one for the
-tensors' device with no reasons runs the call (:func:`select_backend`). The math, and the
-stages the backends share, are in :mod:`.reference`.
+tensors' device with no reasons runs the op, else the reference does (impl 'reference',
+:func:`select_backend`). The math, and the stages the backends share, are in
+:mod:`.reference`.
 
 Op contract (per batch element b and head h; every backend keeps it):
 
@@ -391,12 +391,11 @@ def nystrom_attention(q, k, v, landmarks, options=None, *, dropout_p=0.0, export
     # are the 16-bit outputs of one linear layer and nothing is cast).
     k, v, landmarks = (None if tied else _like(k, q)), _like(v, q), _like(landmarks, q)
     backend = select_backend(q, k, v, landmarks, options)
-    tracing = torch.jit.is_tracing()
-    if backend is None and not tracing:
-        return reference.forward(q, k, v, landmarks, options.op_options)[0]
+    # Without a backend the op runs the reference: its closed-form backward (the solve taken
+    # as exact) is what every backend computes, and it saves no N × m matrix.
     args = (q, k, v, landmarks, *options.op_options,
             'reference' if backend is None else backend.NAME)
-    if tracing:
+    if torch.jit.is_tracing():
         # A trace (the FLOP counter's) records the op itself, with its options.
         return nystrom_attention_op(*args)[0].transpose(1, 2)
     if v is q or v is k:

@@ -87,19 +87,6 @@ CHUNK_BYTES = 32 * 2 ** 20
 NATIVE_BLOCK_ROWS = 512
 
 
-def similarity_values(x, y, lam, kernel):
-    """exp(-dist(x_i, y_j) / lam) for x (..., N, d), y (..., M, d) -> (..., N, M), no autograd.
-
-    The squared ℓ2 comes from the coordinate differences, not the matmul expansion
-    |x|² + |y|² − 2x·y, which loses it to cancellation at large norms in fp32.
-    """
-    if kernel == 'laplacian':
-        dist = torch.cdist(x, y, p=1.0)
-    else:
-        dist = torch.cdist(x, y, p=2.0, compute_mode='donot_use_mm_for_euclid_dist').square_()
-    return dist.mul_(-1.0 / lam).exp_()
-
-
 def _l1_grad_native(g, a3, b3):
     """sum_j g[:, i, j] · sign(a_i - b_j) by ``aten._cdist_backward`` (CPU tensors).
 
@@ -152,7 +139,7 @@ class _Similarity(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y, lam, kernel):
-        kmat = similarity_values(x, y, lam, kernel)
+        kmat = similarity(x, y, lam, kernel)
         ctx.save_for_backward(x, y, kmat)
         ctx.options = (lam, kernel)
         return kmat
@@ -172,14 +159,22 @@ class _Similarity(torch.autograd.Function):
 
 
 def similarity(x, y, lam, kernel, export=False):
-    """The kernel matrix k(x_i, y_j) (..., N, M) of x (..., N, d) and y (..., M, d)."""
+    """The kernel matrix exp(-dist(x_i, y_j) / lam) (..., N, M) of x (..., N, d), y (..., M, d).
+
+    The squared ℓ2 comes from the coordinate differences, not the matmul expansion
+    |x|² + |y|² − 2x·y, which loses it to cancellation at large norms in fp32.
+    """
     if export:
         return similarity_export(x, y, lam, kernel)
     # A jit trace (the FLOP counter's) must see aten::cdist, not an opaque Function.
     if (torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
             and not torch.jit.is_tracing()):
         return _Similarity.apply(x, y, lam, kernel)
-    return similarity_values(x, y, lam, kernel)
+    if kernel == 'laplacian':
+        dist = torch.cdist(x, y, p=1.0)
+    else:
+        dist = torch.cdist(x, y, p=2.0, compute_mode='donot_use_mm_for_euclid_dist').square_()
+    return dist.mul_(-1.0 / lam).exp_()
 
 
 # ----------------------------------------------------------------------------
@@ -453,8 +448,8 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
     with torch.autocast(device_type=q.device.type, enabled=False):
         g, qa, va, la = grad.to(dtype), q.to(dtype), v.to(dtype), landmarks.to(dtype)
         ka = qa if tied else k.to(dtype)
-        c_q = similarity_values(qa, la, opts.lam, opts.kernel)
-        c_k = c_q if tied else similarity_values(ka, la, opts.lam, opts.kernel)
+        c_q = similarity(qa, la, opts.lam, opts.kernel)
+        c_k = c_q if tied else similarity(ka, la, opts.lam, opts.kernel)
         if opts.normalize == 'injective':
             centred = c_q - c_q.mean(-1, keepdim=True)
             d_context, a, _ = context_grads(torch.matmul(centred.mT, g), g.sum(-2, keepdim=True),

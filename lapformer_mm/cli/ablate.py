@@ -1,0 +1,236 @@
+"""Ablate the attention options: every variant × seed, one table, one plot, one JSON.
+
+On a toy task (trained here, on the CPU; ``--task``, docs/results.md "Ablations")::
+
+    python tools/ablate.py --task same_colour --variants default gaussian none cg_capped \\
+        lam=1,2,8 --seeds 5 --steps 600 --out work_dirs/ablate
+
+On a real classification config (``--config``): writes one config per variant, prints the
+training commands (``--launcher train|dist|slurm``; ``--run`` runs them one after the
+other here), and ``--collect`` reads the finished work_dirs into the same table::
+
+    python tools/ablate.py --config configs/cls/lapformer_t_in1k.py --variants gaussian \\
+        --seeds 1 --launcher slurm --gpus 16 --partition P --out work_dirs/ablate_in1k
+    python tools/ablate.py --config configs/cls/lapformer_t_in1k.py --variants gaussian \\
+        --seeds 1 --out work_dirs/ablate_in1k --collect
+
+The control without the global attention term (``noglobal``) and ``default`` are always
+run. Writes ``table.md``, ``runs.json`` and ``loss_curves.png`` under ``--out``.
+"""
+import argparse
+import datetime
+import json
+import os
+import os.path as osp
+import subprocess
+import sys
+import time
+
+from lapformer_mm.ablation.real import LAUNCHERS, collect_run, config_num_classes, plan_runs
+from lapformer_mm.ablation.report import write_report
+from lapformer_mm.ablation.tasks import TASKS, build_task
+from lapformer_mm.ablation.variants import NAMED_VARIANTS, parse_variants
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description='Ablation sweep of the attention options (toy task or real config)')
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument('--task', choices=sorted(TASKS), default=None,
+                        help='toy task trained here (default: same_colour)')
+    source.add_argument('--config', help='classification config: write a config per '
+                        'variant, print/run the training commands, --collect the results')
+    parser.add_argument('--variants', nargs='+', default=['default'],
+                        help=f'any of {", ".join(NAMED_VARIANTS)} or lam=V1,V2,...; '
+                        'default and noglobal always run')
+    parser.add_argument('--seeds', type=int, default=5, help='seeds 0..N-1 per variant')
+    parser.add_argument('--out', default='work_dirs/ablate', help='output folder')
+    toy = parser.add_argument_group('toy task')
+    toy.add_argument('--steps', type=int, default=600, help='training steps per run')
+    toy.add_argument('--warmup', type=int, default=30, help='linear LR warm-up steps')
+    toy.add_argument('--batch-size', type=int, default=32)
+    toy.add_argument('--lr', type=float, default=1e-3, help='AdamW learning rate')
+    toy.add_argument('--val-size', type=int, default=2000,
+                     help='images of the fixed validation set')
+    toy.add_argument('--early-step', type=int, default=None,
+                     help='step of the early accuracy column (default: steps // 2)')
+    toy.add_argument('--log-every', type=int, default=100, help='progress interval (steps)')
+    toy.add_argument('--resume', action='store_true',
+                     help='keep the finished runs of an interrupted sweep with the same '
+                     'settings (runs.partial.json under --out) and run only the others')
+    toy.add_argument('--report-only', action='store_true',
+                     help='with --resume: write the report of the finished runs, train none')
+    toy.add_argument('--threads', type=int, default=None,
+                     help="torch's intra-op threads (default: torch's own choice); 1 is "
+                     'faster on a loaded machine')
+    real = parser.add_argument_group('real config')
+    real.add_argument('--launcher', choices=LAUNCHERS, default='train',
+                      help='tools/train.py, tools/dist_train.sh or tools/slurm_train.sh')
+    real.add_argument('--gpus', type=int, default=8, help='GPUS of dist/slurm launchers')
+    real.add_argument('--partition', default='PARTITION', help='Slurm partition')
+    real.add_argument('--run', action='store_true',
+                      help='run the commands here, one after the other (else print them)')
+    real.add_argument('--collect', action='store_true',
+                      help="read the finished work_dirs' metrics into the table")
+    args = parser.parse_args(argv)
+    for name in ('seeds', 'steps', 'batch_size', 'val_size', 'log_every', 'gpus'):
+        if getattr(args, name) < 1:
+            parser.error(f'--{name.replace("_", "-")} must be >= 1, got '
+                         f'{getattr(args, name)}')
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f'--warmup must be in [0, --steps={args.steps}), got {args.warmup}')
+    if args.threads is not None and args.threads < 1:
+        parser.error(f'--threads must be >= 1, got {args.threads}')
+    if args.early_step is None:
+        args.early_step = max(1, args.steps // 2)
+    elif not 1 <= args.early_step <= args.steps:
+        parser.error(f'--early-step must be in [1, --steps={args.steps}], got '
+                     f'{args.early_step}')
+    if args.config is None and (args.run or args.collect):
+        parser.error('--run and --collect need --config')
+    if args.report_only and not args.resume:
+        parser.error('--report-only needs --resume')
+    try:
+        args.variant_cfgs = parse_variants(args.variants)
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
+def _now():
+    return datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')
+
+
+# The settings that make runs of two sweeps the same runs.
+RUN_SETTINGS = ('task', 'steps', 'warmup', 'batch_size', 'lr', 'val_size', 'early_step')
+
+
+def _resumable_runs(path, settings):
+    """({(variant, seed): run}, settings) of ``path`` (runs.partial.json), if it was
+    written with the same :data:`RUN_SETTINGS`; else none, with a message why."""
+    if not osp.exists(path):
+        return {}, {}
+    with open(path) as f:
+        saved = json.load(f)
+    differ = [key for key in RUN_SETTINGS if saved['settings'].get(key) != settings[key]]
+    if differ:
+        print(f'--resume: {path} has other settings ({", ".join(differ)}); starting over',
+              flush=True)
+        return {}, {}
+    return {(run['variant'], run['seed']): run for run in saved['runs']}, saved['settings']
+
+
+def run_toy(args):
+    import torch
+
+    from lapformer_mm.ablation.toy import train_run, validation_set
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    task = build_task(args.task or 'same_colour')
+    seeds = list(range(args.seeds))
+    total = len(args.variant_cfgs) * len(seeds)
+    settings = dict(task=args.task or 'same_colour', describe=task.describe(),
+                    variants=[name for name, _ in args.variant_cfgs], seeds=seeds,
+                    steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
+                    lr=args.lr, val_size=args.val_size, early_step=args.early_step,
+                    threads=torch.get_num_threads(), started=_now(),
+                    load_average_start=os.getloadavg(), command=sys.argv)
+    print(f'{task.describe()}; {len(args.variant_cfgs)} variants x {len(seeds)} seeds, '
+          f'{args.steps} steps each, {torch.get_num_threads()} thread(s)', flush=True)
+    val_set = validation_set(task, args.val_size)
+    os.makedirs(args.out, exist_ok=True)
+    partial = osp.join(args.out, 'runs.partial.json')
+    done, saved_settings = _resumable_runs(partial, settings) if args.resume else ({}, {})
+    runs, start = [], time.perf_counter()
+    # Seed-major: an interrupted sweep has the same seeds of every variant.
+    for seed in seeds:
+        for name, attn_cfg in args.variant_cfgs:
+            prefix = f'[{len(runs) + 1}/{total} {name} seed {seed}]'
+            if (name, seed) in done:
+                runs.append(done.pop((name, seed)))
+                print(f'{prefix} kept from {partial}', flush=True)
+                continue
+            if args.report_only:
+                settings.setdefault('missing', []).append([name, seed])
+                print(f'{prefix} not run (--report-only)', flush=True)
+                continue
+            run = train_run(task, attn_cfg, seed, args.steps, val_set, warmup=args.warmup,
+                            batch_size=args.batch_size, lr=args.lr,
+                            early_step=args.early_step, log_every=args.log_every,
+                            progress=lambda text, p=prefix: print(p, text, flush=True))
+            run = dict(variant=name, **run)
+            runs.append(run)
+            took_off = ('never took off' if run['takeoff_step'] is None
+                        else f"took off at step {run['takeoff_step']}")
+            print(f"{prefix} final acc {100 * run['final_acc']:.1f} %, {took_off}, "
+                  f"{run['seconds']:.0f} s", flush=True)
+            # Partial results survive an interrupted sweep (--resume).
+            with open(partial, 'w') as f:
+                # Kept runs not reached yet stay in the file.
+                json.dump(dict(settings=settings, runs=runs + list(done.values())), f)
+    if not runs:
+        print(f'no finished run in {partial}', file=sys.stderr)
+        return 1
+    if args.report_only:
+        # The sweep's own times, not this call's.
+        settings.update(started=saved_settings.get('started'),
+                        seconds=sum(run['seconds'] for run in runs),
+                        load_average_start=saved_settings.get('load_average_start'))
+    else:
+        settings.update(seconds=time.perf_counter() - start)
+    settings.update(finished=_now(), load_average_end=os.getloadavg())
+    table, paths = write_report(
+        runs, args.out, settings,
+        plot_title=f"{settings['task']}: {args.steps} steps, warm-up {args.warmup}, "
+        f'{len(seeds)} seeds')
+    if osp.exists(partial) and not args.report_only:
+        os.remove(partial)
+    print(table)
+    print(f"{total} runs in {settings['seconds'] / 60:.1f} min; wrote "
+          + ', '.join(paths.values()))
+    return 0
+
+
+def run_real(args):
+    seeds = list(range(args.seeds))
+    runs = plan_runs(args.config, args.variant_cfgs, seeds, args.out, args.launcher,
+                     args.gpus, args.partition)
+    if args.collect:
+        num_classes = config_num_classes(args.config)
+        collected, missing = [], []
+        for run in runs:
+            record = collect_run(run, num_classes)
+            (collected if record else missing).append(record or run)
+        for run in missing:
+            print(f"not finished (no validation in {run['work_dir']})", file=sys.stderr)
+        if not collected:
+            print('no finished run to collect', file=sys.stderr)
+            return 1
+        settings = dict(config=args.config, variants=[n for n, _ in args.variant_cfgs],
+                        seeds=seeds, collected=_now(),
+                        missing=[[r['variant'], r['seed']] for r in missing])
+        table, paths = write_report(collected, args.out, settings,
+                                    plot_title=osp.basename(args.config),
+                                    early_label='first validation acc (%)')
+        print(table)
+        print('wrote ' + ', '.join(paths.values()))
+        return 0
+    for run in runs:
+        print(run['command'], flush=True)
+    print(f"# {len(runs)} commands, also in {osp.join(args.out, 'commands.sh')}; then "
+          f'the same arguments with --collect')
+    if args.run:
+        for run in runs:
+            print(f"running {run['variant']} seed {run['seed']}", flush=True)
+            subprocess.run(run['command'], shell=True, check=True)
+    return 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    return run_real(args) if args.config else run_toy(args)
+
+
+if __name__ == '__main__':
+    sys.exit(main())

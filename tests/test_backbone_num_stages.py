@@ -1,0 +1,92 @@
+"""LaplacianFormer(num_stages=k): only the first k stages, out_indices checked against k,
+a checkpoint of the four-stage model loads into it."""
+import pytest
+import torch
+
+from lapformer_mm.models import LaplacianFormer
+from lapformer_mm.models.pretrained import load_backbone_weights
+
+ARCH = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 2, 1, 1])
+
+
+def build(**kwargs):
+    kwargs.setdefault('drop_path_rate', 0.0)
+    return LaplacianFormer(ARCH, **kwargs)
+
+
+@pytest.mark.parametrize('num_stages', [1, 2, 3, 4])
+def test_builds_and_returns_only_the_first_stages(num_stages):
+    model = build(num_stages=num_stages, out_indices=tuple(range(num_stages))).eval()
+    assert len(model.stages) == num_stages
+    assert model.embed_dims == ARCH['embed_dims'][:num_stages]
+    with torch.no_grad():
+        outs = model(torch.randn(1, 3, 64, 32))
+    assert [tuple(o.shape) for o in outs] == [
+        (1, ARCH['embed_dims'][i], 16 // 2**i, 8 // 2**i) for i in range(num_stages)]
+
+
+def test_fewer_stages_are_a_prefix_of_the_full_model():
+    torch.manual_seed(0)
+    full = build(out_indices=(1, )).eval()
+    two = build(num_stages=2, out_indices=(1, )).eval()
+    assert set(two.state_dict()) < set(full.state_dict())
+    two.load_state_dict({k: v for k, v in full.state_dict().items() if k in two.state_dict()})
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(two(x)[0], full(x)[0])
+    # The last built index is -1.
+    assert build(num_stages=2, out_indices=(-1, )).out_indices == (1, )
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(num_stages=2), r'out_indices must be in \[0, 2\) .*num_stages=2, got \(0, 1, 2, 3\)'),
+    (dict(num_stages=3, out_indices=(3, )), r'out_indices must be in \[0, 3\)'),
+    (dict(num_stages=2, out_indices=(-3, )), r'num_stages=2, got \(-3,\)'),
+    (dict(num_stages=2, out_indices=(1, ), frozen_stages=3),
+     r'frozen_stages must be an int in \[-1, 2\] \(num_stages=2\)'),
+    (dict(num_stages=0, out_indices=(0, )), r'num_stages must be an int in \[1, 4\], got 0'),
+    (dict(num_stages=5), r'num_stages must be an int in \[1, 4\], got 5'),
+    (dict(num_stages=2.0), r'num_stages must be an int in \[1, 4\], got 2.0'),
+])
+def test_bad_values_name_the_argument_and_the_range(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build(**kwargs)
+
+
+def test_frozen_stages_up_to_num_stages():
+    model = build(num_stages=2, out_indices=(0, 1), frozen_stages=2).train()
+    assert not any(p.requires_grad for p in model.parameters())
+    assert not model.stages[1].training
+
+
+def test_per_stage_attn_cfg_keeps_four_entries():
+    model = build(num_stages=2, out_indices=(1, ),
+                  attn_cfg=dict(qk_shared=(False, True, True, True)))
+    assert model.qk_shared == (False, True, True, True)
+    assert not model.stages[0].blocks[0].attn.qk_shared
+    assert model.stages[1].blocks[0].attn.qk_shared
+
+
+def test_full_checkpoint_loads_into_fewer_stages(tmp_path):
+    torch.manual_seed(1)
+    full = build(out_indices=(0, 1, 2, 3))
+    for p in full.parameters():
+        p.data.add_(torch.randn_like(p))
+    path = tmp_path / 'full.pth'
+    torch.save(dict(state_dict=full.state_dict()), path)
+    two = build(num_stages=2, out_indices=(0, 1))
+    report = load_backbone_weights(two, str(path))
+    assert report.missing_keys == ()
+    assert report.unexpected_keys
+    assert all(k.startswith(('stages.2.', 'stages.3.', 'norm2.', 'norm3.'))
+               for k in report.unexpected_keys)
+    own = two.state_dict()
+    for key, value in full.state_dict().items():
+        if key in own:
+            assert torch.equal(own[key], value), key
+
+
+def test_default_is_four_stages_positional_arguments_unchanged():
+    model = LaplacianFormer(ARCH, 3, (0, 3))
+    assert model.num_stages == 4 and len(model.stages) == 4
+    assert model.out_indices == (0, 3)
