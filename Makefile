@@ -14,7 +14,11 @@ export LAPFORMER_VENV := $(VENV)
 # The tests fail, rather than skip, when the install step did not build the CPU kernels.
 test test-fast: export LAPFORMER_REQUIRE_CPU_EXT := 1
 
-.PHONY: env main seg pretrain smoke-fullsize ablate lint test test-fast
+# The opt-in ONNX Runtime op library (docs/deploy.md) needs ONNX Runtime's C API headers:
+# `make ort-ops ORT_INCLUDE_DIR=DIR`; by default the copy in ../shared beside the checkout.
+ORT_INCLUDE_DIR ?= $(CURDIR)/../shared/third_party/onnxruntime-1.29/include
+
+.PHONY: env main seg pretrain smoke-fullsize ablate lint test test-fast ort-ops
 
 env:
 	@tools/setup_env.sh
@@ -47,3 +51,6 @@ test: env lint
 
 test-fast: env lint
 	@$(VENV)/bin/python -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
+
+ort-ops: env
+	@$(VENV)/bin/python tools/build_ort_ops.py --ort-include "$(ORT_INCLUDE_DIR)"

@@ -98,8 +98,12 @@ setup(
     license='Apache-2.0',
     python_requires='>=3.9',
     packages=find_packages(include=['lapformer_mm', 'lapformer_mm.*']),
-    # Compiled at run time by NVRTC (lapformer_mm/ops/backends/_cuda_launch.py).
-    package_data={'lapformer_mm': ['csrc/cuda/*.cu', 'csrc/cuda/*.cuh']},
+    # The CUDA sources are compiled at run time by NVRTC (lapformer_mm/ops/backends/
+    # _cuda_launch.py); the ONNX Runtime op library's ship so that an installed package can
+    # build it (tools/build_ort_ops.py, opt-in: it needs ONNX Runtime's C headers).
+    package_data={'lapformer_mm': ['csrc/cuda/*.cu', 'csrc/cuda/*.cuh',
+                                   'csrc/onnxruntime/*.cpp', 'csrc/onnxruntime/*.h',
+                                   'csrc/onnxruntime/*.map']},
     install_requires=[f"torch>={package_constant('TORCH_FLOOR')}", 'numpy', 'mmengine>=0.10,<1'],
     extras_require={
         'det': ['mmcv>=2.0.0,<2.2.0', 'mmdet>=3.3,<3.4', 'pycocotools'],

@@ -1,23 +1,29 @@
-"""ONNX Runtime CPU latency of exported backbones beside PyTorch eager (docs/deploy.md).
+"""ONNX Runtime CPU latency and accuracy of exported backbones (docs/deploy.md).
 
-Exports LaplacianFormer-T, mmdet's PVTv2-b1 and Swin-T (random weights, eval mode) the
-same way (:func:`lapformer_mm.deploy.export_onnx`: one exporter, static SIZE, batch 1,
-the default fp64 refinement residual) and times, in this one process, each model's ONNX
-Runtime session and its eager forward (``torch.no_grad``) with one intra-op thread and
-with all of them, models interleaved per round; the table has the median of
-``--repeats`` calls after one warm-up and each model's ratio to LaplacianFormer-T. A
-model that does not export is reported with the exporter's error. The load average is
-printed before and after.
+Speed (default): exports LaplacianFormer-T in three forms — the standard-domain file
+before this change (``ReduceL1``, rebuilt here for the comparison), today's standard file,
+and the file with the ONNX Runtime op library (``--ort-ops``; skipped with a note when the
+library is not built) — and mmdet's PVTv2-b1 (and any ``--models``) the same way (one
+exporter, static SIZE, batch 1, fp64 residual), then times, in this one process, each
+ONNX Runtime session and each model's eager forward with ``--threads`` intra-op threads,
+all interleaved per round; the table has the median of ``--repeats`` calls after one
+warm-up and each file's speed-up over PVTv2-b1 and over the file before. The load
+average is printed before, between and after.
 
-``--precision`` instead prints the accuracy of the two refinement-residual precisions of
-the export form (fp64, fp32) against a dense fp64 evaluation, on the inputs of
-``benchmarks/numerics.py`` (error against conditioning), and of a whole exported
-backbone against eager fp64.
+``--parity``: per-stage accuracy of LaplacianFormer-T exported with dynamic sizes by both
+exporters (standard and op-library files) and by a plain ``torch.export.export`` with
+the user's ``Dim``s, at sizes the exports never saw, on smooth natural-image-like inputs
+(:func:`lapformer_mm.deploy.smooth_input`): max |out - fp64| / max |fp64| per stage, beside
+eager fp32's own error; and eager fp32 against fp64 on white noise at 800×1344.
 
-    python benchmarks/deploy.py --size 800x1333 --repeats 3 --json bench_deploy.json
+``--precision``: the accuracy of the two refinement-residual precisions.
+
+    python benchmarks/deploy.py --size 800x1333 --repeats 5 --json bench_deploy.json
+    python benchmarks/deploy.py --parity
     python benchmarks/deploy.py --precision
 """
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -37,27 +43,68 @@ from devtools.timing import load_average, parse_size
 from lapformer_mm import deploy
 from lapformer_mm.analysis.model_zoo import build_backbone
 from lapformer_mm.cpu_malloc import keep_large_blocks
+from lapformer_mm.ops import reference
 
 REFERENCE = 'laplacianformer-t'
-DEFAULT_MODELS = ('laplacianformer-t', 'pvtv2-b1', 'swin-t')
+BASELINE = 'pvtv2-b1'
+DEFAULT_MODELS = ('laplacianformer-t', 'pvtv2-b1')
+#: The forms of REFERENCE's file: (label, ort_ops, the ℓ1 form before this change).
+FORMS = (('standard, before', False, True), ('standard', False, False),
+         ('op library', True, False))
+
+
+@contextlib.contextmanager
+def previous_l1_form():
+    """The standard file's ℓ1 kernel as it was before: ``ReduceL1`` of the differences
+    (the baseline of the speed table; the project no longer writes it)."""
+    current = reference.similarity_export
+
+    def reduce_l1(x, y, lam, kind, chunk=reference.LANDMARK_CHUNK):
+        if kind != 'laplacian':
+            return current(x, y, lam, kind, chunk)
+        step = y.shape[-2] if chunk is None else chunk
+        xt, yt = x.transpose(-1, -2).unsqueeze(-3), y.unsqueeze(-1)
+        parts = [torch.linalg.vector_norm(xt - yt[..., i:i + step, :, :], ord=1, dim=-2)
+                 for i in range(0, y.shape[-2], step)]
+        dist = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+        return torch.exp(dist * (-1.0 / lam)).transpose(-1, -2)
+
+    reference.similarity_export = reduce_l1
+    try:
+        yield
+    finally:
+        reference.similarity_export = current
 
 
 def export_all(names, size, exporter, folder):
-    """{name: (model, onnx path or None, export seconds, error text or None)}."""
-    results = {}
+    """[(label, name, model, onnx path or None, export seconds, error or None)]."""
+    results = []
+    try:
+        deploy.ort_ops_library()
+        have_library = True
+    except FileNotFoundError as err:
+        have_library = False
+        print(f'# op library not built, its file is skipped: {err}', flush=True)
     for name in names:
         model = build_backbone(name)
-        path = os.path.join(folder, f'{name}.onnx')
-        start = time.perf_counter()
-        try:
-            deploy.export_onnx(deploy.ExportModule(model), path, shape=size, exporter=exporter)
-            error = None
-        except Exception as err:  # report any exporter failure and go on with the others
-            path, error = None, f'{type(err).__name__}: {str(err).splitlines()[0][:300]}'
-        seconds = time.perf_counter() - start
-        print(f'# export {name}: {"ok" if error is None else error} ({seconds:.0f} s)',
-              flush=True)
-        results[name] = (model, path, seconds, error)
+        forms = FORMS if name == REFERENCE else (('standard', False, False), )
+        for form, ort_ops, before in forms:
+            if ort_ops and not have_library:
+                continue
+            label = name if name != REFERENCE else f'{name}, {form}'
+            path = os.path.join(folder, f'{name}-{len(results)}.onnx')
+            start = time.perf_counter()
+            try:
+                with previous_l1_form() if before else contextlib.nullcontext():
+                    deploy.export_onnx(deploy.ExportModule(model), path, shape=size,
+                                       exporter=exporter, ort_ops=ort_ops)
+                error = None
+            except Exception as err:  # report any exporter failure and go on
+                path, error = None, f'{type(err).__name__}: {str(err).splitlines()[0][:300]}'
+            seconds = time.perf_counter() - start
+            print(f'# export {label}: {"ok" if error is None else error} ({seconds:.0f} s)',
+                  flush=True)
+            results.append((label, name, model, path, seconds, error))
     return results
 
 
@@ -81,7 +128,7 @@ def benchmark(args):
     keep_large_blocks()
     all_threads = torch.get_num_threads()
     info = dict(size=args.size, exporter=args.exporter, repeats=args.repeats,
-                torch=torch.__version__, all_threads=all_threads,
+                threads=args.threads, torch=torch.__version__,
                 started=time.strftime('%Y-%m-%d %H:%M:%S %Z'), load_before=load_average())
     import onnxruntime
     info['onnxruntime'] = onnxruntime.__version__
@@ -92,25 +139,26 @@ def benchmark(args):
         exported = export_all(args.models, args.size, args.exporter, folder)
         x = deploy.example_input(args.size, 1)
         rows = {}
-        for threads, label in ((1, '1 thread'), (None, f'{all_threads} threads')):
-            torch.set_num_threads(threads or all_threads)
+        for threads in args.threads:
+            label = f'{threads} thread' + ('s' if threads > 1 else '')
+            torch.set_num_threads(threads)
             calls = {}
-            for name, (model, path, _, _) in exported.items():
-                calls[(name, 'eager')] = lambda m=model: _eager(m, x)
+            for row_label, name, model, path, _, _ in exported:
+                calls.setdefault((name, 'eager'), lambda m=model: _eager(m, x))
                 if path is not None:
                     session = deploy.ort_session(path, threads)
-                    calls[(name, 'ort')] = lambda s=session: deploy.run_onnx(s, x)
+                    calls[(row_label, 'ort')] = lambda s=session: deploy.run_onnx(s, x)
             info[f'load_before_{label}'] = load_average()
             times = time_round_robin(calls, args.repeats)
-            for (name, kind), runs in times.items():
-                row = rows.setdefault(name, {})
+            for (row_label, kind), runs in times.items():
+                row = rows.setdefault(row_label, {})
                 row[f'{kind} {label}'] = statistics.median(w for w, _ in runs)
                 row[f'{kind} {label} cpu'] = statistics.median(c for _, c in runs)
                 row[f'{kind} {label} runs'] = runs
             print(f'# {label} done, load average {load_average()}', flush=True)
         torch.set_num_threads(all_threads)
     info['load_after'] = load_average()
-    info['exports'] = {n: dict(seconds=s, error=e) for n, (_, _, s, e) in exported.items()}
+    info['exports'] = {label: dict(seconds=s, error=e) for label, _, _, _, s, e in exported}
     info['rows'] = rows
     print(format_table(info))
     if args.json:
@@ -125,36 +173,104 @@ def _eager(model, x):
 
 
 def format_table(info):
-    """Median wall seconds per call (process CPU seconds in brackets for one thread)."""
-    all_label = f"{info['all_threads']} threads"
-    columns = [('ort', '1 thread'), ('eager', '1 thread'), ('ort', all_label),
-               ('eager', all_label)]
-    head = ('| model | ' + ' | '.join(f'{"ONNX Runtime" if k == "ort" else "eager"} '
-                                      f'{label} (s)' for k, label in columns)
-            + ' | ONNX Runtime 1 thread, PVTv2-b1 / model | eager 1 thread, PVTv2-b1 / '
-              'model |')
-    lines = [head, '|---' * (len(columns) + 3) + '|']
-    rows = info['rows']
-    base = rows.get('pvtv2-b1', {})
-    for name, row in rows.items():
-        cells = []
-        for kind, label in columns:
-            key = f'{kind} {label}'
+    """Median wall seconds per call (process CPU seconds in brackets), and speed-ups."""
+    before = f'{REFERENCE}, standard, before'
+    lines = []
+    for threads in info['threads']:
+        label = f'{threads} thread' + ('s' if threads > 1 else '')
+        key = f'ort {label}'
+        lines += [f'| file ({label}) | ONNX Runtime (s) | eager (s) | PVTv2-b1 / file | '
+                  'before / file |', '|---|---|---|---|---|']
+        rows = info['rows']
+        base, old = rows.get(BASELINE, {}).get(key), rows.get(before, {}).get(key)
+        for name, row in rows.items():
             if key not in row:
-                cells.append('does not export')
                 continue
-            cell = f'{row[key]:.3f}'
-            if label == '1 thread':
-                cell += f' ({row[key + " cpu"]:.3f})'
-            cells.append(cell)
-        for key in ('ort 1 thread', 'eager 1 thread'):
-            ratio = base.get(key), row.get(key)
-            cells.append(f'{ratio[0] / ratio[1]:.2f}' if all(ratio) else '—')
-        lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
-    lines.append(f"\nload average before {info['load_before']}, after {info['load_after']}")
+            eager = rows.get(name.split(',')[0], {}).get(f'eager {label}')
+            cells = [f'{row[key]:.3f} ({row[key + " cpu"]:.3f})',
+                     f'{eager:.3f}' if eager else '—',
+                     f'{base / row[key]:.2f}' if base else '—',
+                     f'{old / row[key]:.2f}' if old else '—']
+            lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+        lines.append('')
+    lines.append(f"load average before {info['load_before']}, after {info['load_after']}")
     for name, export in info['exports'].items():
-        if export['error']:
-            lines.append(f"{name} does not export: {export['error']}")
+        lines.append(f"export {name}: " + (export['error'] or f"{export['seconds']:.0f} s"))
+    return '\n'.join(lines)
+
+
+def parity_report(export_shape=(512, 640), sizes=((480, 736), (608, 800), (800, 1344)),
+                  seed=3):
+    """Markdown: per-stage error against eager fp64 of each exported form, smooth inputs.
+
+    The TorchScript files and the torch.export program first, then the dynamo files (the
+    slowest to export); each group's rows are printed as soon as they are measured.
+    """
+    from torch.export import Dim
+    model = build_backbone(REFERENCE)
+    module = deploy.ExportModule(model)
+    module64 = copy.deepcopy(module).double()
+    try:
+        deploy.ort_ops_library()
+        ort_forms = (False, True)
+    except FileNotFoundError:
+        ort_forms = (False, )
+    inputs = [deploy.smooth_input(size, 1, seed=seed) for size in sizes]
+    with torch.no_grad():
+        refs = [list(module64(x.double())) for x in inputs]
+        rows = [{'eager fp32': list(module(x))} for x in inputs]
+
+    def measure(runners):
+        with torch.no_grad():
+            for x, row in zip(inputs, rows):
+                for label, run in runners.items():
+                    row[label] = run(x)
+        print(format_parity(sizes, refs, rows), flush=True)
+
+    with tempfile.TemporaryDirectory() as folder:
+        for exporter in ('torchscript', 'dynamo'):
+            runners = {}
+            for ort_ops in ort_forms:
+                label = f'ONNX Runtime, {exporter}' + (', op library' if ort_ops else '')
+                path = os.path.join(folder, f'{exporter}-{ort_ops}.onnx')
+                start = time.perf_counter()
+                deploy.export_onnx(module, path, shape=export_shape, batch=2, dynamic=True,
+                                   exporter=exporter, ort_ops=ort_ops)
+                print(f'# exported {label} ({time.perf_counter() - start:.0f} s)', flush=True)
+                runners[label] = lambda x, s=deploy.ort_session(path): deploy.run_onnx(s, x)
+            if exporter == 'torchscript':
+                # As a user writes it: plain Dims, a static batch of 2 (the case that failed).
+                start = time.perf_counter()
+                dims = {2: Dim('h', min=224, max=2048), 3: Dim('w', min=224, max=2048)}
+                program = torch.export.export(
+                    model, (deploy.smooth_input(export_shape, 2), ), dynamic_shapes=(dims, ))
+                print(f'# torch.export ({time.perf_counter() - start:.0f} s)', flush=True)
+                runners['torch.export (user Dims)'] = (
+                    lambda x, p=program.module(): [o[:1] for o in p(x.expand(2, -1, -1, -1))])
+            measure(runners)
+    x = deploy.example_input((800, 1344), 1, seed=seed)
+    with torch.no_grad():
+        errs = [deploy.output_error([o], [r])['max_rel']
+                for o, r in zip(module(x), module64(x.double()))]
+    return (format_parity(sizes, refs, rows) + '\n\n800x1344, white noise: eager fp32 '
+            'against fp64 per stage: ' + ', '.join(f'{e:.1e}' for e in errs))
+
+
+def format_parity(sizes, refs, rows):
+    lines = []
+    for size, ref, row in zip(sizes, refs, rows):
+        eager = [deploy.output_error([o], [r])['max_rel']
+                 for o, r in zip(row['eager fp32'], ref)]
+        lines += [f'{size[0]}x{size[1]}, smooth input: max |out - fp64| / max |fp64| '
+                  "(in brackets: / eager fp32's)", '',
+                  '| | ' + ' | '.join(f'stage {i + 1}' for i in range(len(ref))) + ' |',
+                  '|---' * (len(ref) + 1) + '|']
+        for label, outs in row.items():
+            errs = [deploy.output_error([o], [r])['max_rel'] for o, r in zip(outs, ref)]
+            cells = [f'{e:.1e}' + ('' if label == 'eager fp32' else f' ({e / b:.2f})')
+                     for e, b in zip(errs, eager)]
+            lines.append(f'| {label} | ' + ' | '.join(cells) + ' |')
+        lines.append('')
     return '\n'.join(lines)
 
 
@@ -214,7 +330,11 @@ def parse_args(argv=None):
     parser.add_argument('--size', type=parse_size, default=(800, 1333), help='HxW')
     parser.add_argument('--exporter', choices=deploy.EXPORTERS, default='dynamo')
     parser.add_argument('--repeats', type=int, default=3)
+    parser.add_argument('--threads', type=int, nargs='+', default=[1],
+                        help='intra-op thread counts to time (default: 1)')
     parser.add_argument('--json', help='also write the results to this file')
+    parser.add_argument('--parity', action='store_true',
+                        help='print the per-stage accuracy of the exported forms')
     parser.add_argument('--precision', action='store_true',
                         help='print the accuracy of the refinement-residual precisions')
     return parser.parse_args(argv)
@@ -222,6 +342,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.parity:
+        print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {load_average()}")
+        print(parity_report())
+        print(f'# load average {load_average()}')
+        return 0
     if args.precision:
         print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {load_average()}")
         print(precision_report())

@@ -29,9 +29,11 @@ import torch
 from torch import nn
 
 from .ops.export import (
+    ORT_DOMAIN,
     RESIDUAL_PRECISIONS,
     AdaptiveAvgPool2dExport,
     check_exportable,
+    kernel_form,
     residual_precision,
 )
 
@@ -47,6 +49,11 @@ INPUT_NAME = 'input'
 #: room for the graph); above it the weights go to an external data file.
 SINGLE_FILE_BYTES = 2 ** 31 - 2 ** 26
 DEPLOY_HINT = "pip install 'lapformer_mm[deploy]' (onnx, onnxscript, onnxruntime)"
+#: Overrides where :func:`ort_ops_library` looks for the op library.
+ORT_OPS_ENV = 'LAPFORMER_ORT_OPS_LIBRARY'
+ORT_OPS_HINT = ('build it with `python tools/build_ort_ops.py --ort-include DIR` (DIR: the '
+                'include/ folder of an ONNX Runtime release) or `make ort-ops '
+                'ORT_INCLUDE_DIR=DIR`')
 
 
 def _import(name):
@@ -185,6 +192,22 @@ def example_input(shape, batch, seed=0, dtype=torch.float32):
     return torch.randn(batch, 3, *shape, generator=gen, dtype=dtype)
 
 
+def smooth_input(shape, batch, seed=0, dtype=torch.float32, cells=(6, 8)):
+    """A fixed natural-image-like (batch, 3, H, W) input: a smooth random field.
+
+    Gaussian noise on a coarse ``cells`` grid, bilinearly upsampled and scaled to unit
+    standard deviation per channel, as normalised photographs roughly are. White noise
+    (:func:`example_input`) is no image: on it LaplacianFormer itself is ill-conditioned
+    at large sizes (docs/deploy.md), so accuracy is measured on these.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    coarse = torch.randn(batch, 3, *cells, generator=gen, dtype=torch.float64)
+    field = torch.nn.functional.interpolate(coarse, size=tuple(shape), mode='bilinear',
+                                            align_corners=False)
+    field = (field - field.mean((2, 3), keepdim=True)) / field.std((2, 3), keepdim=True)
+    return field.to(dtype)
+
+
 def _dynamic_dims(min_size):
     Dim = torch.export.Dim
     return {0: Dim('batch', min=1, max=1024), 2: Dim('height', min=min_size, max=16384),
@@ -193,7 +216,8 @@ def _dynamic_dims(min_size):
 
 def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333),
                 batch: int = 1, dynamic: bool = False, exporter: str = 'dynamo',
-                residual: str = 'fp64', opset: int = DEFAULT_OPSET) -> List[str]:
+                residual: str = 'fp64', opset: int = DEFAULT_OPSET,
+                ort_ops: bool = False) -> List[str]:
     """Write ``model`` (e.g. an :class:`ExportModule`) as one ONNX file ``out``.
 
     Args:
@@ -211,14 +235,21 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
             tensor in the graph, for TensorRT and mobile runtimes): the precision of the
             attention's refinement residual (docs/deploy.md has the accuracy of each).
         opset: the ONNX opset.
+        ort_ops: write each kernel matrix as one ``lapformer_mm::PairwiseKernel`` node
+            (the ONNX Runtime op library: :func:`ort_ops_library`, :func:`ort_session`)
+            instead of standard operators. Such a file runs only in ONNX Runtime with
+            the library registered.
 
     Returns the output names. Weights go into the file unless they exceed ~2 GB.
     """
     shape = _check_shape(shape)
     _check_choice('exporter', exporter, EXPORTERS)
+    _check_choice('ort_ops', ort_ops, (False, True))
+    form = 'ort' if ort_ops else 'standard'
     if exporter == 'dynamo':
-        program = export_program(model, shape=shape, batch=batch, dynamic=dynamic,
-                                 residual=residual)
+        with kernel_form(form):
+            program = export_program(model, shape=shape, batch=batch, dynamic=dynamic,
+                                     residual=residual)
         names = output_names(model, shape)
         program_to_onnx(program, out, output_names=names, opset=opset)
         return names
@@ -228,7 +259,7 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
     module = prepare_for_export(model)
     x = example_input(shape, max(batch, 2) if dynamic else batch)
     _makedirs_for(out)
-    with torch.no_grad(), residual_precision(residual):
+    with torch.no_grad(), residual_precision(residual), kernel_form(form):
         outputs = _as_list(module(x))
         names = _names(module, len(outputs))
         axes = None
@@ -303,14 +334,48 @@ def program_to_onnx(program, out: str, *, output_names: Optional[Sequence[str]] 
                       external_data=external)
 
 
-def ort_session(path: str, threads: Optional[int] = None):
-    """An ONNX Runtime CPU session of ``path``; ``threads`` intra-op threads (None: all)."""
+def ort_ops_library(path: Optional[str] = None) -> str:
+    """The path of the ONNX Runtime op library (``tools/build_ort_ops.py``).
+
+    ``path``, else $LAPFORMER_ORT_OPS_LIBRARY, else where the build tool puts it
+    (``lapformer_mm/liblapformer_mm_ort.so``). Raises FileNotFoundError, with the build
+    command, when there is no file there. Nothing is loaded here.
+    """
+    from .cli.build_ort_ops import default_library_path
+    path = path or os.environ.get(ORT_OPS_ENV) or default_library_path()
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f'the ONNX Runtime op library {path!r} does not exist: '
+                                f'{ORT_OPS_HINT}')
+    return path
+
+
+def uses_ort_ops(path: str) -> bool:
+    """True when the ONNX file at ``path`` imports the op library's domain."""
+    onnx = _import('onnx')
+    proto = onnx.load(path, load_external_data=False)
+    return any(o.domain == ORT_DOMAIN for o in proto.opset_import)
+
+
+def ort_session(path: str, threads: Optional[int] = None, ort_ops=None):
+    """An ONNX Runtime CPU session of ``path``; ``threads`` intra-op threads (None: all).
+
+    ``ort_ops``: register the op library (:func:`ort_ops_library`) with the session:
+    True, False, a library path, or None (default): when the file uses it.
+    """
     ort = _import('onnxruntime')
     options = ort.SessionOptions()
     if threads is not None:
         options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    if ort_ops is None:
+        ort_ops = uses_ort_ops(path)
+    if ort_ops is not False:
+        if ort_ops is not True and not isinstance(ort_ops, (str, os.PathLike)):
+            raise ValueError(f'ort_ops must be True, False, None or a library path, got '
+                             f'{ort_ops!r}')
+        options.register_custom_ops_library(
+            ort_ops_library(None if ort_ops is True else os.fspath(ort_ops)))
     return ort.InferenceSession(path, options, providers=['CPUExecutionProvider'])
 
 
@@ -436,6 +501,6 @@ def format_rows(rows: Sequence[Dict]) -> str:
 
 __all__ = ['DEFAULT_OPSET', 'EXPORTERS', 'ExportModule', 'TARGETS', 'build_model',
            'check_export_size', 'export_config', 'export_min_size', 'export_onnx',
-           'export_program', 'format_rows', 'graph_summary', 'ort_session', 'output_error',
-           'output_names', 'prepare_for_export', 'program_to_onnx', 'run_onnx', 'verify_onnx',
-           'verify_sizes']
+           'export_program', 'format_rows', 'graph_summary', 'ort_ops_library', 'ort_session',
+           'output_error', 'output_names', 'prepare_for_export', 'program_to_onnx', 'run_onnx',
+           'smooth_input', 'uses_ort_ops', 'verify_onnx', 'verify_sizes']

@@ -1,9 +1,20 @@
-"""Shared pieces of the deploy tests: a tiny backbone, the accuracy measure, graph checks."""
+"""Shared pieces of the deploy tests: a tiny backbone, the accuracy measure, graph checks,
+the ONNX Runtime op library."""
 import copy
+import functools
+import os
+import os.path as osp
+import tempfile
 
 import torch
+from _shared import ROOT
 
 from lapformer_mm.models import LaplacianFormer
+
+#: ONNX Runtime's C API headers for the op library: $ORT_INCLUDE_DIR, else the copy in the
+#: shared folder beside the checkout (what CI has).
+ORT_INCLUDE = os.environ.get('ORT_INCLUDE_DIR') or osp.join(
+    osp.dirname(ROOT), 'shared', 'third_party', 'onnxruntime-1.29', 'include')
 
 #: Four stages of one block each, narrow: the export paths of the default layout
 #: (keys tied in stages 1-3, separate in stage 4) at a fraction of the trace time.
@@ -135,3 +146,28 @@ def stage_sizes(shape):
         h, w = -(-height // stride), -(-width // stride)
         sizes |= {h, w, h * w}
     return sizes
+
+
+@functools.lru_cache(maxsize=None)
+def _built_ort_library():
+    from lapformer_mm.cli import build_ort_ops
+    folder = tempfile.mkdtemp(prefix='lapformer_ort_ops_')
+    return build_ort_ops.build(ORT_INCLUDE, osp.join(folder, build_ort_ops.LIBRARY_NAME))
+
+
+def ort_library():
+    """The op library built once per test process (from ORT_INCLUDE), or None when the
+    headers are absent."""
+    if not osp.isfile(osp.join(ORT_INCLUDE, 'onnxruntime_c_api.h')):
+        return None
+    return _built_ort_library()
+
+
+def require_ort_library():
+    """:func:`ort_library`, skipping the test (with the reason) when it cannot be built."""
+    import pytest
+    path = ort_library()
+    if path is None:
+        pytest.skip(f'no ONNX Runtime C API headers at {ORT_INCLUDE} (set ORT_INCLUDE_DIR): '
+                    'the op library cannot be built')
+    return path

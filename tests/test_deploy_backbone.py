@@ -3,9 +3,8 @@
 Each exporter writes the backbone once, traced at batch 2 and EXPORT_SHAPE with dynamic
 batch, height and width and the fp32 refinement residual; ONNX Runtime then runs it at
 that size and at two others with batch 1, each output held to FACTOR × the distance of
-eager fp32 from eager fp64 (tests/_deploy_helpers.py). The dynamo exporter's file is
-converted from the ``torch.export`` program that the torch.export test lowers to core
-ATen (what :func:`lapformer_mm.deploy.export_onnx` does), so the program is traced once.
+eager fp32 from eager fp64 (tests/_deploy_helpers.py). The torch.export test exports the
+backbone as a user would, with plain Dims and no project wrapper, and lowers it to core ATen.
 """
 import pytest
 import torch
@@ -14,11 +13,14 @@ from _deploy_helpers import (
     fp64_tensors,
     frozen_reshapes,
     non_standard_nodes,
+    ort_library,
     stage_sizes,
     tiny_backbone,
 )
+from torch.export import Dim
 
 from lapformer_mm import deploy
+from lapformer_mm.ops import export as ex
 
 onnx = pytest.importorskip('onnx')
 pytest.importorskip('onnxruntime')
@@ -36,23 +38,12 @@ def backbone():
     return tiny_backbone()
 
 
-@pytest.fixture(scope='module')
-def program(backbone):
-    return deploy.export_program(deploy.ExportModule(backbone), shape=EXPORT_SHAPE, batch=2,
-                                 residual='fp32')
-
-
 @pytest.fixture(scope='module', params=[pytest.param('dynamo', marks=pytest.mark.slow),
                                         'torchscript'])
 def exported(request, backbone, tmp_path_factory):
     path = str(tmp_path_factory.mktemp('deploy') / f'{request.param}.onnx')
-    if request.param == 'dynamo':
-        program = request.getfixturevalue('program')
-        deploy.program_to_onnx(program, path,
-                               output_names=[f'stage{i}' for i in range(4)])
-    else:
-        deploy.export_onnx(deploy.ExportModule(backbone), path, shape=EXPORT_SHAPE, batch=2,
-                           dynamic=True, exporter='torchscript', residual='fp32')
+    deploy.export_onnx(deploy.ExportModule(backbone), path, shape=EXPORT_SHAPE, batch=2,
+                       dynamic=True, exporter=request.param, residual='fp32')
     return path
 
 
@@ -80,27 +71,47 @@ def test_onnx_runtime_as_close_as_fp32_at_other_sizes(exported, backbone, size, 
 
 
 @pytest.mark.slow
-def test_torch_export_lowers_to_core_aten_and_matches_eager(program, backbone):
+def test_torch_export_with_plain_dims_lowers_and_matches_eager(backbone):
+    # What a user writes, without deploy.export_program: a static batch of 2 and Dims on H
+    # and W made torch.export fail with "Constraints violated (h)" (a guard of the bin
+    # pooling's matmul fold it could not prove over the range).
+    x = deploy.example_input(EXPORT_SHAPE, 2)
+    dims = ({2: Dim('h', min=224, max=2048), 3: Dim('w', min=224, max=2048)}, )
+    with torch.no_grad(), ex.residual_precision('fp32'):
+        program = torch.export.export(backbone, (x, ), dynamic_shapes=dims)
     lowered = program.run_decompositions()
     targets = {str(n.target) for n in lowered.graph.nodes if n.op == 'call_function'}
     assert not [t for t in targets if 'lapformer_mm' in t or '_cdist' in t
                 or 'adaptive_avg_pool' in t], sorted(targets)
-    x = deploy.example_input(OTHER_SIZES[0], 1, seed=5)
-    with torch.no_grad():
-        outs = lowered.module()(x)
-    assert_as_close_as_fp32(list(outs), backbone, x, 'torch.export')
-    # The size range is part of the program.
-    with pytest.raises(Exception, match='193'):
-        lowered.module()(deploy.example_input((150, 300), 1))
+    for size in OTHER_SIZES:
+        x = deploy.example_input(size, 2, seed=size[1])
+        with torch.no_grad():
+            outs = lowered.module()(x)
+        assert_as_close_as_fp32(list(outs), backbone, x, 'torch.export')
+    # A range reaching below the minimum is refused by the rule, before any tracing.
+    low = ({2: Dim('h', min=100, max=2048), 3: Dim('w', min=224, max=2048)}, )
+    with pytest.raises(ValueError, match='range of the input H reaches below 193.*must be '
+                                         'at least its landmark grid'):
+        torch.export.export(backbone, (deploy.example_input(EXPORT_SHAPE, 2), ),
+                            dynamic_shapes=low)
 
 
-def test_fp64_residual_is_the_default_and_runs(backbone, tmp_path):
+def test_fp64_residual_default_and_the_op_library(backbone, tmp_path):
+    # One export checks both: the default residual is fp64, and (where the op library can be
+    # built) the kernel matrices are its nodes, run by ONNX Runtime with it registered.
+    library = ort_library()
     path = str(tmp_path / 'fp64.onnx')
     deploy.export_onnx(backbone, path, shape=EXPORT_SHAPE, batch=2, dynamic=True,
-                       exporter='torchscript')
-    assert fp64_tensors(onnx.load(path))  # the check above can see an fp64 tensor
+                       exporter='torchscript', ort_ops=library is not None)
+    proto = onnx.load(path)
+    assert fp64_tensors(proto)  # the check above can see an fp64 tensor
+    if library is not None:
+        # Stages 1-3 tie keys to queries (2 kernel matrices each), stage 4 does not (3).
+        nodes = [n for n in proto.graph.node if n.domain == ex.ORT_DOMAIN]
+        assert len(nodes) == 9 and {n.op_type for n in nodes} == {ex.ORT_KERNEL_OP}
     x = deploy.example_input(OTHER_SIZES[1], 1, seed=7)
-    assert_as_close_as_fp32(deploy.run_onnx(deploy.ort_session(path), x), backbone, x, path)
+    session = deploy.ort_session(path, ort_ops=library or False)
+    assert_as_close_as_fp32(deploy.run_onnx(session, x), backbone, x, path)
 
 
 def test_export_size_below_the_range_names_the_minimum(backbone, tmp_path):

@@ -10,7 +10,7 @@ pooling is ATen's ``adaptive_avg_pool2d``.
 from pathlib import Path
 
 import pytest
-from _deploy_helpers import TINY_ARCH, assert_as_close_as_fp32, non_standard_nodes
+from _deploy_helpers import TINY_ARCH, assert_as_close_as_fp32, non_standard_nodes, ort_library
 
 from lapformer_mm import deploy
 from lapformer_mm.cli import export_onnx as cli
@@ -99,13 +99,19 @@ def tiny_retinanet_config(folder):
     return str(path)
 
 
-def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys):
+def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys, monkeypatch):
+    # With --ort-ops where the op library can be built: --verify then registers it.
+    library = ort_library()
+    ort_args = [] if library is None else ['--ort-ops']
+    if library is not None:
+        monkeypatch.setenv(deploy.ORT_OPS_ENV, library)
     out = str(tmp_path / 'retinanet.onnx')
     code = cli.main([tiny_retinanet_config(tmp_path), '--target', 'model', '--shape',
                      *map(str, EXPORT_SHAPE), '--dynamic', '--exporter', 'torchscript',
-                     '--out', out, '--verify'])
+                     '--out', out, '--verify'] + ort_args)
     printed = capsys.readouterr().out
     assert code == 0, printed
+    assert deploy.uses_ort_ops(out) == (library is not None)
     names = [f'cls_score{i}' for i in range(5)] + [f'bbox_pred{i}' for i in range(5)]
     assert f'outputs: {", ".join(names)}' in printed
     rows = [line for line in printed.splitlines() if line.startswith('| 2') or

@@ -11,7 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _attention_helpers import dense_attention, dense_kernel, smooth_tokens
-from _deploy_helpers import non_standard_nodes, relative_errors, tiny_backbone
+from _deploy_helpers import (
+    ORT_INCLUDE,
+    non_standard_nodes,
+    relative_errors,
+    require_ort_library,
+    tiny_backbone,
+)
 
 from lapformer_mm import deploy
 from lapformer_mm.ops import AttentionOptions, nystrom_attention, pool_landmarks
@@ -124,13 +130,19 @@ def test_export_attention_fp32_both_residuals_near_dense(precision):
     assert relative_errors([got], [expected])[0] < 1e-5
 
 
-def test_residual_precision_is_scoped_and_checked():
+def test_export_switches_are_scoped_and_checked():
     with pytest.raises(ValueError, match="'fp64', 'fp32'"):
         with ex.residual_precision('fp16'):
             pass
-    with ex.residual_precision('fp32'):
+    with pytest.raises(ValueError, match="kernel form 'tensorrt'.*'standard', 'ort'"):
+        with ex.kernel_form('tensorrt'):
+            pass
+    with ex.residual_precision('fp32'), ex.kernel_form('ort'):
         assert ref._RESIDUAL.get() == torch.float32
-    assert ref._RESIDUAL.get() == torch.float64
+        assert ref._SIMILARITY_NODE.get() is ex.ort_pairwise_kernel
+        with ex.kernel_form('standard'):
+            assert ref._SIMILARITY_NODE.get() is None
+    assert ref._RESIDUAL.get() == torch.float64 and ref._SIMILARITY_NODE.get() is None
 
 
 @pytest.mark.parametrize('options, match', [
@@ -199,6 +211,9 @@ def test_primitives_through_both_exporters_and_onnx_runtime(tmp_path, exporter, 
     proto = onnx.load(path)
     onnx.checker.check_model(proto, full_check=True)
     assert non_standard_nodes(proto) == []
+    # The ℓ1 step as Abs + ReduceSum: ONNX Runtime runs ReduceL1 as a scalar loop.
+    ops = {n.op_type for n in proto.graph.node}
+    assert {'Abs', 'ReduceSum'} <= ops and not ops & {'ReduceL1', 'ReduceL2'}, ops
     session = deploy.ort_session(path)
     for num_tokens, hw in ((120, (20, 23)), (203, (57, 31))):  # the export size and another
         inputs = primitive_inputs(num_tokens, hw, seed=num_tokens)
@@ -206,6 +221,97 @@ def test_primitives_through_both_exporters_and_onnx_runtime(tmp_path, exporter, 
         errors = relative_errors([torch.from_numpy(o) for o in outs],
                                  primitive_references(*inputs))
         assert max(errors) < 1e-5, (exporter, num_tokens, errors)
+
+
+class KernelPair(torch.nn.Module):
+    """Both kernels of q (B, h, N, d) against landmarks (B, h, m, d), and the landmarks'
+    own matrix."""
+
+    def forward(self, q, landmarks):
+        return (ref.similarity_export(q, landmarks, 4.0, 'laplacian'),
+                ref.similarity_export(q, landmarks, 2.5, 'gaussian'),
+                ref.similarity_export(landmarks, landmarks, 4.0, 'laplacian', None))
+
+
+def _kernel_inputs(num_tokens, num_landmarks, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 3, num_tokens, 8, generator=gen),
+            torch.randn(2, 3, num_landmarks, 8, generator=gen))
+
+
+def _cpu_isas():
+    capability = torch.backends.cpu.get_cpu_capability()
+    return {'default': True, 'avx2': capability in ('AVX2', 'AVX512'),
+            'avx512': capability == 'AVX512'}
+
+
+@pytest.mark.parametrize('exporter', ['dynamo', 'torchscript'])
+def test_ort_op_library_node_through_both_exporters(tmp_path, monkeypatch, exporter):
+    library = require_ort_library()
+    path = str(tmp_path / 'kernels.onnx')
+    args = _kernel_inputs(60, 49, seed=0)
+    with torch.no_grad(), ex.kernel_form('ort'):
+        if exporter == 'dynamo':
+            n = torch.export.Dim('n', min=2)
+            torch.onnx.export(KernelPair().eval(), args, path, dynamo=True, verbose=False,
+                              input_names=['q', 'landmarks'], dynamic_shapes=({2: n}, None))
+        else:
+            torch.onnx.export(KernelPair().eval(), args, path, dynamo=False, opset_version=20,
+                              input_names=['q', 'landmarks'], dynamic_axes={'q': {2: 'n'}})
+    proto = onnx.load(path)
+    assert non_standard_nodes(proto) == [(ex.ORT_DOMAIN, ex.ORT_KERNEL_OP)]
+    assert sum(n.domain == ex.ORT_DOMAIN for n in proto.graph.node) == 3
+    assert deploy.uses_ort_ops(path)
+    # Every instruction set this CPU has; the others must refuse to register, by name.
+    for isa, supported in _cpu_isas().items():
+        monkeypatch.setenv('LAPFORMER_ORT_ISA', isa)
+        if not supported:
+            with pytest.raises(Exception, match=f'LAPFORMER_ORT_ISA={isa}, but this CPU'):
+                deploy.ort_session(path, ort_ops=library)
+            continue
+        session = deploy.ort_session(path, threads=2, ort_ops=library)
+        for num_tokens in (257, 3):  # tails of the row blocks, a size never traced
+            q, landmarks = _kernel_inputs(num_tokens, 49, seed=num_tokens)
+            outs = session.run(None, {'q': q.numpy(), 'landmarks': landmarks.numpy()})
+            q64, l64 = q.double(), landmarks.double()
+            refs = [dense_kernel(q64, l64, 4.0, 'laplacian'),
+                    dense_kernel(q64, l64, 2.5, 'gaussian'),
+                    dense_kernel(l64, l64, 4.0, 'laplacian')]
+            errors = relative_errors([torch.from_numpy(o) for o in outs], refs)
+            assert max(errors) < 2e-6, (isa, num_tokens, errors)
+    monkeypatch.setenv('LAPFORMER_ORT_ISA', 'sse9')
+    with pytest.raises(Exception, match="'sse9' is not supported; allowed: auto, default"):
+        deploy.ort_session(path, ort_ops=library)
+
+
+def test_ort_op_library_exports_only_its_entry_point():
+    import shutil
+    import subprocess
+    library = require_ort_library()
+    if shutil.which('nm') is None:
+        pytest.skip('no nm to list the exported symbols')
+    out = subprocess.run(['nm', '-D', '--defined-only', library], capture_output=True,
+                         text=True, check=True).stdout
+    assert [line.split()[-1] for line in out.splitlines()] == ['RegisterCustomOps']
+
+
+def test_ort_op_library_needs_headers_and_is_named_when_missing(tmp_path, monkeypatch):
+    from lapformer_mm.cli import build_ort_ops
+    monkeypatch.delenv('ORT_INCLUDE_DIR', raising=False)
+    with pytest.raises(FileNotFoundError, match='--ort-include DIR or set ORT_INCLUDE_DIR'):
+        build_ort_ops.build()
+    with pytest.raises(FileNotFoundError, match='onnxruntime_c_api.h is not in'):
+        build_ort_ops.build(str(tmp_path))
+    assert build_ort_ops.main(['--ort-include', str(tmp_path)]) == 2
+    missing = str(tmp_path / 'none.so')
+    with pytest.raises(FileNotFoundError, match='tools/build_ort_ops.py --ort-include'):
+        deploy.ort_ops_library(missing)
+    monkeypatch.setenv(deploy.ORT_OPS_ENV, missing)
+    with pytest.raises(FileNotFoundError, match='none.so'):
+        deploy.ort_ops_library()
+    with pytest.raises(ValueError, match='ort_ops must be True, False, None or a library'):
+        deploy.ort_session(__file__, ort_ops=3)
+    assert ORT_INCLUDE  # the tests' header location is always defined
 
 
 _SEEN = []

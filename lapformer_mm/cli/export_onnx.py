@@ -7,7 +7,9 @@ minimum up), ``--exporter dynamo | torchscript``, ``--out``; ``--verify`` runs t
 ONNX Runtime and prints the largest absolute and relative error against PyTorch at the
 export size and at two other sizes (dynamic exports), beside eager fp32's own error
 against fp64. The input of the graph is the normalised, padded batch the model's data
-preprocessor makes (docs/deploy.md). Needs the ``[deploy]`` extra (onnx, onnxscript,
+preprocessor makes (docs/deploy.md). ``--ort-ops`` writes the kernel matrices as nodes of
+the opt-in ONNX Runtime op library (``tools/build_ort_ops.py``), which ``--verify``
+registers. Needs the ``[deploy]`` extra (onnx, onnxscript,
 onnxruntime).
 
 Examples::
@@ -50,6 +52,10 @@ def parse_args(argv=None):
                              'TensorRT, mobile runtimes)')
     parser.add_argument('--opset', type=int, default=deploy.DEFAULT_OPSET,
                         help=f'ONNX opset (default {deploy.DEFAULT_OPSET})')
+    parser.add_argument('--ort-ops', action='store_true',
+                        help='write the kernel matrices as lapformer_mm::PairwiseKernel '
+                             'nodes of the ONNX Runtime op library (tools/build_ort_ops.py); '
+                             'the file then runs only in ONNX Runtime with the library')
     parser.add_argument('--out', help='output file (default: <config name>_<target>.onnx)')
     parser.add_argument('--verify', action='store_true',
                         help='run the file in ONNX Runtime and print its error against '
@@ -68,7 +74,7 @@ def main(argv=None):
             args.config, out, checkpoint=args.checkpoint, target=args.target,
             cfg_options=args.cfg_options, shape=tuple(args.shape), batch=args.batch,
             dynamic=args.dynamic, exporter=args.exporter, residual=args.residual,
-            opset=args.opset)
+            opset=args.opset, ort_ops=args.ort_ops)
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f'export_onnx: {err}', file=sys.stderr)
         return 2
@@ -82,7 +88,11 @@ def main(argv=None):
         else:
             sizes = [tuple(args.shape)]
             print('static export: verified at the export size only')
-        rows = deploy.verify_onnx(out, module, sizes, batch=args.batch)
+        try:
+            rows = deploy.verify_onnx(out, module, sizes, batch=args.batch)
+        except FileNotFoundError as err:  # --ort-ops without the library built
+            print(f'export_onnx: {err}', file=sys.stderr)
+            return 2
         print('ONNX Runtime against PyTorch eager (max rel: largest error / largest '
               'output value, the largest over the outputs):')
         print(deploy.format_rows(rows))

@@ -382,6 +382,8 @@ class LaplacianFormer(BaseModule):
         Spatial sizes round up at each stride-2 step, so any H, W >= 1 works.
         """
         self._check_input(x)
+        if torch.compiler.is_exporting():
+            self._check_export_range(x)
         x = self.stem(x)
         outs = []
         for i, stage in enumerate(self.stages):
@@ -424,6 +426,22 @@ class LaplacianFormer(BaseModule):
         if not x.is_floating_point():
             raise TypeError(f'LaplacianFormer input must be a floating-point '
                             f'tensor (normalise images first), got dtype {x.dtype}')
+
+    def _check_export_range(self, x: torch.Tensor) -> None:
+        """Under torch.export: refuse an input range that reaches below export_min_size().
+
+        A user's ``Dim('h', min=100)`` would otherwise fail deep in the trace with a
+        constraint violation that names a derived guard, not the rule.
+        """
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+        minimum = self.export_min_size()
+        for name, size in (('H', x.shape[2]), ('W', x.shape[3])):
+            if not statically_known_true(size >= minimum):
+                raise ValueError(
+                    f'the export range of the input {name} reaches below {minimum}: every '
+                    f'stage map with Laplacian attention must be at least its landmark '
+                    f'grid, so H and W must be >= {minimum} for this model; declare '
+                    f'Dim(..., min={minimum}) or more (docs/deploy.md)')
 
     def _frozen_modules(self) -> List[nn.Module]:
         if self.frozen_stages < 0:

@@ -4,6 +4,9 @@ While ``torch.onnx.export`` (either exporter) or ``torch.export`` traces (:func:
 attention runs :func:`lapformer_mm.ops.reference.forward` with ``export=True``: the similarity
 and the landmark pooling take their standard-operator forms there. Eager calls,
 ``torch.compile`` and the ``torch.jit`` trace of the FLOP counter keep the op.
+
+:func:`kernel_form` ``('ort')`` makes the exported kernel matrices one node each of the opt-in
+ONNX Runtime op library (:func:`ort_pairwise_kernel`, tools/build_ort_ops.py) instead.
 """
 import contextlib
 
@@ -39,6 +42,61 @@ def residual_precision(precision):
                          f'{", ".join(map(repr, RESIDUAL_PRECISIONS))}')
     with reference.residual_dtype(RESIDUAL_PRECISIONS[precision]):
         yield
+
+
+#: Forms of the kernel matrix in an exported ONNX graph: 'standard' (standard-domain operators
+#: only, every runtime) or 'ort' (one ``lapformer_mm::PairwiseKernel`` node per kernel matrix,
+#: for ONNX Runtime with the op library of tools/build_ort_ops.py).
+KERNEL_FORMS = ('standard', 'ort')
+#: The ONNX domain, operator and its version of the op library's kernel matrix node.
+ORT_DOMAIN = 'lapformer_mm'
+ORT_KERNEL_OP = 'PairwiseKernel'
+ORT_OPSET_VERSION = 1
+
+
+@contextlib.contextmanager
+def kernel_form(form):
+    """Within the block, exported kernel matrices take ``form`` (one of :data:`KERNEL_FORMS`).
+
+    Scoped to the block (and the current thread or task), like :func:`residual_precision`;
+    nothing changes on import or outside exporters.
+    """
+    if form not in KERNEL_FORMS:
+        raise ValueError(f'kernel form {form!r} is not supported; allowed: '
+                         f'{", ".join(map(repr, KERNEL_FORMS))}')
+    with reference.similarity_node(ort_pairwise_kernel if form == 'ort' else None):
+        yield
+
+
+class _OrtPairwiseKernel(torch.autograd.Function):
+    """The op library's node for the TorchScript exporter (its ``symbolic``); the forward
+    (what the trace runs) is the standard form."""
+
+    @staticmethod
+    def forward(ctx, x, y, lam, kind):
+        with reference.similarity_node(None):
+            return reference.similarity_export(x, y, lam, kind)
+
+    @staticmethod
+    def symbolic(g, x, y, lam, kind):
+        out = g.op(f'{ORT_DOMAIN}::{ORT_KERNEL_OP}', x, y, lam_f=float(lam), kind_s=kind)
+        # x's dtype and rank with unknown sizes: the exporter's later symbolics read the dtype
+        # (type promotion), and the sizes are the runtime's to compute.
+        return out.setType(x.type().with_sizes([None] * x.type().dim()))
+
+
+def ort_pairwise_kernel(x, y, lam, kind):
+    """``lapformer_mm::PairwiseKernel(x, y)``, attributes lam and kind: (..., N, M).
+
+    Under torch.export (and so the dynamo ONNX exporter) a ``torch.onnx.ops.symbolic`` node,
+    under the TorchScript exporter the ``symbolic`` of an autograd Function; x and y must have
+    equal leading dims. Only ONNX Runtime with the op library runs the node.
+    """
+    if torch.compiler.is_exporting():
+        return torch.onnx.ops.symbolic(
+            f'{ORT_DOMAIN}::{ORT_KERNEL_OP}', (x, y), dict(lam=float(lam), kind=kind),
+            dtype=x.dtype, shape=(*x.shape[:-1], y.shape[-2]), version=ORT_OPSET_VERSION)
+    return _OrtPairwiseKernel.apply(x, y, float(lam), kind)
 
 
 def check_exportable(options):

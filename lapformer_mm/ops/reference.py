@@ -489,14 +489,32 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
 LANDMARK_CHUNK = 7
 
 
+_SIMILARITY_NODE = contextvars.ContextVar('lapformer_mm_similarity_node', default=None)
+
+
+@contextlib.contextmanager
+def similarity_node(node):
+    """Within the block :func:`similarity_export` of fp32 inputs is ``node(x, y, lam, kernel)``
+    (None: the standard operators); ``lapformer_mm.ops.export.kernel_form`` sets it to the
+    ONNX Runtime op library's node."""
+    token = _SIMILARITY_NODE.set(node)
+    try:
+        yield
+    finally:
+        _SIMILARITY_NODE.reset(token)
+
+
 def similarity_export(x, y, lam, kernel, chunk=LANDMARK_CHUNK):
     """:func:`similarity` from coordinate differences, ``chunk`` landmarks y_j per step (None:
-    all at once).
+    all at once), or the node of :func:`similarity_node`.
 
     No (..., N, M, d) tensor of the whole input exists; M must be static (the landmark grid).
     The differences are laid out (..., chunk, d, N): ONNX Runtime's broadcast then subtracts
     one scalar from a run of N values and reduces over d across whole rows.
     """
+    node = _SIMILARITY_NODE.get()
+    if node is not None and x.dtype == torch.float32 and y.dtype == torch.float32:
+        return node(x, y, lam, kernel)
     num = y.shape[-2]
     step = num if chunk is None else chunk
     xt = x.transpose(-1, -2).unsqueeze(-3)
@@ -504,9 +522,12 @@ def similarity_export(x, y, lam, kernel, chunk=LANDMARK_CHUNK):
 
     def dist(rows):
         diff = xt - rows
+        # Abs/Mul then ReduceSum, not ReduceL1/ReduceL2: the same sums (exact for ℓ1; for the
+        # Gaussian no sqrt-then-square round trip), and ONNX Runtime's ReduceSum is vectorised
+        # where its ReduceL1 runs a scalar loop (docs/deploy.md).
         if kernel == 'laplacian':
-            return torch.linalg.vector_norm(diff, ord=1, dim=-2)
-        return torch.linalg.vector_norm(diff, ord=2, dim=-2).square()
+            return diff.abs().sum(dim=-2)
+        return (diff * diff).sum(dim=-2)
 
     parts = [dist(yt[..., start:start + step, :, :]) for start in range(0, num, step)]
     d = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
@@ -530,9 +551,21 @@ def bin_average_matrix(size, bins, dtype, device):
 def adaptive_avg_pool2d_export(maps, output_size):
     """``F.adaptive_avg_pool2d(maps, output_size)`` for maps (..., H, W), from matmuls."""
     out_h, out_w = output_size
-    rows = bin_average_matrix(maps.shape[-2], out_h, maps.dtype, maps.device)
-    cols = bin_average_matrix(maps.shape[-1], out_w, maps.dtype, maps.device)
-    return torch.matmul(rows, torch.matmul(maps, cols.transpose(-1, -2)))
+    lead, (height, width) = maps.shape[:-2], maps.shape[-2:]
+    rows = bin_average_matrix(height, out_h, maps.dtype, maps.device)
+    cols = bin_average_matrix(width, out_w, maps.dtype, maps.device)
+    # Batched products over one leading dim, the bin matrices expanded to it: torch.matmul of
+    # a 4-D map by a matrix folds the map to (B·C·H, W), and with symbolic H that fold makes
+    # torch.export guard on ``B·C % (B·C·ceil(H/4)) != 0``, which it cannot prove over a
+    # user's Dim range ("Constraints violated (h)"). The count is spelled out, not -1:
+    # inferring it divides the symbolic numel, another guard it cannot always prove.
+    count = 1
+    for size in lead:
+        count = count * size
+    flat = maps.reshape(count, height, width)
+    pooled = torch.bmm(rows.expand(count, out_h, height),
+                       torch.bmm(flat, cols.transpose(0, 1).expand(count, width, out_w)))
+    return pooled.reshape(*lead, out_h, out_w)
 
 
 def pool_landmarks_export(t, hw, grid):
