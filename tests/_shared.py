@@ -1,7 +1,7 @@
 """What several test modules share: the checkout's paths, the tool runner, the toy COCO
-writer and the options of the session's toy training run.
-``conftest.py`` builds the session's toy data set with :func:`write_toy_coco`, and its toy run
-with :func:`toy_run_options`.
+writer, the options of the session's toy training run and the fresh-checkout copy.
+``conftest.py`` builds the session's toy data set with :func:`write_toy_coco`, its toy run
+with :func:`toy_run_options` and its wheel from :func:`copy_checkout`.
 
 Import these (``from _shared import ROOT, run_tool``); no test module imports another.
 """
@@ -23,6 +23,12 @@ CONFIG_DIR = osp.join(ROOT, 'configs')
 TOY_CONFIG = osp.join(CONFIG_DIR, 'toy', 'maskrcnn_lapformer_t_toy.py')
 TRAIN_TOOL = osp.join(TOOLS, 'train.py')
 TEST_TOOL = osp.join(TOOLS, 'test.py')
+
+# A copy of the checkout must import its own files only: the development install's editable
+# finder would otherwise serve the copy's missing submodules (the built kernels) from ROOT.
+# Prepended to the code of a ``python -c`` run in such a copy (or in an unpacked wheel).
+OWN_FILES_ONLY = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+                  "if 'Editable' not in getattr(f, '__name__', type(f).__name__)]\n")
 
 
 def tool_env(extra_env=None):
@@ -89,3 +95,14 @@ def copy_run(work_dir, dest):
     if record.exists():
         record.write_text(record.read_text().replace(str(work_dir), str(dest)))
     return str(dest)
+
+
+def copy_checkout(dest):
+    """The files git tracks or does not ignore, as in a fresh clone of this working tree."""
+    listed = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard'],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in listed:
+        source = Path(ROOT, name)
+        if source.is_file():
+            (Path(dest) / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, Path(dest) / name)

@@ -4,18 +4,22 @@
 - ``toy_data`` (with ``toy_coco`` and ``toy_seg``): the session's toy data set, written once;
 - ``toy_run``: one epoch of the toy Mask R-CNN through ``tools/train.py``, trained once and
   shared by the tests of the train/test/resume tools and of mmdet's own train script;
+- ``built_wheel``: ``pip wheel`` of a fresh copy of the checkout (the CPU kernels compiled
+  in it), built once and shared by the packaging and kernel-build tests.
 
 The paths (``ROOT``, ``TOOLS``, ``CONFIG_DIR``, ``TOY_CONFIG``) and the tool runner
 (``run_tool``) are constants and functions of ``_shared.py``, which test modules import.
 The ``slow`` marker is registered in pytest.ini; ``make test-fast`` leaves those tests out.
 """
 import os.path as osp
+import subprocess
 import sys
+import zipfile
 from types import SimpleNamespace
 
 import pytest
 import torch
-from _shared import TOY_CONFIG, TRAIN_TOOL, run_tool, toy_run_options, write_toy_coco
+from _shared import TOY_CONFIG, TRAIN_TOOL, copy_checkout, run_tool, toy_run_options, write_toy_coco
 
 
 def _cuda_and_cupy():
@@ -77,3 +81,25 @@ def toy_run(tmp_path_factory, toy_coco):
                    toy_run_options(toy_coco, max_epochs=1))
     return SimpleNamespace(work=work, checkpoint=osp.join(work, 'epoch_1.pth'), log=log,
                            data=toy_coco)
+
+
+@pytest.fixture(scope='session')
+def built_wheel(tmp_path_factory):
+    """``pip wheel --no-build-isolation`` of a fresh copy of the checkout (the files git
+    tracks or does not ignore), built once: setup.py compiles the CPU kernels into it.
+
+    ``wheel`` (its path), ``site`` (the wheel unpacked: what a regular install puts in
+    site-packages), ``log`` (pip's verbose output, the build's stderr included)."""
+    base = tmp_path_factory.mktemp('wheel')
+    checkout = base / 'checkout'
+    copy_checkout(checkout)
+    proc = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps',
+                           '--no-build-isolation', '--disable-pip-version-check', '-v',
+                           '-w', str(base / 'dist'), str(checkout)],
+                          capture_output=True, text=True, timeout=1800)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    wheel, = (base / 'dist').glob('lapformer_mm-*.whl')
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(base / 'site')
+    return SimpleNamespace(wheel=wheel, site=base / 'site', log=log)
