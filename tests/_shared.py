@@ -1,5 +1,7 @@
-"""What several test modules share: the checkout's paths, the tool runner and the toy COCO
-writer. ``conftest.py`` builds the session's toy data set with :func:`write_toy_coco`.
+"""What several test modules share: the checkout's paths, the tool runner, the toy COCO
+writer, the options of the session's toy training run and the fresh-checkout copy.
+``conftest.py`` builds the session's toy data set with :func:`write_toy_coco`, its toy run
+with :func:`toy_run_options` and its wheel from :func:`copy_checkout`.
 
 Import these (``from _shared import ROOT, run_tool``); no test module imports another.
 """
@@ -7,8 +9,10 @@ import contextlib
 import io
 import os
 import os.path as osp
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from lapformer_mm.cli import make_toy_coco
 
@@ -17,6 +21,14 @@ ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(ROOT, 'tools')
 CONFIG_DIR = osp.join(ROOT, 'configs')
 TOY_CONFIG = osp.join(CONFIG_DIR, 'toy', 'maskrcnn_lapformer_t_toy.py')
+TRAIN_TOOL = osp.join(TOOLS, 'train.py')
+TEST_TOOL = osp.join(TOOLS, 'test.py')
+
+# A copy of the checkout must import its own files only: the development install's editable
+# finder would otherwise serve the copy's missing submodules (the built kernels) from ROOT.
+# Prepended to the code of a ``python -c`` run in such a copy (or in an unpacked wheel).
+OWN_FILES_ONLY = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+                  "if 'Editable' not in getattr(f, '__name__', type(f).__name__)]\n")
 
 
 def tool_env(extra_env=None):
@@ -59,3 +71,38 @@ def toy_data_options(root):
             f'val_dataloader.dataset.data_root={root}/',
             f'test_dataloader.dataset.data_root={root}/',
             f'val_evaluator.ann_file={ann_val}', f'test_evaluator.ann_file={ann_val}']
+
+
+def toy_run_options(root, max_epochs):
+    """``--cfg-options`` of the session's toy run (conftest.py's ``toy_run``): the toy
+    Mask R-CNN on the 8 train images of ``root`` at 64 px, batches of 2 (4 iterations per
+    epoch), a checkpoint every epoch (3 kept), a log line every iteration, no evaluation.
+
+    A test that continues the run (``--resume``) or trains the same with another script
+    passes the same options (with its own ``max_epochs``)."""
+    return ['--cfg-options', *toy_data_options(root),
+            'train_dataloader.dataset.pipeline.2.scale=(64,64)',
+            'train_dataloader.batch_size=2', f'train_cfg.max_epochs={max_epochs}',
+            'train_cfg.val_interval=100', 'default_hooks.checkpoint.interval=1',
+            'default_hooks.checkpoint.max_keep_ckpts=3', 'default_hooks.logger.interval=1']
+
+
+def copy_run(work_dir, dest):
+    """A copy of a training run's work dir (checkpoints, last_checkpoint) at ``dest`` whose
+    ``last_checkpoint`` names the copy's own checkpoint: continue a shared run there."""
+    shutil.copytree(work_dir, dest)
+    record = Path(dest, 'last_checkpoint')
+    if record.exists():
+        record.write_text(record.read_text().replace(str(work_dir), str(dest)))
+    return str(dest)
+
+
+def copy_checkout(dest):
+    """The files git tracks or does not ignore, as in a fresh clone of this working tree."""
+    listed = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard'],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in listed:
+        source = Path(ROOT, name)
+        if source.is_file():
+            (Path(dest) / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, Path(dest) / name)

@@ -1,15 +1,25 @@
 """The suite's fixtures and markers.
 
 - ``gpu`` tests are skipped without CUDA and CuPy;
-- ``toy_data`` (with ``toy_coco`` and ``toy_seg``): the session's toy data set, written once.
+- ``toy_data`` (with ``toy_coco`` and ``toy_seg``): the session's toy data set, written once;
+- ``toy_run``: one epoch of the toy Mask R-CNN through ``tools/train.py``, trained once and
+  shared by the tests of the train/test/resume tools and of mmdet's own train script;
+- ``built_wheel``: ``pip wheel`` of a fresh copy of the checkout (the CPU kernels compiled
+  in it), built once and shared by the packaging and kernel-build tests.
 
 The paths (``ROOT``, ``TOOLS``, ``CONFIG_DIR``, ``TOY_CONFIG``) and the tool runner
 (``run_tool``) are constants and functions of ``_shared.py``, which test modules import.
 The ``slow`` marker is registered in pytest.ini; ``make test-fast`` leaves those tests out.
 """
+import os.path as osp
+import subprocess
+import sys
+import zipfile
+from types import SimpleNamespace
+
 import pytest
 import torch
-from _shared import write_toy_coco
+from _shared import TOY_CONFIG, TRAIN_TOOL, copy_checkout, run_tool, toy_run_options, write_toy_coco
 
 
 def _cuda_and_cupy():
@@ -56,3 +66,40 @@ def toy_coco(toy_data):
 def toy_seg(toy_data):
     """The root of the session's toy mmseg set (a str): img_dir/ and ann_dir/."""
     return str(toy_data / 'toy_seg')
+
+
+@pytest.fixture(scope='session')
+def toy_run(tmp_path_factory, toy_coco):
+    """One epoch (4 iterations) of the toy Mask R-CNN through ``tools/train.py`` with
+    :func:`_shared.toy_run_options`: ``work`` (its work dir: epoch_1.pth, last_checkpoint),
+    ``checkpoint`` (epoch_1.pth), ``log`` (the tool's output) and ``data`` (the data root).
+
+    Shared by the whole session: read it, never change it; a test that continues the run
+    does so in a copy (:func:`_shared.copy_run`)."""
+    work = str(tmp_path_factory.mktemp('toy_run') / 'work')
+    log = run_tool([sys.executable, TRAIN_TOOL, TOY_CONFIG, '--work-dir', work] +
+                   toy_run_options(toy_coco, max_epochs=1))
+    return SimpleNamespace(work=work, checkpoint=osp.join(work, 'epoch_1.pth'), log=log,
+                           data=toy_coco)
+
+
+@pytest.fixture(scope='session')
+def built_wheel(tmp_path_factory):
+    """``pip wheel --no-build-isolation`` of a fresh copy of the checkout (the files git
+    tracks or does not ignore), built once: setup.py compiles the CPU kernels into it.
+
+    ``wheel`` (its path), ``site`` (the wheel unpacked: what a regular install puts in
+    site-packages), ``log`` (pip's verbose output, the build's stderr included)."""
+    base = tmp_path_factory.mktemp('wheel')
+    checkout = base / 'checkout'
+    copy_checkout(checkout)
+    proc = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps',
+                           '--no-build-isolation', '--disable-pip-version-check', '-v',
+                           '-w', str(base / 'dist'), str(checkout)],
+                          capture_output=True, text=True, timeout=1800)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    wheel, = (base / 'dist').glob('lapformer_mm-*.whl')
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(base / 'site')
+    return SimpleNamespace(wheel=wheel, site=base / 'site', log=log)

@@ -6,7 +6,7 @@ the fallback tests run either way.
 """
 import importlib.util
 import os
-import shutil
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from _attention_helpers import dense_attention, dense_kernel
+from _shared import OWN_FILES_ONLY, copy_checkout
 
 from lapformer_mm.ops import nystrom_attention, pool_landmarks
 from lapformer_mm.ops.backends import cpu as cpu_ext
@@ -323,16 +324,10 @@ def test_attention_bit_equal_with_1_and_2_threads(tied):
         assert torch.equal(a, b)
 
 
-# A copy of the checkout must import its own files only: the development install's editable
-# finder would otherwise serve the copy's missing submodules (the built kernels) from REPO.
-_OWN_FILES_ONLY = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
-                   "if 'Editable' not in getattr(f, '__name__', type(f).__name__)]\n")
-
-
 def _run_python(code, env_extra, cwd=REPO):
     env = {**os.environ, **env_extra, 'PYTHONPATH': str(cwd)}
     if Path(cwd) != REPO:
-        code = _OWN_FILES_ONLY + code
+        code = OWN_FILES_ONLY + code
     return subprocess.run([sys.executable, '-c', code], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 
@@ -375,19 +370,8 @@ def test_missing_extension_warns_once_and_runs_the_reference():
     assert 'not available' in result.stdout and 'PyTorch reference' in result.stdout
 
 
-def _copy_checkout(dest):
-    """The files git tracks or does not ignore, as in a fresh clone of this working tree."""
-    listed = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard'],
-                            cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    for name in listed:
-        source = REPO / name
-        if source.is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, dest / name)
-
-
 def test_no_compiler_completes_the_build_with_a_warning(tmp_path):
-    _copy_checkout(tmp_path)
+    copy_checkout(tmp_path)
     env = {**os.environ, 'CC': 'false', 'CXX': 'false'}
     build = subprocess.run([sys.executable, 'setup.py', 'build_ext', '--inplace'], cwd=tmp_path,
                            env=env, capture_output=True, text=True, timeout=600)
@@ -400,24 +384,34 @@ def test_no_compiler_completes_the_build_with_a_warning(tmp_path):
     assert 'not available' in result.stderr
 
 
+# The modules setup.py builds on this machine: one per at::vec instruction set on x86-64.
+_BUILT_HERE = (('default', 'avx2', 'avx512') if platform.machine().lower() in ('x86_64', 'amd64')
+               else ('default', ))
+
+
 @pytest.mark.slow
-def test_fresh_checkout_builds_and_loads_the_extension(tmp_path):
-    """The install step's build (setup.py's ext_modules) from the checkout's files alone."""
-    _copy_checkout(tmp_path)
-    build = subprocess.run([sys.executable, 'setup.py', 'build_ext', '--inplace'],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=1800)
-    assert build.returncode == 0, build.stderr
-    assert 'WARNING' not in build.stderr, build.stderr
+def test_fresh_checkout_wheel_builds_the_extension_which_loads(built_wheel):
+    """setup.py's ext_modules, built from the checkout's files alone (conftest.py's
+    ``built_wheel``: pip wheel of a fresh copy, shared with test_packaging.py), build without
+    a warning, and the installed package loads the build this CPU selects and computes with
+    it."""
+    assert 'WARNING' not in built_wheel.log, built_wheel.log[-4000:]
+    shipped = sorted(p.name.split('.')[0] for p in
+                     (built_wheel.site / 'lapformer_mm').glob('_cpu_*.so'))
+    assert shipped == sorted(f'_cpu_{name}' for name in _BUILT_HERE)
     code = ('import torch; from lapformer_mm.ops.backends import cpu\n'
+            'print(cpu.__file__)\n'
             'x = torch.randn(1, 1, 5, 3, dtype=torch.float64)\n'
             'd = (x[:, :, :, None] - x[:, :, None]).abs().sum(-1)\n'
             'print(cpu.build(), torch.allclose(cpu._ops().pairwise_forward(x, x, 2.0, 0), '
             '(-d / 2.0).exp()))')
-    result = _run_python(code, {}, cwd=tmp_path)
+    result = _run_python(code, {}, cwd=built_wheel.site)
     assert result.returncode == 0, result.stderr
     expected = {'AVX512': 'avx512', 'AVX2': 'avx2'}.get(
         torch.backends.cpu.get_cpu_capability(), 'default')
-    assert result.stdout.split() == [expected, 'True']
+    module, *loaded = result.stdout.split()
+    assert Path(module).is_relative_to(built_wheel.site), module
+    assert loaded == [expected, 'True']
 
 
 @pytest.mark.skipif(os.environ.get('LAPFORMER_REQUIRE_CPU_EXT') != '1',

@@ -2,7 +2,7 @@
 
 - every config of ours includes configs/_base_/safe_runtime.py;
 - mmdet's own tools/train.py trains the toy config through ``custom_imports`` alone, to
-  the same weights as ours;
+  the same weights as ours (the session's toy run);
 - a stock mmengine job runs the same with and without ``import lapformer_mm``.
 """
 import glob
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from _shared import CONFIG_DIR, ROOT, TOOLS, TOY_CONFIG, run_tool, toy_data_options
+from _shared import CONFIG_DIR, ROOT, TOY_CONFIG, run_tool, toy_run_options
 from mmengine.config import Config
 
 CONFIGS = sorted(p for p in glob.glob(osp.join(CONFIG_DIR, '**', '*.py'), recursive=True)
@@ -28,29 +28,23 @@ def test_every_config_uses_the_safe_runtime(path):
     assert cfg.custom_imports == dict(imports=['lapformer_mm'], allow_failed_imports=False)
 
 
-def train(script, work_dir, toy_coco, cwd):
-    """One epoch of the toy config on the first 4 images of the toy set (2 iterations), with
-    no PYTHONPATH (empty: Python ignores it)."""
-    log = run_tool(
-        [sys.executable, script, TOY_CONFIG, '--work-dir', work_dir, '--cfg-options',
-         *toy_data_options(toy_coco), 'train_dataloader.dataset.indices=4',
-         'train_dataloader.dataset.pipeline.2.scale=(64,64)', 'train_cfg.max_epochs=1',
-         'train_cfg.val_interval=100', 'default_hooks.logger.interval=1'],
-        cwd=cwd, extra_env=dict(PYTHONPATH=''))
-    return log, torch.load(osp.join(work_dir, 'epoch_1.pth'), weights_only=False)
-
-
 @pytest.mark.slow
-def test_mmdet_train_script_gives_our_result_through_custom_imports(toy_coco, tmp_path):
+def test_mmdet_train_script_gives_our_result_through_custom_imports(toy_run, tmp_path):
     """mmdet's tools/train.py (shipped in the package as .mim/tools/train.py), run outside
-    this repository without PYTHONPATH: the config's custom_imports is all it gets."""
+    this repository with no PYTHONPATH (empty: Python ignores it): the config's
+    custom_imports is all it gets. It trains the session's toy run (conftest.py's
+    ``toy_run``: ours, tools/train.py, one epoch of 4 iterations) to the same weights."""
     import mmdet
     mmdet_train = osp.join(osp.dirname(mmdet.__file__), '.mim', 'tools', 'train.py')
-    theirs_log, theirs = train(mmdet_train, str(tmp_path / 'mmdet'), toy_coco, str(tmp_path))
-    ours_log, ours = train(osp.join(TOOLS, 'train.py'), str(tmp_path / 'ours'), toy_coco, ROOT)
-    for log in (theirs_log, ours_log):
-        assert 'SafeCheckpointHook' in log and 'Epoch(train) [1][2/2]' in log
-    assert theirs['meta']['iter'] == ours['meta']['iter'] == 2
+    work_dir = str(tmp_path / 'mmdet')
+    theirs_log = run_tool([sys.executable, mmdet_train, TOY_CONFIG, '--work-dir', work_dir] +
+                          toy_run_options(toy_run.data, max_epochs=1),
+                          cwd=str(tmp_path), extra_env=dict(PYTHONPATH=''))
+    theirs = torch.load(osp.join(work_dir, 'epoch_1.pth'), weights_only=False)
+    ours = torch.load(toy_run.checkpoint, weights_only=False)
+    for log in (theirs_log, toy_run.log):
+        assert 'SafeCheckpointHook' in log and 'Epoch(train) [1][4/4]' in log
+    assert theirs['meta']['iter'] == ours['meta']['iter'] == 4
     assert theirs['state_dict'].keys() == ours['state_dict'].keys()
     for key, value in ours['state_dict'].items():
         assert torch.equal(theirs['state_dict'][key], value), key

@@ -9,26 +9,26 @@ from _shared import ROOT
 
 
 @pytest.mark.slow
-def test_wheel_ships_cuda_sources_and_runtime_finds_them(tmp_path):
-    subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation',
-                    '-q', '-w', str(tmp_path / 'dist'), ROOT], check=True)
-    wheel, = (tmp_path / 'dist').glob('lapformer_mm-*.whl')
+def test_wheel_ships_cuda_sources_and_runtime_finds_them(built_wheel, tmp_path):
+    """The session's wheel (conftest.py's ``built_wheel``, a fresh copy of the checkout; its
+    CPU kernels are checked by test_cpu_kernels.py's
+    test_fresh_checkout_wheel_builds_the_extension_which_loads)."""
     folder = Path(ROOT, 'lapformer_mm', 'csrc', 'cuda')
     sources = sorted(p.name for p in folder.iterdir() if p.suffix in ('.cu', '.cuh'))
     assert sources
-    with zipfile.ZipFile(wheel) as archive:
+    with zipfile.ZipFile(built_wheel.wheel) as archive:
         shipped = sorted(Path(n).name for n in archive.namelist()
                          if n.startswith('lapformer_mm/csrc/cuda/'))
-        archive.extractall(tmp_path / 'site')
     assert shipped == sources
 
     # From the unpacked wheel alone (outside the repo), the backend finds and inlines them.
+    site = built_wheel.site
     code = ('from lapformer_mm.ops.backends import _cuda_launch as cl; '
             'print(cl.source_dir()); assert "struct nys_params" in cl.load_source()')
     found = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, check=True,
                            capture_output=True, text=True,
-                           env={'PYTHONPATH': str(tmp_path / 'site'), 'PATH': '/usr/bin:/bin'})
-    assert Path(found.stdout.strip()) == tmp_path / 'site' / 'lapformer_mm' / 'csrc' / 'cuda'
+                           env={'PYTHONPATH': str(site), 'PATH': '/usr/bin:/bin'})
+    assert Path(found.stdout.strip()) == site / 'lapformer_mm' / 'csrc' / 'cuda'
 
 
 def test_torch_floor_is_stated_once_and_required_everywhere(tmp_path):

@@ -14,7 +14,17 @@ import sys
 
 import numpy as np
 import pytest
-from _shared import ROOT, TOOLS, TOY_CONFIG, run_tool, toy_data_options
+from _shared import (
+    ROOT,
+    TEST_TOOL,
+    TOOLS,
+    TOY_CONFIG,
+    TRAIN_TOOL,
+    copy_run,
+    run_tool,
+    toy_data_options,
+    toy_run_options,
+)
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
@@ -184,24 +194,25 @@ def checkpoint_iter(path):
 
 
 @pytest.mark.slow
-def test_train_test_resume(toy_coco, tmp_path):
-    work = str(tmp_path / 'work')
-    run_tool([sys.executable, osp.join(TOOLS, 'train.py'), TOY_CONFIG,
-              '--work-dir', work] + tiny_options(toy_coco, 1), cwd=ROOT)
-    ckpt1 = osp.join(work, 'epoch_1.pth')
+def test_train_tool_checkpoints_test_tool_evaluates_and_resume_continues(toy_run, tmp_path):
+    """The session's toy run (conftest.py's ``toy_run``: tools/train.py, one epoch), then
+    tools/test.py on its checkpoint and tools/train.py --resume of that checkpoint (in a copy
+    of the work dir) for a second epoch."""
+    ckpt1 = toy_run.checkpoint
+    assert 'Epoch(train) [1][4/4]' in toy_run.log
     assert checkpoint_iter(ckpt1) == 4
 
+    work = copy_run(toy_run.work, tmp_path / 'work')
     out_pkl = str(tmp_path / 'preds.pkl')
-    log = run_tool([sys.executable, osp.join(TOOLS, 'test.py'), TOY_CONFIG,
-                    ckpt1, '--work-dir', work, '--out', out_pkl] +
-                   tiny_options(toy_coco, 1), cwd=ROOT)
+    log = run_tool([sys.executable, TEST_TOOL, TOY_CONFIG, ckpt1, '--work-dir', work,
+                    '--out', out_pkl] + toy_run_options(toy_run.data, 1), cwd=ROOT)
     assert 'Load checkpoint from' in log
     assert re.search(r'coco/bbox_mAP: [-\d.]+', log), log[-2000:]
     assert osp.isfile(out_pkl)
 
-    log = run_tool([sys.executable, osp.join(TOOLS, 'train.py'), TOY_CONFIG,
-                    '--work-dir', work, '--resume', ckpt1] +
-                   tiny_options(toy_coco, 2), cwd=ROOT)
+    ckpt1 = osp.join(work, 'epoch_1.pth')
+    log = run_tool([sys.executable, TRAIN_TOOL, TOY_CONFIG, '--work-dir', work,
+                    '--resume', ckpt1] + toy_run_options(toy_run.data, 2), cwd=ROOT)
     assert 'resumed epoch: 1, iter: 4' in log
     assert 'Epoch(train) [2][1/4]' in log
     assert 'Epoch(train) [1]' not in log
