@@ -58,7 +58,7 @@ def _load():
                         f'{", ".join(f"lapformer_mm._cpu_{b}" for b in tried)}; '
                         f'reinstall with a C++ compiler: pip install --no-build-isolation -e .)')
     _LOADED.append(result)
-    if result[0] is None and os.environ.get(ENV_VAR, '1') != '0':
+    if result[0] is None and not disabled():
         warnings.warn(f'lapformer_mm: the C++ CPU kernels are not available ({result[1]}); '
                       f'the attention runs the slower PyTorch reference on the CPU',
                       RuntimeWarning, stacklevel=4)
@@ -86,12 +86,6 @@ def build():
     return detail if ops is not None else None
 
 
-def clear_cache():
-    """Forget the loaded build and the environment (tests that fake an environment)."""
-    _LOADED.clear()
-    _DISABLED.clear()
-
-
 def _ops():
     ops, detail = _load()
     if ops is None:
@@ -101,12 +95,10 @@ def _ops():
 
 def not_supported(q, k, v, landmarks, opts):
     """Why the kernels cannot run this call (empty: they can)."""
-    reasons = []
+    # The entry has checked that all operands share q's device and dtype.
     if q.dtype not in DTYPES:
-        reasons.append(f'dtype {q.dtype} (supported: {", ".join(map(str, DTYPES))})')
-    if any(t is not None and t.device.type != 'cpu' for t in (q, k, v, landmarks)):
-        reasons.append('operands must all be CPU tensors')
-    return reasons
+        return [f'dtype {q.dtype} (supported: {", ".join(map(str, DTYPES))})']
+    return []
 
 
 def _landmark_system(ops, landmarks, opts):

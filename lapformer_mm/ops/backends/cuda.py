@@ -45,12 +45,6 @@ def available():
     return _AVAILABLE[0]
 
 
-def clear_cache():
-    """Forget the availability check and the device limits (tests that fake an environment)."""
-    _AVAILABLE.clear()
-    _device_limits.cache_clear()
-
-
 class DeviceLimits(NamedTuple):
     capability: tuple
     sms: int
