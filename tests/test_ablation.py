@@ -143,6 +143,21 @@ def test_smoke_sweep_writes_table_json_and_plot(tmp_path, capsys, one_thread):
     assert not (out / 'runs.partial.json').exists()
 
 
+def test_parallel_jobs_train_the_same_runs(tmp_path, one_thread):
+    """--jobs 2 (two spawned processes) gives every run bit for bit as --jobs 1 does, in the
+    same order."""
+    runs = {}
+    for jobs in ('1', '2'):
+        out = tmp_path / f'jobs{jobs}'
+        assert ablate.main(['--variants', 'default', 'gaussian', '--seeds', '1', '--steps', '2',
+                            '--warmup', '1', '--batch-size', '2', '--val-size', '4',
+                            '--out', str(out), '--jobs', jobs] + one_thread) == 0
+        runs[jobs] = [{k: v for k, v in run.items() if k != 'seconds'}
+                      for run in json.loads((out / 'runs.json').read_text())['runs']]
+    assert [r['variant'] for r in runs['2']] == ['default', 'noglobal', 'gaussian']
+    assert runs['2'] == runs['1']
+
+
 def test_resume_keeps_finished_runs(tmp_path, capsys, one_thread):
     out = tmp_path / 'ablate'
     args = ['--variants', 'default', '--seeds', '1', '--steps', '2', '--warmup', '1',

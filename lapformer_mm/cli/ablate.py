@@ -18,8 +18,10 @@ The control without the global attention term (``noglobal``) and ``default`` are
 run. Writes ``table.md``, ``runs.json`` and ``loss_curves.png`` under ``--out``.
 """
 import argparse
+import concurrent.futures
 import datetime
 import json
+import multiprocessing
 import os
 import os.path as osp
 import subprocess
@@ -63,6 +65,9 @@ def parse_args(argv=None):
     toy.add_argument('--threads', type=int, default=None,
                      help="torch's intra-op threads (default: torch's own choice); 1 is "
                      'faster on a loaded machine')
+    toy.add_argument('--jobs', type=int, default=1,
+                     help='runs trained at once, each in its own process (with --threads '
+                     'threads); the results do not depend on it')
     real = parser.add_argument_group('real config')
     real.add_argument('--launcher', choices=LAUNCHERS, default='train',
                       help='tools/train.py, tools/dist_train.sh or tools/slurm_train.sh')
@@ -73,7 +78,7 @@ def parse_args(argv=None):
     real.add_argument('--collect', action='store_true',
                       help="read the finished work_dirs' metrics into the table")
     args = parser.parse_args(argv)
-    for name in ('seeds', 'steps', 'batch_size', 'val_size', 'log_every', 'gpus'):
+    for name in ('seeds', 'steps', 'batch_size', 'val_size', 'log_every', 'gpus', 'jobs'):
         if getattr(args, name) < 1:
             parser.error(f'--{name.replace("_", "-")} must be >= 1, got '
                          f'{getattr(args, name)}')
@@ -120,55 +125,96 @@ def _resumable_runs(path, settings):
     return {(run['variant'], run['seed']): run for run in saved['runs']}, saved['settings']
 
 
+# One process of a --jobs sweep: its task, validation set and thread count, set once.
+_WORKER = {}
+
+
+def _init_worker(task_name, val_size, threads):
+    import torch
+
+    from lapformer_mm.ablation.toy import validation_set
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    task = build_task(task_name)
+    _WORKER.update(task=task, val_set=validation_set(task, val_size))
+
+
+def _train(name, attn_cfg, seed, prefix, options):
+    from lapformer_mm.ablation.toy import train_run
+
+    run = train_run(_WORKER['task'], attn_cfg, seed, val_set=_WORKER['val_set'],
+                    progress=lambda text: print(prefix, text, flush=True), **options)
+    return dict(variant=name, **run)
+
+
+def _finished_runs(args, task_name, todo, options):
+    """Yield (index, prefix, run) of every job of ``todo`` as it finishes: here, one after
+    the other, for ``--jobs 1``; else in ``--jobs`` processes."""
+    worker_args = (task_name, args.val_size, args.threads)
+    if args.jobs == 1:
+        _init_worker(*worker_args)
+        for index, name, attn_cfg, seed, prefix in todo:
+            yield index, prefix, _train(name, attn_cfg, seed, prefix, options)
+        return
+    # spawn, not fork: a forked child of a process whose OpenMP pool ran can hang.
+    with concurrent.futures.ProcessPoolExecutor(
+            args.jobs, mp_context=multiprocessing.get_context('spawn'),
+            initializer=_init_worker, initargs=worker_args) as pool:
+        futures = {pool.submit(_train, name, attn_cfg, seed, prefix, options): (index, prefix)
+                   for index, name, attn_cfg, seed, prefix in todo}
+        for future in concurrent.futures.as_completed(futures):
+            yield *futures[future], future.result()
+
+
 def run_toy(args):
     import torch
 
-    from lapformer_mm.ablation.toy import train_run, validation_set
-
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    task = build_task(args.task or 'same_colour')
+    task_name = args.task or 'same_colour'
+    task = build_task(task_name)
     seeds = list(range(args.seeds))
     total = len(args.variant_cfgs) * len(seeds)
-    settings = dict(task=args.task or 'same_colour', describe=task.describe(),
+    settings = dict(task=task_name, describe=task.describe(),
                     variants=[name for name, _ in args.variant_cfgs], seeds=seeds,
                     steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
                     lr=args.lr, val_size=args.val_size, early_step=args.early_step,
-                    threads=torch.get_num_threads(), started=_now(),
+                    threads=torch.get_num_threads(), jobs=args.jobs, started=_now(),
                     load_average_start=os.getloadavg(), command=sys.argv)
     print(f'{task.describe()}; {len(args.variant_cfgs)} variants x {len(seeds)} seeds, '
-          f'{args.steps} steps each, {torch.get_num_threads()} thread(s)', flush=True)
-    val_set = validation_set(task, args.val_size)
+          f'{args.steps} steps each, {torch.get_num_threads()} thread(s), '
+          f'{args.jobs} at once', flush=True)
     os.makedirs(args.out, exist_ok=True)
     partial = osp.join(args.out, 'runs.partial.json')
     done, saved_settings = _resumable_runs(partial, settings) if args.resume else ({}, {})
-    runs, start = [], time.perf_counter()
+    options = dict(steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
+                   lr=args.lr, early_step=args.early_step, log_every=args.log_every)
     # Seed-major: an interrupted sweep has the same seeds of every variant.
-    for seed in seeds:
-        for name, attn_cfg in args.variant_cfgs:
-            prefix = f'[{len(runs) + 1}/{total} {name} seed {seed}]'
-            if (name, seed) in done:
-                runs.append(done.pop((name, seed)))
-                print(f'{prefix} kept from {partial}', flush=True)
-                continue
-            if args.report_only:
-                settings.setdefault('missing', []).append([name, seed])
-                print(f'{prefix} not run (--report-only)', flush=True)
-                continue
-            run = train_run(task, attn_cfg, seed, args.steps, val_set, warmup=args.warmup,
-                            batch_size=args.batch_size, lr=args.lr,
-                            early_step=args.early_step, log_every=args.log_every,
-                            progress=lambda text, p=prefix: print(p, text, flush=True))
-            run = dict(variant=name, **run)
-            runs.append(run)
-            took_off = ('never took off' if run['takeoff_step'] is None
-                        else f"took off at step {run['takeoff_step']}")
-            print(f"{prefix} final acc {100 * run['final_acc']:.1f} %, {took_off}, "
-                  f"{run['seconds']:.0f} s", flush=True)
-            # Partial results survive an interrupted sweep (--resume).
-            with open(partial, 'w') as f:
-                # Kept runs not reached yet stay in the file.
-                json.dump(dict(settings=settings, runs=runs + list(done.values())), f)
+    plan = [(index, name, attn_cfg, seed, f'[{index + 1}/{total} {name} seed {seed}]')
+            for index, (seed, (name, attn_cfg)) in enumerate(
+                (seed, variant) for seed in seeds for variant in args.variant_cfgs)]
+    finished, start = {}, time.perf_counter()
+    for index, name, _, seed, prefix in plan:
+        if (name, seed) in done:
+            finished[index] = done.pop((name, seed))
+            print(f'{prefix} kept from {partial}', flush=True)
+        elif args.report_only:
+            settings.setdefault('missing', []).append([name, seed])
+            print(f'{prefix} not run (--report-only)', flush=True)
+    todo = [job for job in plan if job[0] not in finished and not args.report_only]
+    for index, prefix, run in _finished_runs(args, task_name, todo, options):
+        finished[index] = run
+        took_off = ('never took off' if run['takeoff_step'] is None
+                    else f"took off at step {run['takeoff_step']}")
+        print(f"{prefix} final acc {100 * run['final_acc']:.1f} %, {took_off}, "
+              f"{run['seconds']:.0f} s", flush=True)
+        # Partial results survive an interrupted sweep (--resume); kept runs not reached
+        # yet stay in the file.
+        with open(partial, 'w') as f:
+            json.dump(dict(settings=settings, runs=[finished[i] for i in sorted(finished)]
+                           + list(done.values())), f)
+    runs = [finished[i] for i in sorted(finished)]
     if not runs:
         print(f'no finished run in {partial}', file=sys.stderr)
         return 1
