@@ -9,7 +9,7 @@ and one step of iterative refinement), 'newton' with ``ns_refine=False`` (Newton
 alone), 'exact' and 'cg'. Then the CPU time of the refinement step against the whole
 attention.
 
-    python benchmarks/numerics.py    # prints the markdown tables of docs/numerics.md
+    python benchmarks/numerics.py    # prints the tables of docs/benchmarks.md#numerics
 """
 import statistics
 import sys

@@ -21,8 +21,8 @@ import re
 import torch
 
 __version__ = '0.1.0'
-#: The lowest torch with every ``torch.library`` API the ops use (``custom_op``,
-#: ``register_fake``, ``register_autograd``, ``register_autocast``: 2.7).
+#: The lowest torch the package is checked with (docs/getting_started.md, the pinned stack);
+#: the ops need ``torch.library.Library`` define/impl and ``register_fake``.
 TORCH_FLOOR = '2.7'
 
 
@@ -31,8 +31,8 @@ def _torch_release(version):
 
 
 if _torch_release(torch.__version__) < _torch_release(TORCH_FLOOR):
-    raise ImportError(f'lapformer_mm needs torch>={TORCH_FLOOR} (its ops use torch.library\'s '
-                      f'custom_op and register_autocast); found torch {torch.__version__}. '
+    raise ImportError(f'lapformer_mm needs torch>={TORCH_FLOOR} (the lowest release it is checked '
+                      f'with); found torch {torch.__version__}. '
                       f'Upgrade with: pip install "torch>={TORCH_FLOOR}"')
 
 from .checkpoint import allow_mmengine_checkpoints  # noqa: E402
