@@ -2,7 +2,7 @@
 
 Marked ``gpu``: skipped without CUDA and CuPy (tests/conftest.py); tools/gpu_check.sh runs
 it. Imports no OpenMMLab package except through the backbone test, which needs mmengine.
-The same kernels run on the CPU through the emulation in test_cuda_fused_emulation.py.
+The same kernels run on the CPU through the emulation in tests/ops/cuda/test_fused_emulation.py.
 Every value test asserts which kernels ran (the ``ran`` fixture counts launches), so a
 silent fall-back to the reference cannot pass it.
 """
