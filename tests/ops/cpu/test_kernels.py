@@ -391,9 +391,9 @@ _BUILT_HERE = (('default', 'avx2', 'avx512') if platform.machine().lower() in ('
 @pytest.mark.slow
 def test_fresh_checkout_wheel_builds_the_extension_which_loads(built_wheel):
     """setup.py's ext_modules, built from the checkout's files alone (conftest.py's
-    ``built_wheel``: pip wheel of a fresh copy, shared with tests/tools/test_packaging.py), build without
-    a warning, and the installed package loads the build this CPU selects and computes with
-    it."""
+    ``built_wheel``: pip wheel of a fresh copy, shared with tests/tools/test_packaging.py),
+    build without a warning, and the installed package loads the build this CPU selects and
+    computes with it."""
     assert 'WARNING' not in built_wheel.log, built_wheel.log[-4000:]
     shipped = sorted(p.name.split('.')[0] for p in
                      (built_wheel.site / 'lapformer_mm').glob('_cpu_*.so'))
