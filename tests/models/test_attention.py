@@ -151,14 +151,14 @@ def test_authors_start_is_selectable_end_to_end():
     (dict(proj_drop=-0.1), ValueError, 'proj_drop=-0.1'),
     (dict(num_heads=0), ValueError, 'num_heads=0'),
 ])
-def test_bad_construction_arguments(kwargs, exc, match):
+def test_attention_arguments_rejected_with_named_errors(kwargs, exc, match):
     args = dict(dim=32, num_heads=2)
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         LaplacianAttention(**args)
 
 
-def test_bad_call_arguments():
+def test_attention_call_with_wrong_grid_or_width_rejected():
     module = LaplacianAttention(32, 2)
     with pytest.raises(ValueError, match=r'hw=\(4, 4\) gives H\*W=16 but the input has N=15'):
         module(torch.randn(1, 15, 32), (4, 4))
