@@ -57,7 +57,7 @@ def test_input_smaller_than_landmark_grid(tiny):
 
 
 @pytest.mark.parametrize('indices', [(0, ), (3, ), (1, 2), (-1, )])
-def test_out_indices(indices):
+def test_out_indices_select_the_stages_returned_in_order(indices):
     model = LaplacianFormer('tiny', out_indices=indices).eval()
     with torch.no_grad():
         outs = model(torch.randn(1, 3, 64, 64))
@@ -129,7 +129,7 @@ def test_other_arches_param_count_and_forward(name):
     assert [tuple(o.shape) for o in outs] == expected_shapes(16, 16, dims)
 
 
-def test_tiny_param_count(tiny):
+def test_tiny_param_count_equals_the_closed_form(tiny):
     assert sum(p.numel() for p in tiny.parameters()) == closed_form_params('tiny', (0, 1, 2, 3))
 
 
@@ -272,7 +272,7 @@ def test_layer_cfgs_build_the_named_layers():
     assert [o.shape[1] for o in outs] == SMALL_ARCH['embed_dims']
 
 
-def test_default_layers():
+def test_default_layers_are_layernorm_gelu_and_a_batchnorm_relu_stem():
     model = LaplacianFormer(SMALL_ARCH)
     block = model.stages[0].blocks[0]
     assert type(block.norm1) is nn.LayerNorm and block.norm1.eps == 1e-5
@@ -339,7 +339,7 @@ def test_with_cp_same_outputs_and_grads():
         torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
 
 
-def test_eval_output_deterministic(tiny):
+def test_eval_forward_is_bit_identical_when_repeated(tiny):
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
         first = tiny(x)
