@@ -9,7 +9,7 @@ from lapformer_mm.ops import gaussian_kernel, laplacian_kernel, nystrom_attentio
 
 PROPERTY = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
-KERNEL_BY_NAME = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
+KERNELS = {'laplacian': laplacian_kernel, 'gaussian': gaussian_kernel}
 
 
 @st.composite
@@ -22,7 +22,7 @@ def kernel_inputs(draw):
     x = torch.randn(*batch, n, d, generator=gen) * scale
     y = torch.randn(*batch, m, d, generator=gen) * scale
     lam = draw(st.sampled_from([0.5, 1.0, 4.0, 16.0]))
-    kind = draw(st.sampled_from(sorted(KERNEL_BY_NAME)))
+    kind = draw(st.sampled_from(sorted(KERNELS)))
     return x, y, lam, kind
 
 
@@ -51,7 +51,7 @@ def attention_cases(draw, solvers=('newton', 'exact')):
     shared = draw(st.booleans())
     k = q if shared else torch.randn(b, h, n, d, generator=gen) * scale
     v = torch.randn(b, h, n, d, generator=gen)
-    options = dict(kernel=draw(st.sampled_from(sorted(KERNEL_BY_NAME))),
+    options = dict(kernel=draw(st.sampled_from(sorted(KERNELS))),
                    normalize=draw(st.sampled_from(['injective', 'none'])),
                    solver=draw(st.sampled_from(solvers)),
                    grid=draw(st.integers(1, 7)))

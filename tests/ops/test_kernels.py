@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 from _attention_helpers import dense_gaussian_kernel, dense_kernel, dense_l1_kernel, finite
-from _property_strategies import KERNEL_BY_NAME, PROPERTY, kernel_inputs
+from _property_strategies import KERNELS as KERNEL_BY_NAME
+from _property_strategies import PROPERTY, kernel_inputs
 from hypothesis import given
 
 from devtools.profiling import peak_memory_bytes

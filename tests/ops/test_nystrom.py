@@ -291,7 +291,7 @@ def test_zero_whiten_eps_on_a_one_by_one_grid_is_finite():
 
 @PROPERTY
 @given(attention_cases())
-def test_nystrom_attention_finite_output_and_gradients_for_any_shape(inputs):
+def test_nystrom_attention_finite_output_and_gradients(inputs):
     q, k, v, hw, options = inputs
     leaves = [t.requires_grad_() for t in {id(t): t for t in (q, k, v)}.values()]
     out = run_attention(q, k, v, hw, options)
@@ -302,7 +302,7 @@ def test_nystrom_attention_finite_output_and_gradients_for_any_shape(inputs):
 
 @PROPERTY
 @given(attention_cases(solvers=('cg', )))
-def test_nystrom_attention_cg_finite_output_and_gradients_for_any_shape(inputs):
+def test_nystrom_attention_cg_finite_output_and_gradients(inputs):
     q, k, v, hw, options = inputs
     leaves = [t.requires_grad_() for t in {id(t): t for t in (q, k, v)}.values()]
     out = run_attention(q, k, v, hw, options)

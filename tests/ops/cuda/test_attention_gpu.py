@@ -9,7 +9,7 @@ silent fall-back to the reference cannot pass it.
 import pytest
 import torch
 from _attention_helpers import dense_attention_grads, finite
-from _property_strategies import KERNEL_BY_NAME, attention_cases, kernel_inputs, run_attention
+from _property_strategies import KERNELS, attention_cases, kernel_inputs, run_attention
 from hypothesis import given, settings
 
 pytestmark = pytest.mark.gpu
@@ -295,7 +295,7 @@ def test_torch_compile_reduce_overhead_backbone_runs():
 @given(kernel_inputs())
 def test_kernels_cupy_matches_reference(inputs):
     x, y, lam, kind = (t.cuda() if torch.is_tensor(t) else t for t in inputs)
-    fn = KERNEL_BY_NAME[kind]
+    fn = KERNELS[kind]
     xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
     xc, yc = x.clone().requires_grad_(), y.clone().requires_grad_()
     ref = fn(xr, yr, lam, impl='reference')
