@@ -89,3 +89,7 @@ def dense_attention_grads(q, k, v, landmarks, grad, tied, **options):
     out = dense_attention(qd, kd, vd, ld, **options)
     wrt = [qd, vd, ld] if tied else [qd, kd, vd, ld]
     return out, torch.autograd.grad(out, wrt, grad.double())
+
+
+def finite(*tensors):
+    return all(bool(torch.isfinite(t).all()) for t in tensors)

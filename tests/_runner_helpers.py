@@ -1,6 +1,8 @@
-"""What the checkpoint and resume tests share: a one-layer mmengine model and Runner, and a
-pickle payload that stands for code execution (with the message a refusal of it must give)."""
+"""What the checkpoint, resume and amp tests share: a one-layer mmengine model and Runner, a
+pickle payload that stands for code execution (with the message a refusal of it must give),
+the source of a file write that kills its process, and the steps a loss scale skipped."""
 import itertools
+import math
 import os
 import os.path as osp
 
@@ -63,3 +65,47 @@ def make_runner(work_dir, max_epochs, num_samples=8, checkpoint=None, runner_cls
         default_hooks=dict(checkpoint=dict(type='CheckpointHook', interval=1,
                                            **(checkpoint or {}))),
         randomness=dict(seed=0), **kwargs)
+
+
+# Prepended to the code of a child process: a file write that the process does not survive.
+DIES_MID_WRITE = '''
+import os
+import signal
+
+
+def open_dying_mid_write(real_open, directory):
+    """``open`` whose files opened for writing in ``directory`` SIGKILL the process halfway
+    through their first write."""
+    def open_(file, mode='r', *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        inside = os.path.dirname(os.path.abspath(str(file))) == os.path.abspath(directory)
+        return DiesMidWrite(f) if inside and 'w' in mode else f
+    return open_
+
+
+class DiesMidWrite:
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+    def write(self, data):
+        self.f.write(data[:len(data) // 2])
+        self.f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+'''
+
+
+def skipped_steps(scaler_state):
+    """Steps a dynamic loss scale skipped: it starts at 2^16 and halves on each overflow
+    (and would double only after 2000 clean steps)."""
+    skipped = 16 - math.log2(scaler_state['scale'])
+    assert skipped == int(skipped), scaler_state
+    return int(skipped)

@@ -18,6 +18,7 @@ from lapformer_mm.cli import make_toy_coco
 
 # The checkout the tests run from (the parent of tests/), and its folders.
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TESTS = osp.join(ROOT, 'tests')
 TOOLS = osp.join(ROOT, 'tools')
 CONFIG_DIR = osp.join(ROOT, 'configs')
 TOY_CONFIG = osp.join(CONFIG_DIR, 'toy', 'maskrcnn_lapformer_t_toy.py')

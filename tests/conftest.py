@@ -5,7 +5,10 @@
 - ``toy_run``: one epoch of the toy Mask R-CNN through ``tools/train.py``, trained once and
   shared by the tests of the train/test/resume tools and of mmdet's own train script;
 - ``built_wheel``: ``pip wheel`` of a fresh copy of the checkout (the CPU kernels compiled
-  in it), built once and shared by the packaging and kernel-build tests.
+  in it), built once and shared by the packaging and kernel-build tests;
+- ``mmdet_scope``: builds under mmdet's default scope whatever an earlier test's Runner left;
+- ``evil``: a backbone checkpoint that runs code when unpickled, and the marker file it
+  creates if it does.
 
 The paths (``ROOT``, ``TOOLS``, ``CONFIG_DIR``, ``TOY_CONFIG``) and the tool runner
 (``run_tool``) are constants and functions of ``_shared.py``, which test modules import.
@@ -103,3 +106,26 @@ def built_wheel(tmp_path_factory):
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(base / 'site')
     return SimpleNamespace(wheel=wheel, site=base / 'site', log=log)
+
+
+@pytest.fixture
+def mmdet_scope():
+    """Build under mmdet's scope whatever an earlier test's Runner left as default scope."""
+    from mmengine.registry import DefaultScope
+    with DefaultScope.overwrite_default_scope('mmdet'):
+        yield
+
+
+@pytest.fixture
+def evil(tmp_path):
+    """(checkpoint path, marker path): a backbone state dict plus a code-running payload."""
+    # Imported here: the GPU check runs this conftest where mmengine is not installed.
+    from _runner_helpers import RunsCode
+
+    from lapformer_mm.models import LaplacianFormer
+    marker = tmp_path / 'payload_ran'
+    path = tmp_path / 'evil.pth'
+    state = LaplacianFormer(arch=dict(embed_dims=[32] * 4, num_heads=[1] * 4,
+                                      depths=[1] * 4)).state_dict()
+    torch.save({'state_dict': state, 'meta': {'x': RunsCode(marker)}}, path)
+    return str(path), marker

@@ -1,4 +1,5 @@
 """Checkpoints under torch's weights_only loading: mmengine's own load, crafted pickles don't."""
+import numpy as np
 import pytest
 import torch
 from _runner_helpers import RunsCode, TinyModel, make_runner
@@ -6,7 +7,7 @@ from mmengine.hooks import Hook
 from mmengine.logging import HistoryBuffer
 
 import lapformer_mm  # noqa: F401  (allowlists mmengine's checkpoint contents)
-from lapformer_mm.checkpoint import safe_load
+from lapformer_mm.checkpoint import TRUST_ENV, safe_load
 
 
 @pytest.fixture(scope='module')
@@ -84,3 +85,35 @@ def test_getattr_is_limited_to_history_buffer_statistics(tmp_path):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match='nope.pth'):
         safe_load(tmp_path / 'nope.pth')
+
+
+class HarmlessCustomObject:
+    """Not on the allowlist but harmless: what a trusted third-party checkpoint may hold."""
+
+    def __init__(self):
+        self.note = 'trusted'
+
+
+@pytest.mark.usefixtures('mmdet_scope')
+def test_numpy_object_array_cannot_smuggle_a_payload(tmp_path):
+    """numpy arrays are allowlisted (mmengine writes them); object arrays must not open a door."""
+    marker = tmp_path / 'ran'
+    payload = np.empty(1, dtype=object)
+    payload[0] = RunsCode(marker)
+    path = tmp_path / 'npobj.pth'
+    torch.save({'state_dict': {}, 'meta': {'arr': payload}}, path)
+    with pytest.raises(RuntimeError, match='Refused to load checkpoint'):
+        safe_load(path)
+    assert not marker.exists()
+
+
+@pytest.mark.usefixtures('mmdet_scope')
+def test_trust_opt_in_named_in_the_message_works(tmp_path, monkeypatch):
+    path = tmp_path / 'custom.pth'
+    torch.save({'state_dict': {'w': torch.ones(2)}, 'meta': HarmlessCustomObject()}, path)
+    with pytest.raises(RuntimeError, match='Refused to load checkpoint'):
+        safe_load(path)
+    monkeypatch.setenv(TRUST_ENV, '1')
+    with pytest.warns(UserWarning, match='full unpickling'):
+        loaded = safe_load(path)
+    assert loaded['meta'].note == 'trusted'

@@ -7,10 +7,10 @@
 #
 # Steps, each with a time limit; results in $OUT (8 files):
 #   env          env.txt            GPU, driver, torch / CuPy / NVRTC, the backend's plans
-#   tests        gpu_tests.txt      pytest -m gpu: tests/test_cuda_attention_gpu.py (values with
-#                                   launch counts, every option's gradients, each shared-memory
-#                                   variant forced, grid limits, CUDA graphs, torch.compile) and
-#                                   the attention-level CuPy-vs-reference property tests; a
+#   tests        gpu_tests.txt      pytest -m gpu: tests/ops/cuda/test_attention_gpu.py (values
+#                                   with launch counts, every option's gradients, each
+#                                   shared-memory variant forced, grid limits, CUDA graphs,
+#                                   torch.compile, the CuPy-vs-reference property tests); a
 #                                   skipped test fails the step. Then a CUDA-graph capture with
 #                                   no warm-up in a fresh process (appended): it must raise the
 #                                   backend's CaptureError, or work
@@ -98,7 +98,7 @@ fi
 if wanted tests; then
     # -rs lists skips: a skipped GPU test here means CUDA or CuPy was not usable.
     run_step tests 80 "$OUT/gpu_tests.txt" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
-        tests/test_cuda_attention_gpu.py tests/test_reliability_properties.py
+        tests/ops/cuda/test_attention_gpu.py
     if grep -qE "[0-9]+ skipped" "$OUT/gpu_tests.txt"; then
         record "tests: no skips" 1 0 "(a GPU test was skipped)"
     fi

@@ -55,7 +55,7 @@ const std::map<std::string, Launcher>& kernels() {
 EMU_EXPORT int emu_has_kernel(const char* name) { return kernels().count(name) ? 1 : 0; }
 
 // "name offset" lines of nys_params as g++ lays it out, then "sizeof N": the host's
-// numpy dtype must match (tests/test_cuda_fused_emulation.py).
+// numpy dtype must match (tests/ops/cuda/test_fused_emulation.py).
 EMU_EXPORT const char* emu_params_layout() {
     static char buf[4096];
     int used = 0;

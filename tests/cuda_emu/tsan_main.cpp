@@ -1,4 +1,4 @@
-// ThreadSanitizer run of the emulated kernels (tests/test_cuda_fused_emulation.py builds it
+// ThreadSanitizer run of the emulated kernels (tests/ops/cuda/test_fused_emulation.py builds it
 // with -fsanitize=thread and one variant's -D geometry). The threads of an emulated block
 // are std::threads and __syncthreads() a std::barrier, so a barrier missing between a
 // shared-memory write and another thread's read is a data race TSan reports. Values are

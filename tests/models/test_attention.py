@@ -1,8 +1,9 @@
 """LaplacianAttention module: wiring, shapes, AMP, validation."""
 import pytest
 import torch
-from _attention_helpers import dense_attention_module
+from _attention_helpers import dense_attention_module, finite
 
+from lapformer_mm.analysis.landmark_solve import solve_report
 from lapformer_mm.models.attention import ATTN_CFG_KEYS, LaplacianAttention
 from lapformer_mm.ops import nystrom_attention, pool_landmarks
 
@@ -150,14 +151,14 @@ def test_authors_start_is_selectable_end_to_end():
     (dict(proj_drop=-0.1), ValueError, 'proj_drop=-0.1'),
     (dict(num_heads=0), ValueError, 'num_heads=0'),
 ])
-def test_bad_construction_arguments(kwargs, exc, match):
+def test_attention_arguments_rejected_with_named_errors(kwargs, exc, match):
     args = dict(dim=32, num_heads=2)
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         LaplacianAttention(**args)
 
 
-def test_bad_call_arguments():
+def test_attention_call_with_wrong_grid_or_width_rejected():
     module = LaplacianAttention(32, 2)
     with pytest.raises(ValueError, match=r'hw=\(4, 4\) gives H\*W=16 but the input has N=15'):
         module(torch.randn(1, 15, 32), (4, 4))
@@ -232,3 +233,17 @@ def test_global_term_is_a_bool_and_an_attn_cfg_key():
     model = LaplacianFormer(dict(embed_dims=[16] * 4, num_heads=[1] * 4, depths=[1] * 4),
                             attn_cfg=dict(global_term=False))
     assert all(not stage.blocks[0].attn.global_term for stage in model.stages)
+
+
+@pytest.mark.parametrize('hw', [(1, 1), (1, 5), (2, 3), (6, 6), (7, 1)])
+def test_token_grid_smaller_than_landmark_grid_clips_landmarks_and_stays_finite(hw):
+    """N <= 49 (N = 1 included): m clips to the grid, whitening over N = 1 stays finite."""
+    torch.manual_seed(0)
+    attn = LaplacianAttention(32, 2, landmark_grid=7)
+    x = torch.randn(2, hw[0] * hw[1], 32, requires_grad=True)
+    out = attn(x, hw)
+    out.square().sum().backward()
+    assert finite(out, x.grad, *(p.grad for p in attn.parameters()))
+    report = solve_report(attn, x.detach(), hw)
+    assert report.num_landmarks == min(7, hw[0]) * min(7, hw[1])
+    assert report.residual < 1e-3

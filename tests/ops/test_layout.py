@@ -5,8 +5,7 @@ from pathlib import Path
 import torch
 from _shared import ROOT
 
-ROOT = Path(ROOT)
-PACKAGE = ROOT / 'lapformer_mm'
+PACKAGE = Path(ROOT) / 'lapformer_mm'
 
 
 def _module_name(path):

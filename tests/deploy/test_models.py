@@ -3,14 +3,15 @@ a tiny UperNet (segmentor logits, its pyramid pooling in the export form), a tin
 RetinaNet through the command-line tool.
 
 Each is exported with dynamic sizes at one size and batch 2, then run at two other sizes
-with batch 1, held to the measure of tests/test_deploy_backbone.py (FACTOR × eager fp32's
+with batch 1, held to the measure of tests/deploy/test_backbone.py (FACTOR × eager fp32's
 own error against fp64). The eager reference is the unchanged model, whose pyramid
 pooling is ATen's ``adaptive_avg_pool2d``.
 """
-from pathlib import Path
+import os.path as osp
 
 import pytest
 from _deploy_helpers import TINY_ARCH, assert_as_close_as_fp32, non_standard_nodes, ort_library
+from _shared import ROOT
 
 from lapformer_mm import deploy
 from lapformer_mm.cli import export_onnx as cli
@@ -39,7 +40,6 @@ UPERNET = ('configs/toy/upernet_lapformer_t_toy.py', {
     'model.decode_head.channels': 16, 'model.auxiliary_head.in_channels': DIMS[2],
     'model.auxiliary_head.channels': 16})
 RETINANET = ('configs/toy/retinanet_lapformer_t_toy.py', )
-REPO = Path(__file__).resolve().parents[1]
 
 EXPORT_SHAPE = (232, 296)
 OTHER_SIZES = [(231, 257), (256, 320)]
@@ -93,7 +93,7 @@ def tiny_retinanet_config(folder):
     """A user config on top of the toy RetinaNet with the tiny backbone (--cfg-options
     cannot turn the arch name into a dict)."""
     path = folder / 'retinanet_tiny.py'
-    path.write_text(f"_base_ = [{str(REPO / RETINANET[0])!r}]\n"
+    path.write_text(f"_base_ = [{osp.join(ROOT, RETINANET[0])!r}]\n"
                     f"model = dict(backbone=dict(arch={ARCH!r}), "
                     f"neck=dict(in_channels={DIMS[1:]!r}))\n")
     return str(path)

@@ -11,7 +11,7 @@ from _shared import ROOT
 @pytest.mark.slow
 def test_wheel_ships_cuda_sources_and_runtime_finds_them(built_wheel, tmp_path):
     """The session's wheel (conftest.py's ``built_wheel``, a fresh copy of the checkout; its
-    CPU kernels are checked by test_cpu_kernels.py's
+    CPU kernels are checked by tests/ops/cpu/test_kernels.py's
     test_fresh_checkout_wheel_builds_the_extension_which_loads)."""
     folder = Path(ROOT, 'lapformer_mm', 'csrc', 'cuda')
     sources = sorted(p.name for p in folder.iterdir() if p.suffix in ('.cu', '.cuh'))

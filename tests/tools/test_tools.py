@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from _runner_helpers import assert_refused_with_hint
 from _shared import (
     ROOT,
     TEST_TOOL,
@@ -30,6 +31,8 @@ from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 from lapformer_mm.cli import coco_eval, make_toy_coco
+from lapformer_mm.cli import test as cli_test
+from lapformer_mm.cli import train as cli_train
 
 
 def tiny_options(data_root, max_epochs):
@@ -250,3 +253,45 @@ def test_get_flops_counts_the_custom_attention_ops():
     assert res['full'] > res['visible'] > res['backbone'] > 0
     assert res['backbone_params'] == pytest.approx(
         sum(p.numel() for p in model.backbone.parameters()) / 1e6)
+
+
+@pytest.mark.usefixtures('mmdet_scope')
+def test_test_tool_names_a_missing_checkpoint_or_config(tmp_path):
+    test_tool = cli_test
+    args = test_tool.parse_args([TOY_CONFIG, str(tmp_path / 'missing.pth')])
+    with pytest.raises(FileNotFoundError, match="checkpoint '.*missing.pth' does not exist"):
+        test_tool.build_cfg(args)
+    args = test_tool.parse_args([str(tmp_path / 'nope.py'), str(tmp_path / 'x.pth')])
+    with pytest.raises(FileNotFoundError, match='nope.py'):
+        test_tool.build_cfg(args)
+
+
+@pytest.mark.usefixtures('mmdet_scope')
+def test_test_tool_refuses_an_out_file_that_is_not_a_pickle(capsys):
+    test_tool = cli_test
+    with pytest.raises(SystemExit):
+        test_tool.parse_args([TOY_CONFIG, 'x.pth', '--out', 'preds.json'])
+    assert '--out must be a .pkl/.pickle file or a folder' in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures('mmdet_scope')
+def test_tools_name_neck_mismatch_before_building(tmp_path):
+    ckpt = tmp_path / 'x.pth'
+    ckpt.write_bytes(b'')
+    for name, extra in (('train', []), ('test', [str(ckpt)])):
+        tool = dict(test=cli_test, train=cli_train)[name]
+        args = tool.parse_args([TOY_CONFIG, *extra, '--cfg-options',
+                                'model.neck.in_channels=[64,128,256,512]'])
+        with pytest.raises(ValueError,
+                           match=r'set model.neck.in_channels=\[64, 128, 320, 512\]'):
+            tool.build_cfg(args)
+
+
+@pytest.mark.usefixtures('mmdet_scope')
+def test_test_tool_refuses_code_running_checkpoint(evil, toy_coco, tmp_path):
+    path, marker = evil
+    with pytest.raises(RuntimeError) as info:
+        cli_test.main([TOY_CONFIG, path, '--work-dir', str(tmp_path / 'work'),
+                       '--cfg-options', *toy_data_options(toy_coco)])
+    assert_refused_with_hint(str(info.value), path)
+    assert not marker.exists()

@@ -3,7 +3,10 @@ import math
 
 import pytest
 import torch
-from _attention_helpers import dense_gaussian_kernel, dense_l1_kernel
+from _attention_helpers import dense_gaussian_kernel, dense_kernel, dense_l1_kernel, finite
+from _property_strategies import KERNELS as KERNEL_BY_NAME
+from _property_strategies import PROPERTY, kernel_inputs
+from hypothesis import given
 
 from devtools.profiling import peak_memory_bytes
 from lapformer_mm.ops import gaussian_kernel, laplacian_kernel
@@ -125,3 +128,18 @@ def test_l1_gradient_paths_match_dense_sum():
     for chunk_bytes in (1, 4 * row_bytes, 10 ** 9):
         torch.testing.assert_close(rk._l1_grad_chunked(g, a, b, chunk_bytes), dense,
                                    rtol=1e-12, atol=1e-12)
+
+
+@PROPERTY
+@given(kernel_inputs())
+def test_kernels_finite_bounded_and_equal_to_dense_fp64_for_any_shape(inputs):
+    x, y, lam, kind = inputs
+    x.requires_grad_()
+    y.requires_grad_()
+    k = KERNEL_BY_NAME[kind](x, y, lam)
+    assert k.shape == (*x.shape[:-1], y.shape[-2])
+    assert finite(k) and bool((k >= 0).all()) and bool((k <= 1).all())
+    torch.testing.assert_close(k.double(), dense_kernel(x.double(), y.double(), lam, kind),
+                               rtol=1e-4, atol=1e-6)
+    (k * torch.randn_like(k)).sum().backward()
+    assert finite(x.grad, y.grad)

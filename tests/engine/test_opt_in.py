@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from _shared import CONFIG_DIR, ROOT, TOY_CONFIG, run_tool, toy_run_options
+from _shared import CONFIG_DIR, ROOT, TESTS, TOY_CONFIG, run_tool, toy_run_options
 from mmengine.config import Config
 
 CONFIGS = sorted(p for p in glob.glob(osp.join(CONFIG_DIR, '**', '*.py'), recursive=True)
@@ -112,8 +112,7 @@ def test_stock_mmengine_job_is_the_same_with_the_plugin_imported():
     reports = {}
     for mode in ('stock', 'plugin'):
         # The job imports tests/_runner_helpers.py: the tests folder goes on its PYTHONPATH.
-        path = os.pathsep.join(p for p in (osp.join(ROOT, 'tests'), os.environ.get('PYTHONPATH'))
-                               if p)
+        path = os.pathsep.join(p for p in (TESTS, os.environ.get('PYTHONPATH')) if p)
         proc = subprocess.run([sys.executable, '-c', STOCK_JOB, mode],
                               cwd=ROOT, capture_output=True, text=True, timeout=300,
                               env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=path))

@@ -1,7 +1,9 @@
 """Newton–Schulz inverse, conjugate gradient and exact solvers."""
 import pytest
 import torch
-from _attention_helpers import smooth_tokens
+from _attention_helpers import finite, smooth_tokens
+from _property_strategies import PROPERTY, landmark_matrix_cases
+from hypothesis import given
 
 from lapformer_mm.ops import (
     DEFAULT_NS_ITERS,
@@ -10,6 +12,7 @@ from lapformer_mm.ops import (
     exact_solve,
     laplacian_kernel,
     newton_schulz_pinv,
+    nystrom_attention,
     pool_landmarks,
 )
 
@@ -142,3 +145,65 @@ def test_non_square_raises():
         newton_schulz_pinv(torch.zeros(2, 3, 4))
     with pytest.raises(ValueError, match='B must be'):
         cg_solve(spd(1, 3, seed=8), torch.zeros(1, 4, 1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize('eps', [0.01, 0.0])
+def test_identical_landmarks_cg_forward_and_gradients_finite(eps):
+    """CG on the singular-direction system: converged columns must stop, not divide 0 by 0."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 30, 16, requires_grad=True)
+    v = torch.randn(2, 2, 30, 16, requires_grad=True)
+    landmarks = q.mean(-2, keepdim=True).expand(2, 2, 25, 16)
+    out = nystrom_attention(q, q, v, landmarks, solver='cg', eps=eps)
+    assert finite(out)
+    if eps > 0:
+        exact = nystrom_attention(q.double(), q.double(), v.double(), landmarks.double(),
+                                  solver='exact', eps=eps)
+        torch.testing.assert_close(out.double(), exact, rtol=1e-3, atol=1e-4)
+    out.square().sum().backward()
+    assert finite(q.grad, v.grad)
+
+
+def test_default_iterations_meet_the_residual_at_the_worst_case():
+    """Identical landmarks with eps = 0.01: the default leaves 1.6e-6 < 1e-3; one step
+    fewer would leave 1.25e-3, so the default is the fewest that meet the bound."""
+    from lapformer_mm.ops.reference import newton_schulz as newton_schulz_iterate
+    P = torch.ones(1, 49, 49, dtype=torch.float64) + 0.01 * torch.eye(49, dtype=torch.float64)
+
+    def residual(iters):
+        X = newton_schulz_iterate(P, iters, 'identity')
+        return torch.linalg.matrix_norm(torch.eye(49, dtype=torch.float64) - P @ X, ord=2).item()
+    assert residual(DEFAULT_NS_ITERS) < 1e-5
+    assert residual(DEFAULT_NS_ITERS - 1) == pytest.approx(1.25e-3, rel=0.01)
+
+
+def test_cg_runs_to_its_tolerance_not_to_m_steps():
+    """m = 9 smooth landmarks in fp64: m steps leave 5.7e-9, the tolerance reaches 1e-15."""
+    from _attention_helpers import dense_l1_kernel
+
+    from lapformer_mm.ops import cg_solve
+    gen = torch.Generator().manual_seed(2)
+    pts = torch.randn(9, 32, generator=gen, dtype=torch.float64).cumsum(0) * 0.05
+    P = dense_l1_kernel(pts, pts, 4.0) + 0.01 * torch.eye(9, dtype=torch.float64)
+    B = torch.randn(9, 8, generator=gen, dtype=torch.float64)
+    x = torch.linalg.solve(P, B)
+    assert ((cg_solve(P, B) - x).norm() / x.norm()).item() <= 1e-13
+
+
+@PROPERTY
+@given(landmark_matrix_cases())
+def test_newton_schulz_squares_its_residual_every_step(inputs):
+    """From X_0 = I/||P||_inf, ||I - P X_0||_2 = r0 = 1 - λ_min/||P||_inf and each step
+    squares the residual: after t steps it is r0^(2^t), up to fp64 round-off."""
+    p, iters = inputs
+    p.requires_grad_()
+    x = newton_schulz_pinv(p, iters)
+    assert finite(x)
+    p64 = p.detach()
+    eye = torch.eye(p.shape[-1], dtype=torch.float64)
+    residual = torch.linalg.matrix_norm(eye - p64 @ x.detach(), ord=2)
+    r0 = 1 - torch.linalg.eigvalsh(p64)[..., 0] / p64.abs().sum(-1).amax(-1)
+    bound = r0 ** (2 ** iters) + 1e-12 * torch.linalg.cond(p64)
+    assert bool((residual <= bound).all()), (residual, bound)
+    (x * torch.randn_like(x)).sum().backward()
+    assert finite(p.grad)

@@ -2,13 +2,15 @@
 
 Marked ``gpu``: skipped without CUDA and CuPy (tests/conftest.py); tools/gpu_check.sh runs
 it. Imports no OpenMMLab package except through the backbone test, which needs mmengine.
-The same kernels run on the CPU through the emulation in test_cuda_fused_emulation.py.
+The same kernels run on the CPU through the emulation in tests/ops/cuda/test_fused_emulation.py.
 Every value test asserts which kernels ran (the ``ran`` fixture counts launches), so a
 silent fall-back to the reference cannot pass it.
 """
 import pytest
 import torch
-from _attention_helpers import dense_attention_grads
+from _attention_helpers import dense_attention_grads, finite
+from _property_strategies import KERNELS, attention_cases, kernel_inputs, run_attention
+from hypothesis import given, settings
 
 pytestmark = pytest.mark.gpu
 
@@ -286,3 +288,35 @@ def test_torch_compile_reduce_overhead_backbone_runs():
             outs = compiled(x)
     for a, b in zip(outs, eager):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(kernel_inputs())
+def test_kernels_cupy_matches_reference(inputs):
+    x, y, lam, kind = (t.cuda() if torch.is_tensor(t) else t for t in inputs)
+    fn = KERNELS[kind]
+    xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
+    xc, yc = x.clone().requires_grad_(), y.clone().requires_grad_()
+    ref = fn(xr, yr, lam, impl='reference')
+    got = fn(xc, yc, lam, impl='cupy')
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+    grad = torch.randn_like(ref)
+    ref.backward(grad)
+    got.backward(grad)
+    torch.testing.assert_close(xc.grad, xr.grad, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(yc.grad, yr.grad, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(attention_cases(solvers=('newton', )))
+def test_nystrom_attention_cupy_matches_reference(inputs):
+    q, k, v, hw, options = inputs
+    shared = k is q
+    q, v = q.cuda(), v.cuda()
+    k = q if shared else k.cuda()
+    ref = run_attention(q, k, v, hw, options, impl='reference')
+    got = run_attention(q, k, v, hw, options, impl='cupy')
+    assert finite(got)
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-4)

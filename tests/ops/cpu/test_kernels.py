@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from _attention_helpers import dense_attention, dense_kernel
-from _shared import OWN_FILES_ONLY, copy_checkout
+from _shared import OWN_FILES_ONLY, ROOT, TESTS, copy_checkout
 
 from lapformer_mm.ops import nystrom_attention, pool_landmarks
 from lapformer_mm.ops.backends import cpu as cpu_ext
 
-REPO = Path(__file__).resolve().parents[1]
 KINDS = ('laplacian', 'gaussian')
 
 needs_ext = pytest.mark.skipif(not cpu_ext.available(), reason='CPU kernels not built')
@@ -196,8 +195,7 @@ def test_attention_matches_dense_fp64(case, tied, kernel, normalize):
 
 
 _BUILD_ATTENTION_CODE = '''
-import sys, torch
-sys.path.insert(0, 'tests')
+import torch
 from _attention_helpers import dense_attention
 from lapformer_mm.ops import nystrom_attention, pool_landmarks
 from lapformer_mm.ops.backends import cpu as cpu_ext
@@ -324,9 +322,10 @@ def test_attention_bit_equal_with_1_and_2_threads(tied):
         assert torch.equal(a, b)
 
 
-def _run_python(code, env_extra, cwd=REPO):
-    env = {**os.environ, **env_extra, 'PYTHONPATH': str(cwd)}
-    if Path(cwd) != REPO:
+def _run_python(code, env_extra, cwd=ROOT):
+    # tests/ on the path for the helpers the snippets import (_attention_helpers).
+    env = {**os.environ, **env_extra, 'PYTHONPATH': os.pathsep.join([str(cwd), TESTS])}
+    if Path(cwd) != Path(ROOT):
         code = OWN_FILES_ONLY + code
     return subprocess.run([sys.executable, '-c', code], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
@@ -392,9 +391,9 @@ _BUILT_HERE = (('default', 'avx2', 'avx512') if platform.machine().lower() in ('
 @pytest.mark.slow
 def test_fresh_checkout_wheel_builds_the_extension_which_loads(built_wheel):
     """setup.py's ext_modules, built from the checkout's files alone (conftest.py's
-    ``built_wheel``: pip wheel of a fresh copy, shared with test_packaging.py), build without
-    a warning, and the installed package loads the build this CPU selects and computes with
-    it."""
+    ``built_wheel``: pip wheel of a fresh copy, shared with tests/tools/test_packaging.py),
+    build without a warning, and the installed package loads the build this CPU selects and
+    computes with it."""
     assert 'WARNING' not in built_wheel.log, built_wheel.log[-4000:]
     shipped = sorted(p.name.split('.')[0] for p in
                      (built_wheel.site / 'lapformer_mm').glob('_cpu_*.so'))

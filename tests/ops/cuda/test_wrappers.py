@@ -1,7 +1,7 @@
 """The CUDA backend imports where the GPU check runs: torch and CuPy, no OpenMMLab package.
 
-Its host code is covered by ``test_cuda_host_path.py`` (a fake CuPy), its kernels by
-``test_cuda_fused_emulation.py`` and, on a GPU, ``test_cuda_attention_gpu.py``.
+Its host code is covered by ``test_host_path.py`` (a fake CuPy), its kernels by
+``test_fused_emulation.py`` and, on a GPU, ``test_attention_gpu.py``.
 """
 
 

@@ -4,9 +4,11 @@ import sys
 
 import pytest
 import torch
+from _runner_helpers import assert_refused_with_hint
 from _shared import CONFIG_DIR, TOOLS, run_tool
 from mmengine.config import Config
 
+from lapformer_mm.cli import convert_cls_to_backbone
 from lapformer_mm.models import ARCH_SETTINGS, LaplacianAttention, LaplacianFormer
 
 SIZES = {'t': ('tiny', 0.1), 's': ('small', 0.2), 'm': ('medium', 0.3), 'l': ('large', 0.4),
@@ -113,3 +115,14 @@ def test_flop_handlers_count_the_attention_core():
     # Ck^T v and Z (...), then the landmark-sized X (Ck^T v), P x and X r of the
     # refinement step, all as matmul
     assert by_op['matmul'] == heads * (m * n * d + n * m * d + 3 * m * m * d)
+
+
+@pytest.mark.usefixtures('mmdet_scope')
+def test_converter_refuses_code_running_checkpoint(evil, tmp_path):
+    path, marker = evil
+    convert = convert_cls_to_backbone
+    out = tmp_path / 'backbone.pth'
+    with pytest.raises(RuntimeError) as info:
+        convert.convert(path, str(out))
+    assert_refused_with_hint(str(info.value), path)
+    assert not out.exists() and not marker.exists()

@@ -4,8 +4,9 @@ import re
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / 'tools' / 'gpu_check.sh'
+from _shared import ROOT
+
+SCRIPT = Path(ROOT) / 'tools' / 'gpu_check.sh'
 
 
 def test_script_parses_and_its_limits_add_up_to_five_minutes():
@@ -24,7 +25,7 @@ def test_script_parses_and_its_limits_add_up_to_five_minutes():
 def test_every_file_it_runs_exists_and_at_most_eight_results_come_back():
     text = SCRIPT.read_text()
     for path in set(re.findall(r'((?:tests|benchmarks)/[\w/]+\.py)', text)):
-        assert (ROOT / path).is_file(), path
+        assert (Path(ROOT) / path).is_file(), path
     results = set(re.findall(r'\$OUT/([\w.]+)', text))
     removed = set(re.findall(r'rm -f "\$OUT/([\w.]+)"(?: "\$OUT/([\w.]+)")?', text))
     removed = {name for pair in removed for name in pair if name}

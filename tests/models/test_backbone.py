@@ -1,14 +1,16 @@
 """LaplacianFormer backbone: shapes, API switches, argument checks (CPU, small inputs)."""
 import pytest
 import torch
-from _attention_helpers import dense_attention_module
+from _attention_helpers import dense_attention_module, finite
 from torch import nn
 
+from lapformer_mm.analysis.landmark_solve import landmark_solve_residuals
 from lapformer_mm.models import LaplacianAttention, LaplacianFormer
 from lapformer_mm.models.backbone import ARCH_SETTINGS, resolve_arch
 
 TINY_DIMS = ARCH_SETTINGS['tiny']['embed_dims']
 SMALL_ARCH = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
+TINY = dict(embed_dims=[32, 32, 32, 32], num_heads=[1, 1, 1, 1], depths=[1, 1, 1, 1])
 
 
 def ceil_half(n, times):
@@ -55,7 +57,7 @@ def test_input_smaller_than_landmark_grid(tiny):
 
 
 @pytest.mark.parametrize('indices', [(0, ), (3, ), (1, 2), (-1, )])
-def test_out_indices(indices):
+def test_out_indices_select_the_stages_returned_in_order(indices):
     model = LaplacianFormer('tiny', out_indices=indices).eval()
     with torch.no_grad():
         outs = model(torch.randn(1, 3, 64, 64))
@@ -127,7 +129,7 @@ def test_other_arches_param_count_and_forward(name):
     assert [tuple(o.shape) for o in outs] == expected_shapes(16, 16, dims)
 
 
-def test_tiny_param_count(tiny):
+def test_tiny_param_count_equals_the_closed_form(tiny):
     assert sum(p.numel() for p in tiny.parameters()) == closed_form_params('tiny', (0, 1, 2, 3))
 
 
@@ -270,7 +272,7 @@ def test_layer_cfgs_build_the_named_layers():
     assert [o.shape[1] for o in outs] == SMALL_ARCH['embed_dims']
 
 
-def test_default_layers():
+def test_default_layers_are_layernorm_gelu_and_a_batchnorm_relu_stem():
     model = LaplacianFormer(SMALL_ARCH)
     block = model.stages[0].blocks[0]
     assert type(block.norm1) is nn.LayerNorm and block.norm1.eps == 1e-5
@@ -337,7 +339,7 @@ def test_with_cp_same_outputs_and_grads():
         torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
 
 
-def test_eval_output_deterministic(tiny):
+def test_eval_forward_is_bit_identical_when_repeated(tiny):
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
         first = tiny(x)
@@ -361,3 +363,48 @@ def test_autocast_bfloat16_forward_and_backward():
     assert all(torch.isfinite(o.float()).all() for o in outs)
     sum(o.float().square().mean() for o in outs).backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_constant_image_gives_finite_gradients_and_small_residuals():
+    torch.manual_seed(0)
+    model = LaplacianFormer(arch=TINY)
+    img = torch.full((2, 3, 48, 40), 0.5, requires_grad=True)
+    outs = model(img)
+    sum(o.square().sum() for o in outs).backward()
+    assert finite(*outs, img.grad)
+    assert all(finite(p.grad) for p in model.parameters() if p.grad is not None)
+    reports = landmark_solve_residuals(model.eval(), img.detach())
+    assert all(r.residual < 1e-2 for r in reports.values()), reports
+
+
+@pytest.mark.parametrize('size', [(1, 1), (3, 5), (17, 9)])
+def test_backbone_runs_images_down_to_one_pixel(size):
+    """Images down to 1x1 px: every stage is 1x1 or more, one landmark at the end.
+
+    Batch 2: in training mode BatchNorm (stem, downsampling) needs more than one value
+    per channel, so a 1x1 map at batch 1 is torch's error, as for any CNN backbone.
+    """
+    model = LaplacianFormer(arch=TINY)
+    img = torch.randn(2, 3, *size, requires_grad=True)
+    outs = model(img)
+    sum(o.sum() for o in outs).backward()
+    assert tuple(outs[-1].shape[-2:]) == (1, 1)
+    assert finite(*outs, img.grad)
+    with torch.no_grad():
+        assert finite(*model.eval()(img[:1]))
+
+
+@pytest.mark.parametrize('make, exc, match', [
+    (lambda: torch.rand(1, 1, 32, 32), ValueError,
+     r'must be \(B, 3, H, W\) \(in_channels=3\), got shape \(1, 1, 32, 32\)'),
+    (lambda: torch.rand(3, 32, 32), ValueError, r'got shape \(3, 32, 32\)'),
+    (lambda: torch.zeros(1, 3, 32, 32, dtype=torch.uint8), TypeError,
+     'must be a floating-point tensor .* got dtype torch.uint8'),
+    (lambda: [torch.rand(3, 32, 32)], TypeError, 'must be a torch.Tensor, got list'),
+])
+@pytest.mark.usefixtures('mmdet_scope')
+def test_backbone_input_rejected_with_named_errors(make, exc, match):
+    backbone = LaplacianFormer(arch=dict(embed_dims=[32] * 4, num_heads=[1] * 4,
+                                         depths=[1] * 4))
+    with pytest.raises(exc, match=match):
+        backbone(make())

@@ -1,0 +1,167 @@
+"""lapformer_mm.engine.runner and .hooks: SafeCheckpointRunner reads checkpoints through
+``safe_load`` (an unsafe one is refused, naming the file), installs SafeCheckpointHook on the
+atomic backend (the previous checkpoint survives a failed save), and its auto-resume
+tolerates a broken ``last_checkpoint``. Stock mmengine (``Runner``, ``CheckpointHook``) is
+checked to behave as it always did after ``import lapformer_mm``.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+from _runner_helpers import TinyModel, assert_refused_with_hint, make_runner
+from mmengine.runner import Runner
+
+import lapformer_mm  # noqa: F401
+from lapformer_mm.checkpoint import safe_load
+from lapformer_mm.engine import SafeCheckpointRunner, find_latest_checkpoint
+
+
+@pytest.mark.parametrize('resume', [False, True])
+@pytest.mark.usefixtures('mmdet_scope')
+def test_load_from_and_resume_refuse_code_running_checkpoint(evil, tmp_path, resume):
+    path, marker = evil
+    runner = make_runner(tmp_path, 1, runner_cls=SafeCheckpointRunner, load_from=path,
+                         resume=resume)
+    with pytest.raises(RuntimeError) as info:
+        runner.train()
+    assert_refused_with_hint(str(info.value), path)
+    assert not marker.exists()
+
+
+@pytest.mark.usefixtures('mmdet_scope')
+def test_stock_runner_is_left_to_torchs_refusal_which_names_no_file(evil, tmp_path):
+    """Without the fragment mmengine loads as before: torch refuses, without naming the file."""
+    path, marker = evil
+    with pytest.raises(Exception, match='Weights only load failed') as info:
+        make_runner(tmp_path, 1, load_from=path).train()
+    assert 'Refused to load checkpoint' not in str(info.value)
+    assert not marker.exists()
+
+
+@pytest.mark.usefixtures('mmdet_scope')
+def test_safe_runner_still_loads_mmengine_checkpoints(tmp_path):
+    from mmengine.runner.checkpoint import save_checkpoint
+    model = TinyModel()
+    path = str(tmp_path / 'ok.pth')
+    save_checkpoint({'state_dict': model.state_dict(), 'meta': {'epoch': 3},
+                     'arr': np.arange(3)}, path)
+    runner = make_runner(tmp_path, 1, runner_cls=SafeCheckpointRunner)
+    checkpoint = runner.load_checkpoint(path)
+    assert checkpoint['meta']['epoch'] == 3
+    torch.testing.assert_close(runner.model.linear.weight, model.linear.weight)
+
+
+def test_safe_runner_checkpoints_atomically(tmp_path):
+    """A whole run with SafeCheckpointRunner: its CheckpointHook became SafeCheckpointHook on
+    the atomic backend; checkpoints load and no temporary file remains."""
+    from lapformer_mm.engine import AtomicLocalBackend, SafeCheckpointHook
+
+    runner = make_runner(tmp_path, 2, num_samples=4, runner_cls=SafeCheckpointRunner)
+    runner.train()
+    hook, = [h for h in runner.hooks if isinstance(h, SafeCheckpointHook)]
+    assert isinstance(hook.file_backend, AtomicLocalBackend)
+    assert safe_load(tmp_path / 'epoch_2.pth')['meta']['iter'] == 4
+    assert not [f for f in os.listdir(tmp_path) if f.endswith('.tmp')]
+
+
+def test_safe_runner_keeps_a_chosen_backend_and_other_hook_types(tmp_path):
+    from mmengine.hooks import CheckpointHook
+
+    from lapformer_mm.engine.runner import safe_checkpoint_hook_cfg
+    local = dict(type='CheckpointHook', interval=2, backend_args=dict(backend='local'))
+    assert safe_checkpoint_hook_cfg(local) == dict(local, type='SafeCheckpointHook')
+    remote = dict(type=CheckpointHook, out_dir='s3://bucket/run')
+    assert safe_checkpoint_hook_cfg(remote) == dict(remote, type='SafeCheckpointHook')
+    other = dict(type='MyCheckpointHook')
+    assert safe_checkpoint_hook_cfg(other) is other
+    assert safe_checkpoint_hook_cfg(None) is None
+
+
+@pytest.mark.parametrize('runner_cls, kept',
+                         [(Runner, []), (SafeCheckpointRunner, ['epoch_1.pth'])])
+def test_save_failing_mid_rotation_leaves_a_checkpoint_only_with_the_safe_runner(
+        tmp_path, runner_cls, kept):
+    """max_keep_ckpts=1 and the save of epoch 2 fails. Stock mmengine (unchanged by the import)
+    has already deleted epoch_1.pth, which last_checkpoint still names: nothing to resume
+    from. SafeCheckpointRunner keeps epoch_1.pth."""
+    runner = make_runner(tmp_path, 2, num_samples=4, checkpoint=dict(max_keep_ckpts=1),
+                         runner_cls=runner_cls)
+    save = runner.save_checkpoint
+
+    def dies_at_epoch_2(out_dir, filename, *args, **kwargs):
+        if filename == 'epoch_2.pth':
+            raise KeyboardInterrupt('killed while saving epoch 2')
+        return save(out_dir, filename, *args, **kwargs)
+
+    runner.save_checkpoint = dies_at_epoch_2
+    with pytest.raises(KeyboardInterrupt):
+        runner.train()
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith('.pth')) == kept
+    assert (tmp_path / 'last_checkpoint').read_text() == str(tmp_path / 'epoch_1.pth')
+
+
+def test_safe_rotation_still_keeps_max_keep_ckpts(tmp_path):
+    make_runner(tmp_path, 3, num_samples=4, checkpoint=dict(max_keep_ckpts=2),
+                runner_cls=SafeCheckpointRunner).train()
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith('.pth')) == [
+        'epoch_2.pth', 'epoch_3.pth']
+
+
+def write_checkpoints(folder, names):
+    folder.mkdir(exist_ok=True)
+    for age, name in enumerate(names):
+        (folder / name).write_bytes(b'x')
+        os.utime(folder / name, (1_000_000 + age, 1_000_000 + age))
+
+
+@pytest.mark.parametrize('record', [None, '', 'epoch_11.pth'])
+def test_auto_resume_falls_back_to_the_checkpoint_with_the_largest_step(tmp_path, record):
+    """Largest N, not newest file: a best_*.pth (no optimizer state) or a copied file is
+    newer, and is not a checkpoint to resume from."""
+    write_checkpoints(tmp_path, ['epoch_2.pth', 'epoch_10.pth', 'epoch_3.pth',
+                                 'best_coco_bbox_mAP_epoch_3.pth', 'pretrained.pth'])
+    if record is not None:
+        (tmp_path / 'last_checkpoint').write_text(record and str(tmp_path / record))
+    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'epoch_10.pth')
+
+
+def test_auto_resume_uses_an_intact_record_and_starts_fresh_on_an_empty_dir(tmp_path):
+    write_checkpoints(tmp_path, ['epoch_1.pth', 'epoch_2.pth'])
+    (tmp_path / 'last_checkpoint').write_text(str(tmp_path / 'epoch_1.pth') + '\n')
+    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'epoch_1.pth')
+    assert find_latest_checkpoint(str(tmp_path / 'nothing_here')) is None
+
+
+def test_auto_resume_accepts_a_recorded_checkpoint_directory(tmp_path):
+    """DeepSpeed saves a checkpoint as a directory named like the file."""
+    (tmp_path / 'iter_8.pth').mkdir()
+    (tmp_path / 'last_checkpoint').write_text(str(tmp_path / 'iter_8.pth'))
+    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'iter_8.pth')
+
+
+@pytest.mark.parametrize('record, message', [
+    ('epoch_4.pth', 'epoch_4.pth, which does not exist'),
+    ('', 'last_checkpoint is empty'),
+])
+def test_auto_resume_refuses_a_record_with_nothing_to_resume_from(tmp_path, record, message):
+    """A record exists only after a save, so a fresh start would silently lose the run
+    (e.g. checkpoints written to CheckpointHook's out_dir, not beside the record)."""
+    write_checkpoints(tmp_path, ['best_coco_bbox_mAP_epoch_3.pth'])
+    (tmp_path / 'last_checkpoint').write_text(record and str(tmp_path / record))
+    with pytest.raises(FileNotFoundError, match=f"{message}.*out_dir"):
+        find_latest_checkpoint(str(tmp_path))
+
+
+def test_safe_runner_resumes_past_an_empty_last_checkpoint(tmp_path):
+    """SafeCheckpointRunner's auto-resume continues, not restarts: the first two epochs'
+    checkpoints are not written again."""
+    make_runner(tmp_path, 2, num_samples=4).train()
+    (tmp_path / 'last_checkpoint').write_text('')
+    written = {n: os.stat(tmp_path / n).st_mtime_ns for n in ('epoch_1.pth', 'epoch_2.pth')}
+    runner = make_runner(tmp_path, 3, num_samples=4, resume=True,
+                         runner_cls=SafeCheckpointRunner)
+    runner.train()
+    assert runner.iter == 6
+    assert safe_load(tmp_path / 'epoch_3.pth')['meta']['iter'] == 6
+    assert {n: os.stat(tmp_path / n).st_mtime_ns for n in written} == written

@@ -1,0 +1,81 @@
+"""lapformer_mm.models.validation: the neck's (or decode head's) ``in_channels`` checked
+against the backbone, on the config before building and in ``NeckChannelsCheckHook``.
+
+Every case asserts the exception type and that the message names the offending argument
+and the value to set, so a user learns what to change without reading a traceback.
+"""
+import os.path as osp
+
+import pytest
+import torch
+from _shared import CONFIG_DIR, TOY_CONFIG
+from mmengine.config import Config
+
+import lapformer_mm  # noqa: F401  (registers LaplacianFormer)
+from lapformer_mm.models import NeckChannelsCheckHook, check_built_model, check_model_cfg
+
+pytestmark = pytest.mark.usefixtures('mmdet_scope')
+
+
+UPERNET_CONFIG = osp.join(CONFIG_DIR, 'upernet_lapformer_t_ade20k.py')
+
+
+def toy_model_cfg(**neck):
+    cfg = Config.fromfile(TOY_CONFIG)
+    cfg.model.neck.update(neck)
+    return cfg.model
+
+
+def test_neck_in_channels_mismatch_named_before_building():
+    check_model_cfg(toy_model_cfg())
+    with pytest.raises(ValueError) as info:
+        check_model_cfg(toy_model_cfg(in_channels=[64, 128, 256, 512]))
+    message = str(info.value)
+    assert 'model.neck.in_channels=[64, 128, 256, 512] does not match the backbone' in message
+    assert "LaplacianFormer(arch='tiny', out_indices=(0, 1, 2, 3))" in message
+    assert 'set model.neck.in_channels=[64, 128, 320, 512]' in message
+
+
+def test_neck_in_channels_expected_follow_out_indices_and_arch():
+    model = toy_model_cfg()
+    model.backbone.out_indices = (1, 2, 3)
+    with pytest.raises(ValueError, match=r'set model.neck.in_channels=\[128, 320, 512\]'):
+        check_model_cfg(model)
+    model.neck.in_channels = [128, 320, 512]
+    check_model_cfg(model)
+    model.backbone.arch = 'medium'
+    with pytest.raises(ValueError, match=r'in_channels=\[128, 288, 512\]'):
+        check_model_cfg(model)
+
+
+def test_decode_head_in_channels_checked_for_segmentors():
+    model = Config.fromfile(UPERNET_CONFIG).model
+    check_model_cfg(model)
+    model.decode_head.in_channels = [64, 128, 320]
+    with pytest.raises(ValueError, match=r'model.decode_head.in_channels=\[64, 128, 320\]'):
+        check_model_cfg(model)
+
+
+def test_mmdet_alone_reports_the_mismatch_only_at_forward():
+    """Why the check exists: mmdet builds the bad model and fails deep inside FPN."""
+    from mmdet.registry import MODELS
+    model = MODELS.build(toy_model_cfg(in_channels=[64, 128, 256, 512]))
+    feats = model.backbone(torch.rand(1, 3, 64, 64))
+    with pytest.raises(RuntimeError, match='expected input.* to have 256 channels'):
+        model.neck(feats)
+    with pytest.raises(ValueError, match='does not match the backbone'):
+        check_built_model(model)
+
+
+def test_neck_check_hook_fails_before_the_first_iteration():
+    from mmdet.registry import MODELS
+    from mmengine.registry import HOOKS
+
+    hook = HOOKS.build(dict(type='NeckChannelsCheckHook'))
+    assert isinstance(hook, NeckChannelsCheckHook)
+
+    class FakeRunner:
+        model = MODELS.build(toy_model_cfg(in_channels=[64, 128, 320, 256]))
+
+    with pytest.raises(ValueError, match=r'set model.neck.in_channels=\[64, 128, 320, 512\]'):
+        hook.before_run(FakeRunner())

@@ -1,0 +1,267 @@
+"""tools/train.py (lapformer_mm.cli.train): bad arguments named, ``--amp`` training that stays
+finite, a resume that continues a SIGKILLed run exactly, and unsafe checkpoints refused.
+
+On a GPU ``--amp`` is mmengine's ``AmpOptimWrapper``; on CPU (mmengine's wrapper refuses
+it) it is :class:`lapformer_mm.engine.amp.CPUAmpOptimWrapper`. The same tests run on either.
+fp16 convolutions and matrix products on CPU take torch's slow reference paths (several
+seconds per step of the 64 px toy detector on this machine, against 0.3 s in bf16): the
+detector trains 4 fp16 steps through the tool; the 50-step fp16 stability is checked on the
+backbone alone (tests/engine/test_amp.py).
+
+The SIGKILL runs use the toy config (``configs/_base_/safe_runtime.py``: SafeCheckpointRunner).
+"""
+import glob
+import hashlib
+import json
+import math
+import os
+import os.path as osp
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from _runner_helpers import DIES_MID_WRITE, assert_refused_with_hint, skipped_steps
+from _shared import ROOT, TOOLS, TOY_CONFIG, run_tool, tool_env, toy_data_options
+from mmengine.config import Config
+
+from lapformer_mm.checkpoint import safe_load
+from lapformer_mm.cli import train as train_tool
+
+
+@pytest.mark.usefixtures('mmdet_scope')
+def test_train_tool_names_a_missing_config_and_an_auto_scale_lr_it_cannot_apply(tmp_path):
+    with pytest.raises(FileNotFoundError, match='nope.py'):
+        train_tool.build_cfg(train_tool.parse_args([str(tmp_path / 'nope.py')]))
+    cfg_path = tmp_path / 'no_scale.py'
+    cfg_path.write_text(f"_base_ = ['{TOY_CONFIG}']\nauto_scale_lr = None\n")
+    with pytest.raises(RuntimeError, match='--auto-scale-lr needs `auto_scale_lr'):
+        train_tool.build_cfg(train_tool.parse_args([str(cfg_path), '--auto-scale-lr']))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures('mmdet_scope')
+def test_train_tool_resume_refuses_code_running_checkpoint(evil, toy_coco, tmp_path):
+    path, marker = evil
+    with pytest.raises(RuntimeError) as info:
+        train_tool.main([TOY_CONFIG, '--resume', path, '--work-dir', str(tmp_path / 'work'),
+                        '--cfg-options', *toy_data_options(toy_coco)])
+    assert_refused_with_hint(str(info.value), path)
+    assert not marker.exists()
+
+
+def amp_train(toy_coco, work, dtype, max_epochs):
+    """``tools/train.py --amp`` on the toy set's first 4 images, batches of 1 (4 iterations
+    per epoch); the log and the last checkpoint."""
+    log = run_tool(
+        [sys.executable, osp.join(TOOLS, 'train.py'), TOY_CONFIG, '--amp', '--work-dir', work,
+         '--cfg-options', *toy_data_options(toy_coco), 'train_dataloader.dataset.indices=4',
+         'train_dataloader.batch_size=1', f'train_cfg.max_epochs={max_epochs}',
+         'train_cfg.val_interval=100', 'default_hooks.logger.interval=1',
+         'default_hooks.checkpoint.interval=100', f'optim_wrapper.dtype={dtype}'], timeout=900)
+    wrapper = 'AmpOptimWrapper' if torch.cuda.is_available() else 'CPUAmpOptimWrapper'
+    assert f"type='{wrapper}'" in log
+    losses = [float(line.split(' loss: ')[1].split()[0])
+              for line in log.splitlines() if ' loss: ' in line]
+    checkpoint = safe_load(sorted(glob.glob(osp.join(work, 'epoch_*.pth')))[-1])
+    assert checkpoint['meta']['iter'] == 4 * max_epochs
+    assert all(bool(torch.isfinite(t).all()) for t in checkpoint['state_dict'].values()
+               if t.is_floating_point())
+    return wrapper, losses, checkpoint
+
+
+@pytest.mark.slow
+def test_train_tool_bf16_amp_52_iterations_stay_finite_and_learn(toy_coco, tmp_path):
+    """``tools/train.py --amp`` (bf16) for 52 iterations (13 epochs of the toy set's first 4
+    images): finite losses and weights, the loss falls, no loss scale on CPU."""
+    wrapper, losses, checkpoint = amp_train(toy_coco, str(tmp_path / 'work'), 'bfloat16', 13)
+    assert len(losses) >= 50 and all(math.isfinite(v) for v in losses), losses
+    assert sum(losses[-5:]) < sum(losses[:5]), losses  # it learns, not just survives
+    # mmengine's GPU wrapper keeps an (idle) scaler for bf16 too; the CPU one has none.
+    assert checkpoint['optimizer'].get('loss_scaler') is None or wrapper == 'AmpOptimWrapper'
+
+
+@pytest.mark.slow
+def test_train_tool_fp16_amp_trains_finite_with_a_dynamic_loss_scale(toy_coco, tmp_path):
+    """``tools/train.py --amp`` with ``optim_wrapper.dtype=float16`` for 4 iterations (fp16
+    convolutions take torch's slow reference path on CPU, several seconds a step of the
+    detector): finite losses and weights, and the dynamic loss scale, saved in the
+    checkpoint, skipped at most 3 of the 4 steps. That 50 fp16 steps stay finite, learn and
+    skip only a few steps is test_backbone_fp16_autocast_50_steps_stay_finite_and_learn."""
+    _, losses, checkpoint = amp_train(toy_coco, str(tmp_path / 'work'), 'float16', 1)
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses), losses
+    assert skipped_steps(checkpoint['optimizer']['loss_scaler']) <= 3
+
+
+def test_amp_refuses_to_replace_another_wrapper_type():
+    cfg = Config(dict(optim_wrapper=dict(type='ApexOptimWrapper', optimizer=dict(type='SGD'))))
+    with pytest.raises(ValueError,
+                       match=r"--amp replaces .* optim_wrapper.type='ApexOptimWrapper'"):
+        train_tool.enable_amp(cfg)
+
+
+PROBE = '''
+import builtins
+import hashlib
+import json
+
+import torch
+from mmengine.hooks import Hook
+from mmengine.registry import HOOKS
+
+
+@HOOKS.register_module()
+class ResumeProbeHook(Hook):
+    """Dump what the run holds when training starts (after any resume)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def before_train(self, runner):
+        optimizer = runner.optim_wrapper.optimizer
+        state = {str(i): {k: hashlib.sha256(torch.as_tensor(v).cpu().contiguous().numpy()
+                                            .tobytes()).hexdigest() for k, v in s.items()}
+                 for i, s in enumerate(optimizer.state_dict()['state'].values())}
+        with open(self.out, 'w') as f:
+            json.dump(dict(iter=runner.iter, epoch=runner.epoch,
+                           lr=[g['lr'] for g in optimizer.param_groups], state=state), f)
+
+
+@HOOKS.register_module()
+class KillDuringSaveHook(Hook):
+    """SIGKILL this process halfway through writing the checkpoint of epoch ``epoch``."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def before_save_checkpoint(self, runner, checkpoint):
+        if checkpoint['meta']['epoch'] == self.epoch:
+            builtins.open = open_dying_mid_write(builtins.open, runner.work_dir)
+'''
+
+
+def tensor_digest(t):
+    """sha256 of a tensor's bytes: bit-exact comparison of optimizer state."""
+    return hashlib.sha256(torch.as_tensor(t).cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def probe_env(base):
+    """The tools' environment, with the probe hooks of ``base`` importable."""
+    return dict(PYTHONPATH=os.pathsep.join([ROOT, base]))
+
+
+@pytest.fixture(scope='module')
+def run_setup(tmp_path_factory, toy_coco):
+    """The toy data (8 train images: 4 steps of 2 per epoch), a probe hook and a config."""
+    base = tmp_path_factory.mktemp('resume')
+    root = toy_coco
+    (base / 'relprobe.py').write_text(DIES_MID_WRITE + PROBE)
+    config = base / 'toy_probe.py'
+    config.write_text(textwrap.dedent(f'''\
+        _base_ = ['{TOY_CONFIG}']
+        custom_imports = dict(imports=['lapformer_mm', 'relprobe'], allow_failed_imports=False)
+        custom_hooks = [dict(type='ResumeProbeHook', out='{base}/probe.json')]
+        '''))
+    (base / 'toy_kill_save.py').write_text(textwrap.dedent(f'''\
+        _base_ = ['{config}']
+        custom_hooks = [dict(type='KillDuringSaveHook', epoch=2)]
+        '''))
+    return str(base), root, str(config)
+
+
+def options(root, max_epochs):
+    # Every split points at the test's own data: a clean checkout has no data/toy_coco.
+    return ['--cfg-options', *toy_data_options(root),
+            'train_dataloader.dataset.pipeline.2.scale=(64,64)',
+            'train_dataloader.batch_size=2', f'train_cfg.max_epochs={max_epochs}',
+            'train_cfg.val_interval=100', 'default_hooks.checkpoint.interval=1',
+            'default_hooks.checkpoint.max_keep_ckpts=3', 'default_hooks.logger.interval=1']
+
+
+def logged_lrs(log):
+    """{(epoch, step): 'lr' string} of the training log lines."""
+    return {(int(e), int(s)): lr for e, s, lr in re.findall(
+        r'Epoch\(train\)\s+\[(\d+)\]\[\s*(\d+)/\d+\].*?\slr: (\S+)', log)}
+
+
+def kill_when_logged(proc, log_path, pattern, timeout=240):
+    """SIGKILL ``proc`` as soon as ``pattern`` appears in its log; return the log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(log_path) as f:
+            log = f.read()
+        if re.search(pattern, log):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            return log
+        assert proc.poll() is None, log[-3000:]
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f'{pattern!r} never logged')
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_continues_exactly(run_setup):
+    base, root, config = run_setup
+    work = osp.join(base, 'work')
+    log_path = osp.join(base, 'killed.log')
+    with open(log_path, 'w') as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, osp.join(TOOLS, 'train.py'), config, '--work-dir', work] +
+            options(root, 3), cwd=ROOT, env=tool_env(probe_env(base)), stdout=log_file,
+            stderr=subprocess.STDOUT)
+        killed_log = kill_when_logged(proc, log_path, r'Epoch\(train\)\s+\[2\]\[\s*2/4\]')
+    assert proc.returncode == -signal.SIGKILL
+    assert sorted(f for f in os.listdir(work) if f.endswith('.pth')) == ['epoch_1.pth']
+    with open(osp.join(work, 'last_checkpoint')) as f:
+        assert f.read().strip().endswith('epoch_1.pth')
+    saved = safe_load(osp.join(work, 'epoch_1.pth'))
+    assert saved['meta']['iter'] == 4 and saved['meta']['epoch'] == 1
+
+    log = run_tool(
+        [sys.executable, osp.join(TOOLS, 'train.py'), config, '--work-dir', work, '--resume'] +
+        options(root, 2), extra_env=probe_env(base), timeout=300)
+    assert 'resumed epoch: 1, iter: 4' in log
+    assert 'Epoch(train) [1]' not in log
+
+    with open(osp.join(base, 'probe.json')) as f:
+        probe = json.load(f)
+    assert (probe['iter'], probe['epoch']) == (4, 1)
+    assert probe['lr'] == [g['lr'] for g in saved['optimizer']['param_groups']]
+    expected_state = {str(i): {k: tensor_digest(v) for k, v in s.items()}
+                      for i, s in enumerate(saved['optimizer']['state'].values())}
+    assert probe['state'] == expected_state and expected_state
+
+    killed, resumed = logged_lrs(killed_log), logged_lrs(log)
+    assert killed[(2, 1)] == resumed[(2, 1)] and killed[(2, 2)] == resumed[(2, 2)]
+    assert sorted(resumed) == [(2, 1), (2, 2), (2, 3), (2, 4)]
+    assert safe_load(osp.join(work, 'epoch_2.pth'))['meta']['iter'] == 8
+
+
+@pytest.mark.slow
+def test_sigkill_while_saving_keeps_the_previous_checkpoint_and_resume_continues(run_setup):
+    """max_keep_ckpts=1, killed halfway through writing epoch_2.pth: epoch_1.pth, which stock
+    mmengine deletes first, is intact and recorded, and --resume trains epoch 2 again."""
+    base, root, config = run_setup
+    work = osp.join(base, 'work_kill_save')
+    one_kept = ['default_hooks.checkpoint.max_keep_ckpts=1']
+    log = run_tool(
+        [sys.executable, osp.join(TOOLS, 'train.py'), osp.join(base, 'toy_kill_save.py'),
+         '--work-dir', work] + options(root, 2) + one_kept,
+        extra_env=probe_env(base), timeout=300, returncode=-signal.SIGKILL)
+    assert 'SafeCheckpointHook' in log
+    assert sorted(f for f in os.listdir(work) if f.endswith('.pth')) == ['epoch_1.pth']
+    with open(osp.join(work, 'last_checkpoint')) as f:
+        assert f.read() == osp.join(work, 'epoch_1.pth')
+    assert safe_load(osp.join(work, 'epoch_1.pth'))['meta']['iter'] == 4
+
+    log = run_tool(
+        [sys.executable, osp.join(TOOLS, 'train.py'), config, '--work-dir', work, '--resume'] +
+        options(root, 2) + one_kept, extra_env=probe_env(base), timeout=300)
+    assert 'resumed epoch: 1, iter: 4' in log
+    assert sorted(f for f in os.listdir(work) if f.endswith('.pth')) == ['epoch_2.pth']
+    assert safe_load(osp.join(work, 'epoch_2.pth'))['meta']['iter'] == 8
