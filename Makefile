@@ -2,8 +2,8 @@
 # (the same for the toy UperNet, semantic segmentation), `make pretrain` (pretrain the
 # backbone on toy shapes, convert it, and train + evaluate the toy Mask R-CNN from it) and
 # `make test` (ruff, then the whole test suite; CI runs it). `make test-fast` is ruff and the
-# tests not marked `slow` (none trains, builds with pip or takes more than ~10 s; under 5
-# minutes on 2 cores), `make lint` ruff alone. `make smoke-fullsize` runs the full-size
+# tests not marked `slow` outside tests/dev (none trains, builds with pip or takes more than
+# ~10 s; under 3 minutes on 2 cores), `make lint` ruff alone. `make smoke-fullsize` runs the full-size
 # configs for two iterations on synthetic 1333x800 images (docs/full_size.md). `make ablate`
 # trains the attention variants on the long-range toy task, 5 seeds each, and writes the
 # table, plot and JSON to work_dirs/ablate (docs/results.md, Ablations; ABLATE_ARGS=... adds
@@ -16,6 +16,10 @@ test test-fast: export LAPFORMER_REQUIRE_CPU_EXT := 1
 
 # The opt-in ONNX Runtime op library (docs/deploy.md) needs ONNX Runtime's C API headers:
 # `make ort-ops ORT_INCLUDE_DIR=DIR`; by default the copy in ../shared beside the checkout.
+# The suite runs on every core (pytest-xdist; a file's tests, and the tests of one shared
+# session fixture, on one worker: tests/conftest.py). `make test XDIST=` runs it in one process.
+XDIST ?= -n auto --dist loadgroup
+
 ORT_INCLUDE_DIR ?= $(CURDIR)/../shared/third_party/onnxruntime-1.29/include
 
 .PHONY: env main seg pretrain smoke-fullsize ablate lint test test-fast ort-ops
@@ -48,10 +52,10 @@ lint: env
 	@$(VENV)/bin/ruff check .
 
 test: env lint
-	@$(VENV)/bin/python -m pytest -q -ra $(PYTEST_ARGS)
+	@$(VENV)/bin/python -m pytest -q -ra $(XDIST) $(PYTEST_ARGS)
 
 test-fast: env lint
-	@$(VENV)/bin/python -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
+	@$(VENV)/bin/python -m pytest -q -ra -m "not slow" --ignore=tests/dev $(XDIST) $(PYTEST_ARGS)
 
 ort-ops: env
 	@$(VENV)/bin/python tools/build_ort_ops.py --ort-include "$(ORT_INCLUDE_DIR)"

@@ -14,6 +14,7 @@ The paths (``ROOT``, ``TOOLS``, ``CONFIG_DIR``, ``TOY_CONFIG``) and the tool run
 (``run_tool``) are constants and functions of ``_shared.py``, which test modules import.
 The ``slow`` marker is registered in pytest.ini; ``make test-fast`` leaves those tests out.
 """
+import os
 import os.path as osp
 import subprocess
 import sys
@@ -35,13 +36,47 @@ def _cuda_and_cupy():
     return True
 
 
+# Under pytest-xdist (`make test`: -n auto --dist loadgroup) every test gets a group, and one
+# worker runs a whole group: a file's tests share their module-scoped fixtures (the emulation
+# build, the NVRTC compiles) and the tests of a shared session fixture share it. The groups
+# with the most slow tests go first, so that no long group starts last on an idle worker.
+SHARED_SESSION_FIXTURES = ('toy_run', 'built_wheel')
+
+
+def worker_group(item):
+    """The xdist group of a test: the shared session fixture it uses, else its file."""
+    for name in SHARED_SESSION_FIXTURES:
+        if name in item.fixturenames:
+            return name
+    return item.nodeid.split('::')[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    if _cuda_and_cupy():
+    if not _cuda_and_cupy():
+        skip = pytest.mark.skip(reason='needs CUDA and CuPy')
+        for item in items:
+            if 'gpu' in item.keywords:
+                item.add_marker(skip)
+    if getattr(config.option, 'dist', 'no') != 'loadgroup':
         return
-    skip = pytest.mark.skip(reason='needs CUDA and CuPy')
+    groups = {}
     for item in items:
-        if 'gpu' in item.keywords:
-            item.add_marker(skip)
+        groups.setdefault(worker_group(item), []).append(item)
+        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
+    order = sorted(groups.values(), key=lambda group: -sum('slow' in i.keywords for i in group))
+    items[:] = [item for group in order for item in group]
+
+
+def pytest_configure(config):
+    # Each xdist worker gets its share of the cores, and so do the tools it starts
+    # (OMP_NUM_THREADS is inherited): two workers of two threads on two cores spin against
+    # each other.
+    workers = os.environ.get('PYTEST_XDIST_WORKER_COUNT')
+    if workers:
+        threads = max(1, (os.cpu_count() or 1) // int(workers))
+        torch.set_num_threads(threads)
+        os.environ['OMP_NUM_THREADS'] = str(threads)
 
 
 @pytest.fixture(scope='session')
