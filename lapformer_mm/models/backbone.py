@@ -147,45 +147,14 @@ def tokens_to_map(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
     return x.transpose(1, 2).reshape(B, C, hw[0], hw[1])
 
 
-def map_size(x: torch.Tensor):
-    """(H, W) of a (B, C, H, W) map, as the attention's checks and the exporters need them.
-
-    Python ints in eager mode and under the FLOP counter's ``torch.jit`` trace, where
-    sizes would otherwise be tensors, which the checks reject. While exporting they stay
-    symbolic (SymInt, or the TorchScript exporter's traced sizes): ``int()`` would freeze
-    every reshape of the graph to the example size.
-    """
-    if exporting():
-        return x.shape[2], x.shape[3]
-    return int(x.shape[2]), int(x.shape[3])
-
-
 class LaplacianFormerStage(nn.Module):
-    """Optional stride-2 downsampling conv, then a stack of blocks.
+    """The modules of one stage: an optional stride-2 downsampling conv, then a stack of
+    blocks; :meth:`LaplacianFormer.forward` runs them, as mmdet's PVT runs its layers."""
 
-    forward(x): (B, C_in, H, W) -> tokens (B, H' * W', C), (H', W').
-    """
-
-    def __init__(self, downsample: nn.Module, blocks: List[nn.Module],
-                 with_cp: bool = False):
+    def __init__(self, downsample: nn.Module, blocks: List[nn.Module]):
         super().__init__()
         self.downsample = downsample
         self.blocks = nn.ModuleList(blocks)
-        self.with_cp = with_cp
-
-    def forward(self, x: torch.Tensor
-                ) -> Tuple[torch.Tensor, Tuple[int, int]]:
-        x = self.downsample(x)
-        hw = map_size(x)
-        # Contiguous tokens once per stage: every residual add and norm of the
-        # stage would otherwise stride through a transposed view.
-        x = x.flatten(2).transpose(1, 2).contiguous()
-        for block in self.blocks:
-            if self.with_cp and x.requires_grad:
-                x = cp.checkpoint(block, x, hw, use_reentrant=False)
-            else:
-                x = block(x, hw)
-        return x, hw
 
 
 @MODELS.register_module()
@@ -344,8 +313,7 @@ class LaplacianFormer(BaseModule):
             downsample = (
                 nn.Identity() if i == 0 else conv_norm_act(
                     dims[i - 1], dims[i], 2, conv_norm_cfg, conv_act_cfg))
-            self.stages.append(
-                LaplacianFormerStage(downsample, blocks, with_cp))
+            self.stages.append(LaplacianFormerStage(downsample, blocks))
         for i in self.out_indices:
             self.add_module(f'norm{i}', build_token_norm(norm_cfg, dims[i]))
         self._freeze_stages()
@@ -382,15 +350,29 @@ class LaplacianFormer(BaseModule):
         Spatial sizes round up at each stride-2 step, so any H, W >= 1 works.
         """
         self._check_input(x)
-        if torch.compiler.is_exporting():
+        export = exporting()
+        if export and not torch.jit.is_tracing():
+            # torch.export (the TorchScript exporter traces with jit and has no ranges).
             self._check_export_range(x)
         x = self.stem(x)
         outs = []
         for i, stage in enumerate(self.stages):
-            tokens, hw = stage(x)
+            x = stage.downsample(x)
+            # Python ints for the attention's checks, also under the FLOP counter's jit trace
+            # (its sizes are tensors); symbolic while exporting, where int() would freeze
+            # every reshape of the graph to the example size.
+            hw = (x.shape[2], x.shape[3]) if export else (int(x.shape[2]), int(x.shape[3]))
+            # Contiguous tokens once per stage: every residual add and norm of the
+            # stage would otherwise stride through a transposed view.
+            x = x.flatten(2).transpose(1, 2).contiguous()
+            for block in stage.blocks:
+                if self.with_cp and x.requires_grad:
+                    x = cp.checkpoint(block, x, hw, use_reentrant=False)
+                else:
+                    x = block(x, hw)
             if i in self.out_indices:
-                tokens = getattr(self, f'norm{i}')(tokens)
-            x = tokens_to_map(tokens, hw)
+                x = getattr(self, f'norm{i}')(x)
+            x = tokens_to_map(x, hw)
             if i in self.out_indices:
                 # Contiguous NCHW: mmcv's RoIAlign (and other ops that index
                 # raw memory) read channels-last strides as garbage.

@@ -1,8 +1,5 @@
-"""Argument validation shared by the attention ops.
-
-Every check raises a ``ValueError``/``TypeError`` that names the argument, the
-offending value and what is allowed, so a bad config fails at construction time.
-"""
+"""Argument checks of the attention: each error names the argument, its value and what is
+allowed, so a bad config fails at construction time."""
 import math
 from numbers import Integral, Real
 
@@ -22,35 +19,27 @@ def check_choice(name, value, allowed):
     return value
 
 
-def _require_real(name, value):
+def _check_real(name, value, ok, allowed):
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f'{name} must be a real number, got '
-                        f'{type(value).__name__} {value!r}')
+        raise TypeError(f'{name} must be a real number, got {type(value).__name__} {value!r}')
+    if not ok(float(value)):
+        raise ValueError(f'{name}={value!r} must be {allowed}')
     return float(value)
 
 
 def check_positive(name, value):
     """Require a finite real ``value > 0``."""
-    v = _require_real(name, value)
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f'{name}={value!r} must be finite and > 0')
-    return v
+    return _check_real(name, value, lambda v: math.isfinite(v) and v > 0, 'finite and > 0')
 
 
 def check_non_negative(name, value):
     """Require a finite real ``value >= 0``."""
-    v = _require_real(name, value)
-    if not math.isfinite(v) or v < 0:
-        raise ValueError(f'{name}={value!r} must be finite and >= 0')
-    return v
+    return _check_real(name, value, lambda v: math.isfinite(v) and v >= 0, 'finite and >= 0')
 
 
 def check_probability(name, value):
     """Require a real ``0 <= value < 1`` (a dropout rate)."""
-    v = _require_real(name, value)
-    if not 0.0 <= v < 1.0:
-        raise ValueError(f'{name}={value!r} must be in [0, 1)')
-    return v
+    return _check_real(name, value, lambda v: 0.0 <= v < 1.0, 'in [0, 1)')
 
 
 def check_bool(name, value):
@@ -63,8 +52,7 @@ def check_bool(name, value):
 def check_int(name, value, minimum=1):
     """Require an integer ``value >= minimum``."""
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f'{name} must be an int, got '
-                        f'{type(value).__name__} {value!r}')
+        raise TypeError(f'{name} must be an int, got {type(value).__name__} {value!r}')
     if value < minimum:
         raise ValueError(f'{name}={value!r} must be >= {minimum}')
     return int(value)
@@ -78,14 +66,11 @@ def check_optional_int(name, value, minimum=1):
 def check_float_tensor(name, t, min_dim=2):
     """Require a floating-point tensor with at least ``min_dim`` dims."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f'{name} must be a torch.Tensor, got '
-                        f'{type(t).__name__}')
+        raise TypeError(f'{name} must be a torch.Tensor, got {type(t).__name__}')
     if not t.is_floating_point():
-        raise TypeError(f'{name} must be a floating-point tensor, got '
-                        f'dtype {t.dtype}')
+        raise TypeError(f'{name} must be a floating-point tensor, got dtype {t.dtype}')
     if t.dim() < min_dim:
-        raise ValueError(f'{name} must have at least {min_dim} dims, got '
-                         f'shape {tuple(t.shape)}')
+        raise ValueError(f'{name} must have at least {min_dim} dims, got shape {tuple(t.shape)}')
     return t
 
 
@@ -94,9 +79,8 @@ def check_kernel_pair(x, y):
     check_float_tensor('x', x)
     check_float_tensor('y', y)
     if x.shape[:-2] != y.shape[:-2] or x.shape[-1] != y.shape[-1]:
-        raise ValueError(
-            'x (..., N, d) and y (..., M, d) must share batch dims and d; '
-            f'got x {tuple(x.shape)} and y {tuple(y.shape)}')
+        raise ValueError('x (..., N, d) and y (..., M, d) must share batch dims and d; '
+                         f'got x {tuple(x.shape)} and y {tuple(y.shape)}')
     if x.dtype != y.dtype or x.device != y.device:
         raise ValueError(f'x and y must share dtype and device; got '
                          f'{x.dtype}/{x.device} and {y.dtype}/{y.device}')

@@ -1,19 +1,9 @@
 """The Nyström attention op: its options, the registered op pair, autograd, and the one entry.
 
-:func:`nystrom_attention` is the entry the attention module and users call::
-
-    nystrom_attention(q, k, v, landmarks, options)
-      Newton–Schulz, no dropout -> NystromAttentionFunction
-          -> lapformer_mm::nystrom_attention          -> backend.forward  (or reference.forward)
-          -> lapformer_mm::nystrom_attention_backward -> backend.backward (or reference.backward)
-      dropout on Z, the 'exact' and 'cg' solvers, while an exporter traces
-          -> reference.forward, differentiated by autograd
-
-The backends (:mod:`.backends.cuda`, impl 'cupy'; :mod:`.backends.cpu`, impl 'cpu') each say
-what they support (``available()``, ``not_supported(...)`` reasons); the first one for the
-tensors' device with no reasons runs the op, else the reference does (impl 'reference',
-:func:`select_backend`). The math, and the stages the backends share, are in
-:mod:`.reference`.
+:func:`nystrom_attention` runs Newton–Schulz without dropout as ``NystromAttentionFunction``
+over ``lapformer_mm::nystrom_attention`` (and its backward op) on the backend
+:func:`select_backend` picks, else on :mod:`.reference`; dropout on Z, the 'exact' and 'cg'
+solvers and exports run ``reference.forward`` under autograd.
 
 Op contract (per batch element b and head h; every backend keeps it):
 
@@ -65,10 +55,8 @@ ENV_VAR = 'LAPFORMER_OPS'
 
 def requested_impl(impl=None):
     """The validated ``impl`` argument, else the environment variable, else None."""
-    name = 'impl'
-    if impl is None:
-        impl = os.environ.get(ENV_VAR) or None
-        name = f'environment variable {ENV_VAR}'
+    name = 'impl' if impl is not None else f'environment variable {ENV_VAR}'
+    impl = impl if impl is not None else os.environ.get(ENV_VAR) or None
     if impl is not None and impl not in IMPLS:
         raise ValueError(f'{name}={impl!r} is not supported; allowed: '
                          f'{", ".join(repr(i) for i in IMPLS)} or None')
@@ -77,9 +65,7 @@ def requested_impl(impl=None):
 
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
-    """Validated options of the Nyström attention; built once, used on every call.
-
-    This docstring is the reference list of the options (docs/attention.md links here).
+    """Validated options of the Nyström attention, built once (docs/attention.md links here).
 
     kernel: 'laplacian' exp(-||·||_1/lam) or 'gaussian' exp(-||·||_2²/lam), lam > 0.
     eps: ridge ε >= 0 added to k(L, L).
@@ -160,21 +146,8 @@ def _check_op_operands(q, k, v, landmarks):
                             f'{q.dtype}; all operands must share one dtype')
 
 
-# ----------------------------------------------------------------------------
-# Which implementation runs a call
-# ----------------------------------------------------------------------------
-
 _INSTALL_HINT = {cuda.NAME: 'pip install cupy-cuda12x or cupy-cuda13x (matching the driver)',
                  cpu.NAME: 'reinstall with a C++ compiler: pip install --no-build-isolation -e .'}
-
-
-def _reasons(backend, q, k, v, landmarks, opts):
-    """Why ``backend`` cannot run this call (empty: it can)."""
-    if q.device.type != backend.DEVICE:
-        return (f'it runs on {backend.DEVICE} tensors, got tensors on {q.device.type}',)
-    if not backend.available():
-        return (f'it is not usable here ({_INSTALL_HINT[backend.NAME]})',)
-    return tuple(backend.not_supported(q, k, v, landmarks, opts))
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,20 +167,22 @@ def select_backend(q, k, v, landmarks, options):
     impl = options.impl
     if impl == 'reference':
         return None
-    opts = options.op_options
-    if impl is not None:
-        backend = BACKENDS[impl]
-        reasons = _reasons(backend, q, k, v, landmarks, opts)
-        if reasons:
+    device = q.device.type
+    for backend in (BACKENDS[impl],) if impl else BACKENDS.values():
+        if impl is None and (backend.DEVICE != device or not backend.available()):
+            continue
+        if backend.DEVICE != device:
+            reasons = (f'it runs on {backend.DEVICE} tensors, got tensors on {device}',)
+        elif not backend.available():
+            reasons = (f'it is not usable here ({_INSTALL_HINT[backend.NAME]})',)
+        else:
+            reasons = tuple(backend.not_supported(q, k, v, landmarks, options.op_options))
+        if not reasons:
+            return backend
+        if impl:
             raise RuntimeError(f'impl={impl!r} cannot run this call: {"; ".join(reasons)}; use '
                                f"impl='reference' or None, or unset {ENV_VAR}")
-        return backend
-    for backend in BACKENDS.values():
-        if backend.DEVICE == q.device.type and backend.available():
-            reasons = tuple(backend.not_supported(q, k, v, landmarks, opts))
-            if not reasons:
-                return backend
-            _warn_fallback(backend.NAME, reasons)
+        _warn_fallback(backend.NAME, reasons)
     return None
 
 
@@ -223,10 +198,8 @@ def resolve_impl(q, k, v, landmarks, options):
     return 'reference' if backend is None else backend.NAME
 
 
-# ----------------------------------------------------------------------------
-# The registered ops. torch.library define/impl with an autograd.Function outside: the
-# cheapest way to attach autograd per call (docs/cuda.md, host path).
-# ----------------------------------------------------------------------------
+# The registered ops: torch.library define/impl with an autograd.Function outside, the cheapest
+# way to attach autograd per call (docs/cuda.md, host path).
 
 _LIBRARY = torch.library.Library('lapformer_mm', 'FRAGMENT')
 _LIBRARY.define(
@@ -347,23 +320,14 @@ def attention_flops(q_shape, v_shape, m, tied, iters, ns_refine):
     return {'kernel': batch * kernel, 'solve': batch * solve, 'visible': batch * visible}
 
 
-# ----------------------------------------------------------------------------
-# The entry
-# ----------------------------------------------------------------------------
-
 def nystrom_attention(q, k, v, landmarks, options=None, *, dropout_p=0.0, export=None,
                       **kwargs):
     """Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v), evaluated right to left.
 
     q, k (..., N, d) (``k is q`` when keys are tied), v (..., N, d_v), landmarks L (..., m, d)
-    -> (..., N, d_v), at least one batch dim. For 4-D (B, h, N, d) operands the result is a
-    view of the op's (B, N, h, d_v) token layout. Cost O(N·m·d + m²·d + m³·iters), memory
-    O(N·m + N·d) (the backends: O(N·d)).
-
-    options: an :class:`AttentionOptions` (modules build it once), or its fields as keyword
-    arguments. dropout_p: dropout on Z (attention dropout). export: whether an exporter is
-    tracing (None: ask torch). The math runs in fp32 (fp64 stays fp64) with autocast off;
-    the result has q's dtype.
+    -> (..., N, d_v) in q's dtype (4-D operands: a view of the op's (B, N, h, d_v) layout).
+    options: an :class:`AttentionOptions`, or its fields as keywords. dropout_p: dropout on Z.
+    export: whether an exporter traces (None: ask torch). Computes in fp32 (fp64 stays fp64).
     """
     if options is None:
         options = AttentionOptions(**kwargs)

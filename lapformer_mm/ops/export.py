@@ -1,12 +1,8 @@
 """What the exporters need of the attention: when they trace, what can export, and the residual.
 
-While ``torch.onnx.export`` (either exporter) or ``torch.export`` traces (:func:`exporting`), the
-attention runs :func:`lapformer_mm.ops.reference.forward` with ``export=True``: the similarity
-and the landmark pooling take their standard-operator forms there. Eager calls,
-``torch.compile`` and the ``torch.jit`` trace of the FLOP counter keep the op.
-
-:func:`kernel_form` ``('ort')`` makes the exported kernel matrices one node each of the opt-in
-ONNX Runtime op library (:func:`ort_pairwise_kernel`, tools/build_ort_ops.py) instead.
+While an exporter traces (:func:`exporting`) the attention runs ``reference.forward`` with
+``export=True`` (standard-operator similarity and pooling); :func:`kernel_form` ``('ort')``
+makes each kernel matrix one node of the opt-in ONNX Runtime op library instead.
 """
 import contextlib
 
@@ -22,21 +18,15 @@ RESIDUAL_PRECISIONS = {'fp64': torch.float64, 'fp32': torch.float32}
 
 
 def exporting():
-    """True while ``torch.onnx.export`` (either exporter) or ``torch.export`` traces.
-
-    Not ``torch.jit.is_tracing()``: the FLOP counter's jit trace must see the registered op,
-    which carries its FLOP handle.
-    """
+    """True while ``torch.onnx.export`` (either exporter) or ``torch.export`` traces; not under
+    the FLOP counter's ``torch.jit`` trace, which must see the op that carries its FLOP handle."""
     return torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting()
 
 
 @contextlib.contextmanager
 def residual_precision(precision):
-    """Within the block the attention forms its refinement residual in ``precision``.
-
-    ``precision``: one of :data:`RESIDUAL_PRECISIONS`. Scoped to the block (and the current
-    thread or task); the deploy tools wrap the export in it.
-    """
+    """Within the block (and the current thread or task) the attention forms its refinement
+    residual in ``precision``, one of :data:`RESIDUAL_PRECISIONS`."""
     if precision not in RESIDUAL_PRECISIONS:
         raise ValueError(f'residual precision {precision!r} is not supported; allowed: '
                          f'{", ".join(map(repr, RESIDUAL_PRECISIONS))}')
@@ -56,11 +46,8 @@ ORT_OPSET_VERSION = 1
 
 @contextlib.contextmanager
 def kernel_form(form):
-    """Within the block, exported kernel matrices take ``form`` (one of :data:`KERNEL_FORMS`).
-
-    Scoped to the block (and the current thread or task), like :func:`residual_precision`;
-    nothing changes on import or outside exporters.
-    """
+    """Within the block (and the current thread or task) exported kernel matrices take
+    ``form``, one of :data:`KERNEL_FORMS`; nothing changes outside exporters."""
     if form not in KERNEL_FORMS:
         raise ValueError(f'kernel form {form!r} is not supported; allowed: '
                          f'{", ".join(map(repr, KERNEL_FORMS))}')
@@ -86,12 +73,8 @@ class _OrtPairwiseKernel(torch.autograd.Function):
 
 
 def ort_pairwise_kernel(x, y, lam, kind):
-    """``lapformer_mm::PairwiseKernel(x, y)``, attributes lam and kind: (..., N, M).
-
-    Under torch.export (and so the dynamo ONNX exporter) a ``torch.onnx.ops.symbolic`` node,
-    under the TorchScript exporter the ``symbolic`` of an autograd Function; x and y must have
-    equal leading dims. Only ONNX Runtime with the op library runs the node.
-    """
+    """``lapformer_mm::PairwiseKernel(x, y)`` (..., N, M), attributes lam and kind: a
+    ``torch.onnx.ops.symbolic`` node under torch.export, else the ``symbolic`` of a Function."""
     if torch.compiler.is_exporting():
         return torch.onnx.ops.symbolic(
             f'{ORT_DOMAIN}::{ORT_KERNEL_OP}', (x, y), dict(lam=float(lam), kind=kind),
@@ -112,11 +95,8 @@ def check_exportable(options):
 
 
 class AdaptiveAvgPool2dExport(nn.Module):
-    """``nn.AdaptiveAvgPool2d`` from two averaging matrices, for any input size.
-
-    What the deploy tools put in place of ``nn.AdaptiveAvgPool2d`` (mmseg's pyramid pooling)
-    in the copy of a model they export.
-    """
+    """``nn.AdaptiveAvgPool2d`` from two averaging matrices, for any input size: what the
+    deploy tools put in place of mmseg's pyramid pooling in the copy they export."""
 
     def __init__(self, output_size):
         super().__init__()

@@ -1,8 +1,5 @@
-"""The attention's primitives as checked public functions over :mod:`.reference`.
-
-For tests, analysis and users who compose their own attention; the attention module calls the
-op (:func:`~lapformer_mm.ops.attention.nystrom_attention`) instead.
-"""
+"""The attention's primitives as checked public functions over :mod:`.reference`, for tests,
+analysis and users who compose their own attention (the module calls the op instead)."""
 import torch
 
 from . import reference
@@ -21,11 +18,8 @@ from ._checks import (
 
 def kernel_matrix(kernel, x, y, lam=4.0):
     """The kernel ``kernel`` ('laplacian' or 'gaussian') of x (..., N, d), y (..., M, d)
-    -> (..., N, M) in x's dtype (computed in fp32, fp64 stays fp64).
-
-    Neither forward nor backward builds an (..., N, M, d) tensor; the gradient of |t| at
-    t = 0 is 0.
-    """
+    -> (..., N, M) in x's dtype, computed in fp32 (fp64 stays fp64) without an (N, M, d)
+    tensor either way; the gradient of |t| at t = 0 is 0."""
     check_choice('kernel', kernel, KERNELS)
     check_kernel_pair(x, y)
     lam = check_positive('lam', lam)
@@ -45,12 +39,9 @@ def gaussian_kernel(x, y, lam=4.0):
 
 
 def newton_schulz_pinv(P, iters=None, init='identity'):
-    """Inverse of the symmetric positive definite P (..., m, m), as given (the caller adds εI).
-
-    ``init='identity'`` starts from I / ||P||_inf, ``init='authors'`` from 1.8 / ||P||_inf² · P;
-    ``iters=None`` uses :data:`~lapformer_mm.ops.reference.DEFAULT_NS_ITERS`. Computes in
-    fp32 (fp64 stays fp64) and returns P's dtype; differentiable through the iterations.
-    """
+    """Inverse of the symmetric positive definite P (..., m, m), as given (the caller adds εI),
+    from the start ``init`` (:func:`~.reference.newton_schulz_start`) in ``iters`` steps
+    (None: ``DEFAULT_NS_ITERS``); fp32 (fp64 stays fp64), differentiable, P's dtype."""
     reference.check_square('P', P)
     iters = check_optional_int('iters', iters)
     check_choice('init', init, NS_INITS)
@@ -60,16 +51,11 @@ def newton_schulz_pinv(P, iters=None, init='identity'):
 
 
 def check_hw(hw, num_tokens):
-    """Require hw = (H, W) positive ints with H·W == num_tokens; returns (H, W).
-
-    Sizes that are not Python ints (SymInt while ``torch.export`` traces, traced sizes under
-    the TorchScript exporter) pass unchecked: comparing them would specialise the graph to
-    the example size.
-    """
+    """Require hw = (H, W) positive ints with H·W == num_tokens; returns (H, W). Sizes traced by
+    an exporter (SymInt, tensors) pass unchecked: comparing them would specialise the graph."""
     if not isinstance(hw, (tuple, list)) or len(hw) != 2:
         raise TypeError(f'hw must be a pair (H, W), got {hw!r}')
-    if isinstance(hw[0], (torch.SymInt, torch.Tensor)) or isinstance(hw[1],
-                                                                    (torch.SymInt, torch.Tensor)):
+    if any(isinstance(size, (torch.SymInt, torch.Tensor)) for size in hw):
         return hw[0], hw[1]
     height, width = (check_int(n, v) for n, v in zip(('hw[0]', 'hw[1]'), hw))
     if height * width != num_tokens:
@@ -91,7 +77,7 @@ def injective_normalize(C, whiten_eps=1e-5):
     """Z = c̃ diag(s) + 1/m for C (..., N, m), per sample and per head, no running statistics:
     c̃ = C − rowmean(C), s_j = (var_i c̃_ij + δ)^-½ (biased var; 0 where var + δ = 0)."""
     check_float_tensor('C', C)
-    return reference.whiten(C, check_non_negative('whiten_eps', whiten_eps))
+    return reference.whiten(C, check_non_negative('whiten_eps', whiten_eps))[0]
 
 
 def landmark_matrix(landmarks, options):

@@ -52,25 +52,17 @@ def compute_dtype(dtype):
 # 1. Landmarks
 # ----------------------------------------------------------------------------
 
-def landmark_grid_size(hw, grid):
-    """(gh, gw): the grid clipped to the input grid, so gh·gw <= grid²."""
-    return min(grid, hw[0]), min(grid, hw[1])
-
-
 def pool_landmarks(t, hw, grid, export=False):
-    """Adaptive average pooling of tokens t (B, h, N, d) on hw = (H, W) -> (B, h, m, d).
-
-    m = min(grid, H) · min(grid, W), row-major. The heads are pooled as the channels of one
-    (B, h·d, H, W) map: for head views of the (B, N, h·d) tokens, as the attention module has
-    them, that map is a channels-last view and the pooling reads it in place.
-    """
+    """Adaptive average pooling of tokens t (B, h, N, d) on hw = (H, W) -> (B, h, m, d),
+    m = min(grid, H) · min(grid, W), row-major. The heads pool as channels of one (B, h·d, H, W)
+    map: for head views of the (B, N, h·d) tokens a channels-last view, read in place."""
     batch, heads, _, width = t.shape
     if export:
         return pool_landmarks_export(t, hw, grid)
     # Through the (B, H, W, h·d) token view: a reshape straight to (B, h·d, H, W) may give a
     # batch of one an odd stride, which makes aten pool a contiguous copy instead.
     maps = t.transpose(1, 2).reshape(batch, *hw, heads * width).permute(0, 3, 1, 2)
-    pooled = F.adaptive_avg_pool2d(maps, landmark_grid_size(hw, grid))
+    pooled = F.adaptive_avg_pool2d(maps, (min(grid, hw[0]), min(grid, hw[1])))
     return pooled.permute(0, 2, 3, 1).reshape(batch, -1, heads, width).transpose(1, 2)
 
 
@@ -81,18 +73,14 @@ def pool_landmarks(t, hw, grid, export=False):
 #: Byte budget of the (rows, M, d) sign tensor of the chunked ℓ1 gradient.
 CHUNK_BYTES = 32 * 2 ** 20
 
-#: Rows of b per ``_cdist_backward`` call when summing over many b rows (the landmark
-#: gradient sums over all N tokens): that kernel rereads b once per row of a, so blocks
-#: that stay in cache are faster (docs/attention.md).
+#: Rows of b per ``_cdist_backward`` call: it rereads b once per row of a, so blocks that stay
+#: in cache are faster for the landmark gradient's sum over N (docs/attention.md).
 NATIVE_BLOCK_ROWS = 512
 
 
 def _l1_grad_native(g, a3, b3):
-    """sum_j g[:, i, j] · sign(a_i - b_j) by ``aten._cdist_backward`` (CPU tensors).
-
-    Its ``cdist`` argument is read only for p not in {1, 2, inf}; the gradient block is
-    passed there because it has the required shape.
-    """
+    """sum_j g[:, i, j] · sign(a_i - b_j) by ``aten._cdist_backward`` (CPU tensors); its
+    ``cdist`` argument, read only for p not in {1, 2, inf}, gets the block for its shape."""
     grad = None
     for start in range(0, b3.shape[1], NATIVE_BLOCK_ROWS):
         g_block = g[:, :, start:start + NATIVE_BLOCK_ROWS].contiguous()
@@ -118,10 +106,8 @@ def _l1_grad_chunked(g, a3, b3, chunk_bytes=CHUNK_BYTES):
 
 
 def similarity_grad(w, rows, red, lam, kernel):
-    """d/d rows of Σ_ij g_ij K_ij given w = g ⊙ K: (batch, n_rows, n_red) -> (batch, n_rows, d).
-
-    dK/d dist = -K / lam; d|t|/dt = sign(t) (0 at t = 0) and d t²/dt = 2t.
-    """
+    """d/d rows of Σ_ij g_ij K_ij given w = g ⊙ K: (batch, n_rows, n_red) -> (batch, n_rows, d);
+    dK/d dist = -K / lam, d|t|/dt = sign(t) (0 at t = 0), d t²/dt = 2t."""
     if kernel == 'laplacian':
         if rows.device.type == 'cpu' and w.numel() > 0:
             return _l1_grad_native(w, rows, red).mul_(-1.0 / lam)
@@ -160,10 +146,7 @@ class _Similarity(torch.autograd.Function):
 
 def similarity(x, y, lam, kernel, export=False):
     """The kernel matrix exp(-dist(x_i, y_j) / lam) (..., N, M) of x (..., N, d), y (..., M, d).
-
-    The squared ℓ2 comes from the coordinate differences, not the matmul expansion
-    |x|² + |y|² − 2x·y, which loses it to cancellation at large norms in fp32.
-    """
+    The squared ℓ2 comes from coordinate differences: |x|² + |y|² − 2x·y cancels in fp32."""
     if export:
         return similarity_export(x, y, lam, kernel)
     # A jit trace (the FLOP counter's) must see aten::cdist, not an opaque Function.
@@ -189,10 +172,8 @@ def landmark_system(landmarks, lam, eps, kernel, export=False):
     return w + eps * torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
 
 
-#: Newton–Schulz iterations used when ``iters=None``. From X₀ = I / ||P||_inf the residual
-#: after t steps is at most (1 − ε/(m + ε))^(2^t); 16 steps bring the worst case ε = 0.01
-#: allows, identical landmarks (P = 1 1ᵀ + ε I, cond 4901 at m = 49), below 1e-3
-#: (docs/numerics.md).
+#: Newton–Schulz iterations used when ``iters=None``: enough for the worst case ε = 0.01
+#: allows, identical landmarks (cond 4901 at m = 49), to reach 1e-3 (docs/numerics.md).
 DEFAULT_NS_ITERS = 16
 
 
@@ -207,11 +188,7 @@ def newton_schulz_start(P, init):
 
 def newton_schulz(P, iters, init):
     """X ≈ P⁻¹ for SPD P (..., m, m): X_{t+1} = 2 X_t − X_t P X_t from :func:`newton_schulz_start`.
-
-    On CUDA the iterate runs in fp64: torch's fp32 matmuls there follow the user's TF32
-    setting, whose 10-bit mantissa caps the residual near 1e-3, and m × m products are too
-    small for fp64 to matter.
-    """
+    In fp64 on CUDA, where fp32 matmuls follow the user's TF32 setting (residual ~1e-3)."""
     p = _as3(P.double() if P.is_cuda else P)
     x = newton_schulz_start(p, init).expand_as(p).contiguous()
     for _ in range(iters):
@@ -219,27 +196,29 @@ def newton_schulz(P, iters, init):
     return x.view(P.shape).to(P.dtype)
 
 
-_RESIDUAL = contextvars.ContextVar('lapformer_mm_residual_dtype', default=torch.float64)
-
-
 @contextlib.contextmanager
-def residual_dtype(dtype):
-    """Within the block the refinement step forms its residual in ``dtype`` (fp64 by default;
-    fp32 for runtimes without fp64, ``lapformer_mm.ops.export.residual_precision``)."""
-    token = _RESIDUAL.set(dtype)
+def _scoped(var, value):
+    """``var`` is ``value`` within the block (and the current thread or task)."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _RESIDUAL.reset(token)
+        var.reset(token)
+
+
+_RESIDUAL = contextvars.ContextVar('lapformer_mm_residual_dtype', default=torch.float64)
+
+
+def residual_dtype(dtype):
+    """Within the block the refinement step forms its residual in ``dtype`` (fp64 by default;
+    fp32 for runtimes without fp64, ``lapformer_mm.ops.export.residual_precision``)."""
+    return _scoped(_RESIDUAL, dtype)
 
 
 def apply_inverse(inverse, P, rhs, ns_refine):
-    """X rhs, then with ``ns_refine`` one refinement step x + X (rhs − P x).
-
-    With near-identical landmarks (cond(P) in the thousands) an fp32 X is accurate to ~1e-3,
-    which the whitening amplifies; the step brings the solve to an fp32 direct solve's error.
-    The residual is formed in fp64 (neither cancellation nor TF32 limits it).
-    """
+    """X rhs, then with ``ns_refine`` one refinement step x + X (rhs − P x), its residual in
+    fp64: an fp32 X of near-identical landmarks is accurate to ~1e-3, which the whitening
+    amplifies; the step brings the solve to an fp32 direct solve's error (docs/numerics.md)."""
     x = torch.matmul(inverse, rhs)
     if not ns_refine:
         return x
@@ -263,10 +242,7 @@ def check_square(name, P):
 
 
 def exact_solve(P, B):
-    """Solve P X = B exactly; P (..., m, m), B (..., m, k) -> (..., m, k).
-
-    A singular P (identical landmarks with ``eps=0``) raises a ``ValueError`` that says so.
-    """
+    """Solve P X = B exactly; P (..., m, m), B (..., m, k) -> (..., m, k); a singular P raises."""
     check_square('P', P)
     check_float_tensor('B', B)
     dtype = compute_dtype(P.dtype)
@@ -298,13 +274,10 @@ CG_MAX_ITERS_PER_M = 10
 
 
 def cg_solve(P, B, iters=None):
-    """Conjugate gradient for SPD P (..., m, m), all columns of B (..., m, k) at once.
-
-    Runs until every column's ||r|` <= CG_TOL_EPS · eps(dtype) · ||b||, at most ``iters``
-    steps (default CG_MAX_ITERS_PER_M · m: in floating point CG needs more than m steps). A
-    converged column stops moving (its next steps would divide round-off by round-off). The
-    convergence check synchronises once per step; CG is the ablation baseline.
-    """
+    """Conjugate gradient for SPD P (..., m, m), all columns of B (..., m, k) at once, until
+    every ||r|| <= CG_TOL_EPS · eps(dtype) · ||b|| or ``iters`` steps (default
+    CG_MAX_ITERS_PER_M · m). A converged column stops moving (its next steps would divide
+    round-off by round-off); the check synchronises once per step (an ablation baseline)."""
     check_square('P', P)
     check_float_tensor('B', B)
     iters = check_optional_int('iters', iters)
@@ -355,10 +328,11 @@ def whitening_stats(centred, whiten_eps):
 
 
 def whiten(C, whiten_eps):
-    """Z = c̃ diag(s) + 1/m for C (..., N, m): centred over landmarks, whitened over queries."""
+    """(Z, stats) for C (..., N, m): Z = c̃ diag(s) + 1/m, centred over landmarks and whitened
+    over queries; stats (..., 2, m) = μ and s of :func:`whitening_stats`."""
     centred = C - C.mean(-1, keepdim=True)
-    _, scale = whitening_stats(centred, whiten_eps)
-    return centred * scale + 1.0 / C.shape[-1]
+    mean, scale = whitening_stats(centred, whiten_eps)
+    return centred * scale + 1.0 / C.shape[-1], torch.cat((mean, scale), dim=-2)
 
 
 # ----------------------------------------------------------------------------
@@ -374,13 +348,9 @@ def _solve(P, rhs, opts, solver):
 
 
 def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=False):
-    """Z(k(q, L)) · P⁻¹ · k(k, L)ᵀ v -> (out (B, h, N, d_v) in q's dtype, context, X, stats).
-
-    q (B, h, N, d); k None when keys are tied to q; v (B, h, N, d_v); landmarks (B, h, m, d).
-    Differentiable (autograd); computes in fp32 (fp64 stays fp64) with autocast off. ``stats``
-    (B, h, 2, m) are the whitening's μ and s ((B, h, 0, m) for normalize='none'); X is None
-    for the 'exact' and 'cg' solvers. Dropout acts on Z.
-    """
+    """Z(k(q, L)) · P⁻¹ · k(k, L)ᵀ v -> (out (B, h, N, d_v) in q's dtype, context, X, stats)
+    for q (B, h, N, d), k (None: tied to q), v (B, h, N, d_v), landmarks (B, h, m, d), under
+    autograd, autocast off; X is None for the 'exact' and 'cg' solvers; dropout acts on Z."""
     dtype = compute_dtype(q.dtype)
     with torch.autocast(device_type=q.device.type, enabled=False):
         qa, va, la = q.to(dtype), v.to(dtype), landmarks.to(dtype)
@@ -389,15 +359,10 @@ def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=Fal
         P = landmark_system(la, opts.lam, opts.eps, opts.kernel, export)
         # transpose, not .mT: the TorchScript exporter has no aten::mT.
         context, inverse = _solve(P, torch.matmul(c_k.transpose(-1, -2), va), opts, solver)
-        m = la.shape[-2]
         if opts.normalize == 'injective':
-            centred = c_q - c_q.mean(-1, keepdim=True)
-            mean, scale = whitening_stats(centred, opts.whiten_eps)
-            z = centred * scale + 1.0 / m
-            stats = torch.cat((mean, scale), dim=-2)
+            z, stats = whiten(c_q, opts.whiten_eps)
         else:
-            z = c_q
-            stats = c_q.new_empty(*c_q.shape[:-2], 0, m)
+            z, stats = c_q, c_q.new_empty(*c_q.shape[:-2], 0, la.shape[-2])
         if dropout_p > 0:
             z = F.dropout(z, dropout_p, training=True)
         out = torch.matmul(z, context)
@@ -436,13 +401,9 @@ def _kernel_grads(w, x, la, lam, kernel):
 
 
 def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
-    """(dq, dk, dv, dlandmarks) of :func:`forward` for grad (B, h, N, d_v) of its output.
-
-    With G = grad: dc̃ = G contextᵀ diag(s) − (c̃ − μ) diag(a), dC_q = dc̃ − rowmean(dc̃),
-    dC_k = v dRᵀ, dv = C_k dR, then the similarity gradients (:func:`context_grads`,
-    :func:`solve_grads`). dk is an empty tensor when k is None (its gradient is in dq).
-    N × m matrices are formed.
-    """
+    """(dq, dk, dv, dlandmarks) of :func:`forward` for grad G (B, h, N, d_v) of its output:
+    dc̃ = G contextᵀ diag(s) − (c̃ − μ) diag(a), dC_q = dc̃ − rowmean(dc̃), dC_k = v dRᵀ,
+    dv = C_k dR, then the similarity gradients; dk is empty when k is None (it is in dq)."""
     dtype = compute_dtype(q.dtype)
     tied = k is None
     with torch.autocast(device_type=q.device.type, enabled=False):
@@ -450,16 +411,14 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
         ka = qa if tied else k.to(dtype)
         c_q = similarity(qa, la, opts.lam, opts.kernel)
         c_k = c_q if tied else similarity(ka, la, opts.lam, opts.kernel)
-        if opts.normalize == 'injective':
-            centred = c_q - c_q.mean(-1, keepdim=True)
-            d_context, a, _ = context_grads(torch.matmul(centred.mT, g), g.sum(-2, keepdim=True),
-                                            context, stats, q.shape[-2], opts.normalize)
-            scale, mean = stats[..., 1:, :], stats[..., :1, :]
-            d_centred = torch.matmul(g, context.mT) * scale - (centred - mean) * a
+        injective = opts.normalize == 'injective'
+        centred = c_q - c_q.mean(-1, keepdim=True) if injective else c_q
+        d_context, a, _ = context_grads(torch.matmul(centred.mT, g), g.sum(-2, keepdim=True),
+                                        context, stats, q.shape[-2], opts.normalize)
+        d_cq = torch.matmul(g, context.mT)
+        if injective:
+            d_centred = d_cq * stats[..., 1:, :] - (centred - stats[..., :1, :]) * a
             d_cq = d_centred - d_centred.mean(-1, keepdim=True)
-        else:
-            d_context = torch.matmul(c_q.mT, g)
-            d_cq = torch.matmul(g, context.mT)
         P = landmark_system(la, opts.lam, opts.eps, opts.kernel)
         d_rhs, d_p = solve_grads(inverse, P, d_context, context, opts.ns_refine)
         d_ck = torch.matmul(va, d_rhs.mT)
@@ -492,16 +451,11 @@ LANDMARK_CHUNK = 7
 _SIMILARITY_NODE = contextvars.ContextVar('lapformer_mm_similarity_node', default=None)
 
 
-@contextlib.contextmanager
 def similarity_node(node):
     """Within the block :func:`similarity_export` of fp32 inputs is ``node(x, y, lam, kernel)``
     (None: the standard operators); ``lapformer_mm.ops.export.kernel_form`` sets it to the
     ONNX Runtime op library's node."""
-    token = _SIMILARITY_NODE.set(node)
-    try:
-        yield
-    finally:
-        _SIMILARITY_NODE.reset(token)
+    return _scoped(_SIMILARITY_NODE, node)
 
 
 def similarity_export(x, y, lam, kernel, chunk=LANDMARK_CHUNK):

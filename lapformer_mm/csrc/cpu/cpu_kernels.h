@@ -3,7 +3,7 @@
 //
 // Included by one source per instruction set (cpu_default.cpp, cpu_avx2.cpp, cpu_avx512.cpp),
 // each compiled into its own extension module with its own flags and registering its ops in
-// its own namespace (lapformer_mm_cpu_<capability>); lapformer_mm/ops/cpu_ext.py loads the one
+// its own namespace (lapformer_mm_cpu_<capability>); lapformer_mm/ops/backends/cpu.py loads the one
 // torch.backends.cpu.get_cpu_capability() names. Separate modules, not one: inline functions of
 // the headers compiled with AVX-512 flags must not be picked by the linker for the code paths
 // that run on machines without it.
@@ -42,6 +42,7 @@ namespace lapf {
 inline namespace CPU_CAPABILITY {
 
 using at::vec::Vectorized;
+using Tensors3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 template <typename T>
 struct AccOf {
@@ -82,6 +83,59 @@ Operand<T> operand(const at::Tensor& t) {
   return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
 }
 
+// Checks of the operators' arguments.
+inline void check_operand(const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), name, " must be a tensor");
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device());
+  TORCH_CHECK(t.dim() == 4, name, " must be 4-D (B, H, n, d), got shape ", t.sizes());
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kFloat8_e4m3fn,
+              name, " must be float32, float64, float16 or bfloat16, got ", t.scalar_type());
+}
+
+inline void check_like(const char* name, const at::Tensor& t, const at::Tensor& x,
+                       int64_t rows) {
+  check_operand(name, t);
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), name, " must have x's dtype ",
+              x.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK(t.size(0) == x.size(0) && t.size(1) == x.size(1) && t.size(2) == rows, name,
+              " must be (", x.size(0), ", ", x.size(1), ", ", rows, ", *), got ", t.sizes());
+}
+
+inline at::ScalarType acc_type(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// A small float tensor (B, H, rows, cols) of the compute dtype.
+inline void check_small(const char* name, const at::Tensor& t, const at::Tensor& x, int64_t rows,
+                        int64_t cols) {
+  TORCH_CHECK(t.defined() && t.device().is_cpu() && t.dim() == 4, name,
+              " must be a 4-D CPU tensor");
+  TORCH_CHECK(t.scalar_type() == acc_type(x.scalar_type()), name, " must be ",
+              acc_type(x.scalar_type()), ", got ", t.scalar_type());
+  TORCH_CHECK(t.size(0) == x.size(0) && t.size(1) == x.size(1) && t.size(2) == rows &&
+                  (cols < 0 || t.size(3) == cols),
+              name, " must be (", x.size(0), ", ", x.size(1), ", ", rows, ", ",
+              cols < 0 ? std::string("*") : std::to_string(cols), "), got ", t.sizes());
+}
+
+inline void check_pair(const at::Tensor& x, const at::Tensor& y, double lam, int64_t kind) {
+  check_operand("x", x);
+  check_operand("y", y);
+  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x and y must share a dtype, got ",
+              x.scalar_type(), " and ", y.scalar_type());
+  TORCH_CHECK(x.size(0) == y.size(0) && x.size(1) == y.size(1) && x.size(3) == y.size(3),
+              "x (B, H, N, d) and y (B, H, M, d) must agree in B, H and d, got ", x.sizes(),
+              " and ", y.sizes());
+  TORCH_CHECK(lam > 0, "lam must be > 0, got ", lam);
+  TORCH_CHECK(kind == kLaplacian || kind == kGaussian,
+              "kind must be 0 (laplacian) or 1 (gaussian), got ", kind);
+}
+
+inline bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+#define LAPF_DISPATCH_FLOATING(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
+
 // ---------------------------------------------------------------------------------------------
 // Forward: rows of exp(-dist / lam), vectorised over the columns j.
 // ---------------------------------------------------------------------------------------------
@@ -101,6 +155,14 @@ void pack_columns(const scalar_t* y, int64_t sm, int64_t sc, int64_t M, int64_t 
       }
     }
   }
+}
+
+// Register-block dispatch: f(std::integral_constant<int, R>, i) for row blocks of a chunk.
+template <typename F>
+inline void for_each_block(int64_t rows, F&& f) {
+  int64_t i = 0;
+  for (; i + kBlockRows <= rows; i += kBlockRows) f(std::integral_constant<int, kBlockRows>(), i);
+  for (; i < rows; ++i) f(std::integral_constant<int, 1>(), i);
 }
 
 // R rows of x against one tile of JV column vectors: out[r][0:ncols] = exp(-dist / lam).
@@ -142,41 +204,40 @@ inline void kernel_tile(const scalar_t* x, int64_t sxn, int64_t sxc, int64_t d, 
   }
 }
 
-template <int KIND, int R, typename scalar_t, typename acc_t>
-inline void kernel_rows_tile(int jv, const scalar_t* x, int64_t sxn, int64_t sxc, int64_t d,
-                             const acc_t* yt, int64_t TW, acc_t neg_inv_lam, acc_t* out,
-                             int64_t ldo, int64_t ncols) {
-  switch (jv) {
-    case 1:
-      return kernel_tile<KIND, R, 1>(x, sxn, sxc, d, yt, TW, neg_inv_lam, out, ldo, ncols);
-    case 2:
-      return kernel_tile<KIND, R, 2>(x, sxn, sxc, d, yt, TW, neg_inv_lam, out, ldo, ncols);
-    case 3:
-      return kernel_tile<KIND, R, 3>(x, sxn, sxc, d, yt, TW, neg_inv_lam, out, ldo, ncols);
-    default:
-      return kernel_tile<KIND, R, 4>(x, sxn, sxc, d, yt, TW, neg_inv_lam, out, ldo, ncols);
-  }
-}
-
-// Rows [i0, i1) of one (b, h): out rows of M values each (row stride ldo), all tiles.
-template <int KIND, typename scalar_t, typename acc_t>
-void kernel_rows(const scalar_t* x, int64_t sxn, int64_t sxc, int64_t rows, int64_t d,
-                 const acc_t* packed, int64_t M, acc_t neg_inv_lam, acc_t* out, int64_t ldo) {
+// Rows [0, rows) of x against all tiles of the packed columns: out rows of M values each
+// (row stride ldo). Kind, rows per register block and vectors per tile become template
+// arguments here, so kernel_tile keeps its accumulators in registers.
+template <typename scalar_t, typename acc_t>
+void kernel_rows(int64_t kind, const scalar_t* x, int64_t sxn, int64_t sxc, int64_t rows,
+                 int64_t d, const acc_t* packed, int64_t M, acc_t neg_inv_lam, acc_t* out,
+                 int64_t ldo) {
   constexpr int64_t VL = Vectorized<acc_t>::size();
   constexpr int64_t TW = kMaxTileVecs * VL;
-  const int64_t tiles = ceil_div(M, TW);
-  for (int64_t t = 0; t < tiles; ++t) {
+  for (int64_t t = 0; t * TW < M; ++t) {
     const int64_t ncols = std::min(TW, M - t * TW);
-    const int jv = static_cast<int>(ceil_div(ncols, VL));
     const acc_t* yt = packed + t * d * TW;
-    int64_t i = 0;
-    for (; i + kBlockRows <= rows; i += kBlockRows) {
-      kernel_rows_tile<KIND, kBlockRows>(jv, x + i * sxn, sxn, sxc, d, yt, TW, neg_inv_lam,
-                                         out + i * ldo + t * TW, ldo, ncols);
-    }
-    for (; i < rows; ++i) {
-      kernel_rows_tile<KIND, 1>(jv, x + i * sxn, sxn, sxc, d, yt, TW, neg_inv_lam,
-                                out + i * ldo + t * TW, ldo, ncols);
+    auto tiles = [&](auto kind_c, auto jv_c) {
+      for_each_block(rows, [&](auto rows_c, int64_t i) {
+        kernel_tile<decltype(kind_c)::value, decltype(rows_c)::value, decltype(jv_c)::value>(
+            x + i * sxn, sxn, sxc, d, yt, TW, neg_inv_lam, out + i * ldo + t * TW, ldo, ncols);
+      });
+    };
+    auto by_width = [&](auto kind_c) {
+      switch (ceil_div(ncols, VL)) {
+        case 1:
+          return tiles(kind_c, std::integral_constant<int, 1>());
+        case 2:
+          return tiles(kind_c, std::integral_constant<int, 2>());
+        case 3:
+          return tiles(kind_c, std::integral_constant<int, 3>());
+        default:
+          return tiles(kind_c, std::integral_constant<int, 4>());
+      }
+    };
+    if (kind == kLaplacian) {
+      by_width(std::integral_constant<int, kLaplacian>());
+    } else {
+      by_width(std::integral_constant<int, kGaussian>());
     }
   }
 }
@@ -192,40 +253,38 @@ inline int64_t packed_size(int64_t M, int64_t d) {
 }
 
 // K (B, H, N, M) contiguous, acc_t, for x (B, H, N, d) and y (B, H, M, d).
-template <typename scalar_t>
-at::Tensor pairwise_forward_typed(const at::Tensor& x, const at::Tensor& y, double lam,
+inline at::Tensor pairwise_forward(const at::Tensor& x, const at::Tensor& y, double lam,
                                   int64_t kind) {
-  using acc_t = typename AccOf<scalar_t>::type;
-  const int64_t B = x.size(0), H = x.size(1), N = x.size(2), d = x.size(3), M = y.size(2);
-  at::Tensor out =
-      at::empty({B, H, N, M}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-  if (out.numel() == 0) return out;
-  const auto xo = operand<scalar_t>(x);
-  const auto yo = operand<scalar_t>(y);
-  const int64_t psize = packed_size<acc_t>(M, d);
-  // Packing M x d values per (b, h) is too little work for a parallel region.
-  std::vector<acc_t> packed(static_cast<size_t>(B * H * psize));
-  for (int64_t bh = 0; bh < B * H; ++bh)
-    pack_columns(yo.row(bh / H, bh % H, 0), yo.sn, yo.sc, M, d, tile_width<acc_t>(),
-                 packed.data() + bh * psize);
-  const int64_t chunks = ceil_div(N, kChunkRows);
-  const acc_t neg_inv_lam = static_cast<acc_t>(-1.0 / lam);
-  acc_t* po = out.data_ptr<acc_t>();
-  at::parallel_for(0, B * H * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t bh = w / chunks, i0 = (w % chunks) * kChunkRows;
-      const int64_t rows = std::min(kChunkRows, N - i0);
-      const scalar_t* xr = xo.row(bh / H, bh % H, i0);
-      acc_t* o = po + (bh * N + i0) * M;
-      const acc_t* p = packed.data() + bh * psize;
-      if (kind == kLaplacian) {
-        kernel_rows<kLaplacian>(xr, xo.sn, xo.sc, rows, d, p, M, neg_inv_lam, o, M);
-      } else {
-        kernel_rows<kGaussian>(xr, xo.sn, xo.sc, rows, d, p, M, neg_inv_lam, o, M);
+  check_pair(x, y, lam, kind);
+  return LAPF_DISPATCH_FLOATING(x.scalar_type(), "pairwise_forward", [&]() -> at::Tensor {
+    using acc_t = typename AccOf<scalar_t>::type;
+    const int64_t B = x.size(0), H = x.size(1), N = x.size(2), d = x.size(3), M = y.size(2);
+    at::Tensor out =
+        at::empty({B, H, N, M}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    if (out.numel() == 0) return out;
+    const auto xo = operand<scalar_t>(x);
+    const auto yo = operand<scalar_t>(y);
+    const int64_t psize = packed_size<acc_t>(M, d);
+    // Packing M x d values per (b, h) is too little work for a parallel region.
+    std::vector<acc_t> packed(static_cast<size_t>(B * H * psize));
+    for (int64_t bh = 0; bh < B * H; ++bh)
+      pack_columns(yo.row(bh / H, bh % H, 0), yo.sn, yo.sc, M, d, tile_width<acc_t>(),
+                   packed.data() + bh * psize);
+    const int64_t chunks = ceil_div(N, kChunkRows);
+    const acc_t neg_inv_lam = static_cast<acc_t>(-1.0 / lam);
+    acc_t* po = out.data_ptr<acc_t>();
+    at::parallel_for(0, B * H * chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t bh = w / chunks, i0 = (w % chunks) * kChunkRows;
+        const int64_t rows = std::min(kChunkRows, N - i0);
+        const scalar_t* xr = xo.row(bh / H, bh % H, i0);
+        acc_t* o = po + (bh * N + i0) * M;
+        const acc_t* p = packed.data() + bh * psize;
+        kernel_rows(kind, xr, xo.sn, xo.sc, rows, d, p, M, neg_inv_lam, o, M);
       }
-    }
+    });
+    return out;
   });
-  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -567,17 +626,6 @@ std::vector<acc_t> pack_landmark_columns(const Operand<scalar_t>& lo, const Pass
   return packed;
 }
 
-template <typename scalar_t, typename acc_t>
-inline void kernel_rows_kind(int64_t kind, const scalar_t* x, int64_t sxn, int64_t sxc,
-                             int64_t rows, int64_t d, const acc_t* packed, int64_t M,
-                             acc_t neg_inv_lam, acc_t* out, int64_t ldo) {
-  if (kind == kLaplacian) {
-    kernel_rows<kLaplacian>(x, sxn, sxc, rows, d, packed, M, neg_inv_lam, out, ldo);
-  } else {
-    kernel_rows<kGaussian>(x, sxn, sxc, rows, d, packed, M, neg_inv_lam, out, ldo);
-  }
-}
-
 // Runs body(bh, b, h, i0, rows, chunk) over every (b, h, chunk) in parallel.
 template <typename acc_t, typename Body>
 void for_each_chunk(const PassShape<acc_t>& s, Body&& body) {
@@ -590,13 +638,6 @@ void for_each_chunk(const PassShape<acc_t>& s, Body&& body) {
   });
 }
 
-// Register-block dispatch: f(std::integral_constant<int, R>, i) for row blocks of a chunk.
-template <typename F>
-inline void for_each_block(int64_t rows, F&& f) {
-  int64_t i = 0;
-  for (; i + kBlockRows <= rows; i += kBlockRows) f(std::integral_constant<int, kBlockRows>(), i);
-  for (; i < rows; ++i) f(std::integral_constant<int, 1>(), i);
-}
 
 // Sums parts (per (b, h): chunks x rows x np) in chunk order into out (B, H, rows, cols).
 template <typename acc_t>
@@ -616,100 +657,103 @@ void reduce_into(const std::vector<acc_t>& parts, int64_t BH, int64_t chunks, in
 //            row-centred C, accumulated around the first row's values (no cancellation
 //            for nearly constant columns), chunk partials summed in double;
 //   rows:    C itself (B, H, N, m), when a later pass reads it.
-template <typename scalar_t>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward_typed(
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
     const at::Tensor& x, const at::Tensor& l, const c10::optional<at::Tensor>& v, double lam,
     int64_t kind, bool want_stats, bool want_rows) {
-  using acc_t = typename AccOf<scalar_t>::type;
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t VL = Vec::size();
-  const PassShape<acc_t> s(x, l);
-  const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-  const bool with_v = v.has_value() && v->defined();
-  const int64_t dv = with_v ? v->size(3) : 0, dvp = padded_width<acc_t>(dv);
-  at::Tensor rhs = with_v ? at::empty({s.B, s.H, s.M, dv}, acc_opts) : at::empty({0}, acc_opts);
-  at::Tensor stats = want_stats ? at::empty({s.B, s.H, 2, s.M}, acc_opts) : at::empty({0}, acc_opts);
-  at::Tensor rows = want_rows ? at::empty({s.B, s.H, s.N, s.M}, acc_opts) : at::empty({0}, acc_opts);
-  if (s.B * s.H == 0 || s.M == 0) return {rhs, stats, rows};
-  if (s.N == 0) {
-    if (with_v) rhs.zero_();
-    if (want_stats) stats.zero_();
-    return {rhs, stats, rows};
-  }
-  const auto xo = operand<scalar_t>(x);
-  const auto lo = operand<scalar_t>(l);
-  const auto packed = pack_landmark_columns(lo, s);
-  const int64_t psize = packed_size<acc_t>(s.M, s.d);
-  const acc_t neg_inv_lam = static_cast<acc_t>(-1.0 / lam);
-  // The shift of the statistics: row 0 of each (b, h), centred.
-  std::vector<acc_t> shift(want_stats ? static_cast<size_t>(s.B * s.H * s.Mp) : 0, acc_t(0));
-  if (want_stats) {
-    for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
-      acc_t* sh = shift.data() + bh * s.Mp;
-      kernel_rows_kind(kind, xo.row(bh / s.H, bh % s.H, 0), xo.sn, xo.sc, 1, s.d,
-                       packed.data() + bh * psize, s.M, neg_inv_lam, sh, s.Mp);
-      const acc_t mean = lane_sum(sh, s.Mp) / static_cast<acc_t>(s.M);
-      for (int64_t j = 0; j < s.M; ++j) sh[j] -= mean;
+  check_pair(x, l, lam, kind);
+  if (given(v)) check_like("v", *v, x, x.size(2));
+  return LAPF_DISPATCH_FLOATING(x.scalar_type(), "attention_rows_forward", [&]() -> Tensors3 {
+    using acc_t = typename AccOf<scalar_t>::type;
+    using Vec = Vectorized<acc_t>;
+    constexpr int64_t VL = Vec::size();
+    const PassShape<acc_t> s(x, l);
+    const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+    const bool with_v = v.has_value() && v->defined();
+    const int64_t dv = with_v ? v->size(3) : 0, dvp = padded_width<acc_t>(dv);
+    at::Tensor rhs = with_v ? at::empty({s.B, s.H, s.M, dv}, acc_opts) : at::empty({0}, acc_opts);
+    at::Tensor stats = want_stats ? at::empty({s.B, s.H, 2, s.M}, acc_opts) : at::empty({0}, acc_opts);
+    at::Tensor rows = want_rows ? at::empty({s.B, s.H, s.N, s.M}, acc_opts) : at::empty({0}, acc_opts);
+    if (s.B * s.H == 0 || s.M == 0) return {rhs, stats, rows};
+    if (s.N == 0) {
+      if (with_v) rhs.zero_();
+      if (want_stats) stats.zero_();
+      return {rhs, stats, rows};
     }
-  }
-  const int64_t rhs_part = with_v ? s.M * dvp : 0, stat_part = want_stats ? 2 * s.Mp : 0;
-  std::vector<acc_t> rhs_parts(static_cast<size_t>(s.items() * rhs_part));
-  std::vector<acc_t> stat_parts(static_cast<size_t>(s.items() * stat_part));
-  const auto vo = with_v ? operand<scalar_t>(*v) : Operand<scalar_t>{nullptr, 0, 0, 0, 0};
-  acc_t* prows = want_rows ? rows.data_ptr<acc_t>() : nullptr;
-  for_each_chunk(s, [&](int64_t bh, int64_t b, int64_t h, int64_t i0, int64_t n, int64_t chunk) {
-    std::vector<acc_t> kbuf(kBlockRows * s.Mp, acc_t(0)), vbuf(kBlockRows * dvp);
-    acc_t* rp = rhs_parts.data() + (bh * s.chunks + chunk) * rhs_part;
-    acc_t* sp = stat_parts.data() + (bh * s.chunks + chunk) * stat_part;
-    std::fill(rp, rp + rhs_part, acc_t(0));
-    std::fill(sp, sp + stat_part, acc_t(0));
-    const acc_t* sh = want_stats ? shift.data() + bh * s.Mp : nullptr;
-    for_each_block(n, [&](auto rows_const, int64_t i) {
-      constexpr int R = decltype(rows_const)::value;
-      const int64_t row0 = i0 + i;
-      kernel_rows_kind(kind, xo.row(b, h, row0), xo.sn, xo.sc, R, s.d,
-                       packed.data() + bh * psize, s.M, neg_inv_lam, kbuf.data(), s.Mp);
-      if (prows) {
-        for (int r = 0; r < R; ++r)
-          std::copy(kbuf.data() + r * s.Mp, kbuf.data() + r * s.Mp + s.M,
-                    prows + ((bh * s.N) + row0 + r) * s.M);
+    const auto xo = operand<scalar_t>(x);
+    const auto lo = operand<scalar_t>(l);
+    const auto packed = pack_landmark_columns(lo, s);
+    const int64_t psize = packed_size<acc_t>(s.M, s.d);
+    const acc_t neg_inv_lam = static_cast<acc_t>(-1.0 / lam);
+    // The shift of the statistics: row 0 of each (b, h), centred.
+    std::vector<acc_t> shift(want_stats ? static_cast<size_t>(s.B * s.H * s.Mp) : 0, acc_t(0));
+    if (want_stats) {
+      for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
+        acc_t* sh = shift.data() + bh * s.Mp;
+        kernel_rows(kind, xo.row(bh / s.H, bh % s.H, 0), xo.sn, xo.sc, 1, s.d,
+                    packed.data() + bh * psize, s.M, neg_inv_lam, sh, s.Mp);
+        const acc_t mean = lane_sum(sh, s.Mp) / static_cast<acc_t>(s.M);
+        for (int64_t j = 0; j < s.M; ++j) sh[j] -= mean;
       }
-      if (want_stats) {
-        for (int r = 0; r < R; ++r) {
-          const acc_t* kr = kbuf.data() + r * s.Mp;
-          const Vec mean(lane_sum(kr, s.Mp) / static_cast<acc_t>(s.M));
-          for (int64_t v0 = 0; v0 < s.Mp; v0 += VL) {
-            const Vec delta = Vec::loadu(kr + v0) - mean - Vec::loadu(sh + v0);
-            (Vec::loadu(sp + v0) + delta).store(sp + v0);
-            at::vec::fmadd(delta, delta, Vec::loadu(sp + s.Mp + v0)).store(sp + s.Mp + v0);
+    }
+    const int64_t rhs_part = with_v ? s.M * dvp : 0, stat_part = want_stats ? 2 * s.Mp : 0;
+    std::vector<acc_t> rhs_parts(static_cast<size_t>(s.items() * rhs_part));
+    std::vector<acc_t> stat_parts(static_cast<size_t>(s.items() * stat_part));
+    const auto vo = with_v ? operand<scalar_t>(*v) : Operand<scalar_t>{nullptr, 0, 0, 0, 0};
+    acc_t* prows = want_rows ? rows.data_ptr<acc_t>() : nullptr;
+    for_each_chunk(s, [&](int64_t bh, int64_t b, int64_t h, int64_t i0, int64_t n, int64_t chunk) {
+      std::vector<acc_t> kbuf(kBlockRows * s.Mp, acc_t(0)), vbuf(kBlockRows * dvp);
+      acc_t* rp = rhs_parts.data() + (bh * s.chunks + chunk) * rhs_part;
+      acc_t* sp = stat_parts.data() + (bh * s.chunks + chunk) * stat_part;
+      std::fill(rp, rp + rhs_part, acc_t(0));
+      std::fill(sp, sp + stat_part, acc_t(0));
+      const acc_t* sh = want_stats ? shift.data() + bh * s.Mp : nullptr;
+      for_each_block(n, [&](auto rows_const, int64_t i) {
+        constexpr int R = decltype(rows_const)::value;
+        const int64_t row0 = i0 + i;
+        kernel_rows(kind, xo.row(b, h, row0), xo.sn, xo.sc, R, s.d,
+                    packed.data() + bh * psize, s.M, neg_inv_lam, kbuf.data(), s.Mp);
+        if (prows) {
+          for (int r = 0; r < R; ++r)
+            std::copy(kbuf.data() + r * s.Mp, kbuf.data() + r * s.Mp + s.M,
+                      prows + ((bh * s.N) + row0 + r) * s.M);
+        }
+        if (want_stats) {
+          for (int r = 0; r < R; ++r) {
+            const acc_t* kr = kbuf.data() + r * s.Mp;
+            const Vec mean(lane_sum(kr, s.Mp) / static_cast<acc_t>(s.M));
+            for (int64_t v0 = 0; v0 < s.Mp; v0 += VL) {
+              const Vec delta = Vec::loadu(kr + v0) - mean - Vec::loadu(sh + v0);
+              (Vec::loadu(sp + v0) + delta).store(sp + v0);
+              at::vec::fmadd(delta, delta, Vec::loadu(sp + s.Mp + v0)).store(sp + s.Mp + v0);
+            }
           }
         }
-      }
-      if (with_v) {
-        for (int r = 0; r < R; ++r)
-          stage_row(vo.row(b, h, row0 + r), vo.sc, dv, dvp, vbuf.data() + r * dvp);
-        accumulate_outer<R>(kbuf.data(), s.Mp, vbuf.data(), s.M, dvp, rp);
-      }
-    });
-  });
-  if (with_v) reduce_into(rhs_parts, s.B * s.H, s.chunks, s.M, dvp, rhs);
-  if (want_stats) {
-    auto st = stats.accessor<acc_t, 4>();
-    for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
-      for (int64_t j = 0; j < s.M; ++j) {
-        double s1 = 0, s2 = 0;
-        for (int64_t c = 0; c < s.chunks; ++c) {
-          const acc_t* sp = stat_parts.data() + (bh * s.chunks + c) * stat_part;
-          s1 += sp[j];
-          s2 += sp[s.Mp + j];
+        if (with_v) {
+          for (int r = 0; r < R; ++r)
+            stage_row(vo.row(b, h, row0 + r), vo.sc, dv, dvp, vbuf.data() + r * dvp);
+          accumulate_outer<R>(kbuf.data(), s.Mp, vbuf.data(), s.M, dvp, rp);
         }
-        const double off = s1 / s.N;
-        st[bh / s.H][bh % s.H][0][j] = static_cast<acc_t>(shift[bh * s.Mp + j] + off);
-        st[bh / s.H][bh % s.H][1][j] = static_cast<acc_t>(std::max(s2 / s.N - off * off, 0.0));
+      });
+    });
+    if (with_v) reduce_into(rhs_parts, s.B * s.H, s.chunks, s.M, dvp, rhs);
+    if (want_stats) {
+      auto st = stats.accessor<acc_t, 4>();
+      for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
+        for (int64_t j = 0; j < s.M; ++j) {
+          double s1 = 0, s2 = 0;
+          for (int64_t c = 0; c < s.chunks; ++c) {
+            const acc_t* sp = stat_parts.data() + (bh * s.chunks + c) * stat_part;
+            s1 += sp[j];
+            s2 += sp[s.Mp + j];
+          }
+          const double off = s1 / s.N;
+          st[bh / s.H][bh % s.H][0][j] = static_cast<acc_t>(shift[bh * s.Mp + j] + off);
+          st[bh / s.H][bh % s.H][1][j] = static_cast<acc_t>(std::max(s2 / s.N - off * off, 0.0));
+        }
       }
     }
-  }
-  return {rhs, stats, rows};
+    return {rhs, stats, rows};
+  });
 }
 
 // out (B, N, H, d_v) in out_dtype: out_i = C_i A + bias for rows C (B, H, N, m), A (B, H, m,
@@ -752,65 +796,68 @@ at::Tensor attention_rows_apply_typed(const at::Tensor& rows, const at::Tensor& 
 // Backward pass 1 over the rows of x (= q): recomputes C = K(x, L) and returns
 // T = Cc^T G (B, H, m, d_v) (Cc: C row-centred when `centre`, else C), colsum(G) (B, H, 1,
 // d_v) and C (B, H, N, m) for pass 2. g (B, H, N, d_v), any strides.
-template <typename scalar_t>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_grad_sums_typed(
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_grad_sums(
     const at::Tensor& x, const at::Tensor& l, const at::Tensor& g, double lam, int64_t kind,
     bool centre) {
-  using acc_t = typename AccOf<scalar_t>::type;
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t VL = Vec::size();
-  const PassShape<acc_t> s(x, l);
-  const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-  const int64_t dv = g.size(3), dvp = padded_width<acc_t>(dv);
-  at::Tensor t = at::zeros({s.B, s.H, s.M, dv}, acc_opts);
-  at::Tensor gsum = at::zeros({s.B, s.H, 1, dv}, acc_opts);
-  at::Tensor rows = at::empty({s.B, s.H, s.N, s.M}, acc_opts);
-  if (s.B * s.H == 0 || s.M == 0 || s.N == 0) return {t, gsum, rows};
-  const auto xo = operand<scalar_t>(x);
-  const auto lo = operand<scalar_t>(l);
-  const auto go = operand<scalar_t>(g);
-  const auto packed = pack_landmark_columns(lo, s);
-  const int64_t psize = packed_size<acc_t>(s.M, s.d);
-  const acc_t neg_inv_lam = static_cast<acc_t>(-1.0 / lam);
-  const int64_t part = (s.M + 1) * dvp;  // T rows, then colsum(G)
-  std::vector<acc_t> parts(static_cast<size_t>(s.items() * part));
-  acc_t* prows = rows.data_ptr<acc_t>();
-  for_each_chunk(s, [&](int64_t bh, int64_t b, int64_t h, int64_t i0, int64_t n, int64_t chunk) {
-    std::vector<acc_t> kbuf(kBlockRows * s.Mp, acc_t(0)), gbuf(kBlockRows * dvp);
-    acc_t* pp = parts.data() + (bh * s.chunks + chunk) * part;
-    std::fill(pp, pp + part, acc_t(0));
-    for_each_block(n, [&](auto rows_const, int64_t i) {
-      constexpr int R = decltype(rows_const)::value;
-      const int64_t row0 = i0 + i;
-      kernel_rows_kind(kind, xo.row(b, h, row0), xo.sn, xo.sc, R, s.d,
-                       packed.data() + bh * psize, s.M, neg_inv_lam, kbuf.data(), s.Mp);
-      for (int r = 0; r < R; ++r) {
-        acc_t* kr = kbuf.data() + r * s.Mp;
-        std::copy(kr, kr + s.M, prows + (bh * s.N + row0 + r) * s.M);
-        if (centre) {
-          const acc_t mean = lane_sum(kr, s.Mp) / static_cast<acc_t>(s.M);
-          for (int64_t j = 0; j < s.M; ++j) kr[j] -= mean;
+  check_pair(x, l, lam, kind);
+  check_like("grad", g, x, x.size(2));
+  return LAPF_DISPATCH_FLOATING(x.scalar_type(), "attention_grad_sums", [&]() -> Tensors3 {
+    using acc_t = typename AccOf<scalar_t>::type;
+    using Vec = Vectorized<acc_t>;
+    constexpr int64_t VL = Vec::size();
+    const PassShape<acc_t> s(x, l);
+    const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+    const int64_t dv = g.size(3), dvp = padded_width<acc_t>(dv);
+    at::Tensor t = at::zeros({s.B, s.H, s.M, dv}, acc_opts);
+    at::Tensor gsum = at::zeros({s.B, s.H, 1, dv}, acc_opts);
+    at::Tensor rows = at::empty({s.B, s.H, s.N, s.M}, acc_opts);
+    if (s.B * s.H == 0 || s.M == 0 || s.N == 0) return {t, gsum, rows};
+    const auto xo = operand<scalar_t>(x);
+    const auto lo = operand<scalar_t>(l);
+    const auto go = operand<scalar_t>(g);
+    const auto packed = pack_landmark_columns(lo, s);
+    const int64_t psize = packed_size<acc_t>(s.M, s.d);
+    const acc_t neg_inv_lam = static_cast<acc_t>(-1.0 / lam);
+    const int64_t part = (s.M + 1) * dvp;  // T rows, then colsum(G)
+    std::vector<acc_t> parts(static_cast<size_t>(s.items() * part));
+    acc_t* prows = rows.data_ptr<acc_t>();
+    for_each_chunk(s, [&](int64_t bh, int64_t b, int64_t h, int64_t i0, int64_t n, int64_t chunk) {
+      std::vector<acc_t> kbuf(kBlockRows * s.Mp, acc_t(0)), gbuf(kBlockRows * dvp);
+      acc_t* pp = parts.data() + (bh * s.chunks + chunk) * part;
+      std::fill(pp, pp + part, acc_t(0));
+      for_each_block(n, [&](auto rows_const, int64_t i) {
+        constexpr int R = decltype(rows_const)::value;
+        const int64_t row0 = i0 + i;
+        kernel_rows(kind, xo.row(b, h, row0), xo.sn, xo.sc, R, s.d,
+                    packed.data() + bh * psize, s.M, neg_inv_lam, kbuf.data(), s.Mp);
+        for (int r = 0; r < R; ++r) {
+          acc_t* kr = kbuf.data() + r * s.Mp;
+          std::copy(kr, kr + s.M, prows + (bh * s.N + row0 + r) * s.M);
+          if (centre) {
+            const acc_t mean = lane_sum(kr, s.Mp) / static_cast<acc_t>(s.M);
+            for (int64_t j = 0; j < s.M; ++j) kr[j] -= mean;
+          }
+          stage_row(go.row(b, h, row0 + r), go.sc, dv, dvp, gbuf.data() + r * dvp);
+          for (int64_t v0 = 0; v0 < dvp; v0 += VL) {
+            acc_t* gs = pp + s.M * dvp + v0;
+            (Vec::loadu(gs) + Vec::loadu(gbuf.data() + r * dvp + v0)).store(gs);
+          }
         }
-        stage_row(go.row(b, h, row0 + r), go.sc, dv, dvp, gbuf.data() + r * dvp);
-        for (int64_t v0 = 0; v0 < dvp; v0 += VL) {
-          acc_t* gs = pp + s.M * dvp + v0;
-          (Vec::loadu(gs) + Vec::loadu(gbuf.data() + r * dvp + v0)).store(gs);
-        }
-      }
-      accumulate_outer<R>(kbuf.data(), s.Mp, gbuf.data(), s.M, dvp, pp);
+        accumulate_outer<R>(kbuf.data(), s.Mp, gbuf.data(), s.M, dvp, pp);
+      });
     });
+    std::vector<acc_t> t_parts(static_cast<size_t>(s.items() * s.M * dvp));
+    std::vector<acc_t> g_parts(static_cast<size_t>(s.items() * dvp));
+    for (int64_t w = 0; w < s.items(); ++w) {
+      std::copy(parts.begin() + w * part, parts.begin() + w * part + s.M * dvp,
+                t_parts.begin() + w * s.M * dvp);
+      std::copy(parts.begin() + w * part + s.M * dvp, parts.begin() + (w + 1) * part,
+                g_parts.begin() + w * dvp);
+    }
+    reduce_into(t_parts, s.B * s.H, s.chunks, s.M, dvp, t);
+    reduce_into(g_parts, s.B * s.H, s.chunks, 1, dvp, gsum);
+    return {t, gsum, rows};
   });
-  std::vector<acc_t> t_parts(static_cast<size_t>(s.items() * s.M * dvp));
-  std::vector<acc_t> g_parts(static_cast<size_t>(s.items() * dvp));
-  for (int64_t w = 0; w < s.items(); ++w) {
-    std::copy(parts.begin() + w * part, parts.begin() + w * part + s.M * dvp,
-              t_parts.begin() + w * s.M * dvp);
-    std::copy(parts.begin() + w * part + s.M * dvp, parts.begin() + (w + 1) * part,
-              g_parts.begin() + w * dvp);
-  }
-  reduce_into(t_parts, s.B * s.H, s.chunks, s.M, dvp, t);
-  reduce_into(g_parts, s.B * s.H, s.chunks, 1, dvp, gsum);
-  return {t, gsum, rows};
 }
 
 // Backward pass 2 over the rows of x: with C = K(x, L) (read from `rows`, else recomputed),
@@ -820,211 +867,169 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_grad_sums_typed(
 //     E = v dR^T, present when v is given;
 // and returns dx (B, N, H, d) in x's dtype (a (B, H, N, d) view by transposing),
 // dl (B, H, m, d) in acc_t and, with need_dv, dv = C dR (B, N, H, d_v) in v's dtype.
-template <typename scalar_t>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_backward_typed(
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_backward(
     const at::Tensor& x, const at::Tensor& l, const c10::optional<at::Tensor>& rows_in,
     const c10::optional<at::Tensor>& g, const c10::optional<at::Tensor>& ctx_s,
     const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& mu,
     const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& d_rhs, bool need_dv,
     double lam, int64_t kind, bool centre) {
-  using acc_t = typename AccOf<scalar_t>::type;
-  using Vec = Vectorized<acc_t>;
-  constexpr int64_t VL = Vec::size();
-  auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
-  const PassShape<acc_t> s(x, l);
-  const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-  const bool with_g = given(g), with_v = given(v), with_rows = given(rows_in);
-  const int64_t dg = with_g ? g->size(3) : 0, dgp = padded_width<acc_t>(dg);
-  const int64_t dv = with_v ? v->size(3) : (need_dv ? d_rhs->size(3) : 0);
-  const int64_t dvp = padded_width<acc_t>(dv), dp = padded_width<acc_t>(s.d);
-  at::Tensor dx = at::empty({s.B, s.N, s.H, s.d}, x.options());
-  at::Tensor dl = at::zeros({s.B, s.H, s.M, s.d}, acc_opts);
-  at::Tensor dvo = need_dv ? at::empty({s.B, s.N, s.H, dv}, v->options()) : at::empty({0}, x.options());
-  if (s.B * s.H == 0 || s.N == 0) return {dx, dl, dvo};
-  if (s.M == 0) {
-    dx.zero_();
-    if (need_dv) dvo.zero_();
-    return {dx, dl, dvo};
+  check_pair(x, l, lam, kind);
+  const int64_t N = x.size(2), M = l.size(2);
+  if (given(rows_in)) {
+    check_small("rows", *rows_in, x, N, M);
+    TORCH_CHECK(rows_in->is_contiguous(), "rows must be contiguous");
   }
-  const auto xo = operand<scalar_t>(x);
-  const auto lo = operand<scalar_t>(l);
-  const auto go = with_g ? operand<scalar_t>(*g) : Operand<scalar_t>{nullptr, 0, 0, 0, 0};
-  const auto vo = with_v ? operand<scalar_t>(*v) : Operand<scalar_t>{nullptr, 0, 0, 0, 0};
-  std::vector<acc_t> packed;
-  if (!with_rows) packed = pack_landmark_columns(lo, s);
-  const int64_t psize = packed_size<acc_t>(s.M, s.d);
-  const acc_t neg_inv_lam = static_cast<acc_t>(-1.0 / lam);
-  const acc_t scale = static_cast<acc_t>((kind == kLaplacian ? 1.0 : 2.0) / lam);
-  // Per (b, h): L rows padded to dp; ctx_s^T (d_g x Mp); a, mu (Mp); dR^T (d_v x Mp); dR (m x dvp).
-  const int64_t BH = s.B * s.H;
-  std::vector<std::vector<acc_t>> lpack(BH), cst(BH), av(BH), muv(BH), drt(BH), dr(BH);
-  for (int64_t bh = 0; bh < BH; ++bh) {
-    lpack[bh].resize(s.M * dp);
-    for (int64_t j = 0; j < s.M; ++j)
-      stage_row(lo.row(bh / s.H, bh % s.H, j), lo.sc, s.d, dp, lpack[bh].data() + j * dp);
-    if (with_g) {
-      cst[bh] = pack_matrix<acc_t>(*ctx_s, bh, true, s.Mp);
-      if (centre) {
-        av[bh] = pack_vector<acc_t>(*a, bh, 0, s.Mp);
-        muv[bh] = pack_vector<acc_t>(*mu, bh, 0, s.Mp);
-      }
+  if (given(g)) {
+    check_like("grad", *g, x, N);
+    check_small("ctx_s", *ctx_s, x, M, g->size(3));
+    if (centre) {
+      check_small("a", *a, x, 1, M);
+      check_small("mu", *mu, x, 1, M);
     }
-    if (with_v) drt[bh] = pack_matrix<acc_t>(*d_rhs, bh, true, s.Mp);
-    if (need_dv) dr[bh] = pack_matrix<acc_t>(*d_rhs, bh, false, dvp);
   }
-  const int64_t part = s.M * dp;
-  std::vector<acc_t> parts(static_cast<size_t>(s.items() * part));
-  scalar_t* pdx = dx.data_ptr<scalar_t>();
-  scalar_t* pdv = need_dv ? dvo.data_ptr<scalar_t>() : nullptr;
-  const acc_t* prows = with_rows ? rows_in->data_ptr<acc_t>() : nullptr;
-  const acc_t inv_m = acc_t(1) / static_cast<acc_t>(s.M);
-  for_each_chunk(s, [&](int64_t bh, int64_t b, int64_t h, int64_t i0, int64_t n, int64_t chunk) {
-    constexpr int RB = kBlockRows;
-    std::vector<acc_t> kbuf(RB * s.Mp, acc_t(0)), wbuf(RB * s.Mp), tbuf(RB * s.Mp);
-    std::vector<acc_t> gbuf(RB * dgp), vbuf(RB * dvp), obuf(RB * dvp);
-    std::vector<acc_t> xbuf(RB * dp), dxbuf(RB * dp);
-    acc_t* pp = parts.data() + (bh * s.chunks + chunk) * part;
-    std::fill(pp, pp + part, acc_t(0));
-    for_each_block(n, [&](auto rows_const, int64_t i) {
-      constexpr int R = decltype(rows_const)::value;
-      const int64_t row0 = i0 + i;
-      if (with_rows) {
-        for (int r = 0; r < R; ++r)
-          std::copy(prows + (bh * s.N + row0 + r) * s.M, prows + (bh * s.N + row0 + r + 1) * s.M,
-                    kbuf.data() + r * s.Mp);
-      } else {
-        kernel_rows_kind(kind, xo.row(b, h, row0), xo.sn, xo.sc, R, s.d,
-                         packed.data() + bh * psize, s.M, neg_inv_lam, kbuf.data(), s.Mp);
-      }
-      std::fill(wbuf.begin(), wbuf.end(), acc_t(0));
+  TORCH_CHECK(!need_dv || given(v), "need_dv needs v");
+  if (given(v)) {
+    check_like("v", *v, x, N);
+    check_small("d_rhs", *d_rhs, x, M, v->size(3));
+  }
+  return LAPF_DISPATCH_FLOATING(x.scalar_type(), "attention_rows_backward", [&]() -> Tensors3 {
+    using acc_t = typename AccOf<scalar_t>::type;
+    using Vec = Vectorized<acc_t>;
+    constexpr int64_t VL = Vec::size();
+    const PassShape<acc_t> s(x, l);
+    const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+    const bool with_g = given(g), with_v = given(v), with_rows = given(rows_in);
+    const int64_t dg = with_g ? g->size(3) : 0, dgp = padded_width<acc_t>(dg);
+    const int64_t dv = with_v ? v->size(3) : (need_dv ? d_rhs->size(3) : 0);
+    const int64_t dvp = padded_width<acc_t>(dv), dp = padded_width<acc_t>(s.d);
+    at::Tensor dx = at::empty({s.B, s.N, s.H, s.d}, x.options());
+    at::Tensor dl = at::zeros({s.B, s.H, s.M, s.d}, acc_opts);
+    at::Tensor dvo = need_dv ? at::empty({s.B, s.N, s.H, dv}, v->options()) : at::empty({0}, x.options());
+    if (s.B * s.H == 0 || s.N == 0) return {dx, dl, dvo};
+    if (s.M == 0) {
+      dx.zero_();
+      if (need_dv) dvo.zero_();
+      return {dx, dl, dvo};
+    }
+    const auto xo = operand<scalar_t>(x);
+    const auto lo = operand<scalar_t>(l);
+    const auto go = with_g ? operand<scalar_t>(*g) : Operand<scalar_t>{nullptr, 0, 0, 0, 0};
+    const auto vo = with_v ? operand<scalar_t>(*v) : Operand<scalar_t>{nullptr, 0, 0, 0, 0};
+    std::vector<acc_t> packed;
+    if (!with_rows) packed = pack_landmark_columns(lo, s);
+    const int64_t psize = packed_size<acc_t>(s.M, s.d);
+    const acc_t neg_inv_lam = static_cast<acc_t>(-1.0 / lam);
+    const acc_t scale = static_cast<acc_t>((kind == kLaplacian ? 1.0 : 2.0) / lam);
+    // Per (b, h): L rows padded to dp; ctx_s^T (d_g x Mp); a, mu (Mp); dR^T (d_v x Mp); dR (m x dvp).
+    const int64_t BH = s.B * s.H;
+    std::vector<std::vector<acc_t>> lpack(BH), cst(BH), av(BH), muv(BH), drt(BH), dr(BH);
+    for (int64_t bh = 0; bh < BH; ++bh) {
+      lpack[bh].resize(s.M * dp);
+      for (int64_t j = 0; j < s.M; ++j)
+        stage_row(lo.row(bh / s.H, bh % s.H, j), lo.sc, s.d, dp, lpack[bh].data() + j * dp);
       if (with_g) {
-        for (int r = 0; r < R; ++r)
-          stage_row(go.row(b, h, row0 + r), go.sc, dg, dgp, gbuf.data() + r * dgp);
-        rows_times<R>(gbuf.data(), dgp, dg, cst[bh].data(), s.Mp, nullptr, wbuf.data());
+        cst[bh] = pack_matrix<acc_t>(*ctx_s, bh, true, s.Mp);
         if (centre) {
-          for (int r = 0; r < R; ++r) {
-            const acc_t* kr = kbuf.data() + r * s.Mp;
-            acc_t* wr = wbuf.data() + r * s.Mp;
-            const Vec row_mean(lane_sum(kr, s.Mp) * inv_m);
-            for (int64_t v0 = 0; v0 < s.Mp; v0 += VL) {
-              const Vec centred = Vec::loadu(kr + v0) - row_mean - Vec::loadu(muv[bh].data() + v0);
-              (Vec::loadu(wr + v0) - Vec::loadu(av[bh].data() + v0) * centred).store(wr + v0);
+          av[bh] = pack_vector<acc_t>(*a, bh, 0, s.Mp);
+          muv[bh] = pack_vector<acc_t>(*mu, bh, 0, s.Mp);
+        }
+      }
+      if (with_v) drt[bh] = pack_matrix<acc_t>(*d_rhs, bh, true, s.Mp);
+      if (need_dv) dr[bh] = pack_matrix<acc_t>(*d_rhs, bh, false, dvp);
+    }
+    const int64_t part = s.M * dp;
+    std::vector<acc_t> parts(static_cast<size_t>(s.items() * part));
+    scalar_t* pdx = dx.data_ptr<scalar_t>();
+    scalar_t* pdv = need_dv ? dvo.data_ptr<scalar_t>() : nullptr;
+    const acc_t* prows = with_rows ? rows_in->data_ptr<acc_t>() : nullptr;
+    const acc_t inv_m = acc_t(1) / static_cast<acc_t>(s.M);
+    for_each_chunk(s, [&](int64_t bh, int64_t b, int64_t h, int64_t i0, int64_t n, int64_t chunk) {
+      constexpr int RB = kBlockRows;
+      std::vector<acc_t> kbuf(RB * s.Mp, acc_t(0)), wbuf(RB * s.Mp), tbuf(RB * s.Mp);
+      std::vector<acc_t> gbuf(RB * dgp), vbuf(RB * dvp), obuf(RB * dvp);
+      std::vector<acc_t> xbuf(RB * dp), dxbuf(RB * dp);
+      acc_t* pp = parts.data() + (bh * s.chunks + chunk) * part;
+      std::fill(pp, pp + part, acc_t(0));
+      for_each_block(n, [&](auto rows_const, int64_t i) {
+        constexpr int R = decltype(rows_const)::value;
+        const int64_t row0 = i0 + i;
+        if (with_rows) {
+          for (int r = 0; r < R; ++r)
+            std::copy(prows + (bh * s.N + row0 + r) * s.M, prows + (bh * s.N + row0 + r + 1) * s.M,
+                      kbuf.data() + r * s.Mp);
+        } else {
+          kernel_rows(kind, xo.row(b, h, row0), xo.sn, xo.sc, R, s.d,
+                      packed.data() + bh * psize, s.M, neg_inv_lam, kbuf.data(), s.Mp);
+        }
+        std::fill(wbuf.begin(), wbuf.end(), acc_t(0));
+        if (with_g) {
+          for (int r = 0; r < R; ++r)
+            stage_row(go.row(b, h, row0 + r), go.sc, dg, dgp, gbuf.data() + r * dgp);
+          rows_times<R>(gbuf.data(), dgp, dg, cst[bh].data(), s.Mp, nullptr, wbuf.data());
+          if (centre) {
+            for (int r = 0; r < R; ++r) {
+              const acc_t* kr = kbuf.data() + r * s.Mp;
+              acc_t* wr = wbuf.data() + r * s.Mp;
+              const Vec row_mean(lane_sum(kr, s.Mp) * inv_m);
+              for (int64_t v0 = 0; v0 < s.Mp; v0 += VL) {
+                const Vec centred = Vec::loadu(kr + v0) - row_mean - Vec::loadu(muv[bh].data() + v0);
+                (Vec::loadu(wr + v0) - Vec::loadu(av[bh].data() + v0) * centred).store(wr + v0);
+              }
+              // Lanes beyond m: D, a and mu are zero there, so is this row's value.
+              for (int64_t j = s.M; j < s.Mp; ++j) wr[j] = acc_t(0);
+              const Vec wmean(lane_sum(wr, s.Mp) * inv_m);
+              for (int64_t v0 = 0; v0 < s.Mp; v0 += VL)
+                (Vec::loadu(wr + v0) - wmean).store(wr + v0);
             }
-            // Lanes beyond m: D, a and mu are zero there, so is this row's value.
-            for (int64_t j = s.M; j < s.Mp; ++j) wr[j] = acc_t(0);
-            const Vec wmean(lane_sum(wr, s.Mp) * inv_m);
-            for (int64_t v0 = 0; v0 < s.Mp; v0 += VL)
-              (Vec::loadu(wr + v0) - wmean).store(wr + v0);
           }
         }
-      }
-      if (with_v || need_dv) {
-        for (int r = 0; r < R; ++r)
-          if (with_v) stage_row(vo.row(b, h, row0 + r), vo.sc, dv, dvp, vbuf.data() + r * dvp);
-      }
-      if (with_v) {
-        rows_times<R>(vbuf.data(), dvp, dv, drt[bh].data(), s.Mp, nullptr, tbuf.data());
-        for (int64_t e = 0; e < R * s.Mp; ++e) wbuf[e] += tbuf[e];
-      }
-      if (need_dv) {
-        rows_times<R>(kbuf.data(), s.Mp, s.M, dr[bh].data(), dvp, nullptr, obuf.data());
-        for (int r = 0; r < R; ++r) {
-          scalar_t* dst = pdv + ((b * s.N + row0 + r) * s.H + h) * dv;
-          for (int64_t e = 0; e < dv; ++e) dst[e] = static_cast<scalar_t>(obuf[r * dvp + e]);
+        if (with_v || need_dv) {
+          for (int r = 0; r < R; ++r)
+            if (with_v) stage_row(vo.row(b, h, row0 + r), vo.sc, dv, dvp, vbuf.data() + r * dvp);
         }
-      }
-      for (int64_t e = 0; e < R * s.Mp; ++e) wbuf[e] *= kbuf[e];
-      for (int r = 0; r < R; ++r)
-        stage_row(xo.row(b, h, row0 + r), xo.sc, s.d, dp, xbuf.data() + r * dp);
-      std::fill(dxbuf.begin(), dxbuf.end(), acc_t(0));
-      if (kind == kLaplacian) {
-        grad_rows<kLaplacian, R, true>(xbuf.data(), wbuf.data(), s.Mp, lpack[bh].data(), s.M, dp,
-                                       dxbuf.data(), pp);
-      } else {
-        grad_rows<kGaussian, R, true>(xbuf.data(), wbuf.data(), s.Mp, lpack[bh].data(), s.M, dp,
-                                      dxbuf.data(), pp);
-      }
-      for (int r = 0; r < R; ++r) {
-        scalar_t* dst = pdx + ((b * s.N + row0 + r) * s.H + h) * s.d;
-        for (int64_t c = 0; c < s.d; ++c) dst[c] = static_cast<scalar_t>(-scale * dxbuf[r * dp + c]);
-      }
+        if (with_v) {
+          rows_times<R>(vbuf.data(), dvp, dv, drt[bh].data(), s.Mp, nullptr, tbuf.data());
+          for (int64_t e = 0; e < R * s.Mp; ++e) wbuf[e] += tbuf[e];
+        }
+        if (need_dv) {
+          rows_times<R>(kbuf.data(), s.Mp, s.M, dr[bh].data(), dvp, nullptr, obuf.data());
+          for (int r = 0; r < R; ++r) {
+            scalar_t* dst = pdv + ((b * s.N + row0 + r) * s.H + h) * dv;
+            for (int64_t e = 0; e < dv; ++e) dst[e] = static_cast<scalar_t>(obuf[r * dvp + e]);
+          }
+        }
+        for (int64_t e = 0; e < R * s.Mp; ++e) wbuf[e] *= kbuf[e];
+        for (int r = 0; r < R; ++r)
+          stage_row(xo.row(b, h, row0 + r), xo.sc, s.d, dp, xbuf.data() + r * dp);
+        std::fill(dxbuf.begin(), dxbuf.end(), acc_t(0));
+        if (kind == kLaplacian) {
+          grad_rows<kLaplacian, R, true>(xbuf.data(), wbuf.data(), s.Mp, lpack[bh].data(), s.M, dp,
+                                         dxbuf.data(), pp);
+        } else {
+          grad_rows<kGaussian, R, true>(xbuf.data(), wbuf.data(), s.Mp, lpack[bh].data(), s.M, dp,
+                                        dxbuf.data(), pp);
+        }
+        for (int r = 0; r < R; ++r) {
+          scalar_t* dst = pdx + ((b * s.N + row0 + r) * s.H + h) * s.d;
+          for (int64_t c = 0; c < s.d; ++c) dst[c] = static_cast<scalar_t>(-scale * dxbuf[r * dp + c]);
+        }
+      });
     });
+    reduce_into(parts, BH, s.chunks, s.M, dp, dl);
+    dl.mul_(scale);
+    return {dx, dl, dvo};
   });
-  reduce_into(parts, BH, s.chunks, s.M, dp, dl);
-  dl.mul_(scale);
-  return {dx, dl, dvo};
 }
 
 }  // namespace CPU_CAPABILITY
 }  // namespace lapf
 
 // ---------------------------------------------------------------------------------------------
-// Operator entry points (checked; the Python glue in lapformer_mm/ops/cpu_ext.py calls them).
+// The other operator entry points and the registration (lapformer_mm/ops/backends/cpu.py calls
+// the operators).
 // ---------------------------------------------------------------------------------------------
 namespace lapf {
 inline namespace CPU_CAPABILITY {
-
-inline void check_operand(const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.defined(), name, " must be a tensor");
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device());
-  TORCH_CHECK(t.dim() == 4, name, " must be 4-D (B, H, n, d), got shape ", t.sizes());
-  TORCH_CHECK(at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kFloat8_e4m3fn,
-              name, " must be float32, float64, float16 or bfloat16, got ", t.scalar_type());
-}
-
-inline void check_like(const char* name, const at::Tensor& t, const at::Tensor& x,
-                       int64_t rows) {
-  check_operand(name, t);
-  TORCH_CHECK(t.scalar_type() == x.scalar_type(), name, " must have x's dtype ",
-              x.scalar_type(), ", got ", t.scalar_type());
-  TORCH_CHECK(t.size(0) == x.size(0) && t.size(1) == x.size(1) && t.size(2) == rows, name,
-              " must be (", x.size(0), ", ", x.size(1), ", ", rows, ", *), got ", t.sizes());
-}
-
-inline at::ScalarType acc_type(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-// A small float tensor (B, H, rows, cols) of the compute dtype.
-inline void check_small(const char* name, const at::Tensor& t, const at::Tensor& x, int64_t rows,
-                        int64_t cols) {
-  TORCH_CHECK(t.defined() && t.device().is_cpu() && t.dim() == 4, name,
-              " must be a 4-D CPU tensor");
-  TORCH_CHECK(t.scalar_type() == acc_type(x.scalar_type()), name, " must be ",
-              acc_type(x.scalar_type()), ", got ", t.scalar_type());
-  TORCH_CHECK(t.size(0) == x.size(0) && t.size(1) == x.size(1) && t.size(2) == rows &&
-                  (cols < 0 || t.size(3) == cols),
-              name, " must be (", x.size(0), ", ", x.size(1), ", ", rows, ", ",
-              cols < 0 ? std::string("*") : std::to_string(cols), "), got ", t.sizes());
-}
-
-inline void check_pair(const at::Tensor& x, const at::Tensor& y, double lam, int64_t kind) {
-  check_operand("x", x);
-  check_operand("y", y);
-  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x and y must share a dtype, got ",
-              x.scalar_type(), " and ", y.scalar_type());
-  TORCH_CHECK(x.size(0) == y.size(0) && x.size(1) == y.size(1) && x.size(3) == y.size(3),
-              "x (B, H, N, d) and y (B, H, M, d) must agree in B, H and d, got ", x.sizes(),
-              " and ", y.sizes());
-  TORCH_CHECK(lam > 0, "lam must be > 0, got ", lam);
-  TORCH_CHECK(kind == kLaplacian || kind == kGaussian,
-              "kind must be 0 (laplacian) or 1 (gaussian), got ", kind);
-}
-
-inline bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
-
-#define LAPF_DISPATCH_FLOATING(TYPE, NAME, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
-
-inline at::Tensor pairwise_forward(const at::Tensor& x, const at::Tensor& y, double lam,
-                                   int64_t kind) {
-  check_pair(x, y, lam, kind);
-  at::Tensor out;
-  LAPF_DISPATCH_FLOATING(x.scalar_type(), "pairwise_forward", [&] {
-    out = pairwise_forward_typed<scalar_t>(x, y, lam, kind);
-  });
-  return out;
-}
 
 inline std::tuple<at::Tensor, at::Tensor> pairwise_backward(
     const at::Tensor& grad, const at::Tensor& kmat, const at::Tensor& x, const at::Tensor& y,
@@ -1053,19 +1058,6 @@ inline std::tuple<at::Tensor, at::Tensor> pairwise_backward(
   return out;
 }
 
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
-    const at::Tensor& x, const at::Tensor& landmarks, const c10::optional<at::Tensor>& v,
-    double lam, int64_t kind, bool want_stats, bool want_rows) {
-  check_pair(x, landmarks, lam, kind);
-  if (given(v)) check_like("v", *v, x, x.size(2));
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> out;
-  LAPF_DISPATCH_FLOATING(x.scalar_type(), "attention_rows_forward", [&] {
-    out = attention_rows_forward_typed<scalar_t>(x, landmarks, v, lam, kind, want_stats,
-                                                 want_rows);
-  });
-  return out;
-}
-
 inline at::Tensor attention_rows_apply(const at::Tensor& rows, const at::Tensor& a,
                                        const at::Tensor& bias, at::ScalarType dtype) {
   TORCH_CHECK(rows.defined() && rows.device().is_cpu() && rows.dim() == 4 && rows.is_contiguous()
@@ -1080,51 +1072,6 @@ inline at::Tensor attention_rows_apply(const at::Tensor& rows, const at::Tensor&
     LAPF_DISPATCH_FLOATING(dtype, "attention_rows_apply_out", [&] {
       out = attention_rows_apply_typed<acc_t, scalar_t>(rows, a, bias, dtype);
     });
-  });
-  return out;
-}
-
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_grad_sums(
-    const at::Tensor& x, const at::Tensor& landmarks, const at::Tensor& grad, double lam,
-    int64_t kind, bool centre) {
-  check_pair(x, landmarks, lam, kind);
-  check_like("grad", grad, x, x.size(2));
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> out;
-  LAPF_DISPATCH_FLOATING(x.scalar_type(), "attention_grad_sums", [&] {
-    out = attention_grad_sums_typed<scalar_t>(x, landmarks, grad, lam, kind, centre);
-  });
-  return out;
-}
-
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_backward(
-    const at::Tensor& x, const at::Tensor& landmarks, const c10::optional<at::Tensor>& rows,
-    const c10::optional<at::Tensor>& grad, const c10::optional<at::Tensor>& ctx_s,
-    const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& mu,
-    const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& d_rhs, bool need_dv,
-    double lam, int64_t kind, bool centre) {
-  check_pair(x, landmarks, lam, kind);
-  const int64_t N = x.size(2), M = landmarks.size(2);
-  if (given(rows)) {
-    check_small("rows", *rows, x, N, M);
-    TORCH_CHECK(rows->is_contiguous(), "rows must be contiguous");
-  }
-  if (given(grad)) {
-    check_like("grad", *grad, x, N);
-    check_small("ctx_s", *ctx_s, x, M, grad->size(3));
-    if (centre) {
-      check_small("a", *a, x, 1, M);
-      check_small("mu", *mu, x, 1, M);
-    }
-  }
-  TORCH_CHECK(!need_dv || given(v), "need_dv needs v");
-  if (given(v)) {
-    check_like("v", *v, x, N);
-    check_small("d_rhs", *d_rhs, x, M, v->size(3));
-  }
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> out;
-  LAPF_DISPATCH_FLOATING(x.scalar_type(), "attention_rows_backward", [&] {
-    out = attention_rows_backward_typed<scalar_t>(x, landmarks, rows, grad, ctx_s, a, mu, v,
-                                                  d_rhs, need_dv, lam, kind, centre);
   });
   return out;
 }

@@ -1,18 +1,11 @@
 """The C++ CPU kernels (``lapformer_mm/csrc/cpu``) as the attention op's 'cpu' backend.
 
-``setup.py`` builds one extension module per at::vec instruction set
-(``lapformer_mm._cpu_default``, ``_cpu_avx2``, ``_cpu_avx512``); the one named by
-``torch.backends.cpu.get_cpu_capability()`` is loaded (``ATEN_CPU_CAPABILITY=default``
-selects the portable build), or the best one below it that was built.
-``LAPFORMER_CPU_EXT=0`` disables the backend; when no build is installed (no compiler at
-install time) :func:`available` says so once, in a warning, and the op runs the reference.
-
-The kernels read q, k, v and the landmarks in the layout and dtype they come in (the strided
-views of the qkv projection, 16-bit under autocast): the kernel rows are formed and consumed
-in C++, the whitening statistics come from the same pass, and the m × m middle steps are the
-reference's stages (:func:`~lapformer_mm.ops.reference.solve_context`,
-:func:`~lapformer_mm.ops.reference.context_grads`,
-:func:`~lapformer_mm.ops.reference.solve_grads`).
+``setup.py`` builds one module per at::vec instruction set (``lapformer_mm._cpu_default``,
+``_cpu_avx2``, ``_cpu_avx512``); the one ``torch.backends.cpu.get_cpu_capability()`` names is
+loaded, or the best built one below it. ``LAPFORMER_CPU_EXT=0`` disables the backend; with no
+build installed :func:`available` warns once and the op runs the reference. The kernels read
+the operands in their layout and dtype and form and consume the kernel rows in C++; the m × m
+middle steps are the reference's stages.
 """
 import importlib.util
 import os
