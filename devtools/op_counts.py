@@ -5,7 +5,7 @@ ops (whose own allocations would otherwise be hidden). Views (outputs that alias
 input, and ``_unsafe_view``) and allocations (``empty``/``empty_strided``, no kernel) are
 counted apart from compute ops. Kernel launches of ours are counted by :meth:`launch`,
 called from a wrapped ``_cuda_launch.launch`` (:func:`counting_launch`). Used by
-tests/test_cuda_op_counts.py and benchmarks/cuda_host.py.
+tests/ops/cuda/test_op_counts.py and benchmarks/cuda_host.py.
 """
 import collections
 import contextlib

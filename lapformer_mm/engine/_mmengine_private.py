@@ -4,7 +4,7 @@ mmengine 0.10 has no public way to reorder ``CheckpointHook``'s rotation, to cha
 the ``Runner``'s auto-resume looks, or to load a checkpoint dict into a model the way
 ``Runner.load_checkpoint`` does. Everything that reaches past mmengine's public API goes
 through this module, and :data:`PINNED` records the source each piece was written
-against: ``tests/test_engine_mmengine_private.py`` fails when mmengine changes any of
+against: ``tests/engine/test_mmengine_private.py`` fails when mmengine changes any of
 them, so an upgrade is reviewed here rather than discovered as a silent misbehaviour.
 """
 import hashlib
