@@ -115,11 +115,12 @@ __device__ __forceinline__ ns_vec<S> ns_load_vec(const S* p) {
 // different banks (the host sizes the buffers with the same rule).
 __device__ __forceinline__ int ns_stride(int mp) { return (mp % 8 == 4) ? mp : mp + 4; }
 
-// acc = a[rows 4 ti.., :] @ b[:, cols 4 tj..] over the padded size mp; a and b are padded
-// shared memory (stride ld), read 16 bytes at a time.
+// acc = a[rows 4 ti.., k_begin:k_end] @ b[k_begin:k_end, cols 4 tj..]; a and b are padded
+// shared memory (stride ld), read 16 bytes at a time; k_begin and k_end are multiples of
+// 16 bytes of S.
 template <typename S>
 __device__ __forceinline__ void ns_tile_product(const S* __restrict__ a, const S* __restrict__ b,
-                                                int mp, int ld, int ti, int tj,
+                                                int k_begin, int k_end, int ld, int ti, int tj,
                                                 S acc[NS_MT][NS_MT]) {
     constexpr int KV = 16 / sizeof(S);
 #pragma unroll
@@ -127,7 +128,7 @@ __device__ __forceinline__ void ns_tile_product(const S* __restrict__ a, const S
 #pragma unroll
         for (int c = 0; c < NS_MT; ++c) acc[r][c] = S(0);
     const int r0 = ti * NS_MT, c0 = tj * NS_MT;
-    for (int k0 = 0; k0 < mp; k0 += KV) {
+    for (int k0 = k_begin; k0 < k_end; k0 += KV) {
         S av[NS_MT][KV];
 #pragma unroll
         for (int r = 0; r < NS_MT; ++r) {
@@ -152,25 +153,89 @@ __device__ __forceinline__ void ns_tile_product(const S* __restrict__ a, const S
     }
 }
 
+// Rows of a 4 x 4 block at (row r0, column c0) of M, 16 bytes at a time.
+template <typename S>
+__device__ __forceinline__ void ns_store_block(S* M, int ld, int r0, int c0,
+                                               const S v[NS_MT][NS_MT]) {
+    constexpr int KV = 16 / sizeof(S);
+#pragma unroll
+    for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+        for (int c = 0; c < NS_MT; c += KV) {
+            ns_vec<S> out;
+#pragma unroll
+            for (int q = 0; q < KV; ++q) out.v[q] = v[r][c + q];
+            *reinterpret_cast<ns_vec<S>*>(M + (r0 + r) * ld + c0 + c) = out;
+        }
+}
+
+// Tile (ti, tj), ti <= tj, of a symmetric M and its mirror (tj, ti). A diagonal tile takes
+// its upper half for both halves, so M stays exactly symmetric.
+template <typename S>
+__device__ __forceinline__ void ns_store_symmetric(S* M, int ld, int ti, int tj,
+                                                   const S v[NS_MT][NS_MT]) {
+    S w[NS_MT][NS_MT];
+#pragma unroll
+    for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+        for (int c = 0; c < NS_MT; ++c) w[r][c] = (ti < tj || r <= c) ? v[r][c] : v[c][r];
+    ns_store_block(M, ld, ti * NS_MT, tj * NS_MT, w);
+    if (ti < tj) {
+#pragma unroll
+        for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+            for (int c = 0; c < NS_MT; ++c) w[r][c] = v[c][r];
+        ns_store_block(M, ld, tj * NS_MT, ti * NS_MT, w);
+    }
+}
+
+// Upper-triangle tile number u (row-major over ti <= tj) of an nt x nt grid of tiles.
+__device__ __forceinline__ void ns_upper_tile(int u, int nt, int& ti, int& tj) {
+    int i = 0;
+    while (u >= nt - i) {
+        u -= nt - i;
+        ++i;
+    }
+    ti = i;
+    tj = i + u;
+}
+
+// k-splits of each product: the upper triangle's nt (nt + 1) / 2 tiles times the splits
+// fill the block (the host's _cuda_launch.ns_splits is the same rule).
+__device__ __forceinline__ int ns_splits(int mp, int nthreads, int kv) {
+    const int nt = mp / NS_MT, ntri = nt * (nt + 1) / 2, nk = mp / kv;
+    const int s = nthreads / ntri;
+    return s < 1 ? 1 : (s > nk ? nk : s);
+}
+
 // X = the Newton-Schulz inverse of P after `iters` steps: X <- 2X - X (P X), from
 // X0 = I / ||P||_inf ('identity') or 1.8 P / ||P||_inf^2 ('authors'), as
-// lapformer_mm/ops/solvers.py. P, X and the scratch T are padded mp x ld shared memory;
-// T must hold zeros on entry (its padding stays zero, which keeps the products' padding
-// zero). Every thread of the block calls this; threads past the (mp/4)^2 tiles only help
-// with the element-wise steps.
+// lapformer_mm/ops/reference.py. Every iterate is a polynomial in the symmetric P, so
+// P X and X (P X) are symmetric: only the upper triangle's tiles are computed, each by
+// ns_splits threads over consecutive k ranges whose partials (scratch: (splits - 1) *
+// tiles * 16 entries) are added in split order, and mirrored. P, X and the scratch T are
+// padded mp x ld shared memory; T must hold zeros on entry (its padding stays zero, which
+// keeps the products' padding zero). Every thread of the block calls this.
 template <typename S>
-__device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, int m, int iters,
-                                           int init_authors) {
+__device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, int m,
+                                           int iters, int init_authors) {
+    constexpr int KV = 16 / sizeof(S);
     __shared__ S norm_shared;
     const int mp = (m + NS_MT - 1) / NS_MT * NS_MT;
     const int ld = ns_stride(mp);
     const int size = mp * ld;
     const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     const int nthreads = blockDim.x * blockDim.y * blockDim.z;
-    const int nt = mp / NS_MT;
-    const bool has_tile = tid < nt * nt;
-    const int ti = has_tile ? tid / nt : 0;
-    const int tj = has_tile ? tid % nt : 0;
+    const int nt = mp / NS_MT, ntri = nt * (nt + 1) / 2, nk = mp / KV;
+    const int splits = ns_splits(mp, nthreads, KV);
+    const int npart = (splits - 1) * ntri;
+    const bool has_tile = tid < splits * ntri;
+    const int tile = has_tile ? tid % ntri : 0, split = has_tile ? tid / ntri : 0;
+    int ti, tj;
+    ns_upper_tile(tile, nt, ti, tj);
+    const int k_begin = split * nk / splits * KV, k_end = (split + 1) * nk / splits * KV;
+    // Partials lie entry-major, so a warp's stores and loads hit consecutive banks.
+    S* part = scratch + (split > 0 ? (split - 1) * ntri + tile : 0);
     // ||P||_inf's row sums in T's column 0.
     for (int r = tid; r < m; r += nthreads) {
         S s = S(0);
@@ -200,25 +265,50 @@ __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, int m, int i
 
     for (int it = 0; it < iters; ++it) {
         S acc[NS_MT][NS_MT];
+        // T = P X.
         if (has_tile) {
-            ns_tile_product<S>(Ps, X, mp, ld, ti, tj, acc);
+            ns_tile_product<S>(Ps, X, k_begin, k_end, ld, ti, tj, acc);
+            if (split > 0)
 #pragma unroll
-            for (int r = 0; r < NS_MT; ++r)
+                for (int r = 0; r < NS_MT; ++r)
 #pragma unroll
-                for (int c = 0; c < NS_MT; ++c) T[(ti * NS_MT + r) * ld + tj * NS_MT + c] = acc[r][c];
+                    for (int c = 0; c < NS_MT; ++c) part[(r * NS_MT + c) * npart] = acc[r][c];
         }
         __syncthreads();
-        if (has_tile) ns_tile_product<S>(X, T, mp, ld, ti, tj, acc);
+        if (has_tile && split == 0) {
+            for (int s = 1; s < splits; ++s)
+#pragma unroll
+                for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+                    for (int c = 0; c < NS_MT; ++c)
+                        acc[r][c] += scratch[(r * NS_MT + c) * npart + (s - 1) * ntri + tile];
+            ns_store_symmetric(T, ld, ti, tj, acc);
+        }
+        __syncthreads();
+        // X <- 2 X - X T.
+        if (has_tile) {
+            ns_tile_product<S>(X, T, k_begin, k_end, ld, ti, tj, acc);
+            if (split > 0)
+#pragma unroll
+                for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+                    for (int c = 0; c < NS_MT; ++c) part[(r * NS_MT + c) * npart] = acc[r][c];
+        }
         // Every thread must finish reading X before any thread overwrites it.
         __syncthreads();
-        if (has_tile) {
+        if (has_tile && split == 0) {
+            for (int s = 1; s < splits; ++s)
+#pragma unroll
+                for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+                    for (int c = 0; c < NS_MT; ++c)
+                        acc[r][c] += scratch[(r * NS_MT + c) * npart + (s - 1) * ntri + tile];
 #pragma unroll
             for (int r = 0; r < NS_MT; ++r)
 #pragma unroll
-                for (int c = 0; c < NS_MT; ++c) {
-                    S* x = X + (ti * NS_MT + r) * ld + tj * NS_MT + c;
-                    *x = S(2) * *x - acc[r][c];
-                }
+                for (int c = 0; c < NS_MT; ++c)
+                    acc[r][c] = S(2) * X[(ti * NS_MT + r) * ld + tj * NS_MT + c] - acc[r][c];
+            ns_store_symmetric(X, ld, ti, tj, acc);
         }
         __syncthreads();
     }
