@@ -67,6 +67,10 @@ def check_static_smem(variant, lowered, used):
             assert static <= cl.row_pass_static_smem(v) <= cl.DEFAULT_SMEM, (name, static)
         elif stage == 'nys_forward_solve':
             assert static <= cl.NS_STATIC_SMEM, (name, static)
+        elif stage == 'nys_forward_context':
+            assert static <= cl.context_static_smem(v) <= cl.DEFAULT_SMEM, (name, static)
+        elif stage in ('nys_backward_merge', 'nys_backward_landmarks'):
+            assert static <= 4 * v.threads, (name, static)  # the merge's group sums
         else:
             assert static == 0, (name, static)
 

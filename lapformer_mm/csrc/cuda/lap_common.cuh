@@ -189,33 +189,85 @@ __device__ __forceinline__ void ns_store_symmetric(S* M, int ld, int ti, int tj,
     }
 }
 
-// Upper-triangle tile number u (row-major over ti <= tj) of an nt x nt grid of tiles.
-__device__ __forceinline__ void ns_upper_tile(int u, int nt, int& ti, int& tj) {
-    int i = 0;
-    while (u >= nt - i) {
-        u -= nt - i;
-        ++i;
-    }
-    ti = i;
-    tj = i + u;
+// One thread's share of a product over the nt x nt tile grid: tile (ti, tj) over the k
+// range of its split. `upper`: only the tiles ti <= tj (the product is symmetric), numbered
+// row-major. Splits fill the block with tiles x splits threads (the host's
+// _cuda_launch.ns_splits is the same rule); the partials of splits > 0 lie entry-major in
+// the scratch, so a warp's stores and loads hit consecutive banks.
+struct ns_job {
+    bool active;
+    int ti, tj, tile, tiles, split, splits, k_begin, k_end;
+};
+
+__device__ __forceinline__ int ns_splits(int tiles, int nk, int nthreads) {
+    const int s = nthreads / tiles;
+    return s < 1 ? 1 : (s > nk ? nk : s);
 }
 
-// k-splits of each product: the upper triangle's nt (nt + 1) / 2 tiles times the splits
-// fill the block (the host's _cuda_launch.ns_splits is the same rule).
-__device__ __forceinline__ int ns_splits(int mp, int nthreads, int kv) {
-    const int nt = mp / NS_MT, ntri = nt * (nt + 1) / 2, nk = mp / kv;
-    const int s = nthreads / ntri;
-    return s < 1 ? 1 : (s > nk ? nk : s);
+__device__ __forceinline__ ns_job ns_make_job(int tid, int nthreads, int nt, int nk, int kv,
+                                              bool upper) {
+    ns_job j;
+    j.tiles = upper ? nt * (nt + 1) / 2 : nt * nt;
+    j.splits = ns_splits(j.tiles, nk, nthreads);
+    j.active = tid < j.splits * j.tiles;
+    j.tile = j.active ? tid % j.tiles : 0;
+    j.split = j.active ? tid / j.tiles : 0;
+    if (upper) {
+        int u = j.tile, i = 0;
+        while (u >= nt - i) {
+            u -= nt - i;
+            ++i;
+        }
+        j.ti = i;
+        j.tj = i + u;
+    } else {
+        j.ti = j.tile / nt;
+        j.tj = j.tile % nt;
+    }
+    j.k_begin = j.split * nk / j.splits * kv;
+    j.k_end = (j.split + 1) * nk / j.splits * kv;
+    return j;
+}
+
+// acc = the job's partial of a @ b; splits > 0 leave it in the scratch.
+template <typename S>
+__device__ __forceinline__ void ns_job_product(const S* a, const S* b, int ld, const ns_job& j,
+                                               S* scratch, S acc[NS_MT][NS_MT]) {
+    if (!j.active) return;
+    ns_tile_product<S>(a, b, j.k_begin, j.k_end, ld, j.ti, j.tj, acc);
+    if (j.split == 0) return;
+    const int npart = (j.splits - 1) * j.tiles;
+    S* part = scratch + (j.split - 1) * j.tiles + j.tile;
+#pragma unroll
+    for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+        for (int c = 0; c < NS_MT; ++c) part[(r * NS_MT + c) * npart] = acc[r][c];
+}
+
+// acc (split 0's partial) += the other splits' partials, in split order.
+template <typename S>
+__device__ __forceinline__ void ns_job_add_partials(const ns_job& j, const S* scratch,
+                                                    S acc[NS_MT][NS_MT]) {
+    const int npart = (j.splits - 1) * j.tiles;
+    for (int s = 1; s < j.splits; ++s)
+#pragma unroll
+        for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+            for (int c = 0; c < NS_MT; ++c)
+                acc[r][c] += scratch[(r * NS_MT + c) * npart + (s - 1) * j.tiles + j.tile];
 }
 
 // X = the Newton-Schulz inverse of P after `iters` steps: X <- 2X - X (P X), from
 // X0 = I / ||P||_inf ('identity') or 1.8 P / ||P||_inf^2 ('authors'), as
-// lapformer_mm/ops/reference.py. Every iterate is a polynomial in the symmetric P, so
-// P X and X (P X) are symmetric: only the upper triangle's tiles are computed, each by
-// ns_splits threads over consecutive k ranges whose partials (scratch: (splits - 1) *
-// tiles * 16 entries) are added in split order, and mirrored. P, X and the scratch T are
-// padded mp x ld shared memory; T must hold zeros on entry (its padding stays zero, which
-// keeps the products' padding zero). Every thread of the block calls this.
+// lapformer_mm/ops/reference.py. T = P X is computed whole: mirroring its upper half would
+// replace its non-symmetric rounding part by the transpose's, an error the inverse's
+// condition number amplifies at every step. X (P X) is symmetric for any symmetric X and
+// P, so only its upper triangle's tiles are computed and mirrored (X stays exactly
+// symmetric). Each product's tiles take k-splits that fill the block, their partials
+// added in split order. P, X and the scratch T are padded mp x ld shared memory; T must
+// hold zeros on entry (its padding stays zero, which keeps the products' padding zero);
+// `scratch` holds the partials (_cuda_launch.ns_scratch_floats). Every thread of the
+// block calls this.
 template <typename S>
 __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, int m,
                                            int iters, int init_authors) {
@@ -226,16 +278,9 @@ __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, 
     const int size = mp * ld;
     const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     const int nthreads = blockDim.x * blockDim.y * blockDim.z;
-    const int nt = mp / NS_MT, ntri = nt * (nt + 1) / 2, nk = mp / KV;
-    const int splits = ns_splits(mp, nthreads, KV);
-    const int npart = (splits - 1) * ntri;
-    const bool has_tile = tid < splits * ntri;
-    const int tile = has_tile ? tid % ntri : 0, split = has_tile ? tid / ntri : 0;
-    int ti, tj;
-    ns_upper_tile(tile, nt, ti, tj);
-    const int k_begin = split * nk / splits * KV, k_end = (split + 1) * nk / splits * KV;
-    // Partials lie entry-major, so a warp's stores and loads hit consecutive banks.
-    S* part = scratch + (split > 0 ? (split - 1) * ntri + tile : 0);
+    const int nt = mp / NS_MT, nk = mp / KV;
+    const ns_job full = ns_make_job(tid, nthreads, nt, nk, KV, false);
+    const ns_job upper = ns_make_job(tid, nthreads, nt, nk, KV, true);
     // ||P||_inf's row sums in T's column 0.
     for (int r = tid; r < m; r += nthreads) {
         S s = S(0);
@@ -266,49 +311,26 @@ __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, 
     for (int it = 0; it < iters; ++it) {
         S acc[NS_MT][NS_MT];
         // T = P X.
-        if (has_tile) {
-            ns_tile_product<S>(Ps, X, k_begin, k_end, ld, ti, tj, acc);
-            if (split > 0)
-#pragma unroll
-                for (int r = 0; r < NS_MT; ++r)
-#pragma unroll
-                    for (int c = 0; c < NS_MT; ++c) part[(r * NS_MT + c) * npart] = acc[r][c];
-        }
+        ns_job_product<S>(Ps, X, ld, full, scratch, acc);
         __syncthreads();
-        if (has_tile && split == 0) {
-            for (int s = 1; s < splits; ++s)
-#pragma unroll
-                for (int r = 0; r < NS_MT; ++r)
-#pragma unroll
-                    for (int c = 0; c < NS_MT; ++c)
-                        acc[r][c] += scratch[(r * NS_MT + c) * npart + (s - 1) * ntri + tile];
-            ns_store_symmetric(T, ld, ti, tj, acc);
+        if (full.active && full.split == 0) {
+            ns_job_add_partials<S>(full, scratch, acc);
+            ns_store_block<S>(T, ld, full.ti * NS_MT, full.tj * NS_MT, acc);
         }
         __syncthreads();
         // X <- 2 X - X T.
-        if (has_tile) {
-            ns_tile_product<S>(X, T, k_begin, k_end, ld, ti, tj, acc);
-            if (split > 0)
-#pragma unroll
-                for (int r = 0; r < NS_MT; ++r)
-#pragma unroll
-                    for (int c = 0; c < NS_MT; ++c) part[(r * NS_MT + c) * npart] = acc[r][c];
-        }
+        ns_job_product<S>(X, T, ld, upper, scratch, acc);
         // Every thread must finish reading X before any thread overwrites it.
         __syncthreads();
-        if (has_tile && split == 0) {
-            for (int s = 1; s < splits; ++s)
-#pragma unroll
-                for (int r = 0; r < NS_MT; ++r)
-#pragma unroll
-                    for (int c = 0; c < NS_MT; ++c)
-                        acc[r][c] += scratch[(r * NS_MT + c) * npart + (s - 1) * ntri + tile];
+        if (upper.active && upper.split == 0) {
+            ns_job_add_partials<S>(upper, scratch, acc);
 #pragma unroll
             for (int r = 0; r < NS_MT; ++r)
 #pragma unroll
                 for (int c = 0; c < NS_MT; ++c)
-                    acc[r][c] = S(2) * X[(ti * NS_MT + r) * ld + tj * NS_MT + c] - acc[r][c];
-            ns_store_symmetric(X, ld, ti, tj, acc);
+                    acc[r][c] = S(2) * X[(upper.ti * NS_MT + r) * ld + upper.tj * NS_MT + c] -
+                                acc[r][c];
+            ns_store_symmetric<S>(X, ld, upper.ti, upper.tj, acc);
         }
         __syncthreads();
     }

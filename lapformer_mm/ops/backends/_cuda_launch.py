@@ -142,21 +142,25 @@ def landmark_tile_floats(v):
     return (2 * v.tk + v.mp) * (v.mp + 1)
 
 
-def ns_splits(mp, threads):
-    """k-splits of ns_iterate's products (lap_common.cuh, ns_splits): the upper triangle's
-    tiles times the splits fill the block."""
+def ns_splits(tiles, nk, threads):
+    """k-splits of a Newton-Schulz product over ``tiles`` 4 x 4 tiles (lap_common.cuh,
+    ns_splits): tiles x splits threads fill the block."""
+    return max(1, min(threads // tiles, nk))
+
+
+def ns_scratch_floats(mp, threads):
+    """Floats of ns_iterate's k-split partials: P X over all nt^2 tiles, X (P X) over the
+    upper triangle's nt (nt + 1) / 2."""
     nt = mp // 4
-    tiles = nt * (nt + 1) // 2
-    return max(1, min(threads // tiles, nt))
+    return 16 * max((ns_splits(tiles, nt, threads) - 1) * tiles
+                    for tiles in (nt * nt, nt * (nt + 1) // 2))
 
 
 def solve_smem(v, m):
     """Dynamic shared memory (bytes) of nys_forward_solve: P, X, T and the k-split partials,
     or P and the landmark tile, whichever is more (a merge job needs less than both)."""
     mp, ld = ns_layout(m)
-    nt = mp // 4
-    partials = (ns_splits(mp, v.threads) - 1) * nt * (nt + 1) // 2 * 16
-    return 4 * max(mp * ld + landmark_tile_floats(v), 3 * mp * ld + partials)
+    return 4 * max(mp * ld + landmark_tile_floats(v), 3 * mp * ld + ns_scratch_floats(mp, v.threads))
 
 
 def backward_solve_smem(v, m, cols):
