@@ -160,7 +160,8 @@ def solve_smem(v, m):
     """Dynamic shared memory (bytes) of nys_forward_solve: P, X, T and the k-split partials,
     or P and the landmark tile, whichever is more (a merge job needs less than both)."""
     mp, ld = ns_layout(m)
-    return 4 * max(mp * ld + landmark_tile_floats(v), 3 * mp * ld + ns_scratch_floats(mp, v.threads))
+    return 4 * max(mp * ld + landmark_tile_floats(v),
+                   3 * mp * ld + ns_scratch_floats(mp, v.threads))
 
 
 def backward_solve_smem(v, m, cols):
