@@ -32,10 +32,12 @@ void launch_kernel(void** args, dim3 grid, dim3 block, std::size_t shared) {
 #define EMU_NYSTROM_KIND(T, K)                                                          \
     EMU_ENTRY(nys_forward_stats<T, K>), EMU_ENTRY(nys_forward_solve<T, K>),                \
     EMU_ENTRY(nys_forward_out<T, K>), EMU_ENTRY(nys_backward_reduce<T, K>),                \
-    EMU_ENTRY(nys_backward_solve<T, K>), EMU_ENTRY(nys_backward_grads<T, K>)
+    EMU_ENTRY(nys_backward_solve<T, K>), EMU_ENTRY(nys_backward_grads<T, K>),              \
+    EMU_ENTRY(nys_backward_landmarks<T, K>)
 
-#define EMU_NYSTROM(T) \
-    EMU_NYSTROM_KIND(T, 0), EMU_NYSTROM_KIND(T, 1), EMU_ENTRY(nys_backward_landmarks<T>)
+#define EMU_NYSTROM(T)                                                                  \
+    EMU_NYSTROM_KIND(T, 0), EMU_NYSTROM_KIND(T, 1), EMU_ENTRY(nys_forward_context<T>),     \
+    EMU_ENTRY(nys_backward_merge<T>)
 
 const std::map<std::string, Launcher>& kernels() {
     static const std::map<std::string, Launcher> table = {

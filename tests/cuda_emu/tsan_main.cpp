@@ -5,6 +5,7 @@
 // checked by the emulation tests; this program only launches every stage of the fused
 // attention on small, odd shapes (tails in every tile, two row slices, the solves in
 // several column passes) with tied and separate keys, and exits 0.
+#include <algorithm>
 #include <cstdio>
 #include <vector>
 
@@ -31,8 +32,9 @@ nys_operand operand(float* data, long long sb, long long sh, long long sn, long 
 }
 
 // One batch of two heads: N = 70 rows in two slices of 64, m = 9, d = 17, d_v = 11, value
-// columns in passes of 4. Operands contiguous (B, h, N, .); the output gradient in the
-// (B, N, h, d_v) layout of the output.
+// columns in passes of 4 (backward solve) and groups of NYS_CC (context), the merge and
+// context blocks each looping over several pieces. Operands contiguous (B, h, N, .); the
+// output gradient in the (B, N, h, d_v) layout of the output.
 int nystrom_attention(bool tied) {
     const int heads = 2, n = 70, m = 9, d = 17, dv = 11, splits = 2, cols = 4, mp = 12, ld = 12;
     const long long bh = 2;
@@ -41,9 +43,9 @@ int nystrom_attention(bool tied) {
                        g = ramp(bh * n * dv, 0.01f);
     std::vector<float> part(bh * splits * (2 * m + m * dv)), fold(bh * (m + 1) * dv),
         context(bh * m * dv), inverse(bh * m * m), stats(bh * 2 * m), out(bh * n * dv),
-        bpart(bh * splits * (m * dv + dv)), work(bh * (m * dv + m + m * d)),
-        lpart(bh * splits * m * d), dq(bh * n * d), dk(bh * n * d), dvv(bh * n * dv),
-        dl(bh * m * d);
+        fwork(bh * (m * m + m * dv)), bpart(bh * splits * (m * dv + dv)),
+        work(bh * (2 * m * dv + m + m * m + dv)), lpart(bh * splits * m * d), dq(bh * n * d),
+        dk(bh * n * d), dvv(bh * n * dv), dl(bh * m * d);
     nys_params p{};
     p.q = operand(q.data(), heads * n * d, n * d, d, 1);
     p.k = tied ? nys_operand{} : operand(k.data(), heads * n * d, n * d, d, 1);
@@ -59,26 +61,36 @@ int nystrom_attention(bool tied) {
     p.context = context.data();
     p.inverse = inverse.data();
     p.stats = stats.data();
-    p.work = work.data();
     p.lpart = lpart.data();
     p.bh_count = bh;
     p.heads = heads, p.n = n, p.m = m, p.d = d, p.dv = dv, p.chunk = 64, p.splits = splits;
     p.iters = 6, p.init_authors = 0, p.refine = 1, p.injective = 1, p.solve_cols = cols;
     p.neg_inv_lam = -0.25f, p.neg_coef = -0.25f, p.eps = 0.01f, p.whiten_eps = 1e-5f;
-    const std::size_t solve = 4 * (3 * mp * ld + 2 * m * cols + NYS_MP);
-    const std::size_t bsolve = 4 * (m * m + m * (m + 1) + 3 * m * (cols + 1) + 2 * NYS_MP + cols);
+    // _cuda_launch.solve_smem and backward_solve_smem at m = 9 (mp = ld = 12: 3 k-splits of
+    // the 9 tiles of P X, whose partials are the larger).
+    const std::size_t solve =
+        4 * std::max<std::size_t>(mp * ld + NYS_LTILE, 3 * mp * ld + 2 * 9 * 16);
+    const std::size_t bsolve = 4 * (m * m + std::max<std::size_t>(
+                                                NYS_LTILE, m * (m + 1) + 3 * m * (cols + 1) +
+                                                               NYS_MP + cols));
     const std::size_t grads = 4 * (2 * NYS_MP * (NYS_DV + 1) + 2 * NYS_TB * (NYS_MP + 1) +
                                    2 * NYS_TB * (NYS_DW + 1) + NYS_TK * (NYS_TB + 1) +
                                    NYS_TK * (NYS_MP + 1) + 3 * NYS_MP + 2 * NYS_TB);
+    const unsigned jobs = 1 + (m + m * dv + NYS_LANES - 1) / NYS_LANES;
     p.part = part.data();
+    p.work = fwork.data();
     int rc = launch("nys_forward_stats<float, 0>", p, dim3(splits, 2));
-    rc |= launch("nys_forward_solve<float, 0>", p, dim3(2), solve);
+    // Fewer blocks than jobs: a block runs the Newton-Schulz job and merges.
+    rc |= launch("nys_forward_solve<float, 0>", p, dim3(jobs / 2, 2), solve);
+    rc |= launch("nys_forward_context<float>", p, dim3(1, 2));
     rc |= launch("nys_forward_out<float, 0>", p, dim3(2, 2));
     p.part = bpart.data();
+    p.work = work.data();
     rc |= launch("nys_backward_reduce<float, 0>", p, dim3(splits, 2));
+    rc |= launch("nys_backward_merge<float>", p, dim3(2, 2));
     rc |= launch("nys_backward_solve<float, 0>", p, dim3(2), bsolve);
     rc |= launch("nys_backward_grads<float, 0>", p, dim3(splits, 2), grads);
-    rc |= launch("nys_backward_landmarks<float>", p, dim3(2));
+    rc |= launch("nys_backward_landmarks<float, 0>", p, dim3(2, 2));
     return rc;
 }
 

@@ -115,11 +115,12 @@ __device__ __forceinline__ ns_vec<S> ns_load_vec(const S* p) {
 // different banks (the host sizes the buffers with the same rule).
 __device__ __forceinline__ int ns_stride(int mp) { return (mp % 8 == 4) ? mp : mp + 4; }
 
-// acc = a[rows 4 ti.., :] @ b[:, cols 4 tj..] over the padded size mp; a and b are padded
-// shared memory (stride ld), read 16 bytes at a time.
+// acc = a[rows 4 ti.., k_begin:k_end] @ b[k_begin:k_end, cols 4 tj..]; a and b are padded
+// shared memory (stride ld), read 16 bytes at a time; k_begin and k_end are multiples of
+// 16 bytes of S.
 template <typename S>
 __device__ __forceinline__ void ns_tile_product(const S* __restrict__ a, const S* __restrict__ b,
-                                                int mp, int ld, int ti, int tj,
+                                                int k_begin, int k_end, int ld, int ti, int tj,
                                                 S acc[NS_MT][NS_MT]) {
     constexpr int KV = 16 / sizeof(S);
 #pragma unroll
@@ -127,7 +128,7 @@ __device__ __forceinline__ void ns_tile_product(const S* __restrict__ a, const S
 #pragma unroll
         for (int c = 0; c < NS_MT; ++c) acc[r][c] = S(0);
     const int r0 = ti * NS_MT, c0 = tj * NS_MT;
-    for (int k0 = 0; k0 < mp; k0 += KV) {
+    for (int k0 = k_begin; k0 < k_end; k0 += KV) {
         S av[NS_MT][KV];
 #pragma unroll
         for (int r = 0; r < NS_MT; ++r) {
@@ -152,25 +153,134 @@ __device__ __forceinline__ void ns_tile_product(const S* __restrict__ a, const S
     }
 }
 
+// Rows of a 4 x 4 block at (row r0, column c0) of M, 16 bytes at a time.
+template <typename S>
+__device__ __forceinline__ void ns_store_block(S* M, int ld, int r0, int c0,
+                                               const S v[NS_MT][NS_MT]) {
+    constexpr int KV = 16 / sizeof(S);
+#pragma unroll
+    for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+        for (int c = 0; c < NS_MT; c += KV) {
+            ns_vec<S> out;
+#pragma unroll
+            for (int q = 0; q < KV; ++q) out.v[q] = v[r][c + q];
+            *reinterpret_cast<ns_vec<S>*>(M + (r0 + r) * ld + c0 + c) = out;
+        }
+}
+
+// Tile (ti, tj), ti <= tj, of a symmetric M and its mirror (tj, ti). A diagonal tile takes
+// its upper half for both halves, so M stays exactly symmetric.
+template <typename S>
+__device__ __forceinline__ void ns_store_symmetric(S* M, int ld, int ti, int tj,
+                                                   const S v[NS_MT][NS_MT]) {
+    S w[NS_MT][NS_MT];
+#pragma unroll
+    for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+        for (int c = 0; c < NS_MT; ++c) w[r][c] = (ti < tj || r <= c) ? v[r][c] : v[c][r];
+    ns_store_block(M, ld, ti * NS_MT, tj * NS_MT, w);
+    if (ti < tj) {
+#pragma unroll
+        for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+            for (int c = 0; c < NS_MT; ++c) w[r][c] = v[c][r];
+        ns_store_block(M, ld, tj * NS_MT, ti * NS_MT, w);
+    }
+}
+
+// One thread's share of a product over the nt x nt tile grid: tile (ti, tj) over the k
+// range of its split. `upper`: only the tiles ti <= tj (the product is symmetric), numbered
+// row-major. Splits fill the block with tiles x splits threads (the host's
+// _cuda_launch.ns_splits is the same rule); the partials of splits > 0 lie entry-major in
+// the scratch, so a warp's stores and loads hit consecutive banks.
+struct ns_job {
+    bool active;
+    int ti, tj, tile, tiles, split, splits, k_begin, k_end;
+};
+
+__device__ __forceinline__ int ns_splits(int tiles, int nk, int nthreads) {
+    const int s = nthreads / tiles;
+    return s < 1 ? 1 : (s > nk ? nk : s);
+}
+
+__device__ __forceinline__ ns_job ns_make_job(int tid, int nthreads, int nt, int nk, int kv,
+                                              bool upper) {
+    ns_job j;
+    j.tiles = upper ? nt * (nt + 1) / 2 : nt * nt;
+    j.splits = ns_splits(j.tiles, nk, nthreads);
+    j.active = tid < j.splits * j.tiles;
+    j.tile = j.active ? tid % j.tiles : 0;
+    j.split = j.active ? tid / j.tiles : 0;
+    if (upper) {
+        int u = j.tile, i = 0;
+        while (u >= nt - i) {
+            u -= nt - i;
+            ++i;
+        }
+        j.ti = i;
+        j.tj = i + u;
+    } else {
+        j.ti = j.tile / nt;
+        j.tj = j.tile % nt;
+    }
+    j.k_begin = j.split * nk / j.splits * kv;
+    j.k_end = (j.split + 1) * nk / j.splits * kv;
+    return j;
+}
+
+// acc = the job's partial of a @ b; splits > 0 leave it in the scratch.
+template <typename S>
+__device__ __forceinline__ void ns_job_product(const S* a, const S* b, int ld, const ns_job& j,
+                                               S* scratch, S acc[NS_MT][NS_MT]) {
+    if (!j.active) return;
+    ns_tile_product<S>(a, b, j.k_begin, j.k_end, ld, j.ti, j.tj, acc);
+    if (j.split == 0) return;
+    const int npart = (j.splits - 1) * j.tiles;
+    S* part = scratch + (j.split - 1) * j.tiles + j.tile;
+#pragma unroll
+    for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+        for (int c = 0; c < NS_MT; ++c) part[(r * NS_MT + c) * npart] = acc[r][c];
+}
+
+// acc (split 0's partial) += the other splits' partials, in split order.
+template <typename S>
+__device__ __forceinline__ void ns_job_add_partials(const ns_job& j, const S* scratch,
+                                                    S acc[NS_MT][NS_MT]) {
+    const int npart = (j.splits - 1) * j.tiles;
+    for (int s = 1; s < j.splits; ++s)
+#pragma unroll
+        for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+            for (int c = 0; c < NS_MT; ++c)
+                acc[r][c] += scratch[(r * NS_MT + c) * npart + (s - 1) * j.tiles + j.tile];
+}
+
 // X = the Newton-Schulz inverse of P after `iters` steps: X <- 2X - X (P X), from
 // X0 = I / ||P||_inf ('identity') or 1.8 P / ||P||_inf^2 ('authors'), as
-// lapformer_mm/ops/solvers.py. P, X and the scratch T are padded mp x ld shared memory;
-// T must hold zeros on entry (its padding stays zero, which keeps the products' padding
-// zero). Every thread of the block calls this; threads past the (mp/4)^2 tiles only help
-// with the element-wise steps.
+// lapformer_mm/ops/reference.py. T = P X is computed whole: mirroring its upper half would
+// replace its non-symmetric rounding part by the transpose's, an error the inverse's
+// condition number amplifies at every step. X (P X) is symmetric for any symmetric X and
+// P, so only its upper triangle's tiles are computed and mirrored (X stays exactly
+// symmetric). Each product's tiles take k-splits that fill the block, their partials
+// added in split order. P, X and the scratch T are padded mp x ld shared memory; T must
+// hold zeros on entry (its padding stays zero, which keeps the products' padding zero);
+// `scratch` holds the partials (_cuda_launch.ns_scratch_floats). Every thread of the
+// block calls this.
 template <typename S>
-__device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, int m, int iters,
-                                           int init_authors) {
+__device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, int m,
+                                           int iters, int init_authors) {
+    constexpr int KV = 16 / sizeof(S);
     __shared__ S norm_shared;
     const int mp = (m + NS_MT - 1) / NS_MT * NS_MT;
     const int ld = ns_stride(mp);
     const int size = mp * ld;
     const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     const int nthreads = blockDim.x * blockDim.y * blockDim.z;
-    const int nt = mp / NS_MT;
-    const bool has_tile = tid < nt * nt;
-    const int ti = has_tile ? tid / nt : 0;
-    const int tj = has_tile ? tid % nt : 0;
+    const int nt = mp / NS_MT, nk = mp / KV;
+    const ns_job full = ns_make_job(tid, nthreads, nt, nk, KV, false);
+    const ns_job upper = ns_make_job(tid, nthreads, nt, nk, KV, true);
     // ||P||_inf's row sums in T's column 0.
     for (int r = tid; r < m; r += nthreads) {
         S s = S(0);
@@ -200,25 +310,27 @@ __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, int m, int i
 
     for (int it = 0; it < iters; ++it) {
         S acc[NS_MT][NS_MT];
-        if (has_tile) {
-            ns_tile_product<S>(Ps, X, mp, ld, ti, tj, acc);
-#pragma unroll
-            for (int r = 0; r < NS_MT; ++r)
-#pragma unroll
-                for (int c = 0; c < NS_MT; ++c) T[(ti * NS_MT + r) * ld + tj * NS_MT + c] = acc[r][c];
+        // T = P X.
+        ns_job_product<S>(Ps, X, ld, full, scratch, acc);
+        __syncthreads();
+        if (full.active && full.split == 0) {
+            ns_job_add_partials<S>(full, scratch, acc);
+            ns_store_block<S>(T, ld, full.ti * NS_MT, full.tj * NS_MT, acc);
         }
         __syncthreads();
-        if (has_tile) ns_tile_product<S>(X, T, mp, ld, ti, tj, acc);
+        // X <- 2 X - X T.
+        ns_job_product<S>(X, T, ld, upper, scratch, acc);
         // Every thread must finish reading X before any thread overwrites it.
         __syncthreads();
-        if (has_tile) {
+        if (upper.active && upper.split == 0) {
+            ns_job_add_partials<S>(upper, scratch, acc);
 #pragma unroll
             for (int r = 0; r < NS_MT; ++r)
 #pragma unroll
-                for (int c = 0; c < NS_MT; ++c) {
-                    S* x = X + (ti * NS_MT + r) * ld + tj * NS_MT + c;
-                    *x = S(2) * *x - acc[r][c];
-                }
+                for (int c = 0; c < NS_MT; ++c)
+                    acc[r][c] = S(2) * X[(upper.ti * NS_MT + r) * ld + upper.tj * NS_MT + c] -
+                                acc[r][c];
+            ns_store_symmetric<S>(X, ld, upper.ti, upper.tj, acc);
         }
         __syncthreads();
     }

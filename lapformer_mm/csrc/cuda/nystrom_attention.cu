@@ -1,4 +1,4 @@
-// The fused Nystrom attention: forward in 3 launches, backward in 4, no N x m matrix in
+// The fused Nystrom attention: forward in 4 launches, backward in 5, no N x m matrix in
 // global memory (lapformer_mm/ops/nystrom.py states the contract and the math).
 //
 // Per (batch, head) bh, with C = k(., L) the kernel rows against the m landmarks,
@@ -6,25 +6,30 @@
 //
 //   forward   nys_forward_stats   over N: column statistics of c~ (Chan's per-tile
 //                                 mean and M2) and R = C_k^T v, per row slice
-//             nys_forward_solve   per bh: merge the slices in order, P, Newton-Schulz,
-//                                 context = X R (+ X (R - P X R), residual in fp64),
-//                                 fold = diag(s) context, b = colsum(context) / m
+//             nys_forward_solve   per bh, one block: P, Newton-Schulz; beside it, many
+//                                 blocks merge the slices (statistics, s, R)
+//             nys_forward_context per (value columns, bh): context = X R (+ X (R - P X R),
+//                                 residual in fp64), fold = diag(s) context,
+//                                 b = colsum(context) / m
 //             nys_forward_out     over N: out = c~ fold + b (normalize='none': C context),
 //                                 written in the (B, N, h, d_v) token layout
 //   backward  nys_backward_reduce over N: T = c~^T G and colsum(G), per row slice
+//             nys_backward_merge  per (entries, bh): the slices summed
 //             nys_backward_solve  per bh: dcontext, a = s^3 (T . context) / N,
-//                                 dR = X dcontext (refined), dP = -dR context^T and the
-//                                 landmarks' gradient through P
+//                                 dR = X dcontext (refined), dP = -dR context^T and
+//                                 W = (dP + dP^T) * k(L, L)
 //             nys_backward_grads  over N: dc~ = (G context^T) diag(s) - (c~ - mu) diag(a),
 //                                 dC_q = dc~ - rowmean(dc~), dC_k = v dR^T, dv = C_k dR,
 //                                 dq, dk through the kernel, landmark partials per slice
-//             nys_backward_landmarks  per bh: the landmark gradient, slices summed in order
+//             nys_backward_landmarks  per (entries, bh): the landmark gradient through P
+//                                 plus the slices
 //
 // The math is lapformer_mm/ops/reference.py's (the stage functions named there); the
 // backend lapformer_mm/ops/backends/cuda.py fills one nys_params per call and launches.
 //
 // Row slices ("splits") are fixed by the shapes and the SM count, and every sum over
-// them runs in slice order: no atomics, bit-equal reruns. Inputs q, k, v, L and the
+// them runs in a fixed order (consecutive slices per group, then the groups in order,
+// nys_slice_range): no atomics, bit-equal reruns. Inputs q, k, v, L and the
 // output gradient are read with arbitrary strides; element types fp32, fp16, bf16
 // (fp64 inputs take the reference); everything accumulates in fp32. Limits: m <= NYS_MP
 // landmarks and d_v <= NYS_DV (the backend's not_supported says which variant fits);
@@ -39,12 +44,15 @@
 // (lapformer_mm/ops/backends/_cuda_launch.py, VARIANTS), as -D options that are part of
 // the compile's cache key.
 #if !defined(NYS_MP) || !defined(NYS_DV) || !defined(NYS_TN) || !defined(NYS_TB) || \
-    !defined(NYS_TK) || !defined(NYS_TX) || !defined(NYS_TY)
-#error "compile with the tile geometry of a variant: -DNYS_MP= -DNYS_DV= -DNYS_TN= -DNYS_TB= -DNYS_TK= -DNYS_TX= -DNYS_TY= (lapformer_mm/ops/backends/_cuda_launch.py)"
+    !defined(NYS_TK) || !defined(NYS_TX) || !defined(NYS_TY) || !defined(NYS_LANES) || \
+    !defined(NYS_CC)
+#error "compile with the tile geometry of a variant: -DNYS_MP= -DNYS_DV= -DNYS_TN= -DNYS_TB= -DNYS_TK= -DNYS_TX= -DNYS_TY= -DNYS_LANES= -DNYS_CC= (lapformer_mm/ops/backends/_cuda_launch.py)"
 #endif
 // NYS_MP: landmark columns of a tile (the most landmarks); NYS_DV: value columns (the
 // widest head of v); NYS_TN / NYS_TB: rows of a tile in the row passes / the gradient
-// pass; NYS_TK: the d-chunk staged in shared memory; NYS_TX x NYS_TY threads a block.
+// pass; NYS_TK: the d-chunk staged in shared memory; NYS_TX x NYS_TY threads a block;
+// NYS_LANES: consecutive entries a slice merge takes per block (one warp's coalesced
+// row); NYS_CC: value columns per block of nys_forward_context.
 #define NYS_THREADS (NYS_TX * NYS_TY)
 #define NYS_DW (NYS_MP > NYS_DV ? NYS_MP : NYS_DV)  // tiles that hold G or v, then C_k
 static_assert(NYS_MP % NYS_TX == 0 && NYS_MP % NYS_TY == 0 && NYS_DV % NYS_TX == 0 &&
@@ -58,6 +66,10 @@ constexpr int NYS_CV = NYS_DV / NYS_TX;  // value columns per thread
 constexpr int NYS_GROUPS = NYS_THREADS / NYS_MP;  // row groups of the column statistics
 // dP's elements per thread in the backward solve (held in registers over the chunks).
 constexpr int NYS_DPR = (NYS_MP * NYS_MP + NYS_THREADS - 1) / NYS_THREADS;
+static_assert(NYS_THREADS % NYS_LANES == 0, "the slice merges split the block into groups");
+constexpr int NYS_SGROUPS = NYS_THREADS / NYS_LANES;  // slice groups of a merge
+// Floats of a kernel tile of the landmarks against themselves (staged d-chunks and tile).
+constexpr int NYS_LTILE = (2 * NYS_TK + NYS_MP) * (NYS_MP + 1);
 
 // One operand: base pointer and element strides of its batch, head, row and column.
 struct nys_operand {
@@ -229,6 +241,77 @@ __device__ __forceinline__ void nys_store_atb(const float (&acc)[NYS_RM][NYS_CV]
     }
 }
 
+// Shared memory of a row pass's kernel tile: the staged d-chunks, the tile, its row means.
+struct nys_row_smem {
+    float xs[NYS_TK][NYS_TN + 1];
+    float ys[NYS_TK][NYS_MP + 1];
+    float ct[NYS_TN][NYS_MP + 1];
+    float rm[NYS_TN];
+};
+
+// The kernel rows of rows row0 .. row0 + nrows of operand x (base xb of the bh) against the
+// landmarks lb into s.ct, and with `means` their row means into s.rm. Ends with a barrier.
+template <typename T, int KIND>
+__device__ __forceinline__ void nys_row_tile(nys_row_smem& s, const nys_params& p, const T* xb,
+                                             const nys_operand& x, const T* lb, int row0,
+                                             int nrows, bool means) {
+    nys_kernel_tile<NYS_TN, T, KIND>(xb + row0 * x.sn, x.sn, x.sd, nrows, lb, p.L.sn, p.L.sd, p.m,
+                                     p.d, p.neg_inv_lam, s.xs, s.ys, s.ct);
+    if (means) nys_row_means<NYS_TN>(s.ct, nrows, p.m, s.rm);
+}
+
+// k(L, L) (no eps) into ct[j][l] for j, l < m, zeros elsewhere, through the staged, coalesced
+// loads of a kernel tile; `tile` holds NYS_LTILE floats. Returns ct; ends with a barrier.
+template <typename T, int KIND>
+__device__ __forceinline__ float (*nys_landmark_tile(const nys_params& p, const T* lb,
+                                                     float* tile))[NYS_MP + 1] {
+    typedef float Row[NYS_MP + 1];
+    Row* xs = reinterpret_cast<Row*>(tile);
+    Row* ys = xs + NYS_TK;
+    Row* ct = ys + NYS_TK;
+    nys_kernel_tile<NYS_MP, T, KIND>(lb, p.L.sn, p.L.sd, p.m, lb, p.L.sn, p.L.sd, p.m, p.d,
+                                     p.neg_inv_lam, xs, ys, ct);
+    return ct;
+}
+
+// Slices [first, last) of group g of a merge: NYS_SGROUPS groups of consecutive slices, so
+// every sum over slices runs in slice order within a group and then over the groups in order.
+__device__ __forceinline__ void nys_slice_range(int splits, int g, int& first, int& last) {
+    const int per = (splits + NYS_SGROUPS - 1) / NYS_SGROUPS;
+    first = min(splits, g * per);
+    last = min(splits, first + per);
+}
+
+// sum over slices sp of src[sp * stride + e] for the block's NYS_LANES entries (lane =
+// tid % NYS_LANES, entry e valid or not), in the order above, returned to the threads of
+// group 0 (the others get their group's part). red: NYS_SGROUPS x NYS_LANES floats. Begins
+// and ends with nothing pending: the barriers are inside.
+__device__ __forceinline__ float nys_sum_slices(const float* __restrict__ src, long long stride,
+                                                int splits, long long e, bool valid, float* red) {
+    const int tid = nys_tid(), lane = tid % NYS_LANES, group = tid / NYS_LANES;
+    int first, last;
+    nys_slice_range(splits, group, first, last);
+    float s = 0.0f;
+    if (valid)
+#pragma unroll 4
+        for (int sp = first; sp < last; ++sp) s += src[sp * stride + e];
+    red[group * NYS_LANES + lane] = s;
+    __syncthreads();
+    if (group == 0) {
+        s = 0.0f;
+        for (int g = 0; g < NYS_SGROUPS; ++g) s += red[g * NYS_LANES + lane];
+    }
+    // red is rewritten by the next call.
+    __syncthreads();
+    return s;
+}
+
+// Per bh of the backward: [dR (m x d_v), a (m), W = (dP + dP^T) * k(L, L) (m x m),
+// the merged T (m x d_v) and colsum(G) (d_v)].
+__device__ __forceinline__ long long nys_backward_work_stride(int m, int dv) {
+    return 2LL * m * dv + m + (long long)m * m + dv;
+}
+
 // ---------------------------------------------------------------------------
 // Forward.
 // ---------------------------------------------------------------------------
@@ -238,11 +321,10 @@ __device__ __forceinline__ void nys_store_atb(const float (&acc)[NYS_RM][NYS_CV]
 // [mean (m), M2 (m), R (m x d_v)].
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_params p) {
-    __shared__ float xs[NYS_TK][NYS_TN + 1];
-    __shared__ float ys[NYS_TK][NYS_MP + 1];
-    __shared__ float ct[NYS_TN][NYS_MP + 1];
+    __shared__ nys_row_smem rs;
     __shared__ float vt[NYS_TN][NYS_DV + 1];
-    __shared__ float rm[NYS_TN];
+    float (*ct)[NYS_MP + 1] = rs.ct;
+    const float* rm = rs.rm;
     __shared__ float group_mean[NYS_GROUPS][NYS_MP];
     __shared__ float group_m2[NYS_GROUPS][NYS_MP];
     const int tid = nys_tid();
@@ -267,10 +349,8 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
         nys_zero(acc);
         for (int row0 = row_begin; row0 < row_end; row0 += NYS_TN) {
             const int nrows = min(NYS_TN, row_end - row0);
-            nys_kernel_tile<NYS_TN, T, KIND>(qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
-                                             p.L.sn, p.L.sd, m, p.d, p.neg_inv_lam, xs, ys, ct);
+            nys_row_tile<T, KIND>(rs, p, qb, p.q, lb, row0, nrows, p.injective);
             if (p.injective) {
-                nys_row_means<NYS_TN>(ct, nrows, m, rm);
                 // Two passes over the group's rows, then Chan et al.'s merge: no
                 // E[x^2] - E[x]^2.
                 const int i0 = min(nrows, group * GROUP_ROWS);
@@ -301,10 +381,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
             // The statistics read ct and the group sums; the key tile overwrites ct and
             // the next tile the sums only after the staging barrier inside
             // nys_kernel_tile, which every thread reaches after reading.
-            if (kb != nullptr)
-                nys_kernel_tile<NYS_TN, T, KIND>(kb + row0 * p.k.sn, p.k.sn, p.k.sd, nrows, lb,
-                                                 p.L.sn, p.L.sd, m, p.d, p.neg_inv_lam, xs, ys,
-                                                 ct);
+            if (kb != nullptr) nys_row_tile<T, KIND>(rs, p, kb, p.k, lb, row0, nrows, false);
             nys_load_rows<NYS_TN, NYS_DV, T>(vb + row0 * p.v.sn, p.v.sn, p.v.sd, nrows, dv, vt);
             __syncthreads();
             nys_acc_atb(ct, vt, nrows, acc);
@@ -320,132 +397,189 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
     }
 }
 
-// P = k(L, L) + eps I into padded shared memory (zeros outside m x m); Tz zeroed.
+// The Newton-Schulz job of nys_forward_solve for one bh: P = k(L, L) + eps I, X its
+// inverse; writes X to inverse and P to work. smem: P, X, T (padded mp x ld each) and the
+// k-split partials of ns_iterate, with the landmark tile staged at X first.
 template <typename T, int KIND>
-__device__ void nys_landmark_system(const T* __restrict__ lb, long long lsn, long long lsd, int m,
-                                    int d, float neg_inv_lam, float eps, float* Ps, float* Tz,
-                                    int mp, int ld) {
-    for (int e = nys_tid(); e < mp * ld; e += NYS_THREADS) {
+__device__ void nys_solve_inverse(const nys_params& p, long long bh, float* smem) {
+    const int m = p.m, tid = nys_tid();
+    const int mp = (m + NS_MT - 1) / NS_MT * NS_MT;
+    const int ld = ns_stride(mp);
+    float* Ps = smem;
+    float* X = Ps + mp * ld;
+    float* Tn = X + mp * ld;
+    float* scratch = Tn + mp * ld;
+    const float (*ct)[NYS_MP + 1] = nys_landmark_tile<T, KIND>(p, nys_in<T>(p.L, bh, p.heads), X);
+    for (int e = tid; e < mp * ld; e += NYS_THREADS) {
         const int r = e / ld, c = e % ld;
-        float value = 0.0f;
-        if (r < m && c < m) {
-            float dist = 0.0f;
-            for (int t = 0; t < d; ++t)
-                dist += nys_term<KIND>(lap_load(lb + r * lsn + t * lsd) -
-                                       lap_load(lb + c * lsn + t * lsd));
-            value = lap_exp(dist * neg_inv_lam) + (r == c ? eps : 0.0f);
-        }
-        Ps[e] = value;
-        Tz[e] = 0.0f;
+        Ps[e] = (r < m && c < m) ? ct[r][c] + (r == c ? p.eps : 0.0f) : 0.0f;
+    }
+    // The tile overlaps Tn.
+    __syncthreads();
+    for (int e = tid; e < mp * ld; e += NYS_THREADS) Tn[e] = 0.0f;
+    __syncthreads();
+    ns_iterate<float>(Ps, X, Tn, scratch, m, p.iters, p.init_authors);
+    float* ib = p.inverse + bh * m * m;
+    float* wb = p.work + bh * ((long long)m * m + (long long)m * p.dv);
+    for (int e = tid; e < m * m; e += NYS_THREADS) {
+        const int r = e / m, c = e % m;
+        ib[e] = X[r * ld + c];
+        wb[e] = Ps[r * ld + c];
     }
 }
 
-// Pass 2: one block per bh (blocks loop over bh). Outputs context (bh, m, d_v),
-// inverse (bh, m, m), stats (bh, 2, m) = [mean, s] (injective), and
-// fold (bh, m + 1, d_v) = [diag(s) context; colsum(context) / m] for the output pass
-// (normalize='none': [context; 0]).
+// A merge job of nys_forward_solve: the slices' statistics and R for NYS_LANES consecutive
+// entries `piece` of [m statistics columns, then R's m x d_v entries]. Writes stats =
+// [mean, s] (injective) and the merged R into work after P. red: 3 x NYS_THREADS floats.
+__device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, float* red) {
+    const int tid = nys_tid(), lane = tid % NYS_LANES, group = tid / NYS_LANES;
+    const int m = p.m, dv = p.dv;
+    const int e = piece * NYS_LANES + lane;
+    const bool stat = e < m, valid = e < m + m * dv && (!stat || p.injective);
+    const long long stride = 2LL * m + (long long)m * dv;
+    const float* pb = p.part + bh * p.splits * stride;
+    int first, last;
+    nys_slice_range(p.splits, group, first, last);
+    // Statistics: Chan et al.'s merge of (count, mean, M2) over the group's slices in order;
+    // R: the sum (in `mean`).
+    float count = 0.0f, mean = 0.0f, m2 = 0.0f;
+    if (valid && stat) {
+        for (int sp = first; sp < last; ++sp) {
+            const float nb = (float)min(p.chunk, p.n - sp * p.chunk);
+            const float total = count + nb, delta = pb[sp * stride + e] - mean;
+            mean += delta * (nb / total);
+            m2 += pb[sp * stride + m + e] + delta * delta * (count * nb / total);
+            count = total;
+        }
+    } else if (valid) {
+#pragma unroll 4
+        for (int sp = first; sp < last; ++sp) mean += pb[sp * stride + m + e];
+    }
+    red[tid] = count;
+    red[NYS_THREADS + tid] = mean;
+    red[2 * NYS_THREADS + tid] = m2;
+    __syncthreads();
+    if (group == 0 && valid) {
+        if (stat) {
+            count = mean = m2 = 0.0f;
+            for (int g = 0; g < NYS_SGROUPS; ++g) {
+                const int i = g * NYS_LANES + lane;
+                const float nb = red[i];
+                if (nb == 0.0f) continue;
+                const float total = count + nb, delta = red[NYS_THREADS + i] - mean;
+                mean += delta * (nb / total);
+                m2 += red[2 * NYS_THREADS + i] + delta * delta * (count * nb / total);
+                count = total;
+            }
+            // A column constant over the queries with whiten_eps = 0 stays 0.
+            const float denom = m2 / (float)p.n + p.whiten_eps;
+            p.stats[bh * 2 * m + e] = mean;
+            p.stats[bh * 2 * m + m + e] = denom > 0.0f ? 1.0f / sqrtf(denom) : 0.0f;
+        } else {
+            float s = 0.0f;
+            for (int g = 0; g < NYS_SGROUPS; ++g) s += red[NYS_THREADS + g * NYS_LANES + lane];
+            p.work[bh * ((long long)m * m + (long long)m * dv) + (long long)m * m + (e - m)] = s;
+        }
+    }
+}
+
+// Pass 2: grid (jobs, bh), blocks loop over both. Job 0 of a bh builds P = k(L, L) + eps I
+// and runs Newton-Schulz (the one serial part); jobs 1.. merge the slices of pass 1 in
+// parallel with it, NYS_LANES entries each (threads: NYS_SGROUPS groups of consecutive
+// slices times NYS_LANES coalesced entries). Outputs inverse (bh, m, m), stats (bh, 2, m)
+// = [mean, s] (injective; s = (sigma^2 + delta)^-1/2) and work (bh) = [P (m x m), R (m x
+// d_v)].
 //
-// Dynamic shared memory (floats): P, X and the Newton-Schulz scratch (mp x ld each, the
-// padded layout of ns_iterate), then R and the context for solve_cols value columns at a
-// time (m x solve_cols each) and the scale (NYS_MP); _cuda_launch.solve_smem sizes it.
-// Every column of the solve is independent, so devices with less shared memory take the
-// value columns in several passes with the same sums in the same order.
+// Dynamic shared memory (floats), _cuda_launch.solve_smem: P, X and the Newton-Schulz
+// scratch (mp x ld each, the padded layout of ns_iterate) and its k-split partials; at
+// least the landmark tile (NYS_LTILE) after P; a merge job uses 3 NYS_THREADS of it.
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_forward_solve(const nys_params p) {
     LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
-    const int m = p.m, dv = p.dv, cw = p.solve_cols;
-    const int mp = (m + NS_MT - 1) / NS_MT * NS_MT;
-    const int ld = ns_stride(mp);
-    float* Ps = reinterpret_cast<float*>(smem_bytes);
-    float* X = Ps + mp * ld;
-    float* Tn = X + mp * ld;
-    float* R = Tn + mp * ld;
-    float* Cx = R + m * cw;
-    float* sv = Cx + m * cw;
-    const int tid = nys_tid();
-    const int md = m * dv;
-    const long long part_stride = 2LL * m + (long long)m * dv;
-
-    for (long long bh = blockIdx.x; bh < p.bh_count; bh += gridDim.x) {
-        const T* lb = nys_in<T>(p.L, bh, p.heads);
-        const float* pb = p.part + bh * p.splits * part_stride;
-        nys_landmark_system<T, KIND>(lb, p.L.sn, p.L.sd, m, p.d, p.neg_inv_lam, p.eps, Ps, Tn,
-                                     mp, ld);
-        if (tid < m) {
-            float scale = 1.0f, mean = 0.0f;
-            if (p.injective) {
-                float m2 = 0.0f, na = 0.0f;
-                for (int sp = 0; sp < p.splits; ++sp) {
-                    const float nb = (float)min(p.chunk, p.n - sp * p.chunk);
-                    const float mean_b = pb[sp * part_stride + tid];
-                    const float total = na + nb, delta = mean_b - mean;
-                    mean += delta * (nb / total);
-                    m2 += pb[sp * part_stride + m + tid] + delta * delta * (na * nb / total);
-                    na = total;
-                }
-                // A column constant over the queries with whiten_eps = 0 stays 0.
-                const float denom = m2 / (float)p.n + p.whiten_eps;
-                scale = denom > 0.0f ? 1.0f / sqrtf(denom) : 0.0f;
-                p.stats[bh * 2 * m + tid] = mean;
-                p.stats[bh * 2 * m + m + tid] = scale;
-            }
-            sv[tid] = scale;
+    float* smem = reinterpret_cast<float*>(smem_bytes);
+    const int jobs = 1 + (p.m + p.m * p.dv + NYS_LANES - 1) / NYS_LANES;
+    for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y)
+        for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
+            if (job == 0)
+                nys_solve_inverse<T, KIND>(p, bh, smem);
+            else
+                nys_merge_forward(p, bh, job - 1, smem);
+            // The next job reuses the shared memory.
+            __syncthreads();
         }
-        __syncthreads();
-        ns_iterate<float>(Ps, X, Tn, m, p.iters, p.init_authors);
+}
+
+// Pass 2b: grid (value-column groups of NYS_CC, bh). context = X R and the refinement
+// step X (R - P X R) with its residual in fp64, as the reference; fold (bh, m + 1, d_v) =
+// [diag(s) context; colsum(context) / m] for the output pass (normalize='none':
+// [context; 0]). Every value column is independent, so the columns spread over blocks.
+template <typename T>
+__global__ void __launch_bounds__(NYS_THREADS) nys_forward_context(const nys_params p) {
+    __shared__ float Xs[NYS_MP][NYS_MP + 1];
+    __shared__ float Ps[NYS_MP][NYS_MP + 1];
+    __shared__ float R[NYS_MP][NYS_CC + 1];
+    __shared__ float Cx[NYS_MP][NYS_CC + 1];
+    __shared__ float sv[NYS_MP];
+    const int m = p.m, dv = p.dv, tid = nys_tid();
+    const int md = m * dv, groups = (dv + NYS_CC - 1) / NYS_CC;
+    for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y) {
+        const float* wb = p.work + bh * ((long long)m * m + md);
+        const float* ib = p.inverse + bh * m * m;
+        for (int e = tid; e < m * m; e += NYS_THREADS) {
+            Xs[e / m][e % m] = ib[e];
+            Ps[e / m][e % m] = wb[e];
+        }
+        for (int j = tid; j < m; j += NYS_THREADS)
+            sv[j] = p.injective ? p.stats[bh * 2 * m + m + j] : 1.0f;
         float* cb = p.context + bh * md;
         float* fb = p.fold + bh * (md + dv);
-        for (int c0 = 0; c0 < dv; c0 += cw) {
-            const int w = min(cw, dv - c0), mw = m * w;
+        for (int g = blockIdx.x; g < groups; g += gridDim.x) {
+            const int c0 = g * NYS_CC, w = min(NYS_CC, dv - c0), mw = m * w;
             for (int e = tid; e < mw; e += NYS_THREADS) {
-                const int j = e / w, c = c0 + e % w;
-                float s = 0.0f;
-                for (int sp = 0; sp < p.splits; ++sp) s += pb[sp * part_stride + 2 * m + j * dv + c];
-                R[e] = s;
+                const int j = e / w, c = e % w;
+                R[j][c] = wb[m * m + j * dv + c0 + c];
             }
             __syncthreads();
             for (int e = tid; e < mw; e += NYS_THREADS) {
                 const int j = e / w, c = e % w;
                 float s = 0.0f;
-                for (int l = 0; l < m; ++l) s += X[j * ld + l] * R[l * w + c];
-                Cx[e] = s;
+                for (int l = 0; l < m; ++l) s += Xs[j][l] * R[l][c];
+                Cx[j][c] = s;
             }
             __syncthreads();
             if (p.refine) {
-                // R <- R - P context in fp64 (each thread owns its element), then
-                // context += X R, as the reference does.
+                // R <- R - P context in fp64 (each thread owns its entry), then
+                // context += X R.
                 for (int e = tid; e < mw; e += NYS_THREADS) {
                     const int j = e / w, c = e % w;
-                    double s = (double)R[e];
-                    for (int l = 0; l < m; ++l) s -= (double)Ps[j * ld + l] * (double)Cx[l * w + c];
-                    R[e] = (float)s;
+                    double s = (double)R[j][c];
+                    for (int l = 0; l < m; ++l) s -= (double)Ps[j][l] * (double)Cx[l][c];
+                    R[j][c] = (float)s;
                 }
                 __syncthreads();
                 for (int e = tid; e < mw; e += NYS_THREADS) {
                     const int j = e / w, c = e % w;
                     float s = 0.0f;
-                    for (int l = 0; l < m; ++l) s += X[j * ld + l] * R[l * w + c];
-                    Cx[e] += s;
+                    for (int l = 0; l < m; ++l) s += Xs[j][l] * R[l][c];
+                    Cx[j][c] += s;
                 }
                 __syncthreads();
             }
             for (int e = tid; e < mw; e += NYS_THREADS) {
-                const int j = e / w, c = c0 + e % w;
-                cb[j * dv + c] = Cx[e];
-                fb[j * dv + c] = sv[j] * Cx[e];
+                const int j = e / w, c = e % w;
+                cb[j * dv + c0 + c] = Cx[j][c];
+                fb[j * dv + c0 + c] = sv[j] * Cx[j][c];
             }
             for (int c = tid; c < w; c += NYS_THREADS) {
                 float s = 0.0f;
                 if (p.injective)
-                    for (int j = 0; j < m; ++j) s += Cx[j * w + c];
+                    for (int j = 0; j < m; ++j) s += Cx[j][c];
                 fb[md + c0 + c] = s / (float)m;
             }
             // R and Cx are rewritten by the next columns.
             __syncthreads();
         }
-        float* ib = p.inverse + bh * m * m;
-        for (int e = tid; e < m * m; e += NYS_THREADS) ib[e] = X[(e / m) * ld + e % m];
-        // The next bh of this block reuses every buffer.
+        // X, P and the scales are reloaded for the next bh.
         __syncthreads();
     }
 }
@@ -454,12 +588,11 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_solve(const nys_param
 // dtype: out[i] = (C[i] - rowmean C[i]) fold + b, or C[i] context for 'none'.
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_forward_out(const nys_params p) {
-    __shared__ float xs[NYS_TK][NYS_TN + 1];
-    __shared__ float ys[NYS_TK][NYS_MP + 1];
-    __shared__ float ct[NYS_TN][NYS_MP + 1];
+    __shared__ nys_row_smem rs;
     __shared__ float fp[NYS_MP][NYS_DV + 1];
     __shared__ float bv[NYS_DV];
-    __shared__ float rm[NYS_TN];
+    const float (*ct)[NYS_MP + 1] = rs.ct;
+    const float* rm = rs.rm;
     constexpr int R = NYS_TN / NYS_TY;
     const int tx = threadIdx.x, ty = threadIdx.y, tid = nys_tid();
     const int n = p.n, m = p.m, dv = p.dv, heads = p.heads;
@@ -476,9 +609,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_out(const nys_params 
         for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
             const int row0 = tile * NYS_TN, nrows = min(NYS_TN, n - row0);
             // fp and bv are complete after the barriers inside nys_kernel_tile.
-            nys_kernel_tile<NYS_TN, T, KIND>(qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
-                                             p.L.sn, p.L.sd, m, p.d, p.neg_inv_lam, xs, ys, ct);
-            if (p.injective) nys_row_means<NYS_TN>(ct, nrows, m, rm);
+            nys_row_tile<T, KIND>(rs, p, qb, p.q, lb, row0, nrows, p.injective);
             float acc[R][NYS_CV];
             nys_zero(acc);
             for (int j = 0; j < m; ++j) {
@@ -521,11 +652,10 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_out(const nys_params 
 // colsum(G) (d_v)] over the slice's rows (T = C_q^T G for 'none').
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_backward_reduce(const nys_params p) {
-    __shared__ float xs[NYS_TK][NYS_TN + 1];
-    __shared__ float ys[NYS_TK][NYS_MP + 1];
-    __shared__ float ct[NYS_TN][NYS_MP + 1];
+    __shared__ nys_row_smem rs;
     __shared__ float gt[NYS_TN][NYS_DV + 1];
-    __shared__ float rm[NYS_TN];
+    float (*ct)[NYS_MP + 1] = rs.ct;
+    const float* rm = rs.rm;
     const int tid = nys_tid();
     const int m = p.m, dv = p.dv;
     const int split = blockIdx.x, splits = gridDim.x;
@@ -541,10 +671,8 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_reduce(const nys_par
         float gsum = 0.0f;  // column tid of G (threads tid < d_v)
         for (int row0 = row_begin; row0 < row_end; row0 += NYS_TN) {
             const int nrows = min(NYS_TN, row_end - row0);
-            nys_kernel_tile<NYS_TN, T, KIND>(qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
-                                             p.L.sn, p.L.sd, m, p.d, p.neg_inv_lam, xs, ys, ct);
+            nys_row_tile<T, KIND>(rs, p, qb, p.q, lb, row0, nrows, p.injective);
             if (p.injective) {
-                nys_row_means<NYS_TN>(ct, nrows, m, rm);
                 for (int e = tid; e < NYS_TN * NYS_MP; e += NYS_THREADS) {
                     const int i = e / NYS_MP, j = e % NYS_MP;
                     if (i < nrows && j < m) ct[i][j] -= rm[i];
@@ -564,45 +692,60 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_reduce(const nys_par
     }
 }
 
-// Pass B0: one block per bh. work[bh] = [dR (m x d_v), a (m), dL through P (m x d)].
+// Pass A2: grid (pieces of NYS_LANES entries, bh): the slices of pass A summed per entry,
+// [T (m x d_v), colsum(G) (d_v)], into the merged part of work (nys_backward_work_stride).
+template <typename T>
+__global__ void __launch_bounds__(NYS_THREADS) nys_backward_merge(const nys_params p) {
+    __shared__ float red[NYS_THREADS];
+    const int m = p.m, dv = p.dv, md = m * dv;
+    const long long part_stride = (long long)md + dv;
+    const int pieces = (md + dv + NYS_LANES - 1) / NYS_LANES;
+    const int lane = nys_tid() % NYS_LANES, group = nys_tid() / NYS_LANES;
+    for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y) {
+        const float* pb = p.part + bh * p.splits * part_stride;
+        float* merged = p.work + bh * nys_backward_work_stride(m, dv) + md + m + (long long)m * m;
+        for (int piece = blockIdx.x; piece < pieces; piece += gridDim.x) {
+            const int e = piece * NYS_LANES + lane;
+            const float s = nys_sum_slices(pb, part_stride, p.splits, e, e < md + dv, red);
+            if (group == 0 && e < md + dv) merged[e] = s;
+        }
+    }
+}
+
+// Pass B0: one block per bh. work[bh] = [dR (m x d_v), a (m), W = (dP + dP^T) * k(L, L)]
+// (nys_backward_work_stride), from the merged T and colsum(G).
 //
 // Dynamic shared memory (floats): k(L, L) (m x m); X (m x m), then dP (m x (m + 1));
 // the context, dcontext and dR for solve_cols value columns at a time (m x (solve_cols
 // + 1) each: the odd row stride keeps the dP loop's reads of the context in distinct
-// banks); the scale and a (NYS_MP each); colsum(G) (solve_cols);
-// _cuda_launch.backward_solve_smem sizes it. dP sums over every value column, so each
-// thread keeps its dP elements in registers across the column passes.
+// banks); the scale (NYS_MP); colsum(G) (solve_cols); the landmark tile (NYS_LTILE) is
+// staged at X first; _cuda_launch.backward_solve_smem sizes it. dP sums over every value
+// column, so each thread keeps its dP entries in registers across the column passes.
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_backward_solve(const nys_params p) {
     LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
-    const int m = p.m, dv = p.dv, d = p.d, cw = p.solve_cols, lc = cw + 1;
-    float* K = reinterpret_cast<float*>(smem_bytes);   // k(L, L), later (dP + dP^T) * k
+    const int m = p.m, dv = p.dv, cw = p.solve_cols, lc = cw + 1;
+    float* K = reinterpret_cast<float*>(smem_bytes);   // k(L, L)
     float* X = K + m * m;                              // X, later dP (row stride m + 1)
     float* Cx = X + m * (m + 1);
     float* Dc = Cx + m * lc;
     float* DR = Dc + m * lc;
     float* sv = DR + m * lc;
-    float* av = sv + NYS_MP;
-    float* gs = av + NYS_MP;
+    float* gs = sv + NYS_MP;
     const int tid = nys_tid();
     const int md = m * dv;
-    const long long part_stride = (long long)md + dv;
-    const long long work_stride = (long long)md + m + (long long)m * d;
+    const long long work_stride = nys_backward_work_stride(m, dv);
 
     for (long long bh = blockIdx.x; bh < p.bh_count; bh += gridDim.x) {
         const T* lb = nys_in<T>(p.L, bh, p.heads);
-        const float* pb = p.part + bh * p.splits * part_stride;
         const float* cb = p.context + bh * md;
         float* wb = p.work + bh * work_stride;
-        for (int e = tid; e < m * m; e += NYS_THREADS) {
-            const int r = e / m, c = e % m;
-            float dist = 0.0f;
-            for (int t = 0; t < d; ++t)
-                dist += nys_term<KIND>(lap_load(lb + r * p.L.sn + t * p.L.sd) -
-                                       lap_load(lb + c * p.L.sn + t * p.L.sd));
-            K[e] = lap_exp(dist * p.neg_inv_lam);
-            X[e] = p.inverse[bh * m * m + e];
-        }
+        const float* tb = wb + md + m + m * m;   // the merged T, then colsum(G)
+        const float (*ct)[NYS_MP + 1] = nys_landmark_tile<T, KIND>(p, lb, X);
+        for (int e = tid; e < m * m; e += NYS_THREADS) K[e] = ct[e / m][e % m];
+        // The tile overlaps X.
+        __syncthreads();
+        for (int e = tid; e < m * m; e += NYS_THREADS) X[e] = p.inverse[bh * m * m + e];
         if (tid < m) sv[tid] = p.injective ? p.stats[bh * 2 * m + m + tid] : 1.0f;
         // a_j = s_j^3 sum_e T_je context_je / N, summed over the passes in column order.
         float ds = 0.0f;
@@ -613,16 +756,10 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_solve(const nys_para
             const int w = min(cw, dv - c0), mw = m * w;
             for (int e = tid; e < mw; e += NYS_THREADS) {
                 const int j = e / w, c = e % w;
-                float s = 0.0f;
-                for (int sp = 0; sp < p.splits; ++sp) s += pb[sp * part_stride + j * dv + c0 + c];
-                Dc[j * lc + c] = s;                        // T, until dcontext replaces it
+                Dc[j * lc + c] = tb[j * dv + c0 + c];      // T, until dcontext replaces it
                 Cx[j * lc + c] = cb[j * dv + c0 + c];
             }
-            for (int c = tid; c < w; c += NYS_THREADS) {
-                float s = 0.0f;
-                for (int sp = 0; sp < p.splits; ++sp) s += pb[sp * part_stride + md + c0 + c];
-                gs[c] = s;
-            }
+            for (int c = tid; c < w; c += NYS_THREADS) gs[c] = tb[md + c0 + c];
             __syncthreads();
             if (p.injective) {
                 if (tid < m)
@@ -687,20 +824,11 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_solve(const nys_para
         // L is both operands of the symmetric k(L, L): the weight is (dP + dP^T) * k.
         for (int e = tid; e < m * m; e += NYS_THREADS) {
             const int j = e / m, l = e % m;
-            K[e] *= X[j * (m + 1) + l] + X[l * (m + 1) + j];
+            wb[md + m + e] = K[e] * (X[j * (m + 1) + l] + X[l * (m + 1) + j]);
         }
-        __syncthreads();
         if (tid < m) {
             const float s = sv[tid];
             wb[md + tid] = p.injective ? s * s * s * ds / (float)p.n : 0.0f;
-        }
-        for (int e = tid; e < m * d; e += NYS_THREADS) {
-            const int j = e / d, t = e % d;
-            const float a = lap_load(lb + j * p.L.sn + t * p.L.sd);
-            float s = 0.0f;
-            for (int l = 0; l < m; ++l)
-                s += nys_dphi<KIND>(a, lap_load(lb + l * p.L.sn + t * p.L.sd), K[j * m + l]);
-            wb[md + m + e] = p.neg_coef * s;
         }
         // The next bh of this block reuses every buffer.
         __syncthreads();
@@ -794,7 +922,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
     const int split = blockIdx.x, splits = gridDim.x;
     const int row_begin = split * p.chunk, row_end = min(p.n, row_begin + p.chunk);
     const int md = m * dv;
-    const long long work_stride = (long long)md + m + (long long)m * d;
+    const long long work_stride = nys_backward_work_stride(m, dv);
     const bool tied = p.k.ptr == nullptr;
 
     for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y) {
@@ -921,21 +1049,42 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
     }
 }
 
-// Pass B1: one block per bh. grad_l (B, h, m, d), the input dtype: the part through P
-// plus the slices' partials in slice order.
-template <typename T>
+// Pass B1: grid (pieces of NYS_LANES entries, bh). grad_l (B, h, m, d), the input dtype:
+// the part through P, sum_l W[j][l] phi'(L[j, t] - L[l, t]), plus the slices' partials,
+// each summed by NYS_SGROUPS groups (of landmarks, of slices) and the groups in order.
+template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_backward_landmarks(const nys_params p) {
-    const int m = p.m, d = p.d;
-    const long long md = (long long)m * d;
-    const long long work_stride = (long long)m * p.dv + m + md;
-    for (long long bh = blockIdx.x; bh < p.bh_count; bh += gridDim.x) {
-        const float* pb = p.lpart + bh * p.splits * md;
-        const float* wb = p.work + bh * work_stride + (long long)m * p.dv + m;
+    __shared__ float red[NYS_THREADS];
+    const int m = p.m, d = p.d, md = m * d;
+    const int lane = nys_tid() % NYS_LANES, group = nys_tid() / NYS_LANES;
+    const int pieces = (md + NYS_LANES - 1) / NYS_LANES;
+    const int per = (m + NYS_SGROUPS - 1) / NYS_SGROUPS;
+    const int l0 = min(m, group * per), l1 = min(m, l0 + per);
+    for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y) {
+        const T* lb = nys_in<T>(p.L, bh, p.heads);
+        const float* pb = p.lpart + bh * p.splits * (long long)md;
+        const float* W = p.work + bh * nys_backward_work_stride(m, p.dv) + m * p.dv + m;
         T* db = nys_out<T>(p.grad_l, bh, p.heads);
-        for (long long e = nys_tid(); e < md; e += NYS_THREADS) {
-            float s = wb[e];
-            for (int sp = 0; sp < p.splits; ++sp) s += pb[sp * md + e];
-            lap_store(db + (e / d) * p.grad_l.sn + (e % d) * p.grad_l.sd, s);
+        for (int piece = blockIdx.x; piece < pieces; piece += gridDim.x) {
+            const int e = piece * NYS_LANES + lane, j = e / d, t = e % d;
+            const bool valid = e < md;
+            float s = 0.0f;
+            if (valid) {
+                const float a = lap_load(lb + j * p.L.sn + t * p.L.sd);
+                for (int l = l0; l < l1; ++l)
+                    s += nys_dphi<KIND>(a, lap_load(lb + l * p.L.sn + t * p.L.sd), W[j * m + l]);
+            }
+            const float slices = nys_sum_slices(pb, md, p.splits, e, valid, red);
+            red[nys_tid()] = s;
+            __syncthreads();
+            if (group == 0 && valid) {
+                float through_p = 0.0f;
+                for (int g = 0; g < NYS_SGROUPS; ++g) through_p += red[g * NYS_LANES + lane];
+                lap_store(db + j * p.grad_l.sn + t * p.grad_l.sd,
+                          p.neg_coef * through_p + slices);
+            }
+            // red is rewritten by the next piece.
+            __syncthreads();
         }
     }
 }

@@ -34,10 +34,12 @@ ELEMENT_TYPES = {torch.float32: 'float', torch.float16: 'lap_half', torch.bfloat
 #: The similarity of ``opts.kernel`` -> the kernels' KIND template argument.
 KINDS = {'laplacian': 0, 'gaussian': 1}
 
-FORWARD = ('nys_forward_stats', 'nys_forward_solve', 'nys_forward_out')
-BACKWARD = ('nys_backward_reduce', 'nys_backward_solve', 'nys_backward_grads',
-            'nys_backward_landmarks')
+FORWARD = ('nys_forward_stats', 'nys_forward_solve', 'nys_forward_context', 'nys_forward_out')
+BACKWARD = ('nys_backward_reduce', 'nys_backward_merge', 'nys_backward_solve',
+            'nys_backward_grads', 'nys_backward_landmarks')
 STAGES = FORWARD + BACKWARD
+#: Stages that evaluate no kernel function: no KIND template argument.
+NO_KIND = ('nys_forward_context', 'nys_backward_merge')
 
 MAX_GRID_YZ = 65535
 MAX_GRID_X = 2 ** 31 - 1
@@ -48,8 +50,8 @@ DEFAULT_SMEM = 48 * 1024
 
 
 def kernel_name(stage, element_type, kind):
-    """Template instantiation of a stage; the landmark merge has no KIND."""
-    if stage == 'nys_backward_landmarks':
+    """Template instantiation of a stage; the stages of :data:`NO_KIND` have no KIND."""
+    if stage in NO_KIND:
         return f'{stage}<{element_type}>'
     return f'{stage}<{element_type}, {kind}>'
 
@@ -62,7 +64,9 @@ def kernel_names(element_types=tuple(ELEMENT_TYPES.values())):
 
 class Variant(NamedTuple):
     """Tile geometry (the .cu's NYS_* macros): landmark and value columns of a tile (mp, dv),
-    rows of a row-pass / gradient tile (tn, tb), the staged d-chunk (tk), threads (tx, ty)."""
+    rows of a row-pass / gradient tile (tn, tb), the staged d-chunk (tk), threads (tx, ty),
+    entries per block of the slice merges (lanes: one warp's coalesced row) and value
+    columns per block of the context kernel (cc)."""
     name: str
     mp: int
     dv: int
@@ -71,11 +75,17 @@ class Variant(NamedTuple):
     tk: int = 16
     tx: int = 16
     ty: int = 16
+    lanes: int = 32
+    cc: int = 8
 
     @property
     def defines(self):
         return tuple(f'-DNYS_{key.upper()}={getattr(self, key)}'
-                     for key in ('mp', 'dv', 'tn', 'tb', 'tk', 'tx', 'ty'))
+                     for key in ('mp', 'dv', 'tn', 'tb', 'tk', 'tx', 'ty', 'lanes', 'cc'))
+
+    @property
+    def threads(self):
+        return self.tx * self.ty
 
     @property
     def block(self):
@@ -117,26 +127,52 @@ def row_pass_static_smem(v):
     """Static shared memory (bytes) of the largest row-pass kernel (nys_forward_out or
     nys_forward_stats); it must stay within the 48 KiB every device has."""
     staging = v.tk * (v.tn + 1) + v.tk * (v.mp + 1) + v.tn * (v.mp + 1) + v.tn
-    stats = staging + v.tn * (v.dv + 1) + 2 * (v.tx * v.ty // v.mp) * v.mp
+    stats = staging + v.tn * (v.dv + 1) + 2 * (v.threads // v.mp) * v.mp
     out = staging + v.mp * (v.dv + 1) + v.dv
     return 4 * max(stats, out)
 
 
-def solve_smem(v, m, cols):
-    """Dynamic shared memory (bytes) of nys_forward_solve with ``cols`` value columns a pass."""
+def context_static_smem(v):
+    """Static shared memory (bytes) of nys_forward_context: X, P, R and the context columns."""
+    return 4 * (2 * v.mp * (v.mp + 1) + 2 * v.mp * (v.cc + 1) + v.mp)
+
+
+def landmark_tile_floats(v):
+    """Floats of the kernel tile of the landmarks against themselves (NYS_LTILE)."""
+    return (2 * v.tk + v.mp) * (v.mp + 1)
+
+
+def ns_splits(tiles, nk, threads):
+    """k-splits of a Newton-Schulz product over ``tiles`` 4 x 4 tiles (lap_common.cuh,
+    ns_splits): tiles x splits threads fill the block."""
+    return max(1, min(threads // tiles, nk))
+
+
+def ns_scratch_floats(mp, threads):
+    """Floats of ns_iterate's k-split partials: P X over all nt^2 tiles, X (P X) over the
+    upper triangle's nt (nt + 1) / 2."""
+    nt = mp // 4
+    return 16 * max((ns_splits(tiles, nt, threads) - 1) * tiles
+                    for tiles in (nt * nt, nt * (nt + 1) // 2))
+
+
+def solve_smem(v, m):
+    """Dynamic shared memory (bytes) of nys_forward_solve: P, X, T and the k-split partials,
+    or P and the landmark tile, whichever is more (a merge job needs less than both)."""
     mp, ld = ns_layout(m)
-    return 4 * (3 * mp * ld + 2 * m * cols + v.mp)
+    return 4 * max(mp * ld + landmark_tile_floats(v),
+                   3 * mp * ld + ns_scratch_floats(mp, v.threads))
 
 
 def backward_solve_smem(v, m, cols):
     """Dynamic shared memory (bytes) of nys_backward_solve with ``cols`` value columns a pass."""
-    return 4 * (m * m + m * (m + 1) + 3 * m * (cols + 1) + 2 * v.mp + cols)
+    return 4 * (m * m + max(landmark_tile_floats(v),
+                            m * (m + 1) + 3 * m * (cols + 1) + v.mp + cols))
 
 
 class Plan(NamedTuple):
     variant: Variant
-    solve_cols: int           # value columns per pass of nys_forward_solve
-    backward_solve_cols: int  # ... of nys_backward_solve
+    backward_solve_cols: int  # value columns per pass of nys_backward_solve
     solve_smem: int
     backward_solve_smem: int
     grads_smem: int
@@ -164,16 +200,15 @@ def plan(m, dv, smem_limit):
             reasons.append(f'variant {v.name}: the gradient kernel needs {grads_smem(v):,} bytes '
                            f'of shared memory, the device allows {smem_limit:,}')
             continue
-        cols = _columns(lambda c: solve_smem(v, m, c) + NS_STATIC_SMEM <= smem_limit, dv)
         bcols = _columns(lambda c: backward_solve_smem(v, m, c) <= smem_limit, dv)
-        if cols is None or bcols is None:
+        if solve_smem(v, m) + NS_STATIC_SMEM > smem_limit or bcols is None:
             mp, ld = ns_layout(m)
-            reasons.append(f'variant {v.name}: the solve of m = {m} needs at least '
-                           f'{solve_smem(v, m, 8) + NS_STATIC_SMEM:,} bytes of shared memory '
-                           f'(Newton-Schulz on {mp} x {ld}), the device allows {smem_limit:,}')
+            need = max(solve_smem(v, m) + NS_STATIC_SMEM, backward_solve_smem(v, m, 8))
+            reasons.append(f'variant {v.name}: the solves of m = {m} need {need:,} bytes of '
+                           f'shared memory (Newton-Schulz on {mp} x {ld}), the device allows '
+                           f'{smem_limit:,}')
             continue
-        return Plan(v, cols, bcols, solve_smem(v, m, cols), backward_solve_smem(v, m, bcols),
-                    grads_smem(v))
+        return Plan(v, bcols, solve_smem(v, m), backward_solve_smem(v, m, bcols), grads_smem(v))
     return tuple(reasons)
 
 

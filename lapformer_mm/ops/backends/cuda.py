@@ -1,4 +1,4 @@
-"""The CUDA backend of the attention op (``impl='cupy'``): 3 launches forward, 4 backward.
+"""The CUDA backend of the attention op (``impl='cupy'``): 4 launches forward, 5 backward.
 
 The kernels are ``lapformer_mm/csrc/cuda/nystrom_attention.cu``, compiled at run time by
 NVRTC through CuPy for the device's own architecture (:mod:`._cuda_launch`). The math is
@@ -168,7 +168,7 @@ def _prepare(q, v, landmarks, opts, shapes):
 
 
 def forward(q, k, v, landmarks, opts):
-    """(out, context, inverse, stats) of the op's contract, in 3 launches."""
+    """(out, context, inverse, stats) of the op's contract, in 4 launches."""
     call, bh, n_splits, chunk = _prepare(q, v, landmarks, opts,
                                          _shapes(q=q, v=v, landmarks=landmarks))
     batch, heads, n, _ = q.shape
@@ -180,17 +180,25 @@ def forward(q, k, v, landmarks, opts):
     inverse = torch.empty(batch, heads, m, m, dtype=_F32, device=device)
     stats = torch.empty(batch, heads, 2 if injective else 0, m, dtype=_F32, device=device)
     part_floats = bh * n_splits * (2 * m + m * dv)
-    work = torch.empty(part_floats + bh * (m + 1) * dv, dtype=_F32, device=device)
+    fold_floats = bh * (m + 1) * dv
+    work = torch.empty(part_floats + fold_floats + bh * (m * m + m * dv), dtype=_F32,
+                       device=device)
     p = _common_params(q, k, v, landmarks, opts, call.plan, n_splits, chunk)
     p['out'], p['context'] = out.data_ptr(), context.data_ptr()
     p['inverse'], p['stats'] = inverse.data_ptr(), stats.data_ptr()
-    p['part'], p['fold'] = work.data_ptr(), work.data_ptr() + 4 * part_floats
-    p['solve_cols'] = call.plan.solve_cols
-    pass_grid = (n_splits, min(bh, cl.MAX_GRID_YZ))
-    tiles = -(-n // call.plan.variant.tn)
+    base = work.data_ptr()
+    p['part'], p['fold'] = base, base + 4 * part_floats
+    p['work'] = base + 4 * (part_floats + fold_floats)
+    variant = call.plan.variant
+    bh_grid = min(bh, cl.MAX_GRID_YZ)
+    pass_grid = (n_splits, bh_grid)
+    # Job 0 of a (batch, head) is the Newton-Schulz block, the others merge the slices.
+    jobs = 1 + -(-(m + m * dv) // variant.lanes)
+    tiles = -(-n // variant.tn)
     call.launch('nys_forward_stats', pass_grid, p)
-    call.launch('nys_forward_solve', (min(bh, cl.MAX_GRID_X),), p, call.plan.solve_smem)
-    call.launch('nys_forward_out', (min(tiles, cl.MAX_GRID_X), min(bh, cl.MAX_GRID_YZ)), p)
+    call.launch('nys_forward_solve', (min(jobs, cl.MAX_GRID_X), bh_grid), p, call.plan.solve_smem)
+    call.launch('nys_forward_context', (min(-(-dv // variant.cc), cl.MAX_GRID_X), bh_grid), p)
+    call.launch('nys_forward_out', (min(tiles, cl.MAX_GRID_X), bh_grid), p)
     return out, context, inverse, stats
 
 
@@ -201,7 +209,7 @@ def _token_layout(batch, heads, n, width, like):
 
 
 def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
-    """(dq, dk, dv, dlandmarks) of the op's contract, in 4 launches; dk is empty when k is None."""
+    """(dq, dk, dv, dlandmarks) of the op's contract, in 5 launches; dk is empty when k is None."""
     call, bh, n_splits, chunk = _prepare(
         q, v, landmarks, opts, _shapes(grad=grad, q=q, v=v, landmarks=landmarks))
     batch, heads, n, d = q.shape
@@ -214,7 +222,9 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
     dv_out = _token_layout(batch, heads, n, dv, q)
     dl = torch.empty_like(landmarks)
     reduce_floats = bh * n_splits * (m * dv + dv)
-    work_floats = bh * (m * dv + m + m * d)
+    # Per (batch, head): dR, a, W = (dP + dP^T) * k(L, L), the merged T and colsum(G)
+    # (the .cu's nys_backward_work_stride).
+    work_floats = bh * (2 * m * dv + m + m * m + dv)
     work = torch.empty(reduce_floats + work_floats + bh * n_splits * m * d, dtype=_F32,
                        device=q.device)
     p = _common_params(q, k, v, landmarks, opts, call.plan, n_splits, chunk)
@@ -228,12 +238,14 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
     p['part'], p['work'] = base, base + 4 * reduce_floats
     p['lpart'] = base + 4 * (reduce_floats + work_floats)
     p['solve_cols'] = call.plan.backward_solve_cols
-    pass_grid = (n_splits, min(bh, cl.MAX_GRID_YZ))
-    solve_grid = (min(bh, cl.MAX_GRID_X),)
+    lanes = call.plan.variant.lanes
+    bh_grid = min(bh, cl.MAX_GRID_YZ)
+    pass_grid = (n_splits, bh_grid)
     call.launch('nys_backward_reduce', pass_grid, p)
-    call.launch('nys_backward_solve', solve_grid, p, call.plan.backward_solve_smem)
+    call.launch('nys_backward_merge', (min(-(-(m * dv + dv) // lanes), cl.MAX_GRID_X), bh_grid), p)
+    call.launch('nys_backward_solve', (min(bh, cl.MAX_GRID_X),), p, call.plan.backward_solve_smem)
     call.launch('nys_backward_grads', pass_grid, p, call.plan.grads_smem)
-    call.launch('nys_backward_landmarks', solve_grid, p)
+    call.launch('nys_backward_landmarks', (min(-(-(m * d) // lanes), cl.MAX_GRID_X), bh_grid), p)
     return dq, q.new_empty(0) if dk is None else dk, dv_out, dl
 
 

@@ -87,7 +87,8 @@ def test_a_first_call_inside_a_capture_raises_and_warmup_prevents_it(fake, monke
     compiles = len([e for e in cupy.events if e[0] == 'compile'])
     monkeypatch.setattr(cl, 'capturing', lambda device_index: True)
     group = cl.load_group(0, cl.VARIANT_BY_NAME['dv32_tb32'], 'float', H200.smem_optin)
-    assert len(group) == 13 and len([e for e in cupy.events if e[0] == 'compile']) == compiles
+    assert len(group) == len(cl.kernel_names(('float',)))
+    assert len([e for e in cupy.events if e[0] == 'compile']) == compiles
 
 
 def cuda_options(**overrides):
@@ -107,7 +108,8 @@ def test_launches_follow_pytorchs_current_stream_one_wrapper_each(fake):
     streams.handle = 777
     nystrom_attention(q, k, v, landmarks)
     assert [e for e in cupy.events if e[0] == 'stream'] == [('stream', 12345), ('stream', 777)]
-    assert [e[-1] for e in launches(cupy)] == [12345] * 6 + [777] * 3
+    n = len(cl.FORWARD)
+    assert [e[-1] for e in launches(cupy)] == [12345] * (2 * n) + [777] * n
 
 
 def test_device_context_only_when_the_device_is_not_current(fake):
@@ -144,11 +146,12 @@ def test_strided_operands_are_passed_as_they_are(fake):
     assert not q.is_contiguous()
     out, counter = count_call(lambda: nystrom_attention(q, k, v, landmarks), cl)
     assert not counter.compute, dict(counter.compute)
-    assert counter.totals()['allocations'] == 5 and counter.totals()['launches'] == 3
+    assert counter.totals()['allocations'] == 5
+    assert counter.totals()['launches'] == len(cl.FORWARD)
     grad = torch.ones_like(out)
     _, counter = count_call(lambda: torch.autograd.grad(out, (q, k, v, landmarks), grad), cl)
     assert not counter.compute, dict(counter.compute)
-    assert counter.totals()['launches'] == 4
+    assert counter.totals()['launches'] == len(cl.BACKWARD)
 
 
 def test_the_struct_carries_pointers_strides_and_options(fake):
