@@ -16,7 +16,8 @@ import torch
 if __package__ in (None, ''):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SOLVE_TYPE = ('nys_forward_solve', 'nys_backward_solve', 'nys_backward_landmarks')
+SOLVE_TYPE = ('nys_forward_solve', 'nys_forward_context', 'nys_backward_merge',
+              'nys_backward_solve', 'nys_backward_landmarks')
 
 
 def kernel_times(bh, n, repeats, m_grid=7, d=32):
