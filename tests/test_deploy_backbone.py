@@ -96,6 +96,17 @@ def test_torch_export_with_plain_dims_lowers_and_matches_eager(backbone):
                             dynamic_shapes=low)
 
 
+@pytest.mark.parametrize('axis, side', [(2, 'height'), (3, 'width')])
+def test_torch_export_with_one_dim_names_the_rule(backbone, axis, side):
+    # A Dim on H alone (or W alone) cannot export: torch.export cannot prove the token
+    # splits with one static side (docs/deploy.md); the user gets the rule, not a guard.
+    dims = ({axis: Dim('s', min=224, max=2048)}, )
+    with pytest.raises(ValueError, match=f'only the {side} of the input has a torch.export '
+                                         'Dim: give both H and W a Dim'):
+        torch.export.export(backbone, (deploy.example_input(EXPORT_SHAPE, 2), ),
+                            dynamic_shapes=dims)
+
+
 def test_fp64_residual_default_and_the_op_library(backbone, tmp_path):
     # One export checks both: the default residual is fp64, and (where the op library can be
     # built) the kernel matrices are its nodes, run by ONNX Runtime with it registered.
