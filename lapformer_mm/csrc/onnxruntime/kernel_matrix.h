@@ -6,12 +6,7 @@
 //
 // Vectorisation is GCC's vector extension at the build's width: y is transposed to
 // (d, M) padded to whole vectors, and each step broadcasts one x value against a tile of
-// landmark columns held in registers, so no (N, M, d) difference exists. The distance is
-// summed in double: a float sum over d is as far from the exact distance as eager
-// PyTorch's (its CPU kernel and torch.cdist sum in float in the same order), and the rest
-// of an exported graph rounds differently from eager, so only a kernel matrix closer to
-// exact keeps the file's error at eager's (docs/deploy.md; 2.4× closer to the fp64 matrix,
-// tested).
+// landmark columns held in registers, so no (N, M, d) difference exists.
 #ifndef LAPF_ISA
 #error "define LAPF_ISA (and LAPF_LANES, LAPF_ROWS) before including kernel_matrix.h"
 #endif
@@ -27,12 +22,10 @@ namespace LAPF_ISA {
 typedef float vf __attribute__((vector_size(4 * LAPF_LANES)));
 typedef float vf_u __attribute__((vector_size(4 * LAPF_LANES), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(4 * LAPF_LANES)));
-typedef double vd __attribute__((vector_size(8 * LAPF_LANES)));
 constexpr int kLanes = LAPF_LANES;
-// Vectors of landmark columns per register tile, and x rows per tile: the double
-// accumulators (kRows × kTile, two registers each) plus kTile column loads fit the register
-// file (16 on AVX2, 32 on AVX-512).
-constexpr int kTile = 2;
+// Vectors of landmark columns per register tile, and x rows per tile: the accumulators
+// (kRows × kTile) plus kTile column loads fit the register file (16 on AVX2, 32 on AVX-512).
+constexpr int kTile = 4;
 constexpr int kRows = LAPF_ROWS;
 
 static inline vf splat(float v) { return vf{} + v; }
@@ -70,9 +63,9 @@ static inline vf vexp_nonpositive(vf t) {
 template <bool kL1, int R, int V>
 static inline void tile(const float* x, int64_t d, const float* yt, int64_t padded,
                         int64_t col, float scale, float* out, int64_t m) {
-  vd acc[R][V];
+  vf acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < V; ++t) acc[r][t] = vd{};
+    for (int t = 0; t < V; ++t) acc[r][t] = splat(0.0f);
   for (int64_t k = 0; k < d; ++k) {
     const float* yk = yt + k * padded + col;
     vf yv[V];
@@ -81,14 +74,14 @@ static inline void tile(const float* x, int64_t d, const float* yt, int64_t padd
       vf xv = splat(x[r * d + k]);
       for (int t = 0; t < V; ++t) {
         vf diff = xv - yv[t];
-        acc[r][t] += __builtin_convertvector(kL1 ? vabs(diff) : diff * diff, vd);
+        acc[r][t] += kL1 ? vabs(diff) : diff * diff;
       }
     }
   }
   for (int r = 0; r < R; ++r) {
     float* row = out + r * m;
     for (int t = 0; t < V; ++t) {
-      vf k = vexp_nonpositive(__builtin_convertvector(acc[r][t], vf) * scale);
+      vf k = vexp_nonpositive(acc[r][t] * scale);
       int64_t j = col + t * kLanes;
       if (j + kLanes <= m) {
         store(row + j, k);
@@ -119,7 +112,11 @@ template <bool kL1>
 static void rows(const Problem& p, int64_t batch, int64_t begin, int64_t end) {
   for (int64_t col = 0; col < p.m; col += kTile * kLanes) {
     int64_t left = (p.m - col + kLanes - 1) / kLanes;
-    if (left >= 2)
+    if (left >= 4)
+      columns<kL1, 4>(p, batch, begin, end, col);
+    else if (left == 3)
+      columns<kL1, 3>(p, batch, begin, end, col);
+    else if (left == 2)
       columns<kL1, 2>(p, batch, begin, end, col);
     else
       columns<kL1, 1>(p, batch, begin, end, col);
