@@ -208,6 +208,33 @@ def smooth_input(shape, batch, seed=0, dtype=torch.float32, cells=(6, 8)):
     return field.to(dtype)
 
 
+#: The normalisation of the configs' data preprocessors (ImageNet's mean and std, RGB).
+IMAGE_MEAN = (123.675, 116.28, 103.53)
+IMAGE_STD = (58.395, 57.12, 57.375)
+
+
+def toy_image_input(shape, batch, seed=0, dtype=torch.float32, max_objects=4):
+    """A fixed (batch, 3, H, W) input as the data preprocessor makes it from a toy COCO scene.
+
+    Each image is one scene of ``tools/make_toy_coco.py`` (a colour gradient, low-contrast
+    stripes, pixel noise and a few occluding filled shapes with sharp edges) drawn at H × W
+    from ``seed`` + its index, then normalised with :data:`IMAGE_MEAN` and :data:`IMAGE_STD`:
+    what a detector is fed, deterministic, with no download.
+    """
+    import numpy as np
+
+    from .cli.make_toy_coco import render_image
+    height, width = _check_shape(tuple(shape))
+    images = []
+    for index in range(_check_batch(batch)):
+        image, _, _ = render_image(np.random.default_rng(seed + index), width, height,
+                                   max_objects)
+        images.append(torch.from_numpy(image.astype(np.float64)).permute(2, 0, 1))
+    mean = torch.tensor(IMAGE_MEAN, dtype=torch.float64).view(3, 1, 1)
+    std = torch.tensor(IMAGE_STD, dtype=torch.float64).view(3, 1, 1)
+    return ((torch.stack(images) - mean) / std).to(dtype)
+
+
 def _dynamic_dims(min_size):
     Dim = torch.export.Dim
     return {0: Dim('batch', min=1, max=1024), 2: Dim('height', min=min_size, max=16384),
@@ -503,4 +530,4 @@ __all__ = ['DEFAULT_OPSET', 'EXPORTERS', 'ExportModule', 'TARGETS', 'build_model
            'check_export_size', 'export_config', 'export_min_size', 'export_onnx',
            'export_program', 'format_rows', 'graph_summary', 'ort_ops_library', 'ort_session',
            'output_error', 'output_names', 'prepare_for_export', 'program_to_onnx', 'run_onnx',
-           'smooth_input', 'uses_ort_ops', 'verify_onnx', 'verify_sizes']
+           'smooth_input', 'toy_image_input', 'uses_ort_ops', 'verify_onnx', 'verify_sizes']

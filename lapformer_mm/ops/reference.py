@@ -533,6 +533,17 @@ def pool_landmarks_export(t, hw, grid):
         message = f'every stage map must be at least {grid} × {grid} to export (docs/deploy.md)'
         torch._check(height >= grid, lambda: message)
         torch._check(cols >= grid, lambda: message)
+        if isinstance(height, torch.SymInt) != isinstance(cols, torch.SymInt):
+            # Each stage splits its N = H·W tokens into H × W; with one side static, N is
+            # e.g. 74·x + 74 and torch.export cannot prove (74·x + 74) % (x + 1) == 0 (its
+            # sympy keeps the product expanded), so it would reject the program with a
+            # "Constraints violated" guard that names no rule.
+            side = 'height' if isinstance(height, torch.SymInt) else 'width'
+            raise ValueError(
+                f'only the {side} of the input has a torch.export Dim: give both H and W a Dim '
+                "(dynamic_shapes=({2: Dim('h', min=193, ...), 3: Dim('w', min=193, ...)}, )) "
+                'or neither; with one static side torch.export cannot prove that the stages '
+                'split their H·W tokens into H × W (docs/deploy.md)')
     maps = t.transpose(-1, -2).reshape(batch * heads, width, height, cols)
     pooled = adaptive_avg_pool2d_export(maps, (grid, grid))
     return pooled.reshape(batch, heads, width, grid * grid).transpose(-1, -2)

@@ -96,6 +96,17 @@ def test_torch_export_with_plain_dims_lowers_and_matches_eager(backbone):
                             dynamic_shapes=low)
 
 
+@pytest.mark.parametrize('axis, side', [(2, 'height'), (3, 'width')])
+def test_torch_export_with_one_dim_names_the_rule(backbone, axis, side):
+    # A Dim on H alone (or W alone) cannot export: torch.export cannot prove the token
+    # splits with one static side (docs/deploy.md); the user gets the rule, not a guard.
+    dims = ({axis: Dim('s', min=224, max=2048)}, )
+    with pytest.raises(ValueError, match=f'only the {side} of the input has a torch.export '
+                                         'Dim: give both H and W a Dim'):
+        torch.export.export(backbone, (deploy.example_input(EXPORT_SHAPE, 2), ),
+                            dynamic_shapes=dims)
+
+
 def test_fp64_residual_default_and_the_op_library(backbone, tmp_path):
     # One export checks both: the default residual is fp64, and (where the op library can be
     # built) the kernel matrices are its nodes, run by ONNX Runtime with it registered.
@@ -131,3 +142,20 @@ def test_export_size_below_the_range_names_the_minimum(backbone, tmp_path):
 def test_bad_export_arguments_are_named(backbone, tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         deploy.export_onnx(backbone, str(tmp_path / 'x.onnx'), **kwargs)
+
+
+def test_toy_image_input_is_a_normalised_toy_scene():
+    import numpy as np
+
+    from lapformer_mm.cli.make_toy_coco import render_image
+    x = deploy.toy_image_input((97, 131), 2, seed=5)
+    assert x.shape == (2, 3, 97, 131) and x.dtype == torch.float32
+    assert torch.equal(x, deploy.toy_image_input((97, 131), 2, seed=5))
+    # Image i is scene seed + i, normalised channel by channel with the configs' mean/std.
+    image, _, _ = render_image(np.random.default_rng(6), 131, 97, 4)
+    expect = (torch.from_numpy(image.astype(np.float64)).permute(2, 0, 1)
+              - torch.tensor(deploy.IMAGE_MEAN, dtype=torch.float64).view(3, 1, 1)) \
+        / torch.tensor(deploy.IMAGE_STD, dtype=torch.float64).view(3, 1, 1)
+    assert torch.allclose(x[1].double(), expect, atol=1e-6)
+    with pytest.raises(ValueError, match='shape must be'):
+        deploy.toy_image_input((0, 5), 1)
