@@ -16,9 +16,9 @@ test test-fast: export LAPFORMER_REQUIRE_CPU_EXT := 1
 
 # The opt-in ONNX Runtime op library (docs/deploy.md) needs ONNX Runtime's C API headers:
 # `make ort-ops ORT_INCLUDE_DIR=DIR`; by default the copy in ../shared beside the checkout.
-# The suite runs on every core (pytest-xdist; a file's tests, and the tests of one shared
-# session fixture, on one worker: tests/conftest.py). `make test XDIST=` runs it in one process.
-XDIST ?= -n auto --dist loadgroup
+# The suite runs on every core (pytest-xdist, a file's tests on one worker: tests/conftest.py);
+# `make test XDIST=` runs it in one process.
+XDIST ?= -n auto --dist loadfile
 
 ORT_INCLUDE_DIR ?= $(CURDIR)/../shared/third_party/onnxruntime-1.29/include
 

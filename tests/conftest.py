@@ -36,36 +36,22 @@ def _cuda_and_cupy():
     return True
 
 
-# Under pytest-xdist (`make test`: -n auto --dist loadgroup) every test gets a group, and one
-# worker runs a whole group: a file's tests share their module-scoped fixtures (the emulation
-# build, the NVRTC compiles) and the tests of a shared session fixture share it. The groups
-# with the most slow tests go first, so that no long group starts last on an idle worker.
-SHARED_SESSION_FIXTURES = ('toy_run', 'built_wheel')
-
-
-def worker_group(item):
-    """The xdist group of a test: the shared session fixture it uses, else its file."""
-    for name in SHARED_SESSION_FIXTURES:
-        if name in item.fixturenames:
-            return name
-    return item.nodeid.split('::')[0]
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+# Under pytest-xdist (`make test`: -n auto --dist loadfile) one worker runs a whole file, so a
+# file's tests share their module-scoped fixtures (the emulation build, the NVRTC compiles);
+# the tests of each shared session fixture (toy_run, built_wheel) sit in one file for the same
+# reason. Files with the most slow tests go first, so that no long file starts last.
 def pytest_collection_modifyitems(config, items):
     if not _cuda_and_cupy():
         skip = pytest.mark.skip(reason='needs CUDA and CuPy')
         for item in items:
             if 'gpu' in item.keywords:
                 item.add_marker(skip)
-    if getattr(config.option, 'dist', 'no') != 'loadgroup':
-        return
-    groups = {}
-    for item in items:
-        groups.setdefault(worker_group(item), []).append(item)
-        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
-    order = sorted(groups.values(), key=lambda group: -sum('slow' in i.keywords for i in group))
-    items[:] = [item for group in order for item in group]
+    if os.environ.get('PYTEST_XDIST_WORKER'):
+        files = {}
+        for item in items:
+            files.setdefault(item.nodeid.split('::')[0], []).append(item)
+        order = sorted(files.values(), key=lambda tests: -sum('slow' in t.keywords for t in tests))
+        items[:] = [item for tests in order for item in tests]
 
 
 def pytest_configure(config):
@@ -164,3 +150,4 @@ def evil(tmp_path):
                                       depths=[1] * 4)).state_dict()
     torch.save({'state_dict': state, 'meta': {'x': RunsCode(marker)}}, path)
     return str(path), marker
+

@@ -6,4 +6,4 @@ def test_host_benchmark_prints_times_and_counts(capsys):
     assert cuda_host.main(['--repeats', '20']) == 0
     text = capsys.readouterr().out
     assert '| entry fwd+bwd |' in text and '| register_autograd: fwd+bwd |' in text
-    assert '| forward | 3 | 5 | 8 |' in text and '| forward+backward | 7 | 16 | 23 |' in text
+    assert '| forward | 4 | 5 | 9 |' in text and '| forward+backward | 9 | 16 | 25 |' in text

@@ -1,8 +1,8 @@
 """The engine parts are opt-in: our configs select them, stock jobs are untouched.
 
 - every config of ours includes configs/_base_/safe_runtime.py;
-- mmdet's own tools/train.py trains the toy config through ``custom_imports`` alone, to
-  the same weights as ours (the session's toy run);
+- (mmdet's own tools/train.py trains the toy config through ``custom_imports`` alone:
+  tests/tools/test_tools.py, beside the other test of the session's toy run);
 - a stock mmengine job runs the same with and without ``import lapformer_mm``.
 """
 import glob
@@ -13,8 +13,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from _shared import CONFIG_DIR, ROOT, TESTS, TOY_CONFIG, run_tool, toy_run_options
+from _shared import CONFIG_DIR, ROOT, TESTS
 from mmengine.config import Config
 
 CONFIGS = sorted(p for p in glob.glob(osp.join(CONFIG_DIR, '**', '*.py'), recursive=True)
@@ -26,28 +25,6 @@ def test_every_config_uses_the_safe_runtime(path):
     cfg = Config.fromfile(path)
     assert cfg.runner_type == 'SafeCheckpointRunner'
     assert cfg.custom_imports == dict(imports=['lapformer_mm'], allow_failed_imports=False)
-
-
-@pytest.mark.slow
-def test_mmdet_train_script_gives_our_result_through_custom_imports(toy_run, tmp_path):
-    """mmdet's tools/train.py (shipped in the package as .mim/tools/train.py), run outside
-    this repository with no PYTHONPATH (empty: Python ignores it): the config's
-    custom_imports is all it gets. It trains the session's toy run (conftest.py's
-    ``toy_run``: ours, tools/train.py, one epoch of 4 iterations) to the same weights."""
-    import mmdet
-    mmdet_train = osp.join(osp.dirname(mmdet.__file__), '.mim', 'tools', 'train.py')
-    work_dir = str(tmp_path / 'mmdet')
-    theirs_log = run_tool([sys.executable, mmdet_train, TOY_CONFIG, '--work-dir', work_dir] +
-                          toy_run_options(toy_run.data, max_epochs=1),
-                          cwd=str(tmp_path), extra_env=dict(PYTHONPATH=''))
-    theirs = torch.load(osp.join(work_dir, 'epoch_1.pth'), weights_only=False)
-    ours = torch.load(toy_run.checkpoint, weights_only=False)
-    for log in (theirs_log, toy_run.log):
-        assert 'SafeCheckpointHook' in log and 'Epoch(train) [1][4/4]' in log
-    assert theirs['meta']['iter'] == ours['meta']['iter'] == 4
-    assert theirs['state_dict'].keys() == ours['state_dict'].keys()
-    for key, value in ours['state_dict'].items():
-        assert torch.equal(theirs['state_dict'][key], value), key
 
 
 STOCK_JOB = r'''

@@ -1,7 +1,8 @@
 """End-to-end checks of the user-facing tools on a tiny generated data set (CPU).
 
-tools/train.py -> tools/test.py -> tools/train.py --resume, a 2-process torchrun
-(gloo) run, tools/make_toy_coco.py determinism and tools/coco_eval.py against
+tools/train.py -> tools/test.py -> tools/train.py --resume, mmdet's own train script
+through custom_imports to the same weights (both on the session's toy run), a 2-process
+torchrun (gloo) run, tools/make_toy_coco.py determinism and tools/coco_eval.py against
 pycocotools computed here independently.
 """
 import contextlib
@@ -14,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from _runner_helpers import assert_refused_with_hint
 from _shared import (
     ROOT,
@@ -30,6 +32,7 @@ from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
+from lapformer_mm.checkpoint import safe_load
 from lapformer_mm.cli import coco_eval, make_toy_coco
 from lapformer_mm.cli import test as cli_test
 from lapformer_mm.cli import train as cli_train
@@ -295,3 +298,25 @@ def test_test_tool_refuses_code_running_checkpoint(evil, toy_coco, tmp_path):
                        '--cfg-options', *toy_data_options(toy_coco)])
     assert_refused_with_hint(str(info.value), path)
     assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_mmdet_train_script_gives_our_result_through_custom_imports(toy_run, tmp_path):
+    """mmdet's tools/train.py (shipped in the package as .mim/tools/train.py), run outside
+    this repository with no PYTHONPATH (empty: Python ignores it): the config's
+    custom_imports is all it gets. It trains the session's toy run (conftest.py's
+    ``toy_run``: ours, tools/train.py, one epoch of 4 iterations) to the same weights."""
+    import mmdet
+    mmdet_train = osp.join(osp.dirname(mmdet.__file__), '.mim', 'tools', 'train.py')
+    work_dir = str(tmp_path / 'mmdet')
+    theirs_log = run_tool([sys.executable, mmdet_train, TOY_CONFIG, '--work-dir', work_dir] +
+                          toy_run_options(toy_run.data, max_epochs=1),
+                          cwd=str(tmp_path), extra_env=dict(PYTHONPATH=''))
+    theirs = safe_load(osp.join(work_dir, 'epoch_1.pth'))
+    ours = safe_load(toy_run.checkpoint)
+    for log in (theirs_log, toy_run.log):
+        assert 'SafeCheckpointHook' in log and 'Epoch(train) [1][4/4]' in log
+    assert theirs['meta']['iter'] == ours['meta']['iter'] == 4
+    assert theirs['state_dict'].keys() == ours['state_dict'].keys()
+    for key, value in ours['state_dict'].items():
+        assert torch.equal(theirs['state_dict'][key], value), key
