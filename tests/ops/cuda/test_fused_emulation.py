@@ -169,6 +169,7 @@ def test_strided_operands_and_gradient(launches):
         assert_close_scaled(g, want, 2e-4)
 
 
+@pytest.mark.slow
 def test_largest_and_smallest_landmark_and_value_counts(launches):
     """m = 64 and d_v = 64 fill every tile column; m = 1 and N = 1 leave most of it padding."""
     for hw, grid, d, dv, seed in (((8, 9), 8, 17, 64, 10), ((1, 1), 1, 3, 1, 11),
@@ -235,6 +236,7 @@ def test_unsupported_sizes_take_the_reference_math(launches):
     assert not launches
 
 
+@pytest.mark.slow
 def test_backbone_on_the_emulated_cuda_path_is_as_exact_as_the_reference_math(launches):
     """LaplacianFormer-T end to end (8 attention layers, tied and separate keys, m from 49
     down to 2 at the last stage) against its fp64 evaluation: the fused path's feature maps
@@ -296,6 +298,7 @@ def test_parameter_struct_layout_matches_the_c_struct(emu_lib):  # noqa: F811
 LIMIT_CASES = [((7, 9), 7, 32), ((8, 9), 8, 64)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kib', [48, 64, 96, 100, 164, 227])
 def test_each_shared_memory_limit_picks_a_variant_or_the_reference(launches, monkeypatch, kib):
     """Per device limit (Pascal 48, T4 64, V100 96, RTX 30/40 100, A100 164, H100/H200 227

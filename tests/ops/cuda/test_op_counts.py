@@ -27,6 +27,7 @@ def cupy_path(emu_lib, monkeypatch):  # noqa: F811 (the imported fixture)
     route_cpu_tensors_to_cuda_backend(monkeypatch.setattr)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('qk_shared', [True, False])
 def test_launches_plus_aten_ops_per_attention_call(cupy_path, qk_shared):
     torch.manual_seed(0)
