@@ -143,6 +143,7 @@ def test_smoke_sweep_writes_table_json_and_plot(tmp_path, capsys, one_thread):
     assert not (out / 'runs.partial.json').exists()
 
 
+@pytest.mark.slow  # two spawned processes each import torch and the package
 def test_parallel_jobs_train_the_same_runs(tmp_path, one_thread):
     """--jobs 2 (two spawned processes) gives every run bit for bit as --jobs 1 does, in the
     same order."""

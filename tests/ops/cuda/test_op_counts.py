@@ -49,6 +49,7 @@ def test_launches_plus_aten_ops_per_attention_call(cupy_path, qk_shared):
     assert '_to_copy' not in ''.join(both.compute)
 
 
+@pytest.mark.slow
 def test_16_bit_operands_are_not_cast(cupy_path):
     """Under autocast the projection emits bf16 and the op reads it as it is."""
     torch.manual_seed(0)
