@@ -3,11 +3,11 @@
 # backbone on toy shapes, convert it, and train + evaluate the toy Mask R-CNN from it) and
 # `make test` (ruff, then the whole test suite; CI runs it). `make test-fast` is ruff and the
 # tests not marked `slow` outside tests/dev (none trains, builds with pip or takes more than
-# ~10 s; under 3 minutes on 2 cores), `make lint` ruff alone. `make smoke-fullsize` runs the full-size
-# configs for two iterations on synthetic 1333x800 images (docs/full_size.md). `make ablate`
-# trains the attention variants on the long-range toy task, 5 seeds each, and writes the
-# table, plot and JSON to work_dirs/ablate (docs/results.md, Ablations; ABLATE_ARGS=... adds
-# or overrides tools/ablate.py options).
+# ~10 s; under 3 minutes on 2 cores), `make lint` ruff alone. `make smoke-fullsize` runs the
+# full-size configs for two iterations on synthetic 1333x800 images (docs/full_size.md).
+# `make ablate` trains the attention variants on the long-range toy task, 5 seeds each, and
+# writes the table, plot and JSON to work_dirs/ablate (docs/results.md, Ablations;
+# ABLATE_ARGS=... adds or overrides tools/ablate.py options).
 # Each sets up the environment first, idempotently.
 VENV ?= $(CURDIR)/.venv
 export LAPFORMER_VENV := $(VENV)
