@@ -1,6 +1,6 @@
 // Exposes every kernel instantiation of lapformer_mm/csrc/cuda/nystrom_attention.cu,
 // compiled for the CPU through shim.h with one variant's tile geometry (-D options from
-// lapformer_mm/ops/backends/_cuda_launch.py), behind one C entry point with CUDA's
+// lapformer_mm/ops/backends/cuda.py), behind one C entry point with CUDA's
 // launch ABI: an array of pointers to the argument values, here the one nys_params.
 // EMU_FLOAT_ONLY leaves out the 16-bit instantiations (variants other than the default
 // are checked in fp32 only, which builds in a third of the time).

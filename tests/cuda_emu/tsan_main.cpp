@@ -66,7 +66,7 @@ int nystrom_attention(bool tied) {
     p.heads = heads, p.n = n, p.m = m, p.d = d, p.dv = dv, p.chunk = 64, p.splits = splits;
     p.iters = 6, p.init_authors = 0, p.refine = 1, p.injective = 1, p.solve_cols = cols;
     p.neg_inv_lam = -0.25f, p.neg_coef = -0.25f, p.eps = 0.01f, p.whiten_eps = 1e-5f;
-    // _cuda_launch.solve_smem and backward_solve_smem at m = 9 (mp = ld = 12: 3 k-splits of
+    // backends.cuda.solve_smem and backward_solve_smem at m = 9 (mp = ld = 12: 3 k-splits of
     // the 9 tiles of P X, whose partials are the larger).
     const std::size_t solve =
         4 * std::max<std::size_t>(mp * ld + NYS_LTILE, 3 * mp * ld + 2 * 9 * 16);

@@ -192,7 +192,7 @@ __device__ __forceinline__ void ns_store_symmetric(S* M, int ld, int ti, int tj,
 // One thread's share of a product over the nt x nt tile grid: tile (ti, tj) over the k
 // range of its split. `upper`: only the tiles ti <= tj (the product is symmetric), numbered
 // row-major. Splits fill the block with tiles x splits threads (the host's
-// _cuda_launch.ns_splits is the same rule); the partials of splits > 0 lie entry-major in
+// backends.cuda.ns_splits is the same rule); the partials of splits > 0 lie entry-major in
 // the scratch, so a warp's stores and loads hit consecutive banks.
 struct ns_job {
     bool active;
@@ -266,7 +266,7 @@ __device__ __forceinline__ void ns_job_add_partials(const ns_job& j, const S* sc
 // symmetric). Each product's tiles take k-splits that fill the block, their partials
 // added in split order. P, X and the scratch T are padded mp x ld shared memory; T must
 // hold zeros on entry (its padding stays zero, which keeps the products' padding zero);
-// `scratch` holds the partials (_cuda_launch.ns_scratch_floats). Every thread of the
+// `scratch` holds the partials (backends.cuda.ns_scratch_floats). Every thread of the
 // block calls this.
 template <typename S>
 __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, int m,

@@ -1,5 +1,5 @@
 // The fused Nystrom attention: forward in 4 launches, backward in 5, no N x m matrix in
-// global memory (lapformer_mm/ops/nystrom.py states the contract and the math).
+// global memory (lapformer_mm/ops/attention.py states the contract, reference.py the math).
 //
 // Per (batch, head) bh, with C = k(., L) the kernel rows against the m landmarks,
 // c~ = C - rowmean(C), s the per-landmark whitening scale and P = k(L, L) + eps I:
@@ -41,12 +41,12 @@
 #include "lap_common.cuh"
 
 // The tile geometry comes from the host, one source for both sides
-// (lapformer_mm/ops/backends/_cuda_launch.py, VARIANTS), as -D options that are part of
+// (lapformer_mm/ops/backends/cuda.py, VARIANTS), as -D options that are part of
 // the compile's cache key.
 #if !defined(NYS_MP) || !defined(NYS_DV) || !defined(NYS_TN) || !defined(NYS_TB) || \
     !defined(NYS_TK) || !defined(NYS_TX) || !defined(NYS_TY) || !defined(NYS_LANES) || \
     !defined(NYS_CC)
-#error "compile with the tile geometry of a variant: -DNYS_MP= -DNYS_DV= -DNYS_TN= -DNYS_TB= -DNYS_TK= -DNYS_TX= -DNYS_TY= -DNYS_LANES= -DNYS_CC= (lapformer_mm/ops/backends/_cuda_launch.py)"
+#error "compile with the tile geometry of a variant: -DNYS_MP= -DNYS_DV= -DNYS_TN= -DNYS_TB= -DNYS_TK= -DNYS_TX= -DNYS_TY= -DNYS_LANES= -DNYS_CC= (lapformer_mm/ops/backends/cuda.py)"
 #endif
 // NYS_MP: landmark columns of a tile (the most landmarks); NYS_DV: value columns (the
 // widest head of v); NYS_TN / NYS_TB: rows of a tile in the row passes / the gradient
@@ -79,7 +79,7 @@ struct nys_operand {
 
 // Everything a launch reads, filled once per call on the host and passed by value to
 // every kernel (flash-attn's Flash_fwd_params pattern). The host mirrors this layout as
-// a numpy structured dtype (_cuda_launch.PARAMS_DTYPE); the emulation checks the offsets.
+// a numpy structured dtype (backends.cuda.PARAMS_DTYPE); the emulation checks the offsets.
 struct nys_params {
     nys_operand q, k, v, L;  // inputs; k.ptr null: keys tied to queries (C_k = C_q)
     nys_operand g;           // the gradient of out, (B, N, h, d_v) as (b, h, n, c) strides
@@ -133,15 +133,19 @@ __device__ __forceinline__ void nys_zero(float (&acc)[R][C]) {
 }
 
 // ct[i][j] = exp(-sum_t phi(x[i, t] - L[j, t]) / lam) for the tile's rows i < nrows and
-// landmarks j < m, 0 elsewhere (so padded rows and columns add nothing to any sum).
-// x points at the tile's first row. Ends with a barrier: ct is ready for every thread.
+// landmarks j < p.m, 0 elsewhere (so padded rows and columns add nothing to any sum); the
+// accumulation is the l1 line (nys_term). x points at the tile's first row, L at the bh's
+// landmarks (strides, m, d and lam from p). Ends with a barrier: ct is ready for every thread.
 template <int TN, typename T, int KIND>
-__device__ void nys_kernel_tile(const T* __restrict__ x, long long xsn, long long xsd, int nrows,
-                                const T* __restrict__ L, long long lsn, long long lsd, int m,
-                                int d, float neg_inv_lam, float (*xs)[TN + 1],
-                                float (*ys)[NYS_MP + 1], float (*ct)[NYS_MP + 1]) {
+__device__ void nys_kernel_tile(const nys_params& p, const T* __restrict__ x, long long xsn,
+                                long long xsd, int nrows, const T* __restrict__ L,
+                                float (*xs)[TN + 1], float (*ys)[NYS_MP + 1],
+                                float (*ct)[NYS_MP + 1]) {
     constexpr int R = TN / NYS_TY, C = NYS_CM;
     const int tx = threadIdx.x, ty = threadIdx.y, tid = nys_tid();
+    const long long lsn = p.L.sn, lsd = p.L.sd;
+    const int m = p.m, d = p.d;
+    const float neg_inv_lam = p.neg_inv_lam;
     float acc[R][C];
     nys_zero(acc);
     for (int k0 = 0; k0 < d; k0 += NYS_TK) {
@@ -249,17 +253,6 @@ struct nys_row_smem {
     float rm[NYS_TN];
 };
 
-// The kernel rows of rows row0 .. row0 + nrows of operand x (base xb of the bh) against the
-// landmarks lb into s.ct, and with `means` their row means into s.rm. Ends with a barrier.
-template <typename T, int KIND>
-__device__ __forceinline__ void nys_row_tile(nys_row_smem& s, const nys_params& p, const T* xb,
-                                             const nys_operand& x, const T* lb, int row0,
-                                             int nrows, bool means) {
-    nys_kernel_tile<NYS_TN, T, KIND>(xb + row0 * x.sn, x.sn, x.sd, nrows, lb, p.L.sn, p.L.sd, p.m,
-                                     p.d, p.neg_inv_lam, s.xs, s.ys, s.ct);
-    if (means) nys_row_means<NYS_TN>(s.ct, nrows, p.m, s.rm);
-}
-
 // k(L, L) (no eps) into ct[j][l] for j, l < m, zeros elsewhere, through the staged, coalesced
 // loads of a kernel tile; `tile` holds NYS_LTILE floats. Returns ct; ends with a barrier.
 template <typename T, int KIND>
@@ -269,8 +262,7 @@ __device__ __forceinline__ float (*nys_landmark_tile(const nys_params& p, const 
     Row* xs = reinterpret_cast<Row*>(tile);
     Row* ys = xs + NYS_TK;
     Row* ct = ys + NYS_TK;
-    nys_kernel_tile<NYS_MP, T, KIND>(lb, p.L.sn, p.L.sd, p.m, lb, p.L.sn, p.L.sd, p.m, p.d,
-                                     p.neg_inv_lam, xs, ys, ct);
+    nys_kernel_tile<NYS_MP, T, KIND>(p, lb, p.L.sn, p.L.sd, p.m, lb, xs, ys, ct);
     return ct;
 }
 
@@ -349,8 +341,10 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
         nys_zero(acc);
         for (int row0 = row_begin; row0 < row_end; row0 += NYS_TN) {
             const int nrows = min(NYS_TN, row_end - row0);
-            nys_row_tile<T, KIND>(rs, p, qb, p.q, lb, row0, nrows, p.injective);
+            nys_kernel_tile<NYS_TN, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
+                                             rs.xs, rs.ys, rs.ct);
             if (p.injective) {
+                nys_row_means<NYS_TN>(rs.ct, nrows, p.m, rs.rm);
                 // Two passes over the group's rows, then Chan et al.'s merge: no
                 // E[x^2] - E[x]^2.
                 const int i0 = min(nrows, group * GROUP_ROWS);
@@ -381,7 +375,9 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
             // The statistics read ct and the group sums; the key tile overwrites ct and
             // the next tile the sums only after the staging barrier inside
             // nys_kernel_tile, which every thread reaches after reading.
-            if (kb != nullptr) nys_row_tile<T, KIND>(rs, p, kb, p.k, lb, row0, nrows, false);
+            if (kb != nullptr)
+                nys_kernel_tile<NYS_TN, T, KIND>(p, kb + row0 * p.k.sn, p.k.sn, p.k.sd, nrows, lb,
+                                                 rs.xs, rs.ys, rs.ct);
             nys_load_rows<NYS_TN, NYS_DV, T>(vb + row0 * p.v.sn, p.v.sn, p.v.sd, nrows, dv, vt);
             __syncthreads();
             nys_acc_atb(ct, vt, nrows, acc);
@@ -490,7 +486,7 @@ __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, 
 // = [mean, s] (injective; s = (sigma^2 + delta)^-1/2) and work (bh) = [P (m x m), R (m x
 // d_v)].
 //
-// Dynamic shared memory (floats), _cuda_launch.solve_smem: P, X and the Newton-Schulz
+// Dynamic shared memory (floats), backends.cuda.solve_smem: P, X and the Newton-Schulz
 // scratch (mp x ld each, the padded layout of ns_iterate) and its k-split partials; at
 // least the landmark tile (NYS_LTILE) after P; a merge job uses 3 NYS_THREADS of it.
 template <typename T, int KIND>
@@ -609,7 +605,9 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_out(const nys_params 
         for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
             const int row0 = tile * NYS_TN, nrows = min(NYS_TN, n - row0);
             // fp and bv are complete after the barriers inside nys_kernel_tile.
-            nys_row_tile<T, KIND>(rs, p, qb, p.q, lb, row0, nrows, p.injective);
+            nys_kernel_tile<NYS_TN, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
+                                             rs.xs, rs.ys, rs.ct);
+            if (p.injective) nys_row_means<NYS_TN>(rs.ct, nrows, p.m, rs.rm);
             float acc[R][NYS_CV];
             nys_zero(acc);
             for (int j = 0; j < m; ++j) {
@@ -671,8 +669,10 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_reduce(const nys_par
         float gsum = 0.0f;  // column tid of G (threads tid < d_v)
         for (int row0 = row_begin; row0 < row_end; row0 += NYS_TN) {
             const int nrows = min(NYS_TN, row_end - row0);
-            nys_row_tile<T, KIND>(rs, p, qb, p.q, lb, row0, nrows, p.injective);
+            nys_kernel_tile<NYS_TN, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
+                                             rs.xs, rs.ys, rs.ct);
             if (p.injective) {
+                nys_row_means<NYS_TN>(rs.ct, nrows, p.m, rs.rm);
                 for (int e = tid; e < NYS_TN * NYS_MP; e += NYS_THREADS) {
                     const int i = e / NYS_MP, j = e % NYS_MP;
                     if (i < nrows && j < m) ct[i][j] -= rm[i];
@@ -719,7 +719,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_merge(const nys_para
 // the context, dcontext and dR for solve_cols value columns at a time (m x (solve_cols
 // + 1) each: the odd row stride keeps the dP loop's reads of the context in distinct
 // banks); the scale (NYS_MP); colsum(G) (solve_cols); the landmark tile (NYS_LTILE) is
-// staged at X first; _cuda_launch.backward_solve_smem sizes it. dP sums over every value
+// staged at X first; backends.cuda.backward_solve_smem sizes it. dP sums over every value
 // column, so each thread keeps its dP entries in registers across the column passes.
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_backward_solve(const nys_params p) {
@@ -891,7 +891,7 @@ __device__ void nys_kernel_grads(const T* __restrict__ x, long long xsn, long lo
 // Dynamic shared memory (floats, fixed by the variant):
 // 2 NYS_MP (NYS_DV + 1) + 2 NYS_TB (NYS_MP + 1) + 2 NYS_TB (NYS_DW + 1)
 // + NYS_TK (NYS_TB + 1) + NYS_TK (NYS_MP + 1) + 3 NYS_MP + 2 NYS_TB, as laid out below;
-// _cuda_launch.grads_smem is the same number of bytes.
+// backends.cuda.grads_smem is the same number of bytes.
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_params p) {
     LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
@@ -952,8 +952,8 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
             const int nrows = min(NYS_TB, row_end - row0);
             const bool first = row0 == row_begin;
             // cx, dr and the vectors are complete after the barriers inside.
-            nys_kernel_tile<NYS_TB, T, KIND>(qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
-                                             p.L.sn, p.L.sd, m, d, p.neg_inv_lam, xs, ys, cq);
+            nys_kernel_tile<NYS_TB, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb, xs,
+                                             ys, cq);
             nys_load_rows<NYS_TB, NYS_DW, T>(gb + row0 * p.g.sn, p.g.sn, p.g.sd, nrows, dv, gt);
             nys_load_rows<NYS_TB, NYS_DW, T>(vb + row0 * p.v.sn, p.v.sn, p.v.sd, nrows, dv, vt);
             if (injective)
@@ -1000,8 +1000,8 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
             }
             if (!tied)
                 // The C_k tile goes to vt's place after the staging barrier inside.
-                nys_kernel_tile<NYS_TB, T, KIND>(kb + row0 * p.k.sn, p.k.sn, p.k.sd, nrows, lb,
-                                                 p.L.sn, p.L.sd, m, d, p.neg_inv_lam, xs, ys, ck);
+                nys_kernel_tile<NYS_TB, T, KIND>(p, kb + row0 * p.k.sn, p.k.sn, p.k.sd, nrows, lb,
+                                                 xs, ys, ck);
             else
                 __syncthreads();
             // dv = C_k dR for the thread's rows and value columns.
