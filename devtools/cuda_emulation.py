@@ -117,7 +117,7 @@ def route_cpu_tensors_to_cuda_backend(setattr_, limits=None):
     from lapformer_mm.ops.backends import cuda
     limits = emulated_limits() if limits is None else limits
     setattr_(cuda, 'DEVICE', 'cpu')
-    setattr_(cuda, '_AVAILABLE', [True])
+    setattr_(cuda, 'available', lambda: True)
     setattr_(cuda, 'device_limits', lambda device: limits)
 
 

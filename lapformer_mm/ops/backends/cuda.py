@@ -184,14 +184,6 @@ class Plan(NamedTuple):
     grads_smem: int
 
 
-def _columns(fits, dv):
-    """The widest column pass (all of d_v, else a halving down to 8) for which fits(cols)."""
-    for cols in dict.fromkeys([dv] + [c for c in (32, 16, 8) if c < dv]):
-        if fits(cols):
-            return cols
-    return None
-
-
 @functools.lru_cache(maxsize=None)
 def plan(m, dv, smem_limit):
     """A :class:`Plan` for m landmarks and d_v value columns on a device whose blocks may
@@ -206,7 +198,9 @@ def plan(m, dv, smem_limit):
             reasons.append(f'variant {v.name}: the gradient kernel needs {grads_smem(v):,} bytes '
                            f'of shared memory, the device allows {smem_limit:,}')
             continue
-        bcols = _columns(lambda c: backward_solve_smem(v, m, c) <= smem_limit, dv)
+        # The backward solve's widest column pass: all of d_v, else a halving down to 8.
+        bcols = next((c for c in dict.fromkeys([dv] + [c for c in (32, 16, 8) if c < dv])
+                      if backward_solve_smem(v, m, c) <= smem_limit), None)
         if solve_smem(v, m) + NS_STATIC_SMEM > smem_limit or bcols is None:
             mp, ld = ns_layout(m)
             need = max(solve_smem(v, m) + NS_STATIC_SMEM, backward_solve_smem(v, m, 8))
@@ -231,18 +225,13 @@ def splits(bh, n, target_blocks, tile_rows):
 
 # -- The device and what runs there --
 
-_AVAILABLE = []
-
-
+@functools.lru_cache(maxsize=None)
 def available():
     """True when ``import cupy`` succeeds (checked once; never at module import)."""
-    if not _AVAILABLE:
-        try:
-            import_cupy()
-            _AVAILABLE.append(True)
-        except Exception:  # a broken CUDA install raises more than ImportError
-            _AVAILABLE.append(False)
-    return _AVAILABLE[0]
+    try:
+        return import_cupy() is not None
+    except Exception:  # a broken CUDA install raises more than ImportError
+        return False
 
 
 class DeviceLimits(NamedTuple):
@@ -538,8 +527,7 @@ def _compile(device_index, variant, element_type, smem_limit):
             reserve = _OPTIN_RESERVE.get(name.split('<')[0])
             if reserve is not None and smem_limit - reserve > DEFAULT_SMEM:
                 function.max_dynamic_shared_size_bytes = smem_limit - reserve
-            # RawKernel.kernel is the compiled Function: calling it skips RawKernel's
-            # per-call device lookup.
+            # RawKernel.kernel, the compiled Function, skips RawKernel's per-call device lookup.
             group[name] = getattr(function, 'kernel', function)
     return group
 
@@ -547,9 +535,8 @@ def _compile(device_index, variant, element_type, smem_limit):
 def load_group(device_index, variant, element_type, smem_limit):
     """The launch functions of every stage for (device, variant, element type), cached."""
     key = (device_index, variant.name, element_type)
-    group = _groups.get(key)
-    if group is not None:
-        return group
+    if key in _groups:
+        return _groups[key]
     with _lock:
         if key in _groups:
             return _groups[key]
@@ -570,11 +557,8 @@ def load_group(device_index, variant, element_type, smem_limit):
 
 def raw_stream(device_index):
     """Handle of PyTorch's current stream on the device (the capture stream while a CUDA
-    graph is being captured)."""
-    get = getattr(torch._C, '_cuda_getCurrentRawStream', None)
-    if get is not None:
-        return get(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
+    graph is being captured), without making a Stream object (as inductor's code does)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 _streams = {}
@@ -582,10 +566,9 @@ _MAX_STREAMS = 256
 
 
 def cupy_stream(cupy, device_index):
-    """PyTorch's current stream as a CuPy ``ExternalStream``, one wrapper per handle.
-    Kernels are always launched on it, never on CuPy's own current stream (the legacy
-    default stream unless set), which would escape a CUDA graph capture and replay stale
-    results."""
+    """PyTorch's current stream as a CuPy ``ExternalStream``, one wrapper per handle; never
+    CuPy's own current stream (the legacy default stream unless set), which would escape a
+    CUDA graph capture and replay stale results."""
     handle = raw_stream(device_index)
     key = (device_index, handle)
     if key not in _streams:
