@@ -77,8 +77,8 @@ EMU_EXPORT const char* emu_params_layout() {
     EMU_SCALAR(bh_count); EMU_SCALAR(heads); EMU_SCALAR(n); EMU_SCALAR(m); EMU_SCALAR(d);
     EMU_SCALAR(dv); EMU_SCALAR(chunk); EMU_SCALAR(splits); EMU_SCALAR(iters);
     EMU_SCALAR(init_authors); EMU_SCALAR(refine); EMU_SCALAR(injective);
-    EMU_SCALAR(solve_cols); EMU_SCALAR(neg_inv_lam); EMU_SCALAR(neg_coef); EMU_SCALAR(eps);
-    EMU_SCALAR(whiten_eps);
+    EMU_SCALAR(solve_cols); EMU_SCALAR(ns_partials); EMU_SCALAR(neg_inv_lam);
+    EMU_SCALAR(neg_coef); EMU_SCALAR(eps); EMU_SCALAR(whiten_eps);
     EMU_LINE("sizeof", sizeof(nys_params));
     return buf;
 }

@@ -45,15 +45,17 @@
 // the compile's cache key.
 #if !defined(NYS_MP) || !defined(NYS_DV) || !defined(NYS_TN) || !defined(NYS_TB) || \
     !defined(NYS_TK) || !defined(NYS_TX) || !defined(NYS_TY) || !defined(NYS_LANES) || \
-    !defined(NYS_CC)
-#error "compile with the tile geometry of a variant: -DNYS_MP= -DNYS_DV= -DNYS_TN= -DNYS_TB= -DNYS_TK= -DNYS_TX= -DNYS_TY= -DNYS_LANES= -DNYS_CC= (lapformer_mm/ops/backends/cuda.py)"
+    !defined(NYS_CC) || !defined(NYS_SY)
+#error "compile with the tile geometry of a variant: -DNYS_MP= -DNYS_DV= -DNYS_TN= -DNYS_TB= -DNYS_TK= -DNYS_TX= -DNYS_TY= -DNYS_LANES= -DNYS_CC= -DNYS_SY= (lapformer_mm/ops/backends/cuda.py)"
 #endif
 // NYS_MP: landmark columns of a tile (the most landmarks); NYS_DV: value columns (the
 // widest head of v); NYS_TN / NYS_TB: rows of a tile in the row passes / the gradient
 // pass; NYS_TK: the d-chunk staged in shared memory; NYS_TX x NYS_TY threads a block;
 // NYS_LANES: consecutive entries a slice merge takes per block (one warp's coalesced
-// row); NYS_CC: value columns per block of nys_forward_context.
+// row); NYS_CC: value columns per block of nys_forward_context; NYS_TX x NYS_SY threads
+// the block of nys_forward_solve (Newton-Schulz on more warps than the other kernels).
 #define NYS_THREADS (NYS_TX * NYS_TY)
+#define NYS_SOLVE_THREADS (NYS_TX * NYS_SY)
 #define NYS_DW (NYS_MP > NYS_DV ? NYS_MP : NYS_DV)  // tiles that hold G or v, then C_k
 static_assert(NYS_MP % NYS_TX == 0 && NYS_MP % NYS_TY == 0 && NYS_DV % NYS_TX == 0 &&
                   NYS_TN % NYS_TY == 0 && NYS_TB % NYS_TY == 0,
@@ -68,6 +70,9 @@ constexpr int NYS_GROUPS = NYS_THREADS / NYS_MP;  // row groups of the column st
 constexpr int NYS_DPR = (NYS_MP * NYS_MP + NYS_THREADS - 1) / NYS_THREADS;
 static_assert(NYS_THREADS % NYS_LANES == 0, "the slice merges split the block into groups");
 constexpr int NYS_SGROUPS = NYS_THREADS / NYS_LANES;  // slice groups of a merge
+static_assert(NYS_SY % NYS_TY == 0 && NYS_MP % NYS_SY == 0, "whole merge units and tile rows");
+// Merge units of a nys_forward_solve block: NYS_THREADS threads each, one piece apiece.
+constexpr int NYS_UNITS = NYS_SY / NYS_TY;
 // Floats of a kernel tile of the landmarks against themselves (staged d-chunks and tile).
 constexpr int NYS_LTILE = (2 * NYS_TK + NYS_MP) * (NYS_MP + 1);
 
@@ -97,6 +102,7 @@ struct nys_params {
     int chunk, splits;       // rows of a slice, slices per bh
     int iters, init_authors, refine, injective;
     int solve_cols;          // value columns per pass of the solve kernels
+    int ns_partials;         // floats of the forward solve's Newton-Schulz k-split partials
     float neg_inv_lam, neg_coef, eps, whiten_eps;
 };
 
@@ -136,12 +142,13 @@ __device__ __forceinline__ void nys_zero(float (&acc)[R][C]) {
 // landmarks j < p.m, 0 elsewhere (so padded rows and columns add nothing to any sum); the
 // accumulation is the l1 line (nys_term). x points at the tile's first row, L at the bh's
 // landmarks (strides, m, d and lam from p). Ends with a barrier: ct is ready for every thread.
-template <int TN, typename T, int KIND>
+// TY: thread rows of the block (NYS_TX x TY threads).
+template <int TN, typename T, int KIND, int TY = NYS_TY>
 __device__ void nys_kernel_tile(const nys_params& p, const T* __restrict__ x, long long xsn,
                                 long long xsd, int nrows, const T* __restrict__ L,
                                 float (*xs)[TN + 1], float (*ys)[NYS_MP + 1],
                                 float (*ct)[NYS_MP + 1]) {
-    constexpr int R = TN / NYS_TY, C = NYS_CM;
+    constexpr int R = TN / TY, C = NYS_CM, THREADS = NYS_TX * TY;
     const int tx = threadIdx.x, ty = threadIdx.y, tid = nys_tid();
     const long long lsn = p.L.sn, lsd = p.L.sd;
     const int m = p.m, d = p.d;
@@ -150,13 +157,13 @@ __device__ void nys_kernel_tile(const nys_params& p, const T* __restrict__ x, lo
     nys_zero(acc);
     for (int k0 = 0; k0 < d; k0 += NYS_TK) {
         // Zero padding on both sides makes the tail terms vanish.
-        for (int e = tid; e < TN * NYS_TK; e += NYS_THREADS) {
+        for (int e = tid; e < TN * NYS_TK; e += THREADS) {
             const int r = e / NYS_TK, kk = e % NYS_TK;
             float value = 0.0f;
             if (r < nrows && k0 + kk < d) value = lap_load(x + r * xsn + (k0 + kk) * xsd);
             xs[kk][r] = value;
         }
-        for (int e = tid; e < NYS_MP * NYS_TK; e += NYS_THREADS) {
+        for (int e = tid; e < NYS_MP * NYS_TK; e += THREADS) {
             const int j = e / NYS_TK, kk = e % NYS_TK;
             float value = 0.0f;
             if (j < m && k0 + kk < d) value = lap_load(L + j * lsn + (k0 + kk) * lsd);
@@ -167,7 +174,7 @@ __device__ void nys_kernel_tile(const nys_params& p, const T* __restrict__ x, lo
         for (int kk = 0; kk < NYS_TK; ++kk) {
             float xr[R], yc[C];
 #pragma unroll
-            for (int r = 0; r < R; ++r) xr[r] = xs[kk][ty + NYS_TY * r];
+            for (int r = 0; r < R; ++r) xr[r] = xs[kk][ty + TY * r];
 #pragma unroll
             for (int c = 0; c < C; ++c) yc[c] = ys[kk][tx + NYS_TX * c];
 #pragma unroll
@@ -179,7 +186,7 @@ __device__ void nys_kernel_tile(const nys_params& p, const T* __restrict__ x, lo
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const int i = ty + NYS_TY * r;
+        const int i = ty + TY * r;
 #pragma unroll
         for (int c = 0; c < C; ++c) {
             const int j = tx + NYS_TX * c;
@@ -254,15 +261,16 @@ struct nys_row_smem {
 };
 
 // k(L, L) (no eps) into ct[j][l] for j, l < m, zeros elsewhere, through the staged, coalesced
-// loads of a kernel tile; `tile` holds NYS_LTILE floats. Returns ct; ends with a barrier.
-template <typename T, int KIND>
+// loads of a kernel tile on NYS_TX x TY threads; `tile` holds NYS_LTILE floats. Returns ct;
+// ends with a barrier.
+template <typename T, int KIND, int TY = NYS_TY>
 __device__ __forceinline__ float (*nys_landmark_tile(const nys_params& p, const T* lb,
                                                      float* tile))[NYS_MP + 1] {
     typedef float Row[NYS_MP + 1];
     Row* xs = reinterpret_cast<Row*>(tile);
     Row* ys = xs + NYS_TK;
     Row* ct = ys + NYS_TK;
-    nys_kernel_tile<NYS_MP, T, KIND>(p, lb, p.L.sn, p.L.sd, p.m, lb, xs, ys, ct);
+    nys_kernel_tile<NYS_MP, T, KIND, TY>(p, lb, p.L.sn, p.L.sd, p.m, lb, xs, ys, ct);
     return ct;
 }
 
@@ -393,9 +401,10 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
     }
 }
 
-// The Newton-Schulz job of nys_forward_solve for one bh: P = k(L, L) + eps I, X its
-// inverse; writes X to inverse and P to work. smem: P, X, T (padded mp x ld each) and the
-// k-split partials of ns_iterate, with the landmark tile staged at X first.
+// The Newton-Schulz job of nys_forward_solve for one bh, on all NYS_SOLVE_THREADS threads:
+// P = k(L, L) + eps I, X its inverse; writes X to inverse and P to work. smem: P, X, T
+// (padded mp x ld each) and p.ns_partials floats of ns_iterate's k-split partials, with the
+// landmark tile staged at X first.
 template <typename T, int KIND>
 __device__ void nys_solve_inverse(const nys_params& p, long long bh, float* smem) {
     const int m = p.m, tid = nys_tid();
@@ -405,30 +414,33 @@ __device__ void nys_solve_inverse(const nys_params& p, long long bh, float* smem
     float* X = Ps + mp * ld;
     float* Tn = X + mp * ld;
     float* scratch = Tn + mp * ld;
-    const float (*ct)[NYS_MP + 1] = nys_landmark_tile<T, KIND>(p, nys_in<T>(p.L, bh, p.heads), X);
-    for (int e = tid; e < mp * ld; e += NYS_THREADS) {
+    const float (*ct)[NYS_MP + 1] =
+        nys_landmark_tile<T, KIND, NYS_SY>(p, nys_in<T>(p.L, bh, p.heads), X);
+    for (int e = tid; e < mp * ld; e += NYS_SOLVE_THREADS) {
         const int r = e / ld, c = e % ld;
         Ps[e] = (r < m && c < m) ? ct[r][c] + (r == c ? p.eps : 0.0f) : 0.0f;
     }
     // The tile overlaps Tn.
     __syncthreads();
-    for (int e = tid; e < mp * ld; e += NYS_THREADS) Tn[e] = 0.0f;
+    for (int e = tid; e < mp * ld; e += NYS_SOLVE_THREADS) Tn[e] = 0.0f;
     __syncthreads();
-    ns_iterate<float>(Ps, X, Tn, scratch, m, p.iters, p.init_authors);
+    ns_iterate<float>(Ps, X, Tn, scratch, m, p.iters, p.init_authors, p.ns_partials);
     float* ib = p.inverse + bh * m * m;
     float* wb = p.work + bh * ((long long)m * m + (long long)m * p.dv);
-    for (int e = tid; e < m * m; e += NYS_THREADS) {
+    for (int e = tid; e < m * m; e += NYS_SOLVE_THREADS) {
         const int r = e / m, c = e % m;
         ib[e] = X[r * ld + c];
         wb[e] = Ps[r * ld + c];
     }
 }
 
-// A merge job of nys_forward_solve: the slices' statistics and R for NYS_LANES consecutive
-// entries `piece` of [m statistics columns, then R's m x d_v entries]. Writes stats =
-// [mean, s] (injective) and the merged R into work after P. red: 3 x NYS_THREADS floats.
+// A merge unit of nys_forward_solve (the block's NYS_THREADS threads from unit * NYS_THREADS
+// on): the slices' statistics and R for NYS_LANES consecutive entries `piece` of [m
+// statistics columns, then R's m x d_v entries] (none past them). Writes stats = [mean, s]
+// (injective) and the merged R into work after P. red: the unit's 3 x NYS_THREADS floats.
+// Every thread of the block calls this (one barrier).
 __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, float* red) {
-    const int tid = nys_tid(), lane = tid % NYS_LANES, group = tid / NYS_LANES;
+    const int tid = nys_tid() % NYS_THREADS, lane = tid % NYS_LANES, group = tid / NYS_LANES;
     const int m = p.m, dv = p.dv;
     const int e = piece * NYS_LANES + lane;
     const bool stat = e < m, valid = e < m + m * dv && (!stat || p.injective);
@@ -479,27 +491,31 @@ __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, 
     }
 }
 
-// Pass 2: grid (jobs, bh), blocks loop over both. Job 0 of a bh builds P = k(L, L) + eps I
-// and runs Newton-Schulz (the one serial part); jobs 1.. merge the slices of pass 1 in
-// parallel with it, NYS_LANES entries each (threads: NYS_SGROUPS groups of consecutive
-// slices times NYS_LANES coalesced entries). Outputs inverse (bh, m, m), stats (bh, 2, m)
-// = [mean, s] (injective; s = (sigma^2 + delta)^-1/2) and work (bh) = [P (m x m), R (m x
-// d_v)].
+// Pass 2: grid (jobs, bh), blocks of NYS_TX x NYS_SY threads loop over both. Job 0 of a bh
+// builds P = k(L, L) + eps I and runs Newton-Schulz (the one serial part); jobs 1.. merge
+// the slices of pass 1 in parallel with it, NYS_UNITS pieces of NYS_LANES entries each
+// (a unit's threads: NYS_SGROUPS groups of consecutive slices times NYS_LANES coalesced
+// entries). Outputs inverse (bh, m, m), stats (bh, 2, m) = [mean, s] (injective; s =
+// (sigma^2 + delta)^-1/2) and work (bh) = [P (m x m), R (m x d_v)].
 //
 // Dynamic shared memory (floats), backends.cuda.solve_smem: P, X and the Newton-Schulz
-// scratch (mp x ld each, the padded layout of ns_iterate) and its k-split partials; at
-// least the landmark tile (NYS_LTILE) after P; a merge job uses 3 NYS_THREADS of it.
+// scratch (mp x ld each, the padded layout of ns_iterate) and p.ns_partials floats of its
+// k-split partials; at least the landmark tile (NYS_LTILE) after P; a merge job uses
+// 3 NYS_SOLVE_THREADS of it.
 template <typename T, int KIND>
-__global__ void __launch_bounds__(NYS_THREADS) nys_forward_solve(const nys_params p) {
+__global__ void __launch_bounds__(NYS_SOLVE_THREADS) nys_forward_solve(const nys_params p) {
     LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
     float* smem = reinterpret_cast<float*>(smem_bytes);
-    const int jobs = 1 + (p.m + p.m * p.dv + NYS_LANES - 1) / NYS_LANES;
+    const int pieces = (p.m + p.m * p.dv + NYS_LANES - 1) / NYS_LANES;
+    const int jobs = 1 + (pieces + NYS_UNITS - 1) / NYS_UNITS;
+    const int unit = nys_tid() / NYS_THREADS;
     for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y)
         for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
             if (job == 0)
                 nys_solve_inverse<T, KIND>(p, bh, smem);
             else
-                nys_merge_forward(p, bh, job - 1, smem);
+                nys_merge_forward(p, bh, (job - 1) * NYS_UNITS + unit,
+                                  smem + unit * 3 * NYS_THREADS);
             // The next job reuses the shared memory.
             __syncthreads();
         }

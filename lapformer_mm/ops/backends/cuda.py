@@ -1,20 +1,17 @@
 """The CUDA backend of the attention op (``impl='cupy'``): 4 launches forward, 5 backward.
 
-The kernels are ``lapformer_mm/csrc/cuda/nystrom_attention.cu``, compiled at run time by
-NVRTC through CuPy (imported on first use) for the device's own architecture and launched
-on PyTorch's current stream; the math is :mod:`lapformer_mm.ops.reference`'s (the stage
-functions the kernels' comments name). The op asks :func:`not_supported` first and runs the
-reference where it returns reasons, so nothing here falls back. Plain Python up to
-:func:`launch`, which the g++ emulation replaces: the tile geometry (:data:`VARIANTS`, NVRTC
-``-D`` options, part of CuPy's cache key), :func:`plan` (what fits a device's shared-memory
-opt-in limit) and the kernels' one by-value argument ``nys_params`` (:data:`PARAMS_DTYPE`,
-an array of size one whose bytes CuPy 13 and 14 pass by value, ``CNumpyArray``).
-
-Operands follow the op's contract: q (B, h, N, d), k None when keys are tied, v (B, h, N,
-d_v), landmarks (B, h, m, d), any strides, one dtype; out (B, N, h, d_v) contiguous;
-context, inverse and stats fp32. ``opts`` has kernel, lam, eps, iters, ns_init, ns_refine,
-normalize, whiten_eps. Compile, load and opt-in happen once per (device, variant, element
-type), never inside a CUDA-graph capture (:class:`CaptureError`).
+The kernels (``lapformer_mm/csrc/cuda/nystrom_attention.cu``, the math of
+:mod:`lapformer_mm.ops.reference`) are compiled at run time by NVRTC through CuPy, imported
+on first use, for the device's own architecture, and run on PyTorch's current stream. The
+op asks :func:`not_supported` first and runs the reference where it returns reasons.
+Plain Python up to :func:`launch`, which the g++ emulation replaces: the tile geometry
+(:data:`VARIANTS`, NVRTC ``-D`` options, part of CuPy's cache key), :func:`plan` (what fits
+a device's shared-memory opt-in limit) and the kernels' one by-value argument
+``nys_params`` (:data:`PARAMS_DTYPE`: CuPy 13 and 14 pass a numpy array of size one by
+value, ``CNumpyArray``). Operands follow the op's contract (q, v, landmarks (B, h, ., .)
+with any strides, k None when tied; out (B, N, h, d_v)); ``opts`` has kernel, lam, eps,
+iters, ns_init, ns_refine, normalize, whiten_eps. Compile, load and opt-in happen once per
+(device, variant, element type), never inside a CUDA-graph capture (:class:`CaptureError`).
 """
 import functools
 import re
@@ -72,8 +69,8 @@ def kernel_names(element_types=tuple(ELEMENT_TYPES.values())):
 class Variant(NamedTuple):
     """Tile geometry (the .cu's NYS_* macros): landmark and value columns of a tile (mp, dv),
     rows of a row-pass / gradient tile (tn, tb), the staged d-chunk (tk), threads (tx, ty),
-    entries per block of the slice merges (lanes: one warp's coalesced row) and value
-    columns per block of the context kernel (cc)."""
+    entries per block of the slice merges (lanes: one warp's coalesced row), value columns
+    per block of the context kernel (cc) and thread rows of the forward solve (sy)."""
     name: str
     mp: int
     dv: int
@@ -84,6 +81,7 @@ class Variant(NamedTuple):
     ty: int = 16
     lanes: int = 32
     cc: int = 8
+    sy: int = 32
 
     @property
     def defines(self):
@@ -148,26 +146,23 @@ def landmark_tile_floats(v):
     return (2 * v.tk + v.mp) * (v.mp + 1)
 
 
-def ns_splits(tiles, nk, threads):
-    """k-splits of a Newton-Schulz product over ``tiles`` 4 x 4 tiles (lap_common.cuh,
-    ns_splits): tiles x splits threads fill the block."""
-    return max(1, min(threads // tiles, nk))
+def ns_partials(v, m, smem_limit):
+    """Floats of ns_iterate's k-split partials in nys_forward_solve on a device with this
+    limit, for P X over all nt^2 4 x 4 tiles and X (P X) over the upper triangle's
+    nt (nt + 1) / 2. Splits per product as lap_common.cuh's ns_splits: tiles x splits
+    threads fill the block as far as the room P, X and T leave holds the partials of the
+    splits past the first."""
+    mp, ld = ns_layout(m)
+    nt, room = mp // 4, max(0, (smem_limit - NS_STATIC_SMEM) // 4 - 3 * mp * ld)
+    return 16 * max((max(1, min(v.tx * v.sy // t, nt, 1 + room // (16 * t))) - 1) * t
+                    for t in (nt * nt, nt * (nt + 1) // 2))
 
 
-def ns_scratch_floats(mp, threads):
-    """Floats of ns_iterate's k-split partials: P X over all nt^2 tiles, X (P X) over the
-    upper triangle's nt (nt + 1) / 2."""
-    nt = mp // 4
-    return 16 * max((ns_splits(tiles, nt, threads) - 1) * tiles
-                    for tiles in (nt * nt, nt * (nt + 1) // 2))
-
-
-def solve_smem(v, m):
+def solve_smem(v, m, partials):
     """Dynamic shared memory (bytes) of nys_forward_solve: P, X, T and the k-split partials,
     or P and the landmark tile, whichever is more (a merge job needs less than both)."""
     mp, ld = ns_layout(m)
-    return 4 * max(mp * ld + landmark_tile_floats(v),
-                   3 * mp * ld + ns_scratch_floats(mp, v.threads))
+    return 4 * max(mp * ld + landmark_tile_floats(v), 3 * mp * ld + partials)
 
 
 def backward_solve_smem(v, m, cols):
@@ -182,6 +177,7 @@ class Plan(NamedTuple):
     solve_smem: int
     backward_solve_smem: int
     grads_smem: int
+    ns_partials: int          # floats of the forward solve's k-split partials
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,14 +197,16 @@ def plan(m, dv, smem_limit):
         # The backward solve's widest column pass: all of d_v, else a halving down to 8.
         bcols = next((c for c in dict.fromkeys([dv] + [c for c in (32, 16, 8) if c < dv])
                       if backward_solve_smem(v, m, c) <= smem_limit), None)
-        if solve_smem(v, m) + NS_STATIC_SMEM > smem_limit or bcols is None:
+        partials = ns_partials(v, m, smem_limit)
+        if solve_smem(v, m, partials) + NS_STATIC_SMEM > smem_limit or bcols is None:
             mp, ld = ns_layout(m)
-            need = max(solve_smem(v, m) + NS_STATIC_SMEM, backward_solve_smem(v, m, 8))
+            need = max(solve_smem(v, m, 0) + NS_STATIC_SMEM, backward_solve_smem(v, m, 8))
             reasons.append(f'variant {v.name}: the solves of m = {m} need {need:,} bytes of '
                            f'shared memory (Newton-Schulz on {mp} x {ld}), the device allows '
                            f'{smem_limit:,}')
             continue
-        return Plan(v, bcols, solve_smem(v, m), backward_solve_smem(v, m, bcols), grads_smem(v))
+        return Plan(v, bcols, solve_smem(v, m, partials), backward_solve_smem(v, m, bcols),
+                    grads_smem(v), partials)
     return tuple(reasons)
 
 
@@ -308,7 +306,7 @@ _OPERAND = np.dtype([('ptr', np.uint64), ('sb', np.int64), ('sh', np.int64), ('s
 OPERANDS = ('q', 'k', 'v', 'L', 'g', 'grad_q', 'grad_k', 'grad_v', 'grad_l')
 POINTERS = ('out', 'part', 'fold', 'context', 'inverse', 'stats', 'work', 'lpart')
 INTS = ('heads', 'n', 'm', 'd', 'dv', 'chunk', 'splits', 'iters', 'init_authors', 'refine',
-        'injective', 'solve_cols')
+        'injective', 'solve_cols', 'ns_partials')
 FLOATS = ('neg_inv_lam', 'neg_coef', 'eps', 'whiten_eps')
 #: ``struct nys_params`` of the .cu, field for field (C alignment: align=True).
 PARAMS_DTYPE = np.dtype([(name, _OPERAND) for name in OPERANDS]
@@ -345,7 +343,7 @@ def _call(q, k, v, landmarks, opts, shapes):
         set_operand(p, name, t)
     p['bh_count'] = batch * heads
     p['heads'], p['n'], p['m'], p['d'], p['dv'] = heads, n, landmarks.shape[2], d, v.shape[3]
-    p['chunk'], p['splits'] = chunk, n_splits
+    p['chunk'], p['splits'], p['ns_partials'] = chunk, n_splits, found.ns_partials
     p['iters'], p['init_authors'] = opts.iters, opts.ns_init == 'authors'
     p['refine'], p['injective'] = bool(opts.ns_refine), opts.normalize == 'injective'
     p['neg_inv_lam'] = -1.0 / opts.lam
@@ -381,11 +379,12 @@ def forward(q, k, v, landmarks, opts):
     p['part'], p['fold'] = base, base + 4 * part_floats
     p['work'] = base + 4 * (part_floats + fold_floats)
     bh_grid = min(bh, MAX_GRID_YZ)
-    # Job 0 of a (batch, head) is the Newton-Schulz block, the others merge the slices.
-    jobs = 1 + _ceil_div(m + m * dv, variant.lanes)
+    # Job 0 of a (batch, head) is the Newton-Schulz block, the others merge the slices,
+    # sy / ty pieces each.
+    jobs = 1 + _ceil_div(_ceil_div(m + m * dv, variant.lanes), variant.sy // variant.ty)
     c.launch(c.names['nys_forward_stats'], grid=(c.n_splits, bh_grid))
     c.launch(c.names['nys_forward_solve'], grid=(min(jobs, MAX_GRID_X), bh_grid),
-             shared_mem=c.plan.solve_smem)
+             block=(variant.tx, variant.sy, 1), shared_mem=c.plan.solve_smem)
     c.launch(c.names['nys_forward_context'],
              grid=(min(_ceil_div(dv, variant.cc), MAX_GRID_X), bh_grid))
     c.launch(c.names['nys_forward_out'], grid=(min(_ceil_div(n, variant.tn), MAX_GRID_X), bh_grid))

@@ -57,7 +57,10 @@ def test_one_compile_per_variant_and_element_type_with_its_geometry(fake):
     # One argument per launch: the parameter struct, a numpy array of size one.
     assert all(len(e[4]) == 1 and e[4][0].dtype == cuda.PARAMS_DTYPE and e[4][0].size == 1
                for e in launches(cupy))
-    assert all(e[3] == variant.block for e in launches(cupy))
+    # The Newton-Schulz solve on NYS_TX x NYS_SY threads, every other kernel on tx x ty.
+    assert all(e[3] == ((variant.tx, variant.sy, 1) if 'solve' in e[1] else variant.block)
+               for e in launches(cupy))
+    assert variant.tx * variant.sy == 2 * variant.threads
 
 
 def test_opt_in_happens_once_at_load_to_the_devices_limit(fake):
