@@ -7,7 +7,7 @@ Used by the emulation tests and by scripts that run the CUDA path on the CPU
 ``tests/cuda_emu/shim.h`` (threads of a block are std::threads, ``__syncthreads`` a
 std::barrier, ``__shared__`` static storage, blocks one at a time), one library per tile
 variant with the same ``-D`` options NVRTC gets; :func:`make_launch` gives a stand-in for
-``_cuda_launch.launch`` that hands the kernels the same ``nys_params`` bytes, so the host
+``backends.cuda.launch`` that hands the kernels the same ``nys_params`` bytes, so the host
 code of the CUDA backend (plans, geometry, the parameter struct) runs against CPU tensors.
 """
 import ctypes
@@ -76,7 +76,7 @@ def params_layout(lib):
 
 
 def make_launch(emulation, record=None, hooks=()):
-    """A ``_cuda_launch.launch`` that runs kernels in the emulation.
+    """A ``backends.cuda.launch`` that runs kernels in the emulation.
 
     Appends (name, grid, block, shared_mem, variant name) to ``record``; calls each hook
     with the same tuple (the op-counting test uses it).
@@ -117,15 +117,15 @@ def route_cpu_tensors_to_cuda_backend(setattr_, limits=None):
     from lapformer_mm.ops.backends import cuda
     limits = emulated_limits() if limits is None else limits
     setattr_(cuda, 'DEVICE', 'cpu')
-    setattr_(cuda, '_AVAILABLE', [True])
+    setattr_(cuda, 'available', lambda: True)
     setattr_(cuda, 'device_limits', lambda device: limits)
 
 
 def emulate(folder, target_blocks=8):
     """Route the CUDA backend's launches to the emulation built in ``folder`` and make
     impl=None choose it for CPU tensors, for the rest of the process (scripts only)."""
-    from lapformer_mm.ops.backends import _cuda_launch
+    from lapformer_mm.ops.backends import cuda
     emulation = Emulation(folder)
-    _cuda_launch.launch = make_launch(emulation)
+    cuda.launch = make_launch(emulation)
     route_cpu_tensors_to_cuda_backend(setattr, emulated_limits(sms=max(1, target_blocks // 4)))
     return emulation

@@ -1,9 +1,9 @@
-"""A stand-in for CuPy that records what ``lapformer_mm.ops.backends._cuda_launch`` asks of it.
+"""A stand-in for CuPy that records what ``lapformer_mm.ops.backends.cuda`` asks of it.
 
 No GPU needed: compiles, device contexts, stream wrappers and launches become events, so
 the CPU tests check the host path (one compile per variant and element type, the stream a
 kernel is launched on, the shared-memory opt-in, nothing loaded inside a capture) and
-``benchmarks/cuda_host.py`` times it. :func:`install` patches ``_cuda_launch`` to use it.
+``benchmarks/cuda_host.py`` times it. :func:`install` patches the backend to use it.
 """
 import torch
 
@@ -38,11 +38,6 @@ class FakeCupy:
                 log(('stream', ptr))
                 self.ptr = ptr
 
-        class Stream:
-            @classmethod
-            def from_external(cls, obj):
-                return ExternalStream(obj.cuda_stream)
-
         class Kernel:
             def __init__(self, name):
                 self.name = name
@@ -71,8 +66,8 @@ class FakeCupy:
                 return Kernel(name)
 
         runtime = type('runtime', (), {'getDevice': staticmethod(lambda: fake.current_device)})
-        self.cuda = type('cuda', (), {'Device': Device, 'Stream': Stream,
-                                      'ExternalStream': ExternalStream, 'runtime': runtime})
+        self.cuda = type('cuda', (), {'Device': Device, 'ExternalStream': ExternalStream,
+                                      'runtime': runtime})
         self.RawModule = RawModule
 
 
@@ -87,7 +82,7 @@ class FakeStreams:
 
 
 def install(cl, setattr_, **kwargs):
-    """Make ``cl`` (``_cuda_launch``) use a new :class:`FakeCupy`, never capturing;
+    """Make ``cl`` (``backends.cuda``) use a new :class:`FakeCupy`, never capturing;
     ``setattr_`` is ``monkeypatch.setattr`` (or ``setattr`` for a script). Returns
     (fake, streams)."""
     fake = FakeCupy(**kwargs)
@@ -101,5 +96,5 @@ def install(cl, setattr_, **kwargs):
 
 
 class FakeCudaTensor:
-    """Has what ``_cuda_launch.launch`` reads of a tensor: its device."""
+    """Has what ``backends.cuda.launch`` reads of a tensor: its device."""
     device = torch.device('cuda', 1)

@@ -4,7 +4,7 @@
 ops (whose own allocations would otherwise be hidden). Views (outputs that alias an
 input, and ``_unsafe_view``) and allocations (``empty``/``empty_strided``, no kernel) are
 counted apart from compute ops. Kernel launches of ours are counted by :meth:`launch`,
-called from a wrapped ``_cuda_launch.launch`` (:func:`counting_launch`). Used by
+called from a wrapped ``backends.cuda.launch`` (:func:`counting_launch`). Used by
 tests/ops/cuda/test_op_counts.py and benchmarks/cuda_host.py.
 """
 import collections
@@ -78,7 +78,7 @@ class OpCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def counting_launch(rt, counter):
-    """Wrap ``rt.launch`` (``lapformer_mm.ops.backends._cuda_launch``) so that each launch is
+    """Wrap ``rt.launch`` (``lapformer_mm.ops.backends.cuda``) so that each launch is
     recorded in ``counter``."""
     original = rt.launch
 

@@ -6,8 +6,8 @@ cached, so the compile and SASS tests share one compile) and the cubin disassemb
 ``nvdisasm`` (pip package ``nvidia-cuda-nvdisasm``). A kernel's hot loop is, of its loops
 (backward branches), the one with the most floating-point instructions of its own (nested
 loops' instructions not counted). Instructions per term: one ``|x - y|``/``(x - y)^2``
-accumulation of a kernel tile (TK x rows/thread x columns/thread terms per iteration) or
-of the gradient (its reduction loop unrolled 4 times: 4 x 8 x 4 terms).
+accumulation of a kernel tile (TK x rows/thread x columns/thread terms per iteration,
+:func:`terms_per_iteration`).
 ``benchmarks/cuda_sass.py`` prints the table (docs/cuda.md).
 """
 import collections
@@ -97,13 +97,19 @@ class SassToolError(RuntimeError):
     """nvdisasm is missing, or NVRTC rejected a source."""
 
 
-_TILE_TERMS = {'nys_forward_stats': 256, 'nys_forward_out': 256, 'nys_backward_reduce': 256,
-               'nys_backward_grads': 128}
+# The kernels whose hot loop is a kernel tile, and the variant's rows of that tile.
+_TILE_ROWS = {'nys_forward_stats': 'tn', 'nys_forward_out': 'tn', 'nys_backward_reduce': 'tn',
+              'nys_backward_grads': 'tb'}
 
 
-def terms_per_iteration(kernel, counts):
-    terms = _TILE_TERMS.get(kernel.split('<')[0])
-    return counts['FFMA'] if terms is None else terms
+def terms_per_iteration(kernel, counts, variant):
+    """Terms one thread accumulates per hot-loop iteration (one d-chunk of its kernel
+    tile): TK x rows/thread x columns/thread, rows NYS_TN or, in the gradient kernel,
+    NYS_TB (4 x 16 x 2 = 128 at 32 rows, 64 at 16). Elsewhere the FFMAs."""
+    rows = _TILE_ROWS.get(kernel.split('<')[0])
+    if rows is None:
+        return counts['FFMA']
+    return variant.tk * (getattr(variant, rows) // variant.ty) * (variant.mp // variant.tx)
 
 
 def hot_loop_ops(kernel):
@@ -114,8 +120,8 @@ def hot_loop_ops(kernel):
 
 
 def _runtime():
-    from lapformer_mm.ops.backends import _cuda_launch
-    return _cuda_launch
+    from lapformer_mm.ops.backends import cuda
+    return cuda
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,7 +153,7 @@ def report(variant_name='dv64_tb32', arch='sm_90'):
         if counts is None:
             rows.append(dict(kernel=name, instructions=0, terms=0, per_term=None, histogram={}))
             continue
-        terms = terms_per_iteration(name, counts)
+        terms = terms_per_iteration(name, counts, _runtime().VARIANT_BY_NAME[variant_name])
         total = sum(counts.values())
         rows.append(dict(kernel=name, instructions=total, terms=terms,
                          per_term=total / terms if terms else None,

@@ -1,6 +1,6 @@
 // Exposes every kernel instantiation of lapformer_mm/csrc/cuda/nystrom_attention.cu,
 // compiled for the CPU through shim.h with one variant's tile geometry (-D options from
-// lapformer_mm/ops/backends/_cuda_launch.py), behind one C entry point with CUDA's
+// lapformer_mm/ops/backends/cuda.py), behind one C entry point with CUDA's
 // launch ABI: an array of pointers to the argument values, here the one nys_params.
 // EMU_FLOAT_ONLY leaves out the 16-bit instantiations (variants other than the default
 // are checked in fp32 only, which builds in a third of the time).
@@ -77,8 +77,8 @@ EMU_EXPORT const char* emu_params_layout() {
     EMU_SCALAR(bh_count); EMU_SCALAR(heads); EMU_SCALAR(n); EMU_SCALAR(m); EMU_SCALAR(d);
     EMU_SCALAR(dv); EMU_SCALAR(chunk); EMU_SCALAR(splits); EMU_SCALAR(iters);
     EMU_SCALAR(init_authors); EMU_SCALAR(refine); EMU_SCALAR(injective);
-    EMU_SCALAR(solve_cols); EMU_SCALAR(neg_inv_lam); EMU_SCALAR(neg_coef); EMU_SCALAR(eps);
-    EMU_SCALAR(whiten_eps);
+    EMU_SCALAR(solve_cols); EMU_SCALAR(ns_partials); EMU_SCALAR(neg_inv_lam);
+    EMU_SCALAR(neg_coef); EMU_SCALAR(eps); EMU_SCALAR(whiten_eps);
     EMU_LINE("sizeof", sizeof(nys_params));
     return buf;
 }

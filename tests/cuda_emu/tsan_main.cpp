@@ -13,9 +13,10 @@
 
 namespace {
 
-int launch(const char* name, nys_params& p, dim3 grid, std::size_t shared = 0) {
+int launch(const char* name, nys_params& p, dim3 grid, std::size_t shared = 0,
+           unsigned rows = NYS_TY) {
     void* args[1] = {&p};
-    const unsigned g[3] = {grid.x, grid.y, grid.z}, b[3] = {NYS_TX, NYS_TY, 1};
+    const unsigned g[3] = {grid.x, grid.y, grid.z}, b[3] = {NYS_TX, rows, 1};
     const int rc = emu_launch_kernel(name, args, g, b, shared);
     if (rc != 0) std::fprintf(stderr, "%s: %s\n", name, rc == 1 ? "no such kernel" : "shared memory overrun");
     return rc;
@@ -66,22 +67,24 @@ int nystrom_attention(bool tied) {
     p.heads = heads, p.n = n, p.m = m, p.d = d, p.dv = dv, p.chunk = 64, p.splits = splits;
     p.iters = 6, p.init_authors = 0, p.refine = 1, p.injective = 1, p.solve_cols = cols;
     p.neg_inv_lam = -0.25f, p.neg_coef = -0.25f, p.eps = 0.01f, p.whiten_eps = 1e-5f;
-    // _cuda_launch.solve_smem and backward_solve_smem at m = 9 (mp = ld = 12: 3 k-splits of
-    // the 9 tiles of P X, whose partials are the larger).
+    // backends.cuda.ns_partials, solve_smem and backward_solve_smem at m = 9 (mp = ld = 12:
+    // 3 k-splits of the 9 tiles of P X, whose partials are the larger).
+    p.ns_partials = 2 * 9 * 16;
     const std::size_t solve =
-        4 * std::max<std::size_t>(mp * ld + NYS_LTILE, 3 * mp * ld + 2 * 9 * 16);
+        4 * std::max<std::size_t>(mp * ld + NYS_LTILE, 3 * mp * ld + p.ns_partials);
     const std::size_t bsolve = 4 * (m * m + std::max<std::size_t>(
                                                 NYS_LTILE, m * (m + 1) + 3 * m * (cols + 1) +
                                                                NYS_MP + cols));
     const std::size_t grads = 4 * (2 * NYS_MP * (NYS_DV + 1) + 2 * NYS_TB * (NYS_MP + 1) +
                                    2 * NYS_TB * (NYS_DW + 1) + NYS_TK * (NYS_TB + 1) +
                                    NYS_TK * (NYS_MP + 1) + 3 * NYS_MP + 2 * NYS_TB);
-    const unsigned jobs = 1 + (m + m * dv + NYS_LANES - 1) / NYS_LANES;
+    const unsigned pieces = (m + m * dv + NYS_LANES - 1) / NYS_LANES;
+    const unsigned jobs = 1 + (pieces + NYS_UNITS - 1) / NYS_UNITS;
     p.part = part.data();
     p.work = fwork.data();
     int rc = launch("nys_forward_stats<float, 0>", p, dim3(splits, 2));
     // Fewer blocks than jobs: a block runs the Newton-Schulz job and merges.
-    rc |= launch("nys_forward_solve<float, 0>", p, dim3(jobs / 2, 2), solve);
+    rc |= launch("nys_forward_solve<float, 0>", p, dim3(jobs / 2, 2), solve, NYS_SY);
     rc |= launch("nys_forward_context<float>", p, dim3(1, 2));
     rc |= launch("nys_forward_out<float, 0>", p, dim3(2, 2));
     p.part = bpart.data();

@@ -191,24 +191,26 @@ __device__ __forceinline__ void ns_store_symmetric(S* M, int ld, int ti, int tj,
 
 // One thread's share of a product over the nt x nt tile grid: tile (ti, tj) over the k
 // range of its split. `upper`: only the tiles ti <= tj (the product is symmetric), numbered
-// row-major. Splits fill the block with tiles x splits threads (the host's
-// _cuda_launch.ns_splits is the same rule); the partials of splits > 0 lie entry-major in
-// the scratch, so a warp's stores and loads hit consecutive banks.
+// row-major. Splits fill the block with tiles x splits threads as far as the scratch holds
+// the partials of splits > 0 (max_partials floats; the host's backends.cuda.ns_partials has
+// the same rule); those lie entry-major in the scratch, so a warp's stores and loads hit
+// consecutive banks.
 struct ns_job {
     bool active;
     int ti, tj, tile, tiles, split, splits, k_begin, k_end;
 };
 
-__device__ __forceinline__ int ns_splits(int tiles, int nk, int nthreads) {
-    const int s = nthreads / tiles;
-    return s < 1 ? 1 : (s > nk ? nk : s);
+__device__ __forceinline__ int ns_splits(int tiles, int nk, int nthreads, int max_partials) {
+    const int fill = nthreads / tiles, room = 1 + max_partials / (NS_MT * NS_MT * tiles);
+    const int s = fill < nk ? fill : nk;
+    return s < 1 ? 1 : (s > room ? room : s);
 }
 
 __device__ __forceinline__ ns_job ns_make_job(int tid, int nthreads, int nt, int nk, int kv,
-                                              bool upper) {
+                                              bool upper, int max_partials) {
     ns_job j;
     j.tiles = upper ? nt * (nt + 1) / 2 : nt * nt;
-    j.splits = ns_splits(j.tiles, nk, nthreads);
+    j.splits = ns_splits(j.tiles, nk, nthreads, max_partials);
     j.active = tid < j.splits * j.tiles;
     j.tile = j.active ? tid % j.tiles : 0;
     j.split = j.active ? tid / j.tiles : 0;
@@ -266,11 +268,11 @@ __device__ __forceinline__ void ns_job_add_partials(const ns_job& j, const S* sc
 // symmetric). Each product's tiles take k-splits that fill the block, their partials
 // added in split order. P, X and the scratch T are padded mp x ld shared memory; T must
 // hold zeros on entry (its padding stays zero, which keeps the products' padding zero);
-// `scratch` holds the partials (_cuda_launch.ns_scratch_floats). Every thread of the
-// block calls this.
+// `scratch` holds max_partials floats for the partials (backends.cuda.ns_partials).
+// Every thread of the block calls this.
 template <typename S>
 __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, int m,
-                                           int iters, int init_authors) {
+                                           int iters, int init_authors, int max_partials) {
     constexpr int KV = 16 / sizeof(S);
     __shared__ S norm_shared;
     const int mp = (m + NS_MT - 1) / NS_MT * NS_MT;
@@ -279,8 +281,8 @@ __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, 
     const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     const int nthreads = blockDim.x * blockDim.y * blockDim.z;
     const int nt = mp / NS_MT, nk = mp / KV;
-    const ns_job full = ns_make_job(tid, nthreads, nt, nk, KV, false);
-    const ns_job upper = ns_make_job(tid, nthreads, nt, nk, KV, true);
+    const ns_job full = ns_make_job(tid, nthreads, nt, nk, KV, false, max_partials);
+    const ns_job upper = ns_make_job(tid, nthreads, nt, nk, KV, true, max_partials);
     // ||P||_inf's row sums in T's column 0.
     for (int r = tid; r < m; r += nthreads) {
         S s = S(0);

@@ -1,5 +1,5 @@
 // The fused Nystrom attention: forward in 4 launches, backward in 5, no N x m matrix in
-// global memory (lapformer_mm/ops/nystrom.py states the contract and the math).
+// global memory (lapformer_mm/ops/attention.py states the contract, reference.py the math).
 //
 // Per (batch, head) bh, with C = k(., L) the kernel rows against the m landmarks,
 // c~ = C - rowmean(C), s the per-landmark whitening scale and P = k(L, L) + eps I:
@@ -41,19 +41,21 @@
 #include "lap_common.cuh"
 
 // The tile geometry comes from the host, one source for both sides
-// (lapformer_mm/ops/backends/_cuda_launch.py, VARIANTS), as -D options that are part of
+// (lapformer_mm/ops/backends/cuda.py, VARIANTS), as -D options that are part of
 // the compile's cache key.
 #if !defined(NYS_MP) || !defined(NYS_DV) || !defined(NYS_TN) || !defined(NYS_TB) || \
     !defined(NYS_TK) || !defined(NYS_TX) || !defined(NYS_TY) || !defined(NYS_LANES) || \
-    !defined(NYS_CC)
-#error "compile with the tile geometry of a variant: -DNYS_MP= -DNYS_DV= -DNYS_TN= -DNYS_TB= -DNYS_TK= -DNYS_TX= -DNYS_TY= -DNYS_LANES= -DNYS_CC= (lapformer_mm/ops/backends/_cuda_launch.py)"
+    !defined(NYS_CC) || !defined(NYS_SY)
+#error "compile with the tile geometry of a variant: -DNYS_MP= -DNYS_DV= -DNYS_TN= -DNYS_TB= -DNYS_TK= -DNYS_TX= -DNYS_TY= -DNYS_LANES= -DNYS_CC= -DNYS_SY= (lapformer_mm/ops/backends/cuda.py)"
 #endif
 // NYS_MP: landmark columns of a tile (the most landmarks); NYS_DV: value columns (the
 // widest head of v); NYS_TN / NYS_TB: rows of a tile in the row passes / the gradient
 // pass; NYS_TK: the d-chunk staged in shared memory; NYS_TX x NYS_TY threads a block;
 // NYS_LANES: consecutive entries a slice merge takes per block (one warp's coalesced
-// row); NYS_CC: value columns per block of nys_forward_context.
+// row); NYS_CC: value columns per block of nys_forward_context; NYS_TX x NYS_SY threads
+// the block of nys_forward_solve (Newton-Schulz on more warps than the other kernels).
 #define NYS_THREADS (NYS_TX * NYS_TY)
+#define NYS_SOLVE_THREADS (NYS_TX * NYS_SY)
 #define NYS_DW (NYS_MP > NYS_DV ? NYS_MP : NYS_DV)  // tiles that hold G or v, then C_k
 static_assert(NYS_MP % NYS_TX == 0 && NYS_MP % NYS_TY == 0 && NYS_DV % NYS_TX == 0 &&
                   NYS_TN % NYS_TY == 0 && NYS_TB % NYS_TY == 0,
@@ -68,6 +70,9 @@ constexpr int NYS_GROUPS = NYS_THREADS / NYS_MP;  // row groups of the column st
 constexpr int NYS_DPR = (NYS_MP * NYS_MP + NYS_THREADS - 1) / NYS_THREADS;
 static_assert(NYS_THREADS % NYS_LANES == 0, "the slice merges split the block into groups");
 constexpr int NYS_SGROUPS = NYS_THREADS / NYS_LANES;  // slice groups of a merge
+static_assert(NYS_SY % NYS_TY == 0 && NYS_MP % NYS_SY == 0, "whole merge units and tile rows");
+// Merge units of a nys_forward_solve block: NYS_THREADS threads each, one piece apiece.
+constexpr int NYS_UNITS = NYS_SY / NYS_TY;
 // Floats of a kernel tile of the landmarks against themselves (staged d-chunks and tile).
 constexpr int NYS_LTILE = (2 * NYS_TK + NYS_MP) * (NYS_MP + 1);
 
@@ -79,7 +84,7 @@ struct nys_operand {
 
 // Everything a launch reads, filled once per call on the host and passed by value to
 // every kernel (flash-attn's Flash_fwd_params pattern). The host mirrors this layout as
-// a numpy structured dtype (_cuda_launch.PARAMS_DTYPE); the emulation checks the offsets.
+// a numpy structured dtype (backends.cuda.PARAMS_DTYPE); the emulation checks the offsets.
 struct nys_params {
     nys_operand q, k, v, L;  // inputs; k.ptr null: keys tied to queries (C_k = C_q)
     nys_operand g;           // the gradient of out, (B, N, h, d_v) as (b, h, n, c) strides
@@ -97,6 +102,7 @@ struct nys_params {
     int chunk, splits;       // rows of a slice, slices per bh
     int iters, init_authors, refine, injective;
     int solve_cols;          // value columns per pass of the solve kernels
+    int ns_partials;         // floats of the forward solve's Newton-Schulz k-split partials
     float neg_inv_lam, neg_coef, eps, whiten_eps;
 };
 
@@ -133,26 +139,31 @@ __device__ __forceinline__ void nys_zero(float (&acc)[R][C]) {
 }
 
 // ct[i][j] = exp(-sum_t phi(x[i, t] - L[j, t]) / lam) for the tile's rows i < nrows and
-// landmarks j < m, 0 elsewhere (so padded rows and columns add nothing to any sum).
-// x points at the tile's first row. Ends with a barrier: ct is ready for every thread.
-template <int TN, typename T, int KIND>
-__device__ void nys_kernel_tile(const T* __restrict__ x, long long xsn, long long xsd, int nrows,
-                                const T* __restrict__ L, long long lsn, long long lsd, int m,
-                                int d, float neg_inv_lam, float (*xs)[TN + 1],
-                                float (*ys)[NYS_MP + 1], float (*ct)[NYS_MP + 1]) {
-    constexpr int R = TN / NYS_TY, C = NYS_CM;
+// landmarks j < p.m, 0 elsewhere (so padded rows and columns add nothing to any sum); the
+// accumulation is the l1 line (nys_term). x points at the tile's first row, L at the bh's
+// landmarks (strides, m, d and lam from p). Ends with a barrier: ct is ready for every thread.
+// TY: thread rows of the block (NYS_TX x TY threads).
+template <int TN, typename T, int KIND, int TY = NYS_TY>
+__device__ void nys_kernel_tile(const nys_params& p, const T* __restrict__ x, long long xsn,
+                                long long xsd, int nrows, const T* __restrict__ L,
+                                float (*xs)[TN + 1], float (*ys)[NYS_MP + 1],
+                                float (*ct)[NYS_MP + 1]) {
+    constexpr int R = TN / TY, C = NYS_CM, THREADS = NYS_TX * TY;
     const int tx = threadIdx.x, ty = threadIdx.y, tid = nys_tid();
+    const long long lsn = p.L.sn, lsd = p.L.sd;
+    const int m = p.m, d = p.d;
+    const float neg_inv_lam = p.neg_inv_lam;
     float acc[R][C];
     nys_zero(acc);
     for (int k0 = 0; k0 < d; k0 += NYS_TK) {
         // Zero padding on both sides makes the tail terms vanish.
-        for (int e = tid; e < TN * NYS_TK; e += NYS_THREADS) {
+        for (int e = tid; e < TN * NYS_TK; e += THREADS) {
             const int r = e / NYS_TK, kk = e % NYS_TK;
             float value = 0.0f;
             if (r < nrows && k0 + kk < d) value = lap_load(x + r * xsn + (k0 + kk) * xsd);
             xs[kk][r] = value;
         }
-        for (int e = tid; e < NYS_MP * NYS_TK; e += NYS_THREADS) {
+        for (int e = tid; e < NYS_MP * NYS_TK; e += THREADS) {
             const int j = e / NYS_TK, kk = e % NYS_TK;
             float value = 0.0f;
             if (j < m && k0 + kk < d) value = lap_load(L + j * lsn + (k0 + kk) * lsd);
@@ -163,7 +174,7 @@ __device__ void nys_kernel_tile(const T* __restrict__ x, long long xsn, long lon
         for (int kk = 0; kk < NYS_TK; ++kk) {
             float xr[R], yc[C];
 #pragma unroll
-            for (int r = 0; r < R; ++r) xr[r] = xs[kk][ty + NYS_TY * r];
+            for (int r = 0; r < R; ++r) xr[r] = xs[kk][ty + TY * r];
 #pragma unroll
             for (int c = 0; c < C; ++c) yc[c] = ys[kk][tx + NYS_TX * c];
 #pragma unroll
@@ -175,7 +186,7 @@ __device__ void nys_kernel_tile(const T* __restrict__ x, long long xsn, long lon
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const int i = ty + NYS_TY * r;
+        const int i = ty + TY * r;
 #pragma unroll
         for (int c = 0; c < C; ++c) {
             const int j = tx + NYS_TX * c;
@@ -249,28 +260,17 @@ struct nys_row_smem {
     float rm[NYS_TN];
 };
 
-// The kernel rows of rows row0 .. row0 + nrows of operand x (base xb of the bh) against the
-// landmarks lb into s.ct, and with `means` their row means into s.rm. Ends with a barrier.
-template <typename T, int KIND>
-__device__ __forceinline__ void nys_row_tile(nys_row_smem& s, const nys_params& p, const T* xb,
-                                             const nys_operand& x, const T* lb, int row0,
-                                             int nrows, bool means) {
-    nys_kernel_tile<NYS_TN, T, KIND>(xb + row0 * x.sn, x.sn, x.sd, nrows, lb, p.L.sn, p.L.sd, p.m,
-                                     p.d, p.neg_inv_lam, s.xs, s.ys, s.ct);
-    if (means) nys_row_means<NYS_TN>(s.ct, nrows, p.m, s.rm);
-}
-
 // k(L, L) (no eps) into ct[j][l] for j, l < m, zeros elsewhere, through the staged, coalesced
-// loads of a kernel tile; `tile` holds NYS_LTILE floats. Returns ct; ends with a barrier.
-template <typename T, int KIND>
+// loads of a kernel tile on NYS_TX x TY threads; `tile` holds NYS_LTILE floats. Returns ct;
+// ends with a barrier.
+template <typename T, int KIND, int TY = NYS_TY>
 __device__ __forceinline__ float (*nys_landmark_tile(const nys_params& p, const T* lb,
                                                      float* tile))[NYS_MP + 1] {
     typedef float Row[NYS_MP + 1];
     Row* xs = reinterpret_cast<Row*>(tile);
     Row* ys = xs + NYS_TK;
     Row* ct = ys + NYS_TK;
-    nys_kernel_tile<NYS_MP, T, KIND>(lb, p.L.sn, p.L.sd, p.m, lb, p.L.sn, p.L.sd, p.m, p.d,
-                                     p.neg_inv_lam, xs, ys, ct);
+    nys_kernel_tile<NYS_MP, T, KIND, TY>(p, lb, p.L.sn, p.L.sd, p.m, lb, xs, ys, ct);
     return ct;
 }
 
@@ -349,8 +349,10 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
         nys_zero(acc);
         for (int row0 = row_begin; row0 < row_end; row0 += NYS_TN) {
             const int nrows = min(NYS_TN, row_end - row0);
-            nys_row_tile<T, KIND>(rs, p, qb, p.q, lb, row0, nrows, p.injective);
+            nys_kernel_tile<NYS_TN, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
+                                             rs.xs, rs.ys, rs.ct);
             if (p.injective) {
+                nys_row_means<NYS_TN>(rs.ct, nrows, p.m, rs.rm);
                 // Two passes over the group's rows, then Chan et al.'s merge: no
                 // E[x^2] - E[x]^2.
                 const int i0 = min(nrows, group * GROUP_ROWS);
@@ -381,7 +383,9 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
             // The statistics read ct and the group sums; the key tile overwrites ct and
             // the next tile the sums only after the staging barrier inside
             // nys_kernel_tile, which every thread reaches after reading.
-            if (kb != nullptr) nys_row_tile<T, KIND>(rs, p, kb, p.k, lb, row0, nrows, false);
+            if (kb != nullptr)
+                nys_kernel_tile<NYS_TN, T, KIND>(p, kb + row0 * p.k.sn, p.k.sn, p.k.sd, nrows, lb,
+                                                 rs.xs, rs.ys, rs.ct);
             nys_load_rows<NYS_TN, NYS_DV, T>(vb + row0 * p.v.sn, p.v.sn, p.v.sd, nrows, dv, vt);
             __syncthreads();
             nys_acc_atb(ct, vt, nrows, acc);
@@ -397,9 +401,10 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
     }
 }
 
-// The Newton-Schulz job of nys_forward_solve for one bh: P = k(L, L) + eps I, X its
-// inverse; writes X to inverse and P to work. smem: P, X, T (padded mp x ld each) and the
-// k-split partials of ns_iterate, with the landmark tile staged at X first.
+// The Newton-Schulz job of nys_forward_solve for one bh, on all NYS_SOLVE_THREADS threads:
+// P = k(L, L) + eps I, X its inverse; writes X to inverse and P to work. smem: P, X, T
+// (padded mp x ld each) and p.ns_partials floats of ns_iterate's k-split partials, with the
+// landmark tile staged at X first.
 template <typename T, int KIND>
 __device__ void nys_solve_inverse(const nys_params& p, long long bh, float* smem) {
     const int m = p.m, tid = nys_tid();
@@ -409,30 +414,33 @@ __device__ void nys_solve_inverse(const nys_params& p, long long bh, float* smem
     float* X = Ps + mp * ld;
     float* Tn = X + mp * ld;
     float* scratch = Tn + mp * ld;
-    const float (*ct)[NYS_MP + 1] = nys_landmark_tile<T, KIND>(p, nys_in<T>(p.L, bh, p.heads), X);
-    for (int e = tid; e < mp * ld; e += NYS_THREADS) {
+    const float (*ct)[NYS_MP + 1] =
+        nys_landmark_tile<T, KIND, NYS_SY>(p, nys_in<T>(p.L, bh, p.heads), X);
+    for (int e = tid; e < mp * ld; e += NYS_SOLVE_THREADS) {
         const int r = e / ld, c = e % ld;
         Ps[e] = (r < m && c < m) ? ct[r][c] + (r == c ? p.eps : 0.0f) : 0.0f;
     }
     // The tile overlaps Tn.
     __syncthreads();
-    for (int e = tid; e < mp * ld; e += NYS_THREADS) Tn[e] = 0.0f;
+    for (int e = tid; e < mp * ld; e += NYS_SOLVE_THREADS) Tn[e] = 0.0f;
     __syncthreads();
-    ns_iterate<float>(Ps, X, Tn, scratch, m, p.iters, p.init_authors);
+    ns_iterate<float>(Ps, X, Tn, scratch, m, p.iters, p.init_authors, p.ns_partials);
     float* ib = p.inverse + bh * m * m;
     float* wb = p.work + bh * ((long long)m * m + (long long)m * p.dv);
-    for (int e = tid; e < m * m; e += NYS_THREADS) {
+    for (int e = tid; e < m * m; e += NYS_SOLVE_THREADS) {
         const int r = e / m, c = e % m;
         ib[e] = X[r * ld + c];
         wb[e] = Ps[r * ld + c];
     }
 }
 
-// A merge job of nys_forward_solve: the slices' statistics and R for NYS_LANES consecutive
-// entries `piece` of [m statistics columns, then R's m x d_v entries]. Writes stats =
-// [mean, s] (injective) and the merged R into work after P. red: 3 x NYS_THREADS floats.
+// A merge unit of nys_forward_solve (the block's NYS_THREADS threads from unit * NYS_THREADS
+// on): the slices' statistics and R for NYS_LANES consecutive entries `piece` of [m
+// statistics columns, then R's m x d_v entries] (none past them). Writes stats = [mean, s]
+// (injective) and the merged R into work after P. red: the unit's 3 x NYS_THREADS floats.
+// Every thread of the block calls this (one barrier).
 __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, float* red) {
-    const int tid = nys_tid(), lane = tid % NYS_LANES, group = tid / NYS_LANES;
+    const int tid = nys_tid() % NYS_THREADS, lane = tid % NYS_LANES, group = tid / NYS_LANES;
     const int m = p.m, dv = p.dv;
     const int e = piece * NYS_LANES + lane;
     const bool stat = e < m, valid = e < m + m * dv && (!stat || p.injective);
@@ -483,27 +491,31 @@ __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, 
     }
 }
 
-// Pass 2: grid (jobs, bh), blocks loop over both. Job 0 of a bh builds P = k(L, L) + eps I
-// and runs Newton-Schulz (the one serial part); jobs 1.. merge the slices of pass 1 in
-// parallel with it, NYS_LANES entries each (threads: NYS_SGROUPS groups of consecutive
-// slices times NYS_LANES coalesced entries). Outputs inverse (bh, m, m), stats (bh, 2, m)
-// = [mean, s] (injective; s = (sigma^2 + delta)^-1/2) and work (bh) = [P (m x m), R (m x
-// d_v)].
+// Pass 2: grid (jobs, bh), blocks of NYS_TX x NYS_SY threads loop over both. Job 0 of a bh
+// builds P = k(L, L) + eps I and runs Newton-Schulz (the one serial part); jobs 1.. merge
+// the slices of pass 1 in parallel with it, NYS_UNITS pieces of NYS_LANES entries each
+// (a unit's threads: NYS_SGROUPS groups of consecutive slices times NYS_LANES coalesced
+// entries). Outputs inverse (bh, m, m), stats (bh, 2, m) = [mean, s] (injective; s =
+// (sigma^2 + delta)^-1/2) and work (bh) = [P (m x m), R (m x d_v)].
 //
-// Dynamic shared memory (floats), _cuda_launch.solve_smem: P, X and the Newton-Schulz
-// scratch (mp x ld each, the padded layout of ns_iterate) and its k-split partials; at
-// least the landmark tile (NYS_LTILE) after P; a merge job uses 3 NYS_THREADS of it.
+// Dynamic shared memory (floats), backends.cuda.solve_smem: P, X and the Newton-Schulz
+// scratch (mp x ld each, the padded layout of ns_iterate) and p.ns_partials floats of its
+// k-split partials; at least the landmark tile (NYS_LTILE) after P; a merge job uses
+// 3 NYS_SOLVE_THREADS of it.
 template <typename T, int KIND>
-__global__ void __launch_bounds__(NYS_THREADS) nys_forward_solve(const nys_params p) {
+__global__ void __launch_bounds__(NYS_SOLVE_THREADS) nys_forward_solve(const nys_params p) {
     LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
     float* smem = reinterpret_cast<float*>(smem_bytes);
-    const int jobs = 1 + (p.m + p.m * p.dv + NYS_LANES - 1) / NYS_LANES;
+    const int pieces = (p.m + p.m * p.dv + NYS_LANES - 1) / NYS_LANES;
+    const int jobs = 1 + (pieces + NYS_UNITS - 1) / NYS_UNITS;
+    const int unit = nys_tid() / NYS_THREADS;
     for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y)
         for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
             if (job == 0)
                 nys_solve_inverse<T, KIND>(p, bh, smem);
             else
-                nys_merge_forward(p, bh, job - 1, smem);
+                nys_merge_forward(p, bh, (job - 1) * NYS_UNITS + unit,
+                                  smem + unit * 3 * NYS_THREADS);
             // The next job reuses the shared memory.
             __syncthreads();
         }
@@ -609,7 +621,9 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_out(const nys_params 
         for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
             const int row0 = tile * NYS_TN, nrows = min(NYS_TN, n - row0);
             // fp and bv are complete after the barriers inside nys_kernel_tile.
-            nys_row_tile<T, KIND>(rs, p, qb, p.q, lb, row0, nrows, p.injective);
+            nys_kernel_tile<NYS_TN, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
+                                             rs.xs, rs.ys, rs.ct);
+            if (p.injective) nys_row_means<NYS_TN>(rs.ct, nrows, p.m, rs.rm);
             float acc[R][NYS_CV];
             nys_zero(acc);
             for (int j = 0; j < m; ++j) {
@@ -671,8 +685,10 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_reduce(const nys_par
         float gsum = 0.0f;  // column tid of G (threads tid < d_v)
         for (int row0 = row_begin; row0 < row_end; row0 += NYS_TN) {
             const int nrows = min(NYS_TN, row_end - row0);
-            nys_row_tile<T, KIND>(rs, p, qb, p.q, lb, row0, nrows, p.injective);
+            nys_kernel_tile<NYS_TN, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
+                                             rs.xs, rs.ys, rs.ct);
             if (p.injective) {
+                nys_row_means<NYS_TN>(rs.ct, nrows, p.m, rs.rm);
                 for (int e = tid; e < NYS_TN * NYS_MP; e += NYS_THREADS) {
                     const int i = e / NYS_MP, j = e % NYS_MP;
                     if (i < nrows && j < m) ct[i][j] -= rm[i];
@@ -719,7 +735,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_merge(const nys_para
 // the context, dcontext and dR for solve_cols value columns at a time (m x (solve_cols
 // + 1) each: the odd row stride keeps the dP loop's reads of the context in distinct
 // banks); the scale (NYS_MP); colsum(G) (solve_cols); the landmark tile (NYS_LTILE) is
-// staged at X first; _cuda_launch.backward_solve_smem sizes it. dP sums over every value
+// staged at X first; backends.cuda.backward_solve_smem sizes it. dP sums over every value
 // column, so each thread keeps its dP entries in registers across the column passes.
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_backward_solve(const nys_params p) {
@@ -891,7 +907,7 @@ __device__ void nys_kernel_grads(const T* __restrict__ x, long long xsn, long lo
 // Dynamic shared memory (floats, fixed by the variant):
 // 2 NYS_MP (NYS_DV + 1) + 2 NYS_TB (NYS_MP + 1) + 2 NYS_TB (NYS_DW + 1)
 // + NYS_TK (NYS_TB + 1) + NYS_TK (NYS_MP + 1) + 3 NYS_MP + 2 NYS_TB, as laid out below;
-// _cuda_launch.grads_smem is the same number of bytes.
+// backends.cuda.grads_smem is the same number of bytes.
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_params p) {
     LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
@@ -952,8 +968,8 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
             const int nrows = min(NYS_TB, row_end - row0);
             const bool first = row0 == row_begin;
             // cx, dr and the vectors are complete after the barriers inside.
-            nys_kernel_tile<NYS_TB, T, KIND>(qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
-                                             p.L.sn, p.L.sd, m, d, p.neg_inv_lam, xs, ys, cq);
+            nys_kernel_tile<NYS_TB, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb, xs,
+                                             ys, cq);
             nys_load_rows<NYS_TB, NYS_DW, T>(gb + row0 * p.g.sn, p.g.sn, p.g.sd, nrows, dv, gt);
             nys_load_rows<NYS_TB, NYS_DW, T>(vb + row0 * p.v.sn, p.v.sn, p.v.sd, nrows, dv, vt);
             if (injective)
@@ -1000,8 +1016,8 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
             }
             if (!tied)
                 // The C_k tile goes to vt's place after the staging barrier inside.
-                nys_kernel_tile<NYS_TB, T, KIND>(kb + row0 * p.k.sn, p.k.sn, p.k.sd, nrows, lb,
-                                                 p.L.sn, p.L.sd, m, d, p.neg_inv_lam, xs, ys, ck);
+                nys_kernel_tile<NYS_TB, T, KIND>(p, kb + row0 * p.k.sn, p.k.sn, p.k.sd, nrows, lb,
+                                                 xs, ys, ck);
             else
                 __syncthreads();
             // dv = C_k dR for the thread's rows and value columns.

@@ -1,48 +1,235 @@
 """The CUDA backend of the attention op (``impl='cupy'``): 4 launches forward, 5 backward.
 
-The kernels are ``lapformer_mm/csrc/cuda/nystrom_attention.cu``, compiled at run time by
-NVRTC through CuPy for the device's own architecture (:mod:`._cuda_launch`). The math is
-the reference's (:mod:`lapformer_mm.ops.reference`, the stage functions the kernels'
-comments name); the op (:mod:`lapformer_mm.ops.attention`) asks :func:`not_supported`
-first and runs the reference where this returns reasons, so nothing here falls back.
-
-Operands and results are those of the op's contract: q (B, h, N, d), k None when keys are
-tied, v (B, h, N, d_v), landmarks (B, h, m, d), any strides, one dtype; out (B, N, h, d_v)
-contiguous; context, inverse and stats fp32. ``opts`` is any object with the attributes
-kernel, lam, eps, iters, ns_init, ns_refine, normalize, whiten_eps.
+The kernels (``lapformer_mm/csrc/cuda/nystrom_attention.cu``, the math of
+:mod:`lapformer_mm.ops.reference`) are compiled at run time by NVRTC through CuPy, imported
+on first use, for the device's own architecture, and run on PyTorch's current stream. The
+op asks :func:`not_supported` first and runs the reference where it returns reasons.
+Plain Python up to :func:`launch`, which the g++ emulation replaces: the tile geometry
+(:data:`VARIANTS`, NVRTC ``-D`` options, part of CuPy's cache key), :func:`plan` (what fits
+a device's shared-memory opt-in limit) and the kernels' one by-value argument
+``nys_params`` (:data:`PARAMS_DTYPE`: CuPy 13 and 14 pass a numpy array of size one by
+value, ``CNumpyArray``). Operands follow the op's contract (q, v, landmarks (B, h, ., .)
+with any strides, k None when tied; out (B, N, h, d_v)); ``opts`` has kernel, lam, eps,
+iters, ns_init, ns_refine, normalize, whiten_eps. Compile, load and opt-in happen once per
+(device, variant, element type), never inside a CUDA-graph capture (:class:`CaptureError`).
 """
 import functools
+import re
+import threading
+from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
-
-from . import _cuda_launch as cl
 
 NAME = 'cupy'
 DEVICE = 'cuda'
+SOURCE = 'nystrom_attention.cu'
+#: NVRTC options besides the variant's ``-D`` ones. CuPy adds the device's architecture.
+NVRTC_OPTIONS = ('-std=c++17',)
+
+#: torch dtype -> C++ element type of the kernels (fp64 runs the reference).
+ELEMENT_TYPES = {torch.float32: 'float', torch.float16: 'lap_half', torch.bfloat16: 'lap_bf16'}
+#: The similarity of ``opts.kernel`` -> the kernels' KIND template argument.
+KINDS = {'laplacian': 0, 'gaussian': 1}
+
+FORWARD = ('nys_forward_stats', 'nys_forward_solve', 'nys_forward_context', 'nys_forward_out')
+BACKWARD = ('nys_backward_reduce', 'nys_backward_merge', 'nys_backward_solve',
+            'nys_backward_grads', 'nys_backward_landmarks')
+STAGES = FORWARD + BACKWARD
+#: Stages that evaluate no kernel function: no KIND template argument.
+NO_KIND = ('nys_forward_context', 'nys_backward_merge')
 
 #: The oldest architecture the kernels are written for (no instruction needs more).
 MIN_CAPABILITY = (6, 0)
 #: NVRTC 13 dropped every architecture below this one.
 NVRTC13_MIN_CAPABILITY = (7, 5)
+MAX_GRID_YZ = 65535
+MAX_GRID_X = 2 ** 31 - 1
 # Sizes are 32-bit ints in the kernels; the margin keeps "size + tile - 1" from overflowing.
 _MAX_SIZE = 2 ** 31 - 2 ** 16
+#: ns_iterate's static norm scalar, as ptxas reports it (counts against the limit).
+NS_STATIC_SMEM = 16
+#: Shared memory every CUDA device gives a block without opting in.
+DEFAULT_SMEM = 48 * 1024
 _F32 = torch.float32
 
 
-_AVAILABLE = []
+def kernel_name(stage, element_type, kind):
+    """Template instantiation of a stage; the stages of :data:`NO_KIND` have no KIND."""
+    return f'{stage}<{element_type}>' if stage in NO_KIND else f'{stage}<{element_type}, {kind}>'
 
 
+def kernel_names(element_types=tuple(ELEMENT_TYPES.values())):
+    """Every instantiation the host can launch for these element types (one compile)."""
+    return list(dict.fromkeys(kernel_name(stage, element, kind) for element in element_types
+                              for kind in KINDS.values() for stage in STAGES))
+
+
+class Variant(NamedTuple):
+    """Tile geometry (the .cu's NYS_* macros): landmark and value columns of a tile (mp, dv),
+    rows of a row-pass / gradient tile (tn, tb), the staged d-chunk (tk), threads (tx, ty),
+    entries per block of the slice merges (lanes: one warp's coalesced row), value columns
+    per block of the context kernel (cc) and thread rows of the forward solve (sy)."""
+    name: str
+    mp: int
+    dv: int
+    tn: int
+    tb: int
+    tk: int = 16
+    tx: int = 16
+    ty: int = 16
+    lanes: int = 32
+    cc: int = 8
+    sy: int = 32
+
+    @property
+    def defines(self):
+        return tuple(f'-DNYS_{key.upper()}={getattr(self, key)}' for key in self._fields[1:])
+
+    @property
+    def threads(self):
+        return self.tx * self.ty
+
+    @property
+    def block(self):
+        return (self.tx, self.ty, 1)
+
+
+#: Value tiles fitted to d_v <= 32 (Tiny's heads) or <= 64; gradient tiles of 32 rows, or 16
+#: where the device's shared memory is smaller (T4, RTX 20xx: 64 KiB).
+VARIANTS = (
+    Variant('dv32_tb32', 64, 32, 64, 32),
+    Variant('dv32_tb16', 64, 32, 64, 16),
+    Variant('dv64_tb32', 64, 64, 64, 32),
+    Variant('dv64_tb16', 64, 64, 64, 16),
+)
+VARIANT_BY_NAME = {v.name: v for v in VARIANTS}
+MAX_M = max(v.mp for v in VARIANTS)
+MAX_DV = max(v.dv for v in VARIANTS)
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def ns_layout(m):
+    """(mp, ld): m padded to the 4 x 4 micro-tile and the row stride of ns_iterate's
+    matrices (ns_stride: ld = 4 mod 8)."""
+    mp = _ceil_div(m, 4) * 4
+    return mp, (mp if mp % 8 == 4 else mp + 4)
+
+
+def grads_smem(v):
+    """Dynamic shared memory (bytes) of nys_backward_grads: the layout at its top."""
+    dw = max(v.mp, v.dv)
+    return 4 * (2 * v.mp * (v.dv + 1) + 2 * v.tb * (v.mp + 1) + 2 * v.tb * (dw + 1)
+                + v.tk * (v.tb + 1) + v.tk * (v.mp + 1) + 3 * v.mp + 2 * v.tb)
+
+
+def row_pass_static_smem(v):
+    """Static shared memory (bytes) of the largest row-pass kernel (nys_forward_out or
+    nys_forward_stats); it must stay within the 48 KiB every device has."""
+    staging = v.tk * (v.tn + 1) + v.tk * (v.mp + 1) + v.tn * (v.mp + 1) + v.tn
+    stats = staging + v.tn * (v.dv + 1) + 2 * (v.threads // v.mp) * v.mp
+    out = staging + v.mp * (v.dv + 1) + v.dv
+    return 4 * max(stats, out)
+
+
+def context_static_smem(v):
+    """Static shared memory (bytes) of nys_forward_context: X, P, R and the context columns."""
+    return 4 * (2 * v.mp * (v.mp + 1) + 2 * v.mp * (v.cc + 1) + v.mp)
+
+
+def landmark_tile_floats(v):
+    """Floats of the kernel tile of the landmarks against themselves (NYS_LTILE)."""
+    return (2 * v.tk + v.mp) * (v.mp + 1)
+
+
+def ns_partials(v, m, smem_limit):
+    """Floats of ns_iterate's k-split partials in nys_forward_solve on a device with this
+    limit, for P X over all nt^2 4 x 4 tiles and X (P X) over the upper triangle's
+    nt (nt + 1) / 2. Splits per product as lap_common.cuh's ns_splits: tiles x splits
+    threads fill the block as far as the room P, X and T leave holds the partials of the
+    splits past the first."""
+    mp, ld = ns_layout(m)
+    nt, room = mp // 4, max(0, (smem_limit - NS_STATIC_SMEM) // 4 - 3 * mp * ld)
+    return 16 * max((max(1, min(v.tx * v.sy // t, nt, 1 + room // (16 * t))) - 1) * t
+                    for t in (nt * nt, nt * (nt + 1) // 2))
+
+
+def solve_smem(v, m, partials):
+    """Dynamic shared memory (bytes) of nys_forward_solve: P, X, T and the k-split partials,
+    or P and the landmark tile, whichever is more (a merge job needs less than both)."""
+    mp, ld = ns_layout(m)
+    return 4 * max(mp * ld + landmark_tile_floats(v), 3 * mp * ld + partials)
+
+
+def backward_solve_smem(v, m, cols):
+    """Dynamic shared memory (bytes) of nys_backward_solve with ``cols`` value columns a pass."""
+    return 4 * (m * m + max(landmark_tile_floats(v),
+                            m * (m + 1) + 3 * m * (cols + 1) + v.mp + cols))
+
+
+class Plan(NamedTuple):
+    variant: Variant
+    backward_solve_cols: int  # value columns per pass of nys_backward_solve
+    solve_smem: int
+    backward_solve_smem: int
+    grads_smem: int
+    ns_partials: int          # floats of the forward solve's k-split partials
+
+
+@functools.lru_cache(maxsize=None)
+def plan(m, dv, smem_limit):
+    """A :class:`Plan` for m landmarks and d_v value columns on a device whose blocks may
+    use ``smem_limit`` bytes of shared memory, or a tuple of reasons none fits."""
+    if not 1 <= m <= MAX_M:
+        return (f'm = {m} landmarks; the CUDA kernels take 1 to {MAX_M}',)
+    if not 1 <= dv <= MAX_DV:
+        return (f'd_v = {dv} value columns; the CUDA kernels take 1 to {MAX_DV}',)
+    reasons = []
+    for v in sorted((v for v in VARIANTS if v.dv >= dv), key=lambda v: (v.dv, -v.tb)):
+        if row_pass_static_smem(v) > DEFAULT_SMEM or grads_smem(v) > smem_limit:
+            reasons.append(f'variant {v.name}: the gradient kernel needs {grads_smem(v):,} bytes '
+                           f'of shared memory, the device allows {smem_limit:,}')
+            continue
+        # The backward solve's widest column pass: all of d_v, else a halving down to 8.
+        bcols = next((c for c in dict.fromkeys([dv] + [c for c in (32, 16, 8) if c < dv])
+                      if backward_solve_smem(v, m, c) <= smem_limit), None)
+        partials = ns_partials(v, m, smem_limit)
+        if solve_smem(v, m, partials) + NS_STATIC_SMEM > smem_limit or bcols is None:
+            mp, ld = ns_layout(m)
+            need = max(solve_smem(v, m, 0) + NS_STATIC_SMEM, backward_solve_smem(v, m, 8))
+            reasons.append(f'variant {v.name}: the solves of m = {m} need {need:,} bytes of '
+                           f'shared memory (Newton-Schulz on {mp} x {ld}), the device allows '
+                           f'{smem_limit:,}')
+            continue
+        return Plan(v, bcols, solve_smem(v, m, partials), backward_solve_smem(v, m, bcols),
+                    grads_smem(v), partials)
+    return tuple(reasons)
+
+
+@functools.lru_cache(maxsize=None)
+def splits(bh, n, target_blocks, tile_rows):
+    """(splits, chunk): the N rows of each (batch, head) cut into ``splits`` slices of
+    ``chunk`` rows (a multiple of the tile heights) so that about ``target_blocks`` blocks
+    exist. Depends only on the shapes and the device: results are deterministic."""
+    tiles = _ceil_div(max(n, 1), tile_rows)
+    count = min(tiles, max(1, _ceil_div(target_blocks, bh)), MAX_GRID_X)
+    chunk = _ceil_div(tiles, count) * tile_rows
+    return _ceil_div(max(n, 1), chunk), chunk
+
+
+# -- The device and what runs there --
+
+@functools.lru_cache(maxsize=None)
 def available():
-    """True when ``import cupy`` succeeds (checked once; CuPy is imported here, never at
-    module import)."""
-    if not _AVAILABLE:
-        try:
-            cl.import_cupy()
-            _AVAILABLE.append(True)
-        except Exception:  # a broken CUDA install raises more than ImportError
-            _AVAILABLE.append(False)
-    return _AVAILABLE[0]
+    """True when ``import cupy`` succeeds (checked once; never at module import)."""
+    try:
+        return import_cupy() is not None
+    except Exception:  # a broken CUDA install raises more than ImportError
+        return False
 
 
 class DeviceLimits(NamedTuple):
@@ -58,12 +245,12 @@ def _device_limits(index):
     optin = int(getattr(props, 'shared_memory_per_block_optin', 0) or 0)
     nvrtc = 0
     try:
-        cupy = cl.import_cupy()
+        cupy = import_cupy()
         if not optin:
             optin = int(cupy.cuda.Device(index).attributes['MaxSharedMemoryPerBlockOptin'])
         nvrtc = cupy.cuda.nvrtc.getVersion()[0]
     except Exception:  # no attribute on this CuPy/driver: the limit every GPU allows
-        optin = optin or cl.DEFAULT_SMEM
+        optin = optin or DEFAULT_SMEM
     return DeviceLimits((props.major, props.minor), props.multi_processor_count, optin, nvrtc)
 
 
@@ -89,116 +276,118 @@ def _device_reasons(limits):
     return ()
 
 
-def _plan(q, v, landmarks):
-    return cl.plan(landmarks.shape[2], v.shape[3], device_limits(q.device).smem_optin)
-
-
 def not_supported(q, k, v, landmarks, opts):
     """Why this backend cannot run these operands (empty: it can). Never raises."""
     try:
         reasons = []
-        if q.dtype not in cl.ELEMENT_TYPES:
+        if q.dtype not in ELEMENT_TYPES:
             reasons.append(f'dtype {q.dtype}; the CUDA kernels take '
-                           f'{", ".join(str(t) for t in cl.ELEMENT_TYPES)}')
+                           f'{", ".join(str(t) for t in ELEMENT_TYPES)}')
         if q.numel() == 0 or v.numel() == 0 or landmarks.numel() == 0:
             reasons.append('empty operands')
         sizes = dict(n=q.shape[2], d=q.shape[3], bh=q.shape[0] * q.shape[1],
                      elements=max(q.numel(), v.numel()))
         reasons += [f'{name} = {value:,} exceeds the kernels\' 32-bit index range'
                     for name, value in sizes.items() if value > _MAX_SIZE]
-        if opts.kernel not in cl.KINDS:
-            reasons.append(f'kernel {opts.kernel!r}; the CUDA kernels take {", ".join(cl.KINDS)}')
-        reasons += _device_reasons(device_limits(q.device))
-        plan = _plan(q, v, landmarks)
-        if not isinstance(plan, cl.Plan):
-            reasons += plan
-        return tuple(reasons)
+        if opts.kernel not in KINDS:
+            reasons.append(f'kernel {opts.kernel!r}; the CUDA kernels take {", ".join(KINDS)}')
+        limits = device_limits(q.device)
+        reasons += _device_reasons(limits)
+        found = plan(landmarks.shape[2], v.shape[3], limits.smem_optin)
+        return tuple(reasons) + (() if isinstance(found, Plan) else found)
     except Exception as exc:  # a device that cannot even be queried
         return (f'the device could not be queried ({type(exc).__name__}: {exc})',)
 
 
-def _shapes(**tensors):
-    """The operands' shapes for an error message, formatted only if one is raised."""
-    return lambda: ', '.join(f'{k} {tuple(v.shape)} {v.dtype}' for k, v in tensors.items())
+# -- The parameter struct --
+
+_OPERAND = np.dtype([('ptr', np.uint64), ('sb', np.int64), ('sh', np.int64), ('sn', np.int64),
+                     ('sd', np.int64)], align=True)
+OPERANDS = ('q', 'k', 'v', 'L', 'g', 'grad_q', 'grad_k', 'grad_v', 'grad_l')
+POINTERS = ('out', 'part', 'fold', 'context', 'inverse', 'stats', 'work', 'lpart')
+INTS = ('heads', 'n', 'm', 'd', 'dv', 'chunk', 'splits', 'iters', 'init_authors', 'refine',
+        'injective', 'solve_cols', 'ns_partials')
+FLOATS = ('neg_inv_lam', 'neg_coef', 'eps', 'whiten_eps')
+#: ``struct nys_params`` of the .cu, field for field (C alignment: align=True).
+PARAMS_DTYPE = np.dtype([(name, _OPERAND) for name in OPERANDS]
+                        + [(name, np.uint64) for name in POINTERS] + [('bh_count', np.int64)]
+                        + [(name, np.int32) for name in INTS]
+                        + [(name, np.float32) for name in FLOATS], align=True)
 
 
-def _common_params(q, k, v, landmarks, opts, plan, n_splits, chunk):
-    batch, heads, n, d = q.shape
-    kind = cl.KINDS[opts.kernel]
-    p = cl.new_params()
-    for name, t in (('q', q), ('k', k), ('v', v), ('L', landmarks)):
-        cl.set_operand(p, name, t)
-    p['bh_count'] = batch * heads
-    p['heads'], p['n'], p['m'], p['d'], p['dv'] = heads, n, landmarks.shape[2], d, v.shape[3]
-    p['chunk'], p['splits'] = chunk, n_splits
-    p['iters'], p['init_authors'] = opts.iters, opts.ns_init == 'authors'
-    p['refine'], p['injective'] = bool(opts.ns_refine), opts.normalize == 'injective'
-    p['neg_inv_lam'] = -1.0 / opts.lam
-    p['neg_coef'] = -(1.0 if kind == cl.KINDS['laplacian'] else 2.0) / opts.lam
-    p['eps'], p['whiten_eps'] = opts.eps, opts.whiten_eps
-    return p
+def set_operand(params, name, tensor):
+    """params[name] = (pointer, batch, head, row, column strides) of a (B, h, n, c) tensor."""
+    if tensor is not None:
+        params[name] = (tensor.data_ptr(),) + tuple(tensor.stride())
 
 
 class _Call(NamedTuple):
     """What every launch of one op call shares."""
-    plan: cl.Plan
-    names: tuple
-    tensor: torch.Tensor
-    smem_limit: int
-    shapes: object
-
-    def launch(self, stage, grid, params, shared_mem=0):
-        cl.launch(self.names[cl.STAGES.index(stage)], self.plan.variant, self.tensor, grid,
-                  self.plan.variant.block, params, shared_mem=shared_mem, shapes=self.shapes,
-                  smem_limit=self.smem_limit)
+    plan: Plan
+    names: dict           # stage -> kernel name
+    n_splits: int
+    params: np.ndarray    # the zero-initialised nys_params, operands and sizes filled
+    launch: functools.partial
 
 
-@functools.lru_cache(maxsize=None)
-def _names(dtype, kind):
-    return tuple(cl.kernel_name(s, cl.ELEMENT_TYPES[dtype], kind) for s in cl.STAGES)
+def _call(q, k, v, landmarks, opts, shapes):
+    """The plan, kernel names, row slices and common parameters of one call; its launches
+    go to :func:`launch` with the device's opt-in limit and the shapes for an error."""
+    batch, heads, n, d = q.shape
+    limits = device_limits(q.device)
+    found = plan(landmarks.shape[2], v.shape[3], limits.smem_optin)
+    n_splits, chunk = splits(batch * heads, n, target_blocks(q.device), found.variant.tn)
+    kind = KINDS[opts.kernel]
+    p = np.zeros(1, PARAMS_DTYPE)
+    for name, t in (('q', q), ('k', k), ('v', v), ('L', landmarks)):
+        set_operand(p, name, t)
+    p['bh_count'] = batch * heads
+    p['heads'], p['n'], p['m'], p['d'], p['dv'] = heads, n, landmarks.shape[2], d, v.shape[3]
+    p['chunk'], p['splits'], p['ns_partials'] = chunk, n_splits, found.ns_partials
+    p['iters'], p['init_authors'] = opts.iters, opts.ns_init == 'authors'
+    p['refine'], p['injective'] = bool(opts.ns_refine), opts.normalize == 'injective'
+    p['neg_inv_lam'] = -1.0 / opts.lam
+    p['neg_coef'] = -(1.0 if kind == KINDS['laplacian'] else 2.0) / opts.lam
+    p['eps'], p['whiten_eps'] = opts.eps, opts.whiten_eps
+    element = ELEMENT_TYPES[q.dtype]
 
+    def describe():  # the operands for an error message, formatted only if one is raised
+        return ', '.join(f'{key} {tuple(t.shape)} {t.dtype}' for key, t in shapes.items())
 
-def _prepare(q, v, landmarks, opts, shapes):
-    plan = _plan(q, v, landmarks)
-    bh = q.shape[0] * q.shape[1]
-    n_splits, chunk = cl.splits(bh, q.shape[2], target_blocks(q.device), plan.variant.tn)
-    call = _Call(plan, _names(q.dtype, cl.KINDS[opts.kernel]), q,
-                 device_limits(q.device).smem_optin, shapes)
-    return call, bh, n_splits, chunk
+    go = functools.partial(launch, variant=found.variant, tensor=q, block=found.variant.block,
+                           params=p, shapes=describe, smem_limit=limits.smem_optin)
+    return _Call(found, {s: kernel_name(s, element, kind) for s in STAGES}, n_splits, p, go)
 
 
 def forward(q, k, v, landmarks, opts):
     """(out, context, inverse, stats) of the op's contract, in 4 launches."""
-    call, bh, n_splits, chunk = _prepare(q, v, landmarks, opts,
-                                         _shapes(q=q, v=v, landmarks=landmarks))
+    c = _call(q, k, v, landmarks, opts, dict(q=q, v=v, landmarks=landmarks))
     batch, heads, n, _ = q.shape
-    m, dv = landmarks.shape[2], v.shape[3]
-    device = q.device
-    injective = opts.normalize == 'injective'
+    m, dv, bh, device = landmarks.shape[2], v.shape[3], batch * heads, q.device
     out = torch.empty(batch, n, heads, dv, dtype=q.dtype, device=device)
     context = torch.empty(batch, heads, m, dv, dtype=_F32, device=device)
     inverse = torch.empty(batch, heads, m, m, dtype=_F32, device=device)
-    stats = torch.empty(batch, heads, 2 if injective else 0, m, dtype=_F32, device=device)
-    part_floats = bh * n_splits * (2 * m + m * dv)
+    stats = torch.empty(batch, heads, 2 if opts.normalize == 'injective' else 0, m,
+                        dtype=_F32, device=device)
+    part_floats = bh * c.n_splits * (2 * m + m * dv)
     fold_floats = bh * (m + 1) * dv
     work = torch.empty(part_floats + fold_floats + bh * (m * m + m * dv), dtype=_F32,
                        device=device)
-    p = _common_params(q, k, v, landmarks, opts, call.plan, n_splits, chunk)
+    p, base, variant = c.params, work.data_ptr(), c.plan.variant
     p['out'], p['context'] = out.data_ptr(), context.data_ptr()
     p['inverse'], p['stats'] = inverse.data_ptr(), stats.data_ptr()
-    base = work.data_ptr()
     p['part'], p['fold'] = base, base + 4 * part_floats
     p['work'] = base + 4 * (part_floats + fold_floats)
-    variant = call.plan.variant
-    bh_grid = min(bh, cl.MAX_GRID_YZ)
-    pass_grid = (n_splits, bh_grid)
-    # Job 0 of a (batch, head) is the Newton-Schulz block, the others merge the slices.
-    jobs = 1 + -(-(m + m * dv) // variant.lanes)
-    tiles = -(-n // variant.tn)
-    call.launch('nys_forward_stats', pass_grid, p)
-    call.launch('nys_forward_solve', (min(jobs, cl.MAX_GRID_X), bh_grid), p, call.plan.solve_smem)
-    call.launch('nys_forward_context', (min(-(-dv // variant.cc), cl.MAX_GRID_X), bh_grid), p)
-    call.launch('nys_forward_out', (min(tiles, cl.MAX_GRID_X), bh_grid), p)
+    bh_grid = min(bh, MAX_GRID_YZ)
+    # Job 0 of a (batch, head) is the Newton-Schulz block, the others merge the slices,
+    # sy / ty pieces each.
+    jobs = 1 + _ceil_div(_ceil_div(m + m * dv, variant.lanes), variant.sy // variant.ty)
+    c.launch(c.names['nys_forward_stats'], grid=(c.n_splits, bh_grid))
+    c.launch(c.names['nys_forward_solve'], grid=(min(jobs, MAX_GRID_X), bh_grid),
+             block=(variant.tx, variant.sy, 1), shared_mem=c.plan.solve_smem)
+    c.launch(c.names['nys_forward_context'],
+             grid=(min(_ceil_div(dv, variant.cc), MAX_GRID_X), bh_grid))
+    c.launch(c.names['nys_forward_out'], grid=(min(_ceil_div(n, variant.tn), MAX_GRID_X), bh_grid))
     return out, context, inverse, stats
 
 
@@ -210,10 +399,9 @@ def _token_layout(batch, heads, n, width, like):
 
 def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
     """(dq, dk, dv, dlandmarks) of the op's contract, in 5 launches; dk is empty when k is None."""
-    call, bh, n_splits, chunk = _prepare(
-        q, v, landmarks, opts, _shapes(grad=grad, q=q, v=v, landmarks=landmarks))
+    c = _call(q, k, v, landmarks, opts, dict(grad=grad, q=q, v=v, landmarks=landmarks))
     batch, heads, n, d = q.shape
-    m, dv = landmarks.shape[2], v.shape[3]
+    m, dv, bh = landmarks.shape[2], v.shape[3], batch * heads
     grad = grad if grad.dtype == q.dtype else grad.to(q.dtype)
     # The token layout (B, N, h, .), as the module's projections have it: their backward
     # then needs no copy. The landmarks' gradient takes their strides when dense.
@@ -221,47 +409,191 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
     dk = None if k is None else _token_layout(batch, heads, n, d, q)
     dv_out = _token_layout(batch, heads, n, dv, q)
     dl = torch.empty_like(landmarks)
-    reduce_floats = bh * n_splits * (m * dv + dv)
+    reduce_floats = bh * c.n_splits * (m * dv + dv)
     # Per (batch, head): dR, a, W = (dP + dP^T) * k(L, L), the merged T and colsum(G)
     # (the .cu's nys_backward_work_stride).
     work_floats = bh * (2 * m * dv + m + m * m + dv)
-    work = torch.empty(reduce_floats + work_floats + bh * n_splits * m * d, dtype=_F32,
+    work = torch.empty(reduce_floats + work_floats + bh * c.n_splits * m * d, dtype=_F32,
                        device=q.device)
-    p = _common_params(q, k, v, landmarks, opts, call.plan, n_splits, chunk)
-    sb, sn, sh, sd = grad.stride()
-    cl.set_operand(p, 'g', grad, (sb, sh, sn, sd))
-    for name, t in (('grad_q', dq), ('grad_k', dk), ('grad_v', dv_out), ('grad_l', dl)):
-        cl.set_operand(p, name, t)
+    p, base, lanes = c.params, work.data_ptr(), c.plan.variant.lanes
+    for name, t in (('g', grad.transpose(1, 2)), ('grad_q', dq), ('grad_k', dk),
+                    ('grad_v', dv_out), ('grad_l', dl)):
+        set_operand(p, name, t)
     p['context'], p['inverse'], p['stats'] = (context.data_ptr(), inverse.data_ptr(),
                                               stats.data_ptr())
-    base = work.data_ptr()
     p['part'], p['work'] = base, base + 4 * reduce_floats
     p['lpart'] = base + 4 * (reduce_floats + work_floats)
-    p['solve_cols'] = call.plan.backward_solve_cols
-    lanes = call.plan.variant.lanes
-    bh_grid = min(bh, cl.MAX_GRID_YZ)
-    pass_grid = (n_splits, bh_grid)
-    call.launch('nys_backward_reduce', pass_grid, p)
-    call.launch('nys_backward_merge', (min(-(-(m * dv + dv) // lanes), cl.MAX_GRID_X), bh_grid), p)
-    call.launch('nys_backward_solve', (min(bh, cl.MAX_GRID_X),), p, call.plan.backward_solve_smem)
-    call.launch('nys_backward_grads', pass_grid, p, call.plan.grads_smem)
-    call.launch('nys_backward_landmarks', (min(-(-(m * d) // lanes), cl.MAX_GRID_X), bh_grid), p)
+    p['solve_cols'] = c.plan.backward_solve_cols
+    bh_grid = min(bh, MAX_GRID_YZ)
+    c.launch(c.names['nys_backward_reduce'], grid=(c.n_splits, bh_grid))
+    c.launch(c.names['nys_backward_merge'],
+             grid=(min(_ceil_div(m * dv + dv, lanes), MAX_GRID_X), bh_grid))
+    c.launch(c.names['nys_backward_solve'], grid=(min(bh, MAX_GRID_X),),
+             shared_mem=c.plan.backward_solve_smem)
+    c.launch(c.names['nys_backward_grads'], grid=(c.n_splits, bh_grid),
+             shared_mem=c.plan.grads_smem)
+    c.launch(c.names['nys_backward_landmarks'],
+             grid=(min(_ceil_div(m * d, lanes), MAX_GRID_X), bh_grid))
     return dq, q.new_empty(0) if dk is None else dk, dv_out, dl
 
 
-def warmup(device=None, dtypes=(torch.float32,), value_dims=(32, 64), m=cl.MAX_M):
+def warmup(device=None, dtypes=(torch.float32,), value_dims=(32, 64), m=MAX_M):
     """Compile, load and opt in the kernels the op will pick on ``device`` for these dtypes
     and value widths, ahead of any CUDA-graph capture (a first use inside a capture raises
-    :class:`~._cuda_launch.CaptureError`). Returns the variants loaded."""
+    :class:`CaptureError`). Returns the variants loaded."""
     index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
-    device = torch.device('cuda', index)
-    limits = device_limits(device)
+    limits = device_limits(torch.device('cuda', index))
     loaded = []
     for dv in value_dims:
-        plan = cl.plan(m, dv, limits.smem_optin)
-        if not isinstance(plan, cl.Plan):
-            continue
-        for dtype in dtypes:
-            cl.load_group(device.index, plan.variant, cl.ELEMENT_TYPES[dtype], limits.smem_optin)
-            loaded.append((plan.variant.name, dtype))
+        found = plan(m, dv, limits.smem_optin)
+        if isinstance(found, Plan):
+            for dtype in dtypes:
+                load_group(index, found.variant, ELEMENT_TYPES[dtype], limits.smem_optin)
+                loaded.append((found.variant.name, dtype))
     return loaded
+
+
+# -- CuPy side: compile, cache, launch --
+
+class CudaOpsError(RuntimeError):
+    """A CUDA kernel failed to compile or launch; the message names kernel and shapes."""
+
+
+class CaptureError(RuntimeError):
+    """The kernels would be compiled, loaded or opted in while a CUDA graph is captured."""
+
+
+def source_dir():
+    """lapformer_mm/csrc/cuda, shipped with the package."""
+    return Path(__file__).resolve().parents[2] / 'csrc' / 'cuda'
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
+
+
+def load_source(name=SOURCE, _seen=None):
+    """Text of ``name`` with its local ``#include "..."`` lines inlined (once each), so that
+    CuPy's on-disk cache, keyed by the source text, sees header changes too."""
+    path = source_dir() / name
+    if not path.is_file():
+        raise FileNotFoundError(f'CUDA source {path} is missing; reinstall lapformer_mm')
+    seen = set() if _seen is None else _seen
+
+    def include(match):
+        header = match.group(1)
+        if header in seen:
+            return ''
+        seen.add(header)
+        return load_source(header, seen)
+
+    return _INCLUDE.sub(include, path.read_text())
+
+
+def import_cupy():
+    """``import cupy`` with an actionable error."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError('the CUDA backend needs CuPy: pip install cupy-cuda12x or '
+                          'cupy-cuda13x (matching your CUDA driver)') from exc
+    return cupy
+
+
+def capturing(device_index):
+    """Whether PyTorch's current stream on the device is capturing a CUDA graph."""
+    return torch.cuda.is_current_stream_capturing()
+
+
+_lock = threading.Lock()
+# (device, variant name, element type) -> {kernel name: launch function}
+_groups = {}
+# Dynamic shared memory a kernel is opted into once, at load: all it may ever ask on the
+# device (so nothing changes later, inside a capture); the limit less this.
+_OPTIN_RESERVE = {'nys_forward_solve': NS_STATIC_SMEM, 'nys_backward_solve': 0,
+                  'nys_backward_grads': 0}
+
+
+def _compile(device_index, variant, element_type, smem_limit):
+    """One NVRTC compile and module load of every stage for an element type, opted in."""
+    cupy = import_cupy()
+    names = kernel_names((element_type,))
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=load_source(), options=NVRTC_OPTIONS + variant.defines,
+                                name_expressions=names, backend='nvrtc')
+        group = {}
+        for name in names:
+            function = module.get_function(name)
+            reserve = _OPTIN_RESERVE.get(name.split('<')[0])
+            if reserve is not None and smem_limit - reserve > DEFAULT_SMEM:
+                function.max_dynamic_shared_size_bytes = smem_limit - reserve
+            # RawKernel.kernel, the compiled Function, skips RawKernel's per-call device lookup.
+            group[name] = getattr(function, 'kernel', function)
+    return group
+
+
+def load_group(device_index, variant, element_type, smem_limit):
+    """The launch functions of every stage for (device, variant, element type), cached."""
+    key = (device_index, variant.name, element_type)
+    if key in _groups:
+        return _groups[key]
+    with _lock:
+        if key in _groups:
+            return _groups[key]
+        if capturing(device_index):
+            raise CaptureError(
+                f'the CUDA kernels of the attention ({variant.name}, {element_type}) are not '
+                f'loaded yet on cuda:{device_index}, and a CUDA graph is being captured: '
+                'compiling and loading them would break the capture. Run the attention once '
+                'eagerly before capturing, or call lapformer_mm.ops.backends.cuda.warmup() '
+                '(torch.compile mode="reduce-overhead" warms up eagerly by itself).')
+        try:
+            _groups[key] = _compile(device_index, variant, element_type, smem_limit)
+        except Exception as exc:  # CuPy raises CompileException and CUDADriverError
+            raise CudaOpsError(f'compiling {SOURCE} ({variant.name}, {element_type}) for '
+                               f'cuda:{device_index} failed: {exc}') from exc
+    return _groups[key]
+
+
+def raw_stream(device_index):
+    """Handle of PyTorch's current stream on the device (the capture stream while a CUDA
+    graph is being captured), without making a Stream object (as inductor's code does)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+_streams = {}
+_MAX_STREAMS = 256
+
+
+def cupy_stream(cupy, device_index):
+    """PyTorch's current stream as a CuPy ``ExternalStream``, one wrapper per handle; never
+    CuPy's own current stream (the legacy default stream unless set), which would escape a
+    CUDA graph capture and replay stale results."""
+    handle = raw_stream(device_index)
+    key = (device_index, handle)
+    if key not in _streams:
+        if len(_streams) >= _MAX_STREAMS:
+            _streams.clear()
+        _streams[key] = cupy.cuda.ExternalStream(handle, device_index)
+    return _streams[key]
+
+
+def launch(name, variant, tensor, grid, block, params, shared_mem=0, shapes='', smem_limit=0):
+    """Launch kernel ``name`` of ``variant`` on PyTorch's current stream of ``tensor``'s
+    device with the by-value ``params``; no host synchronisation, a device context only when
+    that device is not the current one. Failures raise :class:`CudaOpsError` naming the
+    kernel, the geometry and ``shapes`` (a string, or a callable made on failure only)."""
+    cupy = import_cupy()
+    device_index = tensor.device.index
+    element_type = name.split('<', 1)[1].split(',')[0].rstrip('>').strip()
+    call = load_group(device_index, variant, element_type, smem_limit)[name]
+    try:
+        stream = cupy_stream(cupy, device_index)
+        if cupy.cuda.runtime.getDevice() == device_index:
+            call(grid, block, (params,), shared_mem=shared_mem, stream=stream)
+        else:
+            with cupy.cuda.Device(device_index):
+                call(grid, block, (params,), shared_mem=shared_mem, stream=stream)
+    except Exception as exc:
+        raise CudaOpsError(f'launching {name} ({variant.name}, grid={grid}, block={block}, '
+                           f'shared_mem={shared_mem}) for '
+                           f'{shapes() if callable(shapes) else shapes} failed: {exc}') from exc

@@ -18,21 +18,21 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture
 def ran(monkeypatch):
     """The kernels launched (names, variant names), in order."""
-    from lapformer_mm.ops.backends import _cuda_launch as cl
+    from lapformer_mm.ops.backends import cuda
     record = []
-    original = cl.launch
+    original = cuda.launch
 
     def launch(name, variant, *args, **kwargs):
         record.append((name, variant.name))
         return original(name, variant, *args, **kwargs)
-    monkeypatch.setattr(cl, 'launch', launch)
+    monkeypatch.setattr(cuda, 'launch', launch)
     return record
 
 
 def stages(record, dtype=torch.float32, kind=0, backward=True):
-    from lapformer_mm.ops.backends import _cuda_launch as cl
-    names = cl.STAGES if backward else cl.FORWARD
-    return [cl.kernel_name(s, cl.ELEMENT_TYPES[dtype], kind) for s in names]
+    from lapformer_mm.ops.backends import cuda
+    names = cuda.STAGES if backward else cuda.FORWARD
+    return [cuda.kernel_name(s, cuda.ELEMENT_TYPES[dtype], kind) for s in names]
 
 
 def assert_rounded(got, expected, dtype, fp32_tol):
@@ -123,12 +123,11 @@ def test_gradients_of_every_option_the_fused_path_takes(ran, kernel, lam, normal
 def test_each_shared_memory_variant_on_the_device(ran, monkeypatch, kib, m_grid, dv):
     """The plan for a smaller device's limit, forced on this one: the 16-row gradient tiles
     and the solves' column passes run on hardware, each against the dense reference."""
-    from lapformer_mm.ops.backends import _cuda_launch as cl
     from lapformer_mm.ops.backends import cuda
     real = cuda.device_limits(torch.device('cuda'))
     monkeypatch.setattr(cuda, 'device_limits',
                         lambda device: real._replace(smem_optin=kib * 1024))
-    plan = cl.plan(m_grid * m_grid, dv, kib * 1024)
+    plan = cuda.plan(m_grid * m_grid, dv, kib * 1024)
     q, k, v, landmarks = attention_inputs(2, 2, (24, 24), 32, dv, False, torch.float32, seed=9,
                                           grid=m_grid)
     grad = torch.randn(2, 2, 576, dv, device='cuda', dtype=torch.float64)
@@ -260,7 +259,7 @@ def test_gpu_kernels_per_attention_forward():
     layer's own (projections, pooling, local conv, sum), at most 10 in all."""
     from torch.profiler import ProfilerActivity, profile
 
-    from lapformer_mm.ops.backends import _cuda_launch as cl
+    from lapformer_mm.ops.backends import cuda
     module = _module().eval()
     x = torch.randn(2, 768, 64, device='cuda')
     with torch.no_grad():
@@ -272,7 +271,7 @@ def test_gpu_kernels_per_attention_forward():
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and 'memcpy' not in e.name.lower() and 'memset' not in e.name.lower()]
     print('kernels per LaplacianAttention forward:', len(kernels), kernels)
-    assert sum('nys_forward' in name for name in kernels) == len(cl.FORWARD)
+    assert sum('nys_forward' in name for name in kernels) == len(cuda.FORWARD)
     assert len(kernels) <= 10
 
 

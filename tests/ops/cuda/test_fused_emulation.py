@@ -27,7 +27,6 @@ from devtools.cuda_emulation import (
     route_cpu_tensors_to_cuda_backend,
 )
 from lapformer_mm.ops import nystrom_attention, pool_landmarks
-from lapformer_mm.ops.backends import _cuda_launch as cl
 from lapformer_mm.ops.backends import cuda
 
 
@@ -42,7 +41,7 @@ def launches(emu_lib, monkeypatch):  # noqa: F811 (the imported fixture)
     """impl=None on CPU tensors picks the CUDA backend; its launches run in the emulation,
     on an H200's 227 KiB shared-memory limit with 8 target blocks."""
     record = []
-    monkeypatch.setattr(cl, 'launch', make_launch(emu_lib, record))
+    monkeypatch.setattr(cuda, 'launch', make_launch(emu_lib, record))
     route_cpu_tensors_to_cuda_backend(monkeypatch.setattr)
     return record
 
@@ -90,8 +89,8 @@ def assert_close_scaled(got, expected, tol):
     torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * scale)
 
 
-FORWARD = [cl.kernel_name(s, 'float', 0) for s in cl.FORWARD]
-BACKWARD = [cl.kernel_name(s, 'float', 0) for s in cl.BACKWARD]
+FORWARD = [cuda.kernel_name(s, 'float', 0) for s in cuda.FORWARD]
+BACKWARD = [cuda.kernel_name(s, 'float', 0) for s in cuda.BACKWARD]
 
 
 @pytest.mark.parametrize('kernel, lam', [('laplacian', 4.0), ('gaussian', 12.0)])
@@ -121,8 +120,8 @@ def test_16_bit_inputs_match_dense_fp64(launches, dtype, tol, grad_tol, tied):
     q, k, v, landmarks = make_inputs(2, 1, (7, 5), 16, 16, 4, tied, dtype, seed=4)
     out, grads, grad = run(q, k, v, landmarks, tied)
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
-    element = cl.ELEMENT_TYPES[dtype]
-    assert [e[0] for e in launches] == [cl.kernel_name(s, element, 0) for s in cl.STAGES]
+    element = cuda.ELEMENT_TYPES[dtype]
+    assert [e[0] for e in launches] == [cuda.kernel_name(s, element, 0) for s in cuda.STAGES]
     expected, expected_grads = dense(q, k, v, landmarks, tied, grad)
     assert_close_scaled(out, expected, tol)
     for got, want in zip(grads, expected_grads):
@@ -185,14 +184,14 @@ def test_largest_and_smallest_landmark_and_value_counts(launches):
 def test_blocks_loop_over_heads_and_tiles_beyond_the_grid_limits(launches, monkeypatch):
     """With every grid extent capped at 1, one block must walk all (batch, head) pairs, row
     tiles and slices, as it does past 65535 pairs on a GPU."""
-    monkeypatch.setattr(cl, 'MAX_GRID_YZ', 1)
-    monkeypatch.setattr(cl, 'MAX_GRID_X', 1)
-    cl.splits.cache_clear()
+    monkeypatch.setattr(cuda, 'MAX_GRID_YZ', 1)
+    monkeypatch.setattr(cuda, 'MAX_GRID_X', 1)
+    cuda.splits.cache_clear()
     try:
         q, k, v, landmarks = make_inputs(2, 3, (10, 13), 8, 8, 3, False, torch.float32, seed=13)
         out, grads, grad = run(q, k, v, landmarks, False)
     finally:
-        cl.splits.cache_clear()
+        cuda.splits.cache_clear()
     assert all(entry[1] in ((1, 1), (1,)) for entry in launches), launches
     expected, expected_grads = dense(q, k, v, landmarks, False, grad)
     assert_close_scaled(out, expected, 2e-5)
@@ -208,7 +207,7 @@ def test_reruns_are_bit_equal_and_slices_only_reorder_sums(launches, monkeypatch
         assert torch.equal(a, b)
     monkeypatch.setattr(cuda, 'target_blocks', lambda device: 1)
     single = run(q, k, v, landmarks, False)
-    grids = {entry[0].split('<')[0]: entry[1] for entry in launches[-len(cl.STAGES):]}
+    grids = {entry[0].split('<')[0]: entry[1] for entry in launches[-len(cuda.STAGES):]}
     assert grids['nys_forward_stats'] == grids['nys_backward_grads'] == (1, 1)  # one slice
     for a, b in zip((first[0],) + first[1], (single[0],) + single[1]):
         assert_close_scaled(a, b.double(), 1e-5)
@@ -263,7 +262,7 @@ def test_backbone_on_the_emulated_cuda_path_is_as_exact_as_the_reference_math(la
     truth = run(exact, x.double())
     launches.clear()
     got, ref = run(fused, x), run(reference, x)
-    assert {entry[0].split('<')[0] for entry in launches} == set(cl.STAGES)
+    assert {entry[0].split('<')[0] for entry in launches} == set(cuda.STAGES)
     for g, r, t in zip(got, ref, truth):
         scale = t.abs().max()
         error = ((g - t).abs().max() / scale).item()
@@ -286,12 +285,24 @@ def test_refinement_step_holds_near_identical_landmarks(launches):
     assert errors[True] < 3e-5 < 1e-4 < errors[False], errors
 
 
+def host_params_layout():
+    """{field: byte offset} of the host's PARAMS_DTYPE, operands as 'q.ptr' ..., plus 'sizeof'."""
+    layout = {}
+    for name, (dtype, offset) in cuda.PARAMS_DTYPE.fields.items():
+        if dtype.fields:
+            layout.update({f'{name}.{sub}': offset + o for sub, (_, o) in dtype.fields.items()})
+        else:
+            layout[name] = offset
+    layout['sizeof'] = cuda.PARAMS_DTYPE.itemsize
+    return layout
+
+
 def test_parameter_struct_layout_matches_the_c_struct(emu_lib):  # noqa: F811
     """The numpy dtype the host fills is nys_params byte for byte as g++ lays it out
     (offsetof / sizeof from the emulation library; NVRTC uses the same x86-64 / NVPTX
     natural alignment for these 8- and 4-byte fields)."""
-    lib = emu_lib.library(cl.VARIANT_BY_NAME['dv32_tb32'])
-    assert params_layout(lib) == cl.params_layout()
+    lib = emu_lib.library(cuda.VARIANT_BY_NAME['dv32_tb32'])
+    assert params_layout(lib) == host_params_layout()
 
 
 # (m, d_v) of Tiny's stages (49 landmarks, 32-wide heads) and of the widest tiles.
@@ -310,9 +321,9 @@ def test_each_shared_memory_limit_picks_a_variant_or_the_reference(launches, mon
         launches.clear()
         q, k, v, landmarks = make_inputs(1, 1, hw, 12, dv, grid, False, torch.float32, seed=20)
         m = grid * grid
-        plan = cl.plan(m, dv, kib * 1024)
+        plan = cuda.plan(m, dv, kib * 1024)
         out, grads, grad = run(q, k, v, landmarks, False)
-        if isinstance(plan, cl.Plan):
+        if isinstance(plan, cuda.Plan):
             assert [e[0] for e in launches] == FORWARD + BACKWARD
             assert {e[4] for e in launches} == {plan.variant.name}
             assert max(e[3] for e in launches) <= kib * 1024
@@ -328,9 +339,9 @@ def test_the_variants_the_support_table_states():
     """docs/cuda.md's support table, from the plans: what each limit runs at Tiny's
     (m = 49, d_v = 32) and at (64, 64), and that 64 KiB (T4, RTX 20xx) runs both fused."""
     def picked(kib, m, dv):
-        plan = cl.plan(m, dv, kib * 1024)
+        plan = cuda.plan(m, dv, kib * 1024)
         return (plan.variant.name, plan.backward_solve_cols) \
-            if isinstance(plan, cl.Plan) else None
+            if isinstance(plan, cuda.Plan) else None
     assert picked(48, 49, 32) == ('dv32_tb16', 32)
     assert picked(48, 64, 32) is None and picked(48, 64, 64) is None
     assert picked(64, 49, 32) == ('dv32_tb32', 32)
@@ -339,8 +350,8 @@ def test_the_variants_the_support_table_states():
     for kib in (96, 100, 164, 227):
         assert picked(kib, 49, 32) == ('dv32_tb32', 32)
         assert picked(kib, 64, 64) == ('dv64_tb32', 64)
-    assert all(max(cl.row_pass_static_smem(v), cl.context_static_smem(v)) <= cl.DEFAULT_SMEM
-               for v in cl.VARIANTS)
+    assert all(max(cuda.row_pass_static_smem(v), cuda.context_static_smem(v)) <= cuda.DEFAULT_SMEM
+               for v in cuda.VARIANTS)
 
 
 @pytest.mark.slow
@@ -352,7 +363,7 @@ def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):
     if shutil.which('g++') is None:
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
     exe = tmp_path / 'tsan_main'
-    variant = cl.VARIANT_BY_NAME['dv32_tb16']
+    variant = cuda.VARIANT_BY_NAME['dv32_tb16']
     command = build_command(exe, variant.defines + ('-DEMU_FLOAT_ONLY',), '-fsanitize=thread',
                             '-g', str(EMU_DIR / 'tsan_main.cpp'))
     build = subprocess.run([c if c != '-O2' else '-O1' for c in command], capture_output=True,

@@ -16,7 +16,6 @@ from devtools import fake_cupy
 from devtools.cuda_emulation import emulated_limits, route_cpu_tensors_to_cuda_backend
 from devtools.op_counts import count_call
 from lapformer_mm.ops import nystrom_attention, pool_landmarks
-from lapformer_mm.ops.backends import _cuda_launch as cl
 from lapformer_mm.ops.backends import cuda
 from lapformer_mm.ops.reference import OpOptions
 
@@ -27,7 +26,7 @@ H200 = emulated_limits(smem_optin=227 * 1024, sms=2)
 def fake(monkeypatch):
     """CuPy faked; the fused op's CuPy path chosen for CPU tensors (the kernels do not run:
     outputs are uninitialised, only the host side is exercised)."""
-    cupy, streams = fake_cupy.install(cl, monkeypatch.setattr, current_device=None)
+    cupy, streams = fake_cupy.install(cuda, monkeypatch.setattr, current_device=None)
     route_cpu_tensors_to_cuda_backend(monkeypatch.setattr, H200)
     return cupy, streams
 
@@ -52,13 +51,16 @@ def test_one_compile_per_variant_and_element_type_with_its_geometry(fake):
         nystrom_attention(q, k, v, landmarks)
     compiles = [e for e in cupy.events if e[0] == 'compile']
     assert len(compiles) == 1 and all('<float' in name for name in compiles[0][1])
-    variant = cl.VARIANT_BY_NAME['dv32_tb32']
-    assert compiles[0][2] == cl.NVRTC_OPTIONS + variant.defines and compiles[0][3] == 'nvrtc'
-    assert [e[1].split('<')[0] for e in launches(cupy)] == list(cl.FORWARD) * 3
+    variant = cuda.VARIANT_BY_NAME['dv32_tb32']
+    assert compiles[0][2] == cuda.NVRTC_OPTIONS + variant.defines and compiles[0][3] == 'nvrtc'
+    assert [e[1].split('<')[0] for e in launches(cupy)] == list(cuda.FORWARD) * 3
     # One argument per launch: the parameter struct, a numpy array of size one.
-    assert all(len(e[4]) == 1 and e[4][0].dtype == cl.PARAMS_DTYPE and e[4][0].size == 1
+    assert all(len(e[4]) == 1 and e[4][0].dtype == cuda.PARAMS_DTYPE and e[4][0].size == 1
                for e in launches(cupy))
-    assert all(e[3] == variant.block for e in launches(cupy))
+    # The Newton-Schulz solve on NYS_TX x NYS_SY threads, every other kernel on tx x ty.
+    assert all(e[3] == ((variant.tx, variant.sy, 1) if 'solve' in e[1] else variant.block)
+               for e in launches(cupy))
+    assert variant.tx * variant.sy == 2 * variant.threads
 
 
 def test_opt_in_happens_once_at_load_to_the_devices_limit(fake):
@@ -69,7 +71,7 @@ def test_opt_in_happens_once_at_load_to_the_devices_limit(fake):
     nystrom_attention(q, k, v, landmarks).sum().backward()
     nystrom_attention(q, k, v, landmarks).sum().backward()
     optins = {e[1].split('<')[0]: e[2] for e in cupy.events if e[0] == 'optin'}
-    assert optins == {'nys_forward_solve': H200.smem_optin - cl.NS_STATIC_SMEM,
+    assert optins == {'nys_forward_solve': H200.smem_optin - cuda.NS_STATIC_SMEM,
                       'nys_backward_solve': H200.smem_optin,
                       'nys_backward_grads': H200.smem_optin}
     assert len([e for e in cupy.events if e[0] == 'optin']) == 3 * 2  # both kinds, once
@@ -78,16 +80,16 @@ def test_opt_in_happens_once_at_load_to_the_devices_limit(fake):
 def test_a_first_call_inside_a_capture_raises_and_warmup_prevents_it(fake, monkeypatch):
     cupy, _ = fake
     q, k, v, landmarks = attention_inputs()
-    monkeypatch.setattr(cl, 'capturing', lambda device_index: True)
-    with pytest.raises(cl.CaptureError, match=r'Run the attention once eagerly.*warmup\(\)'):
+    monkeypatch.setattr(cuda, 'capturing', lambda device_index: True)
+    with pytest.raises(cuda.CaptureError, match=r'Run the attention once eagerly.*warmup\(\)'):
         cuda.forward(q, k, v, landmarks, cuda_options())
-    monkeypatch.setattr(cl, 'capturing', lambda device_index: False)
+    monkeypatch.setattr(cuda, 'capturing', lambda device_index: False)
     loaded = cuda.warmup(torch.device('cuda', 0), dtypes=(torch.float32,), value_dims=(32,))
     assert loaded == [('dv32_tb32', torch.float32)]
     compiles = len([e for e in cupy.events if e[0] == 'compile'])
-    monkeypatch.setattr(cl, 'capturing', lambda device_index: True)
-    group = cl.load_group(0, cl.VARIANT_BY_NAME['dv32_tb32'], 'float', H200.smem_optin)
-    assert len(group) == len(cl.kernel_names(('float',)))
+    monkeypatch.setattr(cuda, 'capturing', lambda device_index: True)
+    group = cuda.load_group(0, cuda.VARIANT_BY_NAME['dv32_tb32'], 'float', H200.smem_optin)
+    assert len(group) == len(cuda.kernel_names(('float',)))
     assert len([e for e in cupy.events if e[0] == 'compile']) == compiles
 
 
@@ -108,34 +110,34 @@ def test_launches_follow_pytorchs_current_stream_one_wrapper_each(fake):
     streams.handle = 777
     nystrom_attention(q, k, v, landmarks)
     assert [e for e in cupy.events if e[0] == 'stream'] == [('stream', 12345), ('stream', 777)]
-    n = len(cl.FORWARD)
+    n = len(cuda.FORWARD)
     assert [e[-1] for e in launches(cupy)] == [12345] * (2 * n) + [777] * n
 
 
 def test_device_context_only_when_the_device_is_not_current(fake):
     cupy, _ = fake
     tensor = fake_cupy.FakeCudaTensor()
-    name = cl.kernel_name('nys_forward_stats', 'float', 0)
-    variant, params = cl.VARIANTS[0], cl.new_params()
+    name = cuda.kernel_name('nys_forward_stats', 'float', 0)
+    variant, params = cuda.VARIANTS[0], np.zeros(1, cuda.PARAMS_DTYPE)
     cupy.current_device = 1
-    cl.launch(name, variant, tensor, (1, 1), variant.block, params)
+    cuda.launch(name, variant, tensor, (1, 1), variant.block, params)
     first = len([e for e in cupy.events if e[0] == 'device'])
-    cl.launch(name, variant, tensor, (1, 1), variant.block, params)
+    cuda.launch(name, variant, tensor, (1, 1), variant.block, params)
     assert len([e for e in cupy.events if e[0] == 'device']) == first
     cupy.current_device = 0
-    cl.launch(name, variant, tensor, (1, 1), variant.block, params)
+    cuda.launch(name, variant, tensor, (1, 1), variant.block, params)
     assert [e for e in cupy.events if e[0] == 'device'][-1] == ('device', 1)
 
 
 def test_compile_and_launch_failures_name_kernel_and_shapes(monkeypatch):
-    name = cl.kernel_name('nys_forward_out', 'float', 1)
+    name = cuda.kernel_name('nys_forward_out', 'float', 1)
     for kwargs, pattern in ((dict(fail_compile=True), r'dv64_tb16, float.*oops'),
                             (dict(fail_launch=True),
                              r'nys_forward_out<float, 1> \(dv64_tb16.*q \(1, 2\).*too many')):
-        fake_cupy.install(cl, monkeypatch.setattr, current_device=1, **kwargs)
-        with pytest.raises(cl.CudaOpsError, match=pattern):
-            cl.launch(name, cl.VARIANT_BY_NAME['dv64_tb16'], fake_cupy.FakeCudaTensor(), (1,),
-                      (16, 16, 1), cl.new_params(), shapes='q (1, 2)')
+        fake_cupy.install(cuda, monkeypatch.setattr, current_device=1, **kwargs)
+        with pytest.raises(cuda.CudaOpsError, match=pattern):
+            cuda.launch(name, cuda.VARIANT_BY_NAME['dv64_tb16'], fake_cupy.FakeCudaTensor(), (1,),
+                      (16, 16, 1), np.zeros(1, cuda.PARAMS_DTYPE), shapes='q (1, 2)')
 
 
 def test_strided_operands_are_passed_as_they_are(fake):
@@ -144,14 +146,14 @@ def test_strided_operands_are_passed_as_they_are(fake):
     gradients and one workspace, and neither computes anything outside our launches."""
     q, k, v, landmarks = (t.detach().requires_grad_() for t in attention_inputs())
     assert not q.is_contiguous()
-    out, counter = count_call(lambda: nystrom_attention(q, k, v, landmarks), cl)
+    out, counter = count_call(lambda: nystrom_attention(q, k, v, landmarks), cuda)
     assert not counter.compute, dict(counter.compute)
     assert counter.totals()['allocations'] == 5
-    assert counter.totals()['launches'] == len(cl.FORWARD)
+    assert counter.totals()['launches'] == len(cuda.FORWARD)
     grad = torch.ones_like(out)
-    _, counter = count_call(lambda: torch.autograd.grad(out, (q, k, v, landmarks), grad), cl)
+    _, counter = count_call(lambda: torch.autograd.grad(out, (q, k, v, landmarks), grad), cuda)
     assert not counter.compute, dict(counter.compute)
-    assert counter.totals()['launches'] == len(cl.BACKWARD)
+    assert counter.totals()['launches'] == len(cuda.BACKWARD)
 
 
 def test_the_struct_carries_pointers_strides_and_options(fake):
@@ -171,12 +173,12 @@ def test_the_struct_carries_pointers_strides_and_options(fake):
 
 
 def test_plans_are_cached_per_shape():
-    cl.splits.cache_clear()
+    cuda.splits.cache_clear()
     for _ in range(3):
-        cl.splits(8, 16650, 528, 64)
-    info = cl.splits.cache_info()
+        cuda.splits(8, 16650, 528, 64)
+    info = cuda.splits.cache_info()
     assert info.misses == 1 and info.hits == 2
-    splits, chunk = cl.splits(8, 16650, 528, 64)
+    splits, chunk = cuda.splits(8, 16650, 528, 64)
     assert splits * chunk >= 16650 > (splits - 1) * chunk and chunk % 64 == 0
 
 

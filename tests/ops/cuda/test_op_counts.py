@@ -15,7 +15,7 @@ from _emulation_fixtures import emu_lib  # noqa: F401 (a fixture)
 from devtools.cuda_emulation import make_launch, route_cpu_tensors_to_cuda_backend
 from devtools.op_counts import module_call_counts
 from lapformer_mm.models.attention import LaplacianAttention
-from lapformer_mm.ops.backends import _cuda_launch as rt
+from lapformer_mm.ops.backends import cuda as rt
 
 # Ops that wait for the device (a CUDA tensor's value read on the host).
 HOST_SYNCS = {'aten::_local_scalar_dense', 'aten::item', 'aten::is_nonzero', 'aten::equal'}
