@@ -50,7 +50,17 @@ def cpu_kernel_build():
                for name in names]
 
     class OptionalBuildExtension(BuildExtension):
-        """Builds each module it can; one that fails is reported and left out."""
+        """Builds each module it can, all at once; one that fails is reported and left out."""
+
+        def __init__(self, *args, **kwargs):
+            # Without ninja: torch writes one build.ninja per build folder, which modules
+            # built in parallel would share. Each module is one source file anyway.
+            super().__init__(*args, use_ninja=False, **kwargs)
+
+        def finalize_options(self):
+            super().finalize_options()
+            if not self.parallel:  # setuptools' -j; True: one compile per core
+                self.parallel = True
 
         def build_extensions(self):
             self.failed = set()

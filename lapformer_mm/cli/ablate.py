@@ -19,11 +19,13 @@ run. Writes ``table.md``, ``runs.json`` and ``loss_curves.png`` under ``--out``.
 """
 import argparse
 import concurrent.futures
+import ctypes
 import datetime
 import json
 import multiprocessing
 import os
 import os.path as osp
+import signal
 import subprocess
 import sys
 import time
@@ -129,11 +131,22 @@ def _resumable_runs(path, settings):
 _WORKER = {}
 
 
-def _init_worker(task_name, val_size, threads):
+def _stop_with_parent(parent):
+    """Linux: a worker stops when the sweep's process dies (killed alone, ``kill PID``)
+    instead of training on until its run ends; elsewhere it stops after that run."""
+    if sys.platform.startswith('linux'):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the prctl call
+            os._exit(1)
+
+
+def _init_worker(task_name, val_size, threads, parent=None):
     import torch
 
     from lapformer_mm.ablation.toy import validation_set
 
+    if parent is not None:
+        _stop_with_parent(parent)
     if threads is not None:
         torch.set_num_threads(threads)
     task = build_task(task_name)
@@ -160,7 +173,7 @@ def _finished_runs(args, task_name, todo, options):
     # spawn, not fork: a forked child of a process whose OpenMP pool ran can hang.
     with concurrent.futures.ProcessPoolExecutor(
             args.jobs, mp_context=multiprocessing.get_context('spawn'),
-            initializer=_init_worker, initargs=worker_args) as pool:
+            initializer=_init_worker, initargs=worker_args + (os.getpid(),)) as pool:
         futures = {pool.submit(_train, name, attn_cfg, seed, prefix, options): (index, prefix)
                    for index, name, attn_cfg, seed, prefix in todo}
         for future in concurrent.futures.as_completed(futures):

@@ -159,6 +159,58 @@ def test_parallel_jobs_train_the_same_runs(tmp_path, one_thread):
     assert runs['2'] == runs['1']
 
 
+PARENT_SCRIPT = """
+import multiprocessing, os, sys, time
+from lapformer_mm.cli.ablate import _stop_with_parent
+
+def worker(parent, path):
+    _stop_with_parent(parent)
+    with open(path, 'w') as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == '__main__':
+    multiprocessing.get_context('spawn').Process(
+        target=worker, args=(os.getpid(), sys.argv[1])).start()
+    time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='PR_SET_PDEATHSIG is Linux')
+def test_a_worker_stops_when_the_sweep_process_is_killed(tmp_path):
+    """A --jobs worker whose parent is SIGKILLed exits within seconds, not after its run."""
+    import signal
+    import subprocess
+    import time
+
+    script, pid_file = tmp_path / 'parent.py', tmp_path / 'worker.pid'
+    script.write_text(PARENT_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script), str(pid_file)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline and parent.poll() is None, 'no worker started'
+            time.sleep(0.1)
+        worker = int(pid_file.read_text())
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while osp.exists(f'/proc/{worker}') and 'zombie' not in _state(worker):
+        if time.monotonic() > deadline:
+            os.kill(worker, signal.SIGKILL)
+            pytest.fail('the worker kept running after its parent was killed')
+        time.sleep(0.1)
+
+
+def _state(pid):
+    try:
+        with open(f'/proc/{pid}/status') as f:
+            return f.read().lower()
+    except OSError:
+        return 'zombie'
+
+
 def test_resume_keeps_finished_runs(tmp_path, capsys, one_thread):
     out = tmp_path / 'ablate'
     args = ['--variants', 'default', '--seeds', '1', '--steps', '2', '--warmup', '1',
