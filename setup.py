@@ -109,7 +109,7 @@ setup(
     python_requires='>=3.9',
     packages=find_packages(include=['lapformer_mm', 'lapformer_mm.*']),
     # The CUDA sources are compiled at run time by NVRTC (lapformer_mm/ops/backends/
-    # _cuda_launch.py); the ONNX Runtime op library's ship so that an installed package can
+    # cuda.py); the ONNX Runtime op library's ship so that an installed package can
     # build it (tools/build_ort_ops.py, opt-in: it needs ONNX Runtime's C headers).
     package_data={'lapformer_mm': ['csrc/cuda/*.cu', 'csrc/cuda/*.cuh',
                                    'csrc/onnxruntime/*.cpp', 'csrc/onnxruntime/*.h',

@@ -33,6 +33,7 @@ if __package__ in (None, ''):
 import torch
 
 from devtools import fake_cupy
+from devtools.cuda_emulation import route_cpu_tensors_to_cuda_backend
 from devtools.op_counts import module_call_counts
 from devtools.timing import load_average
 from lapformer_mm.models.attention import LaplacianAttention
@@ -41,7 +42,6 @@ from lapformer_mm.ops.attention import NystromAttentionFunction as NystromAttent
 from lapformer_mm.ops.attention import _backward_impl as nystrom_attention_backward_kernel
 from lapformer_mm.ops.attention import _forward_impl as nystrom_attention_kernel
 from lapformer_mm.ops.attention import nystrom_attention_op
-from lapformer_mm.ops.backends import _cuda_launch as rt
 from lapformer_mm.ops.backends import cuda as cuda_backend
 
 OPTIONS = ('laplacian', 4.0, 0.01, 16, 'identity', True, 'injective', 1e-5)
@@ -64,20 +64,20 @@ def per_call_us(fns, repeats, rounds=10):
 
 
 def install_fake():
-    """The fake CuPy, and impl='cupy' for CPU tensors; returns a function undoing it."""
-    saved = {name: getattr(rt, name) for name in
-             ('import_cupy', '_groups', '_streams', 'raw_stream', 'capturing')}
-    fake_cupy.install(rt, setattr, current_device=None, record=False)
-    saved_backend = cuda_backend.DEVICE, cuda_backend._AVAILABLE, cuda_backend.device_limits
-    h200 = cuda_backend.DeviceLimits((9, 0), 132, 227 * 1024, 13)
-    cuda_backend.DEVICE, cuda_backend._AVAILABLE = 'cpu', [True]
-    cuda_backend.device_limits = lambda device: h200
+    """The fake CuPy, and impl='cupy' for CPU tensors on an H200's limits; returns a
+    function undoing it."""
+    saved = {}
+
+    def setattr_(obj, name, value):
+        saved.setdefault(name, getattr(obj, name))
+        setattr(obj, name, value)
+    fake_cupy.install(cuda_backend, setattr_, current_device=None, record=False)
+    route_cpu_tensors_to_cuda_backend(setattr_, cuda_backend.DeviceLimits((9, 0), 132,
+                                                                          227 * 1024, 13))
 
     def undo():
         for name, value in saved.items():
-            setattr(rt, name, value)
-        (cuda_backend.DEVICE, cuda_backend._AVAILABLE,
-         cuda_backend.device_limits) = saved_backend
+            setattr(cuda_backend, name, value)
     return undo
 
 
@@ -136,7 +136,7 @@ def rows(repeats):
     torch.manual_seed(0)
     module = LaplacianAttention(64, 2)
     x = torch.randn(2, 64, 64, requires_grad=True)
-    return results, module_call_counts(module, x, (8, 8), rt)
+    return results, module_call_counts(module, x, (8, 8), cuda_backend)
 
 
 def main(argv=None):

@@ -72,7 +72,8 @@ print('gpu', p.name, 'cc', f'{p.major}.{p.minor}', 'sms', p.multi_processor_coun
       'smem optin', getattr(p, 'shared_memory_per_block_optin', None))
 import cupy
 print('cupy', cupy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())
-from lapformer_mm.ops.backends import _cuda_launch as cl, cuda
+from lapformer_mm.ops.backends import cuda
+cl = cuda
 limits = cuda.device_limits(torch.device('cuda'))
 print('backend limits', limits)
 for m, dv in ((49, 32), (64, 64)):
@@ -107,7 +108,7 @@ if wanted tests; then
     timeout 15 "$PY" - >> "$OUT/gpu_tests.txt" 2>&1 <<'EOF'
 import torch
 from lapformer_mm.ops import nystrom_attention, pool_landmarks
-from lapformer_mm.ops.backends._cuda_launch import CaptureError
+from lapformer_mm.ops.backends.cuda import CaptureError
 q = torch.randn(2, 2, 196, 32, device='cuda')
 landmarks = pool_landmarks(q, (14, 14), 7)
 graph = torch.cuda.CUDAGraph()

@@ -27,7 +27,7 @@ def test_wheel_ships_cuda_sources_and_runtime_finds_them(built_wheel, tmp_path):
 
     # From the unpacked wheel alone (outside the repo), the backend finds and inlines them.
     site = built_wheel.site
-    code = ('from lapformer_mm.ops.backends import _cuda_launch as cl; '
+    code = ('from lapformer_mm.ops.backends import cuda as cl; '
             'print(cl.source_dir()); assert "struct nys_params" in cl.load_source()')
     found = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, check=True,
                            capture_output=True, text=True,
