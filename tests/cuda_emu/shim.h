@@ -2,7 +2,8 @@
 // can compile the kernels unchanged and run them on the CPU for the tests.
 //
 // A launch runs the blocks one after another; the threads of a block are real
-// std::threads, so __syncthreads() is a std::barrier across them, data races
+// std::threads (one set per launch, reused by every block), so __syncthreads() is a
+// std::barrier across them, data races
 // between them behave as on a GPU (any missing barrier can show up as a wrong
 // result), and `__shared__` variables are `static` (one block at a time
 // shares them). Warp-level intrinsics are not emulated: the kernels use none.
@@ -72,7 +73,11 @@ inline unsigned int lap_host_float_to_bits(float f) {
 constexpr std::size_t emu_canary_bytes = 256;
 constexpr unsigned char emu_canary = 0xA5;
 
-// Runs `body` (the kernel call) for every thread of every block.
+// Runs `body` (the kernel call) for every thread of every block. One std::thread per
+// thread of a block, started once per launch: each runs its thread of every block in
+// turn, and a barrier closes each block, so no thread starts the next block (whose
+// `static` shared memory is the same) before the whole block has finished, as when every
+// block had threads of its own, without starting and joining a block's threads per block.
 template <typename Body>
 void emu_launch(dim3 grid, dim3 block, std::size_t dynamic_shared, Body body) {
     gridDim = grid;
@@ -80,22 +85,23 @@ void emu_launch(dim3 grid, dim3 block, std::size_t dynamic_shared, Body body) {
     std::vector<unsigned char> shared(dynamic_shared + emu_canary_bytes, emu_canary);
     emu_dynamic_shared = shared.data();
     const unsigned nthreads = block.x * block.y * block.z;
-    for (unsigned bz = 0; bz < grid.z; ++bz)
-        for (unsigned by = 0; by < grid.y; ++by)
-            for (unsigned bx = 0; bx < grid.x; ++bx) {
-                std::barrier<> barrier(nthreads);
-                emu_block_barrier = &barrier;
-                std::vector<std::thread> threads;
-                threads.reserve(nthreads);
-                for (unsigned t = 0; t < nthreads; ++t) {
-                    threads.emplace_back([&, t] {
-                        threadIdx = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+    std::barrier<> barrier(nthreads);
+    emu_block_barrier = &barrier;
+    std::vector<std::thread> threads;
+    threads.reserve(nthreads);
+    for (unsigned t = 0; t < nthreads; ++t) {
+        threads.emplace_back([&, t] {
+            threadIdx = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+            for (unsigned bz = 0; bz < grid.z; ++bz)
+                for (unsigned by = 0; by < grid.y; ++by)
+                    for (unsigned bx = 0; bx < grid.x; ++bx) {
                         blockIdx = dim3(bx, by, bz);
                         body();
-                    });
-                }
-                for (auto& th : threads) th.join();
-            }
+                        barrier.arrive_and_wait();
+                    }
+        });
+    }
+    for (auto& th : threads) th.join();
     emu_dynamic_shared_overrun = std::any_of(shared.begin() + dynamic_shared, shared.end(),
                                              [](unsigned char b) { return b != emu_canary; });
 }
