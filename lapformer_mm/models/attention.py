@@ -9,12 +9,8 @@ import dataclasses
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import AttentionOptions, landmark_matrix, nystrom_attention
-from ..ops._checks import check_bool, check_int, check_probability
-from ..ops.attention import one_projection
-from ..ops.export import exporting
-from ..ops.functional import check_hw
-from ..ops.reference import pool_landmarks
+from ..ops import AttentionOptions, landmark_matrix, nystrom_attention, pool_landmarks
+from ..ops._checks import check_bool, check_hw, check_int, check_probability
 
 # The attention options: the module's keyword-only arguments and the keys of the
 # backbone's attn_cfg. All but the first two and the last are AttentionOptions fields,
@@ -120,7 +116,7 @@ class LaplacianAttention(nn.Module):
         them (docs/benchmarks.md, CPU kernels).
         """
         parts = 2 if self.qk_shared else 3
-        if one_projection(x.device):
+        if x.device.type == 'cuda':
             projected = self.qkv(x).chunk(parts, dim=-1)
         else:
             biases = (self.qkv.bias.chunk(parts) if self.qkv.bias is not None
@@ -137,8 +133,7 @@ class LaplacianAttention(nn.Module):
         For diagnostics and analysis; :meth:`forward` builds it inside the op.
         """
         _, k, _ = self.project(x)
-        landmarks = pool_landmarks(k, check_hw(hw, x.shape[1]), self.landmark_grid)
-        return landmark_matrix(landmarks, self.options)
+        return landmark_matrix(pool_landmarks(k, hw, self.landmark_grid), self.options)
 
     def forward(self, x, hw):
         """x (B, N, C) with hw = (H, W), N = H·W -> (B, N, C)."""
@@ -148,11 +143,10 @@ class LaplacianAttention(nn.Module):
         q, k, v = self.project(x)
         if not self.global_term:
             return self.proj_drop(self.proj(self._local_term(v, hw)))
-        export = exporting()
-        landmarks = pool_landmarks(k, hw, self.landmark_grid, export)
-        out = nystrom_attention(q, k, self._split_heads(v), landmarks, self.options,
-                                dropout_p=self.attn_drop if self.training else 0.0,
-                                export=export)
+        # The op pools the landmarks from the keys: it knows whether an exporter traces.
+        out = nystrom_attention(q, k, self._split_heads(v), options=self.options, hw=hw,
+                                landmark_grid=self.landmark_grid,
+                                dropout_p=self.attn_drop if self.training else 0.0)
         out = out.transpose(1, 2).reshape(x.shape) + self._local_term(v, hw)
         return self.proj_drop(self.proj(out))
 

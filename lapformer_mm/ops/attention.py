@@ -3,7 +3,8 @@
 :func:`nystrom_attention` runs Newton–Schulz without dropout as ``NystromAttentionFunction``
 over ``lapformer_mm::nystrom_attention`` (and its backward op) on the backend
 :func:`select_backend` picks, else on :mod:`.reference`; dropout on Z, the 'exact' and 'cg'
-solvers and exports run ``reference.forward`` under autograd.
+solvers and exports run ``reference.forward`` under autograd. It is also where the attention
+asks whether an exporter traces (:func:`.export.exporting`), for the landmarks it pools too.
 
 Op contract (per batch element b and head h; every backend keeps it):
 
@@ -39,6 +40,8 @@ from ._checks import (
     check_bool,
     check_choice,
     check_float_tensor,
+    check_hw,
+    check_int,
     check_non_negative,
     check_optional_int,
     check_positive,
@@ -116,32 +119,30 @@ class AttentionOptions:
             self.normalize, self.whiten_eps))
 
 
-def check_attention_inputs(q, k, v, landmarks, min_dim=3):
-    """q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) must agree; k may be None."""
+def check_operands(q, k, v, landmarks, op=False):
+    """q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) must agree (k may be None,
+    landmarks None before they are pooled); the op's are 4-D of one dtype (the kernels read
+    one type)."""
+    if op and q.dim() != 4:
+        raise ValueError(f'nystrom_attention: q must be (B, h, N, d), got shape '
+                         f'{tuple(q.shape)}')
     for name, t in (('q', q), ('k', k), ('v', v), ('landmarks', landmarks)):
         if t is not None:
-            check_float_tensor(name, t, min_dim=min_dim)
+            check_float_tensor(name, t, min_dim=4 if op else 3)
     if k is not None and k.shape != q.shape:
         raise ValueError(f'k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}')
     if v.shape[:-1] != q.shape[:-1]:
         raise ValueError(f'v must be (..., N, d_v) with the batch dims and N of q '
                          f'{tuple(q.shape)}, got {tuple(v.shape)}')
-    if landmarks.shape[:-2] != q.shape[:-2] or landmarks.shape[-1] != q.shape[-1]:
+    if landmarks is not None and (landmarks.shape[:-2] != q.shape[:-2]
+                                  or landmarks.shape[-1] != q.shape[-1]):
         raise ValueError(f'landmarks must be (..., m, d) with the batch dims and d '
                          f'of q {tuple(q.shape)}, got {tuple(landmarks.shape)}')
     devices = {t.device for t in (q, k, v, landmarks) if t is not None}
     if len(devices) != 1:
         raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
-
-
-def _check_op_operands(q, k, v, landmarks):
-    """The op's operands: 4-D, consistent, one dtype (the kernels read one type)."""
-    if q.dim() != 4:
-        raise ValueError(f'nystrom_attention: q must be (B, h, N, d), got shape '
-                         f'{tuple(q.shape)}')
-    check_attention_inputs(q, k, v, landmarks, min_dim=4)
     for name, t in (('k', k), ('v', v), ('landmarks', landmarks)):
-        if t is not None and t.dtype != q.dtype:
+        if op and t is not None and t.dtype != q.dtype:
             raise TypeError(f'nystrom_attention: {name} has dtype {t.dtype} but q has '
                             f'{q.dtype}; all operands must share one dtype')
 
@@ -186,12 +187,6 @@ def select_backend(q, k, v, landmarks, options):
     return None
 
 
-def one_projection(device):
-    """Whether the attention on ``device`` takes q, k, v as strided views of one product:
-    the CUDA kernels read them so, and on a GPU a launch costs more than a layout does."""
-    return device.type == cuda.DEVICE
-
-
 def resolve_impl(q, k, v, landmarks, options):
     """The name of the implementation that runs this call ('reference', 'cupy' or 'cpu')."""
     backend = select_backend(q, None if k is q else k, v, landmarks, options)
@@ -215,7 +210,7 @@ _LIBRARY.define(
 
 def _forward_impl(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
                   whiten_eps, impl):
-    _check_op_operands(q, k, v, landmarks)
+    check_operands(q, k, v, landmarks, op=True)
     opts = reference.OpOptions(kernel, lam, eps, iters, ns_init, ns_refine, normalize,
                                whiten_eps)
     if impl == 'reference':
@@ -261,7 +256,7 @@ PYTHON_KERNELS = {nystrom_attention_op: _forward_impl,
 @torch.library.register_fake('lapformer_mm::nystrom_attention')
 def _(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize, whiten_eps,
       impl):
-    _check_op_operands(q, k, v, landmarks)
+    check_operands(q, k, v, landmarks, op=True)
     batch, heads, n, _ = q.shape
     m, dv = landmarks.shape[-2], v.shape[-1]
     acc = reference.compute_dtype(q.dtype)
@@ -320,12 +315,14 @@ def attention_flops(q_shape, v_shape, m, tied, iters, ns_refine):
     return {'kernel': batch * kernel, 'solve': batch * solve, 'visible': batch * visible}
 
 
-def nystrom_attention(q, k, v, landmarks, options=None, *, dropout_p=0.0, export=None,
-                      **kwargs):
+def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmark_grid=7,
+                      dropout_p=0.0, export=None, **kwargs):
     """Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v), evaluated right to left.
 
-    q, k (..., N, d) (``k is q`` when keys are tied), v (..., N, d_v), landmarks L (..., m, d)
-    -> (..., N, d_v) in q's dtype (4-D operands: a view of the op's (B, N, h, d_v) layout).
+    q, k (..., N, d) (``k is q`` when keys are tied), v (..., N, d_v) -> (..., N, d_v) in q's
+    dtype (4-D operands: a view of the op's (B, N, h, d_v) layout). The landmarks L
+    (..., m, d), or, given ``hw`` = (H, W) of the N = H·W tokens instead, the keys (B, h, N, d)
+    pooled on a ``landmark_grid`` × ``landmark_grid`` grid (:func:`~.functional.pool_landmarks`).
     options: an :class:`AttentionOptions`, or its fields as keywords. dropout_p: dropout on Z.
     export: whether an exporter traces (None: ask torch). Computes in fp32 (fp64 stays fp64).
     """
@@ -335,7 +332,17 @@ def nystrom_attention(q, k, v, landmarks, options=None, *, dropout_p=0.0, export
         raise TypeError('pass either an AttentionOptions or its fields as keywords, '
                         f'got {type(options).__name__} and {sorted(kwargs)}')
     check_probability('dropout_p', dropout_p)
-    check_attention_inputs(q, k, v, landmarks)
+    if (landmarks is None) == (hw is None):
+        raise TypeError('nystrom_attention: give either the landmarks (..., m, d) or hw = '
+                        '(H, W), to pool them from the keys')
+    check_operands(q, k, v, landmarks)
+    export = exporting() if export is None else export
+    if hw is not None:
+        if q.dim() != 4:
+            raise ValueError(f'nystrom_attention: pooling the landmarks (hw given) needs q, k '
+                             f'(B, h, N, d), got shape {tuple(q.shape)}')
+        landmarks = reference.pool_landmarks(k, check_hw(hw, q.shape[2]),
+                                             check_int('landmark_grid', landmark_grid), export)
     if q.dim() != 4:
         # The op is (B, h, N, d): fold the other batch dims into h.
         fold = [None if t is None else t.reshape(1, -1, *t.shape[-2:])
@@ -344,7 +351,7 @@ def nystrom_attention(q, k, v, landmarks, options=None, *, dropout_p=0.0, export
         out = nystrom_attention(*fold, options, dropout_p=dropout_p, export=export)
         return out.reshape(*q.shape[:-2], *out.shape[-2:])
     tied = k is q
-    if exporting() if export is None else export:
+    if export:
         check_exportable(options)
         return reference.forward(q, None if tied else k, v, landmarks, options.op_options,
                                  export=True)[0]

@@ -24,14 +24,22 @@ def exporting():
 
 
 @contextlib.contextmanager
+def _scoped(var, value):
+    """``var`` is ``value`` within the block (and the current thread or task)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def residual_precision(precision):
     """Within the block (and the current thread or task) the attention forms its refinement
     residual in ``precision``, one of :data:`RESIDUAL_PRECISIONS`."""
     if precision not in RESIDUAL_PRECISIONS:
         raise ValueError(f'residual precision {precision!r} is not supported; allowed: '
                          f'{", ".join(map(repr, RESIDUAL_PRECISIONS))}')
-    with reference.residual_dtype(RESIDUAL_PRECISIONS[precision]):
-        yield
+    return _scoped(reference.RESIDUAL_DTYPE, RESIDUAL_PRECISIONS[precision])
 
 
 #: Forms of the kernel matrix in an exported ONNX graph: 'standard' (standard-domain operators
@@ -44,15 +52,13 @@ ORT_KERNEL_OP = 'PairwiseKernel'
 ORT_OPSET_VERSION = 1
 
 
-@contextlib.contextmanager
 def kernel_form(form):
     """Within the block (and the current thread or task) exported kernel matrices take
     ``form``, one of :data:`KERNEL_FORMS`; nothing changes outside exporters."""
     if form not in KERNEL_FORMS:
         raise ValueError(f'kernel form {form!r} is not supported; allowed: '
                          f'{", ".join(map(repr, KERNEL_FORMS))}')
-    with reference.similarity_node(ort_pairwise_kernel if form == 'ort' else None):
-        yield
+    return _scoped(reference.SIMILARITY_NODE, ort_pairwise_kernel if form == 'ort' else None)
 
 
 class _OrtPairwiseKernel(torch.autograd.Function):
@@ -61,7 +67,7 @@ class _OrtPairwiseKernel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y, lam, kind):
-        with reference.similarity_node(None):
+        with kernel_form('standard'):
             return reference.similarity_export(x, y, lam, kind)
 
     @staticmethod

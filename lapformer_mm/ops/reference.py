@@ -10,7 +10,7 @@ Read top to bottom, it is the attention in the order it runs (docs/design.md §2
 4. solve                :func:`newton_schulz`, :func:`apply_inverse`, :func:`solve_context`:
                         context = X R, X ≈ P⁻¹, R = k(k, L)ᵀ v, one refinement step;
                         :func:`exact_solve` and :func:`cg_solve` for the ablations
-5. feature map          :func:`whitening_stats`, :func:`whitening_scale`: Z = c̃ diag(s) + 1/m
+5. feature map          :func:`whiten`, :func:`whitening_scale`: Z = c̃ diag(s) + 1/m
 6. output               :func:`forward`           out = Z · context
 7. backward             :func:`backward` from :func:`context_grads` and :func:`solve_grads`,
                         which the CPU backend calls too
@@ -21,14 +21,13 @@ standard operators inside themselves: ``torch.cdist`` becomes a chunked ℓ1 / �
 differences, and adaptive pooling of a size the grid does not divide becomes two averaging
 matrices. This module imports torch and the argument checks only.
 """
-import contextlib
 import contextvars
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_float_tensor, check_optional_int
+from ._checks import check_float_tensor, check_optional_int, check_square
 
 
 class OpOptions(NamedTuple):
@@ -48,9 +47,7 @@ def compute_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# ----------------------------------------------------------------------------
-# 1. Landmarks
-# ----------------------------------------------------------------------------
+# 1. Landmarks ------------------------------------------------------------------------------------
 
 def pool_landmarks(t, hw, grid, export=False):
     """Adaptive average pooling of tokens t (B, h, N, d) on hw = (H, W) -> (B, h, m, d),
@@ -66,9 +63,7 @@ def pool_landmarks(t, hw, grid, export=False):
     return pooled.permute(0, 2, 3, 1).reshape(batch, -1, heads, width).transpose(1, 2)
 
 
-# ----------------------------------------------------------------------------
-# 2. Similarity: the kernel function k(x, y) and its gradient
-# ----------------------------------------------------------------------------
+# 2. Similarity: the kernel function k(x, y) and its gradient -------------------------------------
 
 #: Byte budget of the (rows, M, d) sign tensor of the chunked ℓ1 gradient.
 CHUNK_BYTES = 32 * 2 ** 20
@@ -160,9 +155,7 @@ def similarity(x, y, lam, kernel, export=False):
     return dist.mul_(-1.0 / lam).exp_()
 
 
-# ----------------------------------------------------------------------------
-# 3–4. The landmark system and its solve
-# ----------------------------------------------------------------------------
+# 3–4. The landmark system and its solve ----------------------------------------------------------
 
 def landmark_system(landmarks, lam, eps, kernel, export=False):
     """P = k(L, L) + eps·I (..., m, m)."""
@@ -196,23 +189,9 @@ def newton_schulz(P, iters, init):
     return x.view(P.shape).to(P.dtype)
 
 
-@contextlib.contextmanager
-def _scoped(var, value):
-    """``var`` is ``value`` within the block (and the current thread or task)."""
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
-
-
-_RESIDUAL = contextvars.ContextVar('lapformer_mm_residual_dtype', default=torch.float64)
-
-
-def residual_dtype(dtype):
-    """Within the block the refinement step forms its residual in ``dtype`` (fp64 by default;
-    fp32 for runtimes without fp64, ``lapformer_mm.ops.export.residual_precision``)."""
-    return _scoped(_RESIDUAL, dtype)
+#: The dtype of the refinement step's residual: fp64, or fp32 for runtimes without fp64 within
+#: ``lapformer_mm.ops.export.residual_precision('fp32')``.
+RESIDUAL_DTYPE = contextvars.ContextVar('lapformer_mm_residual_dtype', default=torch.float64)
 
 
 def apply_inverse(inverse, P, rhs, ns_refine):
@@ -222,7 +201,7 @@ def apply_inverse(inverse, P, rhs, ns_refine):
     x = torch.matmul(inverse, rhs)
     if not ns_refine:
         return x
-    wide = torch.promote_types(_RESIDUAL.get(), x.dtype)
+    wide = torch.promote_types(RESIDUAL_DTYPE.get(), x.dtype)
     residual = rhs.to(wide) - torch.matmul(P.to(wide), x.to(wide))
     return x + torch.matmul(inverse, residual.to(x.dtype))
 
@@ -231,14 +210,6 @@ def solve_context(P, rhs, opts):
     """(context, X): context = P⁻¹ rhs by Newton–Schulz (with the refinement step)."""
     inverse = newton_schulz(P, opts.iters, opts.ns_init)
     return apply_inverse(inverse, P, rhs, opts.ns_refine), inverse
-
-
-def check_square(name, P):
-    """Require a floating tensor (..., m, m)."""
-    check_float_tensor(name, P)
-    if P.shape[-1] != P.shape[-2]:
-        raise ValueError(f'{name} must be square (..., m, m), got shape {tuple(P.shape)}')
-    return P
 
 
 def exact_solve(P, B):
@@ -306,9 +277,7 @@ def cg_solve(P, B, iters=None):
     return x.to(B.dtype)
 
 
-# ----------------------------------------------------------------------------
-# 5. The injective feature map
-# ----------------------------------------------------------------------------
+# 5. The injective feature map --------------------------------------------------------------------
 
 def whitening_scale(var, whiten_eps):
     """s = (var + δ)^-½, 0 where var + δ = 0 (a column constant over the queries is all zeros
@@ -320,24 +289,16 @@ def whitening_scale(var, whiten_eps):
                        torch.zeros_like(denom))
 
 
-def whitening_stats(centred, whiten_eps):
-    """(μ, s) (..., 1, m) of the row-centred c̃: column mean and (var + δ)^-½ over queries."""
-    mean = centred.mean(-2, keepdim=True)
-    var = (centred - mean).square().mean(-2, keepdim=True)
-    return mean, whitening_scale(var, whiten_eps)
-
-
 def whiten(C, whiten_eps):
-    """(Z, stats) for C (..., N, m): Z = c̃ diag(s) + 1/m, centred over landmarks and whitened
-    over queries; stats (..., 2, m) = μ and s of :func:`whitening_stats`."""
+    """(Z, stats) for C (..., N, m): Z = c̃ diag(s) + 1/m, c̃ centred over landmarks and whitened
+    over queries; stats (..., 2, m) = the column mean μ of c̃ and s = (var + δ)^-½ over queries."""
     centred = C - C.mean(-1, keepdim=True)
-    mean, scale = whitening_stats(centred, whiten_eps)
+    mean = centred.mean(-2, keepdim=True)
+    scale = whitening_scale((centred - mean).square().mean(-2, keepdim=True), whiten_eps)
     return centred * scale + 1.0 / C.shape[-1], torch.cat((mean, scale), dim=-2)
 
 
-# ----------------------------------------------------------------------------
-# 6. The forward
-# ----------------------------------------------------------------------------
+# 6. The forward ----------------------------------------------------------------------------------
 
 def _solve(P, rhs, opts, solver):
     if solver == 'newton':
@@ -369,9 +330,7 @@ def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=Fal
     return out.to(q.dtype), context, inverse, stats
 
 
-# ----------------------------------------------------------------------------
-# 7. The backward (closed form; it treats the solve as exact)
-# ----------------------------------------------------------------------------
+# 7. The backward (closed form; it treats the solve as exact) -------------------------------------
 
 def context_grads(t, gsum, context, stats, n, normalize):
     """(dcontext, a, scaled) from T = c̃ᵀ G (or C_qᵀ G) and colsum(G) (..., 1, d_v).
@@ -439,34 +398,27 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
             dl.view(landmarks.shape).to(landmarks.dtype))
 
 
-# ----------------------------------------------------------------------------
-# Export forms of the two primitives (standard operators only)
-# ----------------------------------------------------------------------------
+# Export forms of the two primitives (standard operators only) ------------------------------------
 
 #: Landmarks per step of the exported similarity (one row of the default 7 × 7 grid): each
 #: step holds a (..., 7, d, N) difference, 7× the input, and one node per step is traced.
 LANDMARK_CHUNK = 7
 
 
-_SIMILARITY_NODE = contextvars.ContextVar('lapformer_mm_similarity_node', default=None)
-
-
-def similarity_node(node):
-    """Within the block :func:`similarity_export` of fp32 inputs is ``node(x, y, lam, kernel)``
-    (None: the standard operators); ``lapformer_mm.ops.export.kernel_form`` sets it to the
-    ONNX Runtime op library's node."""
-    return _scoped(_SIMILARITY_NODE, node)
+#: When set, :func:`similarity_export` of fp32 inputs is ``node(x, y, lam, kernel)``: the ONNX
+#: Runtime op library's node within ``lapformer_mm.ops.export.kernel_form('ort')``.
+SIMILARITY_NODE = contextvars.ContextVar('lapformer_mm_similarity_node', default=None)
 
 
 def similarity_export(x, y, lam, kernel, chunk=LANDMARK_CHUNK):
     """:func:`similarity` from coordinate differences, ``chunk`` landmarks y_j per step (None:
-    all at once), or the node of :func:`similarity_node`.
+    all at once), or the node of :data:`SIMILARITY_NODE`.
 
     No (..., N, M, d) tensor of the whole input exists; M must be static (the landmark grid).
     The differences are laid out (..., chunk, d, N): ONNX Runtime's broadcast then subtracts
     one scalar from a run of N values and reduces over d across whole rows.
     """
-    node = _SIMILARITY_NODE.get()
+    node = SIMILARITY_NODE.get()
     if node is not None and x.dtype == torch.float32 and y.dtype == torch.float32:
         return node(x, y, lam, kernel)
     num = y.shape[-2]

@@ -138,11 +138,11 @@ def test_export_switches_are_scoped_and_checked():
         with ex.kernel_form('tensorrt'):
             pass
     with ex.residual_precision('fp32'), ex.kernel_form('ort'):
-        assert ref._RESIDUAL.get() == torch.float32
-        assert ref._SIMILARITY_NODE.get() is ex.ort_pairwise_kernel
+        assert ref.RESIDUAL_DTYPE.get() == torch.float32
+        assert ref.SIMILARITY_NODE.get() is ex.ort_pairwise_kernel
         with ex.kernel_form('standard'):
-            assert ref._SIMILARITY_NODE.get() is None
-    assert ref._RESIDUAL.get() == torch.float64 and ref._SIMILARITY_NODE.get() is None
+            assert ref.SIMILARITY_NODE.get() is None
+    assert ref.RESIDUAL_DTYPE.get() == torch.float64 and ref.SIMILARITY_NODE.get() is None
 
 
 @pytest.mark.parametrize('options, match', [
