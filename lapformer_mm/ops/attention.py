@@ -24,7 +24,6 @@ d_v) any strides; dk is empty when k is None; each gradient has its operand's dt
 """
 import dataclasses
 import functools
-import math
 import os
 import warnings
 from typing import Optional
@@ -68,23 +67,9 @@ def requested_impl(impl=None):
 
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
-    """Validated options of the Nyström attention, built once (docs/attention.md links here).
-
-    kernel: 'laplacian' exp(-||·||_1/lam) or 'gaussian' exp(-||·||_2²/lam), lam > 0.
-    eps: ridge ε >= 0 added to k(L, L).
-    solver: 'newton' (Newton–Schulz, ``iters`` steps from the ``ns_init`` start 'identity'
-    or 'authors'; with ``ns_refine``, the default, one step of iterative refinement
-    follows), 'exact' or 'cg' (to a tolerance, at most ``iters`` steps); the last two run
-    the reference on every device.
-    iters: None for the solver's default (Newton–Schulz: ``reference.DEFAULT_NS_ITERS``).
-    normalize: 'injective' (centre, whiten per landmark column, add 1/m) or 'none'.
-    whiten_eps: δ >= 0 of the whitening; with 0, a landmark column constant over the
-    queries is centred to 0 rather than divided by 0.
-    impl: 'reference', 'cupy' (CUDA tensors), 'cpu' (the C++ CPU kernels) or None: the
-    environment variable ``LAPFORMER_OPS`` when set (read here, once), else the backend of
-    the tensors' device when it supports the call, else the reference
-    (:func:`select_backend`).
-    """
+    """Validated options of the Nyström attention, checked once when built; docs/attention.md
+    gives each field's meaning and values. ``impl=None`` reads the environment variable
+    ``LAPFORMER_OPS`` here, once; unset, :func:`select_backend` picks per call."""
     kernel: str = 'laplacian'
     lam: float = 4.0
     eps: float = 0.01
@@ -129,6 +114,9 @@ def check_operands(q, k, v, landmarks, op=False):
     for name, t in (('q', q), ('k', k), ('v', v), ('landmarks', landmarks)):
         if t is not None:
             check_float_tensor(name, t, min_dim=4 if op else 3)
+            if op and t.dtype != q.dtype:
+                raise TypeError(f'nystrom_attention: {name} has dtype {t.dtype} but q has '
+                                f'{q.dtype}; all operands must share one dtype')
     if k is not None and k.shape != q.shape:
         raise ValueError(f'k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}')
     if v.shape[:-1] != q.shape[:-1]:
@@ -141,10 +129,6 @@ def check_operands(q, k, v, landmarks, op=False):
     devices = {t.device for t in (q, k, v, landmarks) if t is not None}
     if len(devices) != 1:
         raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
-    for name, t in (('k', k), ('v', v), ('landmarks', landmarks)):
-        if op and t is not None and t.dtype != q.dtype:
-            raise TypeError(f'nystrom_attention: {name} has dtype {t.dtype} but q has '
-                            f'{q.dtype}; all operands must share one dtype')
 
 
 _INSTALL_HINT = {cuda.NAME: 'pip install cupy-cuda12x or cupy-cuda13x (matching the driver)',
@@ -298,21 +282,6 @@ class NystromAttentionFunction(torch.autograd.Function):
         dq, dk, dv, dl = nystrom_attention_backward_op(grad, q, k, v, landmarks, context,
                                                        inverse, stats, *ctx.options)
         return (dq, None if k is None else dk, dv, dl) + (None,) * 9
-
-
-def attention_flops(q_shape, v_shape, m, tied, iters, ns_refine):
-    """{'kernel', 'solve', 'visible'} multiply-adds of one op call, q (B, h, N, d), v (..., d_v).
-
-    kernel: k(q, L), k(k, L) unless tied, k(L, L): (N·m·(1 or 2) + m²)·(d + 1);
-    solve: Newton–Schulz, 2·m³·iters + m²; visible: C_kᵀ v and Z · context, 2·N·m·d_v,
-    and the m × m by m × d_v products of the solve, three with ns_refine, else one.
-    """
-    batch = math.prod(q_shape[:-2])
-    n, d = q_shape[-2], q_shape[-1]
-    kernel = (n * m * (1 if tied else 2) + m * m) * (d + 1)
-    solve = 2 * m ** 3 * iters + m * m
-    visible = 2 * n * m * v_shape[-1] + (3 if ns_refine else 1) * m * m * v_shape[-1]
-    return {'kernel': batch * kernel, 'solve': batch * solve, 'visible': batch * visible}
 
 
 def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmark_grid=7,

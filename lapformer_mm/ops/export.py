@@ -7,7 +7,6 @@ makes each kernel matrix one node of the opt-in ONNX Runtime op library instead.
 import contextlib
 
 import torch
-from torch import nn
 
 from . import reference
 
@@ -99,23 +98,3 @@ def check_exportable(options):
                          "plain-PyTorch reference; use impl='reference' (or None, and unset "
                          'LAPFORMER_OPS)')
 
-
-class AdaptiveAvgPool2dExport(nn.Module):
-    """``nn.AdaptiveAvgPool2d`` from two averaging matrices, for any input size: what the
-    deploy tools put in place of mmseg's pyramid pooling in the copy they export."""
-
-    def __init__(self, output_size):
-        super().__init__()
-        if isinstance(output_size, int):
-            output_size = (output_size, output_size)
-        if (not isinstance(output_size, (tuple, list)) or len(output_size) != 2
-                or not all(isinstance(s, int) and s >= 1 for s in output_size)):
-            raise ValueError(f'output_size must be a positive int or a pair of them, got '
-                             f'{output_size!r}')
-        self.output_size = tuple(output_size)
-
-    def forward(self, x):
-        return reference.adaptive_avg_pool2d_export(x, self.output_size)
-
-    def extra_repr(self):
-        return f'output_size={self.output_size}'

@@ -42,7 +42,7 @@ def gaussian_kernel(x, y, lam=4.0):
 
 def newton_schulz_pinv(P, iters=None, init='identity'):
     """Inverse of the symmetric positive definite P (..., m, m), as given (the caller adds εI),
-    from the start ``init`` (:func:`~.reference.newton_schulz_start`) in ``iters`` steps
+    from the start ``init`` (:func:`~.reference.newton_schulz`) in ``iters`` steps
     (None: ``DEFAULT_NS_ITERS``); fp32 (fp64 stays fp64), differentiable, P's dtype."""
     check_square('P', P)
     iters = check_optional_int('iters', iters)

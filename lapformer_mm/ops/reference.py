@@ -129,14 +129,17 @@ class _Similarity(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, y, kmat = ctx.saved_tensors
-        lam, kernel = ctx.options
-        w = _as3(grad * kmat)
-        x3, y3 = _as3(x), _as3(y)
-        dx = similarity_grad(w, x3, y3, lam, kernel).view(x.shape) if ctx.needs_input_grad[0] \
-            else None
-        dy = similarity_grad(w.mT, y3, x3, lam, kernel).view(y.shape) \
-            if ctx.needs_input_grad[1] else None
-        return dx, dy, None, None
+        return (*similarity_grads(grad * kmat, x, y, *ctx.options, ctx.needs_input_grad[:2]),
+                None, None)
+
+
+def similarity_grads(w, x, y, lam, kernel, needs=(True, True)):
+    """(dx, dy) in the shapes of x (..., N, d) and y (..., M, d) (None where ``needs`` is
+    False) of Σ_ij g_ij k(x_i, y_j), given w = g ⊙ k(x, y) (..., N, M)."""
+    w3, x3, y3 = _as3(w), _as3(x), _as3(y)
+    dx = similarity_grad(w3, x3, y3, lam, kernel).view(x.shape) if needs[0] else None
+    dy = similarity_grad(w3.mT, y3, x3, lam, kernel).view(y.shape) if needs[1] else None
+    return dx, dy
 
 
 def similarity(x, y, lam, kernel, export=False):
@@ -170,20 +173,18 @@ def landmark_system(landmarks, lam, eps, kernel, export=False):
 DEFAULT_NS_ITERS = 16
 
 
-def newton_schulz_start(P, init):
-    """X₀: 'identity' I / ||P||_inf (every eigenvalue of P X₀ in (0, 1]), or 'authors'
-    1.8 / ||P||_inf² · P (the LaplacianFormer code's start)."""
-    norm = P.abs().sum(-1).amax(-1).view(*P.shape[:-2], 1, 1)
-    if init == 'identity':
-        return torch.eye(P.shape[-1], dtype=P.dtype, device=P.device) / norm
-    return P * (1.8 / (norm * norm))
-
-
 def newton_schulz(P, iters, init):
-    """X ≈ P⁻¹ for SPD P (..., m, m): X_{t+1} = 2 X_t − X_t P X_t from :func:`newton_schulz_start`.
-    In fp64 on CUDA, where fp32 matmuls follow the user's TF32 setting (residual ~1e-3)."""
+    """X ≈ P⁻¹ for SPD P (..., m, m): X_{t+1} = 2 X_t − X_t P X_t from X₀ = I / ||P||_inf
+    (init 'identity': every eigenvalue of P X₀ in (0, 1]) or 1.8 / ||P||_inf² · P ('authors',
+    the LaplacianFormer code's start). In fp64 on CUDA, where fp32 matmuls follow the user's
+    TF32 setting (residual ~1e-3)."""
     p = _as3(P.double() if P.is_cuda else P)
-    x = newton_schulz_start(p, init).expand_as(p).contiguous()
+    norm = p.abs().sum(-1).amax(-1).view(-1, 1, 1)
+    if init == 'identity':
+        x = torch.eye(p.shape[-1], dtype=p.dtype, device=p.device) / norm
+    else:
+        x = p * (1.8 / (norm * norm))
+    x = x.expand_as(p).contiguous()
     for _ in range(iters):
         x = torch.baddbmm(x, x, torch.bmm(p, x), beta=2.0, alpha=-1.0)
     return x.view(P.shape).to(P.dtype)
@@ -353,12 +354,6 @@ def solve_grads(inverse, P, d_context, context, ns_refine):
     return d_rhs, -torch.matmul(d_rhs, context.mT)
 
 
-def _kernel_grads(w, x, la, lam, kernel):
-    """(dx, dL) of Σ w ⊙ ... for w = g ⊙ k(x, L) (B, h, n, m)."""
-    return (similarity_grad(_as3(w), _as3(x), _as3(la), lam, kernel),
-            similarity_grad(_as3(w.mT), _as3(la), _as3(x), lam, kernel))
-
-
 def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
     """(dq, dk, dv, dlandmarks) of :func:`forward` for grad G (B, h, N, d_v) of its output:
     dc̃ = G contextᵀ diag(s) − (c̃ − μ) diag(a), dC_q = dc̃ − rowmean(dc̃), dC_k = v dRᵀ,
@@ -382,20 +377,18 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
         d_rhs, d_p = solve_grads(inverse, P, d_context, context, opts.ns_refine)
         d_ck = torch.matmul(va, d_rhs.mT)
         dv = torch.matmul(c_k, d_rhs)
-        dq, dl = _kernel_grads((d_cq + d_ck if tied else d_cq) * c_q, qa, la, opts.lam,
-                               opts.kernel)
+        dq, dl = similarity_grads((d_cq + d_ck if tied else d_cq) * c_q, qa, la, opts.lam,
+                                  opts.kernel)
         if tied:
             dk = q.new_empty(0)
         else:
-            dk, dl_k = _kernel_grads(d_ck * c_k, ka, la, opts.lam, opts.kernel)
-            dl = dl + dl_k
-            dk = dk.view(k.shape).to(k.dtype)
+            dk, dl_k = similarity_grads(d_ck * c_k, ka, la, opts.lam, opts.kernel)
+            dl, dk = dl + dl_k, dk.to(k.dtype)
         # P = k(L, L) + eps·I: L is both operands and k is symmetric.
         w_p = (d_p + d_p.mT) * (P - opts.eps * torch.eye(P.shape[-1], dtype=P.dtype,
                                                            device=P.device))
-        dl = dl + similarity_grad(_as3(w_p), _as3(la), _as3(la), opts.lam, opts.kernel)
-    return (dq.view(q.shape).to(q.dtype), dk, dv.to(v.dtype),
-            dl.view(landmarks.shape).to(landmarks.dtype))
+        dl = dl + similarity_grads(w_p, la, la, opts.lam, opts.kernel, (True, False))[0]
+    return dq.to(q.dtype), dk, dv.to(v.dtype), dl.to(landmarks.dtype)
 
 
 # Export forms of the two primitives (standard operators only) ------------------------------------
@@ -485,17 +478,6 @@ def pool_landmarks_export(t, hw, grid):
         message = f'every stage map must be at least {grid} × {grid} to export (docs/deploy.md)'
         torch._check(height >= grid, lambda: message)
         torch._check(cols >= grid, lambda: message)
-        if isinstance(height, torch.SymInt) != isinstance(cols, torch.SymInt):
-            # Each stage splits its N = H·W tokens into H × W; with one side static, N is
-            # e.g. 74·x + 74 and torch.export cannot prove (74·x + 74) % (x + 1) == 0 (its
-            # sympy keeps the product expanded), so it would reject the program with a
-            # "Constraints violated" guard that names no rule.
-            side = 'height' if isinstance(height, torch.SymInt) else 'width'
-            raise ValueError(
-                f'only the {side} of the input has a torch.export Dim: give both H and W a Dim '
-                "(dynamic_shapes=({2: Dim('h', min=193, ...), 3: Dim('w', min=193, ...)}, )) "
-                'or neither; with one static side torch.export cannot prove that the stages '
-                'split their H·W tokens into H × W (docs/deploy.md)')
     maps = t.transpose(-1, -2).reshape(batch * heads, width, height, cols)
     pooled = adaptive_avg_pool2d_export(maps, (grid, grid))
     return pooled.reshape(batch, heads, width, grid * grid).transpose(-1, -2)

@@ -46,14 +46,14 @@ def test_adaptive_avg_pool2d_export_matches_aten(hw, out):
     expected = F.adaptive_avg_pool2d(maps, out)
     torch.testing.assert_close(ref.adaptive_avg_pool2d_export(maps, out), expected,
                                rtol=1e-12, atol=1e-13)
-    module = ex.AdaptiveAvgPool2dExport(out)
+    module = deploy.AdaptiveAvgPool2dExport(out)
     torch.testing.assert_close(module(maps), expected, rtol=1e-12, atol=1e-13)
 
 
 def test_adaptive_pool_module_rejects_bad_sizes():
     for bad in (0, (3, ), (2, None), 'x'):
         with pytest.raises(ValueError, match='output_size'):
-            ex.AdaptiveAvgPool2dExport(bad)
+            deploy.AdaptiveAvgPool2dExport(bad)
 
 
 @pytest.mark.parametrize('hw', [(7, 7), (9, 8), (29, 37)])
