@@ -95,9 +95,8 @@ class AttentionOptions:
             impl=requested_impl(self.impl))
         for name, value in checked.items():
             object.__setattr__(self, name, value)
-        iters = self.iters
-        if iters is None and self.solver == 'newton':
-            iters = reference.DEFAULT_NS_ITERS
+        newton_default = self.iters is None and self.solver == 'newton'
+        iters = reference.DEFAULT_NS_ITERS if newton_default else self.iters
         # What the op and the backends read (not a field: derived, not compared or printed).
         object.__setattr__(self, 'op_options', reference.OpOptions(
             self.kernel, self.lam, self.eps, iters, self.ns_init, self.ns_refine,
@@ -322,11 +321,10 @@ def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmar
     tied = k is q
     if export:
         check_exportable(options)
+    if export or dropout_p > 0 or options.solver != 'newton':
+        # The reference under autograd; an exported graph has no dropout.
         return reference.forward(q, None if tied else k, v, landmarks, options.op_options,
-                                 export=True)[0]
-    if dropout_p > 0 or options.solver != 'newton':
-        return reference.forward(q, None if tied else k, v, landmarks, options.op_options,
-                                 options.solver, dropout_p)[0]
+                                 options.solver, 0.0 if export else dropout_p, export)[0]
     # The backends read one element type: an odd operand follows q (under autocast all four
     # are the 16-bit outputs of one linear layer and nothing is cast).
     k, v, landmarks = (None if tied else _like(k, q)), _like(v, q), _like(landmarks, q)

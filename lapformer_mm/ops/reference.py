@@ -15,11 +15,10 @@ Read top to bottom, it is the attention in the order it runs (docs/design.md §2
 7. backward             :func:`backward` from :func:`context_grads` and :func:`solve_grads`,
                         which the CPU backend calls too
 
-Everything computes in fp32 (fp64 stays fp64, :func:`compute_dtype`). While an exporter traces
-(``export=True``, decided by the caller) the two primitives the exporters cannot take switch to
-standard operators inside themselves: ``torch.cdist`` becomes a chunked ℓ1 / ℓ2 of coordinate
-differences, and adaptive pooling of a size the grid does not divide becomes two averaging
-matrices. This module imports torch and the argument checks only.
+Everything computes in fp32 (fp64 stays fp64, :func:`compute_dtype`). With ``export=True`` (the
+caller decides) the two primitives the exporters cannot take, ``torch.cdist`` and adaptive
+pooling, take their standard-operator forms (the last section). This module imports torch and
+the argument checks only.
 """
 import contextvars
 from typing import NamedTuple
@@ -418,17 +417,14 @@ def similarity_export(x, y, lam, kernel, chunk=LANDMARK_CHUNK):
     step = num if chunk is None else chunk
     xt = x.transpose(-1, -2).unsqueeze(-3)
     yt = y.unsqueeze(-1)
-
-    def dist(rows):
-        diff = xt - rows
+    parts = []
+    for start in range(0, num, step):
+        diff = xt - yt[..., start:start + step, :, :]
         # Abs/Mul then ReduceSum, not ReduceL1/ReduceL2: the same sums (exact for ℓ1; for the
         # Gaussian no sqrt-then-square round trip), and ONNX Runtime's ReduceSum is vectorised
         # where its ReduceL1 runs a scalar loop (docs/deploy.md).
-        if kernel == 'laplacian':
-            return diff.abs().sum(dim=-2)
-        return (diff * diff).sum(dim=-2)
-
-    parts = [dist(yt[..., start:start + step, :, :]) for start in range(0, num, step)]
+        parts.append(diff.abs().sum(dim=-2) if kernel == 'laplacian'
+                     else (diff * diff).sum(dim=-2))
     d = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
     return torch.exp(d * (-1.0 / lam)).transpose(-1, -2)
 
