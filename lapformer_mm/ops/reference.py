@@ -300,14 +300,6 @@ def whiten(C, whiten_eps):
 
 # 6. The forward ----------------------------------------------------------------------------------
 
-def _solve(P, rhs, opts, solver):
-    if solver == 'newton':
-        return solve_context(P, rhs, opts)
-    if solver == 'exact':
-        return exact_solve(P, rhs), None
-    return cg_solve(P, rhs, opts.iters), None
-
-
 def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=False):
     """Z(k(q, L)) · P⁻¹ · k(k, L)ᵀ v -> (out (B, h, N, d_v) in q's dtype, context, X, stats)
     for q (B, h, N, d), k (None: tied to q), v (B, h, N, d_v), landmarks (B, h, m, d), under
@@ -319,7 +311,12 @@ def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=Fal
         c_k = c_q if k is None else similarity(k.to(dtype), la, opts.lam, opts.kernel, export)
         P = landmark_system(la, opts.lam, opts.eps, opts.kernel, export)
         # transpose, not .mT: the TorchScript exporter has no aten::mT.
-        context, inverse = _solve(P, torch.matmul(c_k.transpose(-1, -2), va), opts, solver)
+        rhs = torch.matmul(c_k.transpose(-1, -2), va)
+        if solver == 'newton':
+            context, inverse = solve_context(P, rhs, opts)
+        else:
+            inverse = None
+            context = exact_solve(P, rhs) if solver == 'exact' else cg_solve(P, rhs, opts.iters)
         if opts.normalize == 'injective':
             z, stats = whiten(c_q, opts.whiten_eps)
         else:
