@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _attention_helpers import dense_attention, dense_kernel, smooth_tokens
+from _attention_helpers import dense_attention, dense_attention_module, dense_kernel, smooth_tokens
 from _deploy_helpers import (
     ORT_INCLUDE,
     non_standard_nodes,
@@ -20,6 +20,7 @@ from _deploy_helpers import (
 )
 
 from lapformer_mm import deploy
+from lapformer_mm.models import LaplacianAttention
 from lapformer_mm.ops import AttentionOptions, nystrom_attention, pool_landmarks
 from lapformer_mm.ops import export as ex
 from lapformer_mm.ops import reference as ref
@@ -221,6 +222,39 @@ def test_primitives_through_both_exporters_and_onnx_runtime(tmp_path, exporter, 
         errors = relative_errors([torch.from_numpy(o) for o in outs],
                                  primitive_references(*inputs))
         assert max(errors) < 1e-5, (exporter, num_tokens, errors)
+
+
+class StandaloneAttention(torch.nn.Module):
+    """A LaplacianAttention outside the backbone, on a 10 × 13 map that the 7 × 7 grid does not
+    divide: nothing passes it an export flag, the entry asks torch."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = LaplacianAttention(32, 2, qk_shared=False)
+
+    def forward(self, x):
+        return self.attn(x, (10, 13))
+
+
+@pytest.mark.parametrize('exporter', ['torchscript', 'torch.export'])
+def test_standalone_attention_exports_its_reference_form(tmp_path, exporter):
+    torch.manual_seed(0)
+    module = StandaloneAttention().eval()
+    x = torch.randn(2, 130, 32)
+    with torch.no_grad():
+        if exporter == 'torch.export':
+            program = torch.export.export(module, (x, ))
+            assert not [n.target for n in program.graph.nodes if 'lapformer_mm' in str(n.target)]
+            out = program.module()(x)
+        else:
+            path = str(tmp_path / 'attention.onnx')
+            torch.onnx.export(module, (x, ), path, dynamo=False, opset_version=18,
+                              input_names=['x'])
+            assert non_standard_nodes(onnx.load(path)) == []
+            out = torch.from_numpy(deploy.ort_session(path).run(None, {'x': x.numpy()})[0])
+    module64 = copy.deepcopy(module.attn).double()
+    expected = dense_attention_module(module64, x.double(), (10, 13), False, 7)
+    assert relative_errors([out], [expected])[0] < 1e-5
 
 
 class KernelPair(torch.nn.Module):
