@@ -1,12 +1,13 @@
 """The fused attention op ``lapformer_mm::nystrom_attention`` against the dense fp64 reference.
 
-Every implementation keeps the contract of :mod:`lapformer_mm.ops.nystrom`; here the
+Every implementation keeps the contract of :mod:`lapformer_mm.ops.attention`; here the
 reference implementation runs (CPU), through the public entry and the raw op: values and
 gradients against autograd of ``dense_attention``, the output layout, 16-bit inputs,
 autocast, strided operands, the op checks and the composite path.
 """
 import pytest
 import torch
+import torch.nn.functional as F
 from _attention_helpers import dense_attention, dense_attention_grads
 
 from lapformer_mm.ops import AttentionOptions, nystrom_attention, pool_landmarks
@@ -155,6 +156,28 @@ def test_other_batch_ranks_fold_into_the_op():
     nested = [t.reshape(2, 3, 1, *t.shape[-2:]) for t in (q, k, v, landmarks)]
     torch.testing.assert_close(nystrom_attention(*nested)[:, :, 0],
                                nystrom_attention(q, k, v, landmarks))
+
+
+def test_the_entry_pools_the_landmarks_given_hw():
+    """hw instead of landmarks: the keys average-pooled on the landmark grid (ATen's adaptive
+    pooling of their (B·h, d, H, W) maps here), tied or separate; exactly one of the two."""
+    for tied in (True, False):
+        q, k, v, _ = inputs(2, 3, (5, 7), 4, 5, 3, tied, seed=13)
+        maps = k.transpose(-1, -2).reshape(6, 4, 5, 7)
+        landmarks = F.adaptive_avg_pool2d(maps, 3).reshape(2, 3, 4, 9).transpose(-1, -2)
+        out = nystrom_attention(q, k, v, hw=(5, 7), landmark_grid=3, iters=40)
+        torch.testing.assert_close(out, dense_attention(q, k, v, landmarks), rtol=1e-9,
+                                   atol=1e-10)
+    with pytest.raises(TypeError, match='give either the landmarks'):
+        nystrom_attention(q, k, v)
+    with pytest.raises(TypeError, match='give either the landmarks'):
+        nystrom_attention(q, k, v, landmarks, hw=(5, 7))
+    with pytest.raises(ValueError, match=r'hw=\(5, 6\) gives H\*W=30'):
+        nystrom_attention(q, k, v, hw=(5, 6))
+    with pytest.raises(ValueError, match=r'pooling the landmarks \(hw given\) needs'):
+        nystrom_attention(q[0], k[0], v[0], hw=(5, 7))
+    with pytest.raises(ValueError, match='landmark_grid=0 must be >= 1'):
+        nystrom_attention(q, k, v, hw=(5, 7), landmark_grid=0)
 
 
 def test_the_op_checks_its_operands():
