@@ -142,12 +142,9 @@ def _warn_fallback(name, reasons):
 
 
 def select_backend(q, k, v, landmarks, options):
-    """The backend module that runs this call, or None for the reference.
-
-    impl=None takes the backend of the tensors' device when it is available and reports no
-    reasons (one warning names them when it does); an explicit 'cupy' or 'cpu' that cannot
-    run the call raises a RuntimeError with its reasons instead of falling back.
-    """
+    """The backend module that runs this call, or None for the reference (the rule of
+    docs/attention.md: impl=None warns once of a backend's reasons and passes it over, an
+    explicit 'cupy' or 'cpu' raises them)."""
     impl = options.impl
     if impl == 'reference':
         return None
@@ -327,7 +324,7 @@ def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmar
                                  options.solver, 0.0 if export else dropout_p, export)[0]
     # The backends read one element type: an odd operand follows q (under autocast all four
     # are the 16-bit outputs of one linear layer and nothing is cast).
-    k, v, landmarks = (None if tied else _like(k, q)), _like(v, q), _like(landmarks, q)
+    k, v, landmarks = (None if tied else k.to(q.dtype)), v.to(q.dtype), landmarks.to(q.dtype)
     backend = select_backend(q, k, v, landmarks, options)
     # Without a backend the op runs the reference: its closed-form backward (the solve taken
     # as exact) is what every backend computes, and it saves no N × m matrix.
@@ -340,7 +337,3 @@ def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmar
         # torch.compile cannot trace a Function given one tensor twice; a view is another.
         args = args[:2] + (v.view(v.shape),) + args[3:]
     return NystromAttentionFunction.apply(*args)[0].transpose(1, 2)
-
-
-def _like(t, q):
-    return t if t.dtype == q.dtype else t.to(q.dtype)

@@ -1,9 +1,6 @@
-"""What the exporters need of the attention: when they trace, what can export, and the residual.
-
-While an exporter traces (:func:`exporting`) the attention runs ``reference.forward`` with
-``export=True`` (standard-operator similarity and pooling); :func:`kernel_form` ``('ort')``
-makes each kernel matrix one node of the opt-in ONNX Runtime op library instead.
-"""
+"""What the exporters need of the attention: when they trace (:func:`exporting`; the entry then
+runs ``reference.forward`` with ``export=True``), what can export, the residual's precision and
+the kernel matrices' form (docs/deploy.md)."""
 import contextlib
 
 import torch
