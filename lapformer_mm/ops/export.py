@@ -20,9 +20,12 @@ def exporting():
 
 
 @contextlib.contextmanager
-def _scoped(var, value):
-    """``var`` is ``value`` within the block (and the current thread or task)."""
-    token = var.set(value)
+def _scoped(var, what, choice, values):
+    """``var`` is ``values[choice]`` within the block (and the current thread or task)."""
+    if not isinstance(choice, str) or choice not in values:
+        raise ValueError(f'{what} {choice!r} is not supported; allowed: '
+                         f'{", ".join(map(repr, values))}')
+    token = var.set(values[choice])
     try:
         yield
     finally:
@@ -32,10 +35,8 @@ def _scoped(var, value):
 def residual_precision(precision):
     """Within the block (and the current thread or task) the attention forms its refinement
     residual in ``precision``, one of :data:`RESIDUAL_PRECISIONS`."""
-    if precision not in RESIDUAL_PRECISIONS:
-        raise ValueError(f'residual precision {precision!r} is not supported; allowed: '
-                         f'{", ".join(map(repr, RESIDUAL_PRECISIONS))}')
-    return _scoped(reference.RESIDUAL_DTYPE, RESIDUAL_PRECISIONS[precision])
+    return _scoped(reference.RESIDUAL_DTYPE, 'residual precision', precision,
+                   RESIDUAL_PRECISIONS)
 
 
 #: Forms of the kernel matrix in an exported ONNX graph: 'standard' (standard-domain operators
@@ -51,10 +52,8 @@ ORT_OPSET_VERSION = 1
 def kernel_form(form):
     """Within the block (and the current thread or task) exported kernel matrices take
     ``form``, one of :data:`KERNEL_FORMS`; nothing changes outside exporters."""
-    if form not in KERNEL_FORMS:
-        raise ValueError(f'kernel form {form!r} is not supported; allowed: '
-                         f'{", ".join(map(repr, KERNEL_FORMS))}')
-    return _scoped(reference.SIMILARITY_NODE, ort_pairwise_kernel if form == 'ort' else None)
+    nodes = dict(zip(KERNEL_FORMS, (None, ort_pairwise_kernel)))
+    return _scoped(reference.SIMILARITY_NODE, 'kernel form', form, nodes)
 
 
 class _OrtPairwiseKernel(torch.autograd.Function):
