@@ -11,6 +11,7 @@ from torch import nn
 
 from ..ops import AttentionOptions, landmark_matrix, nystrom_attention, pool_landmarks
 from ..ops._checks import check_bool, check_hw, check_int, check_probability
+from ..ops.attention import one_projection
 
 # The attention options: the module's keyword-only arguments and the keys of the
 # backbone's attn_cfg. All but the first two and the last are AttentionOptions fields,
@@ -117,7 +118,7 @@ class LaplacianAttention(nn.Module):
         them (docs/benchmarks.md, CPU kernels).
         """
         parts = 2 if self.qk_shared else 3
-        if x.device.type == 'cuda':
+        if one_projection(x.device):
             projected = self.qkv(x).chunk(parts, dim=-1)
         else:
             biases = (self.qkv.bias.chunk(parts) if self.qkv.bias is not None

@@ -167,6 +167,12 @@ def select_backend(q, k, v, landmarks, options):
     return None
 
 
+def one_projection(device):
+    """Whether the attention on ``device`` takes q, k, v as strided views of one product:
+    the CUDA kernels read them so, and on a GPU a launch costs more than a layout does."""
+    return device.type == cuda.DEVICE
+
+
 def resolve_impl(q, k, v, landmarks, options):
     """The name of the implementation that runs this call ('reference', 'cupy' or 'cpu')."""
     backend = select_backend(q, None if k is q else k, v, landmarks, options)
