@@ -31,11 +31,11 @@ from torch import nn
 from .ops.export import (
     ORT_DOMAIN,
     RESIDUAL_PRECISIONS,
-    AdaptiveAvgPool2dExport,
     check_exportable,
     kernel_form,
     residual_precision,
 )
+from .ops.reference import adaptive_avg_pool2d_export
 
 TARGETS = ('backbone', 'features', 'model')
 EXPORTERS = ('dynamo', 'torchscript')
@@ -158,6 +158,27 @@ class ExportModule(nn.Module):
 
 def _as_list(outs):
     return [outs] if isinstance(outs, torch.Tensor) else list(outs)
+
+
+class AdaptiveAvgPool2dExport(nn.Module):
+    """``nn.AdaptiveAvgPool2d`` from two averaging matrices, for any input size: what
+    :func:`prepare_for_export` puts in place of mmseg's pyramid pooling in its copy."""
+
+    def __init__(self, output_size):
+        super().__init__()
+        if isinstance(output_size, int):
+            output_size = (output_size, output_size)
+        if (not isinstance(output_size, (tuple, list)) or len(output_size) != 2
+                or not all(isinstance(s, int) and s >= 1 for s in output_size)):
+            raise ValueError(f'output_size must be a positive int or a pair of them, got '
+                             f'{output_size!r}')
+        self.output_size = tuple(output_size)
+
+    def forward(self, x):
+        return adaptive_avg_pool2d_export(x, self.output_size)
+
+    def extra_repr(self):
+        return f'output_size={self.output_size}'
 
 
 def prepare_for_export(model: nn.Module) -> nn.Module:

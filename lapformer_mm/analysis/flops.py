@@ -4,7 +4,7 @@ Counting convention (mmengine/fvcore): one FLOP is one multiply-add, counted by 
 with :class:`mmengine.analysis.FlopAnalyzer`; element-wise ops (activations, exp outside
 the kernels, the injective normalisation's centring and scaling) are not counted. The
 tracer does not see inside the attention's registered op, so :data:`FLOP_HANDLES` gives it
-the count defined next to the op (:func:`lapformer_mm.ops.attention.attention_flops`):
+the count of :func:`attention_flops`:
 
 - the attention ``lapformer_mm::nystrom_attention`` (solver='newton'): its kernel, solve and
   visible parts, reported under ``pairwise_kernel``, ``newton_schulz`` and ``matmul``;
@@ -45,13 +45,27 @@ def _batch(shape, core):
 PART_KEYS = {KERNEL: 'pairwise_kernel', SOLVE: 'newton_schulz'}
 
 
+def attention_flops(q_shape, v_shape, m, tied, iters, ns_refine):
+    """{'kernel', 'solve', 'visible'} multiply-adds of one op call, q (B, h, N, d), v (..., d_v).
+
+    kernel: k(q, L), k(k, L) unless tied, k(L, L): (N·m·(1 or 2) + m²)·(d + 1);
+    solve: Newton–Schulz, 2·m³·iters + m²; visible: C_kᵀ v and Z · context, 2·N·m·d_v,
+    and the m × m by m × d_v products of the solve, three with ns_refine, else one.
+    """
+    batch = math.prod(q_shape[:-2])
+    n, d = q_shape[-2], q_shape[-1]
+    kernel = (n * m * (1 if tied else 2) + m * m) * (d + 1)
+    solve = 2 * m ** 3 * iters + m * m
+    visible = 2 * n * m * v_shape[-1] + (3 if ns_refine else 1) * m * m * v_shape[-1]
+    return {KERNEL: batch * kernel, SOLVE: batch * solve, VISIBLE: batch * visible}
+
+
 def nystrom_attention_flops(inputs, outputs):
     """Traced ``lapformer_mm::nystrom_attention(q, k, v, landmarks, kernel, lam, eps, iters,
     ns_init, ns_refine, ...)``; k is None when keys are tied."""
     tied = inputs[1].type().kind() == 'NoneType'
-    parts = attention.attention_flops(_shape(inputs[0]), _shape(inputs[2]),
-                                      _shape(inputs[3])[-2], tied, inputs[7].toIValue(),
-                                      inputs[9].toIValue())
+    parts = attention_flops(_shape(inputs[0]), _shape(inputs[2]), _shape(inputs[3])[-2], tied,
+                            inputs[7].toIValue(), inputs[9].toIValue())
     return Counter({PART_KEYS[KERNEL]: parts[KERNEL], PART_KEYS[SOLVE]: parts[SOLVE],
                     'matmul': parts[VISIBLE]})
 

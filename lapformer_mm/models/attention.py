@@ -9,12 +9,9 @@ import dataclasses
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import AttentionOptions, landmark_matrix, nystrom_attention
-from ..ops._checks import check_bool, check_int, check_probability
+from ..ops import AttentionOptions, landmark_matrix, nystrom_attention, pool_landmarks
+from ..ops._checks import check_bool, check_hw, check_int, check_probability
 from ..ops.attention import one_projection
-from ..ops.export import exporting
-from ..ops.functional import check_hw
-from ..ops.reference import pool_landmarks
 
 # The attention options: the module's keyword-only arguments and the keys of the
 # backbone's attn_cfg. All but the first two and the last are AttentionOptions fields,
@@ -39,8 +36,9 @@ class LaplacianAttention(nn.Module):
     1. ``q, k, v`` by one linear layer (``k = q`` when ``qk_shared``);
     2. landmarks: the keys average-pooled to at most ``landmark_grid``² points;
     3. ``o = Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v)`` per head
-       (:func:`lapformer_mm.ops.nystrom_attention`: one op, ``lapformer_mm::nystrom_attention``,
-       reading 16-bit q, k, v as they are and computing in fp32);
+       (:func:`lapformer_mm.ops.nystrom_attention`, which pools step 2 too: one op,
+       ``lapformer_mm::nystrom_attention``, reading 16-bit q, k, v as they are and computing
+       in fp32);
     4. ``o + dwconv3x3(v)`` on the H×W grid, then the output projection.
 
     The keyword-only arguments are the attention options (:data:`ATTN_CFG_KEYS`,
@@ -137,8 +135,7 @@ class LaplacianAttention(nn.Module):
         For diagnostics and analysis; :meth:`forward` builds it inside the op.
         """
         _, k, _ = self.project(x)
-        landmarks = pool_landmarks(k, check_hw(hw, x.shape[1]), self.landmark_grid)
-        return landmark_matrix(landmarks, self.options)
+        return landmark_matrix(pool_landmarks(k, hw, self.landmark_grid), self.options)
 
     def forward(self, x, hw):
         """x (B, N, C) with hw = (H, W), N = H·W -> (B, N, C)."""
@@ -148,11 +145,10 @@ class LaplacianAttention(nn.Module):
         q, k, v = self.project(x)
         if not self.global_term:
             return self.proj_drop(self.proj(self._local_term(v, hw)))
-        export = exporting()
-        landmarks = pool_landmarks(k, hw, self.landmark_grid, export)
-        out = nystrom_attention(q, k, self._split_heads(v), landmarks, self.options,
-                                dropout_p=self.attn_drop if self.training else 0.0,
-                                export=export)
+        # The op pools the landmarks from the keys: it knows whether an exporter traces.
+        out = nystrom_attention(q, k, self._split_heads(v), options=self.options, hw=hw,
+                                landmark_grid=self.landmark_grid,
+                                dropout_p=self.attn_drop if self.training else 0.0)
         out = out.transpose(1, 2).reshape(x.shape) + self._local_term(v, hw)
         return self.proj_drop(self.proj(out))
 

@@ -410,13 +410,25 @@ class LaplacianFormer(BaseModule):
                             f'tensor (normalise images first), got dtype {x.dtype}')
 
     def _check_export_range(self, x: torch.Tensor) -> None:
-        """Under torch.export: refuse an input range that reaches below export_min_size().
+        """Under torch.export: refuse an input range that reaches below export_min_size(), or
+        a Dim on one side only.
 
         A user's ``Dim('h', min=100)`` would otherwise fail deep in the trace with a
         constraint violation that names a derived guard, not the rule.
         """
         from torch.fx.experimental.symbolic_shapes import statically_known_true
         minimum = self.export_min_size()
+        if isinstance(x.shape[2], torch.SymInt) != isinstance(x.shape[3], torch.SymInt):
+            # Each stage splits its N = H·W tokens into H × W; with one side static, N is
+            # e.g. 74·x + 74 and torch.export cannot prove (74·x + 74) % (x + 1) == 0 (its
+            # sympy keeps the product expanded).
+            side = 'height' if isinstance(x.shape[2], torch.SymInt) else 'width'
+            raise ValueError(
+                f'only the {side} of the input has a torch.export Dim: give both H and W a Dim '
+                f"(dynamic_shapes=({{2: Dim('h', min={minimum}, ...), 3: Dim('w', "
+                f"min={minimum}, ...)}}, )) or neither; with one static side torch.export "
+                'cannot prove that the stages split their H·W tokens into H × W '
+                '(docs/deploy.md)')
         for name, size in (('H', x.shape[2]), ('W', x.shape[3])):
             if not statically_known_true(size >= minimum):
                 raise ValueError(

@@ -7,9 +7,6 @@ its entry :func:`nystrom_attention`), :mod:`.backends` (CUDA and C++ CPU kernels
 """
 from .attention import AttentionOptions, nystrom_attention, resolve_impl, select_backend
 from .functional import (
-    cg_solve,
-    exact_inverse,
-    exact_solve,
     gaussian_kernel,
     injective_normalize,
     kernel_matrix,
@@ -18,7 +15,7 @@ from .functional import (
     newton_schulz_pinv,
     pool_landmarks,
 )
-from .reference import DEFAULT_NS_ITERS
+from .reference import DEFAULT_NS_ITERS, cg_solve, exact_inverse, exact_solve
 
 __all__ = [
     'AttentionOptions', 'DEFAULT_NS_ITERS', 'cg_solve', 'exact_inverse', 'exact_solve',

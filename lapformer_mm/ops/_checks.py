@@ -74,6 +74,28 @@ def check_float_tensor(name, t, min_dim=2):
     return t
 
 
+def check_square(name, P):
+    """Require a floating tensor (..., m, m)."""
+    check_float_tensor(name, P)
+    if P.shape[-1] != P.shape[-2]:
+        raise ValueError(f'{name} must be square (..., m, m), got shape {tuple(P.shape)}')
+    return P
+
+
+def check_hw(hw, num_tokens):
+    """Require hw = (H, W) positive ints with H·W == num_tokens; returns (H, W). Sizes traced by
+    an exporter (SymInt, tensors) pass unchecked: comparing them would specialise the graph."""
+    if not isinstance(hw, (tuple, list)) or len(hw) != 2:
+        raise TypeError(f'hw must be a pair (H, W), got {hw!r}')
+    if any(isinstance(size, (torch.SymInt, torch.Tensor)) for size in hw):
+        return hw[0], hw[1]
+    height, width = (check_int(n, v) for n, v in zip(('hw[0]', 'hw[1]'), hw))
+    if height * width != num_tokens:
+        raise ValueError(f'hw={tuple(hw)} gives H*W={height * width} but the '
+                         f'input has N={num_tokens} tokens')
+    return height, width
+
+
 def check_kernel_pair(x, y):
     """Validate kernel inputs x (..., N, d) and y (..., M, d)."""
     check_float_tensor('x', x)

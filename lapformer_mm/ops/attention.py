@@ -3,7 +3,8 @@
 :func:`nystrom_attention` runs Newton–Schulz without dropout as ``NystromAttentionFunction``
 over ``lapformer_mm::nystrom_attention`` (and its backward op) on the backend
 :func:`select_backend` picks, else on :mod:`.reference`; dropout on Z, the 'exact' and 'cg'
-solvers and exports run ``reference.forward`` under autograd.
+solvers and exports run ``reference.forward`` under autograd. It is also where the attention
+asks whether an exporter traces (:func:`.export.exporting`), for the landmarks it pools too.
 
 Op contract (per batch element b and head h; every backend keeps it):
 
@@ -23,7 +24,6 @@ d_v) any strides; dk is empty when k is None; each gradient has its operand's dt
 """
 import dataclasses
 import functools
-import math
 import os
 import warnings
 from typing import Optional
@@ -39,6 +39,8 @@ from ._checks import (
     check_bool,
     check_choice,
     check_float_tensor,
+    check_hw,
+    check_int,
     check_non_negative,
     check_optional_int,
     check_positive,
@@ -65,23 +67,9 @@ def requested_impl(impl=None):
 
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
-    """Validated options of the Nyström attention, built once (docs/attention.md links here).
-
-    kernel: 'laplacian' exp(-||·||_1/lam) or 'gaussian' exp(-||·||_2²/lam), lam > 0.
-    eps: ridge ε >= 0 added to k(L, L).
-    solver: 'newton' (Newton–Schulz, ``iters`` steps from the ``ns_init`` start 'identity'
-    or 'authors'; with ``ns_refine``, the default, one step of iterative refinement
-    follows), 'exact' or 'cg' (to a tolerance, at most ``iters`` steps); the last two run
-    the reference on every device.
-    iters: None for the solver's default (Newton–Schulz: ``reference.DEFAULT_NS_ITERS``).
-    normalize: 'injective' (centre, whiten per landmark column, add 1/m) or 'none'.
-    whiten_eps: δ >= 0 of the whitening; with 0, a landmark column constant over the
-    queries is centred to 0 rather than divided by 0.
-    impl: 'reference', 'cupy' (CUDA tensors), 'cpu' (the C++ CPU kernels) or None: the
-    environment variable ``LAPFORMER_OPS`` when set (read here, once), else the backend of
-    the tensors' device when it supports the call, else the reference
-    (:func:`select_backend`).
-    """
+    """Validated options of the Nyström attention, checked once when built; docs/attention.md
+    gives each field's meaning and values. ``impl=None`` reads the environment variable
+    ``LAPFORMER_OPS`` here, once; unset, :func:`select_backend` picks per call."""
     kernel: str = 'laplacian'
     lam: float = 4.0
     eps: float = 0.01
@@ -107,43 +95,39 @@ class AttentionOptions:
             impl=requested_impl(self.impl))
         for name, value in checked.items():
             object.__setattr__(self, name, value)
-        iters = self.iters
-        if iters is None and self.solver == 'newton':
-            iters = reference.DEFAULT_NS_ITERS
+        newton_default = self.iters is None and self.solver == 'newton'
+        iters = reference.DEFAULT_NS_ITERS if newton_default else self.iters
         # What the op and the backends read (not a field: derived, not compared or printed).
         object.__setattr__(self, 'op_options', reference.OpOptions(
             self.kernel, self.lam, self.eps, iters, self.ns_init, self.ns_refine,
             self.normalize, self.whiten_eps))
 
 
-def check_attention_inputs(q, k, v, landmarks, min_dim=3):
-    """q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) must agree; k may be None."""
+def check_operands(q, k, v, landmarks, op=False):
+    """q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) must agree (k may be None,
+    landmarks None before they are pooled); the op's are 4-D of one dtype (the kernels read
+    one type)."""
+    if op and q.dim() != 4:
+        raise ValueError(f'nystrom_attention: q must be (B, h, N, d), got shape '
+                         f'{tuple(q.shape)}')
     for name, t in (('q', q), ('k', k), ('v', v), ('landmarks', landmarks)):
         if t is not None:
-            check_float_tensor(name, t, min_dim=min_dim)
+            check_float_tensor(name, t, min_dim=4 if op else 3)
+            if op and t.dtype != q.dtype:
+                raise TypeError(f'nystrom_attention: {name} has dtype {t.dtype} but q has '
+                                f'{q.dtype}; all operands must share one dtype')
     if k is not None and k.shape != q.shape:
         raise ValueError(f'k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}')
     if v.shape[:-1] != q.shape[:-1]:
         raise ValueError(f'v must be (..., N, d_v) with the batch dims and N of q '
                          f'{tuple(q.shape)}, got {tuple(v.shape)}')
-    if landmarks.shape[:-2] != q.shape[:-2] or landmarks.shape[-1] != q.shape[-1]:
+    if landmarks is not None and (landmarks.shape[:-2] != q.shape[:-2]
+                                  or landmarks.shape[-1] != q.shape[-1]):
         raise ValueError(f'landmarks must be (..., m, d) with the batch dims and d '
                          f'of q {tuple(q.shape)}, got {tuple(landmarks.shape)}')
     devices = {t.device for t in (q, k, v, landmarks) if t is not None}
     if len(devices) != 1:
         raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
-
-
-def _check_op_operands(q, k, v, landmarks):
-    """The op's operands: 4-D, consistent, one dtype (the kernels read one type)."""
-    if q.dim() != 4:
-        raise ValueError(f'nystrom_attention: q must be (B, h, N, d), got shape '
-                         f'{tuple(q.shape)}')
-    check_attention_inputs(q, k, v, landmarks, min_dim=4)
-    for name, t in (('k', k), ('v', v), ('landmarks', landmarks)):
-        if t is not None and t.dtype != q.dtype:
-            raise TypeError(f'nystrom_attention: {name} has dtype {t.dtype} but q has '
-                            f'{q.dtype}; all operands must share one dtype')
 
 
 _INSTALL_HINT = {cuda.NAME: 'pip install cupy-cuda12x or cupy-cuda13x (matching the driver)',
@@ -158,12 +142,9 @@ def _warn_fallback(name, reasons):
 
 
 def select_backend(q, k, v, landmarks, options):
-    """The backend module that runs this call, or None for the reference.
-
-    impl=None takes the backend of the tensors' device when it is available and reports no
-    reasons (one warning names them when it does); an explicit 'cupy' or 'cpu' that cannot
-    run the call raises a RuntimeError with its reasons instead of falling back.
-    """
+    """The backend module that runs this call, or None for the reference (the rule of
+    docs/attention.md: impl=None warns once of a backend's reasons and passes it over, an
+    explicit 'cupy' or 'cpu' raises them)."""
     impl = options.impl
     if impl == 'reference':
         return None
@@ -215,7 +196,7 @@ _LIBRARY.define(
 
 def _forward_impl(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
                   whiten_eps, impl):
-    _check_op_operands(q, k, v, landmarks)
+    check_operands(q, k, v, landmarks, op=True)
     opts = reference.OpOptions(kernel, lam, eps, iters, ns_init, ns_refine, normalize,
                                whiten_eps)
     if impl == 'reference':
@@ -261,7 +242,7 @@ PYTHON_KERNELS = {nystrom_attention_op: _forward_impl,
 @torch.library.register_fake('lapformer_mm::nystrom_attention')
 def _(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize, whiten_eps,
       impl):
-    _check_op_operands(q, k, v, landmarks)
+    check_operands(q, k, v, landmarks, op=True)
     batch, heads, n, _ = q.shape
     m, dv = landmarks.shape[-2], v.shape[-1]
     acc = reference.compute_dtype(q.dtype)
@@ -305,27 +286,14 @@ class NystromAttentionFunction(torch.autograd.Function):
         return (dq, None if k is None else dk, dv, dl) + (None,) * 9
 
 
-def attention_flops(q_shape, v_shape, m, tied, iters, ns_refine):
-    """{'kernel', 'solve', 'visible'} multiply-adds of one op call, q (B, h, N, d), v (..., d_v).
-
-    kernel: k(q, L), k(k, L) unless tied, k(L, L): (N·m·(1 or 2) + m²)·(d + 1);
-    solve: Newton–Schulz, 2·m³·iters + m²; visible: C_kᵀ v and Z · context, 2·N·m·d_v,
-    and the m × m by m × d_v products of the solve, three with ns_refine, else one.
-    """
-    batch = math.prod(q_shape[:-2])
-    n, d = q_shape[-2], q_shape[-1]
-    kernel = (n * m * (1 if tied else 2) + m * m) * (d + 1)
-    solve = 2 * m ** 3 * iters + m * m
-    visible = 2 * n * m * v_shape[-1] + (3 if ns_refine else 1) * m * m * v_shape[-1]
-    return {'kernel': batch * kernel, 'solve': batch * solve, 'visible': batch * visible}
-
-
-def nystrom_attention(q, k, v, landmarks, options=None, *, dropout_p=0.0, export=None,
-                      **kwargs):
+def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmark_grid=7,
+                      dropout_p=0.0, export=None, **kwargs):
     """Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v), evaluated right to left.
 
-    q, k (..., N, d) (``k is q`` when keys are tied), v (..., N, d_v), landmarks L (..., m, d)
-    -> (..., N, d_v) in q's dtype (4-D operands: a view of the op's (B, N, h, d_v) layout).
+    q, k (..., N, d) (``k is q`` when keys are tied), v (..., N, d_v) -> (..., N, d_v) in q's
+    dtype (4-D operands: a view of the op's (B, N, h, d_v) layout). The landmarks L
+    (..., m, d), or, given ``hw`` = (H, W) of the N = H·W tokens instead, the keys (B, h, N, d)
+    pooled on a ``landmark_grid`` × ``landmark_grid`` grid (:func:`~.functional.pool_landmarks`).
     options: an :class:`AttentionOptions`, or its fields as keywords. dropout_p: dropout on Z.
     export: whether an exporter traces (None: ask torch). Computes in fp32 (fp64 stays fp64).
     """
@@ -335,7 +303,17 @@ def nystrom_attention(q, k, v, landmarks, options=None, *, dropout_p=0.0, export
         raise TypeError('pass either an AttentionOptions or its fields as keywords, '
                         f'got {type(options).__name__} and {sorted(kwargs)}')
     check_probability('dropout_p', dropout_p)
-    check_attention_inputs(q, k, v, landmarks)
+    if (landmarks is None) == (hw is None):
+        raise TypeError('nystrom_attention: give either the landmarks (..., m, d) or hw = '
+                        '(H, W), to pool them from the keys')
+    check_operands(q, k, v, landmarks)
+    export = exporting() if export is None else export
+    if hw is not None:
+        if q.dim() != 4:
+            raise ValueError(f'nystrom_attention: pooling the landmarks (hw given) needs q, k '
+                             f'(B, h, N, d), got shape {tuple(q.shape)}')
+        landmarks = reference.pool_landmarks(k, check_hw(hw, q.shape[2]),
+                                             check_int('landmark_grid', landmark_grid), export)
     if q.dim() != 4:
         # The op is (B, h, N, d): fold the other batch dims into h.
         fold = [None if t is None else t.reshape(1, -1, *t.shape[-2:])
@@ -344,16 +322,15 @@ def nystrom_attention(q, k, v, landmarks, options=None, *, dropout_p=0.0, export
         out = nystrom_attention(*fold, options, dropout_p=dropout_p, export=export)
         return out.reshape(*q.shape[:-2], *out.shape[-2:])
     tied = k is q
-    if exporting() if export is None else export:
+    if export:
         check_exportable(options)
+    if export or dropout_p > 0 or options.solver != 'newton':
+        # The reference under autograd; an exported graph has no dropout.
         return reference.forward(q, None if tied else k, v, landmarks, options.op_options,
-                                 export=True)[0]
-    if dropout_p > 0 or options.solver != 'newton':
-        return reference.forward(q, None if tied else k, v, landmarks, options.op_options,
-                                 options.solver, dropout_p)[0]
+                                 options.solver, 0.0 if export else dropout_p, export)[0]
     # The backends read one element type: an odd operand follows q (under autocast all four
     # are the 16-bit outputs of one linear layer and nothing is cast).
-    k, v, landmarks = (None if tied else _like(k, q)), _like(v, q), _like(landmarks, q)
+    k, v, landmarks = (None if tied else k.to(q.dtype)), v.to(q.dtype), landmarks.to(q.dtype)
     backend = select_backend(q, k, v, landmarks, options)
     # Without a backend the op runs the reference: its closed-form backward (the solve taken
     # as exact) is what every backend computes, and it saves no N × m matrix.
@@ -366,7 +343,3 @@ def nystrom_attention(q, k, v, landmarks, options=None, *, dropout_p=0.0, export
         # torch.compile cannot trace a Function given one tensor twice; a view is another.
         args = args[:2] + (v.view(v.shape),) + args[3:]
     return NystromAttentionFunction.apply(*args)[0].transpose(1, 2)
-
-
-def _like(t, q):
-    return t if t.dtype == q.dtype else t.to(q.dtype)

@@ -1,13 +1,9 @@
-"""What the exporters need of the attention: when they trace, what can export, and the residual.
-
-While an exporter traces (:func:`exporting`) the attention runs ``reference.forward`` with
-``export=True`` (standard-operator similarity and pooling); :func:`kernel_form` ``('ort')``
-makes each kernel matrix one node of the opt-in ONNX Runtime op library instead.
-"""
+"""What the exporters need of the attention: when they trace (:func:`exporting`; the entry then
+runs ``reference.forward`` with ``export=True``), what can export, the residual's precision and
+the kernel matrices' form (docs/deploy.md)."""
 import contextlib
 
 import torch
-from torch import nn
 
 from . import reference
 
@@ -24,14 +20,23 @@ def exporting():
 
 
 @contextlib.contextmanager
+def _scoped(var, what, choice, values):
+    """``var`` is ``values[choice]`` within the block (and the current thread or task)."""
+    if not isinstance(choice, str) or choice not in values:
+        raise ValueError(f'{what} {choice!r} is not supported; allowed: '
+                         f'{", ".join(map(repr, values))}')
+    token = var.set(values[choice])
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def residual_precision(precision):
     """Within the block (and the current thread or task) the attention forms its refinement
     residual in ``precision``, one of :data:`RESIDUAL_PRECISIONS`."""
-    if precision not in RESIDUAL_PRECISIONS:
-        raise ValueError(f'residual precision {precision!r} is not supported; allowed: '
-                         f'{", ".join(map(repr, RESIDUAL_PRECISIONS))}')
-    with reference.residual_dtype(RESIDUAL_PRECISIONS[precision]):
-        yield
+    return _scoped(reference.RESIDUAL_DTYPE, 'residual precision', precision,
+                   RESIDUAL_PRECISIONS)
 
 
 #: Forms of the kernel matrix in an exported ONNX graph: 'standard' (standard-domain operators
@@ -44,15 +49,11 @@ ORT_KERNEL_OP = 'PairwiseKernel'
 ORT_OPSET_VERSION = 1
 
 
-@contextlib.contextmanager
 def kernel_form(form):
     """Within the block (and the current thread or task) exported kernel matrices take
     ``form``, one of :data:`KERNEL_FORMS`; nothing changes outside exporters."""
-    if form not in KERNEL_FORMS:
-        raise ValueError(f'kernel form {form!r} is not supported; allowed: '
-                         f'{", ".join(map(repr, KERNEL_FORMS))}')
-    with reference.similarity_node(ort_pairwise_kernel if form == 'ort' else None):
-        yield
+    nodes = dict(zip(KERNEL_FORMS, (None, ort_pairwise_kernel)))
+    return _scoped(reference.SIMILARITY_NODE, 'kernel form', form, nodes)
 
 
 class _OrtPairwiseKernel(torch.autograd.Function):
@@ -61,7 +62,7 @@ class _OrtPairwiseKernel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y, lam, kind):
-        with reference.similarity_node(None):
+        with kernel_form('standard'):
             return reference.similarity_export(x, y, lam, kind)
 
     @staticmethod
@@ -93,23 +94,3 @@ def check_exportable(options):
                          "plain-PyTorch reference; use impl='reference' (or None, and unset "
                          'LAPFORMER_OPS)')
 
-
-class AdaptiveAvgPool2dExport(nn.Module):
-    """``nn.AdaptiveAvgPool2d`` from two averaging matrices, for any input size: what the
-    deploy tools put in place of mmseg's pyramid pooling in the copy they export."""
-
-    def __init__(self, output_size):
-        super().__init__()
-        if isinstance(output_size, int):
-            output_size = (output_size, output_size)
-        if (not isinstance(output_size, (tuple, list)) or len(output_size) != 2
-                or not all(isinstance(s, int) and s >= 1 for s in output_size)):
-            raise ValueError(f'output_size must be a positive int or a pair of them, got '
-                             f'{output_size!r}')
-        self.output_size = tuple(output_size)
-
-    def forward(self, x):
-        return reference.adaptive_avg_pool2d_export(x, self.output_size)
-
-    def extra_repr(self):
-        return f'output_size={self.output_size}'

@@ -8,11 +8,13 @@ from ._checks import (
     NS_INITS,
     check_choice,
     check_float_tensor,
+    check_hw,
     check_int,
     check_kernel_pair,
     check_non_negative,
     check_optional_int,
     check_positive,
+    check_square,
 )
 
 
@@ -40,28 +42,14 @@ def gaussian_kernel(x, y, lam=4.0):
 
 def newton_schulz_pinv(P, iters=None, init='identity'):
     """Inverse of the symmetric positive definite P (..., m, m), as given (the caller adds εI),
-    from the start ``init`` (:func:`~.reference.newton_schulz_start`) in ``iters`` steps
+    from the start ``init`` (:func:`~.reference.newton_schulz`) in ``iters`` steps
     (None: ``DEFAULT_NS_ITERS``); fp32 (fp64 stays fp64), differentiable, P's dtype."""
-    reference.check_square('P', P)
+    check_square('P', P)
     iters = check_optional_int('iters', iters)
     check_choice('init', init, NS_INITS)
     iters = reference.DEFAULT_NS_ITERS if iters is None else iters
     p = P.to(reference.compute_dtype(P.dtype))
     return reference.newton_schulz(p, iters, init).to(P.dtype)
-
-
-def check_hw(hw, num_tokens):
-    """Require hw = (H, W) positive ints with H·W == num_tokens; returns (H, W). Sizes traced by
-    an exporter (SymInt, tensors) pass unchecked: comparing them would specialise the graph."""
-    if not isinstance(hw, (tuple, list)) or len(hw) != 2:
-        raise TypeError(f'hw must be a pair (H, W), got {hw!r}')
-    if any(isinstance(size, (torch.SymInt, torch.Tensor)) for size in hw):
-        return hw[0], hw[1]
-    height, width = (check_int(n, v) for n, v in zip(('hw[0]', 'hw[1]'), hw))
-    if height * width != num_tokens:
-        raise ValueError(f'hw={tuple(hw)} gives H*W={height * width} but the '
-                         f'input has N={num_tokens} tokens')
-    return height, width
 
 
 def pool_landmarks(t, hw, grid=7):
@@ -85,8 +73,3 @@ def landmark_matrix(landmarks, options):
     dtype = reference.compute_dtype(landmarks.dtype)
     return reference.landmark_system(landmarks.to(dtype), options.lam, options.eps,
                                      options.kernel)
-
-
-exact_solve = reference.exact_solve
-exact_inverse = reference.exact_inverse
-cg_solve = reference.cg_solve

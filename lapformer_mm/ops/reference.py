@@ -10,25 +10,23 @@ Read top to bottom, it is the attention in the order it runs (docs/design.md §2
 4. solve                :func:`newton_schulz`, :func:`apply_inverse`, :func:`solve_context`:
                         context = X R, X ≈ P⁻¹, R = k(k, L)ᵀ v, one refinement step;
                         :func:`exact_solve` and :func:`cg_solve` for the ablations
-5. feature map          :func:`whitening_stats`, :func:`whitening_scale`: Z = c̃ diag(s) + 1/m
+5. feature map          :func:`whiten`, :func:`whitening_scale`: Z = c̃ diag(s) + 1/m
 6. output               :func:`forward`           out = Z · context
 7. backward             :func:`backward` from :func:`context_grads` and :func:`solve_grads`,
                         which the CPU backend calls too
 
-Everything computes in fp32 (fp64 stays fp64, :func:`compute_dtype`). While an exporter traces
-(``export=True``, decided by the caller) the two primitives the exporters cannot take switch to
-standard operators inside themselves: ``torch.cdist`` becomes a chunked ℓ1 / ℓ2 of coordinate
-differences, and adaptive pooling of a size the grid does not divide becomes two averaging
-matrices. This module imports torch and the argument checks only.
+Everything computes in fp32 (fp64 stays fp64, :func:`compute_dtype`). With ``export=True`` (the
+caller decides) the two primitives the exporters cannot take, ``torch.cdist`` and adaptive
+pooling, take their standard-operator forms (the last section). This module imports torch and
+the argument checks only.
 """
-import contextlib
 import contextvars
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_float_tensor, check_optional_int
+from ._checks import check_float_tensor, check_optional_int, check_square
 
 
 class OpOptions(NamedTuple):
@@ -48,9 +46,7 @@ def compute_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# ----------------------------------------------------------------------------
-# 1. Landmarks
-# ----------------------------------------------------------------------------
+# 1. Landmarks ------------------------------------------------------------------------------------
 
 def pool_landmarks(t, hw, grid, export=False):
     """Adaptive average pooling of tokens t (B, h, N, d) on hw = (H, W) -> (B, h, m, d),
@@ -66,9 +62,7 @@ def pool_landmarks(t, hw, grid, export=False):
     return pooled.permute(0, 2, 3, 1).reshape(batch, -1, heads, width).transpose(1, 2)
 
 
-# ----------------------------------------------------------------------------
-# 2. Similarity: the kernel function k(x, y) and its gradient
-# ----------------------------------------------------------------------------
+# 2. Similarity: the kernel function k(x, y) and its gradient -------------------------------------
 
 #: Byte budget of the (rows, M, d) sign tensor of the chunked ℓ1 gradient.
 CHUNK_BYTES = 32 * 2 ** 20
@@ -134,14 +128,17 @@ class _Similarity(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, y, kmat = ctx.saved_tensors
-        lam, kernel = ctx.options
-        w = _as3(grad * kmat)
-        x3, y3 = _as3(x), _as3(y)
-        dx = similarity_grad(w, x3, y3, lam, kernel).view(x.shape) if ctx.needs_input_grad[0] \
-            else None
-        dy = similarity_grad(w.mT, y3, x3, lam, kernel).view(y.shape) \
-            if ctx.needs_input_grad[1] else None
-        return dx, dy, None, None
+        return (*similarity_grads(grad * kmat, x, y, *ctx.options, ctx.needs_input_grad[:2]),
+                None, None)
+
+
+def similarity_grads(w, x, y, lam, kernel, needs=(True, True)):
+    """(dx, dy) in the shapes of x (..., N, d) and y (..., M, d) (None where ``needs`` is
+    False) of Σ_ij g_ij k(x_i, y_j), given w = g ⊙ k(x, y) (..., N, M)."""
+    w3, x3, y3 = _as3(w), _as3(x), _as3(y)
+    dx = similarity_grad(w3, x3, y3, lam, kernel).view(x.shape) if needs[0] else None
+    dy = similarity_grad(w3.mT, y3, x3, lam, kernel).view(y.shape) if needs[1] else None
+    return dx, dy
 
 
 def similarity(x, y, lam, kernel, export=False):
@@ -160,9 +157,7 @@ def similarity(x, y, lam, kernel, export=False):
     return dist.mul_(-1.0 / lam).exp_()
 
 
-# ----------------------------------------------------------------------------
-# 3–4. The landmark system and its solve
-# ----------------------------------------------------------------------------
+# 3–4. The landmark system and its solve ----------------------------------------------------------
 
 def landmark_system(landmarks, lam, eps, kernel, export=False):
     """P = k(L, L) + eps·I (..., m, m)."""
@@ -177,42 +172,26 @@ def landmark_system(landmarks, lam, eps, kernel, export=False):
 DEFAULT_NS_ITERS = 16
 
 
-def newton_schulz_start(P, init):
-    """X₀: 'identity' I / ||P||_inf (every eigenvalue of P X₀ in (0, 1]), or 'authors'
-    1.8 / ||P||_inf² · P (the LaplacianFormer code's start)."""
-    norm = P.abs().sum(-1).amax(-1).view(*P.shape[:-2], 1, 1)
-    if init == 'identity':
-        return torch.eye(P.shape[-1], dtype=P.dtype, device=P.device) / norm
-    return P * (1.8 / (norm * norm))
-
-
 def newton_schulz(P, iters, init):
-    """X ≈ P⁻¹ for SPD P (..., m, m): X_{t+1} = 2 X_t − X_t P X_t from :func:`newton_schulz_start`.
-    In fp64 on CUDA, where fp32 matmuls follow the user's TF32 setting (residual ~1e-3)."""
+    """X ≈ P⁻¹ for SPD P (..., m, m): X_{t+1} = 2 X_t − X_t P X_t from X₀ = I / ||P||_inf
+    (init 'identity': every eigenvalue of P X₀ in (0, 1]) or 1.8 / ||P||_inf² · P ('authors',
+    the LaplacianFormer code's start). In fp64 on CUDA, where fp32 matmuls follow the user's
+    TF32 setting (residual ~1e-3)."""
     p = _as3(P.double() if P.is_cuda else P)
-    x = newton_schulz_start(p, init).expand_as(p).contiguous()
+    norm = p.abs().sum(-1).amax(-1).view(-1, 1, 1)
+    if init == 'identity':
+        x = torch.eye(p.shape[-1], dtype=p.dtype, device=p.device) / norm
+    else:
+        x = p * (1.8 / (norm * norm))
+    x = x.expand_as(p).contiguous()
     for _ in range(iters):
         x = torch.baddbmm(x, x, torch.bmm(p, x), beta=2.0, alpha=-1.0)
     return x.view(P.shape).to(P.dtype)
 
 
-@contextlib.contextmanager
-def _scoped(var, value):
-    """``var`` is ``value`` within the block (and the current thread or task)."""
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
-
-
-_RESIDUAL = contextvars.ContextVar('lapformer_mm_residual_dtype', default=torch.float64)
-
-
-def residual_dtype(dtype):
-    """Within the block the refinement step forms its residual in ``dtype`` (fp64 by default;
-    fp32 for runtimes without fp64, ``lapformer_mm.ops.export.residual_precision``)."""
-    return _scoped(_RESIDUAL, dtype)
+#: The dtype of the refinement step's residual: fp64, or fp32 for runtimes without fp64 within
+#: ``lapformer_mm.ops.export.residual_precision('fp32')``.
+RESIDUAL_DTYPE = contextvars.ContextVar('lapformer_mm_residual_dtype', default=torch.float64)
 
 
 def apply_inverse(inverse, P, rhs, ns_refine):
@@ -222,7 +201,7 @@ def apply_inverse(inverse, P, rhs, ns_refine):
     x = torch.matmul(inverse, rhs)
     if not ns_refine:
         return x
-    wide = torch.promote_types(_RESIDUAL.get(), x.dtype)
+    wide = torch.promote_types(RESIDUAL_DTYPE.get(), x.dtype)
     residual = rhs.to(wide) - torch.matmul(P.to(wide), x.to(wide))
     return x + torch.matmul(inverse, residual.to(x.dtype))
 
@@ -231,14 +210,6 @@ def solve_context(P, rhs, opts):
     """(context, X): context = P⁻¹ rhs by Newton–Schulz (with the refinement step)."""
     inverse = newton_schulz(P, opts.iters, opts.ns_init)
     return apply_inverse(inverse, P, rhs, opts.ns_refine), inverse
-
-
-def check_square(name, P):
-    """Require a floating tensor (..., m, m)."""
-    check_float_tensor(name, P)
-    if P.shape[-1] != P.shape[-2]:
-        raise ValueError(f'{name} must be square (..., m, m), got shape {tuple(P.shape)}')
-    return P
 
 
 def exact_solve(P, B):
@@ -306,9 +277,7 @@ def cg_solve(P, B, iters=None):
     return x.to(B.dtype)
 
 
-# ----------------------------------------------------------------------------
-# 5. The injective feature map
-# ----------------------------------------------------------------------------
+# 5. The injective feature map --------------------------------------------------------------------
 
 def whitening_scale(var, whiten_eps):
     """s = (var + δ)^-½, 0 where var + δ = 0 (a column constant over the queries is all zeros
@@ -320,32 +289,16 @@ def whitening_scale(var, whiten_eps):
                        torch.zeros_like(denom))
 
 
-def whitening_stats(centred, whiten_eps):
-    """(μ, s) (..., 1, m) of the row-centred c̃: column mean and (var + δ)^-½ over queries."""
-    mean = centred.mean(-2, keepdim=True)
-    var = (centred - mean).square().mean(-2, keepdim=True)
-    return mean, whitening_scale(var, whiten_eps)
-
-
 def whiten(C, whiten_eps):
-    """(Z, stats) for C (..., N, m): Z = c̃ diag(s) + 1/m, centred over landmarks and whitened
-    over queries; stats (..., 2, m) = μ and s of :func:`whitening_stats`."""
+    """(Z, stats) for C (..., N, m): Z = c̃ diag(s) + 1/m, c̃ centred over landmarks and whitened
+    over queries; stats (..., 2, m) = the column mean μ of c̃ and s = (var + δ)^-½ over queries."""
     centred = C - C.mean(-1, keepdim=True)
-    mean, scale = whitening_stats(centred, whiten_eps)
+    mean = centred.mean(-2, keepdim=True)
+    scale = whitening_scale((centred - mean).square().mean(-2, keepdim=True), whiten_eps)
     return centred * scale + 1.0 / C.shape[-1], torch.cat((mean, scale), dim=-2)
 
 
-# ----------------------------------------------------------------------------
-# 6. The forward
-# ----------------------------------------------------------------------------
-
-def _solve(P, rhs, opts, solver):
-    if solver == 'newton':
-        return solve_context(P, rhs, opts)
-    if solver == 'exact':
-        return exact_solve(P, rhs), None
-    return cg_solve(P, rhs, opts.iters), None
-
+# 6. The forward ----------------------------------------------------------------------------------
 
 def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=False):
     """Z(k(q, L)) · P⁻¹ · k(k, L)ᵀ v -> (out (B, h, N, d_v) in q's dtype, context, X, stats)
@@ -358,7 +311,12 @@ def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=Fal
         c_k = c_q if k is None else similarity(k.to(dtype), la, opts.lam, opts.kernel, export)
         P = landmark_system(la, opts.lam, opts.eps, opts.kernel, export)
         # transpose, not .mT: the TorchScript exporter has no aten::mT.
-        context, inverse = _solve(P, torch.matmul(c_k.transpose(-1, -2), va), opts, solver)
+        rhs = torch.matmul(c_k.transpose(-1, -2), va)
+        if solver == 'newton':
+            context, inverse = solve_context(P, rhs, opts)
+        else:
+            inverse = None
+            context = exact_solve(P, rhs) if solver == 'exact' else cg_solve(P, rhs, opts.iters)
         if opts.normalize == 'injective':
             z, stats = whiten(c_q, opts.whiten_eps)
         else:
@@ -369,9 +327,7 @@ def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=Fal
     return out.to(q.dtype), context, inverse, stats
 
 
-# ----------------------------------------------------------------------------
-# 7. The backward (closed form; it treats the solve as exact)
-# ----------------------------------------------------------------------------
+# 7. The backward (closed form; it treats the solve as exact) -------------------------------------
 
 def context_grads(t, gsum, context, stats, n, normalize):
     """(dcontext, a, scaled) from T = c̃ᵀ G (or C_qᵀ G) and colsum(G) (..., 1, d_v).
@@ -392,12 +348,6 @@ def solve_grads(inverse, P, d_context, context, ns_refine):
     """(dR, dP): dR = P⁻¹ dcontext (X, refined as the forward), dP = −dR contextᵀ."""
     d_rhs = apply_inverse(inverse, P, d_context, ns_refine)
     return d_rhs, -torch.matmul(d_rhs, context.mT)
-
-
-def _kernel_grads(w, x, la, lam, kernel):
-    """(dx, dL) of Σ w ⊙ ... for w = g ⊙ k(x, L) (B, h, n, m)."""
-    return (similarity_grad(_as3(w), _as3(x), _as3(la), lam, kernel),
-            similarity_grad(_as3(w.mT), _as3(la), _as3(x), lam, kernel))
 
 
 def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
@@ -423,67 +373,55 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
         d_rhs, d_p = solve_grads(inverse, P, d_context, context, opts.ns_refine)
         d_ck = torch.matmul(va, d_rhs.mT)
         dv = torch.matmul(c_k, d_rhs)
-        dq, dl = _kernel_grads((d_cq + d_ck if tied else d_cq) * c_q, qa, la, opts.lam,
-                               opts.kernel)
+        dq, dl = similarity_grads((d_cq + d_ck if tied else d_cq) * c_q, qa, la, opts.lam,
+                                  opts.kernel)
         if tied:
             dk = q.new_empty(0)
         else:
-            dk, dl_k = _kernel_grads(d_ck * c_k, ka, la, opts.lam, opts.kernel)
-            dl = dl + dl_k
-            dk = dk.view(k.shape).to(k.dtype)
+            dk, dl_k = similarity_grads(d_ck * c_k, ka, la, opts.lam, opts.kernel)
+            dl, dk = dl + dl_k, dk.to(k.dtype)
         # P = k(L, L) + eps·I: L is both operands and k is symmetric.
         w_p = (d_p + d_p.mT) * (P - opts.eps * torch.eye(P.shape[-1], dtype=P.dtype,
                                                            device=P.device))
-        dl = dl + similarity_grad(_as3(w_p), _as3(la), _as3(la), opts.lam, opts.kernel)
-    return (dq.view(q.shape).to(q.dtype), dk, dv.to(v.dtype),
-            dl.view(landmarks.shape).to(landmarks.dtype))
+        dl = dl + similarity_grads(w_p, la, la, opts.lam, opts.kernel, (True, False))[0]
+    return dq.to(q.dtype), dk, dv.to(v.dtype), dl.to(landmarks.dtype)
 
 
-# ----------------------------------------------------------------------------
-# Export forms of the two primitives (standard operators only)
-# ----------------------------------------------------------------------------
+# Export forms of the two primitives (standard operators only) ------------------------------------
 
 #: Landmarks per step of the exported similarity (one row of the default 7 × 7 grid): each
 #: step holds a (..., 7, d, N) difference, 7× the input, and one node per step is traced.
 LANDMARK_CHUNK = 7
 
 
-_SIMILARITY_NODE = contextvars.ContextVar('lapformer_mm_similarity_node', default=None)
-
-
-def similarity_node(node):
-    """Within the block :func:`similarity_export` of fp32 inputs is ``node(x, y, lam, kernel)``
-    (None: the standard operators); ``lapformer_mm.ops.export.kernel_form`` sets it to the
-    ONNX Runtime op library's node."""
-    return _scoped(_SIMILARITY_NODE, node)
+#: When set, :func:`similarity_export` of fp32 inputs is ``node(x, y, lam, kernel)``: the ONNX
+#: Runtime op library's node within ``lapformer_mm.ops.export.kernel_form('ort')``.
+SIMILARITY_NODE = contextvars.ContextVar('lapformer_mm_similarity_node', default=None)
 
 
 def similarity_export(x, y, lam, kernel, chunk=LANDMARK_CHUNK):
     """:func:`similarity` from coordinate differences, ``chunk`` landmarks y_j per step (None:
-    all at once), or the node of :func:`similarity_node`.
+    all at once), or the node of :data:`SIMILARITY_NODE`.
 
     No (..., N, M, d) tensor of the whole input exists; M must be static (the landmark grid).
     The differences are laid out (..., chunk, d, N): ONNX Runtime's broadcast then subtracts
     one scalar from a run of N values and reduces over d across whole rows.
     """
-    node = _SIMILARITY_NODE.get()
+    node = SIMILARITY_NODE.get()
     if node is not None and x.dtype == torch.float32 and y.dtype == torch.float32:
         return node(x, y, lam, kernel)
     num = y.shape[-2]
     step = num if chunk is None else chunk
     xt = x.transpose(-1, -2).unsqueeze(-3)
     yt = y.unsqueeze(-1)
-
-    def dist(rows):
-        diff = xt - rows
+    parts = []
+    for start in range(0, num, step):
+        diff = xt - yt[..., start:start + step, :, :]
         # Abs/Mul then ReduceSum, not ReduceL1/ReduceL2: the same sums (exact for ℓ1; for the
         # Gaussian no sqrt-then-square round trip), and ONNX Runtime's ReduceSum is vectorised
         # where its ReduceL1 runs a scalar loop (docs/deploy.md).
-        if kernel == 'laplacian':
-            return diff.abs().sum(dim=-2)
-        return (diff * diff).sum(dim=-2)
-
-    parts = [dist(yt[..., start:start + step, :, :]) for start in range(0, num, step)]
+        parts.append(diff.abs().sum(dim=-2) if kernel == 'laplacian'
+                     else (diff * diff).sum(dim=-2))
     d = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
     return torch.exp(d * (-1.0 / lam)).transpose(-1, -2)
 
@@ -533,17 +471,6 @@ def pool_landmarks_export(t, hw, grid):
         message = f'every stage map must be at least {grid} × {grid} to export (docs/deploy.md)'
         torch._check(height >= grid, lambda: message)
         torch._check(cols >= grid, lambda: message)
-        if isinstance(height, torch.SymInt) != isinstance(cols, torch.SymInt):
-            # Each stage splits its N = H·W tokens into H × W; with one side static, N is
-            # e.g. 74·x + 74 and torch.export cannot prove (74·x + 74) % (x + 1) == 0 (its
-            # sympy keeps the product expanded), so it would reject the program with a
-            # "Constraints violated" guard that names no rule.
-            side = 'height' if isinstance(height, torch.SymInt) else 'width'
-            raise ValueError(
-                f'only the {side} of the input has a torch.export Dim: give both H and W a Dim '
-                "(dynamic_shapes=({2: Dim('h', min=193, ...), 3: Dim('w', min=193, ...)}, )) "
-                'or neither; with one static side torch.export cannot prove that the stages '
-                'split their H·W tokens into H × W (docs/deploy.md)')
     maps = t.transpose(-1, -2).reshape(batch * heads, width, height, cols)
     pooled = adaptive_avg_pool2d_export(maps, (grid, grid))
     return pooled.reshape(batch, heads, width, grid * grid).transpose(-1, -2)

@@ -4,7 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lapformer_mm.analysis.flops import FLOP_HANDLES, flop_analyzer, flop_totals, traced_name
+from lapformer_mm.analysis.flops import (
+    FLOP_HANDLES,
+    attention_flops,
+    flop_analyzer,
+    flop_totals,
+    traced_name,
+)
 from lapformer_mm.ops import attention, laplacian_kernel, nystrom_attention
 
 
@@ -45,3 +51,14 @@ def test_softmax_attention_counts_as_visible():
     # batch · heads · N · M · (d + d_v)
     assert totals == dict(full=2 * 3 * 5 * 7 * (4 + 6), visible=2 * 3 * 5 * 7 * (4 + 6),
                           kernel=0, solve=0)
+
+
+def test_flop_formula_counts_the_composite_parts():
+    parts = attention_flops((2, 3, 100, 32), (2, 3, 100, 32), 49, True, 16, True)
+    batch = 6
+    assert parts == dict(kernel=batch * (100 * 49 + 49 * 49) * 33,
+                         solve=batch * (2 * 49 ** 3 * 16 + 49 * 49),
+                         visible=batch * (2 * 100 * 49 * 32 + 3 * 49 * 49 * 32))
+    separate = attention_flops((2, 3, 100, 32), (2, 3, 100, 32), 49, False, 16, False)
+    assert separate['kernel'] - parts['kernel'] == batch * 100 * 49 * 33
+    assert parts['visible'] - separate['visible'] == batch * 2 * 49 * 49 * 32

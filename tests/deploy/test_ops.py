@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _attention_helpers import dense_attention, dense_kernel, smooth_tokens
+from _attention_helpers import dense_attention, dense_attention_module, dense_kernel, smooth_tokens
 from _deploy_helpers import (
     ORT_INCLUDE,
     non_standard_nodes,
@@ -20,6 +20,7 @@ from _deploy_helpers import (
 )
 
 from lapformer_mm import deploy
+from lapformer_mm.models import LaplacianAttention
 from lapformer_mm.ops import AttentionOptions, nystrom_attention, pool_landmarks
 from lapformer_mm.ops import export as ex
 from lapformer_mm.ops import reference as ref
@@ -46,14 +47,14 @@ def test_adaptive_avg_pool2d_export_matches_aten(hw, out):
     expected = F.adaptive_avg_pool2d(maps, out)
     torch.testing.assert_close(ref.adaptive_avg_pool2d_export(maps, out), expected,
                                rtol=1e-12, atol=1e-13)
-    module = ex.AdaptiveAvgPool2dExport(out)
+    module = deploy.AdaptiveAvgPool2dExport(out)
     torch.testing.assert_close(module(maps), expected, rtol=1e-12, atol=1e-13)
 
 
 def test_adaptive_pool_module_rejects_bad_sizes():
     for bad in (0, (3, ), (2, None), 'x'):
         with pytest.raises(ValueError, match='output_size'):
-            ex.AdaptiveAvgPool2dExport(bad)
+            deploy.AdaptiveAvgPool2dExport(bad)
 
 
 @pytest.mark.parametrize('hw', [(7, 7), (9, 8), (29, 37)])
@@ -138,11 +139,11 @@ def test_export_switches_are_scoped_and_checked():
         with ex.kernel_form('tensorrt'):
             pass
     with ex.residual_precision('fp32'), ex.kernel_form('ort'):
-        assert ref._RESIDUAL.get() == torch.float32
-        assert ref._SIMILARITY_NODE.get() is ex.ort_pairwise_kernel
+        assert ref.RESIDUAL_DTYPE.get() == torch.float32
+        assert ref.SIMILARITY_NODE.get() is ex.ort_pairwise_kernel
         with ex.kernel_form('standard'):
-            assert ref._SIMILARITY_NODE.get() is None
-    assert ref._RESIDUAL.get() == torch.float64 and ref._SIMILARITY_NODE.get() is None
+            assert ref.SIMILARITY_NODE.get() is None
+    assert ref.RESIDUAL_DTYPE.get() == torch.float64 and ref.SIMILARITY_NODE.get() is None
 
 
 @pytest.mark.parametrize('options, match', [
@@ -221,6 +222,39 @@ def test_primitives_through_both_exporters_and_onnx_runtime(tmp_path, exporter, 
         errors = relative_errors([torch.from_numpy(o) for o in outs],
                                  primitive_references(*inputs))
         assert max(errors) < 1e-5, (exporter, num_tokens, errors)
+
+
+class StandaloneAttention(torch.nn.Module):
+    """A LaplacianAttention outside the backbone, on a 10 × 13 map that the 7 × 7 grid does not
+    divide: nothing passes it an export flag, the entry asks torch."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = LaplacianAttention(32, 2, qk_shared=False)
+
+    def forward(self, x):
+        return self.attn(x, (10, 13))
+
+
+@pytest.mark.parametrize('exporter', ['torchscript', 'torch.export'])
+def test_standalone_attention_exports_its_reference_form(tmp_path, exporter):
+    torch.manual_seed(0)
+    module = StandaloneAttention().eval()
+    x = torch.randn(2, 130, 32)
+    with torch.no_grad():
+        if exporter == 'torch.export':
+            program = torch.export.export(module, (x, ))
+            assert not [n.target for n in program.graph.nodes if 'lapformer_mm' in str(n.target)]
+            out = program.module()(x)
+        else:
+            path = str(tmp_path / 'attention.onnx')
+            torch.onnx.export(module, (x, ), path, dynamo=False, opset_version=18,
+                              input_names=['x'])
+            assert non_standard_nodes(onnx.load(path)) == []
+            out = torch.from_numpy(deploy.ort_session(path).run(None, {'x': x.numpy()})[0])
+    module64 = copy.deepcopy(module.attn).double()
+    expected = dense_attention_module(module64, x.double(), (10, 13), False, 7)
+    assert relative_errors([out], [expected])[0] < 1e-5
 
 
 class KernelPair(torch.nn.Module):

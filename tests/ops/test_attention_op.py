@@ -1,16 +1,16 @@
 """The fused attention op ``lapformer_mm::nystrom_attention`` against the dense fp64 reference.
 
-Every implementation keeps the contract of :mod:`lapformer_mm.ops.nystrom`; here the
+Every implementation keeps the contract of :mod:`lapformer_mm.ops.attention`; here the
 reference implementation runs (CPU), through the public entry and the raw op: values and
 gradients against autograd of ``dense_attention``, the output layout, 16-bit inputs,
 autocast, strided operands, the op checks and the composite path.
 """
 import pytest
 import torch
+import torch.nn.functional as F
 from _attention_helpers import dense_attention, dense_attention_grads
 
 from lapformer_mm.ops import AttentionOptions, nystrom_attention, pool_landmarks
-from lapformer_mm.ops.attention import attention_flops as nystrom_attention_flops
 from lapformer_mm.ops.attention import nystrom_attention_op
 
 OPS = torch.ops.lapformer_mm
@@ -158,6 +158,28 @@ def test_other_batch_ranks_fold_into_the_op():
                                nystrom_attention(q, k, v, landmarks))
 
 
+def test_the_entry_pools_the_landmarks_given_hw():
+    """hw instead of landmarks: the keys average-pooled on the landmark grid (ATen's adaptive
+    pooling of their (B·h, d, H, W) maps here), tied or separate; exactly one of the two."""
+    for tied in (True, False):
+        q, k, v, _ = inputs(2, 3, (5, 7), 4, 5, 3, tied, seed=13)
+        maps = k.transpose(-1, -2).reshape(6, 4, 5, 7)
+        landmarks = F.adaptive_avg_pool2d(maps, 3).reshape(2, 3, 4, 9).transpose(-1, -2)
+        out = nystrom_attention(q, k, v, hw=(5, 7), landmark_grid=3, iters=40)
+        torch.testing.assert_close(out, dense_attention(q, k, v, landmarks), rtol=1e-9,
+                                   atol=1e-10)
+    with pytest.raises(TypeError, match='give either the landmarks'):
+        nystrom_attention(q, k, v)
+    with pytest.raises(TypeError, match='give either the landmarks'):
+        nystrom_attention(q, k, v, landmarks, hw=(5, 7))
+    with pytest.raises(ValueError, match=r'hw=\(5, 6\) gives H\*W=30'):
+        nystrom_attention(q, k, v, hw=(5, 6))
+    with pytest.raises(ValueError, match=r'pooling the landmarks \(hw given\) needs'):
+        nystrom_attention(q[0], k[0], v[0], hw=(5, 7))
+    with pytest.raises(ValueError, match='landmark_grid=0 must be >= 1'):
+        nystrom_attention(q, k, v, hw=(5, 7), landmark_grid=0)
+
+
 def test_the_op_checks_its_operands():
     q, k, v, landmarks = inputs(1, 2, (4, 4), 4, 4, 2, False, dtype=torch.float32)
     args = ('laplacian', 4.0, 0.01, 16, 'identity', True, 'injective', 1e-5, 'reference')
@@ -211,17 +233,6 @@ def test_dropout_takes_the_reference_path():
     torch.manual_seed(0)
     dropped = nystrom_attention(q, k, v, landmarks, dropout_p=0.5)
     assert not torch.allclose(dropped, nystrom_attention(q, k, v, landmarks))
-
-
-def test_flop_formula_counts_the_composite_parts():
-    parts = nystrom_attention_flops((2, 3, 100, 32), (2, 3, 100, 32), 49, True, 16, True)
-    batch = 6
-    assert parts == dict(kernel=batch * (100 * 49 + 49 * 49) * 33,
-                         solve=batch * (2 * 49 ** 3 * 16 + 49 * 49),
-                         visible=batch * (2 * 100 * 49 * 32 + 3 * 49 * 49 * 32))
-    separate = nystrom_attention_flops((2, 3, 100, 32), (2, 3, 100, 32), 49, False, 16, False)
-    assert separate['kernel'] - parts['kernel'] == batch * 100 * 49 * 33
-    assert parts['visible'] - separate['visible'] == batch * 2 * 49 * 49 * 32
 
 
 def test_gradients_come_through_the_autograd_function():
