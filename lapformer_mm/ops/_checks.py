@@ -58,11 +58,6 @@ def check_int(name, value, minimum=1):
     return int(value)
 
 
-def check_optional_int(name, value, minimum=1):
-    """``None`` (use the default) or an integer ``>= minimum``."""
-    return None if value is None else check_int(name, value, minimum)
-
-
 def check_float_tensor(name, t, min_dim=2):
     """Require a floating-point tensor with at least ``min_dim`` dims."""
     if not isinstance(t, torch.Tensor):

@@ -42,7 +42,6 @@ from ._checks import (
     check_hw,
     check_int,
     check_non_negative,
-    check_optional_int,
     check_positive,
     check_probability,
 )
@@ -87,7 +86,7 @@ class AttentionOptions:
             lam=check_positive('lam', self.lam),
             eps=check_non_negative('eps', self.eps),
             solver=check_choice('solver', self.solver, SOLVERS),
-            iters=check_optional_int('iters', self.iters),
+            iters=None if self.iters is None else check_int('iters', self.iters),
             ns_init=check_choice('ns_init', self.ns_init, NS_INITS),
             ns_refine=check_bool('ns_refine', self.ns_refine),
             normalize=check_choice('normalize', self.normalize, NORMALIZATIONS),

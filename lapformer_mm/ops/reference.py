@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_float_tensor, check_optional_int, check_square
+from ._checks import check_float_tensor, check_int, check_square
 
 
 class OpOptions(NamedTuple):
@@ -251,7 +251,7 @@ def cg_solve(P, B, iters=None):
     round-off by round-off); the check synchronises once per step (an ablation baseline)."""
     check_square('P', P)
     check_float_tensor('B', B)
-    iters = check_optional_int('iters', iters)
+    iters = None if iters is None else check_int('iters', iters)
     if B.shape[-2] != P.shape[-1]:
         raise ValueError(f'B must be (..., m, k) with m = {P.shape[-1]}, got shape '
                          f'{tuple(B.shape)}')
