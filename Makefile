@@ -43,7 +43,7 @@ smoke-fullsize: env
 # machine is shared), and as many runs at once as the machine has cores.
 ablate: env
 	@$(VENV)/bin/python tools/ablate.py --task same_colour \
-		--variants default gaussian none cg cg_capped lam=1,2,8 --seeds 5 --steps 300 \
+		--variants default gaussian none cg cg_capped lam=1,2,8 --seeds 5 --steps 250 \
 		--warmup 100 --val-size 1000 --threads $${LAPFORMER_NUM_THREADS:-1} \
 		--jobs $${LAPFORMER_JOBS:-$$(nproc)} \
 		--out work_dirs/ablate $(ABLATE_ARGS)
