@@ -56,7 +56,7 @@ def models():
             for name, (config, options) in (('maskrcnn', MASK_RCNN), ('upernet', UPERNET))}
 
 
-@pytest.mark.parametrize('exporter', [pytest.param('dynamo', marks=pytest.mark.slow),
+@pytest.mark.parametrize('exporter', [pytest.param('dynamo', marks=pytest.mark.slow(seconds=60)),
                                       'torchscript'])
 @pytest.mark.parametrize('name', ['maskrcnn', 'upernet'])
 def test_network_outputs_through_onnx_runtime(models, tmp_path, name, exporter):

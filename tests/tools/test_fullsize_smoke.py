@@ -28,7 +28,7 @@ def mmdet_scope():
         yield
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=45)
 def test_maskrcnn_t_trains_one_iteration_at_full_size(tmp_path):
     from mmengine.config import Config
 

@@ -62,7 +62,7 @@ _BUILT_HERE = (('default', 'avx2', 'avx512') if platform.machine().lower() in ('
                else ('default', ))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=100)  # the session wheel build
 def test_fresh_checkout_wheel_builds_the_extension_which_loads(built_wheel):
     """setup.py's ext_modules, built from the checkout's files alone (conftest.py's
     ``built_wheel``: pip wheel of a fresh copy, shared with the test above),

@@ -200,7 +200,7 @@ def kill_when_logged(proc, log_path, pattern, timeout=240):
     raise AssertionError(f'{pattern!r} never logged')
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=27)
 def test_sigkill_mid_epoch_then_resume_continues_exactly(run_setup):
     base, root, config = run_setup
     work = osp.join(base, 'work')
@@ -238,7 +238,7 @@ def test_sigkill_mid_epoch_then_resume_continues_exactly(run_setup):
     assert safe_load(osp.join(work, 'epoch_2.pth'))['meta']['iter'] == 8
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=27)
 def test_sigkill_while_saving_keeps_the_previous_checkpoint_and_resume_continues(run_setup):
     """max_keep_ckpts=1, killed halfway through writing epoch_2.pth: epoch_1.pth, which stock
     mmengine deletes first, is intact and recorded, and --resume trains epoch 2 again."""

@@ -21,7 +21,7 @@ from lapformer_mm.ops.backends import cuda
 
 NVRTC_PACKAGE = 'nvidia-cuda-nvrtc-cu12'
 # A variant's fp32 kernels take 10-15 s per architecture on 2 cores.
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(seconds=30)
 
 
 @pytest.fixture(scope='module')
