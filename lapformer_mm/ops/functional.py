@@ -44,9 +44,8 @@ def newton_schulz_pinv(P, iters=None, init='identity'):
     from the start ``init`` (:func:`~.reference.newton_schulz`) in ``iters`` steps
     (None: ``DEFAULT_NS_ITERS``); fp32 (fp64 stays fp64), differentiable, P's dtype."""
     check_square('P', P)
-    iters = None if iters is None else check_int('iters', iters)
+    iters = reference.DEFAULT_NS_ITERS if iters is None else check_int('iters', iters)
     check_choice('init', init, NS_INITS)
-    iters = reference.DEFAULT_NS_ITERS if iters is None else iters
     p = P.to(reference.compute_dtype(P.dtype))
     return reference.newton_schulz(p, iters, init).to(P.dtype)
 
