@@ -52,8 +52,8 @@ ORT_OPSET_VERSION = 1
 def kernel_form(form):
     """Within the block (and the current thread or task) exported kernel matrices take
     ``form``, one of :data:`KERNEL_FORMS`; nothing changes outside exporters."""
-    nodes = dict(zip(KERNEL_FORMS, (None, ort_pairwise_kernel)))
-    return _scoped(reference.SIMILARITY_NODE, 'kernel form', form, nodes)
+    return _scoped(reference.SIMILARITY_NODE, 'kernel form', form,
+                   {'standard': None, 'ort': ort_pairwise_kernel})
 
 
 class _OrtPairwiseKernel(torch.autograd.Function):
