@@ -35,7 +35,9 @@ inputs_hash() {
 
 stack_imports() { "$PY" -c "import $STACK_MODULES" >/dev/null 2>&1; }
 
-pip_install() { "$PY" -m pip install --disable-pip-version-check -q -c "$CONSTRAINTS" "$@"; }
+# --no-compile: pip would byte-compile all ~15,000 modules (torch's included) on one core;
+# Python compiles the few thousand a run imports on first import instead.
+pip_install() { "$PY" -m pip install --disable-pip-version-check --no-compile -q -c "$CONSTRAINTS" "$@"; }
 
 # torch 2.14's headers need C++20; mmcv 2.1.0's setup.py hard-codes -std=c++17 (for the CPU
 # ops, and for nvcc and MPS builds), so its source build fails until the flag is raised.
