@@ -114,8 +114,13 @@ else
 fi
 
 log "installing the OpenMMLab stack, test tools and lapformer_mm"
-pip_install -r "$ROOT/requirements.txt" -r "$ROOT/requirements/tests.txt"
-pip_install --no-build-isolation --no-deps -e "$ROOT"
+# lapformer_mm's CPU kernels need only torch: they compile (on every core) while the other
+# pip installs the rest, which is mostly unpacking on one core.
+pip_install --no-build-isolation --no-deps -e "$ROOT" &
+own=$!
+pip_install -r "$ROOT/requirements.txt" -r "$ROOT/requirements/tests.txt" \
+    || { kill "$own" 2>/dev/null; wait "$own" || true; exit 1; }
+wait "$own" || { log "installing lapformer_mm failed"; exit 1; }
 
 if ! stack_imports; then
     "$PY" -c 'import mmcv.ops' || { log "mmcv installed without its compiled ops"; exit 1; }
