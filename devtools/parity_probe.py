@@ -50,7 +50,8 @@ def probe_forward(flags):
                                 landmarks.double(), opts)
             return out.float(), c.float(), i.float(), s.float()
         qa, va, la = q.float(), v.float(), landmarks.float()
-        sim = lambda x, y, dt: R.similarity(x.to(dt), y.to(dt), opts.lam, opts.kernel)
+        def sim(x, y, dt):
+            return R.similarity(x.to(dt), y.to(dt), opts.lam, opts.kernel)
         c_q = sim(qa, la, D if 'cq' in flags else f)
         c_k = c_q if k is None else sim(k, la, D if 'ck' in flags else f)
         if k is None and 'ck' in flags and 'cq' not in flags:
