@@ -48,7 +48,7 @@ def test_laplacianformer_records_shapes_and_q_fed_to_the_kernel(monkeypatch, qk_
         assert torch.equal(record.q, record.k) == qk_shared
 
 
-def test_pvt_records_reproduce_multihead_attention_weights():
+def test_pvt_records_reproduce_multihead_attention_weights(mmdet_scope):
     model = model_zoo.build_backbone('pvtv2-b1', config_overrides=TINY_PVT)
     weights = []
     handles = [layer[1][i].attn.attn.register_forward_hook(
@@ -68,7 +68,7 @@ def test_pvt_records_reproduce_multihead_attention_weights():
         torch.testing.assert_close(probs, w, rtol=1e-4, atol=1e-6)
 
 
-def test_swin_records_reproduce_window_softmax_including_shift_mask():
+def test_swin_records_reproduce_window_softmax_including_shift_mask(mmdet_scope):
     model = model_zoo.build_backbone('swin-t', config_overrides=TINY_SWIN)
     probs = []
     handles = []
