@@ -70,7 +70,12 @@ def build_backbone(name, checkpoint=None, config_overrides=None):
     """
     cfg = backbone_config(name)
     cfg.update(config_overrides or {})
-    model = _registry().build(cfg)
+    from mmengine.registry import DefaultScope
+
+    # Under mmdet's scope: Registry.build switches to the registry of whatever default scope
+    # a Runner left (mmseg's has no PyramidVisionTransformerV2, and its Swin other arguments).
+    with DefaultScope.overwrite_default_scope('mmdet'):
+        model = _registry().build(cfg)
     model.init_weights()
     if checkpoint is not None:
         missing, unexpected = load_weights(model, checkpoint)

@@ -48,7 +48,7 @@ def test_laplacianformer_records_shapes_and_q_fed_to_the_kernel(monkeypatch, qk_
         assert torch.equal(record.q, record.k) == qk_shared
 
 
-def test_pvt_records_reproduce_multihead_attention_weights(mmdet_scope):
+def test_pvt_records_reproduce_multihead_attention_weights():
     model = model_zoo.build_backbone('pvtv2-b1', config_overrides=TINY_PVT)
     weights = []
     handles = [layer[1][i].attn.attn.register_forward_hook(
@@ -68,7 +68,7 @@ def test_pvt_records_reproduce_multihead_attention_weights(mmdet_scope):
         torch.testing.assert_close(probs, w, rtol=1e-4, atol=1e-6)
 
 
-def test_swin_records_reproduce_window_softmax_including_shift_mask(mmdet_scope):
+def test_swin_records_reproduce_window_softmax_including_shift_mask():
     model = model_zoo.build_backbone('swin-t', config_overrides=TINY_SWIN)
     probs = []
     handles = []
@@ -129,3 +129,12 @@ def test_load_weights_round_trip(tmp_path, layout):
                                      config_overrides=TINY_LAPLACIAN)
     for key, value in state.items():
         torch.testing.assert_close(other.state_dict()[key], value)
+
+
+def test_peer_backbones_build_whatever_default_scope_a_runner_left():
+    from mmengine.registry import DefaultScope
+    from mmseg.utils import register_all_modules
+    register_all_modules(init_default_scope=False)
+    with DefaultScope.overwrite_default_scope('mmseg'):
+        model = model_zoo.build_backbone('pvtv2-b1', config_overrides=TINY_PVT)
+    assert type(model).__module__ == 'mmdet.models.backbones.pvt'
