@@ -289,7 +289,7 @@ def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmar
                       dropout_p=0.0, export=None, **kwargs):
     """Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v), evaluated right to left.
 
-    q, k (..., N, d) (``k is q`` when keys are tied), v (..., N, d_v) -> (..., N, d_v) in q's
+    q, k (..., N, d) (k None or ``k is q``: tied keys), v (..., N, d_v) -> (..., N, d_v) in q's
     dtype (4-D operands: a view of the op's (B, N, h, d_v) layout). The landmarks L
     (..., m, d), or, given ``hw`` = (H, W) of the N = H·W tokens instead, the keys (B, h, N, d)
     pooled on a ``landmark_grid`` × ``landmark_grid`` grid (:func:`~.functional.pool_landmarks`).
@@ -302,6 +302,7 @@ def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmar
         raise TypeError('pass either an AttentionOptions or its fields as keywords, '
                         f'got {type(options).__name__} and {sorted(kwargs)}')
     check_probability('dropout_p', dropout_p)
+    k = q if k is None else k
     if (landmarks is None) == (hw is None):
         raise TypeError('nystrom_attention: give either the landmarks (..., m, d) or hw = '
                         '(H, W), to pool them from the keys')

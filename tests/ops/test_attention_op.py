@@ -160,12 +160,14 @@ def test_other_batch_ranks_fold_into_the_op():
 
 def test_the_entry_pools_the_landmarks_given_hw():
     """hw instead of landmarks: the keys average-pooled on the landmark grid (ATen's adaptive
-    pooling of their (B·h, d, H, W) maps here), tied or separate; exactly one of the two."""
-    for tied in (True, False):
-        q, k, v, _ = inputs(2, 3, (5, 7), 4, 5, 3, tied, seed=13)
+    pooling of their (B·h, d, H, W) maps here), tied (k None or k is q) or separate; exactly
+    one of the two."""
+    for tied in (None, True, False):
+        q, k, v, _ = inputs(2, 3, (5, 7), 4, 5, 3, tied is not False, seed=13)
         maps = k.transpose(-1, -2).reshape(6, 4, 5, 7)
         landmarks = F.adaptive_avg_pool2d(maps, 3).reshape(2, 3, 4, 9).transpose(-1, -2)
-        out = nystrom_attention(q, k, v, hw=(5, 7), landmark_grid=3, iters=40)
+        out = nystrom_attention(q, None if tied is None else k, v, hw=(5, 7), landmark_grid=3,
+                                iters=40)
         torch.testing.assert_close(out, dense_attention(q, k, v, landmarks), rtol=1e-9,
                                    atol=1e-10)
     with pytest.raises(TypeError, match='give either the landmarks'):
