@@ -61,7 +61,7 @@ def test_unknown_task_names_the_argument_and_the_choices():
         SameColourTask(min_distance=1.5)
 
 
-def test_parse_variants():
+def test_variant_tokens_parse_into_attention_options():
     variants = parse_variants(['gaussian', 'lam=1,2.5', 'cg_capped', 'gaussian', 'none'])
     assert variants == [('default', {}), ('noglobal', {'global_term': False}),
                         ('gaussian', {'kernel': 'gaussian'}), ('lam=1', {'lam': 1.0}),
@@ -90,7 +90,7 @@ def test_every_variant_builds_the_backbone():
         assert 150_000 < sum(p.numel() for p in model.parameters()) < 160_000
 
 
-def test_takeoff_step():
+def test_takeoff_step_is_where_the_loss_window_leaves_the_plateau():
     plateau = [math.log(2)] * 30
     assert takeoff_step(plateau, 2) is None
     losses = plateau + [0.2] * 30

@@ -146,7 +146,7 @@ def test_pretrained_without_checkpoint_is_an_error():
         model.init_weights()
 
 
-def test_deprecated_pretrained_argument(source, tmp_path):
+def test_pretrained_argument_warns_and_still_loads_the_weights(source, tmp_path):
     path = write_checkpoint('classifier', source.state_dict(), tmp_path / 'cls.pth')
     with pytest.warns(DeprecationWarning, match='init_cfg'):
         target = small_model(out_indices=(3, ), pretrained=path)

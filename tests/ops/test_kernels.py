@@ -29,7 +29,7 @@ def test_values_match_dense_computation(fn, dense):
 
 
 @pytest.mark.parametrize('fn,dense', KERNELS)
-def test_float32_matches_float64(fn, dense):
+def test_kernel_matrix_in_fp32_matches_fp64(fn, dense):
     x, y = _pair((3, 50, 32), (3, 49, 32))
     out = fn(x.float(), y.float(), lam=4.0)
     assert out.dtype == torch.float32
@@ -50,7 +50,7 @@ def test_gaussian_fp32_exact_at_large_norms(norm):
 
 
 @pytest.mark.parametrize('fn,dense', KERNELS)
-def test_gradcheck(fn, dense):
+def test_kernel_matrix_gradients_pass_gradcheck(fn, dense):
     x, y = _pair((2, 5, 3), (2, 4, 3), seed=1)
     x.requires_grad_()
     y.requires_grad_()
@@ -96,14 +96,14 @@ def test_no_n_m_d_tensor_in_forward_or_backward(fn):
 
 @pytest.mark.parametrize('fn', [laplacian_kernel, gaussian_kernel])
 @pytest.mark.parametrize('lam', [0.0, -1.0, float('nan'), float('inf')])
-def test_bad_lam_raises(fn, lam):
+def test_kernel_matrix_rejects_a_non_positive_or_non_finite_lam(fn, lam):
     x, y = _pair((4, 3), (2, 3))
     with pytest.raises(ValueError, match='lam'):
         fn(x, y, lam)
 
 
 @pytest.mark.parametrize('fn', [laplacian_kernel, gaussian_kernel])
-def test_bad_inputs_raise(fn):
+def test_kernel_matrix_rejects_mismatched_operands_naming_them(fn):
     x, y = _pair((4, 3), (2, 3))
     with pytest.raises(ValueError, match='d'):
         fn(x, y[:, :2])

@@ -67,7 +67,7 @@ def test_injective_normalize_matches_definition_and_gradcheck():
 @pytest.mark.parametrize('kernel', ['laplacian', 'gaussian'])
 @pytest.mark.parametrize('normalize,solver', [('injective', 'newton'), ('none', 'exact'),
                                               ('injective', 'cg')])
-def test_gradcheck_nystrom_attention(kernel, normalize, solver):
+def test_attention_gradients_pass_gradcheck_in_fp64(kernel, normalize, solver):
     q, k, v = qkv((1, 1, 6, 2), seed=2)
     landmarks = k[..., ::2, :].clone()
     inputs = tuple(t.requires_grad_() for t in (q, k, v, landmarks))
@@ -129,13 +129,13 @@ def test_value_width_may_differ():
     (dict(iters=-3), ValueError, 'iters=-3'),
     (dict(dropout_p=1.0), ValueError, 'dropout_p'),
 ])
-def test_bad_arguments_raise(kwargs, exc, match):
+def test_attention_rejects_bad_arguments_naming_them(kwargs, exc, match):
     q, k, v = qkv((1, 1, 4, 2))
     with pytest.raises(exc, match=match):
         nystrom_attention(q, k, v, k[..., :2, :], **kwargs)
 
 
-def test_mismatched_shapes_raise():
+def test_attention_rejects_mismatched_shapes_naming_them():
     q, k, v = qkv((1, 2, 4, 3))
     with pytest.raises(ValueError, match='k must have the shape of q'):
         nystrom_attention(q, k[..., :3, :], v, k)

@@ -77,7 +77,7 @@ def test_closed_form_gradient_matches_autograd_through_inverse():
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
 
 
-def test_gradcheck_newton_schulz():
+def test_newton_schulz_gradients_pass_gradcheck():
     P = spd(1, 4, seed=2).requires_grad_()
     assert torch.autograd.gradcheck(lambda p: newton_schulz_pinv(p, iters=50), (P,))
 
@@ -140,7 +140,7 @@ def test_newton_schulz_bad_arguments(kwargs, exc, match):
         newton_schulz_pinv(spd(1, 3, seed=7), **kwargs)
 
 
-def test_non_square_raises():
+def test_solvers_reject_non_square_systems_naming_them():
     with pytest.raises(ValueError, match='square'):
         newton_schulz_pinv(torch.zeros(2, 3, 4))
     with pytest.raises(ValueError, match='B must be'):

@@ -49,7 +49,7 @@ def test_all_configs_are_collected():
 
 @pytest.mark.parametrize(
     'path', CONFIGS, ids=[osp.relpath(c, ROOT) for c in CONFIGS])
-def test_config_builds_model(path):
+def test_every_config_builds_its_model_through_the_plugin(path):
     cfg = Config.fromfile(path)
     assert cfg.custom_imports['imports'] == ['lapformer_mm']
     backbone = cfg.model.backbone
@@ -68,7 +68,7 @@ def test_config_builds_model(path):
         assert backbone.init_cfg.type == 'Pretrained'
 
 
-def test_coco_recipes():
+def test_coco_configs_follow_the_1x_3x_and_retinanet_recipes():
     """The 1x/3x/RetinaNet recipes the issue fixes: schedule, optimizer, batch."""
     for name, epochs, steps in (('maskrcnn_lapformer_t.py', 12, [8, 11]),
                                 ('maskrcnn_lapformer_m_3x.py', 36, [27, 33]),

@@ -63,14 +63,14 @@ def message(cfg, mode='train'):
     return str(info.value)
 
 
-def test_complete_inputs_pass(data):
+def test_preflight_passes_complete_inputs(data):
     coco = data / 'toy_coco'
     check_config_inputs(run_cfg(coco_dataset(coco), coco_dataset(coco, 'val')))
     seg = data / 'toy_seg'
     check_config_inputs(run_cfg(ade_dataset(seg), ade_dataset(seg, 'val')))
 
 
-def test_missing_annotation_file(data):
+def test_preflight_names_a_missing_annotation_file(data):
     coco = data / 'toy_coco'
     os.remove(coco / 'annotations' / 'instances_train.json')
     text = message(run_cfg(coco_dataset(coco), coco_dataset(coco, 'val')))
@@ -122,7 +122,7 @@ def test_wrappers_are_looked_through(data, tmp_path):
     assert 'datasets.0' not in problems
 
 
-def test_mmpretrain_prefix_string(data):
+def test_preflight_names_a_missing_mmpretrain_image_folder(data):
     folder = dict(type='CustomDataset', data_root=str(data / 'toy_coco'), data_prefix='nope')
     text = message(run_cfg(folder))
     assert (f"image folder '{data}/toy_coco/nope' does not exist "
@@ -161,7 +161,7 @@ def checkpoint_line(data, checkpoint):
     return message(pretrained_cfg(data, checkpoint)).splitlines()[1]
 
 
-def test_missing_checkpoint(data, tmp_path):
+def test_preflight_names_a_missing_checkpoint(data, tmp_path):
     text = message(pretrained_cfg(data, tmp_path / 'in1k.pth'))
     assert (f"checkpoint '{tmp_path}/in1k.pth' does not exist "
             '(set by model.backbone.init_cfg.checkpoint)') in text
@@ -185,7 +185,7 @@ def test_checkpoint_of_the_backbone_passes_in_each_layout(data, tmp_path):
         check_config_inputs(pretrained_cfg(data, tmp_path / f'{name}.pth'))
 
 
-def test_wrong_checkpoint_types(data, tmp_path):
+def test_preflight_names_files_that_are_not_checkpoints(data, tmp_path):
     text_file = tmp_path / 'in1k.pth'
     text_file.write_text('<html>404 Not Found</html>')
     assert ("in1k.pth' is not a torch checkpoint (it starts with b'<html>404 Not Found</html>'"

@@ -77,11 +77,11 @@ def test_mmcv_roi_align_matches_bilinear_sampling(sampling_ratio):
 
 @pytest.mark.parametrize('module', ['mmdet', 'mmdet.models', 'mmseg', 'mmseg.models',
                                     'pycocotools.coco', 'pycocotools.cocoeval', 'lapformer_mm'])
-def test_stack_imports(module):
+def test_every_package_of_the_stack_imports(module):
     importlib.import_module(module)
 
 
-def test_pinned_versions():
+def test_installed_openmmlab_versions_are_the_pinned_ones():
     import mmcv
     import mmdet
     import mmengine

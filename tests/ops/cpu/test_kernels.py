@@ -230,7 +230,7 @@ def test_every_build_runs_the_attention(ops):
 
 @needs_ext
 @pytest.mark.parametrize('tied', [True, False], ids=['tied', 'separate'])
-def test_attention_gradcheck(tied):
+def test_cpu_kernel_attention_gradients_pass_gradcheck(tied):
     q, k, v = _projected(1, 2, (3, 4), 3, 2, tied, seed=22)
     landmarks = pool_landmarks(k, (3, 4), 2).detach()
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, landmarks)]
