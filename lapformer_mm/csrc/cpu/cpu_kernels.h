@@ -653,8 +653,8 @@ void reduce_into(const std::vector<acc_t>& parts, int64_t BH, int64_t chunks, in
 
 // Forward pass over the rows of x: C = K(x, L) row by row. Optionally
 //   ctx_rhs: R = C^T v (B, H, m, d_v), as reference.landmark_rhs: (C - r 1^T)^T v summed in
-//            acc_t plus the common part r^T v (r the row means over landmarks) in double,
-//            its chunk partials summed in double too;
+//            acc_t plus the common part r^T v (r the row means over landmarks) summed in
+//            double (each block's few rows in acc_t first);
 //   stats:   (B, H, 2, m), the column mean and (biased) variance over rows of the
 //            row-centred C, accumulated around the first row's values (no cancellation
 //            for nearly constant columns), chunk partials summed in double;
@@ -705,7 +705,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
     acc_t* prows = want_rows ? rows.data_ptr<acc_t>() : nullptr;
     for_each_chunk(s, [&](int64_t bh, int64_t b, int64_t h, int64_t i0, int64_t n, int64_t chunk) {
       std::vector<acc_t> kbuf(kBlockRows * s.Mp, acc_t(0)), vbuf(kBlockRows * dvp);
-      std::vector<acc_t> cbuf(with_v ? kBlockRows * s.Mp : 0, acc_t(0));
+      std::vector<acc_t> cbuf(with_v ? kBlockRows * s.Mp : 0), tbuf(with_v ? dvp : 0);
       acc_t* rp = rhs_parts.data() + (bh * s.chunks + chunk) * rhs_part;
       acc_t* sp = stat_parts.data() + (bh * s.chunks + chunk) * stat_part;
       double* cp = with_v ? common_parts.data() + (bh * s.chunks + chunk) * dv : nullptr;
@@ -740,14 +740,21 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
         if (with_v) {
           for (int r = 0; r < R; ++r) {
             stage_row(vo.row(b, h, row0 + r), vo.sc, dv, dvp, vbuf.data() + r * dvp);
-            const acc_t* kr = kbuf.data() + r * s.Mp;
-            acc_t* cr = cbuf.data() + r * s.Mp;
-            for (int64_t j = 0; j < s.M; ++j) cr[j] = kr[j] - row_mean[r];
-            const double mean = static_cast<double>(row_mean[r]);
-            const acc_t* vr = vbuf.data() + r * dvp;
-            for (int64_t c = 0; c < dv; ++c) cp[c] += mean * static_cast<double>(vr[c]);
+            const Vec mean(row_mean[r]);
+            // Lanes beyond m hold -mean; accumulate_outer reads the first m only.
+            for (int64_t v0 = 0; v0 < s.Mp; v0 += VL)
+              (Vec::loadu(kbuf.data() + r * s.Mp + v0) - mean).store(cbuf.data() + r * s.Mp + v0);
           }
           accumulate_outer<R>(cbuf.data(), s.Mp, vbuf.data(), s.M, dvp, rp);
+          // The common part: the block's R terms in acc_t, then into the chunk's double sum
+          // (as good as an fp64 N-sum, and the scalar double work is 1/R of the rows').
+          for (int64_t v0 = 0; v0 < dvp; v0 += VL) {
+            Vec sum(acc_t(0));
+            for (int r = 0; r < R; ++r)
+              sum = at::vec::fmadd(Vec(row_mean[r]), Vec::loadu(vbuf.data() + r * dvp + v0), sum);
+            sum.store(tbuf.data() + v0);
+          }
+          for (int64_t c = 0; c < dv; ++c) cp[c] += static_cast<double>(tbuf[c]);
         }
       });
     });
@@ -793,6 +800,8 @@ at::Tensor attention_rows_apply_typed(const at::Tensor& rows, const at::Tensor& 
                                       const at::Tensor& bias, bool centre,
                                       at::ScalarType out_dtype) {
   const int64_t B = rows.size(0), H = rows.size(1), N = rows.size(2), M = rows.size(3);
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t VL = Vec::size();
   const int64_t dv = A.size(3), dvp = padded_width<acc_t>(dv);
   at::Tensor out = at::empty({B, N, H, dv}, rows.options().dtype(out_dtype));
   if (out.numel() == 0) return out;
@@ -815,10 +824,17 @@ at::Tensor attention_rows_apply_typed(const at::Tensor& rows, const at::Tensor& 
         const acc_t* a = pr + (bh * N + row0) * M;
         if (centre) {
           for (int r = 0; r < R; ++r) {
-            acc_t sum = 0;
-            for (int64_t j = 0; j < M; ++j) sum += a[r * M + j];
+            const acc_t* ar = a + r * M;
+            acc_t* cr = cbuf.data() + r * M;
+            Vec acc(acc_t(0));
+            int64_t j = 0;
+            for (; j + VL <= M; j += VL) acc = acc + Vec::loadu(ar + j);
+            acc_t sum = at::vec::vec_reduce_all<acc_t>([](Vec& x, Vec& y) { return x + y; }, acc);
+            for (; j < M; ++j) sum += ar[j];
             const acc_t mean = sum / static_cast<acc_t>(M);
-            for (int64_t j = 0; j < M; ++j) cbuf[r * M + j] = a[r * M + j] - mean;
+            const Vec vmean(mean);
+            for (j = 0; j + VL <= M; j += VL) (Vec::loadu(ar + j) - vmean).store(cr + j);
+            for (; j < M; ++j) cr[j] = ar[j] - mean;
           }
           a = cbuf.data();
         }
