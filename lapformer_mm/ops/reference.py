@@ -214,7 +214,8 @@ def landmark_rhs(c_k, v):
     landmark-to-landmark differences (then scaled by the whitening's s); a plain fp32 N-sum
     loses them (issue 34, devtools/parity_probe.py). The centred N-sum runs on small values;
     the common part rᵀ v, N · d_v products, in :data:`RESIDUAL_DTYPE`: P⁻¹ does not keep an
-    error common to the landmarks common, and in fp32 it costs as much as the centring gains."""
+    error common to the landmarks common, and in fp32 its N-sum undid the centring's gain
+    (the probe's mode 4b)."""
     row = c_k.mean(-1, keepdim=True)
     wide = torch.promote_types(RESIDUAL_DTYPE.get(), v.dtype)
     # transpose, not .mT: the TorchScript exporter has no aten::mT.
