@@ -30,6 +30,14 @@ def centred_rhs(c_k, v):
             + torch.matmul(row.transpose(-1, -2), v))
 
 
+def centred_rhs_wide(c_k, v):
+    """:func:`centred_rhs` with the common part rowmeanᵀ v (an N-sum of d_v values) in fp64:
+    an error in it is common to every landmark, but P⁻¹ does not keep it common."""
+    row = c_k.mean(-1, keepdim=True)
+    return (torch.matmul((c_k - row).transpose(-1, -2), v)
+            + torch.matmul(row.double().transpose(-1, -2), v.double()).float())
+
+
 def chunked_rhs(c_k, v, rows=512):
     """c_kᵀ v as fp32 partial products over blocks of rows, the partials summed pairwise."""
     parts = [torch.matmul(c_k[..., i:i + rows, :].transpose(-1, -2), v[..., i:i + rows, :])
@@ -58,7 +66,9 @@ def probe_forward(flags):
             c_k = sim(qa, la, D)
         P = R.landmark_system(la, opts.lam, opts.eps, opts.kernel)
         rhs_dt = D if 'rhs' in flags else f
-        if 'rhs_centred' in flags:
+        if 'rhs_centred64' in flags:
+            rhs = centred_rhs_wide(c_k.float(), va)
+        elif 'rhs_centred' in flags:
             rhs = centred_rhs(c_k.float(), va)
         elif 'rhs_chunk' in flags:
             rhs = chunked_rhs(c_k.float(), va)
@@ -110,6 +120,11 @@ VARIANTS = {
     '(2b) two-pass centring fp32': {'centre2'},
     '(4)+(2b)': {'rhs', 'centre2'},
     '(4c)+(2b) all fp32': {'rhs_chunk', 'centre2'},
+    '(4b)+(2b) centred rhs, two-pass centring, all fp32': {'rhs_centred', 'centre2'},
+    '(4b)+(2) centred rhs, centring fp64': {'rhs_centred', 'centre'},
+    '(4d) centred rhs, common part fp64': {'rhs_centred64'},
+    '(4d)+(2b)': {'rhs_centred64', 'centre2'},
+    '(4d)+(2)': {'rhs_centred64', 'centre'},
 }
 if len(sys.argv) > 1 and sys.argv[1] == '--fp32fix':
     VARIANTS = {k: VARIANTS[k] for k in ('ORIG fp32', 'all fp64', '(4c)+(2)',
@@ -119,6 +134,13 @@ if len(sys.argv) > 1 and sys.argv[1] == '--extra':
     VARIANTS = {k: VARIANTS[k] for k in ('ORIG fp32', 'all fp64', '(4) rhs fp64',
                 '(4)+(1) stats', '(4)+(2) centring', '(4)+(1+2)',
                 '(4c) rhs fp32, 512-row chunks pairwise', '(4c)+(1+2)', '(4c)+(2)')}
+    del sys.argv[1]
+if len(sys.argv) > 1 and sys.argv[1] == '--centred':
+    VARIANTS = {k: VARIANTS[k] for k in (
+        'ORIG fp32', 'all fp64', '(4) rhs fp64', '(4b) rhs fp32, centred form',
+        '(2b) two-pass centring fp32', '(4b)+(2b) centred rhs, two-pass centring, all fp32',
+        '(4)+(2b)', '(4b)+(2) centred rhs, centring fp64', '(4)+(2) centring',
+        '(4d) centred rhs, common part fp64', '(4d)+(2b)', '(4d)+(2)')}
     del sys.argv[1]
 if len(sys.argv) > 1 and sys.argv[1] == '--quick':
     VARIANTS = {k: VARIANTS[k] for k in ('ORIG fp32', 'all fp64', '(4) rhs fp64',

@@ -189,7 +189,8 @@ def newton_schulz(P, iters, init):
     return x.view(P.shape).to(P.dtype)
 
 
-#: The dtype of the refinement step's residual: fp64, or fp32 for runtimes without fp64 within
+#: The dtype of the refinement step's residual and of rhs's common part (:func:`landmark_rhs`):
+#: fp64, or fp32 for runtimes without fp64 within
 #: ``lapformer_mm.ops.export.residual_precision('fp32')``.
 RESIDUAL_DTYPE = contextvars.ContextVar('lapformer_mm_residual_dtype', default=torch.float64)
 
@@ -204,6 +205,22 @@ def apply_inverse(inverse, P, rhs, ns_refine):
     wide = torch.promote_types(RESIDUAL_DTYPE.get(), x.dtype)
     residual = rhs.to(wide) - torch.matmul(P.to(wide), x.to(wide))
     return x + torch.matmul(inverse, residual.to(x.dtype))
+
+
+def landmark_rhs(c_k, v):
+    """R = k(k, L)ᵀ v (..., m, d_v) as (C_k − r 1ᵀ)ᵀ v + 1 (rᵀ v), r = C_k's row means over
+    landmarks: exact in math for any r, so r's own rounding does not matter. Every key is
+    nearly equally similar to every landmark, so the output reads only R's small
+    landmark-to-landmark differences (then scaled by the whitening's s); a plain fp32 N-sum
+    loses them (issue 34, devtools/parity_probe.py). The centred N-sum runs on small values;
+    the common part rᵀ v, N · d_v products, in :data:`RESIDUAL_DTYPE`: P⁻¹ does not keep an
+    error common to the landmarks common, and in fp32 its N-sum undid the centring's gain
+    (the probe's mode 4b)."""
+    row = c_k.mean(-1, keepdim=True)
+    wide = torch.promote_types(RESIDUAL_DTYPE.get(), v.dtype)
+    # transpose, not .mT: the TorchScript exporter has no aten::mT.
+    common = torch.matmul(row.to(wide).transpose(-1, -2), v.to(wide)).to(v.dtype)
+    return torch.matmul((c_k - row).transpose(-1, -2), v) + common
 
 
 def solve_context(P, rhs, opts):
@@ -293,6 +310,9 @@ def whiten(C, whiten_eps):
     """(Z, stats) for C (..., N, m): Z = c̃ diag(s) + 1/m, c̃ centred over landmarks and whitened
     over queries; stats (..., 2, m) = the column mean μ of c̃ and s = (var + δ)^-½ over queries."""
     centred = C - C.mean(-1, keepdim=True)
+    # Twice: a row's values nearly agree, so the first mean's rounding is most of what is
+    # left, common to the row, and s (17–316) scales it into every column (issue 34).
+    centred = centred - centred.mean(-1, keepdim=True)
     mean = centred.mean(-2, keepdim=True)
     scale = whitening_scale((centred - mean).square().mean(-2, keepdim=True), whiten_eps)
     return centred * scale + 1.0 / C.shape[-1], torch.cat((mean, scale), dim=-2)
@@ -310,8 +330,7 @@ def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=Fal
         c_q = similarity(qa, la, opts.lam, opts.kernel, export)
         c_k = c_q if k is None else similarity(k.to(dtype), la, opts.lam, opts.kernel, export)
         P = landmark_system(la, opts.lam, opts.eps, opts.kernel, export)
-        # transpose, not .mT: the TorchScript exporter has no aten::mT.
-        rhs = torch.matmul(c_k.transpose(-1, -2), va)
+        rhs = landmark_rhs(c_k, va)
         if solver == 'newton':
             context, inverse = solve_context(P, rhs, opts)
         else:

@@ -1,7 +1,13 @@
 """Nyström attention: exact limit, gradients, injectivity, batch independence, validation."""
 import pytest
 import torch
-from _attention_helpers import dense_attention, dense_injective, dense_l1_kernel, finite
+from _attention_helpers import (
+    dense_attention,
+    dense_injective,
+    dense_l1_kernel,
+    finite,
+    smooth_tokens,
+)
 from _property_strategies import PROPERTY, attention_cases, run_attention
 from hypothesis import given
 
@@ -62,6 +68,37 @@ def test_injective_normalize_matches_definition_and_gradcheck():
     torch.testing.assert_close(injective_normalize(C, 1e-3), dense_injective(C, 1e-3))
     C = C[:1, :1].clone().requires_grad_()
     assert torch.autograd.gradcheck(lambda c: injective_normalize(c, 1e-3), (C,))
+
+
+def test_fp32_injective_normalize_of_nearly_equal_rows():
+    """Rows 0.7 ± 1e-4 (every query nearly equally similar to every landmark): a one-pass fp32
+    centring leaves its mean's rounding in each row, which s ≈ 316 scales to 2.7e-4; centred
+    twice, 1.4e-7 (issue 34)."""
+    gen = torch.Generator().manual_seed(0)
+    C = (0.7 + 1e-4 * torch.randn(2, 3, 512, 49, generator=gen, dtype=torch.float64)).float()
+    expected = dense_injective(C.double(), 1e-5)
+    error = (injective_normalize(C).double() - expected).abs().max() / expected.abs().max()
+    assert error < 1e-6
+
+
+@pytest.mark.parametrize('impl', ['reference', 'cpu'])
+def test_fp32_attention_of_nearly_equal_kernel_columns(impl):
+    """Smooth tokens and their pooled landmarks, values offset by 3: every key nearly equally
+    similar to every landmark, so the output reads only k(k, L)ᵀ v's small landmark-to-landmark
+    differences. A plain fp32 N-sum for it and an uncentred product left 2.4e-6–4.3e-6 here
+    (mean 3.4e-6 over the seeds; the plain N-sum alone, 1.9e-6); the centred forms 0.7e-6–1.0e-6
+    (mean 0.8e-6–0.9e-6; issue 34)."""
+    if impl == 'cpu' and not cpu.available():
+        pytest.skip('CPU kernels not built')
+    errors = []
+    for seed in range(4):
+        q = smooth_tokens(1, (64, 96), 32, 0.5, seed)
+        v = smooth_tokens(1, (64, 96), 32, 1.0, seed + 100) + 3.0
+        landmarks = pool_landmarks(q, (64, 96), 7)
+        expected = dense_attention(q, q, v, landmarks)
+        out = nystrom_attention(q.float(), q.float(), v.float(), landmarks.float(), impl=impl)
+        errors.append(float((out.double() - expected).abs().max() / expected.abs().max()))
+    assert sum(errors) / len(errors) < 1.3e-6, errors
 
 
 @pytest.mark.parametrize('kernel', ['laplacian', 'gaussian'])

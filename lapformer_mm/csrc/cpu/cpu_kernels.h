@@ -652,7 +652,9 @@ void reduce_into(const std::vector<acc_t>& parts, int64_t BH, int64_t chunks, in
 }
 
 // Forward pass over the rows of x: C = K(x, L) row by row. Optionally
-//   ctx_rhs: R = C^T v (B, H, m, d_v);
+//   ctx_rhs: R = C^T v (B, H, m, d_v), as reference.landmark_rhs: (C - r 1^T)^T v summed in
+//            acc_t plus the common part r^T v (r the row means over landmarks) summed in
+//            double (each block's few rows in acc_t first);
 //   stats:   (B, H, 2, m), the column mean and (biased) variance over rows of the
 //            row-centred C, accumulated around the first row's values (no cancellation
 //            for nearly constant columns), chunk partials summed in double;
@@ -697,14 +699,18 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
     }
     const int64_t rhs_part = with_v ? s.M * dvp : 0, stat_part = want_stats ? 2 * s.Mp : 0;
     std::vector<acc_t> rhs_parts(static_cast<size_t>(s.items() * rhs_part));
+    std::vector<double> common_parts(static_cast<size_t>(with_v ? s.items() * dv : 0));
     std::vector<acc_t> stat_parts(static_cast<size_t>(s.items() * stat_part));
     const auto vo = with_v ? operand<scalar_t>(*v) : Operand<scalar_t>{nullptr, 0, 0, 0, 0};
     acc_t* prows = want_rows ? rows.data_ptr<acc_t>() : nullptr;
     for_each_chunk(s, [&](int64_t bh, int64_t b, int64_t h, int64_t i0, int64_t n, int64_t chunk) {
       std::vector<acc_t> kbuf(kBlockRows * s.Mp, acc_t(0)), vbuf(kBlockRows * dvp);
+      std::vector<acc_t> cbuf(with_v ? kBlockRows * s.Mp : 0), tbuf(with_v ? dvp : 0);
       acc_t* rp = rhs_parts.data() + (bh * s.chunks + chunk) * rhs_part;
       acc_t* sp = stat_parts.data() + (bh * s.chunks + chunk) * stat_part;
+      double* cp = with_v ? common_parts.data() + (bh * s.chunks + chunk) * dv : nullptr;
       std::fill(rp, rp + rhs_part, acc_t(0));
+      if (with_v) std::fill(cp, cp + dv, 0.0);
       std::fill(sp, sp + stat_part, acc_t(0));
       const acc_t* sh = want_stats ? shift.data() + bh * s.Mp : nullptr;
       for_each_block(n, [&](auto rows_const, int64_t i) {
@@ -717,10 +723,13 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
             std::copy(kbuf.data() + r * s.Mp, kbuf.data() + r * s.Mp + s.M,
                       prows + ((bh * s.N) + row0 + r) * s.M);
         }
+        acc_t row_mean[R];
+        for (int r = 0; r < R; ++r)
+          row_mean[r] = lane_sum(kbuf.data() + r * s.Mp, s.Mp) / static_cast<acc_t>(s.M);
         if (want_stats) {
           for (int r = 0; r < R; ++r) {
             const acc_t* kr = kbuf.data() + r * s.Mp;
-            const Vec mean(lane_sum(kr, s.Mp) / static_cast<acc_t>(s.M));
+            const Vec mean(row_mean[r]);
             for (int64_t v0 = 0; v0 < s.Mp; v0 += VL) {
               const Vec delta = Vec::loadu(kr + v0) - mean - Vec::loadu(sh + v0);
               (Vec::loadu(sp + v0) + delta).store(sp + v0);
@@ -729,13 +738,38 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
           }
         }
         if (with_v) {
-          for (int r = 0; r < R; ++r)
+          for (int r = 0; r < R; ++r) {
             stage_row(vo.row(b, h, row0 + r), vo.sc, dv, dvp, vbuf.data() + r * dvp);
-          accumulate_outer<R>(kbuf.data(), s.Mp, vbuf.data(), s.M, dvp, rp);
+            const Vec mean(row_mean[r]);
+            // Lanes beyond m hold -mean; accumulate_outer reads the first m only.
+            for (int64_t v0 = 0; v0 < s.Mp; v0 += VL)
+              (Vec::loadu(kbuf.data() + r * s.Mp + v0) - mean).store(cbuf.data() + r * s.Mp + v0);
+          }
+          accumulate_outer<R>(cbuf.data(), s.Mp, vbuf.data(), s.M, dvp, rp);
+          // The common part: the block's R terms in acc_t, then into the chunk's double sum
+          // (as good as an fp64 N-sum, and the scalar double work is 1/R of the rows').
+          for (int64_t v0 = 0; v0 < dvp; v0 += VL) {
+            Vec sum(acc_t(0));
+            for (int r = 0; r < R; ++r)
+              sum = at::vec::fmadd(Vec(row_mean[r]), Vec::loadu(vbuf.data() + r * dvp + v0), sum);
+            sum.store(tbuf.data() + v0);
+          }
+          for (int64_t c = 0; c < dv; ++c) cp[c] += static_cast<double>(tbuf[c]);
         }
       });
     });
-    if (with_v) reduce_into(rhs_parts, s.B * s.H, s.chunks, s.M, dvp, rhs);
+    if (with_v) {
+      reduce_into(rhs_parts, s.B * s.H, s.chunks, s.M, dvp, rhs);
+      acc_t* pr = rhs.data_ptr<acc_t>();
+      for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
+        for (int64_t c = 0; c < dv; ++c) {
+          double sum = 0;
+          for (int64_t k = 0; k < s.chunks; ++k) sum += common_parts[(bh * s.chunks + k) * dv + c];
+          const acc_t common = static_cast<acc_t>(sum);
+          for (int64_t j = 0; j < s.M; ++j) pr[(bh * s.M + j) * dv + c] += common;
+        }
+      }
+    }
     if (want_stats) {
       auto st = stats.accessor<acc_t, 4>();
       for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
@@ -757,11 +791,17 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
 }
 
 // out (B, N, H, d_v) in out_dtype: out_i = C_i A + bias for rows C (B, H, N, m), A (B, H, m,
-// d_v), bias (B, H, 1, d_v).
+// d_v), bias (B, H, 1, d_v); with `centre`, C_i less its mean over landmarks. For the
+// whitening's folded A = (I - J/m) diag(s) context that is the same in math, but a row's
+// values nearly agree, so uncentred its mean times the fp32 rounding of 1^T A (~0) is most
+// of the error (issue 34).
 template <typename acc_t, typename out_t>
 at::Tensor attention_rows_apply_typed(const at::Tensor& rows, const at::Tensor& A,
-                                      const at::Tensor& bias, at::ScalarType out_dtype) {
+                                      const at::Tensor& bias, bool centre,
+                                      at::ScalarType out_dtype) {
   const int64_t B = rows.size(0), H = rows.size(1), N = rows.size(2), M = rows.size(3);
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t VL = Vec::size();
   const int64_t dv = A.size(3), dvp = padded_width<acc_t>(dv);
   at::Tensor out = at::empty({B, N, H, dv}, rows.options().dtype(out_dtype));
   if (out.numel() == 0) return out;
@@ -774,15 +814,31 @@ at::Tensor attention_rows_apply_typed(const at::Tensor& rows, const at::Tensor& 
   const acc_t* pr = rows.data_ptr<acc_t>();
   out_t* po = out.data_ptr<out_t>();
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> obuf(kBlockRows * dvp);
+    std::vector<acc_t> obuf(kBlockRows * dvp), cbuf(centre ? kBlockRows * M : 0);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t bh = w / chunks, b = bh / H, h = bh % H, i0 = (w % chunks) * kChunkRows;
       const int64_t n = std::min(kChunkRows, N - i0);
       for_each_block(n, [&](auto rows_const, int64_t i) {
         constexpr int R = decltype(rows_const)::value;
         const int64_t row0 = i0 + i;
-        rows_times<R>(pr + (bh * N + row0) * M, M, M, packs[bh].data(), dvp,
-                      biases[bh].data(), obuf.data());
+        const acc_t* a = pr + (bh * N + row0) * M;
+        if (centre) {
+          for (int r = 0; r < R; ++r) {
+            const acc_t* ar = a + r * M;
+            acc_t* cr = cbuf.data() + r * M;
+            Vec acc(acc_t(0));
+            int64_t j = 0;
+            for (; j + VL <= M; j += VL) acc = acc + Vec::loadu(ar + j);
+            acc_t sum = at::vec::vec_reduce_all<acc_t>([](Vec& x, Vec& y) { return x + y; }, acc);
+            for (; j < M; ++j) sum += ar[j];
+            const acc_t mean = sum / static_cast<acc_t>(M);
+            const Vec vmean(mean);
+            for (j = 0; j + VL <= M; j += VL) (Vec::loadu(ar + j) - vmean).store(cr + j);
+            for (; j < M; ++j) cr[j] = ar[j] - mean;
+          }
+          a = cbuf.data();
+        }
+        rows_times<R>(a, M, M, packs[bh].data(), dvp, biases[bh].data(), obuf.data());
         for (int r = 0; r < R; ++r) {
           out_t* dst = po + ((b * N + row0 + r) * H + h) * dv;
           for (int64_t e = 0; e < dv; ++e) dst[e] = static_cast<out_t>(obuf[r * dvp + e]);
@@ -1059,7 +1115,8 @@ inline std::tuple<at::Tensor, at::Tensor> pairwise_backward(
 }
 
 inline at::Tensor attention_rows_apply(const at::Tensor& rows, const at::Tensor& a,
-                                       const at::Tensor& bias, at::ScalarType dtype) {
+                                       const at::Tensor& bias, bool centre,
+                                       at::ScalarType dtype) {
   TORCH_CHECK(rows.defined() && rows.device().is_cpu() && rows.dim() == 4 && rows.is_contiguous()
                   && (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kDouble),
               "rows must be a contiguous 4-D float32 or float64 CPU tensor");
@@ -1070,7 +1127,7 @@ inline at::Tensor attention_rows_apply(const at::Tensor& rows, const at::Tensor&
   AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "attention_rows_apply", [&] {
     using acc_t = scalar_t;
     LAPF_DISPATCH_FLOATING(dtype, "attention_rows_apply_out", [&] {
-      out = attention_rows_apply_typed<acc_t, scalar_t>(rows, a, bias, dtype);
+      out = attention_rows_apply_typed<acc_t, scalar_t>(rows, a, bias, centre, dtype);
     });
   });
   return out;
@@ -1082,7 +1139,8 @@ inline void define_ops(torch::Library& m) {
         "bool need_x, bool need_y) -> (Tensor, Tensor)");
   m.def("attention_rows_forward(Tensor x, Tensor landmarks, Tensor? v, float lam, int kind, "
         "bool want_stats, bool want_rows) -> (Tensor, Tensor, Tensor)");
-  m.def("attention_rows_apply(Tensor rows, Tensor a, Tensor bias, ScalarType dtype) -> Tensor");
+  m.def("attention_rows_apply(Tensor rows, Tensor a, Tensor bias, bool centre, "
+        "ScalarType dtype) -> Tensor");
   m.def("attention_grad_sums(Tensor x, Tensor landmarks, Tensor grad, float lam, int kind, "
         "bool centre) -> (Tensor, Tensor, Tensor)");
   m.def("attention_rows_backward(Tensor x, Tensor landmarks, Tensor? rows, Tensor? grad, "

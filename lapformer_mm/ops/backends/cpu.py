@@ -106,7 +106,7 @@ def forward(q, k, v, landmarks, opts):
     Per (b, h): one pass over the rows of k (tied: q) forms k(k, L) and R = k(k, L)ᵀ v; with
     separate keys a second pass over q forms k(q, L). The query pass also sums the whitening
     statistics and keeps k(q, L) for out = k(q, L) A + 1 bᵀ, A = (I − J/m) diag(s) context,
-    b = colsum(context) / m (the whitening folded in).
+    b = colsum(context) / m (the whitening folded in; the rows centred before the product).
     """
     ops, kind = _ops(), KINDS[opts.kernel]
     injective = opts.normalize == 'injective'
@@ -131,7 +131,7 @@ def forward(q, k, v, landmarks, opts):
         else:
             stats = context.new_empty(*context.shape[:2], 0, m)
             folded, bias = context, context.new_zeros(*context.shape[:2], 1, context.shape[-1])
-        out = ops.attention_rows_apply(rows, folded, bias, q.dtype)
+        out = ops.attention_rows_apply(rows, folded, bias, injective, q.dtype)
     return out, context, inverse, stats
 
 

@@ -292,7 +292,7 @@ def test_results_bit_equal_with_1_and_2_threads(kind):
                    *ops.pairwise_backward(g.mT, k.mT, y, x, 4.0, code, True, True)]
         rhs, stats, rows = ops.attention_rows_forward(x, y, v, 4.0, code, True, True)
         results += [rhs, stats, rows, ops.attention_rows_apply(rows, small[0], small[1][..., :16],
-                                                               torch.float32)]
+                                                               True, torch.float32)]
         results += ops.attention_grad_sums(x, y, gv, 4.0, code, True)
         results += ops.attention_rows_backward(x, y, None, gv, small[0], small[1], small[2], v,
                                                small[3], True, 4.0, code, True)
