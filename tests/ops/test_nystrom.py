@@ -70,7 +70,7 @@ def test_injective_normalize_matches_definition_and_gradcheck():
     assert torch.autograd.gradcheck(lambda c: injective_normalize(c, 1e-3), (C,))
 
 
-def test_fp32_injective_normalize_of_nearly_equal_rows():
+def test_fp32_whitening_of_nearly_equal_rows_is_within_1e6_of_fp64():
     """Rows 0.7 ± 1e-4 (every query nearly equally similar to every landmark): a one-pass fp32
     centring leaves its mean's rounding in each row, which s ≈ 316 scales to 2.7e-4; centred
     twice, 1.4e-7 (issue 34)."""
@@ -82,7 +82,7 @@ def test_fp32_injective_normalize_of_nearly_equal_rows():
 
 
 @pytest.mark.parametrize('impl', ['reference', 'cpu'])
-def test_fp32_attention_of_nearly_equal_kernel_columns(impl):
+def test_fp32_attention_of_nearly_equal_kernel_columns_stays_near_fp64(impl):
     """Smooth tokens and their pooled landmarks, values offset by 3: every key nearly equally
     similar to every landmark, so the output reads only k(k, L)ᵀ v's small landmark-to-landmark
     differences. A plain fp32 N-sum for it and an uncentred product left 2.4e-6–4.3e-6 here
