@@ -306,13 +306,18 @@ def whitening_scale(var, whiten_eps):
                        torch.zeros_like(denom))
 
 
+def centre_rows(C):
+    """c̃ = C − rowmean(C) over landmarks, centred twice: a row's values nearly agree, so the
+    first mean's rounding is most of what is left, common to the row, and the whitening's s
+    (17–316) scales it into every column (issue 34). The backward recomputes c̃ with it."""
+    centred = C - C.mean(-1, keepdim=True)
+    return centred - centred.mean(-1, keepdim=True)
+
+
 def whiten(C, whiten_eps):
     """(Z, stats) for C (..., N, m): Z = c̃ diag(s) + 1/m, c̃ centred over landmarks and whitened
     over queries; stats (..., 2, m) = the column mean μ of c̃ and s = (var + δ)^-½ over queries."""
-    centred = C - C.mean(-1, keepdim=True)
-    # Twice: a row's values nearly agree, so the first mean's rounding is most of what is
-    # left, common to the row, and s (17–316) scales it into every column (issue 34).
-    centred = centred - centred.mean(-1, keepdim=True)
+    centred = centre_rows(C)
     mean = centred.mean(-2, keepdim=True)
     scale = whitening_scale((centred - mean).square().mean(-2, keepdim=True), whiten_eps)
     return centred * scale + 1.0 / C.shape[-1], torch.cat((mean, scale), dim=-2)
@@ -381,7 +386,7 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
         c_q = similarity(qa, la, opts.lam, opts.kernel)
         c_k = c_q if tied else similarity(ka, la, opts.lam, opts.kernel)
         injective = opts.normalize == 'injective'
-        centred = c_q - c_q.mean(-1, keepdim=True) if injective else c_q
+        centred = centre_rows(c_q) if injective else c_q
         d_context, a, _ = context_grads(torch.matmul(centred.mT, g), g.sum(-2, keepdim=True),
                                         context, stats, q.shape[-2], opts.normalize)
         d_cq = torch.matmul(g, context.mT)
