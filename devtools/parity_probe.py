@@ -30,14 +30,6 @@ def centred_rhs(c_k, v):
             + torch.matmul(row.transpose(-1, -2), v))
 
 
-def centred_rhs_wide(c_k, v):
-    """:func:`centred_rhs` with the common part rowmeanᵀ v (an N-sum of d_v values) in fp64:
-    an error in it is common to every landmark, but P⁻¹ does not keep it common."""
-    row = c_k.mean(-1, keepdim=True)
-    return (torch.matmul((c_k - row).transpose(-1, -2), v)
-            + torch.matmul(row.double().transpose(-1, -2), v.double()).float())
-
-
 def chunked_rhs(c_k, v, rows=512):
     """c_kᵀ v as fp32 partial products over blocks of rows, the partials summed pairwise."""
     parts = [torch.matmul(c_k[..., i:i + rows, :].transpose(-1, -2), v[..., i:i + rows, :])
@@ -67,7 +59,7 @@ def probe_forward(flags):
         P = R.landmark_system(la, opts.lam, opts.eps, opts.kernel)
         rhs_dt = D if 'rhs' in flags else f
         if 'rhs_centred64' in flags:
-            rhs = centred_rhs_wide(c_k.float(), va)
+            rhs = R.landmark_rhs(c_k.float(), va)  # the common part in fp64, as adopted
         elif 'rhs_centred' in flags:
             rhs = centred_rhs(c_k.float(), va)
         elif 'rhs_chunk' in flags:
