@@ -18,12 +18,14 @@ smooth random fields, :func:`lapformer_mm.deploy.smooth_input`): per stage the l
 max |out - fp64| / max |fp64| over ``--images`` inputs per size, beside eager fp32's own;
 and eager fp32 against fp64 on white noise at 800×1344. Over one input the ratio of two
 fp32 evaluations' errors is a draw with a wide spread (0.3-3x for files that round no
-worse than eager, docs/deploy.md), so each cell takes the worst of several.
+worse than eager, docs/deploy.md), so each cell takes the worst of several. Random weights
+unless ``--checkpoint`` gives trained ones (any checkpoint whose backbone is
+LaplacianFormer-T, e.g. ``make main``'s ``work_dirs/main_job/epoch_6.pth``).
 
 ``--precision``: the accuracy of the two refinement-residual precisions.
 
     python benchmarks/deploy.py --size 800x1333 --repeats 5 --json bench_deploy.json
-    python benchmarks/deploy.py --parity --images 3
+    python benchmarks/deploy.py --parity --images 3 [--checkpoint CKPT]
     python benchmarks/deploy.py --precision
 """
 import argparse
@@ -212,16 +214,17 @@ PARITY_INPUTS = {'toy': deploy.toy_image_input, 'smooth': deploy.smooth_input}
 
 
 def parity_report(export_shape=(512, 640), sizes=((480, 736), (608, 800), (800, 1344)),
-                  seed=3, inputs='toy', images=3):
+                  seed=3, inputs='toy', images=3, checkpoint=None):
     """Markdown: per-stage error against eager fp64 of each exported form.
 
     Each cell is the largest over ``images`` inputs of kind ``inputs`` (:data:`PARITY_INPUTS`)
-    per size, seeds ``seed``, ``seed + 1``, .... The TorchScript files and the torch.export
+    per size, seeds ``seed``, ``seed + 1``, ...; the backbone's weights from ``checkpoint``
+    (random without one). The TorchScript files and the torch.export
     program first, then the dynamo files (the slowest to export); each group's rows are
     printed as soon as they are measured.
     """
     from torch.export import Dim
-    model = build_backbone(REFERENCE)
+    model = build_backbone(REFERENCE, checkpoint=checkpoint)
     module = deploy.ExportModule(model)
     module64 = copy.deepcopy(module).double()
     try:
@@ -378,6 +381,8 @@ def parse_args(argv=None):
                         help='--parity inputs: toy COCO scenes (default) or smooth fields')
     parser.add_argument('--images', type=int, default=3,
                         help='--parity inputs per size; each cell is their worst (default 3)')
+    parser.add_argument('--checkpoint',
+                        help='--parity: trained LaplacianFormer-T weights (default: random)')
     parser.add_argument('--precision', action='store_true',
                         help='print the accuracy of the refinement-residual precisions')
     args = parser.parse_args(argv)
@@ -390,7 +395,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.parity:
         print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {load_average()}")
-        print(parity_report(inputs=args.inputs, images=args.images))
+        print(parity_report(inputs=args.inputs, images=args.images,
+                            checkpoint=args.checkpoint))
         print(f'# load average {load_average()}')
         return 0
     if args.precision:
