@@ -4,6 +4,12 @@ Random-weight LaplacianFormer-T, impl='reference', toy inputs; per-stage max|out
 with one piece of the attention forward computed in fp64 (then cast back to fp32).
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python devtools/parity_probe.py
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python devtools/parity_probe.py --pooling S
+
+``--pooling S``: the benchmark's parity model (seed S before it is built, as in
+docs/benchmarks.md) in eager fp32, impl cpu and reference, with the landmarks pooled four
+ways (ATen in fp32 or fp64, the export form's bin matrices in fp32 or fp64, each cast back):
+how far an eps-sized change of the landmarks alone moves each stage's error against fp64.
 """
 import copy
 import dataclasses
@@ -172,6 +178,46 @@ def main():
                           f'columns var<1e-5 {frac:.2f}, c_q in [{cmin:.2e}, {cmax:.2e}]')
 
 
+def pooling(seed, sizes=((480, 736), (608, 800)), images=3):
+    """Per size, impl and pooling: the worst over ``images`` toy scenes of each stage's
+    max|out - fp64| / max|fp64|, the parity table's statistic."""
+    orig = R.pool_landmarks
+
+    def pool(how):
+        def fn(t, hw, grid, export=False):
+            if t.dtype == D:
+                return orig(t, hw, grid, export)
+            wide = t.double() if how.endswith('64') else t
+            out = (R.pool_landmarks_export(wide, hw, grid) if how.startswith('export')
+                   else orig(wide, hw, grid, False))
+            return out.to(t.dtype)
+        return fn
+
+    torch.manual_seed(seed)
+    module = deploy.ExportModule(build_backbone('laplacianformer-t'))
+    module64 = copy.deepcopy(module).double()
+    reference = copy.deepcopy(module)
+    for layer in reference.modules():
+        if isinstance(layer, LaplacianAttention):
+            layer.options = dataclasses.replace(layer.options, impl='reference')
+    print('| size | impl | pooling | stage 1 | stage 2 | stage 3 | stage 4 |')
+    print('|---|---|---|---|---|---|---|')
+    with torch.no_grad():
+        for size in sizes:
+            xs = [deploy.toy_image_input(size, 1, seed=3 + i) for i in range(images)]
+            refs = [list(module64(x.double())) for x in xs]
+            for impl, model in (('cpu', module), ('reference', reference)):
+                for how in ('aten', 'aten64', 'export32', 'export64'):
+                    R.pool_landmarks = pool(how)
+                    try:
+                        errs = [[deploy.output_error([o], [r])['max_rel']
+                                 for o, r in zip(model(x), ref)] for x, ref in zip(xs, refs)]
+                    finally:
+                        R.pool_landmarks = orig
+                    cells = ' | '.join(f'{max(e[s] for e in errs):.1e}' for s in range(4))
+                    print(f'| {size[0]}x{size[1]} | {impl} | {how} | {cells} |', flush=True)
+
+
 def timing(repeats=20):
     """reference.forward at the first stage-1 call's arguments: fp32 vs chunked rhs, alternated."""
     torch.manual_seed(0)
@@ -205,5 +251,7 @@ def timing(repeats=20):
 if __name__ == '__main__':
     if sys.argv[1:] == ['--time']:
         timing()
+    elif sys.argv[1:2] == ['--pooling']:
+        pooling(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
     else:
         main()
