@@ -33,6 +33,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -313,6 +314,19 @@ def format_parity(sizes, errors, inputs, images):
         lines.append('')
     lines.append(f'cells above 1.5x eager fp32: {over} of {cells_total} exported; the '
                  f'control: {control_over} of {sum(len(e["eager fp32"][0]) for e in errors)}')
+    # Paired, per image: a form that rounds no worse than eager has a geometric mean near 1
+    # or below, whatever the spread of single draws.
+    labels = [label for label in errors[0] if label != 'eager fp32']
+    lines += ['', f'geometric mean over the {len(sizes) * images} (size, image) pairs of '
+              "error / eager fp32's on the same image:", '',
+              '| | ' + ' | '.join(f'stage {i + 1}' for i in range(len(errors[0]['eager fp32'][0])))
+              + ' |', '|---' * (len(errors[0]['eager fp32'][0]) + 1) + '|']
+    for label in labels:
+        ratios = [[math.log(e / b) for e, b in zip(form, eager)]
+                  for size_errors in errors
+                  for form, eager in zip(size_errors[label], size_errors['eager fp32'])]
+        means = [math.exp(statistics.fmean(stage)) for stage in zip(*ratios)]
+        lines.append(f'| {label} | ' + ' | '.join(f'{m:.2f}' for m in means) + ' |')
     return '\n'.join(lines)
 
 
