@@ -74,6 +74,7 @@ EMU_EXPORT const char* emu_params_layout() {
 #define EMU_SCALAR(f) EMU_LINE(#f, offsetof(nys_params, f))
     EMU_SCALAR(out); EMU_SCALAR(part); EMU_SCALAR(fold); EMU_SCALAR(context);
     EMU_SCALAR(inverse); EMU_SCALAR(stats); EMU_SCALAR(work); EMU_SCALAR(lpart);
+    EMU_SCALAR(common);
     EMU_SCALAR(bh_count); EMU_SCALAR(heads); EMU_SCALAR(n); EMU_SCALAR(m); EMU_SCALAR(d);
     EMU_SCALAR(dv); EMU_SCALAR(chunk); EMU_SCALAR(splits); EMU_SCALAR(iters);
     EMU_SCALAR(init_authors); EMU_SCALAR(refine); EMU_SCALAR(injective);

@@ -44,9 +44,10 @@ int nystrom_attention(bool tied) {
                        g = ramp(bh * n * dv, 0.01f);
     std::vector<float> part(bh * splits * (2 * m + m * dv)), fold(bh * (m + 1) * dv),
         context(bh * m * dv), inverse(bh * m * m), stats(bh * 2 * m), out(bh * n * dv),
-        fwork(bh * (m * m + m * dv)), bpart(bh * splits * (m * dv + dv)),
+        fwork(bh * (m * m + m * dv + dv)), bpart(bh * splits * (m * dv + dv)),
         work(bh * (2 * m * dv + m + m * m + dv)), lpart(bh * splits * m * d), dq(bh * n * d),
         dk(bh * n * d), dvv(bh * n * dv), dl(bh * m * d);
+    std::vector<double> common(bh * splits * dv);
     nys_params p{};
     p.q = operand(q.data(), heads * n * d, n * d, d, 1);
     p.k = tied ? nys_operand{} : operand(k.data(), heads * n * d, n * d, d, 1);
@@ -63,6 +64,7 @@ int nystrom_attention(bool tied) {
     p.inverse = inverse.data();
     p.stats = stats.data();
     p.lpart = lpart.data();
+    p.common = common.data();
     p.bh_count = bh;
     p.heads = heads, p.n = n, p.m = m, p.d = d, p.dv = dv, p.chunk = 64, p.splits = splits;
     p.iters = 6, p.init_authors = 0, p.refine = 1, p.injective = 1, p.solve_cols = cols;
@@ -78,7 +80,7 @@ int nystrom_attention(bool tied) {
     const std::size_t grads = 4 * (2 * NYS_MP * (NYS_DV + 1) + 2 * NYS_TB * (NYS_MP + 1) +
                                    2 * NYS_TB * (NYS_DW + 1) + NYS_TK * (NYS_TB + 1) +
                                    NYS_TK * (NYS_MP + 1) + 3 * NYS_MP + 2 * NYS_TB);
-    const unsigned pieces = (m + m * dv + NYS_LANES - 1) / NYS_LANES;
+    const unsigned pieces = (m + m * dv + dv + NYS_LANES - 1) / NYS_LANES;
     const unsigned jobs = 1 + (pieces + NYS_UNITS - 1) / NYS_UNITS;
     p.part = part.data();
     p.work = fwork.data();

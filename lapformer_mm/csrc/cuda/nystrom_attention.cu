@@ -5,10 +5,13 @@
 // c~ = C - rowmean(C), s the per-landmark whitening scale and P = k(L, L) + eps I:
 //
 //   forward   nys_forward_stats   over N: column statistics of c~ (Chan's per-tile
-//                                 mean and M2) and R = C_k^T v, per row slice
+//                                 mean and M2) and R = C_k^T v as reference.landmark_rhs,
+//                                 (C_k - r 1^T)^T v and the common part r^T v in fp64
+//                                 (r: C_k's row means), per row slice
 //             nys_forward_solve   per bh, one block: P, Newton-Schulz; beside it, many
-//                                 blocks merge the slices (statistics, s, R)
-//             nys_forward_context per (value columns, bh): context = X R (+ X (R - P X R),
+//                                 blocks merge the slices (statistics, s, R, r^T v)
+//             nys_forward_context per (value columns, bh): R += the common part rounded
+//                                 to fp32, context = X R (+ X (R - P X R),
 //                                 residual in fp64), fold = diag(s) context,
 //                                 b = colsum(context) / m
 //             nys_forward_out     over N: out = c~ fold + b (normalize='none': C context),
@@ -31,7 +34,8 @@
 // them runs in a fixed order (consecutive slices per group, then the groups in order,
 // nys_slice_range): no atomics, bit-equal reruns. Inputs q, k, v, L and the
 // output gradient are read with arbitrary strides; element types fp32, fp16, bf16
-// (fp64 inputs take the reference); everything accumulates in fp32. Limits: m <= NYS_MP
+// (fp64 inputs take the reference); everything accumulates in fp32 but the common
+// part of R, r^T v, and the refinement's residual (fp64). Limits: m <= NYS_MP
 // landmarks and d_v <= NYS_DV (the backend's not_supported says which variant fits);
 // any N, d and number of (batch, head) pairs (blocks loop beyond the grid limits).
 //
@@ -62,10 +66,12 @@ static_assert(NYS_MP % NYS_TX == 0 && NYS_MP % NYS_TY == 0 && NYS_DV % NYS_TX ==
               "each thread holds whole rows and columns of a tile");
 static_assert(NYS_TK == NYS_TX, "the gradient pass maps the d-chunk onto threadIdx.x");
 static_assert(NYS_THREADS % NYS_MP == 0, "the column statistics split rows among groups");
+static_assert(NYS_THREADS % NYS_DV == 0, "the common part of R splits rows among groups");
 constexpr int NYS_RM = NYS_MP / NYS_TY;  // landmark rows per thread of a C^T x product
 constexpr int NYS_CM = NYS_MP / NYS_TX;  // landmark columns per thread of a kernel tile
 constexpr int NYS_CV = NYS_DV / NYS_TX;  // value columns per thread
 constexpr int NYS_GROUPS = NYS_THREADS / NYS_MP;  // row groups of the column statistics
+constexpr int NYS_CGROUPS = NYS_THREADS / NYS_DV;  // row groups of the common part r^T v
 // dP's elements per thread in the backward solve (held in registers over the chunks).
 constexpr int NYS_DPR = (NYS_MP * NYS_MP + NYS_THREADS - 1) / NYS_THREADS;
 static_assert(NYS_THREADS % NYS_LANES == 0, "the slice merges split the block into groups");
@@ -97,6 +103,7 @@ struct nys_params {
     float* stats;
     float* work;             // backward: [dR, a, dL through P] per bh
     float* lpart;            // backward: the landmarks' gradient per slice
+    double* common;          // forward: per slice, the common part r^T v of R (d_v)
     long long bh_count;
     int heads, n, m, d, dv;
     int chunk, splits;       // rows of a slice, slices per bh
@@ -316,9 +323,18 @@ __device__ __forceinline__ long long nys_backward_work_stride(int m, int dv) {
 // Forward.
 // ---------------------------------------------------------------------------
 
+// Per bh of the forward: [P (m x m), the merged centred R (m x d_v), r^T v (d_v)].
+__device__ __forceinline__ long long nys_forward_work_stride(int m, int dv) {
+    return (long long)m * m + (long long)m * dv + dv;
+}
+
 // Pass 1: one block per (row slice, bh). Writes, per slice, the column mean and M2 of
-// c~ over the slice's rows (injective) and R = C_k^T v (m x d_v): part[bh, split] =
-// [mean (m), M2 (m), R (m x d_v)].
+// c~ over the slice's rows (injective) and R = C_k^T v (m x d_v) as
+// reference.landmark_rhs: the centred (C_k - r 1^T)^T v in fp32, part[bh, split] =
+// [mean (m), M2 (m), centred R (m x d_v)], and the common part r^T v summed in fp64,
+// common[bh, split] (d_v), r the key rows' means over the landmarks. Every key is nearly
+// equally similar to every landmark: the output reads only R's small landmark-to-landmark
+// differences, which a plain fp32 N-sum loses (issue 34).
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_params p) {
     __shared__ nys_row_smem rs;
@@ -327,6 +343,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
     const float* rm = rs.rm;
     __shared__ float group_mean[NYS_GROUPS][NYS_MP];
     __shared__ float group_m2[NYS_GROUPS][NYS_MP];
+    __shared__ double group_common[NYS_CGROUPS][NYS_DV];
     const int tid = nys_tid();
     const int m = p.m, dv = p.dv;
     const int split = blockIdx.x, splits = gridDim.x;
@@ -336,6 +353,10 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
     // group, the groups merged in order by the first NYS_MP threads.
     constexpr int GROUP_ROWS = (NYS_TN + NYS_GROUPS - 1) / NYS_GROUPS;
     const int column = tid % NYS_MP, group = tid / NYS_MP;
+    // The common part: value column tid % NYS_DV over the tile rows of its group, in
+    // fp64 over the whole slice, the groups summed in order at its end.
+    constexpr int CGROUP_ROWS = (NYS_TN + NYS_CGROUPS - 1) / NYS_CGROUPS;
+    const int vcolumn = tid % NYS_DV, cgroup = tid / NYS_DV;
 
     for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y) {
         const T* qb = nys_in<T>(p.q, bh, p.heads);
@@ -347,6 +368,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
         float mean = 0.0f, m2 = 0.0f;
         float acc[NYS_RM][NYS_CV];
         nys_zero(acc);
+        double common = 0.0;
         for (int row0 = row_begin; row0 < row_end; row0 += NYS_TN) {
             const int nrows = min(NYS_TN, row_end - row0);
             nys_kernel_tile<NYS_TN, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
@@ -380,16 +402,29 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
                     }
                 }
             }
-            // The statistics read ct and the group sums; the key tile overwrites ct and
-            // the next tile the sums only after the staging barrier inside
-            // nys_kernel_tile, which every thread reaches after reading.
+            // The statistics read ct, rm and the group sums; the key tile overwrites ct
+            // (and its row means rm) and the next tile the sums only after the staging
+            // barrier inside nys_kernel_tile, which every thread reaches after reading.
+            // With tied keys the statistics' ct and rm are the key tile's, and their reads
+            // end at the barrier after the group sums.
             if (kb != nullptr)
                 nys_kernel_tile<NYS_TN, T, KIND>(p, kb + row0 * p.k.sn, p.k.sn, p.k.sd, nrows, lb,
                                                  rs.xs, rs.ys, rs.ct);
+            if (kb != nullptr || !p.injective) nys_row_means<NYS_TN>(rs.ct, nrows, p.m, rs.rm);
             nys_load_rows<NYS_TN, NYS_DV, T>(vb + row0 * p.v.sn, p.v.sn, p.v.sd, nrows, dv, vt);
+            // The key tile centred, C_k - r 1^T (padding stays 0).
+            for (int e = tid; e < nrows * NYS_MP; e += NYS_THREADS) {
+                const int i = e / NYS_MP, j = e % NYS_MP;
+                if (j < m) ct[i][j] -= rm[i];
+            }
             __syncthreads();
             nys_acc_atb(ct, vt, nrows, acc);
-            // ct and vt are rewritten by the next tile.
+            {
+                const int i0 = min(nrows, cgroup * CGROUP_ROWS);
+                const int i1 = min(nrows, i0 + CGROUP_ROWS);
+                for (int i = i0; i < i1; ++i) common += (double)rm[i] * (double)vt[i][vcolumn];
+            }
+            // ct, rm and vt are rewritten by the next tile.
             __syncthreads();
         }
         float* pb = p.part + (bh * splits + split) * part_stride;
@@ -398,6 +433,15 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
             pb[m + tid] = m2;
         }
         nys_store_atb(acc, m, dv, pb + 2 * m);
+        group_common[cgroup][vcolumn] = common;
+        __syncthreads();
+        if (tid < dv) {
+            double s = 0.0;
+            for (int g = 0; g < NYS_CGROUPS; ++g) s += group_common[g][tid];
+            p.common[(bh * splits + split) * dv + tid] = s;
+        }
+        // group_common is rewritten by the next bh.
+        __syncthreads();
     }
 }
 
@@ -426,7 +470,7 @@ __device__ void nys_solve_inverse(const nys_params& p, long long bh, float* smem
     __syncthreads();
     ns_iterate<float>(Ps, X, Tn, scratch, m, p.iters, p.init_authors, p.ns_partials);
     float* ib = p.inverse + bh * m * m;
-    float* wb = p.work + bh * ((long long)m * m + (long long)m * p.dv);
+    float* wb = p.work + bh * nys_forward_work_stride(m, p.dv);
     for (int e = tid; e < m * m; e += NYS_SOLVE_THREADS) {
         const int r = e / m, c = e % m;
         ib[e] = X[r * ld + c];
@@ -435,23 +479,30 @@ __device__ void nys_solve_inverse(const nys_params& p, long long bh, float* smem
 }
 
 // A merge unit of nys_forward_solve (the block's NYS_THREADS threads from unit * NYS_THREADS
-// on): the slices' statistics and R for NYS_LANES consecutive entries `piece` of [m
-// statistics columns, then R's m x d_v entries] (none past them). Writes stats = [mean, s]
-// (injective) and the merged R into work after P. red: the unit's 3 x NYS_THREADS floats.
-// Every thread of the block calls this (one barrier).
+// on): the slices' statistics, R and common part for NYS_LANES consecutive entries `piece`
+// of [m statistics columns, then R's m x d_v entries, then the d_v of r^T v] (none past
+// them). Writes stats = [mean, s] (injective), and the merged centred R and r^T v (summed
+// in fp64, rounded once) into work after P. red: the unit's 5 x NYS_THREADS floats, the
+// last 2 x NYS_THREADS 8-byte aligned. Every thread of the block calls this (one barrier).
 __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, float* red) {
     const int tid = nys_tid() % NYS_THREADS, lane = tid % NYS_LANES, group = tid / NYS_LANES;
-    const int m = p.m, dv = p.dv;
+    const int m = p.m, dv = p.dv, md = m * dv;
     const int e = piece * NYS_LANES + lane;
-    const bool stat = e < m, valid = e < m + m * dv && (!stat || p.injective);
-    const long long stride = 2LL * m + (long long)m * dv;
+    const bool stat = e < m, common = e >= m + md,
+               valid = e < m + md + dv && (!stat || p.injective);
+    const long long stride = 2LL * m + (long long)md;
     const float* pb = p.part + bh * p.splits * stride;
+    const double* cb = p.common + bh * p.splits * (long long)dv;
+    double* cred = reinterpret_cast<double*>(red + 3 * NYS_THREADS);
     int first, last;
     nys_slice_range(p.splits, group, first, last);
     // Statistics: Chan et al.'s merge of (count, mean, M2) over the group's slices in order;
-    // R: the sum (in `mean`).
+    // R: the sum (in `mean`); the common part: the sum in fp64 (in `csum`).
     float count = 0.0f, mean = 0.0f, m2 = 0.0f;
-    if (valid && stat) {
+    double csum = 0.0;
+    if (valid && common) {
+        for (int sp = first; sp < last; ++sp) csum += cb[sp * (long long)dv + (e - m - md)];
+    } else if (valid && stat) {
         for (int sp = first; sp < last; ++sp) {
             const float nb = (float)min(p.chunk, p.n - sp * p.chunk);
             const float total = count + nb, delta = pb[sp * stride + e] - mean;
@@ -466,9 +517,15 @@ __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, 
     red[tid] = count;
     red[NYS_THREADS + tid] = mean;
     red[2 * NYS_THREADS + tid] = m2;
+    cred[tid] = csum;
     __syncthreads();
     if (group == 0 && valid) {
-        if (stat) {
+        float* wb = p.work + bh * nys_forward_work_stride(m, dv) + (long long)m * m;
+        if (common) {
+            double s = 0.0;
+            for (int g = 0; g < NYS_SGROUPS; ++g) s += cred[g * NYS_LANES + lane];
+            wb[e - m] = (float)s;
+        } else if (stat) {
             count = mean = m2 = 0.0f;
             for (int g = 0; g < NYS_SGROUPS; ++g) {
                 const int i = g * NYS_LANES + lane;
@@ -486,7 +543,7 @@ __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, 
         } else {
             float s = 0.0f;
             for (int g = 0; g < NYS_SGROUPS; ++g) s += red[NYS_THREADS + g * NYS_LANES + lane];
-            p.work[bh * ((long long)m * m + (long long)m * dv) + (long long)m * m + (e - m)] = s;
+            wb[e - m] = s;
         }
     }
 }
@@ -496,17 +553,19 @@ __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, 
 // the slices of pass 1 in parallel with it, NYS_UNITS pieces of NYS_LANES entries each
 // (a unit's threads: NYS_SGROUPS groups of consecutive slices times NYS_LANES coalesced
 // entries). Outputs inverse (bh, m, m), stats (bh, 2, m) = [mean, s] (injective; s =
-// (sigma^2 + delta)^-1/2) and work (bh) = [P (m x m), R (m x d_v)].
+// (sigma^2 + delta)^-1/2) and work (bh) = [P (m x m), centred R (m x d_v), r^T v (d_v)].
 //
 // Dynamic shared memory (floats), backends.cuda.solve_smem: P, X and the Newton-Schulz
 // scratch (mp x ld each, the padded layout of ns_iterate) and p.ns_partials floats of its
 // k-split partials; at least the landmark tile (NYS_LTILE) after P; a merge job uses
-// 3 NYS_SOLVE_THREADS of it.
+// 5 NYS_SOLVE_THREADS of it.
+static_assert(5 * NYS_SOLVE_THREADS <= NYS_LTILE, "a merge job fits the landmark tile's room");
+static_assert(NYS_THREADS % 2 == 0, "a merge unit's fp64 sums stay 8-byte aligned");
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_SOLVE_THREADS) nys_forward_solve(const nys_params p) {
     LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
     float* smem = reinterpret_cast<float*>(smem_bytes);
-    const int pieces = (p.m + p.m * p.dv + NYS_LANES - 1) / NYS_LANES;
+    const int pieces = (p.m + p.m * p.dv + p.dv + NYS_LANES - 1) / NYS_LANES;
     const int jobs = 1 + (pieces + NYS_UNITS - 1) / NYS_UNITS;
     const int unit = nys_tid() / NYS_THREADS;
     for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y)
@@ -515,13 +574,14 @@ __global__ void __launch_bounds__(NYS_SOLVE_THREADS) nys_forward_solve(const nys
                 nys_solve_inverse<T, KIND>(p, bh, smem);
             else
                 nys_merge_forward(p, bh, (job - 1) * NYS_UNITS + unit,
-                                  smem + unit * 3 * NYS_THREADS);
+                                  smem + unit * 5 * NYS_THREADS);
             // The next job reuses the shared memory.
             __syncthreads();
         }
 }
 
-// Pass 2b: grid (value-column groups of NYS_CC, bh). context = X R and the refinement
+// Pass 2b: grid (value-column groups of NYS_CC, bh). R = the merged centred R plus the
+// common part, context = X R and the refinement
 // step X (R - P X R) with its residual in fp64, as the reference; fold (bh, m + 1, d_v) =
 // [diag(s) context; colsum(context) / m] for the output pass (normalize='none':
 // [context; 0]). Every value column is independent, so the columns spread over blocks.
@@ -535,7 +595,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_context(const nys_par
     const int m = p.m, dv = p.dv, tid = nys_tid();
     const int md = m * dv, groups = (dv + NYS_CC - 1) / NYS_CC;
     for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y) {
-        const float* wb = p.work + bh * ((long long)m * m + md);
+        const float* wb = p.work + bh * nys_forward_work_stride(m, dv);
         const float* ib = p.inverse + bh * m * m;
         for (int e = tid; e < m * m; e += NYS_THREADS) {
             Xs[e / m][e % m] = ib[e];
@@ -549,7 +609,9 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_context(const nys_par
             const int c0 = g * NYS_CC, w = min(NYS_CC, dv - c0), mw = m * w;
             for (int e = tid; e < mw; e += NYS_THREADS) {
                 const int j = e / w, c = e % w;
-                R[j][c] = wb[m * m + j * dv + c0 + c];
+                // The centred R plus the common part r^T v (rounded to fp32 in the
+                // merge), as reference.landmark_rhs.
+                R[j][c] = wb[m * m + j * dv + c0 + c] + wb[m * m + md + c0 + c];
             }
             __syncthreads();
             for (int e = tid; e < mw; e += NYS_THREADS) {

@@ -131,7 +131,8 @@ def row_pass_static_smem(v):
     """Static shared memory (bytes) of the largest row-pass kernel (nys_forward_out or
     nys_forward_stats); it must stay within the 48 KiB every device has."""
     staging = v.tk * (v.tn + 1) + v.tk * (v.mp + 1) + v.tn * (v.mp + 1) + v.tn
-    stats = staging + v.tn * (v.dv + 1) + 2 * (v.threads // v.mp) * v.mp
+    # The values, the statistics' group sums and the fp64 group sums of the common part.
+    stats = staging + v.tn * (v.dv + 1) + 2 * (v.threads // v.mp) * v.mp + 2 * v.threads
     out = staging + v.mp * (v.dv + 1) + v.dv
     return 4 * max(stats, out)
 
@@ -160,7 +161,8 @@ def ns_partials(v, m, smem_limit):
 
 def solve_smem(v, m, partials):
     """Dynamic shared memory (bytes) of nys_forward_solve: P, X, T and the k-split partials,
-    or P and the landmark tile, whichever is more (a merge job needs less than both)."""
+    or P and the landmark tile, whichever is more (a merge job, 5 floats a thread, needs
+    less than both: the .cu asserts it)."""
     mp, ld = ns_layout(m)
     return 4 * max(mp * ld + landmark_tile_floats(v), 3 * mp * ld + partials)
 
@@ -304,7 +306,7 @@ def not_supported(q, k, v, landmarks, opts):
 _OPERAND = np.dtype([('ptr', np.uint64), ('sb', np.int64), ('sh', np.int64), ('sn', np.int64),
                      ('sd', np.int64)], align=True)
 OPERANDS = ('q', 'k', 'v', 'L', 'g', 'grad_q', 'grad_k', 'grad_v', 'grad_l')
-POINTERS = ('out', 'part', 'fold', 'context', 'inverse', 'stats', 'work', 'lpart')
+POINTERS = ('out', 'part', 'fold', 'context', 'inverse', 'stats', 'work', 'lpart', 'common')
 INTS = ('heads', 'n', 'm', 'd', 'dv', 'chunk', 'splits', 'iters', 'init_authors', 'refine',
         'injective', 'solve_cols', 'ns_partials')
 FLOATS = ('neg_inv_lam', 'neg_coef', 'eps', 'whiten_eps')
@@ -369,19 +371,25 @@ def forward(q, k, v, landmarks, opts):
     inverse = torch.empty(batch, heads, m, m, dtype=_F32, device=device)
     stats = torch.empty(batch, heads, 2 if opts.normalize == 'injective' else 0, m,
                         dtype=_F32, device=device)
+    # First the slices' fp64 common parts r^T v of R (d_v each; 8-byte aligned at the
+    # allocation's start), then the float partials [mean, M2, centred R] per slice, the
+    # fold and the solve's [P, centred R, r^T v] per (batch, head) (the .cu's
+    # nys_forward_work_stride).
+    common_floats = 2 * bh * c.n_splits * dv
     part_floats = bh * c.n_splits * (2 * m + m * dv)
     fold_floats = bh * (m + 1) * dv
-    work = torch.empty(part_floats + fold_floats + bh * (m * m + m * dv), dtype=_F32,
-                       device=device)
+    work = torch.empty(common_floats + part_floats + fold_floats + bh * (m * m + m * dv + dv),
+                       dtype=_F32, device=device)
     p, base, variant = c.params, work.data_ptr(), c.plan.variant
     p['out'], p['context'] = out.data_ptr(), context.data_ptr()
     p['inverse'], p['stats'] = inverse.data_ptr(), stats.data_ptr()
+    p['common'], base = base, base + 4 * common_floats
     p['part'], p['fold'] = base, base + 4 * part_floats
     p['work'] = base + 4 * (part_floats + fold_floats)
     bh_grid = min(bh, MAX_GRID_YZ)
     # Job 0 of a (batch, head) is the Newton-Schulz block, the others merge the slices,
     # sy / ty pieces each.
-    jobs = 1 + _ceil_div(_ceil_div(m + m * dv, variant.lanes), variant.sy // variant.ty)
+    jobs = 1 + _ceil_div(_ceil_div(m + m * dv + dv, variant.lanes), variant.sy // variant.ty)
     c.launch(c.names['nys_forward_stats'], grid=(c.n_splits, bh_grid))
     c.launch(c.names['nys_forward_solve'], grid=(min(jobs, MAX_GRID_X), bh_grid),
              block=(variant.tx, variant.sy, 1), shared_mem=c.plan.solve_smem)
