@@ -42,6 +42,18 @@ def smooth_tokens(batch, hw, dim, scale, seed, dtype=torch.float64):
     return (scale * field).flatten(2).transpose(1, 2).unsqueeze(1)
 
 
+def nearly_equal_columns_cases(seeds=4):
+    """(q, v, landmarks, expected) per seed: smooth tokens on 64×96, their pooled landmarks,
+    values offset by 3, and the dense fp64 attention. Every key is nearly equally similar to
+    every landmark, so the output reads only k(k, L)ᵀ v's small landmark-to-landmark
+    differences (issue 34's numerics case)."""
+    for seed in range(seeds):
+        q = smooth_tokens(1, (64, 96), 32, 0.5, seed)
+        v = smooth_tokens(1, (64, 96), 32, 1.0, seed + 100) + 3.0
+        landmarks = pool_landmarks(q, (64, 96), 7)
+        yield q, v, landmarks, dense_attention(q, q, v, landmarks)
+
+
 def dense_attention(q, k, v, landmarks, lam=4.0, eps=0.01, whiten_eps=1e-5, kernel='laplacian',
                     normalize='injective'):
     """The attention in fp64 with explicit kernel tensors and a direct solve.

@@ -6,7 +6,7 @@ from _attention_helpers import (
     dense_injective,
     dense_l1_kernel,
     finite,
-    smooth_tokens,
+    nearly_equal_columns_cases,
 )
 from _property_strategies import PROPERTY, attention_cases, run_attention
 from hypothesis import given
@@ -91,11 +91,7 @@ def test_fp32_attention_of_nearly_equal_kernel_columns_stays_near_fp64(impl):
     if impl == 'cpu' and not cpu.available():
         pytest.skip('CPU kernels not built')
     errors = []
-    for seed in range(4):
-        q = smooth_tokens(1, (64, 96), 32, 0.5, seed)
-        v = smooth_tokens(1, (64, 96), 32, 1.0, seed + 100) + 3.0
-        landmarks = pool_landmarks(q, (64, 96), 7)
-        expected = dense_attention(q, q, v, landmarks)
+    for q, v, landmarks, expected in nearly_equal_columns_cases():
         out = nystrom_attention(q.float(), q.float(), v.float(), landmarks.float(), impl=impl)
         errors.append(float((out.double() - expected).abs().max() / expected.abs().max()))
     assert sum(errors) / len(errors) < 1.3e-6, errors

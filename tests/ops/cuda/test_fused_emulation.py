@@ -15,7 +15,11 @@ import subprocess
 
 import pytest
 import torch
-from _attention_helpers import dense_attention, dense_attention_grads, smooth_tokens
+from _attention_helpers import (
+    dense_attention,
+    dense_attention_grads,
+    nearly_equal_columns_cases,
+)
 from _emulation_fixtures import emu_lib  # noqa: F401 (a fixture)
 
 from devtools.cuda_emulation import (
@@ -297,11 +301,7 @@ def test_fp32_attention_of_nearly_equal_kernel_columns_stays_near_fp64(launches)
     reference's and the C++ kernels' 0.8e-6–0.9e-6 (the bound there, 1.3e-6), is the
     kernels' one-pass row centring of c̃ (reference.centre_rows centres twice; issue 34)."""
     errors = []
-    for seed in range(4):
-        q = smooth_tokens(1, (64, 96), 32, 0.5, seed)
-        v = smooth_tokens(1, (64, 96), 32, 1.0, seed + 100) + 3.0
-        landmarks = pool_landmarks(q, (64, 96), 7)
-        expected = dense_attention(q, q, v, landmarks)
+    for q, v, landmarks, expected in nearly_equal_columns_cases():
         launches.clear()
         out = nystrom_attention(q.float(), q.float(), v.float(), landmarks.float())
         assert [e[0] for e in launches] == FORWARD
