@@ -4,8 +4,8 @@ Used by the emulation tests and by scripts that run the CUDA path on the CPU
 (benchmarks/numerics_stages.py); :func:`emulate` switches a process over.
 
 ``lapformer_mm/csrc/cuda/nystrom_attention.cu`` compiles unchanged under
-``tests/cuda_emu/shim.h`` (threads of a block are std::threads, ``__syncthreads`` a
-std::barrier, ``__shared__`` static storage, blocks one at a time), one library per tile
+``tests/cuda_emu/shim.h`` (threads of a block are fibers on one OS thread switched at
+each ``__syncthreads``, ``__shared__`` static storage, blocks one at a time), one library per tile
 variant with the same ``-D`` options NVRTC gets; :func:`make_launch` gives a stand-in for
 ``backends.cuda.launch`` that hands the kernels the same ``nys_params`` bytes, so the host
 code of the CUDA backend (plans, geometry, the parameter struct) runs against CPU tensors.

@@ -1,6 +1,7 @@
 // ThreadSanitizer run of the emulated kernels (tests/ops/cuda/test_fused_emulation.py builds it
-// with -fsanitize=thread and one variant's -D geometry). The threads of an emulated block
-// are std::threads and __syncthreads() a std::barrier, so a barrier missing between a
+// with -fsanitize=thread, -DEMU_THREADS and one variant's -D geometry). With EMU_THREADS the
+// threads of an emulated block are std::threads and __syncthreads() a std::barrier (not the
+// fibers of the value tests), so a barrier missing between a
 // shared-memory write and another thread's read is a data race TSan reports. Values are
 // checked by the emulation tests; this program only launches every stage of the fused
 // attention on small, odd shapes (tails in every tile, two row slices, the solves in

@@ -388,8 +388,8 @@ def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
     exe = tmp_path / 'tsan_main'
     variant = cuda.VARIANT_BY_NAME['dv32_tb16']
-    command = build_command(exe, variant.defines + ('-DEMU_FLOAT_ONLY',), '-fsanitize=thread',
-                            '-g', str(EMU_DIR / 'tsan_main.cpp'))
+    command = build_command(exe, variant.defines + ('-DEMU_FLOAT_ONLY', '-DEMU_THREADS'),
+                            '-fsanitize=thread', '-g', str(EMU_DIR / 'tsan_main.cpp'))
     build = subprocess.run([c if c != '-O2' else '-O1' for c in command], capture_output=True,
                            text=True)
     assert build.returncode == 0, build.stderr
