@@ -36,8 +36,10 @@ def find_nvdisasm():
     return hits[0] if hits else shutil.which('nvdisasm')
 
 
+@functools.lru_cache(maxsize=8)
 def disassemble(nvdisasm, cubin):
-    """{mangled function: [(address, opcode, text, labels before it)]}."""
+    """{mangled function: [(address, opcode, text, labels before it)]} (cached: a report
+    and a test of the same compile read one listing; do not modify it)."""
     with tempfile.NamedTemporaryFile(suffix='.cubin') as f:
         f.write(cubin)
         f.flush()
@@ -127,26 +129,33 @@ def _runtime():
     return cuda
 
 
+def compile_variant(variant_name, arch, element_types=('float',), stages=None):
+    """(status, log, {name: lowered}, cubin) of one variant's instantiations for ``arch``
+    (of every stage, or of ``stages``), compiled once per process however the call spells
+    its arguments (lru_cache keys a defaulted argument apart from the same one passed)."""
+    return _compile(variant_name, arch, tuple(element_types),
+                    None if stages is None else tuple(stages))
+
+
 @functools.lru_cache(maxsize=None)
-def compile_variant(variant_name, arch, element_types=('float',), ptxas_verbose=True):
-    """(status, log, {name: lowered}, cubin) of one variant's instantiations for ``arch``,
-    compiled once per process."""
+def _compile(variant_name, arch, element_types, stages):
     cl = _runtime()
     variant = cl.VARIANT_BY_NAME[variant_name]
-    names = cl.kernel_names(element_types)
-    options = ((f'--gpu-architecture={arch}',) + (('--ptxas-options=-v',) if ptxas_verbose
-                                                   else ()) + cl.NVRTC_OPTIONS
+    names = [name for name in cl.kernel_names(element_types)
+             if stages is None or name.split('<')[0] in stages]
+    options = ((f'--gpu-architecture={arch}', '--ptxas-options=-v') + cl.NVRTC_OPTIONS
                + variant.defines + CUPY_ADDED_OPTIONS)
     return Nvrtc(find_nvrtc()).compile(cl.load_source(), cl.SOURCE, options, names)
 
 
-def report(variant_name='dv64_tb32', arch='sm_90'):
-    """[{kernel, instructions, terms, per_term, histogram}] of a variant's fp32 kernels."""
+def report(variant_name='dv64_tb32', arch='sm_90', stages=None):
+    """[{kernel, instructions, terms, per_term, histogram}] of a variant's fp32 kernels (of
+    every stage, or of ``stages``)."""
     nvdisasm = find_nvdisasm()
     if not nvdisasm:
         raise SassToolError('nvdisasm not found: pip install nvidia-cuda-nvdisasm '
                             '(or set LAPFORMER_NVDISASM)')
-    status, log, lowered, cubin = compile_variant(variant_name, arch)
+    status, log, lowered, cubin = compile_variant(variant_name, arch, stages=stages)
     if status != 0:
         raise SassToolError(f'NVRTC failed on {variant_name}:\n{log}')
     functions = disassemble(nvdisasm, cubin)

@@ -7,7 +7,9 @@ goes to SASS (ptxas runs too, so resource overflows fail), with the exact source
 (headers inlined), the run-time options and the variant's -D geometry. One compile per
 (variant, architecture) serves the resource and SASS checks (devtools.sass.compile_variant
 caches it); the architecture is sm_90 where the claim does not depend on it, sm_75 (T4,
-every element type) and sm_70 (V100, NVRTC 12) for the support table. The SASS bounds hold
+every element type) and sm_70 (V100, NVRTC 12) for the support table. A variant that
+differs from an earlier one only in the gradient tile's rows compiles, at sm_90, only the
+gradient kernel: the others are the same code. The SASS bounds hold
 the desk-review fixes in place: |x - y| folded into the FADD as an operand modifier (2
 FADDs per Laplacian term) and no integer sign in the gradient.
 """
@@ -45,12 +47,13 @@ def resources(log):
     return found
 
 
-def compiled(nvrtc, variant, arch, element_types=('float',)):
+def compiled(nvrtc, variant, arch, element_types=('float',), stages=None):
     if arch not in nvrtc.supported_archs():
         pytest.skip(f'NVRTC {nvrtc.version()} cannot target {arch}; pin {NVRTC_PACKAGE}')
-    status, log, lowered, cubin = sass.compile_variant(variant, arch, element_types)
+    status, log, lowered, cubin = sass.compile_variant(variant, arch, element_types, stages)
     assert status == 0, f'NVRTC {nvrtc.version()} failed on {variant} for {arch}:\n{log}'
-    names = cuda.kernel_names(element_types)
+    names = [name for name in cuda.kernel_names(element_types)
+             if stages is None or name.split('<')[0] in stages]
     assert set(lowered) == set(names) and all(lowered.values()) and cubin
     used = resources(log)
     assert set(used) == set(lowered.values()), log
@@ -75,17 +78,32 @@ def check_static_smem(variant, lowered, used):
             assert static == 0, (name, static)
 
 
+GRADIENT_ROWS_STAGES = ('nys_backward_grads',)
+
+
+def stages_to_compile(variant):
+    """The stages a variant's sm_90 test compiles: all of them, or only the gradient kernel
+    where an earlier variant differs from this one only in the gradient tile's rows
+    (NYS_TB), which no other kernel reads (test_only_the_gradient_kernel_reads_its_rows):
+    the other kernels are then the same code as that variant's."""
+    v = cuda.VARIANT_BY_NAME[variant]
+    earlier = cuda.VARIANTS[:cuda.VARIANTS.index(v)]
+    return GRADIENT_ROWS_STAGES if any(u._replace(name=v.name, tb=v.tb) == v
+                                       for u in earlier) else None
+
+
 @pytest.mark.parametrize('variant', [v.name for v in cuda.VARIANTS])
 def test_each_variant_compiles_within_its_shared_memory_and_hot_loop_bounds(nvrtc, variant):
-    lowered, used = compiled(nvrtc, variant, 'sm_90')
+    stages = stages_to_compile(variant)
+    lowered, used = compiled(nvrtc, variant, 'sm_90', stages=stages)
     check_static_smem(variant, lowered, used)
     if not sass.find_nvdisasm():
         pytest.fail('nvdisasm not found: pip install nvidia-cuda-nvdisasm (requirements/tests.txt)')
-    rows = {r['kernel']: r for r in sass.report(variant, 'sm_90')}
+    rows = {r['kernel']: r for r in sass.report(variant, 'sm_90', stages)}
     # The kernel tiles (the same loop in every variant): 3.28, 3.32-3.45 and 3.22-3.25
     # instructions per term when measured (benchmarks/cuda_sass.py --variant NAME).
     for stage, bound in (('nys_forward_stats', 3.3), ('nys_forward_out', 3.46),
-                         ('nys_backward_reduce', 3.26)):
+                         ('nys_backward_reduce', 3.26)) if stages is None else ():
         row = rows[f'{stage}<float, 0>']
         assert row['terms'] > 0 and row['per_term'] <= bound, row
         assert row['histogram']['FADD'] == 2 * row['terms'] and 'FSETP' not in row['histogram']
@@ -101,7 +119,7 @@ def test_each_variant_compiles_within_its_shared_memory_and_hot_loop_bounds(nvrt
     assert grads['per_term'] <= (4.26 if tb == 32 else 6.27), grads
     # The gradient's own sums (sign terms, one FADD each): the innermost unrolled loops
     # with FSETP, 4.03-4.13 instructions per term measured.
-    _, _, lowered, cubin = sass.compile_variant(variant, 'sm_90')
+    _, _, lowered, cubin = sass.compile_variant(variant, 'sm_90', stages=stages)
     code = sass.disassemble(sass.find_nvdisasm(), cubin)[lowered['nys_backward_grads<float, 0>']]
     spans = sass.loops(code)
     innermost = [(a, b) for a, b in spans
@@ -114,8 +132,23 @@ def test_each_variant_compiles_within_its_shared_memory_and_hot_loop_bounds(nvrt
     assert per_term and max(per_term) <= 4.15, per_term
 
 
+def test_only_the_gradient_kernel_reads_its_rows():
+    """NYS_TB appears, outside the gradient kernel and its tile helper, only in the checks
+    of the geometry (the #if, the #error, the static_assert every compile evaluates)."""
+    text = cuda.load_source()
+    start = text.index('__device__ void nys_kernel_grads')
+    end = text.index('nys_backward_landmarks(const nys_params p)')
+    assert start < text.index('nys_backward_grads(const nys_params p)') < end
+    outside = [line.split('//')[0].strip() for line in (text[:start] + text[end:]).splitlines()]
+    uses = [line for line in outside if 'NYS_TB' in line and not line.startswith(('#if', '#error'))]
+    assert uses == ['NYS_TN % NYS_TY == 0 && NYS_TB % NYS_TY == 0,'], uses
+    assert [v.name for v in cuda.VARIANTS if stages_to_compile(v.name)] == ['dv32_tb16',
+                                                                           'dv64_tb16']
+
+
 def test_every_element_type_compiles_for_the_t4(nvrtc):
-    """sm_75 (T4, RTX 20xx: 64 KiB) with the variant the plan gives there at m = 64, d_v = 64."""
+    """sm_75 (T4, RTX 20xx: 64 KiB) with the variant the plan gives there at m = 64, d_v = 64:
+    every kernel of dv64_tb16, which its sm_90 test compiles only the gradient kernel of."""
     lowered, used = compiled(nvrtc, 'dv64_tb16', 'sm_75', tuple(cuda.ELEMENT_TYPES.values()))
     check_static_smem('dv64_tb16', lowered, used)
 
