@@ -129,6 +129,13 @@ def _runtime():
     return cuda
 
 
+def kernel_names(element_types=('float',), stages=None):
+    """The instantiations of ``stages`` (every stage when None) the host can launch for
+    these element types."""
+    return [name for name in _runtime().kernel_names(element_types)
+            if stages is None or name.split('<')[0] in stages]
+
+
 def compile_variant(variant_name, arch, element_types=('float',), stages=None):
     """(status, log, {name: lowered}, cubin) of one variant's instantiations for ``arch``
     (of every stage, or of ``stages``), compiled once per process however the call spells
@@ -141,8 +148,7 @@ def compile_variant(variant_name, arch, element_types=('float',), stages=None):
 def _compile(variant_name, arch, element_types, stages):
     cl = _runtime()
     variant = cl.VARIANT_BY_NAME[variant_name]
-    names = [name for name in cl.kernel_names(element_types)
-             if stages is None or name.split('<')[0] in stages]
+    names = kernel_names(element_types, stages)
     options = ((f'--gpu-architecture={arch}', '--ptxas-options=-v') + cl.NVRTC_OPTIONS
                + variant.defines + CUPY_ADDED_OPTIONS)
     return Nvrtc(find_nvrtc()).compile(cl.load_source(), cl.SOURCE, options, names)
