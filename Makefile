@@ -17,8 +17,9 @@ test test-fast: export LAPFORMER_REQUIRE_CPU_EXT := 1
 # The opt-in ONNX Runtime op library (docs/deploy.md) needs ONNX Runtime's C API headers:
 # `make ort-ops ORT_INCLUDE_DIR=DIR`; by default the copy in ../shared beside the checkout.
 # The suite runs on every core (pytest-xdist, a file's tests on one worker: tests/conftest.py);
-# `make test XDIST=` runs it in one process.
-XDIST ?= -n auto --dist loadfile
+# `make test XDIST=` runs it in one process. --no-loadscope-reorder keeps conftest.py's
+# longest-files-first order, which xdist otherwise replaces by the number of tests per file.
+XDIST ?= -n auto --dist loadfile --no-loadscope-reorder
 
 ORT_INCLUDE_DIR ?= $(CURDIR)/../shared/third_party/onnxruntime-1.29/include
 

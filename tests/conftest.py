@@ -39,7 +39,8 @@ def _cuda_and_cupy():
 # Under pytest-xdist (`make test`: -n auto --dist loadfile) one worker runs a whole file, so a
 # file's tests share their module-scoped fixtures (the emulation build, the NVRTC compiles);
 # the tests of each shared session fixture (toy_run, built_wheel) sit in one file for the same
-# reason. Files with the most slow tests go first, so that no long file starts last.
+# reason. The longest files go first, so that no long file starts last (the Makefile's
+# --no-loadscope-reorder: xdist would otherwise put the files with the most tests first).
 def pytest_collection_modifyitems(config, items):
     if not _cuda_and_cupy():
         skip = pytest.mark.skip(reason='needs CUDA and CuPy')

@@ -70,7 +70,7 @@ def test_onnx_runtime_as_close_as_fp32_at_other_sizes(exported, backbone, size, 
     assert_as_close_as_fp32(outs, backbone, x, exported)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=25)
 def test_torch_export_with_plain_dims_lowers_and_matches_eager(backbone):
     # What a user writes, without deploy.export_program: a static batch of 2 and Dims on H
     # and W made torch.export fail with "Constraints violated (h)" (a guard of the bin

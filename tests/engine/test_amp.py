@@ -16,7 +16,7 @@ from lapformer_mm.cli import train as train_tool
 from lapformer_mm.engine.amp import CPUAmpOptimWrapper, mmcv_cpu_ops_in_fp32
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=15)
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
 def test_backbone_autocast_50_steps_stay_finite_and_learn(toy_coco, dtype):
     """The toy config's backbone under ``--amp``'s wrapper (its optim_wrapper as

@@ -73,7 +73,7 @@ def seg_options(data_root, max_iters=2):
     ]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=45)
 def test_train_test_and_draw_the_toy_segmentor(toy_seg, tmp_path):
     work = str(tmp_path / 'work')
     log = run_tool([sys.executable, osp.join(TOOLS, 'train.py'), SEG_CONFIG,

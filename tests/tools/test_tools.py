@@ -199,7 +199,7 @@ def checkpoint_iter(path):
     return safe_load(path)['meta']['iter']
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=35)  # with the session's toy run
 def test_train_tool_checkpoints_test_tool_evaluates_and_resume_continues(toy_run, tmp_path):
     """The session's toy run (conftest.py's ``toy_run``: tools/train.py, one epoch), then
     tools/test.py on its checkpoint and tools/train.py --resume of that checkpoint (in a copy
@@ -231,7 +231,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=25)
 def test_dist_train_two_processes(toy_coco, tmp_path):
     work = str(tmp_path / 'work')
     log = run_tool(
