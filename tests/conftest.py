@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _shared import TOY_CONFIG, TRAIN_TOOL, copy_checkout, run_tool, toy_run_options, write_toy_coco
+from _xdist_order import longest_files_first
 
 
 def _cuda_and_cupy():
@@ -39,8 +40,8 @@ def _cuda_and_cupy():
 # Under pytest-xdist (`make test`: -n auto --dist loadfile) one worker runs a whole file, so a
 # file's tests share their module-scoped fixtures (the emulation build, the NVRTC compiles);
 # the tests of each shared session fixture (toy_run, built_wheel) sit in one file for the same
-# reason. The longest files go first, so that no long file starts last (the Makefile's
-# --no-loadscope-reorder: xdist would otherwise put the files with the most tests first).
+# reason. The longest files go first (_xdist_order.py; the Makefile's --no-loadscope-reorder
+# keeps that order, where xdist would put the files with the most tests first).
 def pytest_collection_modifyitems(config, items):
     if not _cuda_and_cupy():
         skip = pytest.mark.skip(reason='needs CUDA and CuPy')
@@ -48,18 +49,7 @@ def pytest_collection_modifyitems(config, items):
             if 'gpu' in item.keywords:
                 item.add_marker(skip)
     if os.environ.get('PYTEST_XDIST_WORKER'):
-        files = {}
-        for item in items:
-            files.setdefault(item.nodeid.split('::')[0], []).append(item)
-        # Longest files first, so no long file starts when the other worker is nearly done;
-        # a slow test counts its marker's `seconds` (a CI measurement), else 10.
-        order = sorted(files.values(), key=lambda tests: -sum(map(_seconds, tests)))
-        items[:] = [item for tests in order for item in tests]
-
-
-def _seconds(item):
-    slow = item.get_closest_marker('slow')
-    return 0.2 if slow is None else slow.kwargs.get('seconds', 10)
+        items[:] = longest_files_first(items)
 
 
 def pytest_configure(config):

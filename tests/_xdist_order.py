@@ -1,0 +1,19 @@
+"""The order of the test files under pytest-xdist (tests/conftest.py): longest first, so that
+no long file starts when the other worker is nearly done. Imports nothing heavy, so that
+tests/dev/test_suite_order.py can run it in a small pytest of its own."""
+
+
+def longest_files_first(items):
+    """``items`` regrouped by file, the files by their CI seconds, most first (a stable
+    sort: files of equal seconds keep their collection order). A slow test counts its
+    marker's ``seconds`` (a CI measurement), else 10; any other test 0.2."""
+    files = {}
+    for item in items:
+        files.setdefault(item.nodeid.split('::')[0], []).append(item)
+    order = sorted(files.values(), key=lambda tests: -sum(map(_seconds, tests)))
+    return [item for tests in order for item in tests]
+
+
+def _seconds(item):
+    slow = item.get_closest_marker('slow')
+    return 0.2 if slow is None else slow.kwargs.get('seconds', 10)
