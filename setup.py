@@ -59,8 +59,10 @@ def cpu_kernel_build():
 
         def finalize_options(self):
             super().finalize_options()
-            if not self.parallel:  # setuptools' -j; True: one compile per core
-                self.parallel = True
+            # setuptools' -j: every module at once, even on fewer cores, so that compiles of
+            # unequal length share the cores instead of the last waiting for a free one.
+            if not self.parallel:
+                self.parallel = max(len(self.extensions), os.cpu_count() or 1)
 
         def build_extensions(self):
             self.failed = set()
