@@ -132,7 +132,10 @@ pip_install --no-build-isolation --no-deps -e "$ROOT" &
 own=$!
 pip_install -r "$ROOT/requirements.txt" -r "$ROOT/requirements/tests.txt" \
     || { kill "$own" 2>/dev/null; wait "$own" || true; exit 1; }
+# Which of the two ends last is this step's critical path.
+log "the stack is installed; waiting for lapformer_mm's CPU kernels"
 wait "$own" || { log "installing lapformer_mm failed"; exit 1; }
+log "lapformer_mm installed"
 log "byte-compiling the installed packages"
 byte_compile_site
 
