@@ -36,7 +36,7 @@ inputs_hash() {
 stack_imports() { "$PY" -c "import $STACK_MODULES" >/dev/null 2>&1; }
 
 # --no-compile: pip would byte-compile each package on one core as it installs it;
-# byte_compile_site does them all at the end on every core.
+# byte_compile_site does them all once the stack is in, on every core.
 pip_install() { "$PY" -m pip install --disable-pip-version-check --no-compile -q -c "$CONSTRAINTS" "$@"; }
 
 # Where PYTHONDONTWRITEBYTECODE is set (our CI machines) Python never caches what it
@@ -132,12 +132,13 @@ pip_install --no-build-isolation --no-deps -e "$ROOT" &
 own=$!
 pip_install -r "$ROOT/requirements.txt" -r "$ROOT/requirements/tests.txt" \
     || { kill "$own" 2>/dev/null; wait "$own" || true; exit 1; }
-# Which of the two ends last is this step's critical path.
-log "the stack is installed; waiting for lapformer_mm's CPU kernels"
+# The kernel build usually ends last (its longest compile alone on one core at the end):
+# the byte-compiling fills the other core meanwhile.
+log "the stack is installed; byte-compiling it beside lapformer_mm's CPU kernels"
+byte_compile_site
+log "byte-compiled; waiting for lapformer_mm"
 wait "$own" || { log "installing lapformer_mm failed"; exit 1; }
 log "lapformer_mm installed"
-log "byte-compiling the installed packages"
-byte_compile_site
 
 if ! stack_imports; then
     "$PY" -c 'import mmcv.ops' || { log "mmcv installed without its compiled ops"; exit 1; }
