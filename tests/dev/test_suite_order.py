@@ -38,9 +38,8 @@ def test_make_tests_xdist_options_run_the_longest_file_first(tmp_path):
     (tmp_path / 'conftest.py').write_text(CONFTEST)
     (tmp_path / 'pytest.ini').write_text('[pytest]\nmarkers =\n    slow: slow\n    gpu: gpu\n')
     # One worker: the order the scheduler hands out is the order the tests run in.
-    options = ['1' if prev == '-n' else o
-               for prev, o in zip([None] + makefile_xdist_options(), makefile_xdist_options())]
-    assert options[options.index('-n') + 1] == '1'
+    options = makefile_xdist_options()
+    options[options.index('-n') + 1] = '1'
     env = {**os.environ, 'PYTHONPATH': TESTS}
     result = subprocess.run([sys.executable, '-m', 'pytest', '-v', '-p', 'no:cacheprovider',
                              *options, str(tmp_path)], cwd=tmp_path, env=env,
