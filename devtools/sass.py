@@ -5,9 +5,9 @@ CuPy's options and the variant's -D geometry, as at run time; :func:`compile_var
 cached, so the compile and SASS tests share one compile) and the cubin disassembled with
 ``nvdisasm`` (pip package ``nvidia-cuda-nvdisasm``). A kernel's hot loop is, of its loops
 (backward branches), the one with the most floating-point instructions of its own (nested
-loops' instructions not counted). Instructions per term: one ``|x - y|``/``(x - y)^2``
-accumulation of a kernel tile (TK x rows/thread x columns/thread terms per iteration,
-:func:`terms_per_iteration`).
+loops' instructions not counted; :func:`hot_loop_ops` names the exceptions). Instructions
+per term: one ``|x - y|``/``(x - y)^2`` accumulation of a kernel tile (TK x rows/thread x
+columns/thread terms per iteration, :func:`terms_per_iteration`).
 ``benchmarks/cuda_sass.py`` prints the table (docs/cuda.md).
 """
 import collections
@@ -76,16 +76,19 @@ def loops(instructions):
     return found
 
 
-def hot_loop(instructions, key_ops=FLOAT_OPS):
+def hot_loop(instructions, key_ops=FLOAT_OPS, innermost=False):
     """Opcode Counter of the hot loop's own instructions, or None without a loop.
 
-    The hot loop is the one with the most ``key_ops`` instructions of its own.
+    The hot loop is the one with the most ``key_ops`` instructions of its own (``innermost``:
+    of the loops with none nested).
     """
     best, best_float = None, -1
     all_loops = loops(instructions)
     for first, last in all_loops:
         nested = [(a, b) for a, b in all_loops
                   if first <= a and b <= last and (a, b) != (first, last)]
+        if innermost and nested:
+            continue
         own = [instructions[i][1] for i in range(first, last + 1)
                if not any(a <= i <= b for a, b in nested)]
         counts = collections.Counter(op.split('.')[0] for op in own if op != 'NOP')
@@ -115,13 +118,18 @@ def terms_per_iteration(kernel, counts, variant):
 
 
 def hot_loop_ops(kernel):
-    """The opcodes whose count picks a kernel's hot loop: for the kernels whose hot loop is
-    a kernel tile, its FADDs (2 a term), so a row-tile loop with many other float
-    instructions of its own (nys_forward_stats' statistics, centring and fp64 common part)
-    is not taken for it; elsewhere every float instruction."""
-    if kernel.split('<')[0] in _TILE_ROWS:
-        return ('FADD',)
-    return FLOAT_OPS
+    """(opcodes whose count picks a kernel's hot loop, whether only innermost loops count):
+    for the kernels whose hot loop is a kernel tile, its FADDs (2 a term), so a row-tile
+    loop with many other float instructions of its own (nys_forward_stats' statistics,
+    centring and fp64 common part) is not taken for it; in nys_forward_solve the innermost
+    loop with the most FFMAs, Newton-Schulz's k-quad (64 FFMAs; the loop over the block's
+    jobs has more of its own); elsewhere every float instruction."""
+    stage = kernel.split('<')[0]
+    if stage in _TILE_ROWS:
+        return ('FADD',), False
+    if stage == 'nys_forward_solve':
+        return ('FFMA',), True
+    return FLOAT_OPS, False
 
 
 def _runtime():
@@ -167,7 +175,7 @@ def report(variant_name='dv64_tb32', arch='sm_90', stages=None):
     functions = disassemble(nvdisasm, cubin)
     rows = []
     for name, mangled in lowered.items():
-        counts = hot_loop(functions[mangled], hot_loop_ops(name))
+        counts = hot_loop(functions[mangled], *hot_loop_ops(name))
         if counts is None:
             rows.append(dict(kernel=name, instructions=0, terms=0, per_term=None, histogram={}))
             continue

@@ -71,8 +71,8 @@ int nystrom_attention(bool tied) {
     p.iters = 6, p.init_authors = 0, p.refine = 1, p.injective = 1, p.solve_cols = cols;
     p.neg_inv_lam = -0.25f, p.neg_coef = -0.25f, p.eps = 0.01f, p.whiten_eps = 1e-5f;
     // backends.cuda.ns_partials, solve_smem and backward_solve_smem at m = 9 (mp = ld = 12:
-    // 3 k-splits of the 9 tiles of P X, whose partials are the larger).
-    p.ns_partials = 2 * 9 * 16;
+    // 3 k-splits of the 12 tiles of X R beside R R, whose partials are the largest).
+    p.ns_partials = 2 * 12 * 16;
     const std::size_t solve =
         4 * std::max<std::size_t>(mp * ld + NYS_LTILE, 3 * mp * ld + p.ns_partials);
     const std::size_t bsolve = 4 * (m * m + std::max<std::size_t>(

@@ -191,13 +191,14 @@ __device__ __forceinline__ void ns_store_symmetric(S* M, int ld, int ti, int tj,
 
 // One thread's share of a product over the nt x nt tile grid: tile (ti, tj) over the k
 // range of its split. `upper`: only the tiles ti <= tj (the product is symmetric), numbered
-// row-major. Splits fill the block with tiles x splits threads as far as the scratch holds
+// row-major. `copies` products side by side (tiles numbered product after product; `copy`
+// says whose). Splits fill the block with tiles x splits threads as far as the scratch holds
 // the partials of splits > 0 (max_partials floats; the host's backends.cuda.ns_partials has
 // the same rule); those lie entry-major in the scratch, so a warp's stores and loads hit
 // consecutive banks.
 struct ns_job {
     bool active;
-    int ti, tj, tile, tiles, split, splits, k_begin, k_end;
+    int ti, tj, copy, tile, tiles, split, splits, k_begin, k_end;
 };
 
 __device__ __forceinline__ int ns_splits(int tiles, int nk, int nthreads, int max_partials) {
@@ -207,15 +208,18 @@ __device__ __forceinline__ int ns_splits(int tiles, int nk, int nthreads, int ma
 }
 
 __device__ __forceinline__ ns_job ns_make_job(int tid, int nthreads, int nt, int nk, int kv,
-                                              bool upper, int max_partials) {
+                                              bool upper, int copies, int max_partials) {
     ns_job j;
-    j.tiles = upper ? nt * (nt + 1) / 2 : nt * nt;
+    const int per = upper ? nt * (nt + 1) / 2 : nt * nt;
+    j.tiles = copies * per;
     j.splits = ns_splits(j.tiles, nk, nthreads, max_partials);
     j.active = tid < j.splits * j.tiles;
     j.tile = j.active ? tid % j.tiles : 0;
     j.split = j.active ? tid / j.tiles : 0;
+    j.copy = j.tile / per;
+    int u = j.tile % per;
     if (upper) {
-        int u = j.tile, i = 0;
+        int i = 0;
         while (u >= nt - i) {
             u -= nt - i;
             ++i;
@@ -223,8 +227,8 @@ __device__ __forceinline__ ns_job ns_make_job(int tid, int nthreads, int nt, int
         j.ti = i;
         j.tj = i + u;
     } else {
-        j.ti = j.tile / nt;
-        j.tj = j.tile % nt;
+        j.ti = u / nt;
+        j.tj = u % nt;
     }
     j.k_begin = j.split * nk / j.splits * kv;
     j.k_end = (j.split + 1) * nk / j.splits * kv;
@@ -259,14 +263,27 @@ __device__ __forceinline__ void ns_job_add_partials(const ns_job& j, const S* sc
                 acc[r][c] += scratch[(r * NS_MT + c) * npart + (s - 1) * j.tiles + j.tile];
 }
 
+// Newton's form runs the last NS_NEWTON_STEPS steps (all of them from the authors' start).
+#define NS_NEWTON_STEPS 2
+
 // X = the Newton-Schulz inverse of P after `iters` steps: X <- 2X - X (P X), from
 // X0 = I / ||P||_inf ('identity') or 1.8 P / ||P||_inf^2 ('authors'), as
-// lapformer_mm/ops/reference.py. T = P X is computed whole: mirroring its upper half would
-// replace its non-symmetric rounding part by the transpose's, an error the inverse's
-// condition number amplifies at every step. X (P X) is symmetric for any symmetric X and
-// P, so only its upper triangle's tiles are computed and mirrored (X stays exactly
-// symmetric). Each product's tiles take k-splits that fill the block, their partials
-// added in split order. P, X and the scratch T are padded mp x ld shared memory; T must
+// lapformer_mm/ops/reference.py. From the identity start every X_t is a polynomial in P,
+// so with R_t = I - P X_t the same step is X <- X + X R and R <- R R (R_{t+1} = R_t^2 in
+// exact arithmetic): two symmetric products of upper tiles (2 x 76K multiply-adds at
+// m = 49) that run side by side on two barriers, where Newton's form needs P X whole
+// (140K) then X (P X) (76K), one after the other on four. That product form does not
+// correct its own rounding (alone, an fp32 X 5-12x further from P^-1 at cond(P) 75-4901),
+// so the last NS_NEWTON_STEPS steps are Newton's: one already brings X back to Newton's
+// accuracy in test_inverse_is_as_accurate_as_newtons_form (tests/ops/cuda), the second is
+// margin. From the authors' start R_0 = I - 1.8 P^2 / ||P||^2 squares the conditioning, so
+// that start runs Newton's form throughout.
+// Newton's T = P X is computed whole: mirroring its upper half would replace its
+// non-symmetric rounding part by the transpose's, an error the inverse's condition number
+// amplifies at every step. X (P X) is symmetric for any symmetric X and P, so only its
+// upper triangle's tiles are computed and mirrored (X stays exactly symmetric). Each
+// product's tiles take k-splits that fill the block, their partials added in split order.
+// P, X and the scratch T (R in the product steps) are padded mp x ld shared memory; T must
 // hold zeros on entry (its padding stays zero, which keeps the products' padding zero);
 // `scratch` holds max_partials floats for the partials (backends.cuda.ns_partials).
 // Every thread of the block calls this.
@@ -281,8 +298,11 @@ __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, 
     const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     const int nthreads = blockDim.x * blockDim.y * blockDim.z;
     const int nt = mp / NS_MT, nk = mp / KV;
-    const ns_job full = ns_make_job(tid, nthreads, nt, nk, KV, false, max_partials);
-    const ns_job upper = ns_make_job(tid, nthreads, nt, nk, KV, true, max_partials);
+    const int product_steps =
+        init_authors || iters < NS_NEWTON_STEPS ? 0 : iters - NS_NEWTON_STEPS;
+    const ns_job full = ns_make_job(tid, nthreads, nt, nk, KV, false, 1, max_partials);
+    const ns_job upper = ns_make_job(tid, nthreads, nt, nk, KV, true, 1, max_partials);
+    const ns_job pair = ns_make_job(tid, nthreads, nt, nk, KV, true, 2, max_partials);
     // ||P||_inf's row sums in T's column 0.
     for (int r = tid; r < m; r += nthreads) {
         S s = S(0);
@@ -300,18 +320,42 @@ __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, 
     const S start_scale = init_authors ? S(1.8) / (norm * norm) : S(1) / norm;
     for (int e = tid; e < size; e += nthreads) {
         const int r = e / ld, c = e % ld;
-        S v = S(0);
+        S v = S(0), rv = S(0);
         if (r < m && c < m) {
             const S p = Ps[r * ld + c];
             v = init_authors ? p * start_scale : (r == c ? start_scale : S(0));
+            rv = (r == c ? S(1) : S(0)) - p * start_scale;
         }
         X[e] = v;
+        // R_0 = I - P X0 (the identity start); else the first product overwrites T's
+        // column 0 before anything reads T again.
+        if (product_steps > 0) T[e] = rv;
     }
-    // The first product overwrites T's column 0 before anything reads T again.
     __syncthreads();
 
     for (int it = 0; it < iters; ++it) {
         S acc[NS_MT][NS_MT];
+        if (it < product_steps) {
+            // X <- X + X R, and R <- R R while product steps follow.
+            const ns_job& j = it + 1 < product_steps ? pair : upper;
+            const bool square = j.copy == 1;
+            ns_job_product<S>(square ? T : X, T, ld, j, scratch, acc);
+            // Every thread must finish reading X and R before any thread overwrites them.
+            __syncthreads();
+            if (j.active && j.split == 0) {
+                ns_job_add_partials<S>(j, scratch, acc);
+                if (!square) {
+#pragma unroll
+                    for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+                        for (int c = 0; c < NS_MT; ++c)
+                            acc[r][c] += X[(j.ti * NS_MT + r) * ld + j.tj * NS_MT + c];
+                }
+                ns_store_symmetric<S>(square ? T : X, ld, j.ti, j.tj, acc);
+            }
+            __syncthreads();
+            continue;
+        }
         // T = P X.
         ns_job_product<S>(Ps, X, ld, full, scratch, acc);
         __syncthreads();

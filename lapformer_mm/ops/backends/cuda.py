@@ -149,14 +149,14 @@ def landmark_tile_floats(v):
 
 def ns_partials(v, m, smem_limit):
     """Floats of ns_iterate's k-split partials in nys_forward_solve on a device with this
-    limit, for P X over all nt^2 4 x 4 tiles and X (P X) over the upper triangle's
-    nt (nt + 1) / 2. Splits per product as lap_common.cuh's ns_splits: tiles x splits
-    threads fill the block as far as the room P, X and T leave holds the partials of the
-    splits past the first."""
+    limit, for P X over all nt^2 4 x 4 tiles, X (P X) over the upper triangle's
+    nt (nt + 1) / 2 and X R beside R R over twice that. Splits per product as
+    lap_common.cuh's ns_splits: tiles x splits threads fill the block as far as the room
+    P, X and T leave holds the partials of the splits past the first."""
     mp, ld = ns_layout(m)
     nt, room = mp // 4, max(0, (smem_limit - NS_STATIC_SMEM) // 4 - 3 * mp * ld)
     return 16 * max((max(1, min(v.tx * v.sy // t, nt, 1 + room // (16 * t))) - 1) * t
-                    for t in (nt * nt, nt * (nt + 1) // 2))
+                    for t in (nt * nt, nt * (nt + 1) // 2, nt * (nt + 1)))
 
 
 def solve_smem(v, m, partials):

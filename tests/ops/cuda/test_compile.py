@@ -108,6 +108,11 @@ def test_each_variant_compiles_within_its_shared_memory_and_hot_loop_bounds(nvrt
             assert row['terms'] > 0 and row['per_term'] <= bound, row
             assert (row['histogram']['FADD'] == 2 * row['terms']
                     and 'FSETP' not in row['histogram'])
+        # Newton-Schulz's k-quad, which docs/cuda.md's estimate of the solve counts: 64
+        # FFMAs and 8 16-byte loads in 86 instructions measured.
+        solve = rows['nys_forward_solve<float, 0>']
+        assert solve['terms'] == 64 and solve['histogram']['LDS'] == 8, solve
+        assert solve['instructions'] <= 86, solve
     grads = rows['nys_backward_grads<float, 0>']
     assert 'I2FP' not in grads['histogram'], grads
     # The loop with the most FADDs here is the C_q kernel tile of NYS_TB rows (2 FADDs a
