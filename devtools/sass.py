@@ -76,6 +76,13 @@ def loops(instructions):
     return found
 
 
+def innermost_loops(instructions):
+    """The loops of :func:`loops` with no loop inside them."""
+    spans = loops(instructions)
+    return [(a, b) for a, b in spans
+            if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+
+
 def hot_loop(instructions, key_ops=FLOAT_OPS, innermost=False):
     """Opcode Counter of the hot loop's own instructions, or None without a loop.
 
@@ -84,11 +91,9 @@ def hot_loop(instructions, key_ops=FLOAT_OPS, innermost=False):
     """
     best, best_float = None, -1
     all_loops = loops(instructions)
-    for first, last in all_loops:
+    for first, last in innermost_loops(instructions) if innermost else all_loops:
         nested = [(a, b) for a, b in all_loops
                   if first <= a and b <= last and (a, b) != (first, last)]
-        if innermost and nested:
-            continue
         own = [instructions[i][1] for i in range(first, last + 1)
                if not any(a <= i <= b for a, b in nested)]
         counts = collections.Counter(op.split('.')[0] for op in own if op != 'NOP')

@@ -336,7 +336,9 @@ __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, 
     for (int it = 0; it < iters; ++it) {
         S acc[NS_MT][NS_MT];
         if (it < product_steps) {
-            // X <- X + X R, and R <- R R while product steps follow.
+            // X <- X + X R, and R <- R R while product steps follow. A reference: a copy of
+            // the chosen job spills at the 128 registers the block allows (ptxas), and each
+            // product's own call site lengthens its k-quad loop.
             const ns_job& j = it + 1 < product_steps ? pair : upper;
             const bool square = j.copy == 1;
             ns_job_product<S>(square ? T : X, T, ld, j, scratch, acc);
