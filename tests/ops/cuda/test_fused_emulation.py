@@ -218,11 +218,13 @@ def test_reruns_are_bit_equal_and_slices_only_reorder_sums(launches, monkeypatch
         assert_close_scaled(a, b.double(), 1e-5)
 
 
-def test_options_reach_the_kernels(launches):
-    """ns_refine off, the authors' start, other eps/lam/whiten_eps and few iterations: the
-    fused path equals the reference implementation run with the same options."""
+@pytest.mark.parametrize('ns_init, iters', [('authors', 6), ('identity', 5)])
+def test_options_reach_the_kernels(launches, ns_init, iters):
+    """ns_refine off, either start, other eps/lam/whiten_eps and too few iterations to
+    converge: the fused path equals the reference implementation run with the same options
+    (from the identity start the kernel's product-form steps reach Newton's iterate)."""
     q, k, v, landmarks = make_inputs(1, 2, (6, 7), 8, 8, 3, False, torch.float32, seed=15)
-    options = dict(ns_refine=False, ns_init='authors', iters=6, eps=0.05, lam=3.0,
+    options = dict(ns_refine=False, ns_init=ns_init, iters=iters, eps=0.05, lam=3.0,
                    whiten_eps=1e-3)
     out, grads, grad = run(q, k, v, landmarks, False, **options)
     ref_out, ref_grads, _ = run(q, k, v, landmarks, False, impl='reference', **options)
