@@ -115,6 +115,22 @@ __device__ __forceinline__ ns_vec<S> ns_load_vec(const S* p) {
 // different banks (the host sizes the buffers with the same rule).
 __device__ __forceinline__ int ns_stride(int mp) { return (mp % 8 == 4) ? mp : mp + 4; }
 
+// f(r, c) for every entry of a rows x cols matrix, spread over the block's threads in
+// row-major order: the position steps on without a division per entry.
+template <typename F>
+__device__ __forceinline__ void ns_for_each(int rows, int cols, int tid, int nthreads, F f) {
+    const int dr = nthreads / cols, dc = nthreads % cols;
+    for (int r = tid / cols, c = tid % cols; r < rows;) {
+        f(r, c);
+        r += dr;
+        c += dc;
+        if (c >= cols) {
+            c -= cols;
+            ++r;
+        }
+    }
+}
+
 // acc = a[rows 4 ti.., k_begin:k_end] @ b[k_begin:k_end, cols 4 tj..]; a and b are padded
 // shared memory (stride ld), read 16 bytes at a time; k_begin and k_end are multiples of
 // 16 bytes of S.
@@ -243,11 +259,12 @@ __device__ __forceinline__ void ns_job_product(const S* a, const S* b, int ld, c
     ns_tile_product<S>(a, b, j.k_begin, j.k_end, ld, j.ti, j.tj, acc);
     if (j.split == 0) return;
     const int npart = (j.splits - 1) * j.tiles;
+    // One pointer step an entry: an index product per entry costs more than the loads.
     S* part = scratch + (j.split - 1) * j.tiles + j.tile;
 #pragma unroll
     for (int r = 0; r < NS_MT; ++r)
 #pragma unroll
-        for (int c = 0; c < NS_MT; ++c) part[(r * NS_MT + c) * npart] = acc[r][c];
+        for (int c = 0; c < NS_MT; ++c, part += npart) *part = acc[r][c];
 }
 
 // acc (split 0's partial) += the other splits' partials, in split order.
@@ -255,16 +272,20 @@ template <typename S>
 __device__ __forceinline__ void ns_job_add_partials(const ns_job& j, const S* scratch,
                                                     S acc[NS_MT][NS_MT]) {
     const int npart = (j.splits - 1) * j.tiles;
-    for (int s = 1; s < j.splits; ++s)
+    const S* first = scratch + j.tile;
+    for (int s = 1; s < j.splits; ++s, first += j.tiles) {
+        const S* part = first;
 #pragma unroll
         for (int r = 0; r < NS_MT; ++r)
 #pragma unroll
-            for (int c = 0; c < NS_MT; ++c)
-                acc[r][c] += scratch[(r * NS_MT + c) * npart + (s - 1) * j.tiles + j.tile];
+            for (int c = 0; c < NS_MT; ++c, part += npart) acc[r][c] += *part;
+    }
 }
 
 // Newton's form runs the last NS_NEWTON_STEPS steps (all of them from the authors' start).
 #define NS_NEWTON_STEPS 2
+// Threads per row of ||P||_inf's row sums, and rows per group of its maximum.
+#define NS_NORM_PARTS 8
 
 // X = the Newton-Schulz inverse of P after `iters` steps: X <- 2X - X (P X), from
 // X0 = I / ||P||_inf ('identity') or 1.8 P / ||P||_inf^2 ('authors'), as
@@ -283,9 +304,9 @@ __device__ __forceinline__ void ns_job_add_partials(const ns_job& j, const S* sc
 // amplifies at every step. X (P X) is symmetric for any symmetric X and P, so only its
 // upper triangle's tiles are computed and mirrored (X stays exactly symmetric). Each
 // product's tiles take k-splits that fill the block, their partials added in split order.
-// P, X and the scratch T (R in the product steps) are padded mp x ld shared memory; T must
-// hold zeros on entry (its padding stays zero, which keeps the products' padding zero);
-// `scratch` holds max_partials floats for the partials (backends.cuda.ns_partials).
+// P, X and the scratch T (R in the product steps) are padded mp x ld shared memory, P's
+// padding zero (T's is written zero, which keeps the products' padding zero); `scratch`
+// holds max_partials floats for the partials (backends.cuda.ns_partials).
 // Every thread of the block calls this.
 template <typename S>
 __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, int m,
@@ -303,34 +324,50 @@ __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, 
     const ns_job full = ns_make_job(tid, nthreads, nt, nk, KV, false, 1, max_partials);
     const ns_job upper = ns_make_job(tid, nthreads, nt, nk, KV, true, 1, max_partials);
     const ns_job pair = ns_make_job(tid, nthreads, nt, nk, KV, true, 2, max_partials);
-    // ||P||_inf's row sums in T's column 0.
+    // ||P||_inf: row sums in NS_NORM_PARTS partials each, then the rows' sums in T's column
+    // 0, each group of NS_NORM_PARTS rows' maximum in its first, and their maximum.
+    for (int e = tid; e < m * NS_NORM_PARTS; e += nthreads) {
+        const int r = e / NS_NORM_PARTS, part = e % NS_NORM_PARTS;
+        S s = S(0);
+        for (int c = part; c < m; c += NS_NORM_PARTS) s += lap_abs(Ps[r * ld + c]);
+        T[r * ld + part] = s;
+    }
+    __syncthreads();
     for (int r = tid; r < m; r += nthreads) {
         S s = S(0);
-        for (int c = 0; c < m; ++c) s += lap_abs(Ps[r * ld + c]);
+#pragma unroll
+        for (int part = 0; part < NS_NORM_PARTS; ++part) s += T[r * ld + part];
         T[r * ld] = s;
     }
     __syncthreads();
+    for (int g = tid; g * NS_NORM_PARTS < m; g += nthreads) {
+        const int first = g * NS_NORM_PARTS;
+        S mx = T[first * ld];
+        for (int r = first + 1; r < m && r < first + NS_NORM_PARTS; ++r)
+            mx = T[r * ld] > mx ? T[r * ld] : mx;
+        T[first * ld + 1] = mx;
+    }
+    __syncthreads();
     if (tid == 0) {
-        S mx = T[0];
-        for (int r = 1; r < m; ++r) mx = T[r * ld] > mx ? T[r * ld] : mx;
+        S mx = T[1];
+        for (int r = NS_NORM_PARTS; r < m; r += NS_NORM_PARTS)
+            mx = T[r * ld + 1] > mx ? T[r * ld + 1] : mx;
         norm_shared = mx;
     }
     __syncthreads();
     const S norm = norm_shared;
     const S start_scale = init_authors ? S(1.8) / (norm * norm) : S(1) / norm;
-    for (int e = tid; e < size; e += nthreads) {
-        const int r = e / ld, c = e % ld;
+    // X0, and in T R_0 = I - P X0 (the identity start) or zeros (T's padding stays zero).
+    ns_for_each(mp, ld, tid, nthreads, [&](int r, int c) {
         S v = S(0), rv = S(0);
         if (r < m && c < m) {
             const S p = Ps[r * ld + c];
             v = init_authors ? p * start_scale : (r == c ? start_scale : S(0));
-            rv = (r == c ? S(1) : S(0)) - p * start_scale;
+            rv = product_steps > 0 ? (r == c ? S(1) : S(0)) - p * start_scale : S(0);
         }
-        X[e] = v;
-        // R_0 = I - P X0 (the identity start); else the first product overwrites T's
-        // column 0 before anything reads T again.
-        if (product_steps > 0) T[e] = rv;
-    }
+        X[r * ld + c] = v;
+        T[r * ld + c] = rv;
+    });
     __syncthreads();
 
     for (int it = 0; it < iters; ++it) {

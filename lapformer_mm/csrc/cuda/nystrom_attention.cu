@@ -460,22 +460,18 @@ __device__ void nys_solve_inverse(const nys_params& p, long long bh, float* smem
     float* scratch = Tn + mp * ld;
     const float (*ct)[NYS_MP + 1] =
         nys_landmark_tile<T, KIND, NYS_SY>(p, nys_in<T>(p.L, bh, p.heads), X);
-    for (int e = tid; e < mp * ld; e += NYS_SOLVE_THREADS) {
-        const int r = e / ld, c = e % ld;
-        Ps[e] = (r < m && c < m) ? ct[r][c] + (r == c ? p.eps : 0.0f) : 0.0f;
-    }
-    // The tile overlaps Tn.
-    __syncthreads();
-    for (int e = tid; e < mp * ld; e += NYS_SOLVE_THREADS) Tn[e] = 0.0f;
+    ns_for_each(mp, ld, tid, NYS_SOLVE_THREADS, [&](int r, int c) {
+        Ps[r * ld + c] = (r < m && c < m) ? ct[r][c] + (r == c ? p.eps : 0.0f) : 0.0f;
+    });
+    // The tile overlaps X and Tn.
     __syncthreads();
     ns_iterate<float>(Ps, X, Tn, scratch, m, p.iters, p.init_authors, p.ns_partials);
     float* ib = p.inverse + bh * m * m;
     float* wb = p.work + bh * nys_forward_work_stride(m, p.dv);
-    for (int e = tid; e < m * m; e += NYS_SOLVE_THREADS) {
-        const int r = e / m, c = e % m;
-        ib[e] = X[r * ld + c];
-        wb[e] = Ps[r * ld + c];
-    }
+    ns_for_each(m, m, tid, NYS_SOLVE_THREADS, [&](int r, int c) {
+        ib[r * m + c] = X[r * ld + c];
+        wb[r * m + c] = Ps[r * ld + c];
+    });
 }
 
 // A merge unit of nys_forward_solve (the block's NYS_THREADS threads from unit * NYS_THREADS

@@ -233,6 +233,24 @@ def test_options_reach_the_kernels(launches, ns_init, iters):
         assert_close_scaled(got, want.double(), 2e-4)
 
 
+def test_unconverged_iterate_at_49_landmarks_is_the_references(launches):
+    """Five steps from the identity start at m = 49, ||P||_inf's largest row sum in the last
+    rows (41 landmarks far apart, 8 in a cluster): the kernel's norm (a two-level reduction
+    over rows), its product-form steps and its element loops over the 52 x 52 layout (each
+    thread several entries) reach the reference's unconverged output."""
+    gen = torch.Generator().manual_seed(3)
+    spread = torch.cat((torch.full((41, 1), 3.0), torch.full((8, 1), 0.05)))
+    landmarks = (spread * torch.randn(1, 2, 49, 8, generator=gen)).float()
+    q, k, v = (torch.randn(1, 2, 64, 8, generator=gen) for _ in range(3))
+    options = dict(ns_refine=False, iters=5)
+    out = nystrom_attention(q, k, v, landmarks, **options)
+    assert [e[0] for e in launches] == FORWARD
+    expected = nystrom_attention(q, k, v, landmarks, impl='reference', **options)
+    converged = nystrom_attention(q, k, v, landmarks, impl='reference', ns_refine=False)
+    assert (expected - converged).abs().max() > 1e-3 * converged.abs().max()
+    assert_close_scaled(out, expected.double(), 2e-5)
+
+
 def test_unsupported_sizes_take_the_reference_math(launches):
     """m = 81 > 64 landmarks (and fp64 operands) run the reference implementation."""
     q, k, v, landmarks = make_inputs(1, 1, (9, 9), 4, 4, 9, False, torch.float32, seed=16)
