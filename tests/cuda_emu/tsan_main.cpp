@@ -38,7 +38,7 @@ nys_operand operand(float* data, long long sb, long long sh, long long sn, long 
 // context blocks each looping over several pieces. Operands contiguous (B, h, N, .); the
 // output gradient in the (B, N, h, d_v) layout of the output.
 int nystrom_attention(bool tied) {
-    const int heads = 2, n = 70, m = 9, d = 17, dv = 11, splits = 2, cols = 4, mp = 12, ld = 12;
+    const int heads = 2, n = 70, m = 9, d = 17, dv = 11, splits = 2, cols = 4, mp = 12, ld = 52;
     const long long bh = 2;
     std::vector<float> q = ramp(bh * n * d, 0.05f), k = ramp(bh * n * d, 0.04f),
                        v = ramp(bh * n * dv, 0.03f), L = ramp(bh * m * d, 0.02f),
@@ -70,9 +70,9 @@ int nystrom_attention(bool tied) {
     p.heads = heads, p.n = n, p.m = m, p.d = d, p.dv = dv, p.chunk = 64, p.splits = splits;
     p.iters = 6, p.init_authors = 0, p.refine = 1, p.injective = 1, p.solve_cols = cols;
     p.neg_inv_lam = -0.25f, p.neg_coef = -0.25f, p.eps = 0.01f, p.whiten_eps = 1e-5f;
-    // backends.cuda.ns_partials, solve_smem and backward_solve_smem at m = 9 (mp = ld = 12:
+    // backends.cuda.ns_partials, solve_smem and backward_solve_smem at m = 9 (mp = 12, ld = 52:
     // 3 k-splits of the 12 tiles of X R beside R R, whose partials are the largest).
-    p.ns_partials = 2 * 12 * 16;
+    p.ns_partials = 2 * 12 * 20;
     const std::size_t solve =
         4 * std::max<std::size_t>(mp * ld + NYS_LTILE, 3 * mp * ld + p.ns_partials);
     const std::size_t bsolve = 4 * (m * m + std::max<std::size_t>(

@@ -102,6 +102,11 @@ __device__ __forceinline__ float lap_signed_weight(float a, float b, float w, fl
 // ---------------------------------------------------------------------------
 
 #define NS_MT 4   // micro-tile edge
+// A k-split partial in the scratch: its 4 x 4 tile row-major at a stride of 20 floats, so
+// the 16-byte accesses of 8 consecutive tiles (a quarter-warp's) fall in distinct banks:
+// 4 vector stores and loads a partial where entry-major scalars took 16 with a pointer step
+// each.
+#define NS_PART_STRIDE 20
 
 // 16 bytes of S: one vector load or store.
 template <typename S> struct __align__(16) ns_vec { S v[16 / sizeof(S)]; };
@@ -111,9 +116,15 @@ __device__ __forceinline__ ns_vec<S> ns_load_vec(const S* p) {
     return *reinterpret_cast<const ns_vec<S>*>(p);
 }
 
-// Row stride of the padded layout: ld = 4 (mod 8) keeps the rows a warp reads together in
-// different banks (the host sizes the buffers with the same rule).
-__device__ __forceinline__ int ns_stride(int mp) { return (mp % 8 == 4) ? mp : mp + 4; }
+// Row stride of the padded layout: NS_LD_NARROW for m <= 52 (Tiny to Huge: 49 landmarks),
+// else NS_LD_WIDE; both 4 (mod 8), which keeps the rows a warp reads together in different
+// banks (the host sizes the buffers with the same rule). ns_iterate takes it as a constant,
+// so the products' loads take immediate offsets: 79 instructions a k-quad against 86.
+#define NS_LD_NARROW 52
+#define NS_LD_WIDE 68
+__device__ __forceinline__ int ns_stride(int mp) {
+    return mp <= NS_LD_NARROW ? NS_LD_NARROW : NS_LD_WIDE;
+}
 
 // f(r, c) for every entry of a rows x cols matrix, spread over the block's threads in
 // row-major order: the position steps on without a division per entry.
@@ -209,16 +220,15 @@ __device__ __forceinline__ void ns_store_symmetric(S* M, int ld, int ti, int tj,
 // range of its split. `upper`: only the tiles ti <= tj (the product is symmetric), numbered
 // row-major. `copies` products side by side (tiles numbered product after product; `copy`
 // says whose). Splits fill the block with tiles x splits threads as far as the scratch holds
-// the partials of splits > 0 (max_partials floats; the host's backends.cuda.ns_partials has
-// the same rule); those lie entry-major in the scratch, so a warp's stores and loads hit
-// consecutive banks.
+// the partials of splits > 0 (max_partials floats, NS_PART_STRIDE a partial; the host's
+// backends.cuda.ns_partials has the same rule).
 struct ns_job {
     bool active;
     int ti, tj, copy, tile, tiles, split, splits, k_begin, k_end;
 };
 
 __device__ __forceinline__ int ns_splits(int tiles, int nk, int nthreads, int max_partials) {
-    const int fill = nthreads / tiles, room = 1 + max_partials / (NS_MT * NS_MT * tiles);
+    const int fill = nthreads / tiles, room = 1 + max_partials / (NS_PART_STRIDE * tiles);
     const int s = fill < nk ? fill : nk;
     return s < 1 ? 1 : (s > room ? room : s);
 }
@@ -258,32 +268,30 @@ __device__ __forceinline__ void ns_job_product(const S* a, const S* b, int ld, c
     if (!j.active) return;
     ns_tile_product<S>(a, b, j.k_begin, j.k_end, ld, j.ti, j.tj, acc);
     if (j.split == 0) return;
-    const int npart = (j.splits - 1) * j.tiles;
-    // One pointer step an entry: an index product per entry costs more than the loads.
-    S* part = scratch + (j.split - 1) * j.tiles + j.tile;
-#pragma unroll
-    for (int r = 0; r < NS_MT; ++r)
-#pragma unroll
-        for (int c = 0; c < NS_MT; ++c, part += npart) *part = acc[r][c];
+    ns_store_block<S>(scratch + ((j.split - 1) * j.tiles + j.tile) * NS_PART_STRIDE, NS_MT, 0,
+                      0, acc);
 }
 
 // acc (split 0's partial) += the other splits' partials, in split order.
 template <typename S>
 __device__ __forceinline__ void ns_job_add_partials(const ns_job& j, const S* scratch,
                                                     S acc[NS_MT][NS_MT]) {
-    const int npart = (j.splits - 1) * j.tiles;
-    const S* first = scratch + j.tile;
-    for (int s = 1; s < j.splits; ++s, first += j.tiles) {
-        const S* part = first;
+    constexpr int KV = 16 / sizeof(S);
+    for (int s = 1; s < j.splits; ++s) {
+        const S* part = scratch + ((s - 1) * j.tiles + j.tile) * NS_PART_STRIDE;
 #pragma unroll
         for (int r = 0; r < NS_MT; ++r)
 #pragma unroll
-            for (int c = 0; c < NS_MT; ++c, part += npart) acc[r][c] += *part;
+            for (int c = 0; c < NS_MT; c += KV) {
+                const ns_vec<S> v = ns_load_vec(part + r * NS_MT + c);
+#pragma unroll
+                for (int q = 0; q < KV; ++q) acc[r][c + q] += v.v[q];
+            }
     }
 }
 
 // Newton's form runs the last NS_NEWTON_STEPS steps (all of them from the authors' start).
-#define NS_NEWTON_STEPS 2
+#define NS_NEWTON_STEPS 1
 // Threads per row of ||P||_inf's row sums, and rows per group of its maximum.
 #define NS_NORM_PARTS 8
 
@@ -295,26 +303,27 @@ __device__ __forceinline__ void ns_job_add_partials(const ns_job& j, const S* sc
 // m = 49) that run side by side on two barriers, where Newton's form needs P X whole
 // (140K) then X (P X) (76K), one after the other on four. That product form does not
 // correct its own rounding (alone, an fp32 X 5-12x further from P^-1 at cond(P) 75-4901),
-// so the last NS_NEWTON_STEPS steps are Newton's: one already brings X back to Newton's
-// accuracy in test_inverse_is_as_accurate_as_newtons_form (tests/ops/cuda), the second is
-// margin. From the authors' start R_0 = I - 1.8 P^2 / ||P||^2 squares the conditioning, so
+// so the last NS_NEWTON_STEPS steps are Newton's: one brings X back to Newton's accuracy
+// (test_inverse_is_as_accurate_as_newtons_form in tests/ops/cuda; in an fp32 study over
+// clustered, collinear, gridded and outlying landmarks 0.8-1.6x Newton's own error, two
+// steps 0.7-2.0x: both at the rounding floor). From the authors' start R_0 = I - 1.8 P^2 / ||P||^2 squares the conditioning, so
 // that start runs Newton's form throughout.
 // Newton's T = P X is computed whole: mirroring its upper half would replace its
 // non-symmetric rounding part by the transpose's, an error the inverse's condition number
 // amplifies at every step. X (P X) is symmetric for any symmetric X and P, so only its
 // upper triangle's tiles are computed and mirrored (X stays exactly symmetric). Each
 // product's tiles take k-splits that fill the block, their partials added in split order.
-// P, X and the scratch T (R in the product steps) are padded mp x ld shared memory, P's
-// padding zero (T's is written zero, which keeps the products' padding zero); `scratch`
-// holds max_partials floats for the partials (backends.cuda.ns_partials).
+// P, X and the scratch T (R in the product steps) are padded mp x LD shared memory (LD =
+// ns_stride(mp)), P's padding zero (T's is written zero, which keeps the products' padding
+// zero); `scratch` holds max_partials floats for the partials (backends.cuda.ns_partials).
 // Every thread of the block calls this.
-template <typename S>
+template <typename S, int LD>
 __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, int m,
                                            int iters, int init_authors, int max_partials) {
-    constexpr int KV = 16 / sizeof(S);
+    static_assert(LD == NS_LD_NARROW || LD == NS_LD_WIDE, "ns_stride's strides");
+    constexpr int KV = 16 / sizeof(S), ld = LD;
     __shared__ S norm_shared;
     const int mp = (m + NS_MT - 1) / NS_MT * NS_MT;
-    const int ld = ns_stride(mp);
     const int size = mp * ld;
     const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     const int nthreads = blockDim.x * blockDim.y * blockDim.z;

@@ -149,14 +149,17 @@ __device__ __forceinline__ void nys_zero(float (&acc)[R][C]) {
 // landmarks j < p.m, 0 elsewhere (so padded rows and columns add nothing to any sum); the
 // accumulation is the l1 line (nys_term). x points at the tile's first row, L at the bh's
 // landmarks (strides, m, d and lam from p). Ends with a barrier: ct is ready for every thread.
-// TY: thread rows of the block (NYS_TX x TY threads).
-template <int TN, typename T, int KIND, int TY = NYS_TY>
+// TY: thread rows of the tile (NYS_TX x TY threads); BLOCK: the block's threads, the ones
+// past the tile's only passing the barriers.
+template <int TN, typename T, int KIND, int TY = NYS_TY, int BLOCK = NYS_TX * TY>
 __device__ void nys_kernel_tile(const nys_params& p, const T* __restrict__ x, long long xsn,
                                 long long xsd, int nrows, const T* __restrict__ L,
                                 float (*xs)[TN + 1], float (*ys)[NYS_MP + 1],
                                 float (*ct)[NYS_MP + 1]) {
     constexpr int R = TN / TY, C = NYS_CM, THREADS = NYS_TX * TY;
     const int tx = threadIdx.x, ty = threadIdx.y, tid = nys_tid();
+    static_assert(BLOCK >= THREADS, "the tile's threads are the block's first");
+    const bool on = BLOCK == THREADS || tid < THREADS;
     const long long lsn = p.L.sn, lsd = p.L.sd;
     const int m = p.m, d = p.d;
     const float neg_inv_lam = p.neg_inv_lam;
@@ -164,40 +167,44 @@ __device__ void nys_kernel_tile(const nys_params& p, const T* __restrict__ x, lo
     nys_zero(acc);
     for (int k0 = 0; k0 < d; k0 += NYS_TK) {
         // Zero padding on both sides makes the tail terms vanish.
-        for (int e = tid; e < TN * NYS_TK; e += THREADS) {
+        for (int e = on ? tid : TN * NYS_TK; e < TN * NYS_TK; e += THREADS) {
             const int r = e / NYS_TK, kk = e % NYS_TK;
             float value = 0.0f;
             if (r < nrows && k0 + kk < d) value = lap_load(x + r * xsn + (k0 + kk) * xsd);
             xs[kk][r] = value;
         }
-        for (int e = tid; e < NYS_MP * NYS_TK; e += THREADS) {
+        for (int e = on ? tid : NYS_MP * NYS_TK; e < NYS_MP * NYS_TK; e += THREADS) {
             const int j = e / NYS_TK, kk = e % NYS_TK;
             float value = 0.0f;
             if (j < m && k0 + kk < d) value = lap_load(L + j * lsn + (k0 + kk) * lsd);
             ys[kk][j] = value;
         }
         __syncthreads();
+        if (on) {
 #pragma unroll
-        for (int kk = 0; kk < NYS_TK; ++kk) {
-            float xr[R], yc[C];
+            for (int kk = 0; kk < NYS_TK; ++kk) {
+                float xr[R], yc[C];
 #pragma unroll
-            for (int r = 0; r < R; ++r) xr[r] = xs[kk][ty + TY * r];
+                for (int r = 0; r < R; ++r) xr[r] = xs[kk][ty + TY * r];
 #pragma unroll
-            for (int c = 0; c < C; ++c) yc[c] = ys[kk][tx + NYS_TX * c];
+                for (int c = 0; c < C; ++c) yc[c] = ys[kk][tx + NYS_TX * c];
 #pragma unroll
-            for (int r = 0; r < R; ++r)
+                for (int r = 0; r < R; ++r)
 #pragma unroll
-                for (int c = 0; c < C; ++c) acc[r][c] += nys_term<KIND>(xr[r] - yc[c]);
+                    for (int c = 0; c < C; ++c) acc[r][c] += nys_term<KIND>(xr[r] - yc[c]);
+            }
         }
         __syncthreads();
     }
+    if (on) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int i = ty + TY * r;
+        for (int r = 0; r < R; ++r) {
+            const int i = ty + TY * r;
 #pragma unroll
-        for (int c = 0; c < C; ++c) {
-            const int j = tx + NYS_TX * c;
-            ct[i][j] = (i < nrows && j < m) ? lap_exp(acc[r][c] * neg_inv_lam) : 0.0f;
+            for (int c = 0; c < C; ++c) {
+                const int j = tx + NYS_TX * c;
+                ct[i][j] = (i < nrows && j < m) ? lap_exp(acc[r][c] * neg_inv_lam) : 0.0f;
+            }
         }
     }
     __syncthreads();
@@ -268,16 +275,18 @@ struct nys_row_smem {
 };
 
 // k(L, L) (no eps) into ct[j][l] for j, l < m, zeros elsewhere, through the staged, coalesced
-// loads of a kernel tile on NYS_TX x TY threads; `tile` holds NYS_LTILE floats. Returns ct;
-// ends with a barrier.
-template <typename T, int KIND, int TY = NYS_TY>
+// loads of a kernel tile on the first NYS_THREADS threads of a BLOCK-thread block (more
+// threads a tile would take more rows each and more staging per term: 6.2 instructions a
+// term on 512 against 4.2 on 256); `tile` holds NYS_LTILE floats. Returns ct; ends with a
+// barrier.
+template <typename T, int KIND, int BLOCK = NYS_THREADS>
 __device__ __forceinline__ float (*nys_landmark_tile(const nys_params& p, const T* lb,
                                                      float* tile))[NYS_MP + 1] {
     typedef float Row[NYS_MP + 1];
     Row* xs = reinterpret_cast<Row*>(tile);
     Row* ys = xs + NYS_TK;
     Row* ct = ys + NYS_TK;
-    nys_kernel_tile<NYS_MP, T, KIND, TY>(p, lb, p.L.sn, p.L.sd, p.m, lb, xs, ys, ct);
+    nys_kernel_tile<NYS_MP, T, KIND, NYS_TY, BLOCK>(p, lb, p.L.sn, p.L.sd, p.m, lb, xs, ys, ct);
     return ct;
 }
 
@@ -459,13 +468,18 @@ __device__ void nys_solve_inverse(const nys_params& p, long long bh, float* smem
     float* Tn = X + mp * ld;
     float* scratch = Tn + mp * ld;
     const float (*ct)[NYS_MP + 1] =
-        nys_landmark_tile<T, KIND, NYS_SY>(p, nys_in<T>(p.L, bh, p.heads), X);
+        nys_landmark_tile<T, KIND, NYS_SOLVE_THREADS>(p, nys_in<T>(p.L, bh, p.heads), X);
     ns_for_each(mp, ld, tid, NYS_SOLVE_THREADS, [&](int r, int c) {
         Ps[r * ld + c] = (r < m && c < m) ? ct[r][c] + (r == c ? p.eps : 0.0f) : 0.0f;
     });
     // The tile overlaps X and Tn.
     __syncthreads();
-    ns_iterate<float>(Ps, X, Tn, scratch, m, p.iters, p.init_authors, p.ns_partials);
+    if (ld == NS_LD_NARROW)
+        ns_iterate<float, NS_LD_NARROW>(Ps, X, Tn, scratch, m, p.iters, p.init_authors,
+                                        p.ns_partials);
+    else
+        ns_iterate<float, NS_LD_WIDE>(Ps, X, Tn, scratch, m, p.iters, p.init_authors,
+                                      p.ns_partials);
     float* ib = p.inverse + bh * m * m;
     float* wb = p.work + bh * nys_forward_work_stride(m, p.dv);
     ns_for_each(m, m, tid, NYS_SOLVE_THREADS, [&](int r, int c) {

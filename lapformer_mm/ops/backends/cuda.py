@@ -48,6 +48,8 @@ MAX_GRID_YZ = 65535
 MAX_GRID_X = 2 ** 31 - 1
 # Sizes are 32-bit ints in the kernels; the margin keeps "size + tile - 1" from overflowing.
 _MAX_SIZE = 2 ** 31 - 2 ** 16
+#: lap_common.cuh's layout of ns_iterate: floats of one k-split partial, the row strides.
+NS_PART_STRIDE, NS_LD_NARROW, NS_LD_WIDE = 20, 52, 68
 #: ns_iterate's static norm scalar, as ptxas reports it (counts against the limit).
 NS_STATIC_SMEM = 16
 #: Shared memory every CUDA device gives a block without opting in.
@@ -115,9 +117,9 @@ def _ceil_div(a, b):
 
 def ns_layout(m):
     """(mp, ld): m padded to the 4 x 4 micro-tile and the row stride of ns_iterate's
-    matrices (ns_stride: ld = 4 mod 8)."""
+    matrices (lap_common.cuh's ns_stride)."""
     mp = _ceil_div(m, 4) * 4
-    return mp, (mp if mp % 8 == 4 else mp + 4)
+    return mp, (NS_LD_NARROW if mp <= NS_LD_NARROW else NS_LD_WIDE)
 
 
 def grads_smem(v):
@@ -155,8 +157,9 @@ def ns_partials(v, m, smem_limit):
     P, X and T leave holds the partials of the splits past the first."""
     mp, ld = ns_layout(m)
     nt, room = mp // 4, max(0, (smem_limit - NS_STATIC_SMEM) // 4 - 3 * mp * ld)
-    return 16 * max((max(1, min(v.tx * v.sy // t, nt, 1 + room // (16 * t))) - 1) * t
-                    for t in (nt * nt, nt * (nt + 1) // 2, nt * (nt + 1)))
+    return NS_PART_STRIDE * max(
+        (max(1, min(v.tx * v.sy // t, nt, 1 + room // (NS_PART_STRIDE * t))) - 1) * t
+        for t in (nt * nt, nt * (nt + 1) // 2, nt * (nt + 1)))
 
 
 def solve_smem(v, m, partials):

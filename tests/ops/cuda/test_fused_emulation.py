@@ -314,7 +314,7 @@ def test_refinement_step_holds_near_identical_landmarks(launches):
 
 @pytest.mark.parametrize('m', [49, 64])
 def test_inverse_is_as_accurate_as_newtons_form(launches, m):
-    """nys_forward_solve runs all but the last two steps in product form (X <- X + X R,
+    """nys_forward_solve runs all but the last step in product form (X <- X + X R,
     R <- R R; lap_common.cuh: ns_iterate), which alone left X 5-12x further from the fp64
     inverse than Newton's form at cond(P) 75-4901 (measured). Its X against the fp64
     inverse of P: at most 1.5x the error of Newton's form run in fp32 on the CPU
