@@ -306,8 +306,9 @@ __device__ __forceinline__ void ns_job_add_partials(const ns_job& j, const S* sc
 // so the last NS_NEWTON_STEPS steps are Newton's: one brings X back to Newton's accuracy
 // (test_inverse_is_as_accurate_as_newtons_form in tests/ops/cuda; in an fp32 study over
 // clustered, collinear, gridded and outlying landmarks 0.8-1.6x Newton's own error, two
-// steps 0.7-2.0x: both at the rounding floor). From the authors' start R_0 = I - 1.8 P^2 / ||P||^2 squares the conditioning, so
-// that start runs Newton's form throughout.
+// steps 0.7-2.0x: both at the rounding floor). From the authors' start
+// R_0 = I - 1.8 P^2 / ||P||^2 squares the conditioning, so that start runs Newton's form
+// throughout.
 // Newton's T = P X is computed whole: mirroring its upper half would replace its
 // non-symmetric rounding part by the transpose's, an error the inverse's condition number
 // amplifies at every step. X (P X) is symmetric for any symmetric X and P, so only its
@@ -324,7 +325,6 @@ __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, 
     constexpr int KV = 16 / sizeof(S), ld = LD;
     __shared__ S norm_shared;
     const int mp = (m + NS_MT - 1) / NS_MT * NS_MT;
-    const int size = mp * ld;
     const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
     const int nthreads = blockDim.x * blockDim.y * blockDim.z;
     const int nt = mp / NS_MT, nk = mp / KV;
