@@ -570,6 +570,8 @@ __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, 
 // k-split partials; at least the landmark tile (NYS_LTILE) after P; a merge job uses
 // 5 NYS_SOLVE_THREADS of it.
 static_assert(5 * NYS_SOLVE_THREADS <= NYS_LTILE, "a merge job fits the landmark tile's room");
+static_assert(NYS_SOLVE_THREADS >= (NYS_MP / NS_MT) * (NYS_MP / NS_MT + 1),
+              "every tile of Newton-Schulz's X R beside R R has a thread");
 static_assert(NYS_THREADS % 2 == 0, "a merge unit's fp64 sums stay 8-byte aligned");
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_SOLVE_THREADS) nys_forward_solve(const nys_params p) {

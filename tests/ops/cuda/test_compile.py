@@ -35,15 +35,19 @@ def nvrtc():
 
 
 def resources(log):
-    """{mangled entry name: (registers, static shared bytes)} from ptxas -v output."""
-    found, current = {}, None
+    """{mangled entry name: (registers, static shared bytes, spill store bytes)} from ptxas
+    -v output."""
+    found, current, spills = {}, None, 0
     for line in log.splitlines():
         entry = re.search(r"Compiling entry function '([^']+)'", line)
         if entry:
-            current = entry.group(1)
+            current, spills = entry.group(1), 0
+        spill = re.search(r'(\d+) bytes spill stores', line)
+        if spill:
+            spills = int(spill.group(1))
         used = re.search(r'Used (\d+) registers(?:.*?(\d+) bytes smem)?', line)
         if used and current:
-            found[current] = (int(used.group(1)), int(used.group(2) or 0))
+            found[current] = (int(used.group(1)), int(used.group(2) or 0), spills)
     return found
 
 
@@ -69,6 +73,9 @@ def check_static_smem(variant, lowered, used):
             assert static <= cuda.row_pass_static_smem(v) <= cuda.DEFAULT_SMEM, (name, static)
         elif stage == 'nys_forward_solve':
             assert static <= cuda.NS_STATIC_SMEM, (name, static)
+            # At the 128 registers the block allows: its jobs in local memory, no spills
+            # (by-value job copies spilled 56 bytes and lengthened the k-quad loops).
+            assert used[mangled][2] == 0, (name, used[mangled])
         elif stage == 'nys_forward_context':
             assert static <= cuda.context_static_smem(v) <= cuda.DEFAULT_SMEM, (name, static)
         elif stage in ('nys_backward_merge', 'nys_backward_landmarks'):
