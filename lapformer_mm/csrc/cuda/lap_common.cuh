@@ -196,6 +196,18 @@ __device__ __forceinline__ void ns_store_block(S* M, int ld, int r0, int c0,
         }
 }
 
+// acc <- scale * X[tile (ti, tj)] + sign * acc: X + X R (1, 1) and 2 X - X T (2, -1). Both
+// scalings are exact, so each entry is rounded once, as the sum written out.
+template <typename S>
+__device__ __forceinline__ void ns_combine_tile(const S* X, int ld, int ti, int tj, S scale,
+                                                S sign, S acc[NS_MT][NS_MT]) {
+#pragma unroll
+    for (int r = 0; r < NS_MT; ++r)
+#pragma unroll
+        for (int c = 0; c < NS_MT; ++c)
+            acc[r][c] = scale * X[(ti * NS_MT + r) * ld + tj * NS_MT + c] + sign * acc[r][c];
+}
+
 // Tile (ti, tj), ti <= tj, of a symmetric M and its mirror (tj, ti). A diagonal tile takes
 // its upper half for both halves, so M stays exactly symmetric.
 template <typename S>
@@ -392,13 +404,7 @@ __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, 
             __syncthreads();
             if (j.active && j.split == 0) {
                 ns_job_add_partials<S>(j, scratch, acc);
-                if (!square) {
-#pragma unroll
-                    for (int r = 0; r < NS_MT; ++r)
-#pragma unroll
-                        for (int c = 0; c < NS_MT; ++c)
-                            acc[r][c] += X[(j.ti * NS_MT + r) * ld + j.tj * NS_MT + c];
-                }
+                if (!square) ns_combine_tile<S>(X, ld, j.ti, j.tj, S(1), S(1), acc);
                 ns_store_symmetric<S>(square ? T : X, ld, j.ti, j.tj, acc);
             }
             __syncthreads();
@@ -418,12 +424,7 @@ __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, 
         __syncthreads();
         if (upper.active && upper.split == 0) {
             ns_job_add_partials<S>(upper, scratch, acc);
-#pragma unroll
-            for (int r = 0; r < NS_MT; ++r)
-#pragma unroll
-                for (int c = 0; c < NS_MT; ++c)
-                    acc[r][c] = S(2) * X[(upper.ti * NS_MT + r) * ld + upper.tj * NS_MT + c] -
-                                acc[r][c];
+            ns_combine_tile<S>(X, ld, upper.ti, upper.tj, S(2), S(-1), acc);
             ns_store_symmetric<S>(X, ld, upper.ti, upper.tj, acc);
         }
         __syncthreads();
