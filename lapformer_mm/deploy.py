@@ -404,8 +404,16 @@ def uses_ort_ops(path: str) -> bool:
     return any(o.domain == ORT_DOMAIN for o in proto.opset_import)
 
 
+#: ONNX Runtime graph optimizers :func:`ort_session` leaves out: SkipLayerNormFusion (a
+#: residual Add and the LayerNormalization after it as one kernel) made that pair 3-4× slower
+#: on one thread at the backbone's widths (docs/deploy.md) and is known to change results
+#: (onnxruntime#17689).
+ORT_DISABLED_OPTIMIZERS = ['SkipLayerNormFusion']
+
+
 def ort_session(path: str, threads: Optional[int] = None, ort_ops=None):
-    """An ONNX Runtime CPU session of ``path``; ``threads`` intra-op threads (None: all).
+    """An ONNX Runtime CPU session of ``path``; ``threads`` intra-op threads (None: all),
+    the graph optimizers but :data:`ORT_DISABLED_OPTIMIZERS`.
 
     ``ort_ops``: register the op library (:func:`ort_ops_library`) with the session:
     True, False, a library path, or None (default): when the file uses it.
@@ -424,7 +432,8 @@ def ort_session(path: str, threads: Optional[int] = None, ort_ops=None):
                              f'{ort_ops!r}')
         options.register_custom_ops_library(
             ort_ops_library(None if ort_ops is True else os.fspath(ort_ops)))
-    return ort.InferenceSession(path, options, providers=['CPUExecutionProvider'])
+    return ort.InferenceSession(path, options, providers=['CPUExecutionProvider'],
+                                disabled_optimizers=ORT_DISABLED_OPTIMIZERS)
 
 
 def run_onnx(session, x: torch.Tensor) -> List[torch.Tensor]:

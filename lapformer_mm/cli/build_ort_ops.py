@@ -28,10 +28,13 @@ LIBRARY_NAME = 'liblapformer_mm_ort.so'
 INCLUDE_ENV = 'ORT_INCLUDE_DIR'
 HEADER = 'onnxruntime_c_api.h'
 COMMON_FLAGS = ['-std=c++17', '-O3', '-fPIC', '-fvisibility=hidden', '-fno-math-errno',
+                '-ffp-contract=fast',
                 '-Wall', '-Wextra', '-Werror']
 #: One object per instruction set, as the CPU kernels (lapformer_mm/csrc) are built; the
 #: library picks one at registration (register_ops.cpp).
-KERNELS = {'default': [], 'avx2': ['-mavx2', '-mfma'], 'avx512': ['-mavx512f']}
+KERNELS = {'default': [], 'avx2': ['-mavx2', '-mfma', '-mno-avx256-split-unaligned-load',
+                                        '-mno-avx256-split-unaligned-store'],
+           'avx512': ['-mavx512f']}
 
 
 def default_library_path():

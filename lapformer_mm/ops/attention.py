@@ -3,8 +3,9 @@
 :func:`nystrom_attention` runs Newton–Schulz without dropout as ``NystromAttentionFunction``
 over ``lapformer_mm::nystrom_attention`` (and its backward op) on the backend
 :func:`select_backend` picks, else on :mod:`.reference`; dropout on Z, the 'exact' and 'cg'
-solvers and exports run ``reference.forward`` under autograd. It is also where the attention
-asks whether an exporter traces (:func:`.export.exporting`), for the landmarks it pools too.
+solvers and exports run ``reference.forward`` under autograd (exports for the ONNX Runtime
+op library :func:`.export.ort_forward`). It is also where the attention asks whether an
+exporter traces (:func:`.export.exporting`), for the landmarks it pools too.
 
 Op contract (per batch element b and head h; every backend keeps it):
 
@@ -46,7 +47,7 @@ from ._checks import (
     check_probability,
 )
 from .backends import cpu, cuda
-from .export import check_exportable, exporting
+from .export import check_exportable, exporting, ort_forward
 
 #: The implementations: the reference on every device, and the backends by their names.
 BACKENDS = {cuda.NAME: cuda, cpu.NAME: cpu}
@@ -324,6 +325,9 @@ def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmar
     tied = k is q
     if export:
         check_exportable(options)
+        out = ort_forward(q, None if tied else k, v, landmarks, options.op_options)
+        if out is not None:
+            return out.transpose(1, 2)
     if export or dropout_p > 0 or options.solver != 'newton':
         # The reference under autograd; an exported graph has no dropout.
         return reference.forward(q, None if tied else k, v, landmarks, options.op_options,

@@ -418,22 +418,14 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
 LANDMARK_CHUNK = 7
 
 
-#: When set, :func:`similarity_export` of fp32 inputs is ``node(x, y, lam, kernel)``: the ONNX
-#: Runtime op library's node within ``lapformer_mm.ops.export.kernel_form('ort')``.
-SIMILARITY_NODE = contextvars.ContextVar('lapformer_mm_similarity_node', default=None)
-
-
 def similarity_export(x, y, lam, kernel, chunk=LANDMARK_CHUNK):
     """:func:`similarity` from coordinate differences, ``chunk`` landmarks y_j per step (None:
-    all at once), or the node of :data:`SIMILARITY_NODE`.
+    all at once).
 
     No (..., N, M, d) tensor of the whole input exists; M must be static (the landmark grid).
     The differences are laid out (..., chunk, d, N): ONNX Runtime's broadcast then subtracts
     one scalar from a run of N values and reduces over d across whole rows.
     """
-    node = SIMILARITY_NODE.get()
-    if node is not None and x.dtype == torch.float32 and y.dtype == torch.float32:
-        return node(x, y, lam, kernel)
     num = y.shape[-2]
     step = num if chunk is None else chunk
     xt = x.transpose(-1, -2).unsqueeze(-3)

@@ -6,6 +6,8 @@ both ONNX exporters and ONNX Runtime; and the selection: the forms are taken onl
 an exporter traces, never in eager calls or the FLOP counter's jit trace.
 """
 import copy
+import os
+import tempfile
 
 import pytest
 import torch
@@ -138,12 +140,15 @@ def test_export_switches_are_scoped_and_checked():
     with pytest.raises(ValueError, match="kernel form 'tensorrt'.*'standard', 'ort'"):
         with ex.kernel_form('tensorrt'):
             pass
+    q = torch.randn(1, 1, 20, 4)
+    opts = AttentionOptions().op_options
     with ex.residual_precision('fp32'), ex.kernel_form('ort'):
         assert ref.RESIDUAL_DTYPE.get() == torch.float32
-        assert ref.SIMILARITY_NODE.get() is ex.ort_pairwise_kernel
+        assert ex.ort_forward(q, None, q, q[:, :, :5], opts) is not None
         with ex.kernel_form('standard'):
-            assert ref.SIMILARITY_NODE.get() is None
-    assert ref.RESIDUAL_DTYPE.get() == torch.float64 and ref.SIMILARITY_NODE.get() is None
+            assert ex.ort_forward(q, None, q, q[:, :, :5], opts) is None
+    assert ref.RESIDUAL_DTYPE.get() == torch.float64
+    assert ex.ort_forward(q, None, q, q[:, :, :5], opts) is None
 
 
 @pytest.mark.parametrize('options, match', [
@@ -257,65 +262,177 @@ def test_standalone_attention_exports_its_reference_form(tmp_path, exporter):
     assert relative_errors([out], [expected])[0] < 1e-5
 
 
-class KernelPair(torch.nn.Module):
-    """Both kernels of q (B, h, N, d) against landmarks (B, h, m, d), and the landmarks'
-    own matrix."""
-
-    def forward(self, q, landmarks):
-        return (ref.similarity_export(q, landmarks, 4.0, 'laplacian'),
-                ref.similarity_export(q, landmarks, 2.5, 'gaussian'),
-                ref.similarity_export(landmarks, landmarks, 4.0, 'laplacian', None))
-
-
-def _kernel_inputs(num_tokens, num_landmarks, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(2, 3, num_tokens, 8, generator=gen),
-            torch.randn(2, 3, num_landmarks, 8, generator=gen))
-
-
 def _cpu_isas():
     capability = torch.backends.cpu.get_cpu_capability()
     return {'default': True, 'avx2': capability in ('AVX2', 'AVX512'),
             'avx512': capability == 'AVX512'}
 
 
-@pytest.mark.parametrize('exporter', ['dynamo', 'torchscript'])
-def test_ort_op_library_node_through_both_exporters(tmp_path, monkeypatch, exporter):
+def _op_session(library, op, inputs, outputs, **attrs):
+    """An ONNX Runtime session of one op library node ``op`` with the given input names."""
+    from onnx import TensorProto, helper
+    node = helper.make_node(op, inputs, outputs, domain=ex.ORT_DOMAIN, **attrs)
+    graph = helper.make_graph(
+        [node], op, [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in inputs],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 20),
+                                                    helper.make_opsetid(ex.ORT_DOMAIN, 1)])
+    path = os.path.join(tempfile.mkdtemp(), f'{op}.onnx')
+    onnx.save(model, path)
+    return deploy.ort_session(path, threads=2, ort_ops=library)
+
+
+def _rows_case(n, m, dv, seed):
+    """x (B, N, h, d) and v (B, N, h, dv) in the token layout, landmarks (B, h, m, d)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 0.5 * torch.randn(2, n, 3, 8, generator=gen)
+    landmarks = 0.5 * torch.randn(2, 3, m, 8, generator=gen)
+    return x, landmarks, torch.randn(2, n, 3, dv, generator=gen) + 2.0
+
+
+def _rows_dense(x, landmarks, v, lam, kind):
+    """(rhs, stats, rows) of AttentionRows in fp64 with the dense kernel."""
+    c = dense_kernel(x.double().transpose(1, 2), landmarks.double(), lam, kind)
+    centred = c - c.mean(-1, keepdim=True)
+    stats = torch.cat((centred.mean(-2, keepdim=True), centred.var(-2, False, keepdim=True)), -2)
+    return c.mT @ v.double().transpose(1, 2), stats, c
+
+
+# (N, m, dv, kind): row-block and chunk tails, m beyond one register tile, no v (with as
+# many chunks as heads: a task that takes another's chunk leaves rows unwritten).
+ROWS_CASES = [(257, 49, 24, 'laplacian'), (3, 5, 40, 'gaussian'), (600, 49, 0, 'laplacian')]
+
+
+def test_ort_op_library_ops_match_dense_fp64(monkeypatch):
     library = require_ort_library()
-    path = str(tmp_path / 'kernels.onnx')
-    args = _kernel_inputs(60, 49, seed=0)
-    with torch.no_grad(), ex.kernel_form('ort'):
-        if exporter == 'dynamo':
-            n = torch.export.Dim('n', min=2)
-            torch.onnx.export(KernelPair().eval(), args, path, dynamo=True, verbose=False,
-                              input_names=['q', 'landmarks'], dynamic_shapes=({2: n}, None))
-        else:
-            torch.onnx.export(KernelPair().eval(), args, path, dynamo=False, opset_version=20,
-                              input_names=['q', 'landmarks'], dynamic_axes={'q': {2: 'n'}})
-    proto = onnx.load(path)
-    assert non_standard_nodes(proto) == [(ex.ORT_DOMAIN, ex.ORT_KERNEL_OP)]
-    assert sum(n.domain == ex.ORT_DOMAIN for n in proto.graph.node) == 3
-    assert deploy.uses_ort_ops(path)
-    # Every instruction set this CPU has; the others must refuse to register, by name.
     for isa, supported in _cpu_isas().items():
         monkeypatch.setenv('LAPFORMER_ORT_ISA', isa)
         if not supported:
+            # Every instruction set this CPU lacks must refuse to register, by name.
             with pytest.raises(Exception, match=f'LAPFORMER_ORT_ISA={isa}, but this CPU'):
-                deploy.ort_session(path, ort_ops=library)
+                _op_session(library, ex.ORT_KERNEL_OP, ['x', 'y'], ['k'], lam=4.0,
+                            kind='laplacian')
             continue
-        session = deploy.ort_session(path, threads=2, ort_ops=library)
-        for num_tokens in (257, 3):  # tails of the row blocks, a size never traced
-            q, landmarks = _kernel_inputs(num_tokens, 49, seed=num_tokens)
-            outs = session.run(None, {'q': q.numpy(), 'landmarks': landmarks.numpy()})
-            q64, l64 = q.double(), landmarks.double()
-            refs = [dense_kernel(q64, l64, 4.0, 'laplacian'),
-                    dense_kernel(q64, l64, 2.5, 'gaussian'),
-                    dense_kernel(l64, l64, 4.0, 'laplacian')]
-            errors = relative_errors([torch.from_numpy(o) for o in outs], refs)
-            assert max(errors) < 2e-6, (isa, num_tokens, errors)
+        for n, m, dv, kind in ROWS_CASES:
+            x, landmarks, v = _rows_case(n, m, dv, seed=n)
+            session = _op_session(library, ex.ORT_ROWS_OP, ['x', 'l', 'v'],
+                                  ['rhs', 'stats', 'rows'], lam=2.5, kind=kind, want_stats=1,
+                                  want_rows=1)
+            outs = session.run(None, {'x': x.numpy(), 'l': landmarks.numpy(), 'v': v.numpy()})
+            rhs, stats, rows = (torch.from_numpy(o) for o in outs)
+            want_rhs, want_stats, want_rows = _rows_dense(x, landmarks, v, 2.5, kind)
+            assert relative_errors([rows], [want_rows])[0] < 2e-6, (isa, n, m)
+            assert rhs.shape == (2, 3, m, dv)
+            if dv:
+                assert relative_errors([rhs], [want_rhs])[0] < 1e-6, (isa, n, m)
+            # Each statistic against its own scale (the variance is ~1e-3 of the mean's).
+            assert max(relative_errors([stats[:, :, :1], stats[:, :, 1:]],
+                                       [want_stats[:, :, :1], want_stats[:, :, 1:]])) < 1e-5
+            # Not wanted: empty outputs, and the same rhs.
+            lean = _op_session(library, ex.ORT_ROWS_OP, ['x', 'l', 'v'],
+                               ['rhs', 'stats', 'rows'], lam=2.5, kind=kind, want_stats=0,
+                               want_rows=0)
+            outs = lean.run(None, {'x': x.numpy(), 'l': landmarks.numpy(), 'v': v.numpy()})
+            assert outs[1].shape == (2, 3, 0, m) and outs[2].shape == (2, 3, 0, m)
+            assert (outs[0] == rhs.numpy()).all()
+            gen = torch.Generator().manual_seed(n)
+            a = torch.randn(2, 3, m, 40, generator=gen)
+            bias = torch.randn(2, 3, 1, 40, generator=gen)
+            for centre in (1, 0):
+                apply = _op_session(library, ex.ORT_APPLY_OP, ['c', 'a', 'b'], ['out'],
+                                    centre=centre)
+                out = apply.run(None, {'c': rows.numpy(), 'a': a.numpy(), 'b': bias.numpy()})[0]
+                c64 = want_rows - want_rows.mean(-1, keepdim=True) if centre else want_rows
+                want = (c64 @ a.double() + bias.double()).transpose(1, 2)
+                assert relative_errors([torch.from_numpy(out)], [want])[0] < 2e-6, (isa, n)
     monkeypatch.setenv('LAPFORMER_ORT_ISA', 'sse9')
     with pytest.raises(Exception, match="'sse9' is not supported; allowed: auto, default"):
-        deploy.ort_session(path, ort_ops=library)
+        _op_session(library, ex.ORT_KERNEL_OP, ['x', 'y'], ['k'], lam=4.0, kind='laplacian')
+
+
+def test_ort_op_library_names_bad_operands_and_attributes():
+    library = require_ort_library()
+    x, landmarks, v = _rows_case(20, 5, 4, seed=0)
+    session = _op_session(library, ex.ORT_ROWS_OP, ['x', 'l', 'v'], ['rhs', 'stats', 'rows'],
+                          lam=4.0, kind='laplacian', want_stats=1, want_rows=1)
+    with pytest.raises(Exception, match=r'AttentionRows: V must be \(B, N, H, dv\) with B, N '
+                                        r'and H of X'):
+        session.run(None, {'x': x.numpy(), 'l': landmarks.numpy(), 'v': v[:, :7].numpy()})
+    with pytest.raises(Exception, match=r'AttentionRows: L must be \(B, H, m, d\)'):
+        session.run(None, {'x': x.numpy(), 'l': landmarks[..., :4].numpy(), 'v': v.numpy()})
+    with pytest.raises(Exception, match='attribute want_stats must be 0 or 1, got 2'):
+        _op_session(library, ex.ORT_ROWS_OP, ['x', 'l', 'v'], ['rhs', 'stats', 'rows'],
+                    lam=4.0, kind='laplacian', want_stats=2, want_rows=1)
+    with pytest.raises(Exception, match="kind='cosine' is not supported; allowed: 'laplacian'"):
+        _op_session(library, ex.ORT_KERNEL_OP, ['x', 'y'], ['k'], lam=4.0, kind='cosine')
+    apply = _op_session(library, ex.ORT_APPLY_OP, ['c', 'a', 'b'], ['out'], centre=1)
+    with pytest.raises(Exception, match=r'AttentionApply: A must be \(B, H, m, dv\) with B, H '
+                                        r'and m of rows'):
+        apply.run(None, {'c': np_zeros(2, 3, 20, 5), 'a': np_zeros(2, 3, 6, 4),
+                         'b': np_zeros(2, 3, 1, 4)})
+
+
+def np_zeros(*shape):
+    return torch.zeros(shape).numpy()
+
+
+@pytest.mark.parametrize('shared', [True, False])
+def test_ort_form_composes_the_cpu_backends_passes(shared):
+    # Within kernel_form('ort') an fp32 export runs cpu.forward over the op library's nodes;
+    # outside exporters the nodes compute their standard forms, so the composition can be
+    # checked here, without the library, against the dense fp64 attention.
+    q = smooth_tokens(2, (14, 16), 8, 1.0, seed=3)
+    k = q if shared else smooth_tokens(2, (14, 16), 8, 1.0, seed=4)
+    v = smooth_tokens(2, (14, 16), 8, 1.0, seed=5) + 2.0
+    landmarks = pool_landmarks(k, (14, 16), 7)
+    expected = dense_attention(q, k, v, landmarks)
+    opts = AttentionOptions().op_options
+    args = (q.float(), None if shared else k.float(), v.float(), landmarks.float(), opts)
+    assert ex.ort_forward(*args) is None  # outside the form
+    with ex.kernel_form('ort'):
+        assert ex.ort_forward(q, None, v, landmarks, opts) is None  # fp64: not the library's
+        got = ex.ort_forward(*args)
+    assert got.shape == (2, 14 * 16, 1, 8)  # the token layout (B, N, h, d_v)
+    assert relative_errors([got.transpose(1, 2)], [expected])[0] < 1e-5
+
+
+class AttentionPair(torch.nn.Module):
+    """A LaplacianAttention with tied keys and one with separate keys on a 10 × 13 map."""
+
+    def __init__(self):
+        super().__init__()
+        self.tied = LaplacianAttention(32, 2)
+        self.separate = LaplacianAttention(32, 2, qk_shared=False)
+
+    def forward(self, x):
+        return self.tied(x, (10, 13)), self.separate(x, (10, 13))
+
+
+@pytest.mark.parametrize('exporter', ['dynamo', 'torchscript'])
+def test_ort_op_library_attention_through_both_exporters(tmp_path, exporter):
+    library = require_ort_library()
+    torch.manual_seed(0)
+    module = AttentionPair().eval()
+    x = torch.randn(2, 130, 32)
+    path = str(tmp_path / 'attention.onnx')
+    with torch.no_grad(), ex.kernel_form('ort'):
+        torch.onnx.export(module, (x, ), path, dynamo=exporter == 'dynamo', opset_version=20,
+                          input_names=['x'])
+    proto = onnx.load(path)
+    assert non_standard_nodes(proto) == sorted((ex.ORT_DOMAIN, op) for op in ex.ORT_OPS)
+    # Per attention P's PairwiseKernel, one AttentionApply and an AttentionRows per pass
+    # (tied keys: one; separate: the key pass and the query pass).
+    counts = {op: sum(n.op_type == op for n in proto.graph.node) for op in ex.ORT_OPS}
+    assert counts == {ex.ORT_KERNEL_OP: 2, ex.ORT_ROWS_OP: 3, ex.ORT_APPLY_OP: 2}
+    assert deploy.uses_ort_ops(path)
+    outs = deploy.ort_session(path, ort_ops=library).run(None, {'x': x.numpy()})
+    for out, attn, shared in zip(outs, (module.tied, module.separate), (True, False)):
+        expected = dense_attention_module(copy.deepcopy(attn).double(), x.double(), (10, 13),
+                                          shared, 7)
+        with torch.no_grad():
+            eager = attn(x, (10, 13))
+        errors = relative_errors([torch.from_numpy(out), eager], [expected, expected])
+        assert errors[0] < max(2 * errors[1], 1e-6), (shared, errors)
 
 
 def test_ort_op_library_exports_only_its_entry_point():

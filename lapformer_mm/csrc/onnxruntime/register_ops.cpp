@@ -1,7 +1,19 @@
-// ONNX Runtime custom-operator library of lapformer_mm: the attention's kernel matrix as one
-// node, lapformer_mm::PairwiseKernel(X (..., N, d), Y (..., M, d)) -> (..., N, M) =
-// exp(-dist(x_i, y_j) / lam), attributes lam (float) and kind ('laplacian': l1 distance,
-// 'gaussian': squared l2 distance), fp32.
+// ONNX Runtime custom-operator library of lapformer_mm, domain lapformer_mm, fp32 (docs/deploy.md):
+//
+//   PairwiseKernel(X (..., N, d), Y (..., M, d)) -> K (..., N, M) = exp(-dist(x_i, y_j) / lam)
+//   AttentionRows(X (B, N, H, d), L (B, H, m, d), V (B, N, H, dv))
+//       -> rhs (B, H, m, dv), stats (B, H, 2 | 0, m), rows (B, H, N | 0, m)
+//   AttentionApply(rows (B, H, N, m), A (B, H, m, dv), bias (B, H, 1, dv)) -> out (B, N, H, dv)
+//
+// lam (float) and kind ('laplacian': l1 distance, 'gaussian': squared l2 distance) on the
+// first two; AttentionRows' want_stats / want_rows (int) and AttentionApply's centre (int)
+// are lapformer_mm/csrc/cpu's attention_rows_forward / attention_rows_apply flags, the two
+// passes of the eager CPU backend (lapformer_mm/ops/backends/cpu.py composes them; so does
+// the exported graph): rhs = C^T v with C = K(X, L) (centred N-sum, common part in double),
+// stats the column mean and variance over rows of the row-centred C, rows C itself; out =
+// C_i A + bias, C_i row-centred with centre. X and V come in the token layout the
+// projections write, and out goes out in it: no transposes around the nodes. dv may be 0
+// (no rhs).
 //
 // Built against ONNX Runtime's C API headers only: the library links nothing of ONNX
 // Runtime, which hands it the API table in RegisterCustomOps, the one exported symbol. It
@@ -12,6 +24,7 @@
 // The instruction set is chosen when a session registers the library: AVX-512F, else
 // AVX2 + FMA, else the generic build; LAPFORMER_ORT_ISA=default|avx2|avx512 forces one
 // (the tests run each), and an unsupported request fails the registration with a message.
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -27,17 +40,17 @@ namespace {
 // 1.17: KernelContext_ParallelFor (15), CreateKernelV2/KernelComputeV2 (16) and the
 // custom op's start/end versions (17).
 constexpr uint32_t kApiVersion = 17;
-// Rows per parallel task: a fixed partition, so results do not depend on the thread count.
-constexpr int64_t kChunkRows = 256;
-// m is padded to whole vectors of the widest build.
-constexpr int64_t kPadLanes = 16;
 
 const OrtApi* g_api = nullptr;
-using RowsFn = void (*)(const Problem&, int64_t, int64_t, int64_t);
-RowsFn g_rows = nullptr;
+struct Isa {
+  void (*kernel_rows)(const Problem&, int64_t, int64_t, int64_t);
+  void (*rows_chunk)(const RowsPass&, int64_t, int64_t, float*);
+  void (*apply_chunk)(const ApplyPass&, int64_t, int64_t, float*);
+};
+Isa g_isa{};
 
-OrtStatus* error(const std::string& message) {
-  return g_api->CreateStatus(ORT_INVALID_ARGUMENT, ("lapformer_mm::PairwiseKernel: " + message).c_str());
+OrtStatus* error(const char* op, const std::string& message) {
+  return g_api->CreateStatus(ORT_INVALID_ARGUMENT, (std::string("lapformer_mm::") + op + ": " + message).c_str());
 }
 
 #define LAPF_TRY(expr)              \
@@ -46,9 +59,11 @@ OrtStatus* error(const std::string& message) {
     if (status_) return status_;    \
   } while (0)
 
+// A kernel's attributes; each op reads those it has.
 struct Kernel {
-  float lam;
-  bool l1;
+  float lam = 0.0f;
+  bool l1 = true;
+  bool want_stats = false, want_rows = false, centre = false;
 };
 
 struct Shape {
@@ -70,92 +85,305 @@ OrtStatus* shape_of(const OrtValue* value, Shape* shape) {
   return status;
 }
 
-OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
-  float lam = 0.0f;
-  LAPF_TRY(g_api->KernelInfoGetAttribute_float(info, "lam", &lam));
-  if (!(lam > 0.0f)) return error("attribute lam must be > 0, got " + std::to_string(lam));
+// Input i: its shape and data (GetTensorMutableData: GetTensorData is newer than the API
+// version asked for).
+OrtStatus* input(OrtKernelContext* context, size_t i, Shape* shape, const float** data) {
+  const OrtValue* value = nullptr;
+  LAPF_TRY(g_api->KernelContext_GetInput(context, i, &value));
+  LAPF_TRY(shape_of(value, shape));
+  void* raw = nullptr;
+  LAPF_TRY(g_api->GetTensorMutableData(const_cast<OrtValue*>(value), &raw));
+  *data = static_cast<const float*>(raw);
+  return nullptr;
+}
+
+OrtStatus* output(OrtKernelContext* context, size_t i, const std::vector<int64_t>& dims, float** data) {
+  OrtValue* value = nullptr;
+  LAPF_TRY(g_api->KernelContext_GetOutput(context, i, dims.data(), dims.size(), &value));
+  void* raw = nullptr;
+  LAPF_TRY(g_api->GetTensorMutableData(value, &raw));
+  *data = static_cast<float*>(raw);
+  return nullptr;
+}
+
+OrtStatus* read_kernel(const char* op, const OrtKernelInfo* info, Kernel* kernel) {
+  LAPF_TRY(g_api->KernelInfoGetAttribute_float(info, "lam", &kernel->lam));
+  if (!(kernel->lam > 0.0f)) return error(op, "attribute lam must be > 0, got " + std::to_string(kernel->lam));
   char kind[32] = {0};
   size_t size = sizeof(kind);
   LAPF_TRY(g_api->KernelInfoGetAttribute_string(info, "kind", kind, &size));
   std::string name(kind);
   if (name != "laplacian" && name != "gaussian")
-    return error("attribute kind='" + name + "' is not supported; allowed: 'laplacian', 'gaussian'");
-  *out = new Kernel{lam, name == "laplacian"};
+    return error(op, "attribute kind='" + name + "' is not supported; allowed: 'laplacian', 'gaussian'");
+  kernel->l1 = name == "laplacian";
   return nullptr;
 }
 
-struct Task {
-  const Problem* problem;
-  int64_t chunks_per_batch;
-};
-
-void run_task(void* data, size_t index) {
-  const Task& task = *static_cast<const Task*>(data);
-  const Problem& p = *task.problem;
-  int64_t batch = static_cast<int64_t>(index) / task.chunks_per_batch;
-  int64_t begin = (static_cast<int64_t>(index) % task.chunks_per_batch) * kChunkRows;
-  int64_t end = begin + kChunkRows < p.n ? begin + kChunkRows : p.n;
-  g_rows(p, batch, begin, end);
+OrtStatus* read_flag(const char* op, const OrtKernelInfo* info, const char* name, bool* flag) {
+  int64_t value = 0;
+  LAPF_TRY(g_api->KernelInfoGetAttribute_int64(info, name, &value));
+  if (value != 0 && value != 1)
+    return error(op, std::string("attribute ") + name + " must be 0 or 1, got " + std::to_string(value));
+  *flag = value == 1;
+  return nullptr;
 }
 
-OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
+int64_t padded(int64_t n) { return (n + kPadLanes - 1) / kPadLanes * kPadLanes; }
+int64_t chunks_of(int64_t n) { return (n + kChunkRows - 1) / kChunkRows; }
+
+// y (batch, m, d) transposed into (batch, d, padded), zeros beyond m.
+std::vector<float> transposed(const float* y, int64_t batch, int64_t m, int64_t d, int64_t mp) {
+  std::vector<float> yt(static_cast<size_t>(batch * d * mp), 0.0f);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j = 0; j < m; ++j)
+      for (int64_t k = 0; k < d; ++k) yt[(b * d + k) * mp + j] = y[(b * m + j) * d + k];
+  return yt;
+}
+
+// Calls fn(index) for index in [0, count) on the session's threads.
+template <typename Fn>
+OrtStatus* parallel_for(OrtKernelContext* context, int64_t count, Fn& fn) {
+  if (count == 0) return nullptr;
+  auto run = [](void* data, size_t index) { (*static_cast<Fn*>(data))(static_cast<int64_t>(index)); };
+  return g_api->KernelContext_ParallelFor(context, run, static_cast<size_t>(count), 0, &fn);
+}
+
+// The (b, h) of task `index` of a pass: the heads of one chunk of rows run one after
+// another, so each reads the cache lines of x and v (B, N, H, d) that the one before
+// brought in (and writes the lines of out the one before began).
+int64_t head_major(int64_t index, int64_t heads, int64_t chunks) {
+  return index / (heads * chunks) * heads + index % heads;
+}
+
+// One scratch buffer per thread, grown to the largest request.
+float* thread_scratch(int64_t size) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < static_cast<size_t>(size)) buffer.resize(static_cast<size_t>(size));
+  return buffer.data();
+}
+
+// PairwiseKernel ------------------------------------------------------------------------------
+
+constexpr const char* kPairwise = "PairwiseKernel";
+
+OrtStatus* create_pairwise(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
+  Kernel kernel;
+  LAPF_TRY(read_kernel(kPairwise, info, &kernel));
+  *out = new Kernel(kernel);
+  return nullptr;
+}
+
+OrtStatus* compute_pairwise(void* op_kernel, OrtKernelContext* context) {
   const Kernel& kernel = *static_cast<Kernel*>(op_kernel);
-  const OrtValue* x_value = nullptr;
-  const OrtValue* y_value = nullptr;
-  LAPF_TRY(g_api->KernelContext_GetInput(context, 0, &x_value));
-  LAPF_TRY(g_api->KernelContext_GetInput(context, 1, &y_value));
   Shape xs, ys;
-  LAPF_TRY(shape_of(x_value, &xs));
-  LAPF_TRY(shape_of(y_value, &ys));
+  const float* x = nullptr;
+  const float* y = nullptr;
+  LAPF_TRY(input(context, 0, &xs, &x));
+  LAPF_TRY(input(context, 1, &ys, &y));
   size_t rank = xs.dims.size();
   if (rank < 2 || ys.dims.size() != rank)
-    return error("X and Y must have the same rank >= 2 (..., N, d) and (..., M, d)");
+    return error(kPairwise, "X and Y must have the same rank >= 2 (..., N, d) and (..., M, d)");
   for (size_t i = 0; i + 2 < rank; ++i)
-    if (xs.dims[i] != ys.dims[i]) return error("X and Y must have the same leading dimensions");
-  if (xs.dims[rank - 1] != ys.dims[rank - 1]) return error("X and Y must have the same last dimension d");
+    if (xs.dims[i] != ys.dims[i]) return error(kPairwise, "X and Y must have the same leading dimensions");
+  if (xs.dims[rank - 1] != ys.dims[rank - 1]) return error(kPairwise, "X and Y must have the same last dimension d");
   int64_t batch = 1;
   for (size_t i = 0; i + 2 < rank; ++i) batch *= xs.dims[i];
   int64_t n = xs.dims[rank - 2], m = ys.dims[rank - 2], d = xs.dims[rank - 1];
   std::vector<int64_t> out_dims(xs.dims.begin(), xs.dims.end() - 1);
   out_dims.back() = n;
   out_dims.push_back(m);
-  OrtValue* out_value = nullptr;
-  LAPF_TRY(g_api->KernelContext_GetOutput(context, 0, out_dims.data(), out_dims.size(), &out_value));
+  float* out = nullptr;
+  LAPF_TRY(output(context, 0, out_dims, &out));
   if (batch == 0 || n == 0 || m == 0) return nullptr;
-  void* x_data = nullptr;
-  void* y_data = nullptr;
-  void* out_data = nullptr;
-  // GetTensorMutableData on inputs: GetTensorData is newer than the API version asked for.
-  LAPF_TRY(g_api->GetTensorMutableData(const_cast<OrtValue*>(x_value), &x_data));
-  LAPF_TRY(g_api->GetTensorMutableData(const_cast<OrtValue*>(y_value), &y_data));
-  LAPF_TRY(g_api->GetTensorMutableData(out_value, &out_data));
-  int64_t padded = (m + kPadLanes - 1) / kPadLanes * kPadLanes;
-  std::vector<float> yt(static_cast<size_t>(batch * d * padded), 0.0f);
-  const float* y = static_cast<const float*>(y_data);
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t j = 0; j < m; ++j)
-      for (int64_t k = 0; k < d; ++k) yt[(b * d + k) * padded + j] = y[(b * m + j) * d + k];
-  Problem problem{static_cast<const float*>(x_data), yt.data(), static_cast<float*>(out_data),
-                  n, m, d, padded, kernel.lam, kernel.l1};
-  Task task{&problem, (n + kChunkRows - 1) / kChunkRows};
-  return g_api->KernelContext_ParallelFor(context, run_task, static_cast<size_t>(batch * task.chunks_per_batch), 0,
-                                          &task);
+  const int64_t mp = padded(m), chunks = chunks_of(n);
+  std::vector<float> yt = transposed(y, batch, m, d, mp);
+  Problem problem{x, yt.data(), out, n, m, d, mp, 1, n * d, 0, d, kernel.lam, kernel.l1};
+  auto task = [&](int64_t index) {
+    const int64_t b = index / chunks, begin = (index % chunks) * kChunkRows;
+    g_isa.kernel_rows(problem, b, begin, begin + kChunkRows < n ? begin + kChunkRows : n);
+  };
+  return parallel_for(context, batch * chunks, task);
 }
 
-const char* op_name(const OrtCustomOp*) { return "PairwiseKernel"; }
+// AttentionRows -------------------------------------------------------------------------------
+
+constexpr const char* kRows = "AttentionRows";
+
+OrtStatus* create_rows(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
+  Kernel kernel;
+  LAPF_TRY(read_kernel(kRows, info, &kernel));
+  LAPF_TRY(read_flag(kRows, info, "want_stats", &kernel.want_stats));
+  LAPF_TRY(read_flag(kRows, info, "want_rows", &kernel.want_rows));
+  *out = new Kernel(kernel);
+  return nullptr;
+}
+
+OrtStatus* compute_rows(void* op_kernel, OrtKernelContext* context) {
+  const Kernel& kernel = *static_cast<Kernel*>(op_kernel);
+  Shape xs, ls, vs;
+  const float* x = nullptr;
+  const float* l = nullptr;
+  const float* v = nullptr;
+  LAPF_TRY(input(context, 0, &xs, &x));
+  LAPF_TRY(input(context, 1, &ls, &l));
+  LAPF_TRY(input(context, 2, &vs, &v));
+  if (xs.dims.size() != 4 || ls.dims.size() != 4 || vs.dims.size() != 4)
+    return error(kRows, "X (B, N, H, d), L (B, H, m, d) and V (B, N, H, dv) must be 4-D");
+  const int64_t B = xs.dims[0], N = xs.dims[1], H = xs.dims[2], d = xs.dims[3], m = ls.dims[2];
+  if (ls.dims[0] != B || ls.dims[1] != H || ls.dims[3] != d)
+    return error(kRows, "L must be (B, H, m, d) with B, H and d of X (B, N, H, d)");
+  if (vs.dims[0] != B || vs.dims[1] != N || vs.dims[2] != H)
+    return error(kRows, "V must be (B, N, H, dv) with B, N and H of X (B, N, H, d)");
+  const int64_t dv = vs.dims[3], BH = B * H;
+  float* rhs = nullptr;
+  float* stats = nullptr;
+  float* rows = nullptr;
+  LAPF_TRY(output(context, 0, {B, H, m, dv}, &rhs));
+  LAPF_TRY(output(context, 1, {B, H, kernel.want_stats ? 2 : 0, m}, &stats));
+  LAPF_TRY(output(context, 2, {B, H, kernel.want_rows ? N : 0, m}, &rows));
+  if (BH == 0 || m == 0) return nullptr;
+  if (N == 0) {
+    std::fill(rhs, rhs + BH * m * dv, 0.0f);
+    if (kernel.want_stats) std::fill(stats, stats + BH * 2 * m, 0.0f);
+    return nullptr;
+  }
+  const int64_t mp = padded(m), dvp = padded(dv), chunks = chunks_of(N);
+  std::vector<float> lt = transposed(l, BH, m, d, mp);
+  Problem problem{x, lt.data(), nullptr, N, m, d, mp, H, N * H * d, d, H * d, kernel.lam, kernel.l1};
+  // The statistics' shift: row 0 of each (b, h), centred (no cancellation for nearly
+  // constant columns).
+  std::vector<float> shift(kernel.want_stats ? static_cast<size_t>(BH * mp) : 0, 0.0f);
+  if (kernel.want_stats) {
+    std::vector<float> first(static_cast<size_t>(BH * m));
+    Problem one = problem;
+    one.n = 1;
+    one.out = first.data();
+    for (int64_t bh = 0; bh < BH; ++bh) {
+      g_isa.kernel_rows(one, bh, 0, 1);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < m; ++j) sum += first[bh * m + j];
+      const float mean = sum / static_cast<float>(m);
+      for (int64_t j = 0; j < m; ++j) shift[bh * mp + j] = first[bh * m + j] - mean;
+    }
+  }
+  std::vector<float> rhs_parts(static_cast<size_t>(dv ? BH * chunks * m * dvp : 0));
+  std::vector<double> common_parts(static_cast<size_t>(BH * chunks * dv));
+  std::vector<float> stat_parts(static_cast<size_t>(kernel.want_stats ? BH * chunks * 2 * mp : 0));
+  RowsPass pass{problem, v, dv, dvp, chunks, kernel.want_rows ? rows : nullptr,
+                kernel.want_stats ? shift.data() : nullptr, rhs_parts.data(), common_parts.data(),
+                stat_parts.data()};
+  const int64_t scratch = rows_scratch(mp, dvp);
+  auto task = [&](int64_t index) {
+    const int64_t bh = head_major(index, H, chunks);
+    g_isa.rows_chunk(pass, bh, (index / H) % chunks, thread_scratch(scratch));
+  };
+  LAPF_TRY(parallel_for(context, BH * chunks, task));
+  // The partials in chunk order: float for the centred sums, double for the rest.
+  std::vector<float> sums(static_cast<size_t>(m * dvp));
+  std::vector<double> common(static_cast<size_t>(dv));
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    if (dv) {
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      std::fill(common.begin(), common.end(), 0.0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* part = rhs_parts.data() + (bh * chunks + c) * m * dvp;
+        for (int64_t e = 0; e < m * dvp; ++e) sums[e] += part[e];
+        for (int64_t e = 0; e < dv; ++e) common[e] += common_parts[(bh * chunks + c) * dv + e];
+      }
+      for (int64_t j = 0; j < m; ++j)
+        for (int64_t e = 0; e < dv; ++e)
+          rhs[(bh * m + j) * dv + e] = sums[j * dvp + e] + static_cast<float>(common[e]);
+    }
+    if (!kernel.want_stats) continue;
+    for (int64_t j = 0; j < m; ++j) {
+      double s1 = 0.0, s2 = 0.0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        s1 += stat_parts[(bh * chunks + c) * 2 * mp + j];
+        s2 += stat_parts[(bh * chunks + c) * 2 * mp + mp + j];
+      }
+      const double off = s1 / static_cast<double>(N);
+      stats[(bh * 2) * m + j] = static_cast<float>(shift[bh * mp + j] + off);
+      stats[(bh * 2 + 1) * m + j] = static_cast<float>(std::max(s2 / static_cast<double>(N) - off * off, 0.0));
+    }
+  }
+  return nullptr;
+}
+
+// AttentionApply ------------------------------------------------------------------------------
+
+constexpr const char* kApply = "AttentionApply";
+
+OrtStatus* create_apply(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
+  Kernel kernel;
+  LAPF_TRY(read_flag(kApply, info, "centre", &kernel.centre));
+  *out = new Kernel(kernel);
+  return nullptr;
+}
+
+OrtStatus* compute_apply(void* op_kernel, OrtKernelContext* context) {
+  const Kernel& kernel = *static_cast<Kernel*>(op_kernel);
+  Shape cs, as, bs;
+  const float* c = nullptr;
+  const float* a = nullptr;
+  const float* bias = nullptr;
+  LAPF_TRY(input(context, 0, &cs, &c));
+  LAPF_TRY(input(context, 1, &as, &a));
+  LAPF_TRY(input(context, 2, &bs, &bias));
+  if (cs.dims.size() != 4 || as.dims.size() != 4 || bs.dims.size() != 4)
+    return error(kApply, "rows (B, H, N, m), A (B, H, m, dv) and bias (B, H, 1, dv) must be 4-D");
+  const int64_t B = cs.dims[0], H = cs.dims[1], N = cs.dims[2], m = cs.dims[3], dv = as.dims[3];
+  if (as.dims[0] != B || as.dims[1] != H || as.dims[2] != m)
+    return error(kApply, "A must be (B, H, m, dv) with B, H and m of rows (B, H, N, m)");
+  if (bs.dims[0] != B || bs.dims[1] != H || bs.dims[2] != 1 || bs.dims[3] != dv)
+    return error(kApply, "bias must be (B, H, 1, dv) with B, H of rows and dv of A");
+  float* out = nullptr;
+  LAPF_TRY(output(context, 0, {B, N, H, dv}, &out));
+  const int64_t BH = B * H, dvp = padded(dv), chunks = chunks_of(N);
+  if (BH == 0 || N == 0 || dv == 0) return nullptr;
+  std::vector<float> ap(static_cast<size_t>(BH * m * dvp), 0.0f), bp(static_cast<size_t>(BH * dvp), 0.0f);
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    for (int64_t e = 0; e < dv; ++e) bp[bh * dvp + e] = bias[bh * dv + e];
+    for (int64_t k = 0; k < m; ++k)
+      for (int64_t e = 0; e < dv; ++e) ap[(bh * m + k) * dvp + e] = a[(bh * m + k) * dv + e];
+  }
+  ApplyPass pass{c, ap.data(), bp.data(), out, H, N, m, dv, dvp, chunks, kernel.centre};
+  const int64_t scratch = apply_scratch(dvp);
+  auto task = [&](int64_t index) {
+    const int64_t bh = head_major(index, H, chunks);
+    g_isa.apply_chunk(pass, bh, (index / H) % chunks, thread_scratch(scratch));
+  };
+  return parallel_for(context, BH * chunks, task);
+}
+
+// The ops' definitions ------------------------------------------------------------------------
+
+// An OrtCustomOp with what its callbacks need to tell the ops apart (it is the first member:
+// ONNX Runtime hands the callbacks its address).
+struct OpDef {
+  OrtCustomOp op;
+  const char* name;
+  size_t inputs, outputs;
+};
+
+const OpDef& def(const OrtCustomOp* op) { return *reinterpret_cast<const OpDef*>(op); }
+const char* op_name(const OrtCustomOp* op) { return def(op).name; }
 const char* op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 ONNXTensorElementDataType op_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-size_t op_input_count(const OrtCustomOp*) { return 2; }
-size_t op_output_count(const OrtCustomOp*) { return 1; }
+size_t op_input_count(const OrtCustomOp* op) { return def(op).inputs; }
+size_t op_output_count(const OrtCustomOp* op) { return def(op).outputs; }
 void op_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
 OrtCustomOpInputOutputCharacteristic op_required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
 OrtMemType op_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
 int op_one(const OrtCustomOp*) { return 1; }
 int op_end_version(const OrtCustomOp*) { return INT_MAX; }
 
-OrtCustomOp make_op() {
-  OrtCustomOp op;
-  std::memset(&op, 0, sizeof(op));
+using CreateFn = OrtStatus* (*)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**);
+using ComputeFn = OrtStatus* (*)(void*, OrtKernelContext*);
+
+OpDef make_op(const char* name, size_t inputs, size_t outputs, CreateFn create, ComputeFn compute) {
+  OpDef d;
+  std::memset(&d, 0, sizeof(d));
+  OrtCustomOp& op = d.op;
   op.version = kApiVersion;
   op.GetName = op_name;
   op.GetExecutionProviderType = op_provider;
@@ -171,43 +399,53 @@ OrtCustomOp make_op() {
   op.GetVariadicInputHomogeneity = op_one;
   op.GetVariadicOutputMinArity = op_one;
   op.GetVariadicOutputHomogeneity = op_one;
-  op.CreateKernelV2 = create_kernel;
+  op.CreateKernelV2 = create;
   op.KernelComputeV2 = compute;
   op.GetStartVersion = op_one;
   op.GetEndVersion = op_end_version;
-  return op;
+  d.name = name;
+  d.inputs = inputs;
+  d.outputs = outputs;
+  return d;
 }
 
-const OrtCustomOp g_op = make_op();
+const OpDef g_ops[] = {
+    make_op(kPairwise, 2, 1, create_pairwise, compute_pairwise),
+    make_op(kRows, 3, 3, create_rows, compute_rows),
+    make_op(kApply, 3, 1, create_apply, compute_apply),
+};
 
+#define LAPF_ISA_OF(isa) Isa{isa::kernel_rows, isa::rows_chunk, isa::apply_chunk}
 #if defined(__x86_64__) || defined(_M_X64)
 bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f"); }
 bool cpu_has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-const RowsFn kAvx512 = avx512::kernel_rows;
-const RowsFn kAvx2 = avx2::kernel_rows;
+const Isa kAvx512 = LAPF_ISA_OF(avx512);
+const Isa kAvx2 = LAPF_ISA_OF(avx2);
 #else
 // Other CPUs get the generic build only (tools/build_ort_ops.py compiles no x86 kernels).
 bool cpu_has_avx512() { return false; }
 bool cpu_has_avx2() { return false; }
-const RowsFn kAvx512 = generic::kernel_rows;
-const RowsFn kAvx2 = generic::kernel_rows;
+const Isa kAvx512 = LAPF_ISA_OF(generic);
+const Isa kAvx2 = LAPF_ISA_OF(generic);
 #endif
+const Isa kGeneric = LAPF_ISA_OF(generic);
 
 OrtStatus* choose_isa() {
   const char* env = std::getenv("LAPFORMER_ORT_ISA");
   std::string want = env && *env ? env : "auto";
+  const char* library = "op library";
   if (want == "auto") {
-    g_rows = cpu_has_avx512() ? kAvx512 : cpu_has_avx2() ? kAvx2 : generic::kernel_rows;
+    g_isa = cpu_has_avx512() ? kAvx512 : cpu_has_avx2() ? kAvx2 : kGeneric;
   } else if (want == "avx512") {
-    if (!cpu_has_avx512()) return error("LAPFORMER_ORT_ISA=avx512, but this CPU has no AVX-512F");
-    g_rows = kAvx512;
+    if (!cpu_has_avx512()) return error(library, "LAPFORMER_ORT_ISA=avx512, but this CPU has no AVX-512F");
+    g_isa = kAvx512;
   } else if (want == "avx2") {
-    if (!cpu_has_avx2()) return error("LAPFORMER_ORT_ISA=avx2, but this CPU has no AVX2 + FMA");
-    g_rows = kAvx2;
+    if (!cpu_has_avx2()) return error(library, "LAPFORMER_ORT_ISA=avx2, but this CPU has no AVX2 + FMA");
+    g_isa = kAvx2;
   } else if (want == "default") {
-    g_rows = generic::kernel_rows;
+    g_isa = kGeneric;
   } else {
-    return error("LAPFORMER_ORT_ISA='" + want + "' is not supported; allowed: auto, default, avx2, avx512");
+    return error(library, "LAPFORMER_ORT_ISA='" + want + "' is not supported; allowed: auto, default, avx2, avx512");
   }
   return nullptr;
 }
@@ -230,6 +468,6 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   OrtCustomOpDomain* domain = nullptr;
   LAPF_TRY(api->CreateCustomOpDomain("lapformer_mm", &domain));
   // The domain is not released: ONNX Runtime keeps a pointer to it for the session's life.
-  LAPF_TRY(api->CustomOpDomain_Add(domain, &g_op));
+  for (const OpDef& op : g_ops) LAPF_TRY(api->CustomOpDomain_Add(domain, &op.op));
   return api->AddCustomOpDomain(options, domain);
 }

@@ -100,15 +100,17 @@ def _landmark_system(ops, landmarks, opts):
     return w, w + opts.eps * torch.eye(w.shape[-1], dtype=w.dtype)
 
 
-def forward(q, k, v, landmarks, opts):
-    """(out (B, N, h, d_v), context, inverse, stats) of the op's contract.
+def forward(q, k, v, landmarks, opts, ops=None):
+    """(out (B, N, h, d_v), context, inverse, stats) of the op's contract; ``ops``: the
+    kernels (None: this build's), or the ONNX Runtime op library's nodes of the same
+    signatures (``lapformer_mm.ops.export.OrtNodes``) that an export composes so.
 
     Per (b, h): one pass over the rows of k (tied: q) forms k(k, L) and R = k(k, L)ᵀ v; with
     separate keys a second pass over q forms k(q, L). The query pass also sums the whitening
     statistics and keeps k(q, L) for out = k(q, L) A + 1 bᵀ, A = (I − J/m) diag(s) context,
     b = colsum(context) / m (the whitening folded in; the rows centred before the product).
     """
-    ops, kind = _ops(), KINDS[opts.kernel]
+    ops, kind = ops or _ops(), KINDS[opts.kernel]
     injective = opts.normalize == 'injective'
     with torch.autocast(device_type='cpu', enabled=False):
         _, P = _landmark_system(ops, landmarks, opts)
@@ -125,7 +127,8 @@ def forward(q, k, v, landmarks, opts):
             mean = raw[:, :, :1]
             scale = reference.whitening_scale(raw[:, :, 1:], opts.whiten_eps)
             stats = torch.cat((mean, scale), dim=2)
-            scaled = scale.mT * context
+            # transpose, not .mT: the TorchScript exporter has no aten::mT.
+            scaled = scale.transpose(-1, -2) * context
             folded = scaled - scaled.mean(-2, keepdim=True)
             bias = context.sum(-2, keepdim=True) / m
         else:
