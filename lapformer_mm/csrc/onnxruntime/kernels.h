@@ -1,14 +1,15 @@
 // The kernels of the ONNX Runtime op library, for one instruction set: the kernel matrix
-// K = exp(-dist(x_i, y_j) / lam) and the attention's two passes over the rows (ops.h). Included by kernel_{default,avx2,avx512}.cpp, each compiled with its own
-// flags; LAPF_ISA names the namespace, so no inline function of one build can be picked by
-// the linker for another (the reason the kernels use no std:: templates either: their
-// COMDAT copies would be shared across the builds).
+// K = exp(-dist(x_i, y_j) / lam) and the attention's two passes over the rows (ops.h).
+// Included by kernel_{default,avx2,avx512}.cpp, each compiled with its own flags; LAPF_ISA
+// names the namespace, so no inline function of one build can be picked by the linker for
+// another (the reason the kernels use no std:: templates either: their COMDAT copies would
+// be shared across the builds).
 //
 // Vectorisation is GCC's vector extension at the build's width: y is transposed to
 // (d, M) padded to whole vectors, and each step broadcasts one x value against a tile of
 // landmark columns held in registers, so no (N, M, d) difference exists. The passes follow
 // lapformer_mm/csrc/cpu/cpu_kernels.h (attention_rows_forward, attention_rows_apply), which
-// the eager CPU backend runs: the same sums in the same precisions.
+// the eager CPU backend runs: the same sums, in the same precisions.
 #ifndef LAPF_ISA
 #error "define LAPF_ISA (and LAPF_LANES, LAPF_ROWS) before including kernels.h"
 #endif
@@ -29,6 +30,8 @@ constexpr int kLanes = LAPF_LANES;
 // (kRows × kTile) plus kTile column loads fit the register file (16 on AVX2, 32 on AVX-512).
 constexpr int kTile = 4;
 constexpr int kRows = LAPF_ROWS;
+// Rows of the attention pass's float partials of its double sums.
+constexpr int64_t kSumRows = 8;
 
 static inline vf splat(float v) { return v - vf{}; }
 static inline vf load(const float* p) { return *reinterpret_cast<const vf_u*>(p); }

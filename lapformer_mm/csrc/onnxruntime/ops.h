@@ -8,8 +8,6 @@ namespace lapf_ort {
 // Rows per parallel task and per partial sum: a fixed partition of the rows, so results do
 // not depend on the thread count.
 constexpr int64_t kChunkRows = 256;
-// Rows of the attention pass's float partials of its double sums.
-constexpr int64_t kSumRows = 8;
 // m and d_v are padded to whole vectors of the widest build.
 constexpr int64_t kPadLanes = 16;
 
@@ -31,7 +29,7 @@ struct Problem {
 // C = K(x, L) (kernel: the Problem of x and L; its out unused), and
 //   rows:   C into (B, H, N, m), when not null;
 //   sums:   when dv > 0, the chunk's sum of (C_i - r_i 1)^T v_i into rhs_parts (m, dvp) and of
-//           r_i v_i into common_parts (dv, double; kSumRows rows in float first), r_i the
+//           r_i v_i into common_parts (dv, double; a few rows in float first), r_i the
 //           row's mean over landmarks, v (B, N, H, dv);
 //   stats:  when shift is not null, the chunk's sums of delta and delta^2 into stat_parts
 //           (2, padded), delta = C_i - r_i 1 - shift, shift (B*H, padded) a centred row of C.
