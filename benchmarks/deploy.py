@@ -8,7 +8,9 @@ exporter, static SIZE, batch 1, fp64 residual), then times, in this one process,
 ONNX Runtime session and each model's eager forward with ``--threads`` intra-op threads,
 all interleaved per round; the table has the median of ``--repeats`` calls after one
 warm-up and each file's speed-up over PVTv2-b1 and over the file before. The load
-average is printed before, between and after.
+average is printed before, between and after. ``--profile`` then runs each file
+``--repeats`` times more under ONNX Runtime's profiler and prints where its time goes: the
+kernel milliseconds per call of each operator type.
 
 ``--parity``: per-stage accuracy of LaplacianFormer-T exported with dynamic sizes by both
 exporters (standard and op-library files) and by a plain ``torch.export.export`` with
@@ -24,11 +26,12 @@ LaplacianFormer-T, e.g. ``make main``'s ``work_dirs/main_job/epoch_6.pth``).
 
 ``--precision``: the accuracy of the two refinement-residual precisions.
 
-    python benchmarks/deploy.py --size 800x1333 --repeats 5 --json bench_deploy.json
+    python benchmarks/deploy.py --size 800x1333 --repeats 5 [--profile] --json bench_deploy.json
     python benchmarks/deploy.py --parity --images 3 [--checkpoint CKPT]
     python benchmarks/deploy.py --precision
 """
 import argparse
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -166,6 +169,10 @@ def benchmark(args):
                 row[f'{kind} {label} runs'] = runs
             print(f'# {label} done, load average {load_average()}', flush=True)
         torch.set_num_threads(all_threads)
+        if args.profile:
+            info['profile'] = {
+                row_label: profile_by_op(path, x, args.threads[0], args.repeats, folder)
+                for row_label, _, _, path, _, _ in exported if path is not None}
     info['load_after'] = load_average()
     info['exports'] = {label: dict(seconds=s, error=e) for label, _, _, _, s, e in exported}
     info['rows'] = rows
@@ -174,6 +181,33 @@ def benchmark(args):
         with open(args.json, 'w') as f:
             json.dump(info, f, indent=1)
     return info
+
+
+def profile_by_op(path, x, threads, repeats, folder):
+    """{operator type: kernel milliseconds per call} of the ONNX file at ``path``, largest
+    first, from ONNX Runtime's profiler over ``repeats`` calls after a warm-up."""
+    session = deploy.ort_session(path, threads, profile=os.path.join(folder, 'profile'))
+    for _ in range(repeats + 1):
+        deploy.run_onnx(session, x)
+    with open(session.end_profiling()) as f:
+        events = json.load(f)
+    runs = sorted((e['ts'], e['ts'] + e['dur']) for e in events if e.get('name') == 'model_run')
+    warm = runs[0][1]  # the warm-up's end: its first-touch costs are left out
+    totals = collections.Counter()
+    for event in events:
+        if (event.get('cat') == 'Node' and event['name'].endswith('_kernel_time')
+                and event['ts'] >= warm):
+            totals[event['args']['op_name']] += event['dur']
+    return {op: us / (len(runs) - 1) / 1e3 for op, us in totals.most_common()}
+
+
+def format_profile(profile, top=8):
+    """One line per file: its kernel time per call and its ``top`` operator types."""
+    lines = ['kernel ms per call by operator type (ONNX Runtime profiler, after a warm-up):']
+    for label, ops in profile.items():
+        cells = ', '.join(f'{op} {ms:.0f}' for op, ms in list(ops.items())[:top])
+        lines.append(f'- {label}: {sum(ops.values()):.0f} ms of kernels; {cells}')
+    return '\n'.join(lines)
 
 
 def _eager(model, x):
@@ -205,6 +239,8 @@ def format_table(info):
     lines.append(f"load average before {info['load_before']}, after {info['load_after']}")
     for name, export in info['exports'].items():
         lines.append(f"export {name}: " + (export['error'] or f"{export['seconds']:.0f} s"))
+    if 'profile' in info:
+        lines += ['', format_profile(info['profile'])]
     return '\n'.join(lines)
 
 
@@ -389,6 +425,9 @@ def parse_args(argv=None):
     parser.add_argument('--threads', type=int, nargs='+', default=[1],
                         help='intra-op thread counts to time (default: 1)')
     parser.add_argument('--json', help='also write the results to this file')
+    parser.add_argument('--profile', action='store_true',
+                        help="then each file's kernel time per operator type (ONNX Runtime's "
+                             'profiler, the first --threads count)')
     parser.add_argument('--parity', action='store_true',
                         help='print the per-stage accuracy of the exported forms')
     parser.add_argument('--inputs', choices=sorted(PARITY_INPUTS), default='toy',

@@ -411,12 +411,15 @@ def uses_ort_ops(path: str) -> bool:
 ORT_DISABLED_OPTIMIZERS = ['SkipLayerNormFusion']
 
 
-def ort_session(path: str, threads: Optional[int] = None, ort_ops=None):
+def ort_session(path: str, threads: Optional[int] = None, ort_ops=None,
+                profile: Optional[str] = None):
     """An ONNX Runtime CPU session of ``path``; ``threads`` intra-op threads (None: all),
     the graph optimizers but :data:`ORT_DISABLED_OPTIMIZERS`.
 
     ``ort_ops``: register the op library (:func:`ort_ops_library`) with the session:
     True, False, a library path, or None (default): when the file uses it.
+    ``profile``: a path prefix; ONNX Runtime then times every node of every run, and
+    ``session.end_profiling()`` writes the JSON trace and returns its path.
     """
     ort = _import('onnxruntime')
     options = ort.SessionOptions()
@@ -424,6 +427,9 @@ def ort_session(path: str, threads: Optional[int] = None, ort_ops=None):
         options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    if profile is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = os.fspath(profile)
     if ort_ops is None:
         ort_ops = uses_ort_ops(path)
     if ort_ops is not False:

@@ -1,0 +1,33 @@
+"""benchmarks/deploy.py's --profile: ONNX Runtime's per-node trace summed by operator type."""
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from benchmarks import deploy as bench
+
+
+@pytest.fixture
+def l1_file(tmp_path):
+    """The standard file's ℓ1 step alone: Sub → Abs → ReduceSum over d."""
+    nodes = [helper.make_node('Sub', ['x', 'y'], ['t']), helper.make_node('Abs', ['t'], ['a']),
+             helper.make_node('ReduceSum', ['a', 'axes'], ['out'], keepdims=0)]
+    graph = helper.make_graph(
+        nodes, 'l1', [helper.make_tensor_value_info('x', TensorProto.FLOAT, [1, 8, 4096])],
+        [helper.make_tensor_value_info('out', TensorProto.FLOAT, None)],
+        initializer=[helper.make_tensor('y', TensorProto.FLOAT, [7, 8, 1], [0.5] * 56),
+                     helper.make_tensor('axes', TensorProto.INT64, [1], [1])])
+    path = str(tmp_path / 'l1.onnx')
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid('', 20)]), path)
+    return path
+
+
+def test_profile_sums_kernel_time_by_operator_type(l1_file, tmp_path):
+    x = torch.randn(1, 8, 4096)
+    ops = bench.profile_by_op(l1_file, x, threads=1, repeats=3, folder=str(tmp_path))
+    assert set(ops) == {'Sub', 'Abs', 'ReduceSum'}
+    assert all(ms > 0 for ms in ops.values())
+    assert list(ops.values()) == sorted(ops.values(), reverse=True)
+    line = bench.format_profile({'l1 step': ops}, top=2).splitlines()[1]
+    assert line.startswith(f'- l1 step: {sum(ops.values()):.0f} ms of kernels; ')
+    assert line.count(',') == 1  # two operator types shown
