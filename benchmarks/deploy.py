@@ -8,7 +8,9 @@ exporter, static SIZE, batch 1, fp64 residual), then times, in this one process,
 ONNX Runtime session and each model's eager forward with ``--threads`` intra-op threads,
 all interleaved per round; the table has the median of ``--repeats`` calls after one
 warm-up and each file's speed-up over PVTv2-b1 and over the file before. The load
-average is printed before, between and after. ``--profile`` then runs each file
+average is printed before, between and after. ``--all-optimizers`` adds a session per file
+with every ONNX Runtime graph optimizer (what a plain ``InferenceSession`` runs), beside
+:func:`lapformer_mm.deploy.ort_session`'s. ``--profile`` then runs each file
 ``--repeats`` times more under ONNX Runtime's profiler and prints where its time goes: the
 kernel milliseconds per call of each operator type.
 
@@ -26,7 +28,7 @@ LaplacianFormer-T, e.g. ``make main``'s ``work_dirs/main_job/epoch_6.pth``).
 
 ``--precision``: the accuracy of the two refinement-residual precisions.
 
-    python benchmarks/deploy.py --size 800x1333 --repeats 5 [--profile] --json bench_deploy.json
+    python benchmarks/deploy.py --size 800x1333 --repeats 5 [--profile] [--all-optimizers]
     python benchmarks/deploy.py --parity --images 3 [--checkpoint CKPT]
     python benchmarks/deploy.py --precision
 """
@@ -86,6 +88,22 @@ def previous_l1_form():
         yield
     finally:
         reference.similarity_export = current
+
+
+#: The label suffix of a session with all of ONNX Runtime's graph optimizers (--all-optimizers).
+ALL_OPTIMIZERS = 'all optimizers'
+
+
+@contextlib.contextmanager
+def every_optimizer():
+    """Sessions made within leave out none of ONNX Runtime's graph optimizers, as a session
+    made without :func:`lapformer_mm.deploy.ort_session` does."""
+    disabled = deploy.ORT_DISABLED_OPTIMIZERS
+    deploy.ORT_DISABLED_OPTIMIZERS = []
+    try:
+        yield
+    finally:
+        deploy.ORT_DISABLED_OPTIMIZERS = disabled
 
 
 def export_all(names, size, exporter, folder):
@@ -160,6 +178,11 @@ def benchmark(args):
                 if path is not None:
                     session = deploy.ort_session(path, threads)
                     calls[(row_label, 'ort')] = lambda s=session: deploy.run_onnx(s, x)
+                    if args.all_optimizers:
+                        with every_optimizer():
+                            session = deploy.ort_session(path, threads)
+                        calls[(f'{row_label}, {ALL_OPTIMIZERS}', 'ort')] = (
+                            lambda s=session: deploy.run_onnx(s, x))
             info[f'load_before_{label}'] = load_average()
             times = time_round_robin(calls, args.repeats)
             for (row_label, kind), runs in times.items():
@@ -425,6 +448,9 @@ def parse_args(argv=None):
     parser.add_argument('--threads', type=int, nargs='+', default=[1],
                         help='intra-op thread counts to time (default: 1)')
     parser.add_argument('--json', help='also write the results to this file')
+    parser.add_argument('--all-optimizers', action='store_true',
+                        help='also time each file with all of ONNX Runtime\'s graph optimizers '
+                             '(deploy.ort_session leaves out deploy.ORT_DISABLED_OPTIMIZERS)')
     parser.add_argument('--profile', action='store_true',
                         help="then each file's kernel time per operator type (ONNX Runtime's "
                              'profiler, the first --threads count)')

@@ -31,3 +31,12 @@ def test_profile_sums_kernel_time_by_operator_type(l1_file, tmp_path):
     line = bench.format_profile({'l1 step': ops}, top=2).splitlines()[1]
     assert line.startswith(f'- l1 step: {sum(ops.values()):.0f} ms of kernels; ')
     assert line.count(',') == 1  # two operator types shown
+
+
+def test_every_optimizer_is_scoped():
+    from lapformer_mm import deploy
+    kept = list(deploy.ORT_DISABLED_OPTIMIZERS)
+    with pytest.raises(RuntimeError), bench.every_optimizer():
+        assert deploy.ORT_DISABLED_OPTIMIZERS == []
+        raise RuntimeError
+    assert deploy.ORT_DISABLED_OPTIMIZERS == kept == ['SkipLayerNormFusion']
