@@ -29,7 +29,7 @@ LaplacianFormer-T, e.g. ``make main``'s ``work_dirs/main_job/epoch_6.pth``).
 ``--precision``: the accuracy of the two refinement-residual precisions.
 
     python benchmarks/deploy.py --size 800x1333 --repeats 5 [--profile] [--all-optimizers]
-    python benchmarks/deploy.py --parity --images 3 [--checkpoint CKPT]
+    python benchmarks/deploy.py --parity --images 3 [--seed S] [--checkpoint CKPT]
     python benchmarks/deploy.py --precision
 """
 import argparse
@@ -460,6 +460,9 @@ def parse_args(argv=None):
                         help='--parity inputs: toy COCO scenes (default) or smooth fields')
     parser.add_argument('--images', type=int, default=3,
                         help='--parity inputs per size; each cell is their worst (default 3)')
+    parser.add_argument('--seed', type=int,
+                        help='torch.manual_seed first: the same random weights each run '
+                             '(default: new ones)')
     parser.add_argument('--checkpoint',
                         help='--parity: trained LaplacianFormer-T weights (default: random)')
     parser.add_argument('--precision', action='store_true',
@@ -472,6 +475,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
     if args.parity:
         print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {load_average()}")
         print(parity_report(inputs=args.inputs, images=args.images,

@@ -283,10 +283,10 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
             tensor in the graph, for TensorRT and mobile runtimes): the precision of the
             attention's refinement residual (docs/deploy.md has the accuracy of each).
         opset: the ONNX opset.
-        ort_ops: write each kernel matrix as one ``lapformer_mm::PairwiseKernel`` node
-            (the ONNX Runtime op library: :func:`ort_ops_library`, :func:`ort_session`)
-            instead of standard operators. Such a file runs only in ONNX Runtime with
-            the library registered.
+        ort_ops: write each attention as the ONNX Runtime op library's ``lapformer_mm``
+            nodes (:func:`ort_ops_library`, :func:`ort_session`; docs/deploy.md) instead
+            of standard operators. Such a file runs only in ONNX Runtime with the
+            library registered.
 
     Returns the output names. Weights go into the file unless they exceed ~2 GB.
     """

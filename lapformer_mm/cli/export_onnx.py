@@ -53,9 +53,9 @@ def parse_args(argv=None):
     parser.add_argument('--opset', type=int, default=deploy.DEFAULT_OPSET,
                         help=f'ONNX opset (default {deploy.DEFAULT_OPSET})')
     parser.add_argument('--ort-ops', action='store_true',
-                        help='write the kernel matrices as lapformer_mm::PairwiseKernel '
-                             'nodes of the ONNX Runtime op library (tools/build_ort_ops.py); '
-                             'the file then runs only in ONNX Runtime with the library')
+                        help='write each attention as the ONNX Runtime op library\'s '
+                             'lapformer_mm nodes (tools/build_ort_ops.py); the file then '
+                             'runs only in ONNX Runtime with the library')
     parser.add_argument('--out', help='output file (default: <config name>_<target>.onnx)')
     parser.add_argument('--verify', action='store_true',
                         help='run the file in ONNX Runtime and print its error against '
