@@ -22,7 +22,7 @@ STAMP=$VENV/.lapformer-setup
 MMCV_STAMP=$VENV/.lapformer-mmcv-torch
 PY=$VENV/bin/python
 MMCV_VERSION=2.1.0
-STACK_MODULES='mmcv.ops, mmdet, mmseg, mmpretrain.models, torchvision, pycocotools, pytest, xdist, onnx, onnxscript, onnxruntime, lapformer_mm'
+STACK_MODULES='mmcv.ops, mmdet, mmseg, mmpretrain.models, torchvision, pycocotools, pytest, xdist, onnx, onnxscript, onnxruntime, openvino, lapformer_mm'
 
 # Seconds since the start on every line: the CI log then shows what each step cost.
 log() { echo "[setup +${SECONDS}s] $*"; }

@@ -48,7 +48,7 @@ def parse_args(argv=None):
                              "exporter (dynamo=False)")
     parser.add_argument('--residual', choices=RESIDUAL_PRECISIONS, default='fp64',
                         help='precision of the attention refinement residual: fp64 '
-                             '(default; ONNX Runtime CPU) or fp32 (no fp64 tensor: '
+                             '(default; ONNX Runtime CPU) or fp32 (no fp64 tensor: OpenVINO, '
                              'TensorRT, mobile runtimes)')
     parser.add_argument('--opset', type=int, default=deploy.DEFAULT_OPSET,
                         help=f'ONNX opset (default {deploy.DEFAULT_OPSET})')
