@@ -350,6 +350,27 @@ def test_ort_op_library_ops_match_dense_fp64(monkeypatch):
         _op_session(library, ex.ORT_KERNEL_OP, ['x', 'y'], ['k'], lam=4.0, kind='laplacian')
 
 
+def test_ort_op_library_sessions_keep_the_instruction_set_they_registered(monkeypatch):
+    # LAPFORMER_ORT_ISA is read at each registration; a later session must not switch the
+    # kernels of one already open (they round differently, so a switch shows bitwise).
+    library = require_ort_library()
+    others = [isa for isa, ok in _cpu_isas().items() if ok and isa != 'default']
+    if not others:
+        pytest.skip('this CPU has only the generic build')
+    x, landmarks, _ = _rows_case(300, 49, 0, seed=5)
+    feed = {'x': x[:, :, 0].numpy(), 'y': landmarks[:, 0].numpy()}
+
+    def kernel_session(isa):
+        monkeypatch.setenv('LAPFORMER_ORT_ISA', isa)
+        return _op_session(library, ex.ORT_KERNEL_OP, ['x', 'y'], ['k'], lam=1.0,
+                           kind='laplacian')
+    generic = kernel_session('default')
+    first = generic.run(None, feed)[0]
+    best = kernel_session(others[-1]).run(None, feed)[0]
+    assert not (first == best).all(), 'the builds agree bitwise: the check below cannot fail'
+    assert (generic.run(None, feed)[0] == first).all()
+
+
 def test_ort_op_library_names_bad_operands_and_attributes():
     library = require_ort_library()
     x, landmarks, v = _rows_case(20, 5, 4, seed=0)
@@ -365,6 +386,9 @@ def test_ort_op_library_names_bad_operands_and_attributes():
                     lam=4.0, kind='laplacian', want_stats=2, want_rows=1)
     with pytest.raises(Exception, match="kind='cosine' is not supported; allowed: 'laplacian'"):
         _op_session(library, ex.ORT_KERNEL_OP, ['x', 'y'], ['k'], lam=4.0, kind='cosine')
+    # 1 / lam overflows fp32: every exact match would be 0 * -inf = NaN.
+    with pytest.raises(Exception, match=r'lam must be > 0 with a finite 1 / lam, got 1e-39'):
+        _op_session(library, ex.ORT_KERNEL_OP, ['x', 'y'], ['k'], lam=1e-39, kind='laplacian')
     apply = _op_session(library, ex.ORT_APPLY_OP, ['c', 'a', 'b'], ['out'], centre=1)
     with pytest.raises(Exception, match=r'AttentionApply: A must be \(B, H, m, dv\) with B, H '
                                         r'and m of rows'):

@@ -21,11 +21,14 @@
 // version, so ONNX Runtime reads no field added later; one binary serves every release
 // from 1.17 on.
 //
-// The instruction set is chosen when a session registers the library: AVX-512F, else
-// AVX2 + FMA, else the generic build; LAPFORMER_ORT_ISA=default|avx2|avx512 forces one
-// (the tests run each), and an unsupported request fails the registration with a message.
+// The instruction set is chosen when a session registers the library, and kept by that
+// session's ops: AVX-512F, else AVX2 + FMA, else the generic build;
+// LAPFORMER_ORT_ISA=default|avx2|avx512 forces one (the tests run each), and an unsupported
+// request fails the registration with a message.
 #include <algorithm>
 #include <climits>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -42,12 +45,13 @@ namespace {
 constexpr uint32_t kApiVersion = 17;
 
 const OrtApi* g_api = nullptr;
+// One build's kernels. Each session's ops carry the build chosen when it registered the
+// library (OpDef, then Kernel): nothing global changes at a later registration.
 struct Isa {
   void (*kernel_rows)(const Problem&, int64_t, int64_t, int64_t);
   void (*rows_chunk)(const RowsPass&, int64_t, int64_t, float*);
   void (*apply_chunk)(const ApplyPass&, int64_t, int64_t, float*);
 };
-Isa g_isa{};
 
 OrtStatus* error(const char* op, const std::string& message) {
   return g_api->CreateStatus(ORT_INVALID_ARGUMENT, (std::string("lapformer_mm::") + op + ": " + message).c_str());
@@ -59,12 +63,25 @@ OrtStatus* error(const char* op, const std::string& message) {
     if (status_) return status_;    \
   } while (0)
 
-// A kernel's attributes; each op reads those it has.
+// A kernel's build and attributes; each op reads the attributes it has.
 struct Kernel {
+  Isa isa{};
   float lam = 0.0f;
   bool l1 = true;
   bool want_stats = false, want_rows = false, centre = false;
 };
+
+// An OrtCustomOp with what its callbacks need to tell the ops apart, and the build its
+// kernels run (it is the first member: ONNX Runtime hands the callbacks its address).
+struct OpDef {
+  OrtCustomOp op;
+  const char* name;
+  size_t inputs, outputs;
+  Isa isa;
+};
+
+const OpDef& def(const OrtCustomOp* op) { return *reinterpret_cast<const OpDef*>(op); }
+Isa isa_of(const OrtCustomOp* op) { return def(op).isa; }
 
 struct Shape {
   std::vector<int64_t> dims;
@@ -108,7 +125,12 @@ OrtStatus* output(OrtKernelContext* context, size_t i, const std::vector<int64_t
 
 OrtStatus* read_kernel(const char* op, const OrtKernelInfo* info, Kernel* kernel) {
   LAPF_TRY(g_api->KernelInfoGetAttribute_float(info, "lam", &kernel->lam));
-  if (!(kernel->lam > 0.0f)) return error(op, "attribute lam must be > 0, got " + std::to_string(kernel->lam));
+  // -1 / lam must be finite too: it scales every distance (0 * -inf would be NaN).
+  if (!(kernel->lam > 0.0f) || !std::isfinite(-1.0f / kernel->lam)) {
+    char value[32];
+    std::snprintf(value, sizeof(value), "%g", static_cast<double>(kernel->lam));
+    return error(op, std::string("attribute lam must be > 0 with a finite 1 / lam, got ") + value);
+  }
   char kind[32] = {0};
   size_t size = sizeof(kind);
   LAPF_TRY(g_api->KernelInfoGetAttribute_string(info, "kind", kind, &size));
@@ -166,8 +188,8 @@ float* thread_scratch(int64_t size) {
 
 constexpr const char* kPairwise = "PairwiseKernel";
 
-OrtStatus* create_pairwise(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
-  Kernel kernel;
+OrtStatus* create_pairwise(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** out) {
+  Kernel kernel{isa_of(op)};
   LAPF_TRY(read_kernel(kPairwise, info, &kernel));
   *out = new Kernel(kernel);
   return nullptr;
@@ -200,7 +222,7 @@ OrtStatus* compute_pairwise(void* op_kernel, OrtKernelContext* context) {
   Problem problem{x, yt.data(), out, n, m, d, mp, 1, n * d, 0, d, kernel.lam, kernel.l1};
   auto task = [&](int64_t index) {
     const int64_t b = index / chunks, begin = (index % chunks) * kChunkRows;
-    g_isa.kernel_rows(problem, b, begin, begin + kChunkRows < n ? begin + kChunkRows : n);
+    kernel.isa.kernel_rows(problem, b, begin, begin + kChunkRows < n ? begin + kChunkRows : n);
   };
   return parallel_for(context, batch * chunks, task);
 }
@@ -209,8 +231,8 @@ OrtStatus* compute_pairwise(void* op_kernel, OrtKernelContext* context) {
 
 constexpr const char* kRows = "AttentionRows";
 
-OrtStatus* create_rows(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
-  Kernel kernel;
+OrtStatus* create_rows(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** out) {
+  Kernel kernel{isa_of(op)};
   LAPF_TRY(read_kernel(kRows, info, &kernel));
   LAPF_TRY(read_flag(kRows, info, "want_stats", &kernel.want_stats));
   LAPF_TRY(read_flag(kRows, info, "want_rows", &kernel.want_rows));
@@ -259,7 +281,7 @@ OrtStatus* compute_rows(void* op_kernel, OrtKernelContext* context) {
     one.n = 1;
     one.out = first.data();
     for (int64_t bh = 0; bh < BH; ++bh) {
-      g_isa.kernel_rows(one, bh, 0, 1);
+      kernel.isa.kernel_rows(one, bh, 0, 1);
       float sum = 0.0f;
       for (int64_t j = 0; j < m; ++j) sum += first[bh * m + j];
       const float mean = sum / static_cast<float>(m);
@@ -275,7 +297,7 @@ OrtStatus* compute_rows(void* op_kernel, OrtKernelContext* context) {
   const int64_t scratch = rows_scratch(mp, dvp);
   auto task = [&](int64_t index) {
     const int64_t bh = head_major(index, H, chunks);
-    g_isa.rows_chunk(pass, bh, (index / H) % chunks, thread_scratch(scratch));
+    kernel.isa.rows_chunk(pass, bh, (index / H) % chunks, thread_scratch(scratch));
   };
   LAPF_TRY(parallel_for(context, BH * chunks, task));
   // The partials in chunk order: float for the centred sums, double for the rest.
@@ -313,8 +335,8 @@ OrtStatus* compute_rows(void* op_kernel, OrtKernelContext* context) {
 
 constexpr const char* kApply = "AttentionApply";
 
-OrtStatus* create_apply(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
-  Kernel kernel;
+OrtStatus* create_apply(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** out) {
+  Kernel kernel{isa_of(op)};
   LAPF_TRY(read_flag(kApply, info, "centre", &kernel.centre));
   *out = new Kernel(kernel);
   return nullptr;
@@ -350,22 +372,13 @@ OrtStatus* compute_apply(void* op_kernel, OrtKernelContext* context) {
   const int64_t scratch = apply_scratch(dvp);
   auto task = [&](int64_t index) {
     const int64_t bh = head_major(index, H, chunks);
-    g_isa.apply_chunk(pass, bh, (index / H) % chunks, thread_scratch(scratch));
+    kernel.isa.apply_chunk(pass, bh, (index / H) % chunks, thread_scratch(scratch));
   };
   return parallel_for(context, BH * chunks, task);
 }
 
 // The ops' definitions ------------------------------------------------------------------------
 
-// An OrtCustomOp with what its callbacks need to tell the ops apart (it is the first member:
-// ONNX Runtime hands the callbacks its address).
-struct OpDef {
-  OrtCustomOp op;
-  const char* name;
-  size_t inputs, outputs;
-};
-
-const OpDef& def(const OrtCustomOp* op) { return *reinterpret_cast<const OpDef*>(op); }
 const char* op_name(const OrtCustomOp* op) { return def(op).name; }
 const char* op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 ONNXTensorElementDataType op_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
@@ -380,7 +393,8 @@ int op_end_version(const OrtCustomOp*) { return INT_MAX; }
 using CreateFn = OrtStatus* (*)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**);
 using ComputeFn = OrtStatus* (*)(void*, OrtKernelContext*);
 
-OpDef make_op(const char* name, size_t inputs, size_t outputs, CreateFn create, ComputeFn compute) {
+OpDef make_op(const char* name, size_t inputs, size_t outputs, CreateFn create, ComputeFn compute,
+              Isa isa) {
   OpDef d;
   std::memset(&d, 0, sizeof(d));
   OrtCustomOp& op = d.op;
@@ -406,14 +420,9 @@ OpDef make_op(const char* name, size_t inputs, size_t outputs, CreateFn create, 
   d.name = name;
   d.inputs = inputs;
   d.outputs = outputs;
+  d.isa = isa;
   return d;
 }
-
-const OpDef g_ops[] = {
-    make_op(kPairwise, 2, 1, create_pairwise, compute_pairwise),
-    make_op(kRows, 3, 3, create_rows, compute_rows),
-    make_op(kApply, 3, 1, create_apply, compute_apply),
-};
 
 #define LAPF_ISA_OF(isa) Isa{isa::kernel_rows, isa::rows_chunk, isa::apply_chunk}
 #if defined(__x86_64__) || defined(_M_X64)
@@ -430,20 +439,32 @@ const Isa kAvx2 = LAPF_ISA_OF(generic);
 #endif
 const Isa kGeneric = LAPF_ISA_OF(generic);
 
-OrtStatus* choose_isa() {
+// The three ops with one build's kernels: a session registers one such set.
+struct OpSet {
+  OpDef ops[3];
+};
+OpSet op_set(Isa isa) {
+  return OpSet{{make_op(kPairwise, 2, 1, create_pairwise, compute_pairwise, isa),
+                make_op(kRows, 3, 3, create_rows, compute_rows, isa),
+                make_op(kApply, 3, 1, create_apply, compute_apply, isa)}};
+}
+const OpSet kAvx512Ops = op_set(kAvx512), kAvx2Ops = op_set(kAvx2), kGenericOps = op_set(kGeneric);
+
+// The set for this CPU, or the one LAPFORMER_ORT_ISA asks for, read at each registration.
+OrtStatus* choose_ops(const OpSet** set) {
   const char* env = std::getenv("LAPFORMER_ORT_ISA");
   std::string want = env && *env ? env : "auto";
   const char* library = "op library";
   if (want == "auto") {
-    g_isa = cpu_has_avx512() ? kAvx512 : cpu_has_avx2() ? kAvx2 : kGeneric;
+    *set = cpu_has_avx512() ? &kAvx512Ops : cpu_has_avx2() ? &kAvx2Ops : &kGenericOps;
   } else if (want == "avx512") {
     if (!cpu_has_avx512()) return error(library, "LAPFORMER_ORT_ISA=avx512, but this CPU has no AVX-512F");
-    g_isa = kAvx512;
+    *set = &kAvx512Ops;
   } else if (want == "avx2") {
     if (!cpu_has_avx2()) return error(library, "LAPFORMER_ORT_ISA=avx2, but this CPU has no AVX2 + FMA");
-    g_isa = kAvx2;
+    *set = &kAvx2Ops;
   } else if (want == "default") {
-    g_isa = kGeneric;
+    *set = &kGenericOps;
   } else {
     return error(library, "LAPFORMER_ORT_ISA='" + want + "' is not supported; allowed: auto, default, avx2, avx512");
   }
@@ -464,10 +485,11 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
                 : nullptr;
   }
   g_api = api;
-  LAPF_TRY(choose_isa());
+  const OpSet* set = nullptr;
+  LAPF_TRY(choose_ops(&set));
   OrtCustomOpDomain* domain = nullptr;
   LAPF_TRY(api->CreateCustomOpDomain("lapformer_mm", &domain));
   // The domain is not released: ONNX Runtime keeps a pointer to it for the session's life.
-  for (const OpDef& op : g_ops) LAPF_TRY(api->CustomOpDomain_Add(domain, &op.op));
+  for (const OpDef& op : set->ops) LAPF_TRY(api->CustomOpDomain_Add(domain, &op.op));
   return api->AddCustomOpDomain(options, domain);
 }
