@@ -350,6 +350,29 @@ def test_ort_op_library_ops_match_dense_fp64(monkeypatch):
         _op_session(library, ex.ORT_KERNEL_OP, ['x', 'y'], ['k'], lam=4.0, kind='laplacian')
 
 
+def test_ort_op_library_statistics_do_not_hinge_on_the_first_token(monkeypatch):
+    # As the CPU kernels' (tests/ops/cpu/test_kernels.py): token 0 far from every other,
+    # whose kernel rows vary by ~1e-6; around token 0 the variance lost 1e-3 of its value.
+    library = require_ort_library()
+    gen = torch.Generator().manual_seed(60)
+    landmarks = 0.3 * torch.randn(1, 1, 49, 8, generator=gen)
+    x = 0.3 * torch.randn(1, 1, 1, 8, generator=gen) + 1e-3 * torch.randn(1, 4096, 1, 8,
+                                                                           generator=gen)
+    x[:, 0] = 5.0
+    v = x[..., :0]
+    _, want, _ = _rows_dense(x, landmarks, v, 1.0, 'laplacian')
+    for isa, supported in _cpu_isas().items():
+        if not supported:
+            continue
+        monkeypatch.setenv('LAPFORMER_ORT_ISA', isa)
+        session = _op_session(library, ex.ORT_ROWS_OP, ['x', 'l', 'v'], ['rhs', 'stats', 'rows'],
+                              lam=1.0, kind='laplacian', want_stats=1, want_rows=0)
+        stats = torch.from_numpy(
+            session.run(None, {'x': x.numpy(), 'l': landmarks.numpy(), 'v': v.numpy()})[1])
+        assert relative_errors([stats[:, :, :1]], [want[:, :, :1]])[0] < 1e-6, isa
+        assert ((stats[:, :, 1:] - want[:, :, 1:]).abs() / want[:, :, 1:]).max() < 1e-5, isa
+
+
 def test_ort_op_library_sessions_keep_the_instruction_set_they_registered(monkeypatch):
     # LAPFORMER_ORT_ISA is read at each registration; a later session must not switch the
     # kernels of one already open (they round differently, so a switch shows bitwise).

@@ -56,6 +56,10 @@ struct AccOf<double> {
 // Rows per chunk of every parallel loop over rows: large enough that a chunk's partial sums
 // are few, small enough that 2 threads get work at N = 1024.
 constexpr int64_t kChunkRows = 256;
+// Rows, evenly spaced, whose centred mean is the shift of the whitening statistics: close to
+// every column's mean, so the one-pass sums around it do not cancel, unless most rows are
+// far from those sampled (one atypical row moves it by 1/64 of its distance).
+constexpr int64_t kShiftRows = 64;
 // Column vectors per register tile of the kernel matrix (4 x 16 fp32 lanes on AVX-512).
 constexpr int kMaxTileVecs = 4;
 enum Kind : int64_t { kLaplacian = 0, kGaussian = 1 };
@@ -656,8 +660,8 @@ void reduce_into(const std::vector<acc_t>& parts, int64_t BH, int64_t chunks, in
 //            acc_t plus the common part r^T v (r the row means over landmarks) summed in
 //            double (each block's few rows in acc_t first);
 //   stats:   (B, H, 2, m), the column mean and (biased) variance over rows of the
-//            row-centred C, accumulated around the first row's values (no cancellation
-//            for nearly constant columns), chunk partials summed in double;
+//            row-centred C, accumulated around the centred mean of kShiftRows sampled rows
+//            (no cancellation for nearly constant columns), chunk partials summed in double;
 //   rows:    C itself (B, H, N, m), when a later pass reads it.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
     const at::Tensor& x, const at::Tensor& l, const c10::optional<at::Tensor>& v, double lam,
@@ -686,15 +690,22 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
     const auto packed = pack_landmark_columns(lo, s);
     const int64_t psize = packed_size<acc_t>(s.M, s.d);
     const acc_t neg_inv_lam = static_cast<acc_t>(-1.0 / lam);
-    // The shift of the statistics: row 0 of each (b, h), centred.
+    // The shift of the statistics per (b, h): the centred mean of kShiftRows sampled rows.
     std::vector<acc_t> shift(want_stats ? static_cast<size_t>(s.B * s.H * s.Mp) : 0, acc_t(0));
     if (want_stats) {
+      const int64_t samples = std::min(s.N, kShiftRows);
+      std::vector<acc_t> row(static_cast<size_t>(s.Mp), acc_t(0));
+      std::vector<double> sum(static_cast<size_t>(s.M));
       for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
+        std::fill(sum.begin(), sum.end(), 0.0);
+        for (int64_t k = 0; k < samples; ++k) {
+          kernel_rows(kind, xo.row(bh / s.H, bh % s.H, k * s.N / samples), xo.sn, xo.sc, 1,
+                      s.d, packed.data() + bh * psize, s.M, neg_inv_lam, row.data(), s.Mp);
+          const acc_t mean = lane_sum(row.data(), s.Mp) / static_cast<acc_t>(s.M);
+          for (int64_t j = 0; j < s.M; ++j) sum[j] += static_cast<double>(row[j] - mean);
+        }
         acc_t* sh = shift.data() + bh * s.Mp;
-        kernel_rows(kind, xo.row(bh / s.H, bh % s.H, 0), xo.sn, xo.sc, 1, s.d,
-                    packed.data() + bh * psize, s.M, neg_inv_lam, sh, s.Mp);
-        const acc_t mean = lane_sum(sh, s.Mp) / static_cast<acc_t>(s.M);
-        for (int64_t j = 0; j < s.M; ++j) sh[j] -= mean;
+        for (int64_t j = 0; j < s.M; ++j) sh[j] = static_cast<acc_t>(sum[j] / samples);
       }
     }
     const int64_t rhs_part = with_v ? s.M * dvp : 0, stat_part = want_stats ? 2 * s.Mp : 0;

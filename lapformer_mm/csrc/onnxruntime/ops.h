@@ -8,6 +8,8 @@ namespace lapf_ort {
 // Rows per parallel task and per partial sum: a fixed partition of the rows, so results do
 // not depend on the thread count.
 constexpr int64_t kChunkRows = 256;
+// Rows, evenly spaced, whose centred mean is the shift of the whitening statistics.
+constexpr int64_t kShiftRows = 64;
 // m and d_v are padded to whole vectors of the widest build.
 constexpr int64_t kPadLanes = 16;
 
@@ -32,7 +34,8 @@ struct Problem {
 //           r_i v_i into common_parts (dv, double; a few rows in float first), r_i the
 //           row's mean over landmarks, v (B, N, H, dv);
 //   stats:  when shift is not null, the chunk's sums of delta and delta^2 into stat_parts
-//           (2, padded), delta = C_i - r_i 1 - shift, shift (B*H, padded) a centred row of C.
+//           (2, padded), delta = C_i - r_i 1 - shift, shift (B*H, padded) the centred mean of
+//           kShiftRows sampled rows of C.
 // Partials are per (bh * chunks + chunk). scratch: rows_scratch(...) floats.
 struct RowsPass {
   Problem kernel;

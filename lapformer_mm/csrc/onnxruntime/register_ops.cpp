@@ -272,20 +272,28 @@ OrtStatus* compute_rows(void* op_kernel, OrtKernelContext* context) {
   const int64_t mp = padded(m), dvp = padded(dv), chunks = chunks_of(N);
   std::vector<float> lt = transposed(l, BH, m, d, mp);
   Problem problem{x, lt.data(), nullptr, N, m, d, mp, H, N * H * d, d, H * d, kernel.lam, kernel.l1};
-  // The statistics' shift: row 0 of each (b, h), centred (no cancellation for nearly
-  // constant columns).
+  // The statistics' shift per (b, h): the centred mean of kShiftRows evenly spaced rows,
+  // close to every column's mean, so the one-pass sums around it do not cancel.
   std::vector<float> shift(kernel.want_stats ? static_cast<size_t>(BH * mp) : 0, 0.0f);
   if (kernel.want_stats) {
-    std::vector<float> first(static_cast<size_t>(BH * m));
+    const int64_t samples = std::min(N, kShiftRows);
+    std::vector<float> row(static_cast<size_t>(BH * m));
+    std::vector<double> sum(static_cast<size_t>(m));
     Problem one = problem;
     one.n = 1;
-    one.out = first.data();
+    one.out = row.data();
     for (int64_t bh = 0; bh < BH; ++bh) {
-      kernel.isa.kernel_rows(one, bh, 0, 1);
-      float sum = 0.0f;
-      for (int64_t j = 0; j < m; ++j) sum += first[bh * m + j];
-      const float mean = sum / static_cast<float>(m);
-      for (int64_t j = 0; j < m; ++j) shift[bh * mp + j] = first[bh * m + j] - mean;
+      std::fill(sum.begin(), sum.end(), 0.0);
+      for (int64_t k = 0; k < samples; ++k) {
+        one.x = x + (k * N / samples) * problem.sx_row;
+        kernel.isa.kernel_rows(one, bh, 0, 1);
+        const float* r = row.data() + bh * m;
+        float total = 0.0f;
+        for (int64_t j = 0; j < m; ++j) total += r[j];
+        const float mean = total / static_cast<float>(m);
+        for (int64_t j = 0; j < m; ++j) sum[j] += static_cast<double>(r[j] - mean);
+      }
+      for (int64_t j = 0; j < m; ++j) shift[bh * mp + j] = static_cast<float>(sum[j] / samples);
     }
   }
   std::vector<float> rhs_parts(static_cast<size_t>(dv ? BH * chunks * m * dvp : 0));

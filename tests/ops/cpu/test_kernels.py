@@ -403,3 +403,34 @@ def test_every_build_calls_the_openmp_runtime():
         spec = importlib.util.find_spec(f'lapformer_mm._cpu_{build}')
         if spec is not None:
             assert b'GOMP_parallel' in Path(spec.origin).read_bytes(), spec.origin
+
+
+def _outlier_first_token(n, d, m, spread, seed):
+    """x (1, 1, n, d): every token within ``spread`` of one point but token 0, far from the
+    landmarks y (1, 1, m, d); the statistics' columns vary by ~spread², token 0 by ~1."""
+    gen = torch.Generator().manual_seed(seed)
+    y = 0.3 * torch.randn(1, 1, m, d, generator=gen)
+    x = 0.3 * torch.randn(1, 1, 1, d, generator=gen) + spread * torch.randn(1, 1, n, d,
+                                                                             generator=gen)
+    x[:, :, 0] = 5.0
+    return x, y
+
+
+def _whitening_stats64(x, y, lam, kind):
+    """(mean, biased variance) over rows of the row-centred kernel matrix, in fp64."""
+    c = dense_kernel(x.double(), y.double(), lam, kind)
+    centred = c - c.mean(-1, keepdim=True)
+    return centred.mean(-2), centred.var(-2, unbiased=False)
+
+
+@needs_ext
+@pytest.mark.parametrize('kind', KINDS)
+def test_whitening_statistics_do_not_hinge_on_the_first_token(kind):
+    """The one-pass statistics sum around a shift; with token 0 as the shift, a token far from
+    the rest cost the variance 1e-3 of its value here."""
+    x, y = _outlier_first_token(4096, 8, 49, 1e-3, seed=60)
+    code = KINDS.index(kind)
+    _, stats, _ = cpu_ext._ops().attention_rows_forward(x, y, None, 1.0, code, True, True)
+    mean, var = _whitening_stats64(x, y, 1.0, kind)
+    assert ((stats[:, :, 0] - mean).abs().max() / mean.abs().max()).item() < 1e-6
+    assert ((stats[:, :, 1] - var).abs() / var).max().item() < 1e-5
