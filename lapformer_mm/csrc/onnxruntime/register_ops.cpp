@@ -26,11 +26,13 @@
 // LAPFORMER_ORT_ISA=default|avx2|avx512 forces one (the tests run each), and an unsupported
 // request fails the registration with a message.
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -131,10 +133,11 @@ OrtStatus* read_kernel(const char* op, const OrtKernelInfo* info, Kernel* kernel
     std::snprintf(value, sizeof(value), "%g", static_cast<double>(kernel->lam));
     return error(op, std::string("attribute lam must be > 0 with a finite 1 / lam, got ") + value);
   }
-  char kind[32] = {0};
-  size_t size = sizeof(kind);
-  LAPF_TRY(g_api->KernelInfoGetAttribute_string(info, "kind", kind, &size));
-  std::string name(kind);
+  size_t size = 0;  // with the terminating null
+  LAPF_TRY(g_api->KernelInfoGetAttribute_string(info, "kind", nullptr, &size));
+  std::string name(size, '\0');
+  LAPF_TRY(g_api->KernelInfoGetAttribute_string(info, "kind", &name[0], &size));
+  name.resize(size ? size - 1 : 0);
   if (name != "laplacian" && name != "gaussian")
     return error(op, "attribute kind='" + name + "' is not supported; allowed: 'laplacian', 'gaussian'");
   kernel->l1 = name == "laplacian";
@@ -162,12 +165,31 @@ std::vector<float> transposed(const float* y, int64_t batch, int64_t m, int64_t 
   return yt;
 }
 
+// No C++ exception may cross ONNX Runtime's C API (a task's would end the process in its
+// thread pool): the computes and the tasks turn one into an error status. The messages are
+// literals, which need no memory.
+OrtStatus* exception_status(const char* what) {
+  return g_api->CreateStatus(ORT_FAIL, what);
+}
+
 // Calls fn(index) for index in [0, count) on the session's threads.
 template <typename Fn>
 OrtStatus* parallel_for(OrtKernelContext* context, int64_t count, Fn& fn) {
   if (count == 0) return nullptr;
-  auto run = [](void* data, size_t index) { (*static_cast<Fn*>(data))(static_cast<int64_t>(index)); };
-  return g_api->KernelContext_ParallelFor(context, run, static_cast<size_t>(count), 0, &fn);
+  struct Tasks {
+    Fn* fn;
+    std::atomic<bool> out_of_memory{false};
+  } tasks{&fn};
+  auto run = [](void* data, size_t index) {
+    Tasks* t = static_cast<Tasks*>(data);
+    try {
+      (*t->fn)(static_cast<int64_t>(index));
+    } catch (...) {
+      t->out_of_memory = true;  // the tasks allocate, and throw nothing else
+    }
+  };
+  LAPF_TRY(g_api->KernelContext_ParallelFor(context, run, static_cast<size_t>(count), 0, &tasks));
+  return tasks.out_of_memory ? exception_status("lapformer_mm op library: out of memory in a task") : nullptr;
 }
 
 // The (b, h) of task `index` of a pass: the heads of one chunk of rows run one after
@@ -401,6 +423,17 @@ int op_end_version(const OrtCustomOp*) { return INT_MAX; }
 using CreateFn = OrtStatus* (*)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**);
 using ComputeFn = OrtStatus* (*)(void*, OrtKernelContext*);
 
+template <ComputeFn compute>
+OrtStatus* guarded(void* kernel, OrtKernelContext* context) noexcept {
+  try {
+    return compute(kernel, context);
+  } catch (const std::bad_alloc&) {
+    return exception_status("lapformer_mm op library: out of memory");
+  } catch (...) {
+    return exception_status("lapformer_mm op library: unexpected C++ exception");
+  }
+}
+
 OpDef make_op(const char* name, size_t inputs, size_t outputs, CreateFn create, ComputeFn compute,
               Isa isa) {
   OpDef d;
@@ -452,9 +485,9 @@ struct OpSet {
   OpDef ops[3];
 };
 OpSet op_set(Isa isa) {
-  return OpSet{{make_op(kPairwise, 2, 1, create_pairwise, compute_pairwise, isa),
-                make_op(kRows, 3, 3, create_rows, compute_rows, isa),
-                make_op(kApply, 3, 1, create_apply, compute_apply, isa)}};
+  return OpSet{{make_op(kPairwise, 2, 1, create_pairwise, guarded<compute_pairwise>, isa),
+                make_op(kRows, 3, 3, create_rows, guarded<compute_rows>, isa),
+                make_op(kApply, 3, 1, create_apply, guarded<compute_apply>, isa)}};
 }
 const OpSet kAvx512Ops = op_set(kAvx512), kAvx2Ops = op_set(kAvx2), kGenericOps = op_set(kGeneric);
 
