@@ -83,7 +83,6 @@ struct OpDef {
 };
 
 const OpDef& def(const OrtCustomOp* op) { return *reinterpret_cast<const OpDef*>(op); }
-Isa isa_of(const OrtCustomOp* op) { return def(op).isa; }
 
 struct Shape {
   std::vector<int64_t> dims;
@@ -211,7 +210,7 @@ float* thread_scratch(int64_t size) {
 constexpr const char* kPairwise = "PairwiseKernel";
 
 OrtStatus* create_pairwise(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** out) {
-  Kernel kernel{isa_of(op)};
+  Kernel kernel{def(op).isa};
   LAPF_TRY(read_kernel(kPairwise, info, &kernel));
   *out = new Kernel(kernel);
   return nullptr;
@@ -254,7 +253,7 @@ OrtStatus* compute_pairwise(void* op_kernel, OrtKernelContext* context) {
 constexpr const char* kRows = "AttentionRows";
 
 OrtStatus* create_rows(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** out) {
-  Kernel kernel{isa_of(op)};
+  Kernel kernel{def(op).isa};
   LAPF_TRY(read_kernel(kRows, info, &kernel));
   LAPF_TRY(read_flag(kRows, info, "want_stats", &kernel.want_stats));
   LAPF_TRY(read_flag(kRows, info, "want_rows", &kernel.want_rows));
@@ -366,7 +365,7 @@ OrtStatus* compute_rows(void* op_kernel, OrtKernelContext* context) {
 constexpr const char* kApply = "AttentionApply";
 
 OrtStatus* create_apply(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** out) {
-  Kernel kernel{isa_of(op)};
+  Kernel kernel{def(op).isa};
   LAPF_TRY(read_flag(kApply, info, "centre", &kernel.centre));
   *out = new Kernel(kernel);
   return nullptr;
