@@ -1,18 +1,18 @@
 """ONNX Runtime CPU latency and accuracy of exported backbones (docs/deploy.md).
 
 Speed (default): exports LaplacianFormer-T in three forms — the standard-domain file
-before this change (``ReduceL1``, rebuilt here for the comparison), today's standard file,
-and the file with the ONNX Runtime op library (``--ort-ops``; skipped with a note when the
-library is not built) — and mmdet's PVTv2-b1 (and any ``--models``) the same way (one
-exporter, static SIZE, batch 1, fp64 residual), then times, in this one process, each
-ONNX Runtime session and each model's eager forward with ``--threads`` intra-op threads,
-all interleaved per round; the table has the median of ``--repeats`` calls after one
-warm-up and each file's speed-up over PVTv2-b1 and over the file before. The load
-average is printed before, between and after. ``--all-optimizers`` adds a session per file
-with every ONNX Runtime graph optimizer (what a plain ``InferenceSession`` runs), beside
-:func:`lapformer_mm.deploy.ort_session`'s. ``--profile`` then runs each file
-``--repeats`` times more under ONNX Runtime's profiler and prints where its time goes: the
-kernel milliseconds per call of each operator type.
+before this change (``ReduceL1``, rebuilt here for the comparison), today's standard file
+(``Abs → ReduceSum`` in token blocks), and the file with the ONNX Runtime op library
+(``--ort-ops``; skipped with a note when the library is not built) — and mmdet's PVTv2-b1
+(and any ``--models``) the same way (one exporter, static SIZE, batch 1, fp64 residual),
+then times, in this one process, each ONNX Runtime session and each model's eager forward
+with ``--threads`` intra-op threads, all interleaved per round; the table has the median
+of ``--repeats`` calls after one warm-up and each file's speed-up over PVTv2-b1 and over
+the file before. The load average is printed before, between and after.
+``--all-optimizers`` adds a session per file with every ONNX Runtime graph optimizer (what
+a plain ``InferenceSession`` runs), beside :func:`lapformer_mm.deploy.ort_session`'s.
+``--profile`` then runs each file ``--repeats`` times more under ONNX Runtime's profiler
+and prints where its time goes: the kernel milliseconds per call of each operator type.
 
 ``--parity``: per-stage accuracy of LaplacianFormer-T exported with dynamic sizes by both
 exporters (standard and op-library files) and by a plain ``torch.export.export`` with
@@ -57,6 +57,7 @@ from lapformer_mm import deploy
 from lapformer_mm.analysis.model_zoo import build_backbone
 from lapformer_mm.cpu_malloc import keep_large_blocks
 from lapformer_mm.models.attention import LaplacianAttention
+from lapformer_mm.ops import export as ops_export
 from lapformer_mm.ops import reference
 
 REFERENCE = 'laplacianformer-t'
@@ -69,8 +70,8 @@ FORMS = (('standard, before', False, True), ('standard', False, False),
 
 @contextlib.contextmanager
 def previous_l1_form():
-    """The standard file's ℓ1 kernel as it was before: ``ReduceL1`` of the differences
-    (the baseline of the speed table; the project no longer writes it)."""
+    """The standard file's ℓ1 kernel as it was before: ``ReduceL1`` of the differences, all
+    tokens at once (the baseline of the speed table; the project no longer writes it)."""
     current = reference.similarity_export
 
     def reduce_l1(x, y, lam, kind, chunk=reference.LANDMARK_CHUNK):
@@ -83,11 +84,12 @@ def previous_l1_form():
         dist = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
         return torch.exp(dist * (-1.0 / lam)).transpose(-1, -2)
 
-    reference.similarity_export = reduce_l1
+    placeholder = ops_export.pairwise_placeholder
+    reference.similarity_export = ops_export.pairwise_placeholder = reduce_l1
     try:
         yield
     finally:
-        reference.similarity_export = current
+        reference.similarity_export, ops_export.pairwise_placeholder = current, placeholder
 
 
 #: The label suffix of a session with all of ONNX Runtime's graph optimizers (--all-optimizers).

@@ -21,6 +21,7 @@ at least its landmark grid; 193 for the default layout); a dynamic export declar
 as the range of its height and width. onnx and onnxruntime (the ``[deploy]`` extra) are
 imported only by the functions that need them.
 """
+import contextlib
 import copy
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -29,10 +30,13 @@ import torch
 from torch import nn
 
 from .ops.export import (
+    BLOCKS_MIN_OPSET,
     ORT_DOMAIN,
     RESIDUAL_PRECISIONS,
     check_exportable,
+    expand_placeholders,
     kernel_form,
+    pairwise_placeholders,
     residual_precision,
 )
 from .ops.reference import adaptive_avg_pool2d_export
@@ -282,7 +286,8 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
         residual: 'fp64' (the eager numerics; ONNX Runtime CPU) or 'fp32' (no fp64
             tensor in the graph, for TensorRT and mobile runtimes): the precision of the
             attention's refinement residual (docs/deploy.md has the accuracy of each).
-        opset: the ONNX opset.
+        opset: the ONNX opset; from 13 on the tokens' kernel matrices are written in
+            token blocks (docs/deploy.md).
         ort_ops: write each attention as the ONNX Runtime op library's ``lapformer_mm``
             nodes (:func:`ort_ops_library`, :func:`ort_session`; docs/deploy.md) instead
             of standard operators. Such a file runs only in ONNX Runtime with the
@@ -293,21 +298,31 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
     shape = _check_shape(shape)
     _check_choice('exporter', exporter, EXPORTERS)
     _check_choice('ort_ops', ort_ops, (False, True))
-    form = 'ort' if ort_ops else 'standard'
-    if exporter == 'dynamo':
-        with kernel_form(form):
+    # The tokens' kernel matrices as placeholders, expanded into token blocks after the export.
+    blocks = opset >= BLOCKS_MIN_OPSET
+    with kernel_form('ort' if ort_ops else 'standard'), (
+            pairwise_placeholders() if blocks else contextlib.nullcontext()):
+        if exporter == 'dynamo':
             program = export_program(model, shape=shape, batch=batch, dynamic=dynamic,
                                      residual=residual)
-        names = output_names(model, shape)
-        program_to_onnx(program, out, output_names=names, opset=opset)
-        return names
+            names = output_names(model, shape)
+            program_to_onnx(program, out, output_names=names, opset=opset)
+        else:
+            names = _torchscript_export(model, out, shape, batch, dynamic, residual, opset)
+    if blocks:
+        _expand_placeholders(out)
+    return names
+
+
+def _torchscript_export(model, out, shape, batch, dynamic, residual, opset):
+    """:func:`export_onnx` with ``exporter='torchscript'``: the output names."""
     batch = _check_batch(batch)
     _check_choice('residual', residual, RESIDUAL_PRECISIONS)
     check_export_size(model, shape)
     module = prepare_for_export(model)
     x = example_input(shape, max(batch, 2) if dynamic else batch)
     _makedirs_for(out)
-    with torch.no_grad(), residual_precision(residual), kernel_form(form):
+    with torch.no_grad(), residual_precision(residual):
         outputs = _as_list(module(x))
         names = _names(module, len(outputs))
         axes = None
@@ -318,6 +333,14 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
         torch.onnx.export(module, (x, ), out, dynamo=False, input_names=[INPUT_NAME],
                           output_names=names, opset_version=opset, dynamic_axes=axes)
     return names
+
+
+def _expand_placeholders(path):
+    """The file at ``path`` with its kernel-matrix placeholders expanded into standard
+    operators (``ops.export.expand_placeholders``); external weights stay where they are."""
+    onnx = _import('onnx')
+    proto = onnx.load(path, load_external_data=False)
+    onnx.save(expand_placeholders(proto), path)
 
 
 def _makedirs_for(path):

@@ -141,11 +141,16 @@ def similarity_grads(w, x, y, lam, kernel, needs=(True, True)):
     return dx, dy
 
 
+#: What :func:`similarity` exports as, when set: ``deploy.export_onnx`` puts a node there that
+#: it expands into standard operators after the export (``export.pairwise_placeholders``).
+SIMILARITY_EXPORT = contextvars.ContextVar('lapformer_mm_similarity_export', default=None)
+
+
 def similarity(x, y, lam, kernel, export=False):
     """The kernel matrix exp(-dist(x_i, y_j) / lam) (..., N, M) of x (..., N, d), y (..., M, d).
     The squared ℓ2 comes from coordinate differences: |x|² + |y|² − 2x·y cancels in fp32."""
     if export:
-        return similarity_export(x, y, lam, kernel)
+        return (SIMILARITY_EXPORT.get() or similarity_export)(x, y, lam, kernel)
     # A jit trace (the FLOP counter's) must see aten::cdist, not an opaque Function.
     if (torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
             and not torch.jit.is_tracing()):

@@ -42,8 +42,10 @@ def backbone():
                                         'torchscript'])
 def exported(request, backbone, tmp_path_factory):
     path = str(tmp_path_factory.mktemp('deploy') / f'{request.param}.onnx')
-    deploy.export_onnx(deploy.ExportModule(backbone), path, shape=EXPORT_SHAPE, batch=2,
-                       dynamic=True, exporter=request.param, residual='fp32')
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ex, 'BLOCK_BYTES', 1 << 18)
+        deploy.export_onnx(deploy.ExportModule(backbone), path, shape=EXPORT_SHAPE, batch=2,
+                           dynamic=True, exporter=request.param, residual='fp32')
     return path
 
 
@@ -52,6 +54,9 @@ def test_graph_is_checked_standard_fp32_and_symbolic(exported):
     onnx.checker.check_model(proto, full_check=True)
     assert non_standard_nodes(proto) == []
     assert fp64_tensors(proto) == []
+    # The kernel matrices of stages 1-3 in 8, 4 and 2 token blocks of ≤ 256 KiB.
+    assert sorted(len(n.output) for n in proto.graph.node if n.op_type == 'Split'
+                  and n.name.startswith('lapformer_mm_kernel')) == [2, 4, 8]
     # Numbers below 11 are left out: they are also heads, strides and kernel sizes.
     traced = {n for n in stage_sizes(EXPORT_SHAPE) if n > 10}
     assert frozen_reshapes(proto, traced) == []

@@ -5,6 +5,7 @@ difference-tensor kernels, a direct inverse, the dense fp64 attention), then thr
 both ONNX exporters and ONNX Runtime; and the selection: the forms are taken only while
 an exporter traces, never in eager calls or the FLOP counter's jit trace.
 """
+import contextlib
 import copy
 import os
 import tempfile
@@ -227,6 +228,67 @@ def test_primitives_through_both_exporters_and_onnx_runtime(tmp_path, exporter, 
         errors = relative_errors([torch.from_numpy(o) for o in outs],
                                  primitive_references(*inputs))
         assert max(errors) < 1e-5, (exporter, num_tokens, errors)
+
+
+class Kernels(torch.nn.Module):
+    """The tokens' kernel matrices as the attention exports them: x (B, h, N, d) against 49
+    landmarks (seven whole chunks) and against 10 (a chunk tail)."""
+
+    def forward(self, x, y49, y10):
+        return (ref.similarity(x, y49, 2.5, 'laplacian', export=True),
+                ref.similarity(x, y10, 0.7, 'gaussian', export=True))
+
+
+def kernel_inputs(num_tokens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(0.5 * torch.randn(1, 2, n, 8, generator=gen) for n in (num_tokens, 49, 10))
+
+
+def test_token_blocks_follow_the_byte_budget():
+    # LaplacianFormer-T's stage 1 at 800×1333: 7 landmarks × 64 × 66,800 tokens × 4 B.
+    assert ex.token_blocks(torch.empty(1, 1, 66800, 64), 49) == 29
+    assert ex.token_blocks(torch.empty(1, 1, 1000, 64), 49) == 1
+    assert ex.token_blocks(torch.empty(1, 1, 10 ** 6, 64), 49) == ex.MAX_BLOCKS
+    assert ex.token_blocks(torch.empty(1, 1, 10 ** 6, 64), 16) == 16  # N ≥ m: no empty block
+
+
+@pytest.mark.parametrize('exporter', ['dynamo', 'torchscript'])
+def test_placeholders_expand_into_exact_token_blocks(tmp_path, monkeypatch, exporter):
+    # 8 KiB blocks: 10 and 32 of them (the caps) at N = 700. The blocked file against the fp64
+    # kernels, and bit for bit against the one-block form the exporters write unaided.
+    monkeypatch.setattr(ex, 'BLOCK_BYTES', 1 << 13)
+    names = ['x', 'y49', 'y10']
+    paths = {}
+    for form in ('blocks', 'plain'):
+        paths[form] = path = str(tmp_path / f'{form}.onnx')
+        with torch.no_grad(), (ex.pairwise_placeholders() if form == 'blocks'
+                               else contextlib.nullcontext()):
+            if exporter == 'dynamo':
+                torch.onnx.export(Kernels().eval(), kernel_inputs(700, 0), path, dynamo=True,
+                                  verbose=False, input_names=names, dynamic_shapes=(
+                                      {2: torch.export.Dim('n', min=49)}, None, None))
+            else:
+                torch.onnx.export(Kernels().eval(), kernel_inputs(700, 0), path, dynamo=False,
+                                  opset_version=18, input_names=names,
+                                  dynamic_axes={'x': {2: 'n'}})
+    proto = onnx.load(paths['blocks'])
+    assert [n.domain for n in proto.graph.node].count(ex.PLACEHOLDER_DOMAIN) == 2
+    onnx.save(ex.expand_placeholders(proto), paths['blocks'])
+    onnx.checker.check_model(proto, full_check=True)
+    assert non_standard_nodes(proto) == []
+    assert ex.PLACEHOLDER_DOMAIN not in {o.domain for o in proto.opset_import}
+    assert sorted(len(n.output) for n in proto.graph.node if n.op_type == 'Split') == [10, 32]
+    sessions = {form: deploy.ort_session(path, threads=1) for form, path in paths.items()}
+    for num_tokens in (700, 49, 1531):
+        inputs = kernel_inputs(num_tokens, seed=num_tokens)
+        feed = {name: t.numpy() for name, t in zip(names, inputs)}
+        blocked, plain = ([torch.from_numpy(o) for o in sessions[form].run(None, feed)]
+                          for form in ('blocks', 'plain'))
+        assert all(torch.equal(a, b) for a, b in zip(blocked, plain)), num_tokens
+        x, y49, y10 = (t.double() for t in inputs)
+        errors = relative_errors(blocked, [dense_kernel(x, y49, 2.5, 'laplacian'),
+                                           dense_kernel(x, y10, 0.7, 'gaussian')])
+        assert max(errors) < 1e-6, (num_tokens, errors)
 
 
 class StandaloneAttention(torch.nn.Module):
