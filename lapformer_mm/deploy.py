@@ -298,8 +298,9 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
     shape = _check_shape(shape)
     _check_choice('exporter', exporter, EXPORTERS)
     _check_choice('ort_ops', ort_ops, (False, True))
-    # The tokens' kernel matrices as placeholders, expanded into token blocks after the export.
-    blocks = opset >= BLOCKS_MIN_OPSET
+    # The standard file's kernel matrices as placeholders, expanded into token blocks after
+    # the export (the op-library file has none: no rewrite of it).
+    blocks = not ort_ops and opset >= BLOCKS_MIN_OPSET
     with kernel_form('ort' if ort_ops else 'standard'), (
             pairwise_placeholders() if blocks else contextlib.nullcontext()):
         if exporter == 'dynamo':
