@@ -456,6 +456,38 @@ def test_ort_op_library_sessions_keep_the_instruction_set_they_registered(monkey
     assert (generic.run(None, feed)[0] == first).all()
 
 
+def test_ort_op_library_shares_one_domain_per_build(tmp_path):
+    # ONNX Runtime calls RegisterCustomOps once per session options: a process that opens
+    # many sessions must not gain a domain each time, sessions opened from several threads
+    # at once must not race for it, and the domains go when the library does. The library
+    # and a stub of ONNX Runtime's side (it counts domains) under ThreadSanitizer.
+    import shutil
+    import subprocess
+    from lapformer_mm.cli import build_ort_ops
+    if not os.path.isfile(os.path.join(ORT_INCLUDE, 'onnxruntime_c_api.h')):
+        pytest.skip(f'no ONNX Runtime C API headers at {ORT_INCLUDE} (set ORT_INCLUDE_DIR)')
+    compiler = shutil.which(os.environ.get('CXX', 'g++'))
+    if compiler is None:
+        pytest.skip('no C++ compiler')
+    tsan = [compiler, '-fsanitize=thread', '-g']
+    library = build_ort_ops.build(ORT_INCLUDE, str(tmp_path / build_ort_ops.LIBRARY_NAME),
+                                  cxx=' '.join(tsan))
+    stub = tmp_path / 'ort_api_stub'
+    build = subprocess.run(tsan + ['-std=c++17', '-O1', '-pthread', '-I', ORT_INCLUDE,
+                                   os.path.join(os.path.dirname(__file__), 'ort_api_stub.cpp'),
+                                   '-o', str(stub), '-ldl'], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    isas = [isa for isa, ok in _cpu_isas().items() if ok]
+    # Four threads at once under this CPU's build ('auto'), then each build twice.
+    run = subprocess.run([str(stub), library, 'auto'] + isas + isas, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and 'ThreadSanitizer' not in run.stderr, run.stderr[-4000:]
+    counts = dict(line.rsplit(' ', 1) for line in run.stdout.splitlines())
+    assert int(counts['registrations']) == 4 + 1 + 2 * len(isas)
+    assert int(counts['created']) == int(counts['distinct']) == len(isas), counts
+    assert int(counts['released']) == len(isas) and int(counts['double released']) == 0, counts
+
+
 def test_ort_op_library_names_bad_operands_and_attributes():
     library = require_ort_library()
     x, landmarks, v = _rows_case(20, 5, 4, seed=0)

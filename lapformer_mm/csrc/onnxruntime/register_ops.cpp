@@ -32,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
 #include <string>
 #include <vector>
@@ -488,26 +489,58 @@ OpSet op_set(Isa isa) {
                 make_op(kRows, 3, 3, create_rows, guarded<compute_rows>, isa),
                 make_op(kApply, 3, 1, create_apply, guarded<compute_apply>, isa)}};
 }
-const OpSet kAvx512Ops = op_set(kAvx512), kAvx2Ops = op_set(kAvx2), kGenericOps = op_set(kGeneric);
+enum Build { kGenericBuild, kAvx2Build, kAvx512Build, kBuilds };
+const OpSet kOpSets[kBuilds] = {op_set(kGeneric), op_set(kAvx2), op_set(kAvx512)};
 
-// The set for this CPU, or the one LAPFORMER_ORT_ISA asks for, read at each registration.
-OrtStatus* choose_ops(const OpSet** set) {
+// The build for this CPU, or the one LAPFORMER_ORT_ISA asks for, read at each registration.
+OrtStatus* choose_build(Build* build) {
   const char* env = std::getenv("LAPFORMER_ORT_ISA");
   std::string want = env && *env ? env : "auto";
   const char* library = "op library";
   if (want == "auto") {
-    *set = cpu_has_avx512() ? &kAvx512Ops : cpu_has_avx2() ? &kAvx2Ops : &kGenericOps;
+    *build = cpu_has_avx512() ? kAvx512Build : cpu_has_avx2() ? kAvx2Build : kGenericBuild;
   } else if (want == "avx512") {
     if (!cpu_has_avx512()) return error(library, "LAPFORMER_ORT_ISA=avx512, but this CPU has no AVX-512F");
-    *set = &kAvx512Ops;
+    *build = kAvx512Build;
   } else if (want == "avx2") {
     if (!cpu_has_avx2()) return error(library, "LAPFORMER_ORT_ISA=avx2, but this CPU has no AVX2 + FMA");
-    *set = &kAvx2Ops;
+    *build = kAvx2Build;
   } else if (want == "default") {
-    *set = &kGenericOps;
+    *build = kGenericBuild;
   } else {
     return error(library, "LAPFORMER_ORT_ISA='" + want + "' is not supported; allowed: auto, default, avx2, avx512");
   }
+  return nullptr;
+}
+
+// One domain per build, made at the build's first registration and added to every session
+// options registering it after (ONNX Runtime only reads a domain and keeps a pointer to it
+// while the sessions live), so many sessions hold at most kBuilds domains. They are
+// released when the library is unloaded, once no session can use them.
+struct Domains {
+  std::mutex mutex;
+  OrtCustomOpDomain* of[kBuilds] = {};
+  ~Domains() {
+    for (OrtCustomOpDomain* domain : of)
+      if (domain) g_api->ReleaseCustomOpDomain(domain);
+  }
+};
+Domains g_domains;
+
+OrtStatus* domain_of(Build build, OrtCustomOpDomain** out) {
+  OrtCustomOpDomain*& cached = g_domains.of[build];
+  if (!cached) {
+    OrtCustomOpDomain* domain = nullptr;
+    LAPF_TRY(g_api->CreateCustomOpDomain("lapformer_mm", &domain));
+    for (const OpDef& op : kOpSets[build].ops) {
+      if (OrtStatus* status = g_api->CustomOpDomain_Add(domain, &op.op)) {
+        g_api->ReleaseCustomOpDomain(domain);
+        return status;
+      }
+    }
+    cached = domain;
+  }
+  *out = cached;
   return nullptr;
 }
 
@@ -524,12 +557,12 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     return base ? base->CreateStatus(ORT_FAIL, "lapformer_mm op library: needs ONNX Runtime >= 1.17 (C API 17)")
                 : nullptr;
   }
-  g_api = api;
-  const OpSet* set = nullptr;
-  LAPF_TRY(choose_ops(&set));
+  std::lock_guard<std::mutex> lock(g_domains.mutex);
+  // Written once: kernels of sessions already running read it.
+  if (g_api != api) g_api = api;
+  Build build = kGenericBuild;
+  LAPF_TRY(choose_build(&build));
   OrtCustomOpDomain* domain = nullptr;
-  LAPF_TRY(api->CreateCustomOpDomain("lapformer_mm", &domain));
-  // The domain is not released: ONNX Runtime keeps a pointer to it for the session's life.
-  for (const OpDef& op : set->ops) LAPF_TRY(api->CustomOpDomain_Add(domain, &op.op));
+  LAPF_TRY(domain_of(build, &domain));
   return api->AddCustomOpDomain(options, domain);
 }
