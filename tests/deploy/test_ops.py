@@ -463,6 +463,7 @@ def test_ort_op_library_shares_one_domain_per_build(tmp_path):
     # and a stub of ONNX Runtime's side (it counts domains) under ThreadSanitizer.
     import shutil
     import subprocess
+
     from lapformer_mm.cli import build_ort_ops
     if not os.path.isfile(os.path.join(ORT_INCLUDE, 'onnxruntime_c_api.h')):
         pytest.skip(f'no ONNX Runtime C API headers at {ORT_INCLUDE} (set ORT_INCLUDE_DIR)')
