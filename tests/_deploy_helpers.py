@@ -155,19 +155,25 @@ def _built_ort_library():
     return build_ort_ops.build(ORT_INCLUDE, osp.join(folder, build_ort_ops.LIBRARY_NAME))
 
 
+def _have_ort_headers():
+    return osp.isfile(osp.join(ORT_INCLUDE, 'onnxruntime_c_api.h'))
+
+
 def ort_library():
     """The op library built once per test process (from ORT_INCLUDE), or None when the
     headers are absent."""
-    if not osp.isfile(osp.join(ORT_INCLUDE, 'onnxruntime_c_api.h')):
-        return None
-    return _built_ort_library()
+    return _built_ort_library() if _have_ort_headers() else None
+
+
+def require_ort_headers():
+    """Skip the test (with the reason) when the op library cannot be built."""
+    import pytest
+    if not _have_ort_headers():
+        pytest.skip(f'no ONNX Runtime C API headers at {ORT_INCLUDE} (set ORT_INCLUDE_DIR): '
+                    'the op library cannot be built')
 
 
 def require_ort_library():
     """:func:`ort_library`, skipping the test (with the reason) when it cannot be built."""
-    import pytest
-    path = ort_library()
-    if path is None:
-        pytest.skip(f'no ONNX Runtime C API headers at {ORT_INCLUDE} (set ORT_INCLUDE_DIR): '
-                    'the op library cannot be built')
-    return path
+    require_ort_headers()
+    return _built_ort_library()

@@ -2,8 +2,9 @@
 // from four threads at once under the first LAPFORMER_ORT_ISA value given, then under
 // each value in turn, and counts the custom-op domains the library creates, adds and releases.
 // tests/deploy/test_ops.py::test_ort_op_library_shares_one_domain_per_build builds and runs
-// it. Output, one line each: "registrations R", "created C", "distinct D", then, once the
-// library's destructors have run (unloaded or at exit), "released N".
+// it. Output, one line each: "registrations R", "created C", "distinct D" (domains added
+// to session options), then, once the library's destructors have run (unloaded or at
+// exit), "released N" and "double released N".
 #include <dlfcn.h>
 
 #include <atomic>

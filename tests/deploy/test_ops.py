@@ -18,6 +18,7 @@ from _deploy_helpers import (
     ORT_INCLUDE,
     non_standard_nodes,
     relative_errors,
+    require_ort_headers,
     require_ort_library,
     tiny_backbone,
 )
@@ -465,8 +466,7 @@ def test_ort_op_library_shares_one_domain_per_build(tmp_path):
     import subprocess
 
     from lapformer_mm.cli import build_ort_ops
-    if not os.path.isfile(os.path.join(ORT_INCLUDE, 'onnxruntime_c_api.h')):
-        pytest.skip(f'no ONNX Runtime C API headers at {ORT_INCLUDE} (set ORT_INCLUDE_DIR)')
+    require_ort_headers()
     compiler = shutil.which(os.environ.get('CXX', 'g++'))
     if compiler is None:
         pytest.skip('no C++ compiler')

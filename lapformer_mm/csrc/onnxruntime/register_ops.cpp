@@ -527,6 +527,7 @@ struct Domains {
 };
 Domains g_domains;
 
+// Called under g_domains.mutex.
 OrtStatus* domain_of(Build build, OrtCustomOpDomain** out) {
   OrtCustomOpDomain*& cached = g_domains.of[build];
   if (!cached) {
