@@ -19,7 +19,8 @@ exporters (standard and op-library files) and by a plain ``torch.export.export``
 the user's ``Dim``s, at sizes the exports never saw, on natural-like inputs (``--inputs
 toy``, default: toy COCO scenes, :func:`lapformer_mm.deploy.toy_image_input`; ``smooth``:
 smooth random fields, :func:`lapformer_mm.deploy.smooth_input`): per stage the largest
-max |out - fp64| / max |fp64| over ``--images`` inputs per size, beside eager fp32's own;
+max |out - fp64| / max |fp64| (``--norm l2``: ||out - fp64|| / ||fp64||) over ``--images``
+inputs per size, beside eager fp32's own;
 and eager fp32 against fp64 on white noise at 800×1344. Over one input the ratio of two
 fp32 evaluations' errors is a draw with a wide spread (0.3-3x for files that round no
 worse than eager, docs/deploy.md), so each cell takes the worst of several. Random weights
@@ -29,7 +30,7 @@ LaplacianFormer-T, e.g. ``make main``'s ``work_dirs/main_job/epoch_6.pth``).
 ``--precision``: the accuracy of the two refinement-residual precisions.
 
     python benchmarks/deploy.py --size 800x1333 --repeats 5 [--profile] [--all-optimizers]
-    python benchmarks/deploy.py --parity --images 3 [--seed S] [--checkpoint CKPT]
+    python benchmarks/deploy.py --parity --images 3 [--seed S] [--checkpoint CKPT] [--norm l2]
     python benchmarks/deploy.py --precision
 """
 import argparse
@@ -275,15 +276,28 @@ CONTROL = 'eager fp32, impl=reference (control)'
 PARITY_INPUTS = {'toy': deploy.toy_image_input, 'smooth': deploy.smooth_input}
 
 
+def _l2_error(out, ref):
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+#: --norm: (its name in the tables, error of one stage's output against its fp64 value).
+PARITY_NORMS = {
+    'max': ('max |out - fp64| / max |fp64|',
+            lambda out, ref: deploy.output_error([out], [ref])['max_rel']),
+    'l2': ('||out - fp64|| / ||fp64||', _l2_error),
+}
+
+
 def parity_report(export_shape=(512, 640), sizes=((480, 736), (608, 800), (800, 1344)),
-                  seed=3, inputs='toy', images=3, checkpoint=None):
+                  seed=3, inputs='toy', images=3, checkpoint=None, norm='max'):
     """Markdown: per-stage error against eager fp64 of each exported form.
 
     Each cell is the largest over ``images`` inputs of kind ``inputs`` (:data:`PARITY_INPUTS`)
     per size, seeds ``seed``, ``seed + 1``, ...; the backbone's weights from ``checkpoint``
-    (random without one). The TorchScript files and the torch.export
-    program first, then the dynamo files (the slowest to export); each group's rows are
-    printed as soon as they are measured.
+    (random without one); each error in ``norm`` (:data:`PARITY_NORMS`). The TorchScript
+    files and the torch.export program first, then the dynamo files (the slowest to
+    export); each group's rows are printed as soon as they are measured.
     """
     from torch.export import Dim
     model = build_backbone(REFERENCE, checkpoint=checkpoint)
@@ -295,6 +309,7 @@ def parity_report(export_shape=(512, 640), sizes=((480, 736), (608, 800), (800, 
     except FileNotFoundError:
         ort_forms = (False, )
     make_input = PARITY_INPUTS[inputs]
+    stage_error = PARITY_NORMS[norm][1]
     # [size][image]: the fp64 outputs, and per form its per-stage errors against them.
     batches = [[make_input(size, 1, seed=seed + i) for i in range(images)] for size in sizes]
     with torch.no_grad():
@@ -305,7 +320,7 @@ def parity_report(export_shape=(512, 640), sizes=((480, 736), (608, 800), (800, 
         with torch.no_grad():
             for xs, size_refs, size_errors in zip(batches, refs, errors):
                 size_errors[label] = [
-                    [deploy.output_error([o], [r])['max_rel'] for o, r in zip(run(x), ref)]
+                    [stage_error(o, r) for o, r in zip(run(x), ref)]
                     for x, ref in zip(xs, size_refs)]
 
     record('eager fp32', lambda x: list(module(x)))
@@ -320,7 +335,7 @@ def parity_report(export_shape=(512, 640), sizes=((480, 736), (608, 800), (800, 
     def measure(runners):
         for label, run in runners.items():
             record(label, run)
-        print(format_parity(sizes, errors, inputs, images), flush=True)
+        print(format_parity(sizes, errors, inputs, images, norm), flush=True)
 
     with tempfile.TemporaryDirectory() as folder:
         for exporter in ('torchscript', 'dynamo'):
@@ -345,13 +360,12 @@ def parity_report(export_shape=(512, 640), sizes=((480, 736), (608, 800), (800, 
             measure(runners)
     x = deploy.example_input((800, 1344), 1, seed=seed)
     with torch.no_grad():
-        errs = [deploy.output_error([o], [r])['max_rel']
-                for o, r in zip(module(x), module64(x.double()))]
-    return (format_parity(sizes, errors, inputs, images) + '\n\n800x1344, white noise: '
+        errs = [stage_error(o, r) for o, r in zip(module(x), module64(x.double()))]
+    return (format_parity(sizes, errors, inputs, images, norm) + '\n\n800x1344, white noise: '
             'eager fp32 against fp64 per stage: ' + ', '.join(f'{e:.1e}' for e in errs))
 
 
-def format_parity(sizes, errors, inputs, images):
+def format_parity(sizes, errors, inputs, images, norm='max'):
     """Markdown tables of :func:`parity_report`'s errors: the worst over the images per
     stage, and its ratio to eager fp32's worst; then how many cells exceed 1.5×."""
     lines, over, cells_total, control_over = [], 0, 0, 0
@@ -359,8 +373,8 @@ def format_parity(sizes, errors, inputs, images):
         worst = {label: [max(stage) for stage in zip(*per_image)]
                  for label, per_image in size_errors.items()}
         eager = worst['eager fp32']
-        lines += [f'{size[0]}x{size[1]}, {inputs} inputs, the worst of {images}: max |out - '
-                  "fp64| / max |fp64| (in brackets: / eager fp32's)", '',
+        lines += [f'{size[0]}x{size[1]}, {inputs} inputs, the worst of {images}: '
+                  f"{PARITY_NORMS[norm][0]} (in brackets: / eager fp32's)", '',
                   '| | ' + ' | '.join(f'stage {i + 1}' for i in range(len(eager))) + ' |',
                   '|---' * (len(eager) + 1) + '|']
         for label, errs in worst.items():
@@ -460,6 +474,9 @@ def parse_args(argv=None):
                         help='print the per-stage accuracy of the exported forms')
     parser.add_argument('--inputs', choices=sorted(PARITY_INPUTS), default='toy',
                         help='--parity inputs: toy COCO scenes (default) or smooth fields')
+    parser.add_argument('--norm', choices=sorted(PARITY_NORMS), default='max',
+                        help="--parity error of a stage's map: its largest difference (max, "
+                             'default) or the whole map\'s (l2), relative to fp64\'s')
     parser.add_argument('--images', type=int, default=3,
                         help='--parity inputs per size; each cell is their worst (default 3)')
     parser.add_argument('--seed', type=int,
@@ -481,7 +498,7 @@ def main(argv=None):
         torch.manual_seed(args.seed)
     if args.parity:
         print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {load_average()}")
-        print(parity_report(inputs=args.inputs, images=args.images,
+        print(parity_report(inputs=args.inputs, images=args.images, norm=args.norm,
                             checkpoint=args.checkpoint))
         print(f'# load average {load_average()}')
         return 0

@@ -1,4 +1,5 @@
-"""benchmarks/deploy.py's --profile: ONNX Runtime's per-node trace summed by operator type."""
+"""benchmarks/deploy.py: --profile (ONNX Runtime's per-node trace summed by operator type), the
+--parity norms."""
 import onnx
 import pytest
 import torch
@@ -40,3 +41,17 @@ def test_every_optimizer_is_scoped():
         assert deploy.ORT_DISABLED_OPTIMIZERS == []
         raise RuntimeError
     assert deploy.ORT_DISABLED_OPTIMIZERS == kept == ['SkipLayerNormFusion']
+
+
+def test_parity_norms_measure_the_stage_map():
+    import numpy as np
+    ref = torch.randn(1, 8, 5, 7)
+    out = ref + 1e-3 * torch.randn_like(ref)
+    r, d = ref.numpy().astype(np.float64), out.numpy().astype(np.float64) - ref.numpy()
+    assert bench.PARITY_NORMS['max'][1](out, ref) == pytest.approx(
+        np.abs(d).max() / np.abs(r).max(), rel=1e-9)
+    assert bench.PARITY_NORMS['l2'][1](out, ref) == pytest.approx(
+        np.sqrt((d ** 2).sum() / (r ** 2).sum()), rel=1e-9)
+    assert bench.parse_args(['--parity', '--norm', 'l2']).norm == 'l2'
+    with pytest.raises(SystemExit):
+        bench.parse_args(['--parity', '--norm', 'rms'])
