@@ -23,7 +23,6 @@ TOOLS = osp.join(ROOT, 'tools')
 CONFIG_DIR = osp.join(ROOT, 'configs')
 TOY_CONFIG = osp.join(CONFIG_DIR, 'toy', 'maskrcnn_lapformer_t_toy.py')
 TRAIN_TOOL = osp.join(TOOLS, 'train.py')
-TEST_TOOL = osp.join(TOOLS, 'test.py')
 
 # A copy of the checkout must import its own files only: the development install's editable
 # finder would otherwise serve the copy's missing submodules (the built kernels) from ROOT.

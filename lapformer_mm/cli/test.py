@@ -123,15 +123,20 @@ def write_metrics(metrics, path):
                    for k, v in metrics.items()}, f, indent=2)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    cfg = checked_cfg(build_cfg, args, 'test')
-    setup_cpu_distributed(cfg)
+def evaluate(cfg, args):
+    """Build the runner and test; the runner is gone on return (see close_distributed)."""
     runner = build_runner(cfg)
     if args.out is not None and cfg.get('default_scope') != 'mmseg':
         from mmdet.evaluation import DumpDetResults
         runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
-    metrics = runner.test()
+    return runner.test()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = checked_cfg(build_cfg, args, 'test')
+    setup_cpu_distributed(cfg)
+    metrics = evaluate(cfg, args)
     if is_main_process():
         table = coco_table(metrics)
         if table:

@@ -16,9 +16,12 @@ Examples::
     torchrun --nproc_per_node 8 tools/train.py CONFIG --launcher pytorch
 """
 import argparse
+import gc
 import os
 import os.path as osp
 import sys
+import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -166,11 +169,25 @@ def setup_cpu_distributed(cfg):
 
 
 def close_distributed():
-    """Tear the process group down before exit: left to interpreter shutdown, gloo's
-    threads can abort the process ("terminate called without an active exception")."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    """Destroy the process group while the interpreter is still whole.
+
+    gloo's worker threads take the GIL to release a finished collective's tensors; one still
+    doing so when the interpreter finalizes aborts the process ("terminate called without an
+    active exception"). Destroying the group joins those threads, but only once nothing else
+    holds it: the caller drops its runner (the DDP model holds the group) and the collection
+    here frees the runner's reference cycles.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    gc.collect()
+    world = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    if world() is not None:
+        warnings.warn(
+            'the process group outlives destroy_process_group (something still holds it, '
+            'e.g. a model wrapped in DDP); its gloo threads may abort the process at exit',
+            RuntimeWarning, stacklevel=2)
 
 
 def build_runner(cfg):
@@ -183,8 +200,7 @@ def main(argv=None):
     args = parse_args(argv)
     cfg = checked_cfg(build_cfg, args, 'train')
     setup_cpu_distributed(cfg)
-    runner = build_runner(cfg)
-    runner.train()
+    build_runner(cfg).train()
     close_distributed()
 
 

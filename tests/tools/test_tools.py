@@ -1,25 +1,28 @@
 """End-to-end checks of the user-facing tools on a tiny generated data set (CPU).
 
-tools/train.py -> tools/test.py -> tools/train.py --resume, mmdet's own train script
-through custom_imports to the same weights (both on the session's toy run), a 2-process
-torchrun (gloo) run, tools/make_toy_coco.py determinism and tools/coco_eval.py against
-pycocotools computed here independently.
+tools/train.py -> tools/train.py --resume, mmdet's own train script through custom_imports
+to the same weights (both on the session's toy run), 2-process torchrun (gloo) training
+then tools/test.py, the process group's teardown, tools/make_toy_coco.py determinism and
+tools/coco_eval.py against pycocotools computed here independently.
 """
 import contextlib
+import gc
 import io
 import json
+import os
 import os.path as osp
 import re
 import socket
 import sys
+import warnings
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from _runner_helpers import assert_refused_with_hint
 from _shared import (
     ROOT,
-    TEST_TOOL,
     TOOLS,
     TOY_CONFIG,
     TRAIN_TOOL,
@@ -199,23 +202,15 @@ def checkpoint_iter(path):
     return safe_load(path)['meta']['iter']
 
 
-@pytest.mark.slow(seconds=35)  # with the session's toy run
-def test_train_tool_checkpoints_test_tool_evaluates_and_resume_continues(toy_run, tmp_path):
+@pytest.mark.slow(seconds=20)  # with the session's toy run
+def test_train_tool_checkpoints_and_resume_continues(toy_run, tmp_path):
     """The session's toy run (conftest.py's ``toy_run``: tools/train.py, one epoch), then
-    tools/test.py on its checkpoint and tools/train.py --resume of that checkpoint (in a copy
-    of the work dir) for a second epoch."""
-    ckpt1 = toy_run.checkpoint
+    tools/train.py --resume of its checkpoint (in a copy of the work dir) for a second
+    epoch. (tools/test.py: the two-process test below; mmseg's: test_segmentation.py.)"""
     assert 'Epoch(train) [1][4/4]' in toy_run.log
-    assert checkpoint_iter(ckpt1) == 4
+    assert checkpoint_iter(toy_run.checkpoint) == 4
 
     work = copy_run(toy_run.work, tmp_path / 'work')
-    out_pkl = str(tmp_path / 'preds.pkl')
-    log = run_tool([sys.executable, TEST_TOOL, TOY_CONFIG, ckpt1, '--work-dir', work,
-                    '--out', out_pkl] + toy_run_options(toy_run.data, 1), cwd=ROOT)
-    assert 'Load checkpoint from' in log
-    assert re.search(r'coco/bbox_mAP: [-\d.]+', log), log[-2000:]
-    assert osp.isfile(out_pkl)
-
     ckpt1 = osp.join(work, 'epoch_1.pth')
     log = run_tool([sys.executable, TRAIN_TOOL, TOY_CONFIG, '--work-dir', work,
                     '--resume', ckpt1] + toy_run_options(toy_run.data, 2), cwd=ROOT)
@@ -231,8 +226,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.slow(seconds=25)
-def test_dist_train_two_processes(toy_coco, tmp_path):
+@pytest.mark.slow(seconds=35)
+def test_dist_train_then_dist_test_two_processes(toy_coco, tmp_path):
+    """tools/dist_train.sh then tools/dist_test.sh on its checkpoint, 2 gloo ranks each;
+    each rank destroys its process group before exit (close_distributed: no warning)."""
     work = str(tmp_path / 'work')
     log = run_tool(
         ['bash', osp.join(TOOLS, 'dist_train.sh'), TOY_CONFIG, '2',
@@ -242,6 +239,52 @@ def test_dist_train_two_processes(toy_coco, tmp_path):
     # 8 images, 2 ranks x 2 images per step -> 2 iterations per epoch
     assert 'Epoch(train) [1][2/2]' in log
     assert checkpoint_iter(osp.join(work, 'epoch_1.pth')) == 2
+    assert 'outlives destroy_process_group' not in log
+
+    out_pkl = str(tmp_path / 'preds.pkl')
+    log = run_tool(
+        ['bash', osp.join(TOOLS, 'dist_test.sh'), TOY_CONFIG, osp.join(work, 'epoch_1.pth'),
+         '2', '--work-dir', work, '--out', out_pkl, '--cfg-options', *toy_data_options(toy_coco)],
+        cwd=ROOT, extra_env=dict(PORT=str(free_port())))
+    assert 'Load checkpoint from' in log
+    assert re.search(r'Epoch\(test\) \[1/1\] +coco/bbox_mAP: [-\d.]+', log), log[-2000:]
+    assert osp.isfile(out_pkl)
+    assert 'outlives destroy_process_group' not in log
+
+
+def process_threads():
+    return len(os.listdir('/proc/self/task'))
+
+
+def test_close_distributed_joins_gloo_threads_or_warns_the_group_is_held(tmp_path):
+    """Destroying the group joins gloo's threads (which would abort the interpreter at exit
+    if still releasing tensors); a group something still holds gets a warning."""
+    def start(name):
+        dist.init_process_group('gloo', init_method=f'file://{tmp_path / name}',
+                                rank=0, world_size=1)
+        dist.all_reduce(torch.ones(2))
+
+    before = process_threads()
+    try:
+        start('store1')
+        assert process_threads() > before
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            cli_train.close_distributed()
+        assert not dist.is_initialized()
+        assert process_threads() == before
+
+        start('store2')
+        held = dist.group.WORLD
+        with pytest.warns(RuntimeWarning, match='outlives destroy_process_group'):
+            cli_train.close_distributed()
+        assert process_threads() > before
+        del held
+        gc.collect()
+        assert process_threads() == before
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_get_flops_counts_the_custom_attention_ops():
