@@ -16,6 +16,7 @@ Whole detectors and segmentors for FLOP counts and speed: :func:`build_from_conf
 and :func:`data_samples`.
 """
 import copy
+import logging
 
 BACKBONE_CONFIGS = {
     'laplacianformer-t': dict(type='LaplacianFormer', arch='tiny', drop_path_rate=0.0),
@@ -62,6 +63,19 @@ def load_weights(model, checkpoint_path):
     return list(report.missing_keys), list(report.unexpected_keys)
 
 
+def init_weights_quietly(model):
+    """``model.init_weights()`` without mmengine's INFO line per parameter, which goes to the
+    console (hundreds of lines for a detector) where no Runner has opened a log file."""
+    from mmengine.logging import MMLogger
+    logger = MMLogger.get_current_instance()
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        model.init_weights()
+    finally:
+        logger.setLevel(level)
+
+
 def build_backbone(name, checkpoint=None, config_overrides=None):
     """Build backbone ``name`` in eval mode, randomly initialised or from ``checkpoint``.
 
@@ -76,7 +90,7 @@ def build_backbone(name, checkpoint=None, config_overrides=None):
     # a Runner left (mmseg's has no PyramidVisionTransformerV2, and its Swin other arguments).
     with DefaultScope.overwrite_default_scope('mmdet'):
         model = _registry().build(cfg)
-    model.init_weights()
+    init_weights_quietly(model)
     if checkpoint is not None:
         missing, unexpected = load_weights(model, checkpoint)
         if missing:
@@ -127,7 +141,7 @@ def build_from_config(config, cfg_options=None):
         from mmdet.registry import MODELS
     cfg.model.backbone.init_cfg = None
     model = MODELS.build(cfg.model)
-    model.init_weights()
+    init_weights_quietly(model)
     model.eval()
     return model, scope
 

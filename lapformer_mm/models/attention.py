@@ -6,6 +6,7 @@ layout that lands on the paper's Medium size (docs/model_size.md).
 """
 import dataclasses
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -139,7 +140,8 @@ class LaplacianAttention(nn.Module):
 
     def forward(self, x, hw):
         """x (B, N, C) with hw = (H, W), N = H·W -> (B, N, C)."""
-        if x.dim() != 3 or x.shape[-1] != self.dim:
+        # Under a jit trace sizes are tensors: comparing them records nothing, and warns.
+        if x.dim() != 3 or (not torch.jit.is_tracing() and x.shape[-1] != self.dim):
             raise ValueError(f'x must be (B, N, {self.dim}), got shape {tuple(x.shape)}')
         hw = check_hw(hw, x.shape[1])
         q, k, v = self.project(x)

@@ -401,7 +401,8 @@ class LaplacianFormer(BaseModule):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f'LaplacianFormer input must be a torch.Tensor, got '
                             f'{type(x).__name__}')
-        if x.dim() != 4 or x.shape[1] != self.in_channels:
+        # Under a jit trace sizes are tensors: comparing them records nothing, and warns.
+        if x.dim() != 4 or (not torch.jit.is_tracing() and x.shape[1] != self.in_channels):
             raise ValueError(
                 f'LaplacianFormer input must be (B, {self.in_channels}, H, W) '
                 f'(in_channels={self.in_channels}), got shape {tuple(x.shape)}')

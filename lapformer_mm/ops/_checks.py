@@ -82,7 +82,7 @@ def check_hw(hw, num_tokens):
     an exporter (SymInt, tensors) pass unchecked: comparing them would specialise the graph."""
     if not isinstance(hw, (tuple, list)) or len(hw) != 2:
         raise TypeError(f'hw must be a pair (H, W), got {hw!r}')
-    if any(isinstance(size, (torch.SymInt, torch.Tensor)) for size in hw):
+    if any(isinstance(size, (torch.SymInt, torch.Tensor)) for size in (*hw, num_tokens)):
         return hw[0], hw[1]
     height, width = (check_int(n, v) for n, v in zip(('hw[0]', 'hw[1]'), hw))
     if height * width != num_tokens:

@@ -116,6 +116,11 @@ def check_operands(q, k, v, landmarks, op=False):
             if op and t.dtype != q.dtype:
                 raise TypeError(f'nystrom_attention: {name} has dtype {t.dtype} but q has '
                                 f'{q.dtype}; all operands must share one dtype')
+    devices = {t.device for t in (q, k, v, landmarks) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
+    if torch.jit.is_tracing():
+        return  # sizes are tensors there: comparing them records nothing, and warns
     if k is not None and k.shape != q.shape:
         raise ValueError(f'k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}')
     if v.shape[:-1] != q.shape[:-1]:
@@ -125,9 +130,6 @@ def check_operands(q, k, v, landmarks, op=False):
                                   or landmarks.shape[-1] != q.shape[-1]):
         raise ValueError(f'landmarks must be (..., m, d) with the batch dims and d '
                          f'of q {tuple(q.shape)}, got {tuple(landmarks.shape)}')
-    devices = {t.device for t in (q, k, v, landmarks) if t is not None}
-    if len(devices) != 1:
-        raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
 
 
 _INSTALL_HINT = {cuda.NAME: 'pip install cupy-cuda12x or cupy-cuda13x (matching the driver)',

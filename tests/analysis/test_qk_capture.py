@@ -1,5 +1,8 @@
 """The q/k capture hooks of lapformer_mm.analysis on tiny LaplacianFormer, PVTv2 and Swin
-models: record counts and shapes, and q/k that reproduce each model's own attention."""
+models: record counts and shapes, and q/k that reproduce each model's own attention; the
+model zoo's builds keep mmengine's initialisation log off the console."""
+import logging
+
 import pytest
 import torch
 
@@ -106,6 +109,25 @@ def test_capture_removes_hooks_and_rejects_unknown_models():
     with pytest.raises(TypeError, match='LaplacianFormer'):
         with qk_capture.capture_qk(torch.nn.Linear(2, 2)):
             pass
+
+
+def test_models_are_built_without_mmengine_init_lines():
+    """init_weights' INFO line per parameter stays out of the tools' console."""
+    from _shared import TOY_CONFIG
+    from mmengine.logging import MMLogger
+    logger = MMLogger.get_current_instance()
+    level = logger.level
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        model_zoo.build_from_config(TOY_CONFIG)
+        model_zoo.build_backbone('pvtv2-b1', config_overrides=TINY_PVT)
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage()[:80] for r in records if r.levelno == logging.INFO] == []
+    assert logger.level == level
 
 
 def test_build_backbone_rejects_unknown_name():
