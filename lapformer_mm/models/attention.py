@@ -6,12 +6,17 @@ layout that lands on the paper's Medium size (docs/model_size.md).
 """
 import dataclasses
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..ops import AttentionOptions, landmark_matrix, nystrom_attention, pool_landmarks
-from ..ops._checks import check_bool, check_hw, check_int, check_probability
+from ..ops._checks import (
+    check_bool,
+    check_hw,
+    check_int,
+    check_probability,
+    sizes_are_traced,
+)
 from ..ops.attention import one_projection
 
 # The attention options: the module's keyword-only arguments and the keys of the
@@ -140,8 +145,7 @@ class LaplacianAttention(nn.Module):
 
     def forward(self, x, hw):
         """x (B, N, C) with hw = (H, W), N = H·W -> (B, N, C)."""
-        # Under a jit trace sizes are tensors: comparing them records nothing, and warns.
-        if x.dim() != 3 or (not torch.jit.is_tracing() and x.shape[-1] != self.dim):
+        if x.dim() != 3 or (not sizes_are_traced() and x.shape[-1] != self.dim):
             raise ValueError(f'x must be (B, N, {self.dim}), got shape {tuple(x.shape)}')
         hw = check_hw(hw, x.shape[1])
         q, k, v = self.project(x)

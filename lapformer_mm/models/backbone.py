@@ -17,6 +17,7 @@ from mmengine.registry import MODELS
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..ops._checks import sizes_are_traced
 from ..ops.export import exporting
 from .attention import LaplacianAttention, check_attn_cfg_keys
 from .layers import ConvStem, SoftmaxAttention, TransformerBlock, build_token_norm, conv_norm_act
@@ -401,8 +402,7 @@ class LaplacianFormer(BaseModule):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f'LaplacianFormer input must be a torch.Tensor, got '
                             f'{type(x).__name__}')
-        # Under a jit trace sizes are tensors: comparing them records nothing, and warns.
-        if x.dim() != 4 or (not torch.jit.is_tracing() and x.shape[1] != self.in_channels):
+        if x.dim() != 4 or (not sizes_are_traced() and x.shape[1] != self.in_channels):
             raise ValueError(
                 f'LaplacianFormer input must be (B, {self.in_channels}, H, W) '
                 f'(in_channels={self.in_channels}), got shape {tuple(x.shape)}')

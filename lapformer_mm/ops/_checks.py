@@ -69,10 +69,17 @@ def check_float_tensor(name, t, min_dim=2):
     return t
 
 
+def sizes_are_traced():
+    """True under a jit trace (the TorchScript ONNX exporter, the FLOP counter), where sizes
+    are tensors: a check comparing them records nothing in the graph and warns
+    (TracerWarning) at every call, so the shape checks stand aside there."""
+    return torch.jit.is_tracing()
+
+
 def check_square(name, P):
     """Require a floating tensor (..., m, m)."""
     check_float_tensor(name, P)
-    if P.shape[-1] != P.shape[-2]:
+    if not sizes_are_traced() and P.shape[-1] != P.shape[-2]:
         raise ValueError(f'{name} must be square (..., m, m), got shape {tuple(P.shape)}')
     return P
 
@@ -95,7 +102,7 @@ def check_kernel_pair(x, y):
     """Validate kernel inputs x (..., N, d) and y (..., M, d)."""
     check_float_tensor('x', x)
     check_float_tensor('y', y)
-    if x.shape[:-2] != y.shape[:-2] or x.shape[-1] != y.shape[-1]:
+    if not sizes_are_traced() and (x.shape[:-2] != y.shape[:-2] or x.shape[-1] != y.shape[-1]):
         raise ValueError('x (..., N, d) and y (..., M, d) must share batch dims and d; '
                          f'got x {tuple(x.shape)} and y {tuple(y.shape)}')
     if x.dtype != y.dtype or x.device != y.device:

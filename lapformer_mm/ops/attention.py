@@ -45,6 +45,7 @@ from ._checks import (
     check_non_negative,
     check_positive,
     check_probability,
+    sizes_are_traced,
 )
 from .backends import cpu, cuda
 from .export import check_exportable, exporting, ort_forward
@@ -119,8 +120,8 @@ def check_operands(q, k, v, landmarks, op=False):
     devices = {t.device for t in (q, k, v, landmarks) if t is not None}
     if len(devices) != 1:
         raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
-    if torch.jit.is_tracing():
-        return  # sizes are tensors there: comparing them records nothing, and warns
+    if sizes_are_traced():
+        return
     if k is not None and k.shape != q.shape:
         raise ValueError(f'k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}')
     if v.shape[:-1] != q.shape[:-1]:
