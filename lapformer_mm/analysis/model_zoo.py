@@ -65,15 +65,20 @@ def load_weights(model, checkpoint_path):
 
 def init_weights_quietly(model):
     """``model.init_weights()`` without mmengine's INFO line per parameter, which goes to the
-    console (hundreds of lines for a detector) where no Runner has opened a log file."""
+    console (hundreds of lines for a detector) where no Runner has opened a log file.
+
+    A filter of its own per call rather than the logger's level: calls overlapping in
+    threads then leave the logger as they found it."""
     from mmengine.logging import MMLogger
+
+    def only_warnings(record):
+        return record.levelno >= logging.WARNING
     logger = MMLogger.get_current_instance()
-    level = logger.level
-    logger.setLevel(logging.WARNING)
+    logger.addFilter(only_warnings)
     try:
         model.init_weights()
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(only_warnings)
 
 
 def build_backbone(name, checkpoint=None, config_overrides=None):

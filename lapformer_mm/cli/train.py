@@ -169,13 +169,14 @@ def setup_cpu_distributed(cfg):
 
 
 def close_distributed():
-    """Destroy the process group while the interpreter is still whole.
+    """Destroy the process groups while the interpreter is still whole.
 
     gloo's worker threads take the GIL to release a finished collective's tensors; one still
     doing so when the interpreter finalizes aborts the process ("terminate called without an
-    active exception"). Destroying the group joins those threads, but only once nothing else
-    holds it: the caller drops its runner (the DDP model holds the group) and the collection
-    here frees the runner's reference cycles.
+    active exception"). Destroying a group joins its threads, but only once nothing else
+    holds it: the caller drops its runner and what ``runner.train()`` returned (the DDP
+    model holds the group), and the collection here frees the runner's reference cycles.
+    The warning covers the default group.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
@@ -185,9 +186,9 @@ def close_distributed():
     dist.destroy_process_group()
     if world() is not None:
         warnings.warn(
-            'the process group outlives destroy_process_group (something still holds it, '
-            'e.g. a model wrapped in DDP); its gloo threads may abort the process at exit',
-            RuntimeWarning, stacklevel=2)
+            'the default process group outlives destroy_process_group (something still '
+            'holds it, e.g. a model wrapped in DDP); a gloo group\'s threads can then abort '
+            'the process at exit', RuntimeWarning, stacklevel=2)
 
 
 def build_runner(cfg):

@@ -10,13 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import AttentionOptions, landmark_matrix, nystrom_attention, pool_landmarks
-from ..ops._checks import (
-    check_bool,
-    check_hw,
-    check_int,
-    check_probability,
-    sizes_are_traced,
-)
+from ..ops._checks import check_bool, check_hw, check_int, check_probability, trace_quiet
 from ..ops.attention import one_projection
 
 # The attention options: the module's keyword-only arguments and the keys of the
@@ -143,11 +137,16 @@ class LaplacianAttention(nn.Module):
         _, k, _ = self.project(x)
         return landmark_matrix(pool_landmarks(k, hw, self.landmark_grid), self.options)
 
+    @trace_quiet
+    def _check_input(self, x, hw):
+        """(H, W) of a (B, N, C) input with N = H·W, else an error saying what is wrong."""
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f'x must be (B, N, {self.dim}), got shape {tuple(x.shape)}')
+        return check_hw(hw, x.shape[1])
+
     def forward(self, x, hw):
         """x (B, N, C) with hw = (H, W), N = H·W -> (B, N, C)."""
-        if x.dim() != 3 or (not sizes_are_traced() and x.shape[-1] != self.dim):
-            raise ValueError(f'x must be (B, N, {self.dim}), got shape {tuple(x.shape)}')
-        hw = check_hw(hw, x.shape[1])
+        hw = self._check_input(x, hw)
         q, k, v = self.project(x)
         if not self.global_term:
             return self.proj_drop(self.proj(self._local_term(v, hw)))

@@ -17,7 +17,7 @@ from mmengine.registry import MODELS
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..ops._checks import sizes_are_traced
+from ..ops._checks import trace_quiet
 from ..ops.export import exporting
 from .attention import LaplacianAttention, check_attn_cfg_keys
 from .layers import ConvStem, SoftmaxAttention, TransformerBlock, build_token_norm, conv_norm_act
@@ -397,12 +397,13 @@ class LaplacianFormer(BaseModule):
                     minimum = max(minimum, (block.attn.landmark_grid - 1) * stride + 1)
         return minimum
 
+    @trace_quiet
     def _check_input(self, x: torch.Tensor) -> None:
         """A floating (B, in_channels, H, W) batch, else an error saying what is wrong."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f'LaplacianFormer input must be a torch.Tensor, got '
                             f'{type(x).__name__}')
-        if x.dim() != 4 or (not sizes_are_traced() and x.shape[1] != self.in_channels):
+        if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(
                 f'LaplacianFormer input must be (B, {self.in_channels}, H, W) '
                 f'(in_channels={self.in_channels}), got shape {tuple(x.shape)}')

@@ -1,6 +1,8 @@
 """Argument checks of the attention: each error names the argument, its value and what is
 allowed, so a bad config fails at construction time."""
+import functools
 import math
+import warnings
 from numbers import Integral, Real
 
 import torch
@@ -69,27 +71,37 @@ def check_float_tensor(name, t, min_dim=2):
     return t
 
 
-def sizes_are_traced():
-    """True under a jit trace (the TorchScript ONNX exporter, the FLOP counter), where sizes
-    are tensors: a check comparing them records nothing in the graph and warns
-    (TracerWarning) at every call, so the shape checks stand aside there."""
-    return torch.jit.is_tracing()
+def trace_quiet(check):
+    """``check`` with jit's TracerWarning silenced while a jit trace runs (the TorchScript
+    ONNX exporter, the FLOP counter). Sizes are tensors there: a check comparing them still
+    judges the traced input rightly, but warns at every call that the comparison is not
+    recorded in the graph, which a check need not be."""
+    @functools.wraps(check)
+    def checked(*args, **kwargs):
+        if not torch.jit.is_tracing():
+            return check(*args, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', torch.jit.TracerWarning)
+            return check(*args, **kwargs)
+    return checked
 
 
+@trace_quiet
 def check_square(name, P):
     """Require a floating tensor (..., m, m)."""
     check_float_tensor(name, P)
-    if not sizes_are_traced() and P.shape[-1] != P.shape[-2]:
+    if P.shape[-1] != P.shape[-2]:
         raise ValueError(f'{name} must be square (..., m, m), got shape {tuple(P.shape)}')
     return P
 
 
+@trace_quiet
 def check_hw(hw, num_tokens):
     """Require hw = (H, W) positive ints with H·W == num_tokens; returns (H, W). Sizes traced by
     an exporter (SymInt, tensors) pass unchecked: comparing them would specialise the graph."""
     if not isinstance(hw, (tuple, list)) or len(hw) != 2:
         raise TypeError(f'hw must be a pair (H, W), got {hw!r}')
-    if any(isinstance(size, (torch.SymInt, torch.Tensor)) for size in (*hw, num_tokens)):
+    if any(isinstance(size, (torch.SymInt, torch.Tensor)) for size in hw):
         return hw[0], hw[1]
     height, width = (check_int(n, v) for n, v in zip(('hw[0]', 'hw[1]'), hw))
     if height * width != num_tokens:
@@ -98,11 +110,12 @@ def check_hw(hw, num_tokens):
     return height, width
 
 
+@trace_quiet
 def check_kernel_pair(x, y):
     """Validate kernel inputs x (..., N, d) and y (..., M, d)."""
     check_float_tensor('x', x)
     check_float_tensor('y', y)
-    if not sizes_are_traced() and (x.shape[:-2] != y.shape[:-2] or x.shape[-1] != y.shape[-1]):
+    if x.shape[:-2] != y.shape[:-2] or x.shape[-1] != y.shape[-1]:
         raise ValueError('x (..., N, d) and y (..., M, d) must share batch dims and d; '
                          f'got x {tuple(x.shape)} and y {tuple(y.shape)}')
     if x.dtype != y.dtype or x.device != y.device:

@@ -45,7 +45,7 @@ from ._checks import (
     check_non_negative,
     check_positive,
     check_probability,
-    sizes_are_traced,
+    trace_quiet,
 )
 from .backends import cpu, cuda
 from .export import check_exportable, exporting, ort_forward
@@ -104,6 +104,7 @@ class AttentionOptions:
             self.normalize, self.whiten_eps))
 
 
+@trace_quiet
 def check_operands(q, k, v, landmarks, op=False):
     """q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) must agree (k may be None,
     landmarks None before they are pooled); the op's are 4-D of one dtype (the kernels read
@@ -117,11 +118,6 @@ def check_operands(q, k, v, landmarks, op=False):
             if op and t.dtype != q.dtype:
                 raise TypeError(f'nystrom_attention: {name} has dtype {t.dtype} but q has '
                                 f'{q.dtype}; all operands must share one dtype')
-    devices = {t.device for t in (q, k, v, landmarks) if t is not None}
-    if len(devices) != 1:
-        raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
-    if sizes_are_traced():
-        return
     if k is not None and k.shape != q.shape:
         raise ValueError(f'k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}')
     if v.shape[:-1] != q.shape[:-1]:
@@ -131,6 +127,9 @@ def check_operands(q, k, v, landmarks, op=False):
                                   or landmarks.shape[-1] != q.shape[-1]):
         raise ValueError(f'landmarks must be (..., m, d) with the batch dims and d '
                          f'of q {tuple(q.shape)}, got {tuple(landmarks.shape)}')
+    devices = {t.device for t in (q, k, v, landmarks) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
 
 
 _INSTALL_HINT = {cuda.NAME: 'pip install cupy-cuda12x or cupy-cuda13x (matching the driver)',

@@ -1,4 +1,7 @@
 """Nyström attention: exact limit, gradients, injectivity, batch independence, validation."""
+import os.path as osp
+import warnings
+
 import pytest
 import torch
 from _attention_helpers import (
@@ -11,10 +14,12 @@ from _attention_helpers import (
 from _property_strategies import PROPERTY, attention_cases, run_attention
 from hypothesis import given
 
+import lapformer_mm
 from lapformer_mm.ops import (
     AttentionOptions,
     attention,
     injective_normalize,
+    laplacian_kernel,
     nystrom_attention,
     pool_landmarks,
     reference,
@@ -180,6 +185,27 @@ def test_attention_rejects_mismatched_shapes_naming_them():
         nystrom_attention(q, k, v, k[:, :1])
     with pytest.raises(ValueError, match=r'hw=\(2, 3\)'):
         pool_landmarks(q, (2, 3))
+
+
+def test_shape_checks_hold_under_a_jit_trace_without_tracer_warnings():
+    """Under a jit trace (TorchScript's ONNX exporter, the FLOP counter) sizes are tensors:
+    a mismatch the eager checks refuse is still refused, not broadcast into the graph, and a
+    good call warns nothing from lapformer_mm."""
+    q, k, v = qkv((1, 2, 4, 3))
+
+    def trace(fn, *args):
+        return torch.jit.trace(fn, args, check_trace=False)
+    with pytest.raises(ValueError, match='landmarks must be'):
+        trace(nystrom_attention, q, k, v, k[:, :1, :2])
+    with pytest.raises(ValueError, match='must share batch dims'):
+        trace(laplacian_kernel, q, k[:, :1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        trace(nystrom_attention, q, k, v, k[..., :2, :])
+        trace(laplacian_kernel, q, k)
+    ours = [f'{w.filename}:{w.lineno}' for w in caught
+            if osp.dirname(lapformer_mm.__file__) in w.filename]
+    assert not ours, ours
 
 
 def test_resolve_impl_takes_the_first_backend_without_reasons(monkeypatch):
