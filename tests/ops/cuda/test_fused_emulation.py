@@ -12,6 +12,7 @@ grid allows.
 
 import shutil
 import subprocess
+import warnings
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from devtools.cuda_emulation import (
     params_layout,
     route_cpu_tensors_to_cuda_backend,
 )
-from lapformer_mm.ops import nystrom_attention, pool_landmarks, reference
+from lapformer_mm.ops import attention, nystrom_attention, pool_landmarks, reference
 from lapformer_mm.ops.attention import nystrom_attention_op
 from lapformer_mm.ops.backends import cuda
 
@@ -258,11 +259,16 @@ def test_unconverged_iterate_at_49_landmarks_is_the_references(launches, centre,
 
 
 def test_unsupported_sizes_take_the_reference_math(launches):
-    """m = 81 > 64 landmarks (and fp64 operands) run the reference implementation."""
+    """m = 81 > 64 landmarks (and fp64 operands) run the reference implementation, with a
+    warning that names the reason."""
+    attention._warn_fallback.cache_clear()
     q, k, v, landmarks = make_inputs(1, 1, (9, 9), 4, 4, 9, False, torch.float32, seed=16)
-    run(q, k, v, landmarks, False)
+    with pytest.warns(RuntimeWarning, match='m = 81 landmarks; the CUDA kernels take 1 to 64'):
+        run(q, k, v, landmarks, False)
     q64 = make_inputs(1, 1, (4, 4), 4, 4, 2, False, torch.float64, seed=17)
-    run(*q64, False)
+    with pytest.warns(RuntimeWarning, match=r'dtype torch.float64; the CUDA kernels take '
+                                            r'torch.float32, torch.float16, torch.bfloat16'):
+        run(*q64, False)
     assert not launches
 
 
@@ -398,18 +404,24 @@ def test_each_shared_memory_limit_picks_a_variant_or_the_reference(launches, mon
     memory than the limit (the emulation refuses more), and values and gradients match the
     dense fp64 reference; where nothing fits, no kernel runs and the reference answers."""
     use_limits(monkeypatch, smem_optin=kib * 1024)
+    attention._warn_fallback.cache_clear()
     for (hw, grid, dv) in LIMIT_CASES:
         launches.clear()
         q, k, v, landmarks = make_inputs(1, 1, hw, 12, dv, grid, False, torch.float32, seed=20)
         m = grid * grid
         plan = cuda.plan(m, dv, kib * 1024)
-        out, grads, grad = run(q, k, v, landmarks, False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            out, grads, grad = run(q, k, v, landmarks, False)
+        fallbacks = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
         if isinstance(plan, cuda.Plan):
             assert [e[0] for e in launches] == FORWARD + BACKWARD
             assert {e[4] for e in launches} == {plan.variant.name}
             assert max(e[3] for e in launches) <= kib * 1024
+            assert not fallbacks
         else:
             assert not launches and plan
+            assert len(fallbacks) == 1 and f'the device allows {kib * 1024:,}' in fallbacks[0]
         expected, expected_grads = dense(q, k, v, landmarks, False, grad)
         assert_close_scaled(out, expected, 2e-5)
         for got, want in zip(grads, expected_grads):
