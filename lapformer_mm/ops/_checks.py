@@ -71,19 +71,19 @@ def check_float_tensor(name, t, min_dim=2):
     return t
 
 
-def trace_quiet(check):
-    """``check`` with jit's TracerWarning silenced while a jit trace runs (the TorchScript
-    ONNX exporter, the FLOP counter). Sizes are tensors there: a check comparing them still
-    judges the traced input rightly, but warns at every call that the comparison is not
-    recorded in the graph, which a check need not be."""
-    @functools.wraps(check)
-    def checked(*args, **kwargs):
+def trace_quiet(fn):
+    """``fn`` with jit's TracerWarning silenced while a jit trace runs (the TorchScript
+    ONNX exporter, the FLOP counter). Sizes are tensors there: reading one as a Python value
+    (a check's comparison, export.token_blocks' block count) is right for the traced input,
+    and the warning that the reading is not recorded in the graph says what is meant."""
+    @functools.wraps(fn)
+    def quiet(*args, **kwargs):
         if not torch.jit.is_tracing():
-            return check(*args, **kwargs)
+            return fn(*args, **kwargs)
         with warnings.catch_warnings():
             warnings.simplefilter('ignore', torch.jit.TracerWarning)
-            return check(*args, **kwargs)
-    return checked
+            return fn(*args, **kwargs)
+    return quiet
 
 
 @trace_quiet

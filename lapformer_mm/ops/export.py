@@ -5,12 +5,12 @@ standard file's kernel matrices in token blocks (:func:`pairwise_placeholders`, 
 :func:`expand_placeholders`; docs/deploy.md)."""
 import contextlib
 import contextvars
-import warnings
 
 import torch
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from . import reference
+from ._checks import trace_quiet
 from .backends import cpu
 
 #: Precisions of the refinement step's residual ``b - P x`` in an exported attention: 'fp64'
@@ -226,14 +226,13 @@ MAX_BLOCKS = 32
 BLOCKS_MIN_OPSET = 13
 
 
+@trace_quiet
 def _hint(size):
     """A traced size as an int without a guard: a hint of torch.export's symbolic sizes, the
-    value of the TorchScript trace's size tensors."""
+    value of the TorchScript trace's size tensors (the value is all we want)."""
     if not isinstance(size, torch.Tensor):
         return optimization_hint(size)
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore', torch.jit.TracerWarning)  # the value is all we want
-        return int(size)
+    return int(size)
 
 
 def token_blocks(x, num_landmarks):
