@@ -116,7 +116,7 @@ def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys, monkeypatch):
                          '--out', out, '--verify'] + ort_args)
     printed = capsys.readouterr().out
     assert code == 0, printed
-    # The jit trace sees sizes as tensors: our shape checks must not compare them.
+    # The jit trace sees sizes as tensors: our shape checks compare them without a warning.
     ours = [f'{w.filename}:{w.lineno}' for w in caught if issubclass(w.category, TracerWarning)
             and osp.dirname(lapformer_mm.__file__) in w.filename]
     assert not ours, ours
