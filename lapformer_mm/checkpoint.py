@@ -103,17 +103,27 @@ def safe_load(filename, map_location='cpu'):
     try:
         return torch.load(filename, map_location=map_location, weights_only=True)
     except torch.serialization.pickle.UnpicklingError as err:
+        if 'Unsupported operand' in str(err):  # no refused object: bytes of no pickle
+            raise _unreadable(filename, err) from err
         raise RuntimeError(
             f'Refused to load checkpoint {filename!r}: it contains objects that are not plain '
             f'weights, and unpickling them could run code. {TRUST_HINT}\n'
             f'Details: {_refusal_reason(err)}') from err
-    except (OSError, RuntimeError, EOFError) as err:
-        # A truncated zip (a save killed mid-write) surfaces as EINVAL or a
-        # PytorchStreamReader error that names neither the file nor the cause.
-        raise RuntimeError(
-            f'checkpoint file {filename!r} cannot be read as a torch checkpoint '
-            f'({type(err).__name__}: {err}); it is truncated (a save that was '
-            'interrupted?) or not a checkpoint') from err
+    except (OSError, RuntimeError, EOFError, KeyError) as err:
+        raise _unreadable(filename, err) from err
+
+
+def _unreadable(filename, err):
+    # A truncated zip (a save killed mid-write) surfaces as EINVAL or a PytorchStreamReader
+    # error, a file of other bytes as a KeyError or an unknown pickle opcode: none names the
+    # file or the cause.
+    detail = str(err).strip().splitlines()
+    detail = next((line.strip() for line in detail if 'Unsupported operand' in line),
+                  detail[0] if detail else '')
+    return RuntimeError(
+        f'checkpoint file {filename!r} cannot be read as a torch checkpoint '
+        f'({type(err).__name__}: {detail}); it is truncated (a save that was '
+        'interrupted?) or not a checkpoint')
 
 
 def _refusal_reason(err):

@@ -45,9 +45,14 @@ TARGETS = ('backbone', 'features', 'model')
 EXPORTERS = ('dynamo', 'torchscript')
 #: The opset both exporters write: 20 has a Gelu operator (ONNX Runtime runs it as one
 #: kernel instead of the five nodes of its erf form). ONNX Runtime >= 1.16 and TensorRT
-#: >= 10 read it; 17 is the lowest that works (LayerNormalization), 18 what TensorRT 8.6
-#: reads.
+#: >= 10 read it, TensorRT 8.6 reads 18; below 17 (LayerNormalization) the TorchScript
+#: exporter writes LayerNorm as its primitive nodes.
 DEFAULT_OPSET = 20
+#: The lowest opset each exporter writes for these models. The dynamo exporter builds
+#: opset 18 and converts down to a lower one, which fails on these graphs (ONNX's version
+#: converter needs constant ``axes`` inputs) and then keeps 18 with a log line only; the
+#: TorchScript exporter has no dynamic Slice below 10.
+LOWEST_OPSET = {'dynamo': 18, 'torchscript': 10}
 INPUT_NAME = 'input'
 #: Largest weight size written into the .onnx file itself (protobuf's 2 GiB limit, with
 #: room for the graph); above it the weights go to an external data file.
@@ -87,6 +92,26 @@ def _check_batch(batch):
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ValueError(f'batch must be a positive int, got {batch!r}')
     return batch
+
+
+def _check_opset(opset, exporter):
+    """``opset`` within what ``exporter`` writes: from :data:`LOWEST_OPSET` to the highest
+    the installed exporter knows (torch's for TorchScript, onnx's for dynamo)."""
+    highest = None
+    with contextlib.suppress(ImportError, AttributeError):
+        if exporter == 'torchscript':
+            from torch.onnx._constants import ONNX_MAX_OPSET as highest
+        else:
+            highest = _import('onnx').defs.onnx_opset_version()
+    lowest = LOWEST_OPSET[exporter]
+    if (not isinstance(opset, int) or isinstance(opset, bool) or opset < lowest
+            or (highest is not None and opset > highest)):
+        allowed = f'{lowest} to {highest}' if highest is not None else f'{lowest} or later'
+        hint = ("; exporter='torchscript' writes lower ones"
+                if exporter == 'dynamo' and isinstance(opset, int) and opset < lowest else '')
+        raise ValueError(f'opset={opset!r} is not supported by the {exporter} exporter; '
+                         f'allowed: {allowed}{hint}')
+    return opset
 
 
 def export_min_size(model: nn.Module) -> int:
@@ -141,7 +166,13 @@ class ExportModule(nn.Module):
         model = self.model
         if self.target == 'backbone':
             backbone = getattr(model, 'backbone', model)
-            return [(f'stage{i}', t) for i, t in enumerate(_as_list(backbone(x)))]
+            outs = _as_list(backbone(x))
+            # Named by stage (outputs come in stage order), as PVT and Swin number them.
+            stages = sorted(getattr(backbone, 'out_indices', ()))
+            if len(stages) != len(outs) or not all(isinstance(i, int) and i >= 0
+                                                   for i in stages):
+                stages = range(len(outs))
+            return [(f'stage{i}', t) for i, t in zip(stages, outs)]
         feats = model.extract_feat(x)
         named = [(f'feat{i}', t) for i, t in enumerate(feats)]
         if self.target == 'features':
@@ -298,6 +329,7 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
     shape = _check_shape(shape)
     _check_choice('exporter', exporter, EXPORTERS)
     _check_choice('ort_ops', ort_ops, (False, True))
+    _check_opset(opset, exporter)
     # The standard file's kernel matrices as placeholders, expanded into token blocks after
     # the export (the op-library file has none: no rewrite of it).
     blocks = not ort_ops and opset >= BLOCKS_MIN_OPSET
@@ -397,13 +429,31 @@ def program_to_onnx(program, out: str, *, output_names: Optional[Sequence[str]] 
     Its dynamic dimensions stay symbolic; the weights go into the file unless they
     exceed ~2 GB.
     """
-    _makedirs_for(out)
+    _check_opset(opset, 'dynamo')
     external = sum(t.numel() * t.element_size()
                    for t in program.state_dict.values()) > SINGLE_FILE_BYTES
-    torch.onnx.export(program, program.example_inputs[0], out, dynamo=True,
-                      input_names=[INPUT_NAME], opset_version=opset, verbose=False,
-                      output_names=list(output_names) if output_names else None,
-                      external_data=external)
+    onnx_program = torch.onnx.export(
+        program, program.example_inputs[0], dynamo=True, input_names=[INPUT_NAME],
+        opset_version=opset, verbose=False,
+        output_names=list(output_names) if output_names else None)
+    written = onnx_program.model.opset_imports.get('')
+    if written != opset:
+        raise ValueError(f'opset={opset}: the dynamo exporter made opset {written} instead '
+                         f'(its conversion failed); no file written')
+    _name_input_dims(onnx_program)
+    _makedirs_for(out)
+    onnx_program.save(out, external_data=external)
+
+
+def _name_input_dims(onnx_program):
+    """The dynamic input dimensions named as the TorchScript export names them (batch,
+    height, width) instead of torch.export's symbols, in every shape that uses them."""
+    shape = onnx_program.model.graph.inputs[0].shape
+    if shape is None or len(shape) != 4 or not hasattr(onnx_program, 'rename_axes'):
+        return
+    symbolic = {shape[axis]: name for axis, name in ((0, 'batch'), (2, 'height'), (3, 'width'))
+                if not isinstance(shape[axis], int) and shape[axis].value is not None}
+    onnx_program.rename_axes(symbolic)
 
 
 def ort_ops_library(path: Optional[str] = None) -> str:
@@ -441,7 +491,8 @@ def ort_session(path: str, threads: Optional[int] = None, ort_ops=None,
     the graph optimizers but :data:`ORT_DISABLED_OPTIMIZERS`.
 
     ``ort_ops``: register the op library (:func:`ort_ops_library`) with the session:
-    True, False, a library path, or None (default): when the file uses it.
+    True, False, a library path, or None (default): when the file uses it. OSError when
+    ONNX Runtime refuses it (not a library, or a ``$LAPFORMER_ORT_ISA`` this CPU lacks).
     ``profile``: a path prefix; ONNX Runtime then times every node of every run, and
     ``session.end_profiling()`` writes the JSON trace and returns its path.
     """
@@ -460,8 +511,12 @@ def ort_session(path: str, threads: Optional[int] = None, ort_ops=None,
         if ort_ops is not True and not isinstance(ort_ops, (str, os.PathLike)):
             raise ValueError(f'ort_ops must be True, False, None or a library path, got '
                              f'{ort_ops!r}')
-        options.register_custom_ops_library(
-            ort_ops_library(None if ort_ops is True else os.fspath(ort_ops)))
+        library = ort_ops_library(None if ort_ops is True else os.fspath(ort_ops))
+        try:
+            options.register_custom_ops_library(library)
+        except Exception as err:  # onnxruntime's errors derive from Exception alone
+            raise OSError(f'ONNX Runtime cannot register the op library {library!r}: '
+                          f'{err}') from err
     return ort.InferenceSession(path, options, providers=['CPUExecutionProvider'],
                                 disabled_optimizers=ORT_DISABLED_OPTIMIZERS)
 
@@ -494,21 +549,31 @@ def verify_sizes(shape: Sequence[int], min_size: int) -> List[Tuple[int, int]]:
             (height + 45, max(min_size, width * 3 // 4 + 11))]
 
 
+#: The inputs :func:`verify_onnx` can check a file on: toy COCO scenes as the data
+#: preprocessor makes them (:func:`toy_image_input`), smooth random fields
+#: (:func:`smooth_input`), white noise (:func:`example_input`; no image, on which the model
+#: itself is ill-conditioned at large sizes).
+VERIFY_INPUTS = {'toy': toy_image_input, 'smooth': smooth_input, 'noise': example_input}
+
+
 def verify_onnx(path: str, model: nn.Module, sizes: Sequence[Sequence[int]], batch: int = 1,
-                threads: Optional[int] = None, fp64: bool = True) -> List[Dict]:
-    """ONNX Runtime against eager PyTorch (fp32) on a random input of each size.
+                threads: Optional[int] = None, fp64: bool = True,
+                inputs: str = 'toy') -> List[Dict]:
+    """ONNX Runtime against eager PyTorch (fp32) on an input of each size, of the kind
+    ``inputs`` names (:data:`VERIFY_INPUTS`).
 
     Returns one dict per size: size, batch, max_abs, max_rel (:func:`output_error`) and,
     with ``fp64``, fp32_vs_fp64_rel: eager fp32 against eager fp64 on the same input, the
     rounding error an exported graph cannot be expected to beat.
     """
+    make_input = VERIFY_INPUTS[_check_choice('inputs', inputs, tuple(VERIFY_INPUTS))]
     session = ort_session(path, threads)
     module = ExportModule(model) if not hasattr(model, 'output_names') else model
     module = copy.deepcopy(module).eval()
     module64 = copy.deepcopy(module).double() if fp64 else None
     rows = []
     for size in sizes:
-        x = example_input(tuple(size), batch, seed=1)
+        x = make_input(tuple(size), batch, seed=1)
         with torch.no_grad():
             refs = _as_list(module(x))
             row = dict(size=tuple(size), batch=batch, **output_error(run_onnx(session, x), refs))
@@ -532,15 +597,24 @@ def build_model(config, checkpoint: Optional[str] = None, cfg_options: Optional[
         from .checkpoint import safe_load
         state = safe_load(checkpoint)
         state = state.get('state_dict', state) if isinstance(state, dict) else state
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise ValueError(f'checkpoint {checkpoint!r} holds no state dict (a dict of '
+                             f'weights, or one under "state_dict")')
         state = {k[len('module.'):] if k.startswith('module.') else k: v
                  for k, v in state.items()}
-        report = model.load_state_dict(state, strict=False)
-        if report.missing_keys or report.unexpected_keys:
+        own = model.state_dict()
+        missing = [k for k in own if k not in state]
+        unexpected = [k for k in state if k not in own]
+        resized = [f'{k} {tuple(v.shape)} (model: {tuple(own[k].shape)})'
+                   for k, v in state.items() if k in own
+                   and getattr(v, 'shape', None) != own[k].shape]
+        if missing or unexpected or resized:
             raise ValueError(
                 f'checkpoint {checkpoint!r} does not match the model of {config}: '
-                f'{len(report.missing_keys)} missing keys (e.g. {report.missing_keys[:3]}), '
-                f'{len(report.unexpected_keys)} unexpected (e.g. '
-                f'{report.unexpected_keys[:3]})')
+                f'{len(missing)} missing keys (e.g. {missing[:3]}), {len(unexpected)} '
+                f'unexpected (e.g. {unexpected[:3]}), {len(resized)} of another shape '
+                f'(e.g. {resized[:3]})')
+        model.load_state_dict(state)
     return model, scope
 
 
@@ -586,8 +660,8 @@ def format_rows(rows: Sequence[Dict]) -> str:
     return '\n'.join(lines)
 
 
-__all__ = ['DEFAULT_OPSET', 'EXPORTERS', 'ExportModule', 'TARGETS', 'build_model',
-           'check_export_size', 'export_config', 'export_min_size', 'export_onnx',
+__all__ = ['DEFAULT_OPSET', 'EXPORTERS', 'LOWEST_OPSET', 'TARGETS', 'VERIFY_INPUTS', 'ExportModule',
+           'build_model', 'check_export_size', 'export_config', 'export_min_size', 'export_onnx',
            'export_program', 'format_rows', 'graph_summary', 'ort_ops_library', 'ort_session',
            'output_error', 'output_names', 'prepare_for_export', 'program_to_onnx', 'run_onnx',
            'smooth_input', 'toy_image_input', 'uses_ort_ops', 'verify_onnx', 'verify_sizes']

@@ -117,3 +117,16 @@ def test_trust_opt_in_named_in_the_message_works(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match='full unpickling'):
         loaded = safe_load(path)
     assert loaded['meta'].note == 'trusted'
+
+
+@pytest.mark.parametrize('content', [b'hello\n', b'{"epoch": 3}\n', bytes(range(256)) * 4],
+                         ids=['text', 'json', 'bytes'])
+def test_a_file_that_is_no_checkpoint_is_named_so_not_refused_as_unsafe(tmp_path, content):
+    """Other bytes fail torch's unpickler with a KeyError or an unknown opcode: the message
+    says the file is no checkpoint, and offers no trust opt-in for it."""
+    path = tmp_path / 'notes.pth'
+    path.write_bytes(content)
+    with pytest.raises(RuntimeError, match="'.*notes.pth' cannot be read as a torch "
+                                           'checkpoint') as info:
+        safe_load(path)
+    assert TRUST_ENV not in str(info.value)

@@ -6,11 +6,11 @@ mmdet-style arguments: a config, an optional checkpoint (random weights without 
 minimum up), ``--exporter dynamo | torchscript``, ``--out``; ``--verify`` runs the file in
 ONNX Runtime and prints the largest absolute and relative error against PyTorch at the
 export size and at two other sizes (dynamic exports), beside eager fp32's own error
-against fp64. The input of the graph is the normalised, padded batch the model's data
-preprocessor makes (docs/deploy.md). ``--ort-ops`` writes the kernel matrices as nodes of
-the opt-in ONNX Runtime op library (``tools/build_ort_ops.py``), which ``--verify``
-registers. Needs the ``[deploy]`` extra (onnx, onnxscript,
-onnxruntime).
+against fp64, on toy COCO scenes (``--verify-input``). The input of the graph is the
+normalised, padded batch the model's data preprocessor makes (docs/deploy.md).
+``--ort-ops`` writes the kernel matrices as nodes of the opt-in ONNX Runtime op library
+(``tools/build_ort_ops.py``), which ``--verify`` registers. Needs the ``[deploy]`` extra
+(onnx, onnxscript, onnxruntime).
 
 Examples::
 
@@ -28,6 +28,9 @@ from mmengine.config import DictAction
 
 from lapformer_mm import deploy
 from lapformer_mm.ops.export import RESIDUAL_PRECISIONS
+
+VERIFY_INPUT_WORDS = {'toy': 'toy COCO scenes', 'smooth': 'smooth random fields',
+                      'noise': 'white noise'}
 
 
 def parse_args(argv=None):
@@ -51,7 +54,10 @@ def parse_args(argv=None):
                              '(default; ONNX Runtime CPU) or fp32 (no fp64 tensor: OpenVINO, '
                              'TensorRT, mobile runtimes)')
     parser.add_argument('--opset', type=int, default=deploy.DEFAULT_OPSET,
-                        help=f'ONNX opset (default {deploy.DEFAULT_OPSET})')
+                        help=f'ONNX opset (default {deploy.DEFAULT_OPSET}; the dynamo '
+                             f'exporter writes {deploy.LOWEST_OPSET["dynamo"]} or later, '
+                             f'the TorchScript exporter '
+                             f'{deploy.LOWEST_OPSET["torchscript"]} or later)')
     parser.add_argument('--ort-ops', action='store_true',
                         help='write each attention as the ONNX Runtime op library\'s '
                              'lapformer_mm nodes (tools/build_ort_ops.py); the file then '
@@ -60,6 +66,11 @@ def parse_args(argv=None):
     parser.add_argument('--verify', action='store_true',
                         help='run the file in ONNX Runtime and print its error against '
                              'PyTorch')
+    parser.add_argument('--verify-input', choices=deploy.VERIFY_INPUTS, default='toy',
+                        help="what --verify feeds: 'toy' (toy COCO scenes, normalised as "
+                             "the data preprocessor does; default), 'smooth' (smooth random "
+                             "fields) or 'noise' (white noise: no image; the model itself is "
+                             'ill-conditioned on it at large sizes)')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config settings, key=value')
     return parser.parse_args(argv)
@@ -89,12 +100,14 @@ def main(argv=None):
             sizes = [tuple(args.shape)]
             print('static export: verified at the export size only')
         try:
-            rows = deploy.verify_onnx(out, module, sizes, batch=args.batch)
-        except FileNotFoundError as err:  # --ort-ops without the library built
+            rows = deploy.verify_onnx(out, module, sizes, batch=args.batch,
+                                      inputs=args.verify_input)
+        # --ort-ops without the library built, or one ONNX Runtime refuses
+        except OSError as err:
             print(f'export_onnx: {err}', file=sys.stderr)
             return 2
-        print('ONNX Runtime against PyTorch eager (max rel: largest error / largest '
-              'output value, the largest over the outputs):')
+        print(f'ONNX Runtime against PyTorch eager on {VERIFY_INPUT_WORDS[args.verify_input]} '
+              '(max rel: largest error / largest output value, the largest over the outputs):')
         print(deploy.format_rows(rows))
     return 0
 

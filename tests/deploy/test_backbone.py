@@ -6,6 +6,8 @@ that size and at two others with batch 1, each output held to FACTOR × the dist
 eager fp32 from eager fp64 (tests/_deploy_helpers.py). The torch.export test exports the
 backbone as a user would, with plain Dims and no project wrapper, and lowers it to core ATen.
 """
+import re
+
 import pytest
 import torch
 from _deploy_helpers import (
@@ -67,7 +69,10 @@ def test_graph_is_checked_standard_fp32_and_symbolic(exported):
     traced = {n for n in stage_sizes(EXPORT_SHAPE) if n > 10}
     assert frozen_reshapes(proto, traced) == []
     dims = proto.graph.input[0].type.tensor_type.shape.dim
-    assert [bool(d.dim_param) for d in dims] == [True, False, True, True]
+    assert [d.dim_param for d in dims] == ['batch', '', 'height', 'width']
+    # torch.export's symbols (s0, s77, ...) renamed wherever the dynamo file uses them.
+    outputs = [d.dim_param for o in proto.graph.output for d in o.type.tensor_type.shape.dim]
+    assert not [p for p in outputs if re.search(r'\bs\d+\b', p)], outputs
 
 
 @pytest.mark.parametrize('size, batch', [(EXPORT_SHAPE, 2), (OTHER_SIZES[0], 1),
@@ -174,10 +179,38 @@ def test_export_size_below_the_range_names_the_minimum(backbone, tmp_path):
 @pytest.mark.parametrize('kwargs, match', [
     (dict(shape=(224, )), 'shape must be'), (dict(batch=0), 'batch must be'),
     (dict(exporter='tensorrt'), "exporter='tensorrt' is not supported"),
-    (dict(residual='fp16'), "residual='fp16' is not supported")])
+    (dict(residual='fp16'), "residual='fp16' is not supported"),
+    (dict(opset=17), "opset=17 is not supported by the dynamo exporter; allowed: 18 to "
+                     r"\d+; exporter='torchscript' writes lower ones"),
+    (dict(opset=9, exporter='torchscript'),
+     'opset=9 is not supported by the torchscript exporter; allowed: 10 to 2'),
+    (dict(opset=99, exporter='torchscript'), 'opset=99 is not supported by the torchscript'),
+    (dict(opset='20'), "opset='20' is not supported")])
 def test_bad_export_arguments_are_named(backbone, tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         deploy.export_onnx(backbone, str(tmp_path / 'x.onnx'), **kwargs)
+    assert not (tmp_path / 'x.onnx').exists()
+
+
+def test_an_opset_the_dynamo_exporter_falls_back_from_is_refused(tmp_path):
+    """torch's dynamo exporter builds opset 18 and converts; where the conversion fails it
+    keeps 18 with a log line only (here 26, with onnx 1.23's converter): no such file."""
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.GELU()).eval()
+    program = torch.export.export(module, (torch.randn(1, 3, 8, 8), ))
+    path = tmp_path / 'x.onnx'
+    with pytest.raises(ValueError, match='opset=26: the dynamo exporter made opset 18 '
+                                         'instead'):
+        deploy.program_to_onnx(program, str(path), opset=26)
+    assert not path.exists()
+    deploy.program_to_onnx(program, str(path), opset=21)
+    assert onnx.load(str(path)).opset_import[0].version == 21
+
+
+def test_backbone_outputs_are_named_by_stage():
+    module = deploy.ExportModule(tiny_backbone(out_indices=(1, 3)))
+    outs = module(deploy.example_input((224, 224), 1))
+    assert module.output_names == ['stage1', 'stage3']
+    assert [o.shape[-1] for o in outs] == [224 // 8, 224 // 32]
 
 
 def test_toy_image_input_is_a_normalised_toy_scene():

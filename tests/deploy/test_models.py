@@ -8,9 +8,11 @@ own error against fp64). The eager reference is the unchanged model, whose pyram
 pooling is ATen's ``adaptive_avg_pool2d``.
 """
 import os.path as osp
+import re
 import warnings
 
 import pytest
+import torch
 from _deploy_helpers import TINY_ARCH, assert_as_close_as_fp32, non_standard_nodes, ort_library
 from _shared import ROOT
 from torch.jit import TracerWarning
@@ -92,6 +94,27 @@ def test_targets_of_a_network(models):
         deploy.ExportModule(model, 'head')
 
 
+def test_build_model_loads_a_checkpoint_or_names_what_does_not_fit(models, tmp_path):
+    config, options = UPERNET
+    state = models['upernet'].state_dict()
+    # A DDP-wrapped run's checkpoint: the keys under 'module.', in mmengine's 'state_dict'.
+    path = str(tmp_path / 'ddp.pth')
+    torch.save({'state_dict': {f'module.{k}': v for k, v in state.items()}}, path)
+    loaded, _ = deploy.build_model(config, path, options)
+    assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())
+
+    key = 'decode_head.conv_seg.weight'
+    assert state[key].shape == (5, 16, 1, 1)
+    torch.save(dict(state, **{key: torch.zeros(19, 16, 1, 1)}), path)
+    with pytest.raises(ValueError, match=re.escape(
+            f"0 missing keys (e.g. []), 0 unexpected (e.g. []), 1 of another shape (e.g. "
+            f"['{key} (19, 16, 1, 1) (model: (5, 16, 1, 1))'])")):
+        deploy.build_model(config, path, options)
+    torch.save([state[key]], path)
+    with pytest.raises(ValueError, match='holds no state dict'):
+        deploy.build_model(config, path, options)
+
+
 def tiny_retinanet_config(folder):
     """A user config on top of the toy RetinaNet with the tiny backbone (--cfg-options
     cannot turn the arch name into a dict)."""
@@ -116,6 +139,7 @@ def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys, monkeypatch):
                          '--out', out, '--verify'] + ort_args)
     printed = capsys.readouterr().out
     assert code == 0, printed
+    assert 'ONNX Runtime against PyTorch eager on toy COCO scenes' in printed
     # The jit trace sees sizes as tensors: our shape checks compare them without a warning.
     ours = [f'{w.filename}:{w.lineno}' for w in caught if issubclass(w.category, TracerWarning)
             and osp.dirname(lapformer_mm.__file__) in w.filename]

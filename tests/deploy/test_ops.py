@@ -457,6 +457,14 @@ def test_ort_op_library_sessions_keep_the_instruction_set_they_registered(monkey
     assert (generic.run(None, feed)[0] == first).all()
 
 
+def test_ort_op_library_refused_by_onnx_runtime_is_an_os_error(monkeypatch):
+    library = require_ort_library()
+    monkeypatch.setenv('LAPFORMER_ORT_ISA', 'sse')
+    with pytest.raises(OSError, match="cannot register the op library .*LAPFORMER_ORT_ISA="
+                                      "'sse' is not supported; allowed: auto, default"):
+        _op_session(library, ex.ORT_KERNEL_OP, ['x', 'y'], ['k'], lam=1.0, kind='laplacian')
+
+
 def test_ort_op_library_shares_one_domain_per_build(tmp_path):
     # ONNX Runtime calls RegisterCustomOps once per session options: a process that opens
     # many sessions must not gain a domain each time, sessions opened from several threads
