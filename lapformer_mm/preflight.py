@@ -194,7 +194,11 @@ def laplacianformer_mismatch(checkpoint_path: str, backbone_cfg: Mapping,
     shapes come from building the backbone alone (under 2 s on a CPU core for 'huge').
     """
     from .models import LaplacianFormer
-    from .models.pretrained import extract_backbone_state_dict, load_checkpoint_file
+    from .models.pretrained import (
+        depth_mismatch,
+        extract_backbone_state_dict,
+        load_checkpoint_file,
+    )
 
     with open(checkpoint_path, 'rb') as f:
         head = f.read(32)
@@ -218,6 +222,10 @@ def laplacianformer_mismatch(checkpoint_path: str, backbone_cfg: Mapping,
     if wrong:
         return (f'does not fit arch={backbone_cfg.get("arch", "tiny")!r} ({len(wrong)} '
                 f'tensors of another shape, e.g. {wrong[0]}): a checkpoint of another arch')
+    depths = depth_mismatch(state_dict, own)
+    if depths:
+        return (f'does not fit arch={backbone_cfg.get("arch", "tiny")!r} ({depths}): a '
+                'checkpoint of another arch')
     return None
 
 

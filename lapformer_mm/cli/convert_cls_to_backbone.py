@@ -9,21 +9,29 @@ layout that ``lapformer_mm.models.pretrained`` accepts); it is read with
 gets ``{'state_dict': backbone tensors, 'meta': {...}}`` without the ``backbone.``
 prefix, for ``init_cfg=dict(type='Pretrained', checkpoint=OUT_PTH)`` in detection
 and segmentation configs. With ``--arch``, the keys are checked against that
-backbone and missing/unexpected keys are printed (the output norms norm0-norm2 of
-a detection backbone are expected to be missing).
+backbone before anything is written: missing/unexpected keys are printed (the output
+norms norm0-norm2 of a detection backbone are expected to be missing), and tensors of
+another shape or stages of another depth stop the conversion.
 """
 import argparse
 import os
 
 import torch
 
-from lapformer_mm.models.pretrained import extract_backbone_state_dict, load_checkpoint_file
+from lapformer_mm.models.pretrained import (
+    depth_mismatch,
+    extract_backbone_state_dict,
+    load_checkpoint_file,
+)
 
 
-def convert(src: str, dst: str) -> dict:
-    """Write the backbone tensors of ``src`` to ``dst``; returns them."""
+def convert(src: str, dst: str, arch=None) -> dict:
+    """Write the backbone tensors of ``src`` to ``dst`` (checked against ``arch`` first,
+    when given: :func:`check_against_arch`); returns them."""
     state_dict = extract_backbone_state_dict(load_checkpoint_file(src))
     state_dict = {k: v.detach().clone().contiguous() for k, v in state_dict.items()}
+    if arch is not None:
+        check_against_arch(state_dict, arch)
     out_dir = os.path.dirname(os.path.abspath(dst))
     os.makedirs(out_dir, exist_ok=True)
     torch.save(dict(state_dict=state_dict, meta=dict(source=os.path.basename(src))), dst)
@@ -31,10 +39,14 @@ def convert(src: str, dst: str) -> dict:
 
 
 def check_against_arch(state_dict: dict, arch: str) -> None:
-    """Print the keys that a detection-style backbone of ``arch`` lacks or does not use."""
+    """Print the keys that a detection-style backbone of ``arch`` lacks or does not use;
+    SystemExit for tensors of another shape or stages of another depth, or a bad ``arch``."""
     from lapformer_mm.models import LaplacianFormer
 
-    own = LaplacianFormer(arch).state_dict()
+    try:
+        own = LaplacianFormer(arch).state_dict()
+    except ValueError as err:
+        raise SystemExit(f'--arch: {err}') from None
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     wrong = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
@@ -43,8 +55,11 @@ def check_against_arch(state_dict: dict, arch: str) -> None:
     for title, keys in (('missing', missing), ('unexpected', unexpected), ('shape', wrong)):
         for key in keys:
             print(f'  {title}: {key}')
-    if wrong:
-        raise SystemExit(f'the checkpoint does not fit arch {arch!r}')
+    depths = depth_mismatch(state_dict, own)
+    if depths:
+        print(f'  depth: {depths}')
+    if wrong or depths:
+        raise SystemExit(f'the checkpoint does not fit arch {arch!r}; nothing written')
 
 
 def main() -> None:
@@ -53,11 +68,9 @@ def main() -> None:
     parser.add_argument('dst', help='output .pth')
     parser.add_argument('--arch', default=None, help='check the keys against this arch')
     args = parser.parse_args()
-    state_dict = convert(args.src, args.dst)
+    state_dict = convert(args.src, args.dst, args.arch)
     print(f'wrote {len(state_dict)} tensors '
           f'({sum(v.numel() for v in state_dict.values()) / 1e6:.2f} M values) to {args.dst}')
-    if args.arch:
-        check_against_arch(state_dict, args.arch)
 
 
 if __name__ == '__main__':

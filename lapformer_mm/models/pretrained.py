@@ -9,7 +9,8 @@ Accepted layouts (all loaded without arbitrary pickles):
   keys without the prefix (neck, head) are dropped.
 A ``module.`` prefix left by DistributedDataParallel is stripped.
 """
-from typing import Dict, Mapping, NamedTuple, Optional, Tuple
+import re
+from typing import Dict, Iterable, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -72,6 +73,26 @@ def extract_backbone_state_dict(
     return tensors
 
 
+def _stage_depths(keys: Iterable[str]) -> Dict[int, int]:
+    depths: Dict[int, int] = {}
+    for key in keys:
+        match = re.match(r'stages\.(\d+)\.blocks\.(\d+)\.', key)
+        if match:
+            stage, block = int(match[1]), int(match[2])
+            depths[stage] = max(depths.get(stage, 0), block + 1)
+    return depths
+
+
+def depth_mismatch(state_dict: Mapping, own: Mapping) -> Optional[str]:
+    """The stages whose number of blocks differs between a checkpoint and the model (both
+    state dicts): the same widths with other depths (tiny, small and large share theirs),
+    which no shape reveals. None when every stage both have is as deep."""
+    theirs, mine = _stage_depths(state_dict), _stage_depths(own)
+    differ = [f'stage {i}: {theirs[i]} blocks in the checkpoint, {n} in the model'
+              for i, n in sorted(mine.items()) if i in theirs and theirs[i] != n]
+    return '; '.join(differ) or None
+
+
 class LoadReport(NamedTuple):
     """Keys of the model not found in the checkpoint and vice versa."""
     missing_keys: Tuple[str, ...]
@@ -84,8 +105,8 @@ def load_backbone_weights(module: nn.Module,
                           prefix: Optional[str] = None) -> LoadReport:
     """Load a checkpoint into ``module`` non-strictly and report key mismatches.
 
-    Shape mismatches are an error (they mean a different arch), missing and
-    unexpected keys are reported through ``logger`` (anything with
+    Shape and depth mismatches are an error (they mean a different arch), missing
+    and unexpected keys are reported through ``logger`` (anything with
     ``.warning``/``.info``) and returned.
     """
     state_dict = extract_backbone_state_dict(
@@ -98,6 +119,10 @@ def load_backbone_weights(module: nn.Module,
     if wrong_shape:
         raise ValueError(f'checkpoint {path_or_url!r} does not fit the model '
                          '(another arch?): ' + '; '.join(wrong_shape))
+    depths = depth_mismatch(state_dict, own)
+    if depths:
+        raise ValueError(f'checkpoint {path_or_url!r} does not fit the model '
+                         f'(another arch?): {depths}')
     result = module.load_state_dict(state_dict, strict=False)
     report = LoadReport(
         tuple(result.missing_keys), tuple(result.unexpected_keys))

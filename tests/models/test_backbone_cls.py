@@ -90,6 +90,20 @@ def test_convert_cls_to_backbone(tmp_path):
         assert torch.equal(target.state_dict()[key], value), key
 
 
+def test_convert_checks_the_arch_before_writing(tmp_path, capsys):
+    arch = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
+    src, dst = tmp_path / 'cls.pth', tmp_path / 'backbone.pth'
+    torch.save({f'backbone.{k}': v for k, v in LaplacianFormer(arch).state_dict().items()}, src)
+    with pytest.raises(SystemExit, match="does not fit arch .*; nothing written"):
+        convert_cls_to_backbone.convert(str(src), str(dst), dict(arch, depths=[1, 2, 1, 1]))
+    assert 'depth: stage 1: 1 blocks in the checkpoint, 2 in the model' in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--arch: arch must be one of .* got 'xxl'"):
+        convert_cls_to_backbone.convert(str(src), str(dst), 'xxl')
+    assert not dst.exists()
+    convert_cls_to_backbone.convert(str(src), str(dst), arch)
+    assert dst.exists()
+
+
 def test_flop_handlers_count_the_attention_core():
     from lapformer_mm.analysis.flops import flop_analyzer
     torch.manual_seed(0)

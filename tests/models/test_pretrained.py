@@ -107,6 +107,17 @@ def test_wrong_arch_checkpoint_is_an_error(tmp_path):
         load_backbone_weights(small_model(out_indices=(3, )), path)
 
 
+@pytest.mark.parametrize('depth', [1, 3], ids=['shallower', 'deeper'])
+def test_checkpoint_of_the_same_widths_and_other_depths_is_an_error(tmp_path, depth):
+    """tiny, small and large share their widths: only the block count tells them apart."""
+    model = LaplacianFormer(dict(ARCH, depths=[1, 1, 2, 1]))
+    other = LaplacianFormer(dict(ARCH, depths=[1, 1, depth, 1]))
+    path = write_checkpoint('plain', other.state_dict(), tmp_path / 'x.pth')
+    with pytest.raises(ValueError, match=f'does not fit the model .*stage 2: {depth} blocks in '
+                                         'the checkpoint, 2 in the model'):
+        load_backbone_weights(model, path)
+
+
 def test_extract_rejects_tensorless_checkpoints():
     with pytest.raises(ValueError, match='no tensors'):
         extract_backbone_state_dict({'meta': {'epoch': 1}})

@@ -204,6 +204,12 @@ def test_preflight_names_files_that_are_not_checkpoints(data, tmp_path):
     torch.save(LaplacianFormer(OTHER_ARCH).state_dict(), other_arch)
     line = checkpoint_line(data, other_arch)
     assert f"does not fit arch={ARCH!r}" in line and 'checkpoint of another arch' in line
+    # The same widths, stage 2 one block deeper (tiny, small and large differ only so).
+    deeper = tmp_path / 'deeper.pth'
+    torch.save(LaplacianFormer(dict(ARCH, depths=[1, 1, 2, 1])).state_dict(), deeper)
+    line = checkpoint_line(data, deeper)
+    assert (f"does not fit arch={ARCH!r} (stage 2: 2 blocks in the checkpoint, 1 in the "
+            'model): a checkpoint of another arch') in line
 
     unsafe = tmp_path / 'unsafe.pth'
     with open(unsafe, 'wb') as f:
