@@ -1,4 +1,4 @@
-"""Parameters and FLOPs of a detector or segmentor config, custom ops included.
+"""Parameters and FLOPs of a detector, segmentor or classifier config, custom ops included.
 
 Traces the model's tensor forward (backbone -> neck -> heads, for two-stage
 detectors including the RoI heads on the RPN's proposals) with mmengine's
@@ -24,7 +24,7 @@ def parse_args(argv=None):
     parser.add_argument(
         '--shape', type=int, nargs=2, metavar=('H', 'W'),
         help='input height and width (default: 800 1333 for detectors, '
-        '512 512 for segmentors)')
+        '512 512 for segmentors, 224 224 for classifiers)')
     parser.add_argument(
         '--cfg-options', nargs='+', action=DictAction,
         help='override config settings, key=value')
@@ -37,8 +37,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     model, scope = build_from_config(args.config, args.cfg_options)
-    height, width = args.shape or ((512, 512) if scope == 'mmseg' else
-                                   (800, 1333))
+    height, width = args.shape or {'mmseg': (512, 512),
+                                   'mmpretrain': (224, 224)}.get(scope, (800, 1333))
     res = detector_cost(model, scope, height, width)
     print(f'config:   {args.config}')
     print(f'input:    1x3x{height}x{width}')

@@ -153,7 +153,8 @@ def classifier_cost(arch, size, backbone_kwargs=None):
 
 
 class TensorForward(nn.Module):
-    """``model._forward(x, samples)`` as a one-input module for tracing."""
+    """``model._forward(x, samples)`` as a one-input module for tracing (an mmpretrain
+    classifier, which takes no samples there: ``model(x, mode='tensor')``)."""
 
     def __init__(self, model, data_samples):
         super().__init__()
@@ -161,18 +162,22 @@ class TensorForward(nn.Module):
         self.data_samples = data_samples
 
     def forward(self, x):
+        if self.data_samples is None:
+            return self.model(x, mode='tensor')
         return self.model._forward(x, self.data_samples)
 
 
 def detector_cost(model, scope, height, width):
-    """Params (M) and FLOPs (G) of a built detector or segmentor on one height×width image.
+    """Params (M) and FLOPs (G) of a built detector, segmentor or classifier on one
+    height×width image.
 
     Traces the tensor forward (backbone -> neck -> heads; for two-stage detectors the
     RoI heads on the RPN's proposals). Returns params, backbone_params (M), full,
     visible and backbone (G, the backbone's share of full).
     """
     from .model_zoo import data_samples
-    wrapped = TensorForward(model, data_samples(scope, height, width))
+    samples = None if scope == 'mmpretrain' else data_samples(scope, height, width)
+    wrapped = TensorForward(model, samples)
     analyzer = flop_analyzer(wrapped, (torch.randn(1, 3, height, width), ))
     totals = flop_totals(analyzer)
     with torch.no_grad():

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.utils.checkpoint as cp
 from mmengine.logging import MMLogger
-from mmengine.model import BaseModule
+from mmengine.model import BaseModule, initialize
 from mmengine.registry import MODELS
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -478,12 +478,17 @@ class LaplacianFormer(BaseModule):
         return None
 
     def init_weights(self) -> None:
-        """Default initialisation, then the ``Pretrained`` checkpoint if any."""
+        """Default initialisation, then the other ``init_cfg`` entries, then the
+        ``Pretrained`` checkpoint if any (mmengine's order)."""
         pretrained = self._pretrained_cfg()
         if self.init_cfg is not None and pretrained is None:
             super().init_weights()
             return
         self.apply(init_layer)
+        others = [cfg for cfg in (self.init_cfg if isinstance(self.init_cfg, list) else [])
+                  if cfg.get('type') != 'Pretrained']
+        if others:
+            initialize(self, others)
         if pretrained is not None:
             load_backbone_weights(
                 self,

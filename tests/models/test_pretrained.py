@@ -69,6 +69,18 @@ def test_pretrained_init_cfg_loads_each_kind(kind, source, tmp_path):
         torch.testing.assert_close(target.eval()(x)[0], source.eval()(x)[0])
 
 
+def test_other_init_cfg_entries_run_before_the_checkpoint(source, tmp_path):
+    """A list init_cfg: its other entries apply, then Pretrained overwrites what it holds
+    (mmengine's order); here the checkpoint lacks the output norms norm0-norm2."""
+    path = write_checkpoint('classifier', source.state_dict(), tmp_path / 'cls.pth')
+    target = small_model(init_cfg=[
+        dict(type='Constant', layer='LayerNorm', val=0.5, bias=0.25),
+        dict(type='Pretrained', checkpoint=path)])
+    target.init_weights()
+    assert (target.norm0.weight == 0.5).all() and (target.norm2.bias == 0.25).all()
+    assert_same_weights(target, source.state_dict())
+
+
 def test_explicit_prefix_selects_a_submodule(source, tmp_path):
     # e.g. a detector checkpoint whose backbone sits under 'student.backbone.'
     weights = {f'student.backbone.{k}': v for k, v in source.state_dict().items()}

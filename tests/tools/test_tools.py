@@ -317,6 +317,25 @@ def test_get_flops_counts_the_custom_attention_ops():
         sum(p.numel() for p in model.backbone.parameters()) / 1e6)
 
 
+def test_get_flops_counts_an_mmpretrain_classifier():
+    """tools/get_flops.py on an ImageNet config: its tensor forward (backbone, pooling, head)
+    at 224 x 224, the same count as the classifier the model-size table measures."""
+    import importlib.util
+    pytest.importorskip('mmpretrain')
+    from lapformer_mm.analysis.flops import classifier_cost
+    spec = importlib.util.spec_from_file_location('get_flops', osp.join(TOOLS, 'get_flops.py'))
+    get_flops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(get_flops)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        res = get_flops.main([osp.join(ROOT, 'configs/cls/lapformer_t_in1k.py')])
+    assert 'input:    1x3x224x224' in printed.getvalue()
+    expected = classifier_cost('tiny', 224)
+    # mmpretrain's neck pools with adaptive_avg_pool2d, which the counter counts (512·7·7).
+    assert res['full'] - expected['full'] == pytest.approx(512 * 7 * 7 / 1e9)
+    assert res['visible'] - expected['visible'] == pytest.approx(512 * 7 * 7 / 1e9)
+    assert res['params'] == pytest.approx(expected['params'])
+
+
 @pytest.mark.usefixtures('mmdet_scope')
 def test_test_tool_names_a_missing_checkpoint_or_config(tmp_path):
     test_tool = cli_test
