@@ -78,15 +78,20 @@ def resolve_arch(arch: Union[str, dict]) -> Dict[str, List]:
         settings.setdefault('mlp_ratios', 4.0)
     else:
         raise TypeError(f'arch must be a str or a dict, got {type(arch)}')
-    if isinstance(settings['mlp_ratios'], (int, float)):
+    if (isinstance(settings['mlp_ratios'], (int, float))
+            and not isinstance(settings['mlp_ratios'], bool)):
         settings['mlp_ratios'] = [float(settings['mlp_ratios'])] * NUM_STAGES
     for key in ('embed_dims', 'num_heads', 'depths', 'mlp_ratios'):
         value = settings[key]
         if not isinstance(value, Sequence) or len(value) != NUM_STAGES:
             raise ValueError(f'arch[{key!r}] must have {NUM_STAGES} entries, '
                              f'got {value!r}')
-        if not all(v > 0 for v in value):
-            raise ValueError(f'arch[{key!r}] entries must be positive, got '
+        # bool is an int to Python; a float width or depth fails deep inside torch.
+        kinds = (int, float) if key == 'mlp_ratios' else (int, )
+        if not all(isinstance(v, kinds) and not isinstance(v, bool) and v > 0
+                   for v in value):
+            what = 'numbers' if key == 'mlp_ratios' else 'ints'
+            raise ValueError(f'arch[{key!r}] entries must be positive {what}, got '
                              f'{value!r}')
         settings[key] = list(value)
     for i, (dim, heads) in enumerate(
@@ -265,8 +270,8 @@ class LaplacianFormer(BaseModule):
                              f'{num_stages!r}')
         self.num_stages = num_stages
         self.out_indices = self._check_out_indices(out_indices, num_stages)
-        if not isinstance(frozen_stages, int) or not (
-                -1 <= frozen_stages <= num_stages):
+        if (not isinstance(frozen_stages, int) or isinstance(frozen_stages, bool)
+                or not -1 <= frozen_stages <= num_stages):
             raise ValueError(f'frozen_stages must be an int in [-1, '
                              f'{num_stages}] (num_stages={num_stages}), got '
                              f'{frozen_stages!r}')

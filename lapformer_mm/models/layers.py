@@ -50,6 +50,8 @@ class DropPath(nn.Module):
 TORCH_NORMS = {'LN': nn.LayerNorm, 'BN': nn.BatchNorm2d, 'SyncBN': nn.SyncBatchNorm,
                'GN': nn.GroupNorm}
 TORCH_ACTIVATIONS = {'ReLU': nn.ReLU, 'GELU': nn.GELU, 'SiLU': nn.SiLU}
+#: The norm types mmcv registers, for the error on another one.
+MMCV_NORMS = ('BN', 'SyncBN', 'GN', 'LN', 'IN')
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,7 +94,10 @@ def build_norm(arg: str, cfg: dict, num_features: int) -> nn.Module:
         try:
             return mmcv_cnn.build_norm_layer(cfg, num_features)[1]
         except KeyError as err:
-            raise ValueError(f'{arg}={cfg!r}: unknown type ({err})') from None
+            # mmcv's own message for a norm names the type as None
+            raise ValueError(f'{arg}={cfg!r}: unknown norm type {cfg["type"]!r}; mmcv '
+                             f'registers {", ".join(MMCV_NORMS)} (and their 1d/2d/3d '
+                             f'forms) ({err})') from None
     layer_cls, kwargs = _split_cfg(arg, cfg, TORCH_NORMS)
     requires_grad = kwargs.pop('requires_grad', True)
     if layer_cls is nn.GroupNorm:
@@ -131,6 +136,19 @@ def build_token_norm(cfg: dict, dim: int) -> nn.Module:
     return layer
 
 
+def build_map_norm(cfg: dict, channels: int) -> nn.Module:
+    """The norm of (B, C, H, W) maps from ``conv_norm_cfg``: not a LayerNorm, which
+    normalises the last dimension, W (build_token_norm's mirror image)."""
+    layer = build_norm('conv_norm_cfg', cfg, channels)
+    if isinstance(layer, nn.LayerNorm):
+        raise ValueError(f'conv_norm_cfg={cfg!r} builds LayerNorm, a norm of the last '
+                         'dimension, which for the stem and downsampling maps (B, C, H, W) '
+                         "is W: use a norm of NCHW maps such as dict(type='BN'), "
+                         "dict(type='SyncBN') or dict(type='GN', num_groups=...) (norm_cfg "
+                         'sets the norm of the tokens)')
+    return layer
+
+
 def conv_norm_act(in_channels: int, out_channels: int, stride: int, norm_cfg: dict,
                   act_cfg: dict) -> nn.Sequential:
     """3x3 convolution (no bias, the norm follows) + norm + activation.
@@ -140,7 +158,7 @@ def conv_norm_act(in_channels: int, out_channels: int, stride: int, norm_cfg: di
     return nn.Sequential(
         nn.Conv2d(in_channels, out_channels, kernel_size=3, stride=stride, padding=1,
                   bias=False),
-        build_norm('conv_norm_cfg', norm_cfg, out_channels),
+        build_map_norm(norm_cfg, out_channels),
         build_activation('conv_act_cfg', act_cfg))
 
 
