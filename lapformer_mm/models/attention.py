@@ -11,7 +11,7 @@ from torch import nn
 
 from ..ops import AttentionOptions, landmark_matrix, nystrom_attention, pool_landmarks
 from ..ops._checks import check_bool, check_hw, check_int, check_probability, trace_quiet
-from ..ops.attention import one_projection
+from ..ops.attention import load_backends, one_projection
 
 # The attention options: the module's keyword-only arguments and the keys of the
 # backbone's attn_cfg. All but the first two and the last are AttentionOptions fields,
@@ -91,6 +91,7 @@ class LaplacianAttention(nn.Module):
         self.local = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(check_probability('proj_drop', proj_drop))
+        load_backends()
 
     def _split_heads(self, t):
         """(B, N, C) -> (B, h, N, d)."""

@@ -105,13 +105,19 @@ def load_backbone_weights(module: nn.Module,
                           prefix: Optional[str] = None) -> LoadReport:
     """Load a checkpoint into ``module`` non-strictly and report key mismatches.
 
-    Shape and depth mismatches are an error (they mean a different arch), missing
-    and unexpected keys are reported through ``logger`` (anything with
-    ``.warning``/``.info``) and returned.
+    A checkpoint sharing no key with the model, and shape and depth mismatches are an
+    error (another model or arch), missing and unexpected keys are reported through
+    ``logger`` (anything with ``.warning``/``.info``) and returned.
     """
     state_dict = extract_backbone_state_dict(
         load_checkpoint_file(path_or_url), prefix)
     own = module.state_dict()
+    if not any(k in own for k in state_dict):
+        raise ValueError(
+            f'checkpoint {path_or_url!r} holds none of the {len(own)} tensors of the model '
+            f'(its keys look like {", ".join(repr(k) for k in list(state_dict)[:3])}): a '
+            'checkpoint of another model, or one that needs converting '
+            '(tools/convert_cls_to_backbone.py)')
     wrong_shape = [
         f'{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}'
         for k, v in state_dict.items() if k in own and v.shape != own[k].shape

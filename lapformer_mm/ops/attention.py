@@ -143,6 +143,16 @@ def _warn_fallback(name, reasons):
                   stacklevel=4)
 
 
+def load_backends():
+    """Load now what this machine's backends need (the C++ kernels' library; CuPy where
+    CUDA is). The attention modules call it when built, so that a ``torch.compile`` trace,
+    even one before any eager call, reads only the backends' cached state: a first load
+    inside the trace breaks the graph (torch calls that return no tensor)."""
+    cpu.available()
+    if torch.cuda.is_available():
+        cuda.available()
+
+
 def select_backend(q, k, v, landmarks, options):
     """The backend module that runs this call, or None for the reference (the rule of
     docs/attention.md: impl=None warns once of a backend's reasons and passes it over, an

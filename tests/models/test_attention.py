@@ -208,6 +208,20 @@ def test_torch_compile_traces_one_graph_equal_to_eager(qk_shared):
     assert torch.equal(out, ref) and torch.equal(grad, ref_grad)
 
 
+def test_torch_compile_before_any_eager_call_traces_one_graph(monkeypatch):
+    """The backends load when the module is built: a compile before any eager call (the
+    usual order) must not load them inside its trace, where their torch calls that return
+    no tensor break the graph."""
+    from lapformer_mm.ops.backends import cpu
+    monkeypatch.setattr(cpu, '_LOADED', [])
+    torch.manual_seed(0)
+    module = LaplacianAttention(32, 2).eval()
+    compiled = torch.compile(module, backend='aot_eager', fullgraph=True)
+    x = torch.randn(1, 20, 32)
+    with torch.no_grad():
+        assert torch.equal(compiled(x, (4, 5)), module(x, (4, 5)))
+
+
 def test_global_term_false_leaves_the_local_term_alone():
     """The ablations' control: proj(dwconv3x3(v)), no Nyström term; the default keeps it."""
     torch.manual_seed(0)

@@ -119,6 +119,14 @@ def test_wrong_arch_checkpoint_is_an_error(tmp_path):
         load_backbone_weights(small_model(out_indices=(3, )), path)
 
 
+def test_checkpoint_of_another_model_is_an_error(tmp_path):
+    path = write_checkpoint('plain', {'conv1.weight': torch.zeros(1), 'fc.bias': torch.zeros(1)},
+                            tmp_path / 'resnet.pth')
+    with pytest.raises(ValueError, match=r"holds none of the \d+ tensors of the model \(its "
+                                         r"keys look like 'conv1.weight', 'fc.bias'\)"):
+        load_backbone_weights(small_model(), path)
+
+
 @pytest.mark.parametrize('depth', [1, 3], ids=['shallower', 'deeper'])
 def test_checkpoint_of_the_same_widths_and_other_depths_is_an_error(tmp_path, depth):
     """tiny, small and large share their widths: only the block count tells them apart."""
