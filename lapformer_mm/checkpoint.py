@@ -103,7 +103,7 @@ def safe_load(filename, map_location='cpu'):
     try:
         return torch.load(filename, map_location=map_location, weights_only=True)
     except torch.serialization.pickle.UnpicklingError as err:
-        if 'Unsupported operand' in str(err):  # no refused object: bytes of no pickle
+        if 'Unsupported operand' in str(err) and not _looks_like_a_checkpoint(filename):
             raise _unreadable(filename, err) from err
         raise RuntimeError(
             f'Refused to load checkpoint {filename!r}: it contains objects that are not plain '
@@ -111,6 +111,14 @@ def safe_load(filename, map_location='cpu'):
             f'Details: {_refusal_reason(err)}') from err
     except (OSError, RuntimeError, EOFError, KeyError) as err:
         raise _unreadable(filename, err) from err
+
+
+def _looks_like_a_checkpoint(filename):
+    """A zip archive (torch.save) or a pickle (the legacy format): an opcode the safe
+    loader lacks (pickle protocols 4 and 5) is then a refusal, not a file of other bytes."""
+    with open(filename, 'rb') as f:
+        head = f.read(4)
+    return head.startswith((b'PK\x03\x04', b'\x80'))
 
 
 def _unreadable(filename, err):

@@ -100,15 +100,18 @@ def _check_opset(opset, exporter):
     highest = None
     with contextlib.suppress(ImportError, AttributeError):
         if exporter == 'torchscript':
-            from torch.onnx._constants import ONNX_MAX_OPSET as highest
-        else:
+            from torch.onnx import _constants
+            highest = getattr(_constants, 'ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET',
+                              _constants.ONNX_MAX_OPSET)
+        else:  # what onnx knows; a conversion there can still fail (program_to_onnx)
             highest = _import('onnx').defs.onnx_opset_version()
     lowest = LOWEST_OPSET[exporter]
     if (not isinstance(opset, int) or isinstance(opset, bool) or opset < lowest
             or (highest is not None and opset > highest)):
         allowed = f'{lowest} to {highest}' if highest is not None else f'{lowest} or later'
         hint = ("; exporter='torchscript' writes lower ones"
-                if exporter == 'dynamo' and isinstance(opset, int) and opset < lowest else '')
+                if exporter == 'dynamo' and isinstance(opset, int)
+                and LOWEST_OPSET['torchscript'] <= opset < lowest else '')
         raise ValueError(f'opset={opset!r} is not supported by the {exporter} exporter; '
                          f'allowed: {allowed}{hint}')
     return opset
@@ -449,11 +452,17 @@ def _name_input_dims(onnx_program):
     """The dynamic input dimensions named as the TorchScript export names them (batch,
     height, width) instead of torch.export's symbols, in every shape that uses them."""
     shape = onnx_program.model.graph.inputs[0].shape
-    if shape is None or len(shape) != 4 or not hasattr(onnx_program, 'rename_axes'):
+    if shape is None or len(shape) != 4:
         return
     symbolic = {shape[axis]: name for axis, name in ((0, 'batch'), (2, 'height'), (3, 'width'))
                 if not isinstance(shape[axis], int) and shape[axis].value is not None}
-    onnx_program.rename_axes(symbolic)
+    if hasattr(onnx_program, 'rename_axes'):
+        onnx_program.rename_axes(symbolic)
+        return
+    # torch releases before ONNXProgram.rename_axes have the pass it calls, or none.
+    with contextlib.suppress(ImportError, AttributeError):
+        from torch.onnx._internal.exporter import _ir_passes
+        _ir_passes.rename_axis(onnx_program.model, symbolic)
 
 
 def ort_ops_library(path: Optional[str] = None) -> str:
@@ -603,18 +612,22 @@ def build_model(config, checkpoint: Optional[str] = None, cfg_options: Optional[
         state = {k[len('module.'):] if k.startswith('module.') else k: v
                  for k, v in state.items()}
         own = model.state_dict()
-        missing = [k for k in own if k not in state]
-        unexpected = [k for k in state if k not in own]
         resized = [f'{k} {tuple(v.shape)} (model: {tuple(own[k].shape)})'
                    for k, v in state.items() if k in own
                    and getattr(v, 'shape', None) != own[k].shape]
-        if missing or unexpected or resized:
+        if resized:  # load_state_dict would raise torch's list of every one
+            raise ValueError(f'checkpoint {checkpoint!r} does not match the model of '
+                             f'{config}: {len(resized)} tensors of another shape (e.g. '
+                             f'{resized[:3]})')
+        # The load's own report: the modules' load hooks (BatchNorm's num_batches_tracked,
+        # mmdet's renamed heads) fill or map keys a comparison of the dicts would miss.
+        report = model.load_state_dict(state, strict=False)
+        if report.missing_keys or report.unexpected_keys:
             raise ValueError(
                 f'checkpoint {checkpoint!r} does not match the model of {config}: '
-                f'{len(missing)} missing keys (e.g. {missing[:3]}), {len(unexpected)} '
-                f'unexpected (e.g. {unexpected[:3]}), {len(resized)} of another shape '
-                f'(e.g. {resized[:3]})')
-        model.load_state_dict(state)
+                f'{len(report.missing_keys)} missing keys (e.g. {report.missing_keys[:3]}), '
+                f'{len(report.unexpected_keys)} unexpected (e.g. '
+                f'{report.unexpected_keys[:3]})')
     return model, scope
 
 

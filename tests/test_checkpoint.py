@@ -130,3 +130,13 @@ def test_a_file_that_is_no_checkpoint_is_named_so_not_refused_as_unsafe(tmp_path
                                            'checkpoint') as info:
         safe_load(path)
     assert TRUST_ENV not in str(info.value)
+
+
+def test_a_checkpoint_in_pickle_protocol_5_is_refused_with_the_trust_hint(tmp_path):
+    """Protocols 4 and 5 use opcodes the safe loader lacks: a checkpoint all the same, which
+    the trust opt-in loads, not a file of other bytes."""
+    path = tmp_path / 'p5.pth'
+    torch.save({'w': torch.ones(2)}, path, pickle_protocol=5)
+    with pytest.raises(RuntimeError, match='Refused to load checkpoint') as info:
+        safe_load(path)
+    assert TRUST_ENV in str(info.value)

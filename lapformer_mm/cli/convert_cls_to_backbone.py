@@ -58,7 +58,7 @@ def check_against_arch(state_dict: dict, arch: str) -> None:
     depths = depth_mismatch(state_dict, own)
     if depths:
         print(f'  depth: {depths}')
-    if wrong or depths:
+    if wrong or depths or not set(own) & set(state_dict):
         raise SystemExit(f'the checkpoint does not fit arch {arch!r}; nothing written')
 
 

@@ -54,10 +54,10 @@ def parse_args(argv=None):
                              '(default; ONNX Runtime CPU) or fp32 (no fp64 tensor: OpenVINO, '
                              'TensorRT, mobile runtimes)')
     parser.add_argument('--opset', type=int, default=deploy.DEFAULT_OPSET,
-                        help=f'ONNX opset (default {deploy.DEFAULT_OPSET}; the dynamo '
-                             f'exporter writes {deploy.LOWEST_OPSET["dynamo"]} or later, '
-                             f'the TorchScript exporter '
-                             f'{deploy.LOWEST_OPSET["torchscript"]} or later)')
+                        help=f'ONNX opset (default {deploy.DEFAULT_OPSET}; from '
+                             f'{deploy.LOWEST_OPSET["dynamo"]} with the dynamo exporter, from '
+                             f'{deploy.LOWEST_OPSET["torchscript"]} with TorchScript; the '
+                             'highest: docs/deploy.md)')
     parser.add_argument('--ort-ops', action='store_true',
                         help='write each attention as the ONNX Runtime op library\'s '
                              'lapformer_mm nodes (tools/build_ort_ops.py); the file then '

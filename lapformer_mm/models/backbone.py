@@ -6,6 +6,7 @@ stride 4, then four stages; stages 2-4 start with a 3x3 stride-2 conv-norm-act
 blocks on the (B, H*W, C) tokens of its grid. The API follows mmdet's PVT/Swin
 backbones: attention options in ``attn_cfg``, layers in ``norm_cfg``/``act_cfg``.
 """
+import numbers
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -78,7 +79,7 @@ def resolve_arch(arch: Union[str, dict]) -> Dict[str, List]:
         settings.setdefault('mlp_ratios', 4.0)
     else:
         raise TypeError(f'arch must be a str or a dict, got {type(arch)}')
-    if (isinstance(settings['mlp_ratios'], (int, float))
+    if (isinstance(settings['mlp_ratios'], numbers.Real)
             and not isinstance(settings['mlp_ratios'], bool)):
         settings['mlp_ratios'] = [float(settings['mlp_ratios'])] * NUM_STAGES
     for key in ('embed_dims', 'num_heads', 'depths', 'mlp_ratios'):
@@ -87,7 +88,7 @@ def resolve_arch(arch: Union[str, dict]) -> Dict[str, List]:
             raise ValueError(f'arch[{key!r}] must have {NUM_STAGES} entries, '
                              f'got {value!r}')
         # bool is an int to Python; a float width or depth fails deep inside torch.
-        kinds = (int, float) if key == 'mlp_ratios' else (int, )
+        kinds = numbers.Real if key == 'mlp_ratios' else numbers.Integral
         if not all(isinstance(v, kinds) and not isinstance(v, bool) and v > 0
                    for v in value):
             what = 'numbers' if key == 'mlp_ratios' else 'ints'

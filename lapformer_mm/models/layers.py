@@ -140,7 +140,7 @@ def build_map_norm(cfg: dict, channels: int) -> nn.Module:
     """The norm of (B, C, H, W) maps from ``conv_norm_cfg``: not a LayerNorm, which
     normalises the last dimension, W (build_token_norm's mirror image)."""
     layer = build_norm('conv_norm_cfg', cfg, channels)
-    if isinstance(layer, nn.LayerNorm):
+    if type(layer) is nn.LayerNorm:  # subclasses (mmpretrain's LN2d) normalise channels
         raise ValueError(f'conv_norm_cfg={cfg!r} builds LayerNorm, a norm of the last '
                          'dimension, which for the stem and downsampling maps (B, C, H, W) '
                          "is W: use a norm of NCHW maps such as dict(type='BN'), "

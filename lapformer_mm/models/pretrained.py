@@ -116,8 +116,8 @@ def load_backbone_weights(module: nn.Module,
         raise ValueError(
             f'checkpoint {path_or_url!r} holds none of the {len(own)} tensors of the model '
             f'(its keys look like {", ".join(repr(k) for k in list(state_dict)[:3])}): a '
-            'checkpoint of another model, or one that needs converting '
-            '(tools/convert_cls_to_backbone.py)')
+            "checkpoint of another model, or one whose backbone keys sit under a prefix "
+            "other than 'backbone.' (give it as the Pretrained init_cfg's prefix=)")
     wrong_shape = [
         f'{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}'
         for k, v in state_dict.items() if k in own and v.shape != own[k].shape

@@ -144,13 +144,12 @@ def _warn_fallback(name, reasons):
 
 
 def load_backends():
-    """Load now what this machine's backends need (the C++ kernels' library; CuPy where
-    CUDA is). The attention modules call it when built, so that a ``torch.compile`` trace,
-    even one before any eager call, reads only the backends' cached state: a first load
-    inside the trace breaks the graph (torch calls that return no tensor)."""
-    cpu.available()
-    if torch.cuda.is_available():
-        cuda.available()
+    """Load the C++ CPU kernels' library now, quietly (a missing build warns at the first
+    call that would run it). The attention modules call it when built, so that a
+    ``torch.compile`` trace, even one before any eager call, reads only the backend's
+    cached state: a first load inside the trace breaks the graph (torch calls that return
+    no tensor)."""
+    cpu.load()
 
 
 def select_backend(q, k, v, landmarks, options):

@@ -193,6 +193,13 @@ def test_bad_types_raise_type_error():
         LaplacianFormer(act_cfg='GELU')
 
 
+def test_arch_dict_takes_numpy_integers():
+    import numpy as np
+    arch = dict(embed_dims=[np.int64(c) for c in (16, 32, 32, 64)], num_heads=[1, 1, 1, 2],
+                depths=np.array([1, 1, 1, 1]).astype(np.int32).tolist(), mlp_ratios=np.float32(2))
+    assert LaplacianFormer(arch).embed_dims == [16, 32, 32, 64]
+
+
 @pytest.mark.parametrize('kwargs, exc, match', [
     (dict(arch='giant'), ValueError, "arch must be one of .* got 'giant'"),
     (dict(arch=3), TypeError, 'arch must be a str or a dict'),

@@ -29,7 +29,9 @@ _BUILDS = {'AVX512': ('avx512', 'avx2', 'default'), 'AVX2': ('avx2', 'default')}
 _LOADED = []
 
 
-def _load():
+def load():
+    """(the ops namespace of the best build this CPU runs, its name), or (None, why none
+    loaded); loads once, warns nothing."""
     if _LOADED:
         return _LOADED[0]
     capability = torch.backends.cpu.get_cpu_capability()
@@ -51,10 +53,6 @@ def _load():
                         f'{", ".join(f"lapformer_mm._cpu_{b}" for b in tried)}; '
                         f'reinstall with a C++ compiler: pip install --no-build-isolation -e .)')
     _LOADED.append(result)
-    if result[0] is None and not disabled():
-        warnings.warn(f'lapformer_mm: the C++ CPU kernels are not available ({result[1]}); '
-                      f'the attention runs the slower PyTorch reference on the CPU',
-                      RuntimeWarning, stacklevel=4)
     return result
 
 
@@ -68,19 +66,31 @@ def disabled():
     return _DISABLED[0]
 
 
+_WARNED = []
+
+
 def available():
-    """Whether a build is loaded and the backend not disabled; warns once when none is built."""
-    return not disabled() and _load()[0] is not None
+    """Whether a build is loaded and the backend not disabled; warns once when none is built
+    (at the first attention that would run it, not when a model is built)."""
+    if disabled():
+        return False
+    ops, detail = load()
+    if ops is None and not _WARNED:
+        _WARNED.append(True)
+        warnings.warn(f'lapformer_mm: the C++ CPU kernels are not available ({detail}); '
+                      f'the attention runs the slower PyTorch reference on the CPU',
+                      RuntimeWarning, stacklevel=4)
+    return ops is not None
 
 
 def build():
     """The loaded build ('avx512', 'avx2', 'default') or None."""
-    ops, detail = _load()
+    ops, detail = load()
     return detail if ops is not None else None
 
 
 def _ops():
-    ops, detail = _load()
+    ops, detail = load()
     if ops is None:
         raise RuntimeError(f'lapformer_mm: the C++ CPU kernels are not available ({detail})')
     return ops
