@@ -14,12 +14,13 @@ Examples::
     torchrun --nproc_per_node 8 tools/test.py CONFIG CKPT --launcher pytorch
 """
 import argparse
+import copy
 import json
 import numbers
 import os
 import os.path as osp
 
-from mmengine.config import DictAction
+from mmengine.config import ConfigDict, DictAction
 from mmengine.dist import is_main_process
 
 from lapformer_mm.cli.train import (
@@ -49,6 +50,10 @@ def parse_args(argv=None):
         '--show-dir', help='save painted predictions under work_dir/<timestamp>/SHOW_DIR')
     parser.add_argument(
         '--wait-time', type=float, default=2, help='the interval of show (s)')
+    parser.add_argument(
+        '--tta', action='store_true',
+        help="test-time augmentation: the config's tta_model and tta_pipeline (a box "
+        "detector without them: mmdet's horizontal flip and NMS)")
     parser.add_argument(
         '--cfg-options', nargs='+', action=DictAction,
         help='override config settings, key=value')
@@ -83,6 +88,43 @@ def enable_visualization(cfg, args):
             hook['test_out_dir'] = args.show_dir
 
 
+#: mmdet's tools/test.py defaults for --tta when a detector config defines none.
+DET_TTA_MODEL = dict(type='DetTTAModel',
+                     tta_cfg=dict(nms=dict(type='nms', iou_threshold=0.5), max_per_img=100))
+DET_TTA_PACK = dict(type='PackDetInputs', meta_keys=(
+    'img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor', 'flip', 'flip_direction'))
+
+
+def apply_tta(cfg):
+    """mmdet's and mmseg's ``--tta``: ``tta_model`` wraps the model and ``tta_pipeline``
+    replaces the test pipeline. A box detector without them gets mmdet's defaults (each
+    image as is and flipped, the boxes merged by NMS); mmseg configs carry theirs (its
+    dataset and runtime bases). mmdet's DetTTAModel merges no masks: refused for them."""
+    dataset = cfg.test_dataloader.dataset
+    while 'dataset' in dataset:
+        dataset = dataset['dataset']
+    if cfg.get('default_scope') == 'mmseg':
+        missing = [key for key in ('tta_model', 'tta_pipeline') if key not in cfg]
+        if missing:
+            raise ValueError(f'--tta needs {" and ".join(missing)} in the config (mmseg '
+                             "defines them in its dataset and runtime bases)")
+    else:
+        if cfg.model.get('roi_head', {}).get('mask_head') is not None and (
+                'tta_model' not in cfg):
+            raise ValueError("--tta: mmdet's DetTTAModel merges boxes, not masks; this "
+                             'config predicts masks and defines no tta_model of its own')
+        if 'tta_model' not in cfg:
+            cfg.tta_model = DET_TTA_MODEL
+        if 'tta_pipeline' not in cfg:
+            pipeline = copy.deepcopy(dataset.pipeline)
+            pipeline[-1] = dict(type='TestTimeAug', transforms=[
+                [dict(type='RandomFlip', prob=1.), dict(type='RandomFlip', prob=0.)],
+                [DET_TTA_PACK]])
+            cfg.tta_pipeline = pipeline
+    cfg.model = ConfigDict(**cfg.tta_model, module=cfg.model)
+    dataset.pipeline = cfg.tta_pipeline
+
+
 def build_cfg(args):
     """The test config with the command line applied."""
     cfg = load_cfg(args)
@@ -90,6 +132,8 @@ def build_cfg(args):
         raise FileNotFoundError(f'checkpoint {args.checkpoint!r} does not exist')
     cfg.load_from = args.checkpoint
     cfg.resume = False
+    if args.tta:
+        apply_tta(cfg)
     if args.show or args.show_dir:
         enable_visualization(cfg, args)
     if args.out is not None and cfg.get('default_scope') == 'mmseg':

@@ -336,6 +336,43 @@ def test_get_flops_counts_an_mmpretrain_classifier():
     assert res['params'] == pytest.approx(expected['params'])
 
 
+def test_test_tool_tta_wraps_the_model_and_pipeline_as_mmdet_and_mmseg_do(tmp_path):
+    checkpoint = tmp_path / 'x.pth'
+    checkpoint.write_bytes(b'')  # build_cfg checks only that it exists
+
+    def cfg_of(config):
+        return cli_test.build_cfg(cli_test.parse_args([osp.join(ROOT, config),
+                                                       str(checkpoint), '--tta']))
+    cfg = cfg_of('configs/toy/retinanet_lapformer_t_toy.py')
+    assert cfg.model.type == 'DetTTAModel' and cfg.model.module.type == 'RetinaNet'
+    augment = cfg.test_dataloader.dataset.pipeline[-1]
+    assert augment.type == 'TestTimeAug'
+    assert [t['prob'] for t in augment.transforms[0]] == [1.0, 0.0]
+    cfg = cfg_of('configs/upernet_lapformer_t_ade20k.py')
+    assert cfg.model.type == 'SegTTAModel' and cfg.model.module.type == 'EncoderDecoder'
+    assert cfg.test_dataloader.dataset.pipeline == cfg.tta_pipeline
+    with pytest.raises(ValueError, match="DetTTAModel merges boxes, not masks"):
+        cfg_of('configs/toy/maskrcnn_lapformer_t_toy.py')
+    with pytest.raises(ValueError, match='--tta needs tta_pipeline in the config'):
+        cfg_of('configs/toy/upernet_lapformer_t_toy.py')
+
+
+@pytest.mark.slow(seconds=20)
+def test_test_tool_tta_evaluates_a_detector(toy_coco, tmp_path, capsys):
+    from lapformer_mm.deploy import build_model
+    config = osp.join(ROOT, 'configs/toy/retinanet_lapformer_t_toy.py')
+    model, _ = build_model(config)
+    checkpoint = str(tmp_path / 'retinanet.pth')
+    torch.save({'state_dict': model.state_dict()}, checkpoint)
+    # Random weights score below the default threshold: every box kept, so COCO evaluates.
+    metrics = cli_test.main([config, checkpoint, '--tta', '--work-dir', str(tmp_path / 'work'),
+                             '--cfg-options', *toy_data_options(toy_coco),
+                             'model.test_cfg.score_thr=0.0'])
+    assert 'coco/bbox_mAP' in metrics
+    assert 'DetTTAModel' in (tmp_path / 'work').joinpath(
+        next(p for p in os.listdir(tmp_path / 'work') if p.endswith('.py'))).read_text()
+
+
 @pytest.mark.usefixtures('mmdet_scope')
 def test_test_tool_names_a_missing_checkpoint_or_config(tmp_path):
     test_tool = cli_test
