@@ -132,6 +132,7 @@ def test_a_file_that_is_no_checkpoint_is_named_so_not_refused_as_unsafe(tmp_path
     assert TRUST_ENV not in str(info.value)
 
 
+@pytest.mark.filterwarnings('ignore:Detected pickle protocol 5:UserWarning')
 def test_a_checkpoint_in_pickle_protocol_5_is_refused_with_the_trust_hint(tmp_path):
     """Protocols 4 and 5 use opcodes the safe loader lacks: a checkpoint all the same, which
     the trust opt-in loads, not a file of other bytes."""
