@@ -195,7 +195,7 @@ def laplacianformer_mismatch(checkpoint_path: str, backbone_cfg: Mapping,
     """
     from .models import LaplacianFormer
     from .models.pretrained import (
-        depth_mismatch,
+        backbone_mismatch,
         extract_backbone_state_dict,
         load_checkpoint_file,
     )
@@ -212,21 +212,14 @@ def laplacianformer_mismatch(checkpoint_path: str, backbone_cfg: Mapping,
     kwargs = {k: v for k, v in backbone_cfg.items()
               if k not in ('type', 'init_cfg', 'pretrained', '_scope_')}
     own = LaplacianFormer(**kwargs).state_dict()
-    shared = [k for k in own if k in state_dict]
-    if not shared:
-        return (f'holds none of the {len(own)} tensors of this LaplacianFormer (its keys '
-                f'look like {", ".join(repr(k) for k in list(state_dict)[:3])}): a checkpoint '
-                'of another model, or one that needs converting')
-    wrong = [f'{k}: checkpoint {tuple(state_dict[k].shape)}, model {tuple(own[k].shape)}'
-             for k in shared if state_dict[k].shape != own[k].shape]
-    if wrong:
-        return (f'does not fit arch={backbone_cfg.get("arch", "tiny")!r} ({len(wrong)} '
-                f'tensors of another shape, e.g. {wrong[0]}): a checkpoint of another arch')
-    depths = depth_mismatch(state_dict, own)
-    if depths:
-        return (f'does not fit arch={backbone_cfg.get("arch", "tiny")!r} ({depths}): a '
-                'checkpoint of another arch')
-    return None
+    mismatch = backbone_mismatch(state_dict, own)
+    if mismatch is None:
+        return None
+    kind, detail = mismatch
+    if kind == 'none':
+        return f'{detail}: a checkpoint of another model, or one that needs converting'
+    return (f'does not fit arch={backbone_cfg.get("arch", "tiny")!r} ({detail}): a '
+            'checkpoint of another arch')
 
 
 def checkpoint_problems(cfg: Mapping) -> List[Problem]:

@@ -19,7 +19,7 @@ import os
 import torch
 
 from lapformer_mm.models.pretrained import (
-    depth_mismatch,
+    backbone_mismatch,
     extract_backbone_state_dict,
     load_checkpoint_file,
 )
@@ -40,7 +40,8 @@ def convert(src: str, dst: str, arch=None) -> dict:
 
 def check_against_arch(state_dict: dict, arch: str) -> None:
     """Print the keys that a detection-style backbone of ``arch`` lacks or does not use;
-    SystemExit for tensors of another shape or stages of another depth, or a bad ``arch``."""
+    SystemExit for a bad ``arch`` or a checkpoint that cannot initialise it (none of its
+    tensors, another shape, another depth: ``backbone_mismatch``)."""
     from lapformer_mm.models import LaplacianFormer
 
     try:
@@ -55,10 +56,10 @@ def check_against_arch(state_dict: dict, arch: str) -> None:
     for title, keys in (('missing', missing), ('unexpected', unexpected), ('shape', wrong)):
         for key in keys:
             print(f'  {title}: {key}')
-    depths = depth_mismatch(state_dict, own)
-    if depths:
-        print(f'  depth: {depths}')
-    if wrong or depths or not set(own) & set(state_dict):
+    mismatch = backbone_mismatch(state_dict, own)
+    if mismatch is not None:
+        if mismatch[0] == 'depth':
+            print(f'  depth: {mismatch[1]}')
         raise SystemExit(f'the checkpoint does not fit arch {arch!r}; nothing written')
 
 

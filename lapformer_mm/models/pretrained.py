@@ -83,14 +83,22 @@ def _stage_depths(keys: Iterable[str]) -> Dict[int, int]:
     return depths
 
 
-def depth_mismatch(state_dict: Mapping, own: Mapping) -> Optional[str]:
-    """The stages whose number of blocks differs between a checkpoint and the model (both
-    state dicts): the same widths with other depths (tiny, small and large share theirs),
-    which no shape reveals. None when every stage both have is as deep."""
+def backbone_mismatch(state_dict: Mapping, own: Mapping) -> Optional[Tuple[str, str]]:
+    """Why a backbone state dict cannot initialise the model whose state dict is ``own``, as
+    (kind, detail): 'none', it holds none of the model's tensors; 'shape', tensors of
+    another shape; 'depth', stages of another number of blocks (the same widths: tiny,
+    small and large share theirs, so no shape reveals it). None when it fits."""
+    if not any(k in own for k in state_dict):
+        return 'none', (f'holds none of the {len(own)} tensors of the model (its keys look '
+                        f'like {", ".join(repr(k) for k in list(state_dict)[:3])})')
+    wrong = [f'{k}: checkpoint {tuple(v.shape)}, model {tuple(own[k].shape)}'
+             for k, v in state_dict.items() if k in own and v.shape != own[k].shape]
+    if wrong:
+        return 'shape', f'{len(wrong)} tensors of another shape, e.g. {"; ".join(wrong[:3])}'
     theirs, mine = _stage_depths(state_dict), _stage_depths(own)
     differ = [f'stage {i}: {theirs[i]} blocks in the checkpoint, {n} in the model'
               for i, n in sorted(mine.items()) if i in theirs and theirs[i] != n]
-    return '; '.join(differ) or None
+    return ('depth', '; '.join(differ)) if differ else None
 
 
 class LoadReport(NamedTuple):
@@ -112,23 +120,14 @@ def load_backbone_weights(module: nn.Module,
     state_dict = extract_backbone_state_dict(
         load_checkpoint_file(path_or_url), prefix)
     own = module.state_dict()
-    if not any(k in own for k in state_dict):
-        raise ValueError(
-            f'checkpoint {path_or_url!r} holds none of the {len(own)} tensors of the model '
-            f'(its keys look like {", ".join(repr(k) for k in list(state_dict)[:3])}): a '
-            "checkpoint of another model, or one whose backbone keys sit under a prefix "
-            "other than 'backbone.' (give it as the Pretrained init_cfg's prefix=)")
-    wrong_shape = [
-        f'{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}'
-        for k, v in state_dict.items() if k in own and v.shape != own[k].shape
-    ]
-    if wrong_shape:
-        raise ValueError(f'checkpoint {path_or_url!r} does not fit the model '
-                         '(another arch?): ' + '; '.join(wrong_shape))
-    depths = depth_mismatch(state_dict, own)
-    if depths:
-        raise ValueError(f'checkpoint {path_or_url!r} does not fit the model '
-                         f'(another arch?): {depths}')
+    mismatch = backbone_mismatch(state_dict, own)
+    if mismatch is not None:
+        kind, detail = mismatch
+        hint = ("a checkpoint of another model, or one whose backbone keys sit under a "
+                "prefix other than 'backbone.' (give it as the Pretrained init_cfg's "
+                'prefix=)' if kind == 'none' else 'another arch?')
+        raise ValueError(f'checkpoint {path_or_url!r} does not fit the model ({hint}): '
+                         f'{detail}')
     result = module.load_state_dict(state_dict, strict=False)
     report = LoadReport(
         tuple(result.missing_keys), tuple(result.unexpected_keys))
