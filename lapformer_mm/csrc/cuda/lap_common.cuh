@@ -321,11 +321,13 @@ __device__ __forceinline__ void ns_job_add_partials(const ns_job& j, const S* sc
 // steps 0.7-2.0x: both at the rounding floor). From the authors' start
 // R_0 = I - 1.8 P^2 / ||P||^2 squares the conditioning, so that start runs Newton's form
 // throughout.
-// Newton's T = P X is computed whole: mirroring its upper half would replace its
-// non-symmetric rounding part by the transpose's, an error the inverse's condition number
-// amplifies at every step. X (P X) is symmetric for any symmetric X and P, so only its
-// upper triangle's tiles are computed and mirrored (X stays exactly symmetric). Each
-// product's tiles take k-splits that fill the block, their partials added in split order.
+// Newton's products are computed whole, T = P X and then 2 X - X T, and X is the mean of
+// that and its transpose (exactly symmetric): mirroring the upper triangle of either would
+// replace a non-symmetric rounding part by the transpose's, an error the condition number
+// amplifies, and the refinement step (x + X (b - P x)) then removes far less of the
+// solve's error near the ridge's limit cond(P) = 100 m + 1 (test_refinement_step_holds_
+// near_identical_landmarks). Each product's tiles take k-splits that fill the block, their
+// partials added in split order.
 // P, X and the scratch T (R in the product steps) are padded mp x LD shared memory (LD =
 // ns_stride(mp)), P's padding zero (T's is written zero, which keeps the products' padding
 // zero); `scratch` holds max_partials floats for the partials (backends.cuda.ns_partials).
@@ -418,15 +420,20 @@ __device__ __forceinline__ void ns_iterate(const S* Ps, S* X, S* T, S* scratch, 
             ns_store_block<S>(T, ld, full.ti * NS_MT, full.tj * NS_MT, acc);
         }
         __syncthreads();
-        // X <- 2 X - X T.
-        ns_job_product<S>(X, T, ld, upper, scratch, acc);
-        // Every thread must finish reading X before any thread overwrites it.
+        // T <- 2 X - X T, every tile.
+        ns_job_product<S>(X, T, ld, full, scratch, acc);
+        // Every thread must finish reading T before any thread overwrites it.
         __syncthreads();
-        if (upper.active && upper.split == 0) {
-            ns_job_add_partials<S>(upper, scratch, acc);
-            ns_combine_tile<S>(X, ld, upper.ti, upper.tj, S(2), S(-1), acc);
-            ns_store_symmetric<S>(X, ld, upper.ti, upper.tj, acc);
+        if (full.active && full.split == 0) {
+            ns_job_add_partials<S>(full, scratch, acc);
+            ns_combine_tile<S>(X, ld, full.ti, full.tj, S(2), S(-1), acc);
+            ns_store_block<S>(T, ld, full.ti * NS_MT, full.tj * NS_MT, acc);
         }
+        __syncthreads();
+        // X <- (T + T^T) / 2 (T's padding is zero, so X's stays zero).
+        ns_for_each(mp, mp, tid, nthreads, [&](int r, int c) {
+            X[r * ld + c] = S(0.5) * (T[r * ld + c] + T[c * ld + r]);
+        });
         __syncthreads();
     }
 }

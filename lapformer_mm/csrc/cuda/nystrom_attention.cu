@@ -210,14 +210,24 @@ __device__ void nys_kernel_tile(const nys_params& p, const T* __restrict__ x, lo
     __syncthreads();
 }
 
-// rm[i] = mean over the m landmarks of row i (0 for padded rows). Ends with a barrier.
+// rm[i] = mean over the m landmarks of row i (0 for padded rows), and with rc the mean of
+// the row minus rm[i]: c~ = (c - rm) - rc is reference.centre_rows's twice-centred row. A
+// row's values nearly agree, so rm's rounding is most of what one pass leaves, common to
+// the row, and the whitening's s scales it into every column. Ends with a barrier.
 template <int TN>
-__device__ void nys_row_means(float (*ct)[NYS_MP + 1], int nrows, int m, float* rm) {
+__device__ void nys_row_means(float (*ct)[NYS_MP + 1], int nrows, int m, float* rm,
+                              float* rc = nullptr) {
     for (int i = nys_tid(); i < TN; i += NYS_THREADS) {
         float s = 0.0f;
         if (i < nrows)
             for (int j = 0; j < m; ++j) s += ct[i][j];
-        rm[i] = s / (float)m;
+        const float mean = s / (float)m;
+        rm[i] = mean;
+        if (rc == nullptr) continue;
+        s = 0.0f;
+        if (i < nrows)
+            for (int j = 0; j < m; ++j) s += ct[i][j] - mean;
+        rc[i] = s / (float)m;
     }
     __syncthreads();
 }
@@ -266,12 +276,14 @@ __device__ __forceinline__ void nys_store_atb(const float (&acc)[NYS_RM][NYS_CV]
     }
 }
 
-// Shared memory of a row pass's kernel tile: the staged d-chunks, the tile, its row means.
+// Shared memory of a row pass's kernel tile: the staged d-chunks, the tile, its row means
+// (nys_row_means's rm and rc).
 struct nys_row_smem {
     float xs[NYS_TK][NYS_TN + 1];
     float ys[NYS_TK][NYS_MP + 1];
     float ct[NYS_TN][NYS_MP + 1];
     float rm[NYS_TN];
+    float rc[NYS_TN];
 };
 
 // k(L, L) (no eps) into ct[j][l] for j, l < m, zeros elsewhere, through the staged, coalesced
@@ -350,6 +362,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
     __shared__ float vt[NYS_TN][NYS_DV + 1];
     float (*ct)[NYS_MP + 1] = rs.ct;
     const float* rm = rs.rm;
+    const float* rc = rs.rc;
     __shared__ float group_mean[NYS_GROUPS][NYS_MP];
     __shared__ float group_m2[NYS_GROUPS][NYS_MP];
     __shared__ double group_common[NYS_CGROUPS][NYS_DV];
@@ -383,16 +396,16 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
             nys_kernel_tile<NYS_TN, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
                                              rs.xs, rs.ys, rs.ct);
             if (p.injective) {
-                nys_row_means<NYS_TN>(rs.ct, nrows, p.m, rs.rm);
+                nys_row_means<NYS_TN>(rs.ct, nrows, p.m, rs.rm, rs.rc);
                 // Two passes over the group's rows, then Chan et al.'s merge: no
                 // E[x^2] - E[x]^2.
                 const int i0 = min(nrows, group * GROUP_ROWS);
                 const int i1 = min(nrows, i0 + GROUP_ROWS);
                 float s = 0.0f, gm2 = 0.0f;
-                for (int i = i0; i < i1; ++i) s += ct[i][column] - rm[i];
+                for (int i = i0; i < i1; ++i) s += ct[i][column] - rm[i] - rc[i];
                 const float gmean = i1 > i0 ? s / (float)(i1 - i0) : 0.0f;
                 for (int i = i0; i < i1; ++i) {
-                    const float dev = ct[i][column] - rm[i] - gmean;
+                    const float dev = ct[i][column] - rm[i] - rc[i] - gmean;
                     gm2 += dev * dev;
                 }
                 group_mean[group][column] = gmean;
@@ -679,6 +692,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_out(const nys_params 
     __shared__ float bv[NYS_DV];
     const float (*ct)[NYS_MP + 1] = rs.ct;
     const float* rm = rs.rm;
+    const float* rc = rs.rc;
     constexpr int R = NYS_TN / NYS_TY;
     const int tx = threadIdx.x, ty = threadIdx.y, tid = nys_tid();
     const int n = p.n, m = p.m, dv = p.dv, heads = p.heads;
@@ -697,7 +711,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_out(const nys_params 
             // fp and bv are complete after the barriers inside nys_kernel_tile.
             nys_kernel_tile<NYS_TN, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
                                              rs.xs, rs.ys, rs.ct);
-            if (p.injective) nys_row_means<NYS_TN>(rs.ct, nrows, p.m, rs.rm);
+            if (p.injective) nys_row_means<NYS_TN>(rs.ct, nrows, p.m, rs.rm, rs.rc);
             float acc[R][NYS_CV];
             nys_zero(acc);
             for (int j = 0; j < m; ++j) {
@@ -705,7 +719,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_out(const nys_params 
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     const int i = ty + NYS_TY * r;
-                    cr[r] = p.injective ? ct[i][j] - rm[i] : ct[i][j];
+                    cr[r] = p.injective ? ct[i][j] - rm[i] - rc[i] : ct[i][j];
                 }
 #pragma unroll
                 for (int c = 0; c < NYS_CV; ++c) fc[c] = fp[j][tx + NYS_TX * c];
@@ -1002,6 +1016,8 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
     float* av = mu + NYS_MP;
     float* rm = av + NYS_MP;
     float* rm2 = rm + NYS_TB;
+    // C_q's second row means (nys_row_means's rc) are read before rm2 is written.
+    float* rc = rm2;
     // gt and vt double as landmark-wide tiles: rows of NYS_DW >= NYS_MP floats.
     RowM* wk = reinterpret_cast<RowM*>(gt);
     RowM* ck = reinterpret_cast<RowM*>(vt);
@@ -1047,7 +1063,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
             nys_load_rows<NYS_TB, NYS_DW, T>(gb + row0 * p.g.sn, p.g.sn, p.g.sd, nrows, dv, gt);
             nys_load_rows<NYS_TB, NYS_DW, T>(vb + row0 * p.v.sn, p.v.sn, p.v.sd, nrows, dv, vt);
             if (injective)
-                nys_row_means<NYS_TB>(cq, nrows, m, rm);
+                nys_row_means<NYS_TB>(cq, nrows, m, rm, rc);
             else
                 __syncthreads();
             // G context^T -> dc~, and dC_k = v dR^T, for the thread's rows and landmarks.
@@ -1065,7 +1081,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
                     }
                     const bool in = i < nrows && j < m;
                     float dct = gc;
-                    if (injective) dct = sv[j] * gc - av[j] * (cq[i][j] - rm[i] - mu[j]);
+                    if (injective) dct = sv[j] * gc - av[j] * (cq[i][j] - rm[i] - rc[i] - mu[j]);
                     wq[i][j] = in ? dct : 0.0f;
                     dck[r][c] = in ? vd : 0.0f;
                 }

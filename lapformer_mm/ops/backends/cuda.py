@@ -132,7 +132,7 @@ def grads_smem(v):
 def row_pass_static_smem(v):
     """Static shared memory (bytes) of the largest row-pass kernel (nys_forward_out or
     nys_forward_stats); it must stay within the 48 KiB every device has."""
-    staging = v.tk * (v.tn + 1) + v.tk * (v.mp + 1) + v.tn * (v.mp + 1) + v.tn
+    staging = v.tk * (v.tn + 1) + v.tk * (v.mp + 1) + v.tn * (v.mp + 1) + 2 * v.tn
     # The values, the statistics' group sums and the fp64 group sums of the common part.
     stats = staging + v.tn * (v.dv + 1) + 2 * (v.threads // v.mp) * v.mp + 2 * v.threads
     out = staging + v.mp * (v.dv + 1) + v.dv
@@ -151,8 +151,9 @@ def landmark_tile_floats(v):
 
 def ns_partials(v, m, smem_limit):
     """Floats of ns_iterate's k-split partials in nys_forward_solve on a device with this
-    limit, for P X over all nt^2 4 x 4 tiles, X (P X) over the upper triangle's
-    nt (nt + 1) / 2 and X R beside R R over twice that. Splits per product as
+    limit, for Newton's P X and X (P X) over all nt^2 4 x 4 tiles, the product steps' X R
+    beside R R over the upper triangle's nt (nt + 1) twice and the last one's X R over
+    nt (nt + 1) / 2. Splits per product as
     lap_common.cuh's ns_splits: tiles x splits threads fill the block as far as the room
     P, X and T leave holds the partials of the splits past the first."""
     mp, ld = ns_layout(m)

@@ -8,8 +8,8 @@ silent fall-back to the reference cannot pass it.
 """
 import pytest
 import torch
-from _attention_helpers import dense_attention_grads, finite
-from _property_strategies import KERNELS, attention_cases, kernel_inputs, run_attention
+from _attention_helpers import dense_attention, dense_attention_grads, finite
+from _property_strategies import attention_cases
 from hypothesis import given, settings
 
 pytestmark = pytest.mark.gpu
@@ -293,31 +293,26 @@ def test_torch_compile_reduce_overhead_backbone_runs():
 
 @pytest.mark.gpu
 @settings(max_examples=25, deadline=None, derandomize=True)
-@given(kernel_inputs())
-def test_kernels_cupy_matches_reference(inputs):
-    x, y, lam, kind = (t.cuda() if torch.is_tensor(t) else t for t in inputs)
-    fn = KERNELS[kind]
-    xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
-    xc, yc = x.clone().requires_grad_(), y.clone().requires_grad_()
-    ref = fn(xr, yr, lam, impl='reference')
-    got = fn(xc, yc, lam, impl='cupy')
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
-    grad = torch.randn_like(ref)
-    ref.backward(grad)
-    got.backward(grad)
-    torch.testing.assert_close(xc.grad, xr.grad, rtol=1e-3, atol=1e-4)
-    torch.testing.assert_close(yc.grad, yr.grad, rtol=1e-3, atol=1e-4)
-
-
-@pytest.mark.gpu
-@settings(max_examples=25, deadline=None, derandomize=True)
 @given(attention_cases(solvers=('newton', )))
-def test_nystrom_attention_cupy_matches_reference(inputs):
+def test_nystrom_attention_cupy_is_as_exact_as_the_reference(inputs):
+    """Random shapes down to 1 and feature scales 1e-4 … 1e4: the fused output's error
+    against the dense fp64 attention at most 2x the reference path's (on the CPU, same
+    landmarks) plus 1e-6 of the largest value (the emulation: 0.9-1.2x)."""
+    from lapformer_mm.ops import nystrom_attention, pool_landmarks
     q, k, v, hw, options = inputs
-    shared = k is q
-    q, v = q.cuda(), v.cuda()
-    k = q if shared else k.cuda()
-    ref = run_attention(q, k, v, hw, options, impl='reference')
-    got = run_attention(q, k, v, hw, options, impl='cupy')
+    options = dict(options)
+    landmarks = pool_landmarks(k, hw, options.pop('grid'))
+    expected = dense_attention(q, k, v, landmarks, kernel=options['kernel'],
+                               normalize=options['normalize'])
+    reference = nystrom_attention(q, k, v, landmarks, impl='reference', **options)
+    qc, vc = q.cuda(), v.cuda()
+    kc = qc if k is q else k.cuda()
+    got = nystrom_attention(qc, kc, vc, landmarks.cuda(), impl='cupy', **options)
     assert finite(got)
-    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-4)
+    scale = expected.abs().max().item() or 1.0
+
+    def error(out):
+        return (out.detach().double().cpu() - expected).abs().max().item() / scale
+
+    assert error(got) <= 2 * error(reference) + 1e-6, (error(got), error(reference))
+
