@@ -176,10 +176,11 @@ def pretrained_checkpoint(model_cfg: Mapping) -> Optional[Input]:
                        ('model.backbone.pretrained', backbone_cfg)):
         if owner.get('pretrained'):
             return Input(key, owner['pretrained'], 'checkpoint', False)
+    from .models.pretrained import is_pretrained_cfg
     init_cfg = backbone_cfg.get('init_cfg')
     cfgs = init_cfg if isinstance(init_cfg, Sequence) else [init_cfg]
     for i, cfg in enumerate(cfgs):
-        if isinstance(cfg, Mapping) and cfg.get('type') == 'Pretrained' and cfg.get('checkpoint'):
+        if is_pretrained_cfg(cfg) and cfg.get('checkpoint'):
             where = f'.{i}' if cfgs is init_cfg else ''
             return Input(f'model.backbone.init_cfg{where}.checkpoint', cfg['checkpoint'],
                          'checkpoint', False, cfg)
@@ -314,6 +315,12 @@ def _data_section(cfg: Mapping, splits: Sequence[str], problems: List[Problem]) 
     return lines
 
 
+def _scratch_option(key: str) -> str:
+    """The option that drops the checkpoint set at ``key``: the deprecated ``pretrained``
+    itself, else the backbone's ``init_cfg``."""
+    return f'{key}=None' if key.endswith('.pretrained') else 'model.backbone.init_cfg=None'
+
+
 def _checkpoint_section(cfg: Mapping, problem: Problem) -> List[str]:
     arch = cfg['model']['backbone'].get('arch', 'tiny')
     cls_config = CLS_CONFIGS.format(arch[0].lower() if isinstance(arch, str) else '*')
@@ -322,7 +329,7 @@ def _checkpoint_section(cfg: Mapping, problem: Problem) -> List[str]:
              'tools/convert_cls_to_backbone.py (README.md, "Use the backbone in your own '
              'config"; `make pretrain` runs that chain on toy data);',
              f'  - use one you have: --cfg-options {problem.item.key}=PATH;',
-             '  - train from scratch: --cfg-options model.backbone.init_cfg=None']
+             '  - train from scratch: --cfg-options ' + _scratch_option(problem.item.key)]
     if cfg.get('resume') or cfg.get('load_from'):
         lines[-1] += (' (this run resumes or loads a checkpoint, which replaces these '
                       'weights anyway)')

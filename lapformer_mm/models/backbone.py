@@ -22,7 +22,7 @@ from ..ops._checks import trace_quiet
 from ..ops.export import exporting
 from .attention import LaplacianAttention, check_attn_cfg_keys
 from .layers import ConvStem, SoftmaxAttention, TransformerBlock, build_token_norm, conv_norm_act
-from .pretrained import load_backbone_weights
+from .pretrained import is_pretrained_cfg, load_backbone_weights
 
 ARCH_SETTINGS: Dict[str, Dict[str, List[int]]] = {
     'tiny': dict(
@@ -259,9 +259,10 @@ class LaplacianFormer(BaseModule):
                 raise ValueError('give either pretrained or init_cfg, not '
                                  f'both (pretrained={pretrained!r}, '
                                  f'init_cfg={init_cfg!r})')
+            # A UserWarning, as mmdet's PVT and Swin: Python hides DeprecationWarnings
+            # raised outside __main__.
             warnings.warn('LaplacianFormer: pretrained= is deprecated, use '
-                          "init_cfg=dict(type='Pretrained', checkpoint=...)",
-                          DeprecationWarning)
+                          "init_cfg=dict(type='Pretrained', checkpoint=...)")
             init_cfg = dict(type='Pretrained', checkpoint=pretrained)
         super().__init__(init_cfg=init_cfg)
         self.arch_settings = resolve_arch(arch)
@@ -476,7 +477,7 @@ class LaplacianFormer(BaseModule):
         if cfgs is None:
             return None
         for cfg in cfgs if isinstance(cfgs, list) else [cfgs]:
-            if cfg.get('type') == 'Pretrained':
+            if is_pretrained_cfg(cfg):
                 if not cfg.get('checkpoint'):
                     raise ValueError("init_cfg of type 'Pretrained' needs a "
                                      f"'checkpoint', got {cfg!r}")
@@ -485,14 +486,12 @@ class LaplacianFormer(BaseModule):
 
     def init_weights(self) -> None:
         """Default initialisation, then the other ``init_cfg`` entries, then the
-        ``Pretrained`` checkpoint if any (mmengine's order)."""
+        ``Pretrained`` checkpoint if any (mmengine's order). An entry with a
+        ``checkpoint`` and no ``type`` is a ``Pretrained`` one, as for mmdet's PVT."""
         pretrained = self._pretrained_cfg()
-        if self.init_cfg is not None and pretrained is None:
-            super().init_weights()
-            return
         self.apply(init_layer)
-        others = [cfg for cfg in (self.init_cfg if isinstance(self.init_cfg, list) else [])
-                  if cfg.get('type') != 'Pretrained']
+        cfgs = self.init_cfg if isinstance(self.init_cfg, list) else [self.init_cfg]
+        others = [cfg for cfg in cfgs if cfg is not None and not is_pretrained_cfg(cfg)]
         if others:
             initialize(self, others)
         if pretrained is not None:

@@ -101,6 +101,14 @@ def backbone_mismatch(state_dict: Mapping, own: Mapping) -> Optional[Tuple[str, 
     return ('depth', '; '.join(differ)) if differ else None
 
 
+def is_pretrained_cfg(cfg) -> bool:
+    """Whether an ``init_cfg`` entry loads a checkpoint: ``type='Pretrained'``, or no type and
+    a ``checkpoint`` (the form mmdet's PVT and Swin configs write, which those backbones
+    read as a checkpoint whatever the type)."""
+    return isinstance(cfg, Mapping) and (
+        cfg.get('type') == 'Pretrained' or ('type' not in cfg and 'checkpoint' in cfg))
+
+
 class LoadReport(NamedTuple):
     """Keys of the model not found in the checkpoint and vice versa."""
     missing_keys: Tuple[str, ...]

@@ -81,6 +81,30 @@ def test_other_init_cfg_entries_run_before_the_checkpoint(source, tmp_path):
     assert_same_weights(target, source.state_dict())
 
 
+@pytest.mark.parametrize('init_cfg', [dict(type='Constant', layer='LayerNorm', val=0.5,
+                                             bias=0.25),
+                                        [dict(type='Constant', layer='LayerNorm', val=0.5,
+                                              bias=0.25)]])
+def test_init_cfg_without_a_checkpoint_keeps_the_default_init_elsewhere(init_cfg):
+    """The entries apply after the default init (truncated-normal linears with zero bias),
+    not instead of it (PyTorch's own uniform init with nonzero biases)."""
+    torch.manual_seed(0)
+    target = small_model(init_cfg=init_cfg)
+    target.init_weights()
+    assert (target.norm0.weight == 0.5).all() and (target.norm3.bias == 0.25).all()
+    fc1 = target.stages[0].blocks[0].mlp.fc1
+    assert (fc1.bias == 0).all() and 0.015 < fc1.weight.std() < 0.025  # std 0.02, not 0.14
+
+
+def test_init_cfg_of_a_checkpoint_without_a_type_loads_it(source, tmp_path):
+    """mmdet's PVT configs write ``init_cfg=dict(checkpoint=...)``; PVT reads it as a
+    checkpoint whatever the type, so a swapped-in LaplacianFormer does too."""
+    path = write_checkpoint('classifier', source.state_dict(), tmp_path / 'cls.pth')
+    target = small_model(out_indices=(3, ), init_cfg=dict(checkpoint=path))
+    target.init_weights()
+    assert_same_weights(target, source.state_dict())
+
+
 def test_explicit_prefix_selects_a_submodule(source, tmp_path):
     # e.g. a detector checkpoint whose backbone sits under 'student.backbone.'
     weights = {f'student.backbone.{k}': v for k, v in source.state_dict().items()}
@@ -145,6 +169,7 @@ def test_extract_rejects_tensorless_checkpoints():
         extract_backbone_state_dict([torch.zeros(1)])
 
 
+@pytest.mark.filterwarnings('ignore:LaplacianFormer. pretrained= is deprecated')
 def test_backbone_init_cfg_refuses_code_running_checkpoint(source, tmp_path):
     """``init_cfg=dict(type='Pretrained', ...)`` and the deprecated ``pretrained=``, built as a
     config builds them (mmdet's MODELS): refused with the file and the opt-in named, the
@@ -179,8 +204,10 @@ def test_pretrained_without_checkpoint_is_an_error():
 
 def test_pretrained_argument_warns_and_still_loads_the_weights(source, tmp_path):
     path = write_checkpoint('classifier', source.state_dict(), tmp_path / 'cls.pth')
-    with pytest.warns(DeprecationWarning, match='init_cfg'):
+    with pytest.warns(UserWarning, match='deprecated') as record:
         target = small_model(out_indices=(3, ), pretrained=path)
+    # Python's default filters hide a DeprecationWarning raised outside __main__.
+    assert all(w.category is UserWarning for w in record)
     assert target.init_cfg == dict(type='Pretrained', checkpoint=path)
     target.init_weights()
     assert_same_weights(target, source.state_dict())

@@ -170,10 +170,17 @@ def test_preflight_names_a_missing_checkpoint(data, tmp_path):
     assert '--cfg-options model.backbone.init_cfg.checkpoint=PATH' in text
     assert '--cfg-options model.backbone.init_cfg=None' in text
     assert 'Ways forward for the data' not in text
-    # mmseg's spelling: the segmentor's `pretrained`, handed to the backbone.
+    # mmseg's spelling: the segmentor's `pretrained`, handed to the backbone; the way to
+    # train from scratch then drops that key.
     cfg = run_cfg(coco_dataset(data / 'toy_coco'), pretrained=str(tmp_path / 'in1k.pth'))
     cfg['model']['pretrained'] = cfg.pop('pretrained')
-    assert '(set by model.pretrained)' in message(cfg)
+    text = message(cfg)
+    assert '(set by model.pretrained)' in text
+    assert '--cfg-options model.pretrained=None' in text
+    # mmdet's PVT configs: a checkpoint without a type.
+    cfg = pretrained_cfg(data, tmp_path / 'in1k.pth')
+    del cfg['model']['backbone']['init_cfg']['type']
+    assert '(set by model.backbone.init_cfg.checkpoint)' in message(cfg)
 
 
 def test_checkpoint_of_the_backbone_passes_in_each_layout(data, tmp_path):
