@@ -379,12 +379,13 @@ class LaplacianFormer(BaseModule):
                 else:
                     x = block(x, hw)
             if i in self.out_indices:
-                x = getattr(self, f'norm{i}')(x)
+                # The output norm acts on the returned map only, as Swin's: in the
+                # stream it would put a layer between stages that only some
+                # out_indices have (a classifier's weights then met untrained norms).
+                # Contiguous NCHW: mmcv's RoIAlign (and other ops that index raw
+                # memory) read channels-last strides as garbage.
+                outs.append(tokens_to_map(getattr(self, f'norm{i}')(x), hw).contiguous())
             x = tokens_to_map(x, hw)
-            if i in self.out_indices:
-                # Contiguous NCHW: mmcv's RoIAlign (and other ops that index
-                # raw memory) read channels-last strides as garbage.
-                outs.append(x.contiguous())
         return tuple(outs)
 
     def export_min_size(self) -> int:

@@ -65,6 +65,29 @@ def test_out_indices_select_the_stages_returned_in_order(indices):
     assert [tuple(o.shape) for o in outs] == expected_shapes(64, 64, TINY_DIMS, wanted)
 
 
+def test_out_indices_select_outputs_without_changing_them():
+    """The output norms act on the returned maps only, as Swin's: the same weights give the
+    same stage maps whichever stages are returned, so a classifier's weights
+    (out_indices=(3,)) run unchanged in a detector's (0, 1, 2, 3). (With the norms in the
+    stream, stage 4 differed by more than its own size.)"""
+    torch.manual_seed(0)
+    full = LaplacianFormer(SMALL_ARCH, drop_path_rate=0.0)
+    full.init_weights()
+    for i in range(4):
+        norm = getattr(full, f'norm{i}')
+        nn.init.uniform_(norm.weight, 0.5, 2.0)
+        nn.init.normal_(norm.bias)
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        expected = full.eval()(x)
+        for indices in [(3, ), (1, ), (0, 2)]:
+            part = LaplacianFormer(SMALL_ARCH, out_indices=indices, drop_path_rate=0.0)
+            result = part.load_state_dict(full.state_dict(), strict=False)
+            assert not result.missing_keys
+            for i, out in zip(indices, part.eval()(x)):
+                torch.testing.assert_close(out, expected[i], rtol=1e-6, atol=1e-6)
+
+
 def block_params(c, hidden, attention):
     """Closed form of one pre-norm block with C channels and MLP width ``hidden``.
 
