@@ -30,6 +30,7 @@ from mmengine.registry import RUNNERS
 from mmengine.runner import Runner
 
 from lapformer_mm.models import check_model_cfg
+from lapformer_mm.models.validation import ModelConfigError
 from lapformer_mm.preflight import InputCheckError, check_config_inputs
 
 
@@ -134,13 +135,14 @@ def build_cfg(args):
 def checked_cfg(build, args, mode):
     """``build(args)``, checked for the inputs of a ``mode`` run (``lapformer_mm.preflight``).
 
-    A missing config file or input ends the run here, before anything is built: its
+    A missing config file or input, or a backbone that does not fit the model config
+    (:func:`lapformer_mm.models.check_model_cfg`), ends the run here, before anything is built: its
     message alone on stderr (no traceback) and exit status 2. Shared with ``tools/test.py``.
     """
     try:
         cfg = build(args)
         check_config_inputs(cfg, mode)
-    except (FileNotFoundError, InputCheckError) as err:
+    except (FileNotFoundError, InputCheckError, ModelConfigError) as err:
         print(f'error: {err}', file=sys.stderr)
         raise SystemExit(2) from None
     return cfg

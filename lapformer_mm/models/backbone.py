@@ -264,6 +264,7 @@ class LaplacianFormer(BaseModule):
             warnings.warn('LaplacianFormer: pretrained= is deprecated, use '
                           "init_cfg=dict(type='Pretrained', checkpoint=...)")
             init_cfg = dict(type='Pretrained', checkpoint=pretrained)
+        self._check_init_cfg(init_cfg)
         super().__init__(init_cfg=init_cfg)
         self.arch_settings = resolve_arch(arch)
         if (not isinstance(num_stages, int) or isinstance(num_stages, bool)
@@ -277,13 +278,23 @@ class LaplacianFormer(BaseModule):
             raise ValueError(f'frozen_stages must be an int in [-1, '
                              f'{num_stages}] (num_stages={num_stages}), got '
                              f'{frozen_stages!r}')
-        if not 0.0 <= drop_path_rate < 1.0:
-            raise ValueError(
-                f'drop_path_rate must be in [0, 1), got {drop_path_rate!r}')
+        for name, rate in (('drop_rate', drop_rate), ('attn_drop_rate', attn_drop_rate),
+                           ('drop_path_rate', drop_path_rate)):
+            if not isinstance(rate, numbers.Real) or isinstance(rate, bool):
+                raise TypeError(f'{name} must be a number in [0, 1), got '
+                                f'{type(rate).__name__} {rate!r}')
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(f'{name} must be in [0, 1), got {rate!r}')
+        for name, flag in (('qkv_bias', qkv_bias), ('norm_eval', norm_eval),
+                           ('with_cp', with_cp)):
+            if not isinstance(flag, bool):
+                raise TypeError(f'{name} must be True or False, got {type(flag).__name__} '
+                                f'{flag!r}')
         if stage4_attention not in STAGE4_ATTENTIONS:
             raise ValueError(f'stage4_attention must be one of '
                              f'{STAGE4_ATTENTIONS}, got {stage4_attention!r}')
-        if not isinstance(in_channels, int) or in_channels < 1:
+        if (not isinstance(in_channels, int) or isinstance(in_channels, bool)
+                or in_channels < 1):
             raise ValueError(
                 f'in_channels must be a positive int, got {in_channels!r}')
         self.in_channels = in_channels
@@ -327,12 +338,24 @@ class LaplacianFormer(BaseModule):
         self._freeze_stages()
 
     @staticmethod
+    def _check_init_cfg(init_cfg) -> None:
+        entries = init_cfg if isinstance(init_cfg, list) else [init_cfg]
+        if init_cfg is None or all(isinstance(e, dict) for e in entries):
+            return
+        hint = (' (--cfg-options passes a dict as a string: set its keys one by one, '
+                'model.backbone.init_cfg.type=Pretrained '
+                'model.backbone.init_cfg.checkpoint=PATH)' if isinstance(init_cfg, str) else '')
+        raise TypeError(f'init_cfg must be a dict, a list of dicts or None, got '
+                        f'{type(init_cfg).__name__} {init_cfg!r}{hint}')
+
+    @staticmethod
     def _check_out_indices(out_indices: Sequence[int],
                            num_stages: int = NUM_STAGES) -> Tuple[int, ...]:
         if isinstance(out_indices, int):
             out_indices = (out_indices, )
         if (not isinstance(out_indices, Sequence) or not out_indices
-                or not all(isinstance(i, int) for i in out_indices)):
+                or not all(isinstance(i, int) and not isinstance(i, bool)
+                           for i in out_indices)):
             raise TypeError('out_indices must be a non-empty sequence of '
                             f'ints, got {out_indices!r}')
         given = tuple(out_indices)
@@ -418,6 +441,25 @@ class LaplacianFormer(BaseModule):
         if not x.is_floating_point():
             raise TypeError(f'LaplacianFormer input must be a floating-point '
                             f'tensor (normalise images first), got dtype {x.dtype}')
+        if self.training and x.shape[0] == 1:
+            self._check_batch_norm_sizes(x.shape[2], x.shape[3])
+
+    def _check_batch_norm_sizes(self, height: int, width: int) -> None:
+        """A batch of one image whose smallest map with a BatchNorm (the last stage's
+        downsampling) is 1×1: torch's error ("Expected more than 1 value per channel") would
+        name neither the layer nor the rule."""
+        stride = STAGE_STRIDES[self.num_stages - 1]
+        if -(-height // stride) > 1 or -(-width // stride) > 1:
+            return
+        norm = next((m for m in self.modules() if isinstance(m, _BatchNorm) and m.training),
+                    None)
+        if norm is None:
+            return
+        raise ValueError(
+            f'a training batch of one {height}x{width} image makes the stride-{stride} map '
+            f'1x1, where the {type(norm).__name__} of conv_norm_cfg has a single value per '
+            f'channel: train with images over {stride} px on a side, batches of 2 or more, '
+            "or conv_norm_cfg=dict(type='GN', num_groups=...)")
 
     def _check_export_range(self, x: torch.Tensor) -> None:
         """Under torch.export: refuse an input range that reaches below export_min_size(), or

@@ -89,6 +89,10 @@ def build_norm(arg: str, cfg: dict, num_features: int) -> nn.Module:
     names the argument in errors.
     """
     _check_cfg(arg, cfg)
+    if cfg['type'] in ('GN', 'GroupNorm') and 'num_groups' not in cfg:
+        # mmcv asserts it with an empty message.
+        raise ValueError(f'{arg}={cfg!r}: GroupNorm needs num_groups, a divisor of the '
+                         f'channels it normalises (here {num_features}), e.g. 16 or 32')
     mmcv_cnn = _mmcv_cnn()
     if mmcv_cnn is not None:
         try:

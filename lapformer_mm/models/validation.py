@@ -1,10 +1,12 @@
 """Build-time checks that a model config wires the backbone to its neck correctly.
 
-A backbone cannot see its neck, and mmdet's FPN (or mmseg's decode heads) accept any
-``in_channels`` at construction: a mismatch surfaces only at the first forward pass as
-a convolution shape error deep inside the neck. These checks compare the neck's
-``in_channels`` with the channels the LaplacianFormer backbone actually returns
-(``embed_dims[i]`` for ``i`` in ``out_indices``) and name the fix:
+A backbone cannot see its neck, and mmdet's FPN (or mmseg's decode and auxiliary heads)
+accept any ``in_channels`` at construction: a mismatch surfaces only at the first forward
+pass as a convolution shape error deep inside the neck. These checks compare the neck's
+(without a neck, every head's) ``in_channels`` with the channels the LaplacianFormer
+backbone actually returns (``embed_dims[i]`` for ``i`` in ``out_indices``) and name the
+fix; on the config they also name backbone keys LaplacianFormer does not take (another
+backbone's, merged in from a ``_base_`` config):
 
 - :func:`check_model_cfg` on a config dict, before anything is built (tools can call it
   right after reading the config);
@@ -12,8 +14,10 @@ a convolution shape error deep inside the neck. These checks compare the neck's
 - :class:`NeckChannelsCheckHook`, registered in mmengine's ``HOOKS``, runs
   :func:`check_built_model` in ``before_run``, before the first iteration.
 """
+import inspect
 from typing import List, Mapping, Optional, Sequence
 
+import torch
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
@@ -32,15 +36,38 @@ def backbone_out_channels(backbone_cfg: Mapping) -> Optional[List[int]]:
     return [dims[i] for i in out_indices]
 
 
-def _consumer(model_cfg: Mapping):
-    """(name, cfg) of the module that takes the backbone's maps, or (None, None)."""
+class ModelConfigError(ValueError):
+    """A model config whose backbone does not fit the rest; the message names the fix."""
+
+
+def _consumers(model_cfg: Mapping):
+    """[(name, cfg)] of the modules that take the backbone's maps: the neck, or without one
+    the decode head and the auxiliary head(s) (mmseg)."""
     neck = model_cfg.get('neck')
     if isinstance(neck, Mapping):
-        return 'neck', neck
+        if 'type' not in neck:
+            raise ModelConfigError(
+                f'model.neck={dict(neck)!r} has no type: the _base_ config defines no neck '
+                '(a segmentor: set model.decode_head.in_channels and '
+                'model.auxiliary_head.in_channels instead)')
+        return [('neck', neck)]
+    found = []
     head = model_cfg.get('decode_head')
-    if neck is None and isinstance(head, Mapping):
-        return 'decode_head', head
-    return None, None
+    if isinstance(head, Mapping):
+        found.append(('decode_head', head))
+    aux = model_cfg.get('auxiliary_head')
+    if isinstance(aux, Mapping):
+        found.append(('auxiliary_head', aux))
+    elif isinstance(aux, Sequence) and not isinstance(aux, str):
+        found += [(f'auxiliary_head.{i}', h) for i, h in enumerate(aux)
+                  if isinstance(h, Mapping)]
+    return found
+
+
+def unknown_backbone_keys(backbone_cfg: Mapping) -> List[str]:
+    """Keys of a LaplacianFormer config that its constructor does not take."""
+    taken = set(inspect.signature(LaplacianFormer.__init__).parameters) - {'self'}
+    return sorted(k for k in backbone_cfg if k not in taken | {'type', '_scope_'})
 
 
 def expected_in_channels(out_channels: Sequence[int], consumer: Mapping):
@@ -66,20 +93,21 @@ def _compare(where, got, out_channels, consumer, backbone):
     try:
         expected = expected_in_channels(out_channels, consumer)
     except IndexError:
-        raise ValueError(
+        raise ModelConfigError(
             f'model.{where}.in_index={consumer.get("in_index")!r} selects maps that the '
             f'backbone does not return ({backbone} returns {len(out_channels)} maps)'
         ) from None
     got_cmp = list(got) if isinstance(got, Sequence) else got
     if got_cmp != expected:
-        raise ValueError(mismatch_message(where, got, expected, backbone))
+        raise ModelConfigError(mismatch_message(where, got, expected, backbone))
 
 
 def check_model_cfg(model_cfg: Mapping) -> None:
-    """Raise ValueError when the neck (or decode head) ``in_channels`` do not fit the backbone.
+    """Raise :class:`ModelConfigError` (a ValueError) when the backbone config has keys
+    LaplacianFormer does not take, or the neck's (or heads') ``in_channels`` do not fit it.
 
     ``model_cfg`` is the ``model`` dict of an mmdet/mmseg config. Configs whose backbone is
-    not a LaplacianFormer, or whose neck has no ``in_channels`` list, are left alone.
+    not a LaplacianFormer, or whose consumers have no ``in_channels``, are left alone.
     """
     backbone = model_cfg.get('backbone')
     if not isinstance(backbone, Mapping):
@@ -87,14 +115,18 @@ def check_model_cfg(model_cfg: Mapping) -> None:
     out_channels = backbone_out_channels(backbone)
     if out_channels is None:
         return
-    where, consumer = _consumer(model_cfg)
-    if consumer is None:
-        return
+    unknown = unknown_backbone_keys(backbone)
+    if unknown:
+        raise ModelConfigError(
+            f'model.backbone has keys LaplacianFormer does not take: {", ".join(unknown)} '
+            '(another backbone\'s, kept from the _base_ config: add _delete_=True to the '
+            'backbone dict to replace it; docs/backbone.md lists the arguments)')
     out_indices = LaplacianFormer._check_out_indices(
         backbone.get('out_indices', tuple(range(NUM_STAGES))))
-    _compare(where, consumer.get('in_channels'), out_channels, consumer,
-             f"LaplacianFormer(arch={backbone.get('arch', 'tiny')!r}, "
-             f'out_indices={out_indices})')
+    for where, consumer in _consumers(model_cfg):
+        _compare(where, consumer.get('in_channels'), out_channels, consumer,
+                 f"LaplacianFormer(arch={backbone.get('arch', 'tiny')!r}, "
+                 f'out_indices={out_indices})')
 
 
 def check_built_model(model) -> None:
@@ -105,14 +137,22 @@ def check_built_model(model) -> None:
         return
     out_channels = [backbone.embed_dims[i] for i in backbone.out_indices]
     neck = getattr(model, 'neck', None)
-    where, consumer = ('neck', neck) if neck is not None else (
-        'decode_head', getattr(model, 'decode_head', None))
-    if consumer is None:
-        return
-    attrs = {'in_index': getattr(consumer, 'in_index', None)}
-    _compare(where, getattr(consumer, 'in_channels', None), out_channels, attrs,
-             f"LaplacianFormer(embed_dims={backbone.embed_dims}, "
-             f'out_indices={backbone.out_indices})')
+    if neck is not None:
+        consumers = [('neck', neck)]
+    else:
+        consumers = [('decode_head', getattr(model, 'decode_head', None))]
+        aux = getattr(model, 'auxiliary_head', None)
+        if isinstance(aux, torch.nn.ModuleList):
+            consumers += [(f'auxiliary_head.{i}', h) for i, h in enumerate(aux)]
+        else:
+            consumers.append(('auxiliary_head', aux))
+    for where, consumer in consumers:
+        if consumer is None:
+            continue
+        attrs = {'in_index': getattr(consumer, 'in_index', None)}
+        _compare(where, getattr(consumer, 'in_channels', None), out_channels, attrs,
+                 f"LaplacianFormer(embed_dims={backbone.embed_dims}, "
+                 f'out_indices={backbone.out_indices})')
 
 
 @HOOKS.register_module()

@@ -216,6 +216,46 @@ def test_bad_types_raise_type_error():
         LaplacianFormer(act_cfg='GELU')
 
 
+@pytest.mark.parametrize('kwargs, exc, match', [
+    (dict(conv_norm_cfg=dict(type='GN')), ValueError,
+     r"conv_norm_cfg=\{'type': 'GN'\}: GroupNorm needs num_groups"),
+    (dict(out_indices=(True, )), TypeError, 'out_indices must be a non-empty sequence of ints'),
+    (dict(init_cfg="{'type': 'Pretrained'}"), TypeError,
+     'init_cfg must be a dict, a list of dicts or None, got str .*one by one'),
+    (dict(init_cfg=[dict(type='Constant', val=1), 'x.pth']), TypeError, 'init_cfg must be'),
+    (dict(drop_path_rate='0.1'), TypeError, "drop_path_rate must be a number in .* str '0.1'"),
+    (dict(drop_rate=1.0), ValueError, r'drop_rate must be in \[0, 1\), got 1.0'),
+    (dict(attn_drop_rate=True), TypeError, 'attn_drop_rate must be a number'),
+    (dict(qkv_bias='no'), TypeError, "qkv_bias must be True or False, got str 'no'"),
+    (dict(norm_eval='yes'), TypeError, 'norm_eval must be True or False'),
+    (dict(with_cp=1), TypeError, 'with_cp must be True or False, got int 1'),
+    (dict(in_channels=True), ValueError, 'in_channels must be a positive int'),
+])
+def test_values_of_the_wrong_kind_name_the_argument(kwargs, exc, match):
+    """Each was accepted (qkv_bias='no' turned the bias on) or failed elsewhere: mmcv's empty
+    AssertionError, an AttributeError in forward or in init_weights."""
+    with pytest.raises(exc, match=match):
+        LaplacianFormer(SMALL_ARCH, **kwargs)
+
+
+@pytest.mark.parametrize('size, ok', [((32, 32), False), ((33, 32), True), ((1, 1), False)])
+def test_training_batch_of_one_with_a_1x1_batchnorm_map_names_the_rule(size, ok):
+    """At batch 1 the stage-4 downsampling's BatchNorm sees one value per channel on images
+    up to 32 px a side; torch's error named neither the layer nor the fix."""
+    model = LaplacianFormer(SMALL_ARCH).train()
+    x = torch.randn(1, 3, *size)
+    if ok:
+        model(x)
+        return
+    with pytest.raises(ValueError, match=r'stride-32 map 1x1, where the BatchNorm2d of '
+                                         r'conv_norm_cfg .* batches of 2 or more'):
+        model(x)
+    model(torch.randn(2, 3, *size))  # two images: two values per channel
+    LaplacianFormer(SMALL_ARCH, norm_eval=True).train()(x)  # BatchNorm in eval mode
+    LaplacianFormer(SMALL_ARCH, num_stages=2, out_indices=(1, )).train()(
+        torch.randn(1, 3, 9, 9))  # two stages: the last BatchNorm map is 2x2, at stride 8
+
+
 def test_arch_dict_takes_numpy_integers():
     import numpy as np
     arch = dict(embed_dims=[np.int64(c) for c in (16, 32, 32, 64)], num_heads=[1, 1, 1, 2],

@@ -79,3 +79,53 @@ def test_neck_check_hook_fails_before_the_first_iteration():
 
     with pytest.raises(ValueError, match=r'set model.neck.in_channels=\[64, 128, 320, 512\]'):
         hook.before_run(FakeRunner())
+
+
+def test_auxiliary_head_in_channels_checked_through_its_in_index():
+    """mmseg's auxiliary FCN head takes the stage-3 map (in_index=2): 320 channels for tiny,
+    288 for medium; a mismatch was a convolution error at the first iteration."""
+    model = Config.fromfile(UPERNET_CONFIG).model
+    model.backbone.arch = 'medium'
+    model.decode_head.in_channels = [64, 128, 288, 512]
+    with pytest.raises(ValueError, match=r'model.auxiliary_head.in_channels=320 does not match'
+                                         r'.*set model.auxiliary_head.in_channels=288'):
+        check_model_cfg(model)
+    model.auxiliary_head.in_channels = 288
+    check_model_cfg(model)
+    model.auxiliary_head = [dict(model.auxiliary_head), dict(model.auxiliary_head, in_index=3)]
+    with pytest.raises(ValueError, match=r'set model.auxiliary_head.1.in_channels=512'):
+        check_model_cfg(model)
+
+
+def test_built_segmentor_checks_its_auxiliary_head():
+    from mmengine.registry import DefaultScope
+    from mmseg.registry import MODELS
+    model_cfg = Config.fromfile(UPERNET_CONFIG).model
+    model_cfg.backbone.arch = 'medium'
+    model_cfg.decode_head.in_channels = [64, 128, 288, 512]
+    model_cfg.data_preprocessor = None
+    with DefaultScope.overwrite_default_scope('mmseg'):
+        model = MODELS.build(model_cfg)
+    with pytest.raises(ValueError, match=r'set model.auxiliary_head.in_channels=288'):
+        check_built_model(model)
+
+
+def test_a_neck_without_a_type_names_the_heads_to_set():
+    """README's detection snippet pasted into an mmseg config: the neck dict has nothing to
+    merge into, and mmseg failed with "must contain the key type"."""
+    model = Config.fromfile(UPERNET_CONFIG).model
+    model.neck = dict(in_channels=[64, 128, 320, 512])
+    with pytest.raises(ValueError, match=r"model.neck=\{'in_channels': \[64, 128, 320, 512\]\} "
+                                         r'has no type.*model.decode_head.in_channels and '
+                                         r'model.auxiliary_head.in_channels'):
+        check_model_cfg(model)
+
+
+def test_another_backbones_keys_name_delete():
+    """mmdet's PVTv2 config with only the type swapped keeps embed_dims and friends; the
+    build failed with a bare TypeError after the data was loaded."""
+    model = toy_model_cfg()
+    model.backbone.update(embed_dims=64, num_layers=[2, 2, 2, 2], convert_weights=True)
+    with pytest.raises(ValueError, match='keys LaplacianFormer does not take: convert_weights, '
+                                         'embed_dims, num_layers .*_delete_=True'):
+        check_model_cfg(model)

@@ -276,6 +276,14 @@ def test_train_tool_names_missing_images_and_a_wrong_checkpoint(data, tmp_path, 
     assert not osp.exists(tmp_path / 'w')
 
 
+def test_train_tool_names_a_neck_that_does_not_fit(data, tmp_path, capsys):
+    err = tool_error(train_tool, [TOY_CONFIG, '--work-dir', str(tmp_path / 'w'),
+                                  *toy_options(data / 'toy_coco'),
+                                  'model.neck.in_channels=[64,128,320,256]'], capsys)
+    assert err.startswith('error: model.neck.in_channels=[64, 128, 320, 256] does not match')
+    assert not osp.exists(tmp_path / 'w')
+
+
 def test_test_tool_names_missing_checkpoint_and_annotations(data, tmp_path, capsys):
     root = data / 'toy_coco'
     err = tool_error(test_tool, [TOY_CONFIG, str(tmp_path / 'epoch_1.pth'), *toy_options(root)],
