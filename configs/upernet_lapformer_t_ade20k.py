@@ -38,13 +38,7 @@ optim_wrapper = dict(
     type='OptimWrapper',
     optimizer=dict(
         type='AdamW', lr=6e-5, betas=(0.9, 0.999), weight_decay=0.01),
-    paramwise_cfg=dict(
-        norm_decay_mult=0.0,
-        custom_keys={
-            'pos_embed': dict(decay_mult=0.0),
-            'pos_block': dict(decay_mult=0.0),
-            'norm': dict(decay_mult=0.0),
-        }))
+    paramwise_cfg=dict(norm_decay_mult=0.0))
 param_scheduler = [
     dict(
         type='LinearLR', start_factor=1e-6, by_epoch=False, begin=0,

@@ -47,7 +47,10 @@ def parse_args(argv=None):
         help='also write the evaluation metrics (a flat dict) to this file')
     parser.add_argument('--show', action='store_true', help='show predictions')
     parser.add_argument(
-        '--show-dir', help='save painted predictions under work_dir/<timestamp>/SHOW_DIR')
+        '--show-dir',
+        help='save painted predictions: an mmdet config under work_dir/<timestamp>/SHOW_DIR, '
+        "an mmseg config in SHOW_DIR/vis_data (every interval-th image of the visualization "
+        "hook, 50 by default), as mmdet's and mmseg's tools")
     parser.add_argument(
         '--wait-time', type=float, default=2, help='the interval of show (s)')
     parser.add_argument(

@@ -26,6 +26,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from mmengine.config import Config, DictAction
+from mmengine.logging import print_log
 from mmengine.registry import RUNNERS
 from mmengine.runner import Runner
 
@@ -86,6 +87,12 @@ def enable_amp(cfg):
                          "'OptimWrapper', 'AmpOptimWrapper', 'CPUAmpOptimWrapper'")
     cfg.optim_wrapper.type = wanted
     cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
+    if wanted == 'CPUAmpOptimWrapper':
+        dtype = cfg.optim_wrapper.get('dtype', 'bfloat16')
+        print_log(f'--amp on CPU: CPUAmpOptimWrapper, {dtype} autocast'
+                  + (' (no loss scale)' if dtype == 'bfloat16' else ', dynamic loss scale')
+                  + ("; optim_wrapper.dtype=float16 for fp16" if dtype == 'bfloat16' else ''),
+                  logger='current')
 
 
 def enable_auto_scale_lr(cfg):

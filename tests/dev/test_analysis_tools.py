@@ -144,3 +144,18 @@ def test_benchmark_memory_child_reports_a_positive_peak():
     assert result, out.stderr[-2000:]
     _, mib, error = result[-1]
     assert error == 'None' and float(mib) > 0
+
+
+def test_padding_benchmark_compares_the_image_region_alone_and_padded():
+    """benchmarks/padding.py: no change on a canvas of the image's own size; LaplacianFormer's
+    features inside the image move with the padding (the property the table records)."""
+    from benchmarks import padding
+    from lapformer_mm.models import LaplacianFormer
+    torch.manual_seed(0)
+    model = LaplacianFormer(dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2],
+                                 depths=[1, 1, 1, 1])).eval()
+    image = torch.randn(1, 3, 160, 128)
+    assert padding.change(model, image, (160, 128)) == [0.0] * 4
+    moved = padding.change(model, image, (192, 192))
+    assert len(moved) == 4 and min(moved) > 0.1, moved
+    assert padding.size('192x160') == (192, 160)
