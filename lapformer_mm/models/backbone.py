@@ -273,6 +273,14 @@ class LaplacianFormer(BaseModule):
                              f'{num_stages!r}')
         self.num_stages = num_stages
         self.out_indices = self._check_out_indices(out_indices, num_stages)
+        last = max(self.out_indices) + 1
+        if last < num_stages:
+            stages = f'stage {num_stages}' if last + 1 == num_stages else \
+                f'stages {last + 1}-{num_stages}'
+            warnings.warn(
+                f'LaplacianFormer: out_indices={self.out_indices} returns no map of {stages}, '
+                'built but not run, so its parameters get no gradient (DistributedDataParallel '
+                f'then needs find_unused_parameters=True): num_stages={last} leaves it out')
         if (not isinstance(frozen_stages, int) or isinstance(frozen_stages, bool)
                 or not -1 <= frozen_stages <= num_stages):
             raise ValueError(f'frozen_stages must be an int in [-1, '
@@ -342,9 +350,10 @@ class LaplacianFormer(BaseModule):
         entries = init_cfg if isinstance(init_cfg, list) else [init_cfg]
         if init_cfg is None or all(isinstance(e, dict) for e in entries):
             return
-        hint = (' (--cfg-options passes a dict as a string: set its keys one by one, '
-                'model.backbone.init_cfg.type=Pretrained '
-                'model.backbone.init_cfg.checkpoint=PATH)' if isinstance(init_cfg, str) else '')
+        hint = (' (--cfg-options passes a dict as a string: give a checkpoint with '
+                'model.backbone.init_cfg.checkpoint=PATH where the config has a Pretrained '
+                'init_cfg, or model.backbone.pretrained=PATH where its init_cfg is None)'
+                if isinstance(init_cfg, str) else '')
         raise TypeError(f'init_cfg must be a dict, a list of dicts or None, got '
                         f'{type(init_cfg).__name__} {init_cfg!r}{hint}')
 
@@ -387,7 +396,7 @@ class LaplacianFormer(BaseModule):
             self._check_export_range(x)
         x = self.stem(x)
         outs = []
-        for i, stage in enumerate(self.stages):
+        for i, stage in enumerate(self.stages[:max(self.out_indices) + 1]):
             x = stage.downsample(x)
             # Python ints for the attention's checks, also under the FLOP counter's jit trace
             # (its sizes are tensors); symbolic while exporting, where int() would freeze

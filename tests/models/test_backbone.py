@@ -57,6 +57,7 @@ def test_input_smaller_than_landmark_grid(tiny):
 
 
 @pytest.mark.parametrize('indices', [(0, ), (3, ), (1, 2), (-1, )])
+@pytest.mark.filterwarnings('ignore:LaplacianFormer. out_indices=')
 def test_out_indices_select_the_stages_returned_in_order(indices):
     model = LaplacianFormer('tiny', out_indices=indices).eval()
     with torch.no_grad():
@@ -65,6 +66,7 @@ def test_out_indices_select_the_stages_returned_in_order(indices):
     assert [tuple(o.shape) for o in outs] == expected_shapes(64, 64, TINY_DIMS, wanted)
 
 
+@pytest.mark.filterwarnings('ignore:LaplacianFormer. out_indices=')
 def test_out_indices_select_outputs_without_changing_them():
     """The output norms act on the returned maps only, as Swin's: the same weights give the
     same stage maps whichever stages are returned, so a classifier's weights
@@ -86,6 +88,22 @@ def test_out_indices_select_outputs_without_changing_them():
             assert not result.missing_keys
             for i, out in zip(indices, part.eval()(x)):
                 torch.testing.assert_close(out, expected[i], rtol=1e-6, atol=1e-6)
+
+
+def test_stages_after_the_last_returned_one_do_not_run_and_are_named():
+    with pytest.warns(UserWarning, match=r'out_indices=\(0, 1\) returns no map of stages 3-4'
+                                         r'.*find_unused_parameters=True\): num_stages=2'):
+        model = LaplacianFormer(SMALL_ARCH, out_indices=(0, 1))
+    with pytest.warns(UserWarning, match=r'returns no map of stage 4, built but not run'):
+        LaplacianFormer(SMALL_ARCH, out_indices=(1, 2))
+    with pytest.warns(UserWarning, match='out_indices'):
+        model = LaplacianFormer(SMALL_ARCH, out_indices=(0, 1))
+    calls = []
+    model.stages[2].downsample.register_forward_hook(lambda *args: calls.append(1))
+    outs = model(torch.randn(2, 3, 64, 64))
+    assert len(outs) == 2 and not calls
+    sum(o.sum() for o in outs).backward()
+    assert all(p.grad is None for p in model.stages[3].parameters())
 
 
 def block_params(c, hidden, attention):
@@ -221,7 +239,8 @@ def test_bad_types_raise_type_error():
      r"conv_norm_cfg=\{'type': 'GN'\}: GroupNorm needs num_groups"),
     (dict(out_indices=(True, )), TypeError, 'out_indices must be a non-empty sequence of ints'),
     (dict(init_cfg="{'type': 'Pretrained'}"), TypeError,
-     'init_cfg must be a dict, a list of dicts or None, got str .*one by one'),
+     'init_cfg must be a dict, a list of dicts or None, got str .*'
+     'model.backbone.pretrained=PATH where its init_cfg is None'),
     (dict(init_cfg=[dict(type='Constant', val=1), 'x.pth']), TypeError, 'init_cfg must be'),
     (dict(drop_path_rate='0.1'), TypeError, "drop_path_rate must be a number in .* str '0.1'"),
     (dict(drop_rate=1.0), ValueError, r'drop_rate must be in \[0, 1\), got 1.0'),

@@ -97,6 +97,8 @@ def test_auxiliary_head_in_channels_checked_through_its_in_index():
         check_model_cfg(model)
 
 
+@pytest.mark.filterwarnings('ignore:``build_loss`` would be deprecated')
+@pytest.mark.filterwarnings('ignore:Default ``avg_non_ignore`` is False')
 def test_built_segmentor_checks_its_auxiliary_head():
     from mmengine.registry import DefaultScope
     from mmseg.registry import MODELS
