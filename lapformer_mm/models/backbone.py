@@ -420,6 +420,25 @@ class LaplacianFormer(BaseModule):
             x = tokens_to_map(x, hw)
         return tuple(outs)
 
+    def get_layer_depth(self, param_name: str, prefix: str = '') -> Tuple[int, int]:
+        """(depth, number of depths) of a parameter, for mmpretrain's layer-wise learning
+        rate decay (``LearningRateDecayOptimWrapperConstructor``), as its Swin's: the stem
+        0, the blocks 1, 2, ... in order, a stage's downsampling with the block before it,
+        everything else (the output norms, a head: names without ``prefix``) the last."""
+        depths = self.arch_settings['depths'][:self.num_stages]
+        num_layers = sum(depths) + 2
+        if not param_name.startswith(prefix):
+            return num_layers - 1, num_layers
+        parts = param_name[len(prefix):].split('.')
+        if parts[0] == 'stem':
+            return 0, num_layers
+        if parts[0] == 'stages':
+            stage = int(parts[1])
+            if parts[2] == 'blocks':
+                return sum(depths[:stage]) + int(parts[3]) + 1, num_layers
+            return sum(depths[:stage]), num_layers
+        return num_layers - 1, num_layers
+
     def export_min_size(self) -> int:
         """The smallest image height (and width) this backbone exports for.
 

@@ -140,3 +140,28 @@ def test_converter_refuses_code_running_checkpoint(evil, tmp_path):
         convert.convert(path, str(out))
     assert_refused_with_hint(str(info.value), path)
     assert not out.exists() and not marker.exists()
+
+
+def test_layer_wise_lr_decay_of_mmpretrain_reads_the_block_order():
+    """mmpretrain's LearningRateDecayOptimWrapperConstructor (fine-tuning recipes) asks the
+    backbone for each parameter's depth: the stem gets the smallest rate, each block
+    rate**-1 more than the one before, a stage's downsampling the rate of the block before
+    it, the head the base rate."""
+    from mmengine.optim import build_optim_wrapper
+    from mmengine.registry import DefaultScope
+    from mmpretrain.registry import MODELS
+    model_cfg = Config.fromfile(os.path.join(CONFIG_DIR, 'cls', 'lapformer_t_toy.py')).model
+    with DefaultScope.overwrite_default_scope('mmpretrain'):
+        model = MODELS.build(model_cfg)
+        wrapper = build_optim_wrapper(model, dict(
+            optimizer=dict(type='AdamW', lr=1.0, weight_decay=0.05),
+            constructor='LearningRateDecayOptimWrapperConstructor',
+            paramwise_cfg=dict(layer_decay_rate=0.5)))
+    lr = {group['param_name']: group['lr'] for group in wrapper.optimizer.param_groups}
+    depths = model.backbone.arch_settings['depths']
+    top = sum(depths) + 1
+    assert lr['backbone.stem.0.0.weight'] == 0.5 ** top
+    assert lr['backbone.stages.0.blocks.0.attn.qkv.weight'] == 0.5 ** (top - 1)
+    assert lr['backbone.stages.1.downsample.0.weight'] == 0.5 ** (top - 1)
+    assert lr[f'backbone.stages.3.blocks.{depths[3] - 1}.mlp.fc2.bias'] == 0.5 ** 1
+    assert lr['backbone.norm3.weight'] == lr['head.fc.weight'] == 1.0
