@@ -114,10 +114,17 @@ def dense_attention_module(module, x, hw, qk_shared, landmark_grid, **options):
     k = q if qk_shared else split(parts[1])
     out = dense_attention(q, k, split(v), pool_landmarks(k, hw, landmark_grid), **options)
     out = out.transpose(1, 2).reshape(batch, num_tokens, channels)
+    out = out + dense_local_term(module, v, hw)
+    return F.linear(out, module.proj.weight, module.proj.bias)
+
+
+def dense_local_term(module, v, hw):
+    """A LaplacianAttention's depth-wise 3×3 term of v (B, N, C) on hw, from its weights
+    through an NCHW copy (the module views channels-last tokens instead)."""
+    batch, _, channels = v.shape
     local = F.conv2d(v.transpose(1, 2).reshape(batch, channels, *hw), module.local.weight,
                      module.local.bias, padding=1, groups=channels)
-    out = out + local.flatten(2).transpose(1, 2)
-    return F.linear(out, module.proj.weight, module.proj.bias)
+    return local.flatten(2).transpose(1, 2)
 
 
 def dense_attention_grads(q, k, v, landmarks, grad, tied, **options):

@@ -8,7 +8,12 @@ autocast, strided operands, the op checks and the composite path.
 import pytest
 import torch
 import torch.nn.functional as F
-from _attention_helpers import dense_attention, dense_attention_grads
+from _attention_helpers import (
+    dense_attention,
+    dense_attention_grads,
+    dense_injective,
+    dense_l1_kernel,
+)
 
 from lapformer_mm.ops import AttentionOptions, nystrom_attention, pool_landmarks
 from lapformer_mm.ops.attention import nystrom_attention_op
@@ -230,11 +235,25 @@ def test_other_solvers_take_the_reference_path(kwargs, monkeypatch):
     assert len(calls) == 1
 
 
-def test_dropout_takes_the_reference_path():
+def test_dropout_takes_the_reference_path_and_drops_entries_of_z(monkeypatch):
+    """Dropout acts on Z (design.md §2.6): the dense attention with the same mask on Z,
+    drawn from the same seed, and the op (which has no dropout) is not called."""
+    from lapformer_mm.ops import attention as nystrom
+    calls = []
+    monkeypatch.setattr(nystrom, 'nystrom_attention_op',
+                        lambda *a: calls.append(a) or nystrom_attention_op(*a))
     q, k, v, landmarks = inputs(1, 2, (4, 4), 4, 4, 2, False, seed=11)
     torch.manual_seed(0)
     dropped = nystrom_attention(q, k, v, landmarks, dropout_p=0.5)
-    assert not torch.allclose(dropped, nystrom_attention(q, k, v, landmarks))
+    assert not calls
+    z = dense_injective(dense_l1_kernel(q, landmarks, 4.0), 1e-5)
+    torch.manual_seed(0)
+    mask = F.dropout(torch.ones_like(z), 0.5)
+    assert 0 < int((mask == 0).sum()) < mask.numel()
+    system = dense_l1_kernel(landmarks, landmarks, 4.0) + 0.01 * torch.eye(landmarks.shape[-2],
+                                                                        dtype=z.dtype)
+    context = torch.linalg.solve(system, dense_l1_kernel(k, landmarks, 4.0).mT @ v)
+    torch.testing.assert_close(dropped, (z * mask) @ context, rtol=1e-9, atol=1e-10)
 
 
 def test_gradients_come_through_the_autograd_function():
