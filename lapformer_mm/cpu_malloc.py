@@ -4,9 +4,8 @@ PyTorch's CPU allocator is the C library's ``malloc``. glibc serves every reques
 mmap threshold (at most 32 MiB unless set) with a fresh ``mmap`` and returns it to the
 kernel on ``free``, so each such tensor is faulted in again page by page (one fault per
 4 KiB) every time it is allocated. At 2048×2048 a stage-1 feature map of LaplacianFormer-T
-or Swin-T is 64 MiB: an element-wise add on it took 9× as long as on a 16 MiB one here (4×
-the data; ``benchmarks/malloc_faults.py``), most of it in page faults, which made
-forward time grow 5.2× from 1024² to 2048² instead of about 4× (docs/analysis.md).
+or Swin-T is 64 MiB, and those faults made the forward time grow faster than the pixels
+from 1024² to 2048² (measured: ``benchmarks/malloc_faults.py``, docs/analysis.md).
 PyTorch's CPU performance guide addresses this by recommending jemalloc or tcmalloc; raising
 glibc's mmap and trim thresholds is the in-process equivalent.
 """

@@ -317,7 +317,7 @@ def _blocked_kernel(node, prefix, helper):
 
     # x (B, h, 1, d, N) and the landmark chunks (B, h, c, d, 1): the layout of similarity_export.
     # A Reshape, not an Unsqueeze: ONNX Runtime moves a Transpose past an Unsqueeze (and then
-    # before a Split), where its 5-D transpose ran 4× slower than the 4-D one.
+    # before a Split), into a slower 5-D transpose (docs/deploy.md).
     shape = op('Shape', [x])
     xt = op('Reshape', [op('Transpose', [x], perm=[0, 1, 3, 2]), op('Concat', [
         op('Slice', [shape, const([0]), const([2])]), const([1]),

@@ -68,7 +68,7 @@ def pool_landmarks(t, hw, grid, export=False):
 CHUNK_BYTES = 32 * 2 ** 20
 
 #: Rows of b per ``_cdist_backward`` call: it rereads b once per row of a, so blocks that stay
-#: in cache are faster for the landmark gradient's sum over N (docs/attention.md).
+#: in cache are faster for the landmark gradient's sum over N (docs/cpu.md).
 NATIVE_BLOCK_ROWS = 512
 
 
@@ -173,7 +173,7 @@ def landmark_system(landmarks, lam, eps, kernel, export=False):
 
 
 #: Newton–Schulz iterations used when ``iters=None``: enough for the worst case ε = 0.01
-#: allows, identical landmarks (cond 4901 at m = 49), to reach 1e-3 (docs/numerics.md).
+#: allows, identical landmarks (cond 4901 at m = 49), to reach 1e-3 (docs/design.md §2.5).
 DEFAULT_NS_ITERS = 16
 
 
@@ -217,10 +217,9 @@ def landmark_rhs(c_k, v):
     landmarks: exact in math for any r, so r's own rounding does not matter. Every key is
     nearly equally similar to every landmark, so the output reads only R's small
     landmark-to-landmark differences (then scaled by the whitening's s); a plain fp32 N-sum
-    loses them (issue 34, devtools/parity_probe.py). The centred N-sum runs on small values;
-    the common part rᵀ v, N · d_v products, in :data:`RESIDUAL_DTYPE`: P⁻¹ does not keep an
-    error common to the landmarks common, and in fp32 its N-sum undid the centring's gain
-    (the probe's mode 4b)."""
+    loses them (docs/numerics.md). The centred N-sum runs on small values; the common part
+    rᵀ v, N · d_v products, in :data:`RESIDUAL_DTYPE`: P⁻¹ does not keep an error common to
+    the landmarks common, and an fp32 N-sum of it would undo the centring's gain."""
     row = c_k.mean(-1, keepdim=True)
     wide = torch.promote_types(RESIDUAL_DTYPE.get(), v.dtype)
     # transpose, not .mT: the TorchScript exporter has no aten::mT.
@@ -314,7 +313,7 @@ def whitening_scale(var, whiten_eps):
 def centre_rows(C):
     """c̃ = C − rowmean(C) over landmarks, centred twice: a row's values nearly agree, so the
     first mean's rounding is most of what is left, common to the row, and the whitening's s
-    (17–316) scales it into every column (issue 34). The backward recomputes c̃ with it."""
+    scales it into every column (docs/numerics.md). The backward recomputes c̃ with it."""
     centred = C - C.mean(-1, keepdim=True)
     return centred - centred.mean(-1, keepdim=True)
 

@@ -805,7 +805,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
 // d_v), bias (B, H, 1, d_v); with `centre`, C_i less its mean over landmarks. For the
 // whitening's folded A = (I - J/m) diag(s) context that is the same in math, but a row's
 // values nearly agree, so uncentred its mean times the fp32 rounding of 1^T A (~0) is most
-// of the error (issue 34).
+// of the error (docs/numerics.md).
 template <typename acc_t, typename out_t>
 at::Tensor attention_rows_apply_typed(const at::Tensor& rows, const at::Tensor& A,
                                       const at::Tensor& bias, bool centre,

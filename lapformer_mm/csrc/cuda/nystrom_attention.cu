@@ -355,7 +355,7 @@ __device__ __forceinline__ long long nys_forward_work_stride(int m, int dv) {
 // [mean (m), M2 (m), centred R (m x d_v)], and the common part r^T v summed in fp64,
 // common[bh, split] (d_v), r the key rows' means over the landmarks. Every key is nearly
 // equally similar to every landmark: the output reads only R's small landmark-to-landmark
-// differences, which a plain fp32 N-sum loses (issue 34).
+// differences, which a plain fp32 N-sum loses (docs/numerics.md).
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_params p) {
     __shared__ nys_row_smem rs;
