@@ -132,10 +132,6 @@ def check_operands(q, k, v, landmarks, op=False):
         raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
 
 
-_INSTALL_HINT = {cuda.NAME: 'pip install cupy-cuda12x or cupy-cuda13x (matching the driver)',
-                 cpu.NAME: 'reinstall with a C++ compiler: pip install --no-build-isolation -e .'}
-
-
 @functools.lru_cache(maxsize=None)
 def _warn_fallback(name, reasons):
     warnings.warn(f'lapformer_mm: the {name!r} attention backend does not support this call '
@@ -166,7 +162,7 @@ def select_backend(q, k, v, landmarks, options):
         if backend.DEVICE != device:
             reasons = (f'it runs on {backend.DEVICE} tensors, got tensors on {device}',)
         elif not backend.available():
-            reasons = (f'it is not usable here ({_INSTALL_HINT[backend.NAME]})',)
+            reasons = (f'it is not usable here ({backend.INSTALL_HINT})',)
         else:
             reasons = tuple(backend.not_supported(q, k, v, landmarks, options.op_options))
         if not reasons:

@@ -10,7 +10,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from . import reference
-from ._checks import trace_quiet
+from ._checks import KERNELS, trace_quiet
 from .backends import cpu
 
 #: Precisions of the refinement step's residual ``b - P x`` in an exported attention: 'fp64'
@@ -68,7 +68,7 @@ def kernel_form(form):
 
 
 def _kind_name(kind):
-    return next(name for name, code in cpu.KINDS.items() if code == kind)
+    return KERNELS[kind]
 
 
 def _symbolic(op, inputs, attrs, like, shapes, domain=ORT_DOMAIN):
@@ -253,15 +253,11 @@ def pairwise_placeholder(x, y, lam, kind):
                           num_landmarks)
 
 
-@contextlib.contextmanager
 def pairwise_placeholders():
     """Within the block (and the current thread or task) exported kernel matrices of the
     tokens are placeholder nodes, for :func:`expand_placeholders` to expand."""
-    token = reference.SIMILARITY_EXPORT.set(pairwise_placeholder)
-    try:
-        yield
-    finally:
-        reference.SIMILARITY_EXPORT.reset(token)
+    return _scoped(reference.SIMILARITY_EXPORT, 'similarity export', 'placeholders',
+                   {'placeholders': pairwise_placeholder})
 
 
 def expand_placeholders(proto):

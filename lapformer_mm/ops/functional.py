@@ -68,6 +68,10 @@ def injective_normalize(C, whiten_eps=1e-5):
 
 def landmark_matrix(landmarks, options):
     """P = k(L, L) + eps·I (..., m, m) for landmarks (..., m, d) and an ``AttentionOptions``."""
+    check_float_tensor('landmarks', landmarks, min_dim=2)
+    if not all(hasattr(options, field) for field in ('kernel', 'lam', 'eps')):
+        raise TypeError(f'options must be a lapformer_mm.ops.AttentionOptions (its kernel, lam '
+                        f'and eps), got {type(options).__name__} {options!r}')
     dtype = reference.compute_dtype(landmarks.dtype)
     return reference.landmark_system(landmarks.to(dtype), options.lam, options.eps,
                                      options.kernel)

@@ -26,7 +26,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_float_tensor, check_int, check_square
+from ._checks import KERNELS, check_float_tensor, check_int, check_square
+
+#: A kernel's code in the compiled kernels (the C++ and CUDA KIND template argument, the ONNX
+#: Runtime nodes' attribute): its index in ``KERNELS``.
+KERNEL_CODES = {name: code for code, name in enumerate(KERNELS)}
 
 
 class OpOptions(NamedTuple):

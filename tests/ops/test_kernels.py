@@ -143,3 +143,16 @@ def test_kernels_finite_bounded_and_equal_to_dense_fp64_for_any_shape(inputs):
                                rtol=1e-4, atol=1e-6)
     (k * torch.randn_like(k)).sum().backward()
     assert finite(x.grad, y.grad)
+
+
+def test_landmark_matrix_is_the_ridged_kernel_of_the_landmarks_and_checks_its_arguments():
+    from lapformer_mm.ops import AttentionOptions, landmark_matrix
+    landmarks = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    expected = dense_l1_kernel(landmarks, landmarks, 4.0) + 0.01 * torch.eye(5,
+                                                                           dtype=torch.float64)
+    torch.testing.assert_close(landmark_matrix(landmarks, AttentionOptions()), expected)
+    with pytest.raises(TypeError, match=r"options must be a lapformer_mm.ops.AttentionOptions "
+                                        r"\(its kernel, lam and eps\), got dict"):
+        landmark_matrix(landmarks, dict(lam=4.0, eps=0.01, kernel='laplacian'))
+    with pytest.raises(TypeError, match='landmarks must be a floating-point tensor'):
+        landmark_matrix(torch.ones(5, 4, dtype=torch.int64), AttentionOptions())

@@ -18,7 +18,8 @@ from .. import reference
 NAME = 'cpu'
 DEVICE = 'cpu'
 ENV_VAR = 'LAPFORMER_CPU_EXT'
-KINDS = {'laplacian': 0, 'gaussian': 1}
+#: What makes the backend usable where it is not.
+INSTALL_HINT = 'reinstall with a C++ compiler: pip install --no-build-isolation -e .'
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # torch.backends.cpu.get_cpu_capability() -> the builds that may run there, best first.
@@ -51,7 +52,7 @@ def load():
     if result is None:
         result = None, (f'no build of the CPU kernels is installed (looked for '
                         f'{", ".join(f"lapformer_mm._cpu_{b}" for b in tried)}; '
-                        f'reinstall with a C++ compiler: pip install --no-build-isolation -e .)')
+                        f'{INSTALL_HINT})')
     _LOADED.append(result)
     return result
 
@@ -106,7 +107,7 @@ def not_supported(q, k, v, landmarks, opts):
 
 def _landmark_system(ops, landmarks, opts):
     """(k(L, L), P = k(L, L) + eps·I), (B, h, m, m) in the compute dtype."""
-    w = ops.pairwise_forward(landmarks, landmarks, opts.lam, KINDS[opts.kernel])
+    w = ops.pairwise_forward(landmarks, landmarks, opts.lam, reference.KERNEL_CODES[opts.kernel])
     return w, w + opts.eps * torch.eye(w.shape[-1], dtype=w.dtype)
 
 
@@ -120,7 +121,7 @@ def forward(q, k, v, landmarks, opts, ops=None):
     statistics and keeps k(q, L) for out = k(q, L) A + 1 bᵀ, A = (I − J/m) diag(s) context,
     b = colsum(context) / m (the whitening folded in; the rows centred before the product).
     """
-    ops, kind = ops or _ops(), KINDS[opts.kernel]
+    ops, kind = ops or _ops(), reference.KERNEL_CODES[opts.kernel]
     injective = opts.normalize == 'injective'
     with torch.autocast(device_type='cpu', enabled=False):
         _, P = _landmark_system(ops, landmarks, opts)
@@ -156,7 +157,7 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
     dC_k = v dRᵀ and dv = C_k dR) and the kernel gradient of q and L; separate keys take a
     third pass over k.
     """
-    ops, kind = _ops(), KINDS[opts.kernel]
+    ops, kind = _ops(), reference.KERNEL_CODES[opts.kernel]
     injective = opts.normalize == 'injective'
     g = grad.transpose(1, 2)
     with torch.autocast(device_type='cpu', enabled=False):

@@ -22,16 +22,18 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..reference import KERNEL_CODES
+
 NAME = 'cupy'
 DEVICE = 'cuda'
+#: What makes the backend usable where it is not.
+INSTALL_HINT = 'pip install cupy-cuda12x or cupy-cuda13x (matching the CUDA driver)'
 SOURCE = 'nystrom_attention.cu'
 #: NVRTC options besides the variant's ``-D`` ones. CuPy adds the device's architecture.
 NVRTC_OPTIONS = ('-std=c++17',)
 
 #: torch dtype -> C++ element type of the kernels (fp64 runs the reference).
 ELEMENT_TYPES = {torch.float32: 'float', torch.float16: 'lap_half', torch.bfloat16: 'lap_bf16'}
-#: The similarity of ``opts.kernel`` -> the kernels' KIND template argument.
-KINDS = {'laplacian': 0, 'gaussian': 1}
 
 FORWARD = ('nys_forward_stats', 'nys_forward_solve', 'nys_forward_context', 'nys_forward_out')
 BACKWARD = ('nys_backward_reduce', 'nys_backward_merge', 'nys_backward_solve',
@@ -65,7 +67,7 @@ def kernel_name(stage, element_type, kind):
 def kernel_names(element_types=tuple(ELEMENT_TYPES.values())):
     """Every instantiation the host can launch for these element types (one compile)."""
     return list(dict.fromkeys(kernel_name(stage, element, kind) for element in element_types
-                              for kind in KINDS.values() for stage in STAGES))
+                              for kind in KERNEL_CODES.values() for stage in STAGES))
 
 
 class Variant(NamedTuple):
@@ -295,8 +297,9 @@ def not_supported(q, k, v, landmarks, opts):
                      elements=max(q.numel(), v.numel()))
         reasons += [f'{name} = {value:,} exceeds the kernels\' 32-bit index range'
                     for name, value in sizes.items() if value > _MAX_SIZE]
-        if opts.kernel not in KINDS:
-            reasons.append(f'kernel {opts.kernel!r}; the CUDA kernels take {", ".join(KINDS)}')
+        if opts.kernel not in KERNEL_CODES:
+            reasons.append(f'kernel {opts.kernel!r}; the CUDA kernels take '
+                           f'{", ".join(KERNEL_CODES)}')
         limits = device_limits(q.device)
         reasons += _device_reasons(limits)
         found = plan(landmarks.shape[2], v.shape[3], limits.smem_optin)
@@ -343,7 +346,7 @@ def _call(q, k, v, landmarks, opts, shapes):
     limits = device_limits(q.device)
     found = plan(landmarks.shape[2], v.shape[3], limits.smem_optin)
     n_splits, chunk = splits(batch * heads, n, target_blocks(q.device), found.variant.tn)
-    kind = KINDS[opts.kernel]
+    kind = KERNEL_CODES[opts.kernel]
     p = np.zeros(1, PARAMS_DTYPE)
     for name, t in (('q', q), ('k', k), ('v', v), ('L', landmarks)):
         set_operand(p, name, t)
@@ -353,7 +356,7 @@ def _call(q, k, v, landmarks, opts, shapes):
     p['iters'], p['init_authors'] = opts.iters, opts.ns_init == 'authors'
     p['refine'], p['injective'] = bool(opts.ns_refine), opts.normalize == 'injective'
     p['neg_inv_lam'] = -1.0 / opts.lam
-    p['neg_coef'] = -(1.0 if kind == KINDS['laplacian'] else 2.0) / opts.lam
+    p['neg_coef'] = -(1.0 if kind == KERNEL_CODES['laplacian'] else 2.0) / opts.lam
     p['eps'], p['whiten_eps'] = opts.eps, opts.whiten_eps
     element = ELEMENT_TYPES[q.dtype]
 
@@ -450,18 +453,26 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
 
 
 def warmup(device=None, dtypes=(torch.float32,), value_dims=(32, 64), m=MAX_M):
-    """Compile, load and opt in the kernels the op will pick on ``device`` for these dtypes
-    and value widths, ahead of any CUDA-graph capture (a first use inside a capture raises
-    :class:`CaptureError`). Returns the variants loaded."""
-    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+    """Compile, load and opt in the kernels the op will pick on ``device`` (default: the
+    current one) for these dtypes and value widths, ahead of any CUDA-graph capture (a first
+    use inside a capture raises :class:`CaptureError`). Returns the variants loaded; a dtype
+    or width the kernels do not take is a ValueError (the op would run the reference)."""
+    index = None if device is None else torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    for dtype in dtypes:
+        if dtype not in ELEMENT_TYPES:
+            raise ValueError(f'dtypes: the CUDA kernels take '
+                             f'{", ".join(map(str, ELEMENT_TYPES))}, got {dtype}')
     limits = device_limits(torch.device('cuda', index))
     loaded = []
     for dv in value_dims:
         found = plan(m, dv, limits.smem_optin)
-        if isinstance(found, Plan):
-            for dtype in dtypes:
-                load_group(index, found.variant, ELEMENT_TYPES[dtype], limits.smem_optin)
-                loaded.append((found.variant.name, dtype))
+        if not isinstance(found, Plan):
+            raise ValueError(f'value_dims: no kernels for d_v = {dv} on device {index} '
+                             f'({"; ".join(found)})')
+        for dtype in dtypes:
+            load_group(index, found.variant, ELEMENT_TYPES[dtype], limits.smem_optin)
+            loaded.append((found.variant.name, dtype))
     return loaded
 
 
@@ -506,14 +517,14 @@ def import_cupy():
     try:
         import cupy
     except ImportError as exc:
-        raise ImportError('the CUDA backend needs CuPy: pip install cupy-cuda12x or '
-                          'cupy-cuda13x (matching your CUDA driver)') from exc
+        raise ImportError(f'the CUDA backend needs CuPy: {INSTALL_HINT}') from exc
     return cupy
 
 
 def capturing(device_index):
     """Whether PyTorch's current stream on the device is capturing a CUDA graph."""
-    return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device_index):
+        return torch.cuda.is_current_stream_capturing()
 
 
 _lock = threading.Lock()

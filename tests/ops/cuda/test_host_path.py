@@ -213,3 +213,13 @@ def test_not_supported_never_raises(monkeypatch):
     assert reasons and 'insufficient' in reasons[0]
     monkeypatch.setattr(cuda, 'device_limits', lambda device: H200)
     assert cuda.not_supported(q, None, q, q, cuda_options()) == ()
+
+
+def test_warmup_names_what_the_kernels_do_not_take(fake):
+    with pytest.raises(ValueError, match=r'dtypes: the CUDA kernels take torch.float32, '
+                                         r'torch.float16, torch.bfloat16, got torch.float64'):
+        cuda.warmup(torch.device('cuda', 0), dtypes=(torch.float64,))
+    with pytest.raises(ValueError, match=r'value_dims: no kernels for d_v = 96 on device 0 '
+                                         r'\(d_v = 96 value columns; the CUDA kernels take 1 '
+                                         r'to 64\)'):
+        cuda.warmup(torch.device('cuda', 0), value_dims=(96,))
