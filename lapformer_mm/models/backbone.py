@@ -258,7 +258,9 @@ class LaplacianFormer(BaseModule):
             if init_cfg is not None:
                 raise ValueError('give either pretrained or init_cfg, not '
                                  f'both (pretrained={pretrained!r}, '
-                                 f'init_cfg={init_cfg!r})')
+                                 f'init_cfg={init_cfg!r}); for another checkpoint where '
+                                 'the config has a Pretrained init_cfg, set '
+                                 'model.backbone.init_cfg.checkpoint=PATH')
             # A UserWarning, as mmdet's PVT and Swin: Python hides DeprecationWarnings
             # raised outside __main__.
             warnings.warn('LaplacianFormer: pretrained= is deprecated, use '
