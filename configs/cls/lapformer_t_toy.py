@@ -9,8 +9,8 @@
 # Against the ImageNet recipe (_base_/lapformer_in1k.py): no Mixup/CutMix, RandAugment,
 # random erasing, label smoothing or EMA (3 epochs on 2000 images), lr 3e-4 (1e-3 kept the
 # loss near ln 4 for 3 epochs in a trial on a shape-only, 32 px variant of the set). As
-# there, out_indices=(3,): the detector's output norms of stages 1-3 (norm0-norm2, on its
-# returned maps only) are the converted checkpoint's only missing keys.
+# there, out_indices=(3,); every stage's norm is in the backbone all the same, so the
+# converted checkpoint loads into the detection backbone with no missing keys.
 # The pixel normalisation is the detection config's (mmdet's ImageNet mean/std, BGR->RGB).
 _base_ = [
     'mmpretrain::_base_/default_runtime.py',

@@ -4,8 +4,8 @@
 # The checkpoint comes from `make pretrain` (tools/pretrain_job.sh): configs/cls/
 # lapformer_t_toy.py trained on data/toy_imagenet, then tools/convert_cls_to_backbone.py.
 # Another checkpoint: `--cfg-options model.backbone.init_cfg.checkpoint=PATH`.
-# The classifier has out_indices=(0, 1, 2, 3) like this backbone, so the file holds every
-# backbone tensor and the load logs no missing or unexpected keys.
+# The classifier returns stage 4 only (out_indices=(3,), as the ImageNet recipe) and holds
+# every stage's norm all the same, so the load logs no missing or unexpected keys.
 _base_ = ['./maskrcnn_lapformer_t_toy.py']
 
 model = dict(

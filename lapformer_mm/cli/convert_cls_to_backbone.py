@@ -9,8 +9,7 @@ layout that ``lapformer_mm.models.pretrained`` accepts); it is read with
 gets ``{'state_dict': backbone tensors, 'meta': {...}}`` without the ``backbone.``
 prefix, for ``init_cfg=dict(type='Pretrained', checkpoint=OUT_PTH)`` in detection
 and segmentation configs. With ``--arch``, the keys are checked against that
-backbone before anything is written: missing/unexpected keys are printed (the output
-norms norm0-norm2 of a detection backbone are expected to be missing), and tensors of
+backbone before anything is written: missing/unexpected keys are printed, and tensors of
 another shape or stages of another depth stop the conversion.
 """
 import argparse

@@ -195,7 +195,7 @@ class LaplacianFormer(BaseModule):
             (the SOFT layout), separate in stage 4, which lands on the
             paper's Medium size (docs/model_size.md).
         norm_cfg (dict): Norm of the tokens (the blocks' two pre-norms and
-            the output norms), as in mmdet's PVT; it must normalise the last
+            each stage's closing norm), as in mmdet's PVT; it must normalise the last
             dimension of (B, N, C). Default dict(type='LN').
         act_cfg (dict): Activation of the MLPs. Default dict(type='GELU').
         conv_norm_cfg (dict): Norm of the stem's and the downsampling
@@ -212,7 +212,7 @@ class LaplacianFormer(BaseModule):
             'softmax' (plain multi-head attention with separate q, k, v, the
             SOFT layout; ``attn_cfg`` does not apply to it).
         frozen_stages (int): -1 freezes nothing, 0 the stem, k >= 1 the stem
-            and stages 1..k (with their output norms). At most ``num_stages``.
+            and stages 1..k (with their closing norms). At most ``num_stages``.
         norm_eval (bool): Keep BatchNorm layers (of ``conv_norm_cfg``) in
             eval mode during training. Default False.
         with_cp (bool): Gradient checkpointing of each block. Default False.
@@ -343,7 +343,7 @@ class LaplacianFormer(BaseModule):
                 nn.Identity() if i == 0 else conv_norm_act(
                     dims[i - 1], dims[i], 2, conv_norm_cfg, conv_act_cfg))
             self.stages.append(LaplacianFormerStage(downsample, blocks))
-        for i in self.out_indices:
+        for i in range(num_stages):
             self.add_module(f'norm{i}', build_token_norm(norm_cfg, dims[i]))
         self._freeze_stages()
 
@@ -398,7 +398,7 @@ class LaplacianFormer(BaseModule):
             self._check_export_range(x)
         x = self.stem(x)
         outs = []
-        for i, stage in enumerate(self.stages[:max(self.out_indices) + 1]):
+        for i, stage in enumerate(self._stages_run()):
             x = stage.downsample(x)
             # Python ints for the attention's checks, also under the FLOP counter's jit trace
             # (its sizes are tensors); symbolic while exporting, where int() would freeze
@@ -412,21 +412,21 @@ class LaplacianFormer(BaseModule):
                     x = cp.checkpoint(block, x, hw, use_reentrant=False)
                 else:
                     x = block(x, hw)
+            # Every stage ends with its norm, returned or not, as mmdet's PVT: the
+            # stream, and so a classifier's weights, do not depend on out_indices.
+            x = tokens_to_map(getattr(self, f'norm{i}')(x), hw)
             if i in self.out_indices:
-                # The output norm acts on the returned map only, as Swin's: in the
-                # stream it would put a layer between stages that only some
-                # out_indices have (a classifier's weights then met untrained norms).
                 # Contiguous NCHW: mmcv's RoIAlign (and other ops that index raw
                 # memory) read channels-last strides as garbage.
-                outs.append(tokens_to_map(getattr(self, f'norm{i}')(x), hw).contiguous())
-            x = tokens_to_map(x, hw)
+                outs.append(x.contiguous())
         return tuple(outs)
 
     def get_layer_depth(self, param_name: str, prefix: str = '') -> Tuple[int, int]:
         """(depth, number of depths) of a parameter, for mmpretrain's layer-wise learning
         rate decay (``LearningRateDecayOptimWrapperConstructor``), as its Swin's: the stem
-        0, the blocks 1, 2, ... in order, a stage's downsampling with the block before it,
-        everything else (the output norms, a head: names without ``prefix``) the last."""
+        0, the blocks 1, 2, ... in order, a stage's downsampling and its norm with the
+        blocks before and after, everything else (a head: names without ``prefix``) the
+        last."""
         depths = self.arch_settings['depths'][:self.num_stages]
         num_layers = sum(depths) + 2
         if not param_name.startswith(prefix):
@@ -434,12 +434,18 @@ class LaplacianFormer(BaseModule):
         parts = param_name[len(prefix):].split('.')
         if parts[0] == 'stem':
             return 0, num_layers
+        if parts[0].startswith('norm') and parts[0][4:].isdigit():
+            return sum(depths[:int(parts[0][4:]) + 1]), num_layers
         if parts[0] == 'stages':
             stage = int(parts[1])
             if parts[2] == 'blocks':
                 return sum(depths[:stage]) + int(parts[3]) + 1, num_layers
             return sum(depths[:stage]), num_layers
         return num_layers - 1, num_layers
+
+    def _stages_run(self) -> nn.ModuleList:
+        """The stages forward runs: up to the last one returned."""
+        return self.stages[:max(self.out_indices) + 1]
 
     def export_min_size(self) -> int:
         """The smallest image height (and width) this backbone exports for.
@@ -452,7 +458,7 @@ class LaplacianFormer(BaseModule):
         (docs/deploy.md).
         """
         minimum = 1
-        for stride, stage in zip(STAGE_STRIDES, self.stages):
+        for stride, stage in zip(STAGE_STRIDES, self._stages_run()):
             for block in stage.blocks:
                 if isinstance(block.attn, LaplacianAttention):
                     minimum = max(minimum, (block.attn.landmark_grid - 1) * stride + 1)
@@ -475,14 +481,15 @@ class LaplacianFormer(BaseModule):
             self._check_batch_norm_sizes(x.shape[2], x.shape[3])
 
     def _check_batch_norm_sizes(self, height: int, width: int) -> None:
-        """A batch of one image whose smallest map with a BatchNorm (the last stage's
-        downsampling) is 1×1: torch's error ("Expected more than 1 value per channel") would
-        name neither the layer nor the rule."""
-        stride = STAGE_STRIDES[self.num_stages - 1]
+        """A batch of one image whose smallest map with a BatchNorm (the last stage run's
+        downsampling, or the stem's) is 1×1: torch's error ("Expected more than 1 value per
+        channel") would name neither the layer nor the rule."""
+        run = self._stages_run()
+        stride = STAGE_STRIDES[len(run) - 1]
         if -(-height // stride) > 1 or -(-width // stride) > 1:
             return
-        norm = next((m for m in self.modules() if isinstance(m, _BatchNorm) and m.training),
-                    None)
+        norm = next((m for part in (self.stem, run) for m in part.modules()
+                     if isinstance(m, _BatchNorm) and m.training), None)
         if norm is None:
             return
         raise ValueError(
@@ -524,9 +531,7 @@ class LaplacianFormer(BaseModule):
             return []
         modules = [self.stem]
         for i in range(self.frozen_stages):
-            modules.append(self.stages[i])
-            if i in self.out_indices:
-                modules.append(getattr(self, f'norm{i}'))
+            modules += [self.stages[i], getattr(self, f'norm{i}')]
         return modules
 
     def _freeze_stages(self) -> None:

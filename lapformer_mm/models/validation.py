@@ -40,6 +40,11 @@ class ModelConfigError(ValueError):
     """A model config whose backbone does not fit the rest; the message names the fix."""
 
 
+#: mmseg's decode heads take the last map by default (BaseDecodeHead(in_index=-1)); a neck
+#: takes them all.
+HEAD_IN_INDEX = -1
+
+
 def _consumers(model_cfg: Mapping):
     """[(name, cfg)] of the modules that take the backbone's maps: the neck, or without one
     the decode head and the auxiliary head(s) (mmseg)."""
@@ -51,6 +56,8 @@ def _consumers(model_cfg: Mapping):
                 '(a segmentor: set model.decode_head.in_channels and '
                 'model.auxiliary_head.in_channels instead)')
         return [('neck', neck)]
+    if neck is not None:  # a list of necks: the first takes the maps, unchecked
+        return []
     found = []
     head = model_cfg.get('decode_head')
     if isinstance(head, Mapping):
@@ -70,9 +77,10 @@ def unknown_backbone_keys(backbone_cfg: Mapping) -> List[str]:
     return sorted(k for k in backbone_cfg if k not in taken | {'type', '_scope_'})
 
 
-def expected_in_channels(out_channels: Sequence[int], consumer: Mapping):
-    """What ``consumer.in_channels`` must be; a decode head may pick maps by ``in_index``."""
-    in_index = consumer.get('in_index')
+def expected_in_channels(out_channels: Sequence[int], consumer: Mapping, in_index=None):
+    """What ``consumer.in_channels`` must be; a head picks maps by its ``in_index`` (default
+    ``in_index``)."""
+    in_index = consumer.get('in_index', in_index)
     if isinstance(in_index, int):
         return out_channels[in_index]
     if isinstance(in_index, Sequence):
@@ -91,7 +99,8 @@ def _compare(where, got, out_channels, consumer, backbone):
     if got is None:
         return
     try:
-        expected = expected_in_channels(out_channels, consumer)
+        expected = expected_in_channels(out_channels, consumer,
+                                        None if where == 'neck' else HEAD_IN_INDEX)
     except IndexError:
         raise ModelConfigError(
             f'model.{where}.in_index={consumer.get("in_index")!r} selects maps that the '
@@ -116,6 +125,10 @@ def check_model_cfg(model_cfg: Mapping) -> None:
     if out_channels is None:
         return
     unknown = unknown_backbone_keys(backbone)
+    if '_delete_' in unknown:
+        raise ModelConfigError(
+            'model.backbone has _delete_=True but the _base_ config has no backbone for it to '
+            'replace (mmengine then passes it on): remove _delete_')
     if unknown:
         raise ModelConfigError(
             f'model.backbone has keys LaplacianFormer does not take: {", ".join(unknown)} '

@@ -68,10 +68,10 @@ def test_out_indices_select_the_stages_returned_in_order(indices):
 
 @pytest.mark.filterwarnings('ignore:LaplacianFormer. out_indices=')
 def test_out_indices_select_outputs_without_changing_them():
-    """The output norms act on the returned maps only, as Swin's: the same weights give the
-    same stage maps whichever stages are returned, so a classifier's weights
-    (out_indices=(3,)) run unchanged in a detector's (0, 1, 2, 3). (With the norms in the
-    stream, stage 4 differed by more than its own size.)"""
+    """Every stage ends with its norm, returned or not, as mmdet's PVT: the same weights
+    give the same stage maps whichever stages are returned, so a classifier's weights
+    (out_indices=(3,)) run unchanged in a detector's (0, 1, 2, 3). (With a norm in the
+    stream only for the stages returned, stage 4 differed by more than its own size.)"""
     torch.manual_seed(0)
     full = LaplacianFormer(SMALL_ARCH, drop_path_rate=0.0)
     full.init_weights()
@@ -102,6 +102,7 @@ def test_stages_after_the_last_returned_one_do_not_run_and_are_named():
     model.stages[2].downsample.register_forward_hook(lambda *args: calls.append(1))
     outs = model(torch.randn(2, 3, 64, 64))
     assert len(outs) == 2 and not calls
+    assert model.export_min_size() == 6 * 8 + 1  # the stages run: 7x7 landmarks at stride 8
     sum(o.sum() for o in outs).backward()
     assert all(p.grad is None for p in model.stages[3].parameters())
 
@@ -273,6 +274,8 @@ def test_training_batch_of_one_with_a_1x1_batchnorm_map_names_the_rule(size, ok)
     LaplacianFormer(SMALL_ARCH, norm_eval=True).train()(x)  # BatchNorm in eval mode
     LaplacianFormer(SMALL_ARCH, num_stages=2, out_indices=(1, )).train()(
         torch.randn(1, 3, 9, 9))  # two stages: the last BatchNorm map is 2x2, at stride 8
+    with pytest.warns(UserWarning, match='returns no map of stages 3-4'):
+        LaplacianFormer(SMALL_ARCH, out_indices=(1, )).train()(torch.randn(1, 3, 9, 9))
 
 
 def test_arch_dict_takes_numpy_integers():

@@ -146,7 +146,7 @@ def test_layer_wise_lr_decay_of_mmpretrain_reads_the_block_order():
     """mmpretrain's LearningRateDecayOptimWrapperConstructor (fine-tuning recipes) asks the
     backbone for each parameter's depth: the stem gets the smallest rate, each block
     rate**-1 more than the one before, a stage's downsampling the rate of the block before
-    it, the head the base rate."""
+    it, a stage's norm that of its last block, the head the base rate."""
     from mmengine.optim import build_optim_wrapper
     from mmengine.registry import DefaultScope
     from mmpretrain.registry import MODELS
@@ -164,4 +164,5 @@ def test_layer_wise_lr_decay_of_mmpretrain_reads_the_block_order():
     assert lr['backbone.stages.0.blocks.0.attn.qkv.weight'] == 0.5 ** (top - 1)
     assert lr['backbone.stages.1.downsample.0.weight'] == 0.5 ** (top - 1)
     assert lr[f'backbone.stages.3.blocks.{depths[3] - 1}.mlp.fc2.bias'] == 0.5 ** 1
-    assert lr['backbone.norm3.weight'] == lr['head.fc.weight'] == 1.0
+    assert lr['backbone.norm1.weight'] == 0.5 ** (top - depths[0] - depths[1])
+    assert lr['backbone.norm3.weight'] == 0.5 ** 1 and lr['head.fc.weight'] == 1.0

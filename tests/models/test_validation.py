@@ -131,3 +131,29 @@ def test_another_backbones_keys_name_delete():
     with pytest.raises(ValueError, match='keys LaplacianFormer does not take: convert_weights, '
                                          'embed_dims, num_layers .*_delete_=True'):
         check_model_cfg(model)
+
+
+def test_heads_without_in_index_take_the_last_map_and_list_necks_are_left_alone():
+    """mmseg's BaseDecodeHead defaults to in_index=-1; a list of necks (mmengine builds a
+    Sequential) takes the maps in its first neck, whose channels are not checked here."""
+    model = Config.fromfile(UPERNET_CONFIG).model
+    model.auxiliary_head.pop('in_index', None)
+    model.auxiliary_head.in_channels = 512
+    check_model_cfg(model)
+    model.auxiliary_head.in_channels = 320
+    with pytest.raises(ValueError, match=r'set model.auxiliary_head.in_channels=512'):
+        check_model_cfg(model)
+    model = Config.fromfile(UPERNET_CONFIG).model
+    model.neck = [dict(type='FPN', in_channels=[64, 128, 320, 512], out_channels=256,
+                       num_outs=4)]
+    model.decode_head.in_channels = [256] * 4
+    model.auxiliary_head.in_channels = 256
+    check_model_cfg(model)
+
+
+def test_delete_without_a_base_backbone_says_to_remove_it():
+    model = toy_model_cfg()
+    model.backbone['_delete_'] = True
+    with pytest.raises(ValueError, match='has _delete_=True but the _base_ config has no '
+                                         'backbone .*remove _delete_'):
+        check_model_cfg(model)

@@ -313,7 +313,8 @@ __device__ __forceinline__ void ns_job_add_partials(const ns_job& j, const S* sc
 // so with R_t = I - P X_t the same step is X <- X + X R and R <- R R (R_{t+1} = R_t^2 in
 // exact arithmetic): two symmetric products of upper tiles (2 x 76K multiply-adds at
 // m = 49) that run side by side on two barriers, where Newton's form needs P X whole
-// (140K) then X (P X) (76K), one after the other on four. That product form does not
+// (140K) then X (P X) whole (140K) and the mean with its transpose, one after the other
+// on five. That product form does not
 // correct its own rounding (alone, an fp32 X 5-12x further from P^-1 at cond(P) 75-4901),
 // so the last NS_NEWTON_STEPS steps are Newton's: one brings X back to Newton's accuracy
 // (test_inverse_is_as_accurate_as_newtons_form in tests/ops/cuda; in an fp32 study over

@@ -758,6 +758,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_reduce(const nys_par
     __shared__ float gt[NYS_TN][NYS_DV + 1];
     float (*ct)[NYS_MP + 1] = rs.ct;
     const float* rm = rs.rm;
+    const float* rc = rs.rc;
     const int tid = nys_tid();
     const int m = p.m, dv = p.dv;
     const int split = blockIdx.x, splits = gridDim.x;
@@ -776,10 +777,10 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_reduce(const nys_par
             nys_kernel_tile<NYS_TN, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
                                              rs.xs, rs.ys, rs.ct);
             if (p.injective) {
-                nys_row_means<NYS_TN>(rs.ct, nrows, p.m, rs.rm);
+                nys_row_means<NYS_TN>(rs.ct, nrows, p.m, rs.rm, rs.rc);
                 for (int e = tid; e < NYS_TN * NYS_MP; e += NYS_THREADS) {
                     const int i = e / NYS_MP, j = e % NYS_MP;
-                    if (i < nrows && j < m) ct[i][j] -= rm[i];
+                    if (i < nrows && j < m) ct[i][j] = ct[i][j] - rm[i] - rc[i];
                 }
             }
             nys_load_rows<NYS_TN, NYS_DV, T>(gb + row0 * p.g.sn, p.g.sn, p.g.sd, nrows, dv, gt);

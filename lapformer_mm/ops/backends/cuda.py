@@ -452,11 +452,12 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
     return dq, q.new_empty(0) if dk is None else dk, dv_out, dl
 
 
-def warmup(device=None, dtypes=(torch.float32,), value_dims=(32, 64), m=MAX_M):
+def warmup(device=None, dtypes=(torch.float32,), value_dims=None, m=MAX_M):
     """Compile, load and opt in the kernels the op will pick on ``device`` (default: the
-    current one) for these dtypes and value widths, ahead of any CUDA-graph capture (a first
-    use inside a capture raises :class:`CaptureError`). Returns the variants loaded; a dtype
-    or width the kernels do not take is a ValueError (the op would run the reference)."""
+    current one) for these dtypes and value widths (default: those of 32 and 64 the device
+    has kernels for), ahead of any CUDA-graph capture (a first use inside a capture raises
+    :class:`CaptureError`). Returns the variants loaded; a dtype, or a width given, that the
+    kernels do not take is a ValueError (the op would run the reference)."""
     index = None if device is None else torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     for dtype in dtypes:
@@ -464,6 +465,9 @@ def warmup(device=None, dtypes=(torch.float32,), value_dims=(32, 64), m=MAX_M):
             raise ValueError(f'dtypes: the CUDA kernels take '
                              f'{", ".join(map(str, ELEMENT_TYPES))}, got {dtype}')
     limits = device_limits(torch.device('cuda', index))
+    if value_dims is None:
+        value_dims = [dv for dv in (32, MAX_DV) if isinstance(plan(m, dv, limits.smem_optin),
+                                                              Plan)]
     loaded = []
     for dv in value_dims:
         found = plan(m, dv, limits.smem_optin)

@@ -333,6 +333,18 @@ def test_refinement_step_holds_near_identical_landmarks(launches, kernel, spread
     reference_error = error(impl='reference')
     assert fused <= 2 * reference_error + 1e-7, (fused, reference_error)
     assert unrefined > 10 * fused, (unrefined, fused)
+    # The gradients (the backward's passes centre the rows twice too).
+    launches.clear()
+    _, grads, grad = run(q, q, v, landmarks, True, kernel=kernel)
+    assert [e[0].split('<')[0] for e in launches] == [n.split('<')[0] for n in FORWARD + BACKWARD]
+    _, reference_grads, _ = run(q, q, v, landmarks, True, kernel=kernel, impl='reference')
+    _, expected_grads = dense(q, q, v, landmarks, True, grad, kernel=kernel)
+    for name, got, ref, want in zip('q v landmarks'.split(), grads, reference_grads,
+                                    expected_grads):
+        scale = want.abs().max().item()
+        got_error = (got.double() - want).abs().max().item() / scale
+        ref_error = (ref.double() - want).abs().max().item() / scale
+        assert got_error <= 2 * ref_error + 1e-7, (name, got_error, ref_error)
 
 
 @pytest.mark.parametrize('m', [49, 64])

@@ -215,7 +215,7 @@ def test_not_supported_never_raises(monkeypatch):
     assert cuda.not_supported(q, None, q, q, cuda_options()) == ()
 
 
-def test_warmup_names_what_the_kernels_do_not_take(fake):
+def test_warmup_names_what_the_kernels_do_not_take(fake, monkeypatch):
     with pytest.raises(ValueError, match=r'dtypes: the CUDA kernels take torch.float32, '
                                          r'torch.float16, torch.bfloat16, got torch.float64'):
         cuda.warmup(torch.device('cuda', 0), dtypes=(torch.float64,))
@@ -223,3 +223,10 @@ def test_warmup_names_what_the_kernels_do_not_take(fake):
                                          r'\(d_v = 96 value columns; the CUDA kernels take 1 '
                                          r'to 64\)'):
         cuda.warmup(torch.device('cuda', 0), value_dims=(96,))
+    # By default the widths the device has kernels for: a 48 KiB device (Pascal) has none,
+    # and the op runs the reference there; a width asked for is refused.
+    pascal = emulated_limits(smem_optin=48 * 1024, sms=2)
+    monkeypatch.setattr(cuda, 'device_limits', lambda device: pascal)
+    assert cuda.warmup(torch.device('cuda', 0)) == []
+    with pytest.raises(ValueError, match='value_dims: no kernels for d_v = 32 on device 0'):
+        cuda.warmup(torch.device('cuda', 0), value_dims=(32, ))
