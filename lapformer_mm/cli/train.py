@@ -89,9 +89,9 @@ def enable_amp(cfg):
     cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
     if wanted == 'CPUAmpOptimWrapper':
         dtype = cfg.optim_wrapper.get('dtype', 'bfloat16')
-        print_log(f'--amp on CPU: CPUAmpOptimWrapper, {dtype} autocast'
-                  + (' (no loss scale)' if dtype == 'bfloat16' else ', dynamic loss scale')
-                  + ("; optim_wrapper.dtype=float16 for fp16" if dtype == 'bfloat16' else ''),
+        scale = ('no loss scale; optim_wrapper.dtype=float16 for fp16' if dtype == 'bfloat16'
+                 else 'dynamic loss scale')
+        print_log(f'--amp on CPU: CPUAmpOptimWrapper, {dtype} autocast ({scale})',
                   logger='current')
 
 

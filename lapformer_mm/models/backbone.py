@@ -349,8 +349,7 @@ class LaplacianFormer(BaseModule):
 
     @staticmethod
     def _check_init_cfg(init_cfg) -> None:
-        entries = init_cfg if isinstance(init_cfg, list) else [init_cfg]
-        if init_cfg is None or all(isinstance(e, dict) for e in entries):
+        if all(isinstance(e, dict) for e in init_cfg_entries(init_cfg)):
             return
         hint = (' (--cfg-options passes a dict as a string: give a checkpoint with '
                 'model.backbone.init_cfg.checkpoint=PATH where the config has a Pretrained '
@@ -551,10 +550,7 @@ class LaplacianFormer(BaseModule):
         return self
 
     def _pretrained_cfg(self) -> Optional[dict]:
-        cfgs = self.init_cfg
-        if cfgs is None:
-            return None
-        for cfg in cfgs if isinstance(cfgs, list) else [cfgs]:
+        for cfg in init_cfg_entries(self.init_cfg):
             if is_pretrained_cfg(cfg):
                 if not cfg.get('checkpoint'):
                     raise ValueError("init_cfg of type 'Pretrained' needs a "
@@ -568,8 +564,7 @@ class LaplacianFormer(BaseModule):
         ``checkpoint`` and no ``type`` is a ``Pretrained`` one, as for mmdet's PVT."""
         pretrained = self._pretrained_cfg()
         self.apply(init_layer)
-        cfgs = self.init_cfg if isinstance(self.init_cfg, list) else [self.init_cfg]
-        others = [cfg for cfg in cfgs if cfg is not None and not is_pretrained_cfg(cfg)]
+        others = [cfg for cfg in init_cfg_entries(self.init_cfg) if not is_pretrained_cfg(cfg)]
         if others:
             initialize(self, others)
         if pretrained is not None:
@@ -579,6 +574,13 @@ class LaplacianFormer(BaseModule):
                 logger=MMLogger.get_current_instance(),
                 prefix=pretrained.get('prefix'))
         self._is_init = True
+
+
+def init_cfg_entries(init_cfg) -> list:
+    """An ``init_cfg`` (None, one entry or a list) as a list of its entries."""
+    if init_cfg is None:
+        return []
+    return list(init_cfg) if isinstance(init_cfg, list) else [init_cfg]
 
 
 def init_layer(module: nn.Module) -> None:

@@ -47,7 +47,7 @@ HEAD_IN_INDEX = -1
 
 def _consumers(model_cfg: Mapping):
     """[(name, cfg)] of the modules that take the backbone's maps: the neck, or without one
-    the decode head and the auxiliary head(s) (mmseg)."""
+    the decode head and the auxiliary head(s) (mmseg), a head's ``in_index`` defaulted."""
     neck = model_cfg.get('neck')
     if isinstance(neck, Mapping):
         if 'type' not in neck:
@@ -58,17 +58,14 @@ def _consumers(model_cfg: Mapping):
         return [('neck', neck)]
     if neck is not None:  # a list of necks: the first takes the maps, unchecked
         return []
-    found = []
-    head = model_cfg.get('decode_head')
-    if isinstance(head, Mapping):
-        found.append(('decode_head', head))
+    heads = [('decode_head', model_cfg.get('decode_head'))]
     aux = model_cfg.get('auxiliary_head')
-    if isinstance(aux, Mapping):
-        found.append(('auxiliary_head', aux))
-    elif isinstance(aux, Sequence) and not isinstance(aux, str):
-        found += [(f'auxiliary_head.{i}', h) for i, h in enumerate(aux)
-                  if isinstance(h, Mapping)]
-    return found
+    if isinstance(aux, Sequence) and not isinstance(aux, str):
+        heads += [(f'auxiliary_head.{i}', h) for i, h in enumerate(aux)]
+    else:
+        heads.append(('auxiliary_head', aux))
+    return [(name, {'in_index': HEAD_IN_INDEX, **head}) for name, head in heads
+            if isinstance(head, Mapping)]
 
 
 def unknown_backbone_keys(backbone_cfg: Mapping) -> List[str]:
@@ -77,10 +74,9 @@ def unknown_backbone_keys(backbone_cfg: Mapping) -> List[str]:
     return sorted(k for k in backbone_cfg if k not in taken | {'type', '_scope_'})
 
 
-def expected_in_channels(out_channels: Sequence[int], consumer: Mapping, in_index=None):
-    """What ``consumer.in_channels`` must be; a head picks maps by its ``in_index`` (default
-    ``in_index``)."""
-    in_index = consumer.get('in_index', in_index)
+def expected_in_channels(out_channels: Sequence[int], consumer: Mapping):
+    """What ``consumer.in_channels`` must be; a head picks maps by its ``in_index``."""
+    in_index = consumer.get('in_index')
     if isinstance(in_index, int):
         return out_channels[in_index]
     if isinstance(in_index, Sequence):
@@ -99,8 +95,7 @@ def _compare(where, got, out_channels, consumer, backbone):
     if got is None:
         return
     try:
-        expected = expected_in_channels(out_channels, consumer,
-                                        None if where == 'neck' else HEAD_IN_INDEX)
+        expected = expected_in_channels(out_channels, consumer)
     except IndexError:
         raise ModelConfigError(
             f'model.{where}.in_index={consumer.get("in_index")!r} selects maps that the '

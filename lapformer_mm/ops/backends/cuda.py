@@ -465,12 +465,11 @@ def warmup(device=None, dtypes=(torch.float32,), value_dims=None, m=MAX_M):
             raise ValueError(f'dtypes: the CUDA kernels take '
                              f'{", ".join(map(str, ELEMENT_TYPES))}, got {dtype}')
     limits = device_limits(torch.device('cuda', index))
+    plans = {dv: plan(m, dv, limits.smem_optin) for dv in value_dims or (32, MAX_DV)}
     if value_dims is None:
-        value_dims = [dv for dv in (32, MAX_DV) if isinstance(plan(m, dv, limits.smem_optin),
-                                                              Plan)]
+        plans = {dv: found for dv, found in plans.items() if isinstance(found, Plan)}
     loaded = []
-    for dv in value_dims:
-        found = plan(m, dv, limits.smem_optin)
+    for dv, found in plans.items():
         if not isinstance(found, Plan):
             raise ValueError(f'value_dims: no kernels for d_v = {dv} on device {index} '
                              f'({"; ".join(found)})')
