@@ -6,6 +6,7 @@ layout that lands on the paper's Medium size (docs/model_size.md).
 """
 import dataclasses
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -89,6 +90,12 @@ class LaplacianAttention(nn.Module):
         num_projections = 2 if self.qk_shared else 3
         self.qkv = nn.Linear(dim, num_projections * dim, bias=qkv_bias)
         self.local = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        # _local_term's channels-last input gives the weight's gradient channels-last
+        # strides, (9, 1, 3, 1) where the weight's are (9, 9, 3, 1): the same memory, but
+        # DistributedDataParallel compares strides exactly and warns. The weight takes the
+        # gradient's strides; .to(), clone and load_state_dict keep them.
+        weight = self.local.weight
+        weight.data = torch.empty_like(weight, memory_format=torch.channels_last).copy_(weight)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(check_probability('proj_drop', proj_drop))
         load_backends()

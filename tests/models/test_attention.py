@@ -1,4 +1,6 @@
 """LaplacianAttention module: wiring, shapes, AMP, validation."""
+import copy as copy_module
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,11 +50,19 @@ def test_qk_shared_drops_the_key_projection():
     assert n_separate - n_shared == 64 * 64 + 64
 
 
-def test_gradients_reach_every_parameter():
+@pytest.mark.parametrize('copy', ['built', 'deepcopy', 'double'])
+def test_gradients_reach_every_parameter_with_its_strides(copy):
+    """DistributedDataParallel warns when a gradient's strides differ from its parameter's."""
     module = LaplacianAttention(32, 4, qk_shared=False)
-    module(torch.randn(2, 64, 32), (8, 8)).square().mean().backward()
+    dtype = torch.float32
+    if copy == 'deepcopy':
+        module = copy_module.deepcopy(module)
+    elif copy == 'double':
+        module, dtype = module.double(), torch.float64
+    module(torch.randn(2, 64, 32, dtype=dtype), (8, 8)).square().mean().backward()
     for name, p in module.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+        assert p.grad.stride() == p.stride(), name
 
 
 @pytest.mark.parametrize('kernel', ['laplacian', 'gaussian'])
