@@ -49,12 +49,20 @@ def pickle_error(message):
 
 
 def _numpy_globals():
+    """numpy's array, dtype and scalar pickling globals, under both module spellings.
+
+    numpy 2 pickles them from ``numpy._core.multiarray``, numpy 1 from
+    ``numpy.core.multiarray``: a checkpoint saved on a cluster with the other major
+    version names the other module, and must load all the same.
+    """
     core = np._core if hasattr(np, '_core') else np.core
     scalar_dtypes = [type(np.dtype(t)) for t in (
         np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
         np.uint64, np.float16, np.float32, np.float64)]
-    return [np.ndarray, np.dtype, core.multiarray._reconstruct, core.multiarray.scalar,
-            *scalar_dtypes]
+    spellings = [(obj, f'numpy.{module}.multiarray.{obj.__name__}')
+                 for obj in (core.multiarray._reconstruct, core.multiarray.scalar)
+                 for module in ('core', '_core')]
+    return [np.ndarray, np.dtype, *spellings, *scalar_dtypes]
 
 
 def allow_mmengine_checkpoints():

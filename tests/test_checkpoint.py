@@ -31,6 +31,29 @@ def test_mmengine_checkpoint_loads_with_weights_only(full_checkpoint):
     assert safe_load(full_checkpoint)['meta']['epoch'] == 1
 
 
+@pytest.mark.parametrize('module', ['numpy.core.multiarray', 'numpy._core.multiarray'])
+def test_checkpoint_pickled_by_either_numpy_major_loads(full_checkpoint, tmp_path, module):
+    """numpy 1 pickles arrays from numpy.core, numpy 2 from numpy._core."""
+    import zipfile
+
+    saved = tmp_path / 'other_numpy.pth'
+    spellings = (b'numpy.core.multiarray\n', b'numpy._core.multiarray\n')
+    found = 0
+    with zipfile.ZipFile(full_checkpoint) as src, zipfile.ZipFile(saved, 'w') as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename.endswith('data.pkl'):
+                for spelling in spellings:
+                    found += data.count(spelling)
+                    data = data.replace(spelling, module.encode() + b'\n')
+            dst.writestr(item, data)
+    assert found, 'the checkpoint pickles no numpy array: nothing to respell'
+    checkpoint = safe_load(saved)
+    expected = torch.load(full_checkpoint, weights_only=True)['message_hub']
+    assert checkpoint['message_hub']['log_scalars']['train/loss'].mean() == pytest.approx(
+        expected['log_scalars']['train/loss'].mean())
+
+
 class RecordIterations(Hook):
 
     def __init__(self):
