@@ -30,6 +30,8 @@ from lapformer_mm.cli.train import (
     load_cfg,
     setup_cpu_distributed,
 )
+from lapformer_mm.models.validation import ModelConfigError
+from lapformer_mm.preflight import is_remote
 
 
 def parse_args(argv=None):
@@ -109,12 +111,12 @@ def apply_tta(cfg):
     if cfg.get('default_scope') == 'mmseg':
         missing = [key for key in ('tta_model', 'tta_pipeline') if key not in cfg]
         if missing:
-            raise ValueError(f'--tta needs {" and ".join(missing)} in the config (mmseg '
+            raise ModelConfigError(f'--tta needs {" and ".join(missing)} in the config (mmseg '
                              "defines them in its dataset and runtime bases)")
     else:
         if cfg.model.get('roi_head', {}).get('mask_head') is not None and (
                 'tta_model' not in cfg):
-            raise ValueError("--tta: mmdet's DetTTAModel merges boxes, not masks; this "
+            raise ModelConfigError("--tta: mmdet's DetTTAModel merges boxes, not masks; this "
                              'config predicts masks and defines no tta_model of its own')
         if 'tta_model' not in cfg:
             cfg.tta_model = DET_TTA_MODEL
@@ -131,7 +133,7 @@ def apply_tta(cfg):
 def build_cfg(args):
     """The test config with the command line applied."""
     cfg = load_cfg(args)
-    if not osp.isfile(args.checkpoint):
+    if not is_remote(args.checkpoint) and not osp.isfile(args.checkpoint):
         raise FileNotFoundError(f'checkpoint {args.checkpoint!r} does not exist')
     cfg.load_from = args.checkpoint
     cfg.resume = False

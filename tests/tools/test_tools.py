@@ -40,6 +40,7 @@ from lapformer_mm.checkpoint import safe_load
 from lapformer_mm.cli import coco_eval, make_toy_coco
 from lapformer_mm.cli import test as cli_test
 from lapformer_mm.cli import train as cli_train
+from lapformer_mm.models.validation import ModelConfigError
 
 
 def tiny_options(data_root, max_epochs):
@@ -351,10 +352,28 @@ def test_test_tool_tta_wraps_the_model_and_pipeline_as_mmdet_and_mmseg_do(tmp_pa
     cfg = cfg_of('configs/upernet_lapformer_t_ade20k.py')
     assert cfg.model.type == 'SegTTAModel' and cfg.model.module.type == 'EncoderDecoder'
     assert cfg.test_dataloader.dataset.pipeline == cfg.tta_pipeline
-    with pytest.raises(ValueError, match="DetTTAModel merges boxes, not masks"):
+    with pytest.raises(ModelConfigError, match="DetTTAModel merges boxes, not masks"):
         cfg_of('configs/toy/maskrcnn_lapformer_t_toy.py')
-    with pytest.raises(ValueError, match='--tta needs tta_pipeline in the config'):
+    with pytest.raises(ModelConfigError, match='--tta needs tta_pipeline in the config'):
         cfg_of('configs/toy/upernet_lapformer_t_toy.py')
+
+
+def test_test_tool_ends_a_config_problem_with_one_line_and_takes_remote_checkpoints(
+        tmp_path, capsys):
+    config = osp.join(ROOT, 'configs/toy/maskrcnn_lapformer_t_toy.py')
+    checkpoint = tmp_path / 'x.pth'
+    checkpoint.write_bytes(b'')
+    with pytest.raises(SystemExit) as exited:
+        cli_test.main([config, str(checkpoint), '--tta'])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tta: mmdet's DetTTAModel merges boxes, not masks")
+    assert 'Traceback' not in err
+    # mmdet's tool takes URLs and storage backends; the runner loads them.
+    for url in ('https://example.com/epoch_12.pth', 's3://bucket/epoch_12.pth'):
+        assert cli_test.build_cfg(cli_test.parse_args([config, url])).load_from == url
+    with pytest.raises(FileNotFoundError, match="checkpoint 'nope.pth' does not exist"):
+        cli_test.build_cfg(cli_test.parse_args([config, 'nope.pth']))
 
 
 @pytest.mark.slow(seconds=20)
