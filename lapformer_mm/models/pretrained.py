@@ -23,14 +23,23 @@ DDP_PREFIX = 'module.'
 
 def load_checkpoint_file(path_or_url: str,
                          map_location: str = 'cpu') -> Mapping:
-    """Read a local or http(s) checkpoint with ``weights_only=True``.
+    """Read a checkpoint with ``weights_only=True``: a local file, an http(s) URL, or any
+    other ``scheme://`` mmengine's ``CheckpointLoader`` knows (``s3://``, ``petrel://``,
+    ``open-mmlab://``, ...) as its ``Pretrained`` init does.
 
-    Raises RuntimeError for a file that needs arbitrary pickles (see
-    :func:`lapformer_mm.checkpoint.safe_load`).
+    Raises RuntimeError for a local file that needs arbitrary pickles (see
+    :func:`lapformer_mm.checkpoint.safe_load`); torch refuses such a remote one.
     """
-    if str(path_or_url).startswith(('http://', 'https://')):
+    path_or_url = str(path_or_url)
+    if path_or_url.startswith(('http://', 'https://')):
         return torch.hub.load_state_dict_from_url(
             path_or_url, map_location=map_location, weights_only=True)
+    if '://' in path_or_url:
+        from mmengine.runner import CheckpointLoader
+
+        # Its loaders call torch.load without weights_only: True on torch >= 2.6, with
+        # the allowlist of lapformer_mm.checkpoint.
+        return CheckpointLoader.load_checkpoint(path_or_url, map_location=map_location)
     return safe_load(path_or_url, map_location=map_location)
 
 

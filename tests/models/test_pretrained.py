@@ -143,11 +143,36 @@ def test_report_lists_missing_and_unexpected_keys(source, tmp_path):
     assert report.missing_keys == ()
 
 
-def test_wrong_arch_checkpoint_is_an_error(tmp_path):
-    other = LaplacianFormer('tiny', out_indices=(3, ))
-    path = write_checkpoint('plain', other.state_dict(), tmp_path / 'tiny.pth')
-    with pytest.raises(ValueError, match='does not fit'):
+def test_checkpoint_of_other_widths_and_the_same_depths_is_an_error(tmp_path):
+    other = LaplacianFormer(dict(ARCH, embed_dims=[16, 32, 64, 64]), out_indices=(3, ))
+    path = write_checkpoint('plain', other.state_dict(), tmp_path / 'wider.pth')
+    with pytest.raises(ValueError, match=r'does not fit the model .*\d+ tensors of another '
+                                         r'shape, e\.g\. stages\.2\.'):
         load_backbone_weights(small_model(out_indices=(3, )), path)
+
+
+def test_pretrained_from_a_storage_scheme_goes_through_mmengines_loader(source, tmp_path):
+    """s3://, petrel://, open-mmlab://: mmengine's CheckpointLoader, as its Pretrained init."""
+    from mmengine.runner import CheckpointLoader
+
+    write_checkpoint('mmengine', source.state_dict(), tmp_path / 'x.pth')
+    prefix = 'lapformer-test://'
+    seen = []
+
+    def load_from_test_storage(filename, map_location=None):
+        seen.append(filename)
+        return torch.load(tmp_path / filename[len(prefix):], map_location=map_location,
+                          weights_only=True)
+
+    CheckpointLoader.register_scheme(prefix, load_from_test_storage)
+    try:
+        target = small_model(out_indices=(3, ),
+                             init_cfg=dict(type='Pretrained', checkpoint=f'{prefix}x.pth'))
+        target.init_weights()
+    finally:
+        del CheckpointLoader._schemes[prefix]
+    assert seen == [f'{prefix}x.pth']
+    assert_same_weights(target, source.state_dict())
 
 
 def test_checkpoint_of_another_model_is_an_error(tmp_path):
