@@ -55,15 +55,18 @@ def _resumable_checkpoints(folder):
 
 
 def find_latest_checkpoint(path):
-    """mmengine's ``find_latest_checkpoint`` that survives a run killed while checkpointing.
+    """mmengine's ``find_latest_checkpoint`` that survives a run killed while checkpointing,
+    and a work dir that was moved.
 
     mmengine's ``CheckpointHook`` rewrites the ``last_checkpoint`` record in ``path`` in place
     after each save, so a kill can leave it empty, or naming a checkpoint that rotation
-    already deleted. Then the ``epoch_N.pth``/``iter_N.pth`` with the largest N beside the
-    record (or in ``path``) is used, with a warning. Returns None when there is neither a
-    record nor such a checkpoint (a fresh start, as in mmengine). Raises
-    ``FileNotFoundError`` when there is a record but nothing to resume from, rather than
-    silently training from scratch.
+    already deleted; and the record holds an absolute path, which a work dir moved or copied
+    to another mount (a re-queued job) no longer has. Then, with a warning: the recorded
+    file's name in ``path``, else the ``epoch_N.pth``/``iter_N.pth`` with the largest N
+    beside the recorded file, else in ``path``. Returns None when there is neither a record
+    nor such a checkpoint (a fresh start, as in mmengine). Raises ``FileNotFoundError`` when
+    there is a record but nothing to resume from, rather than silently training from
+    scratch.
     """
     record = os.path.join(path, 'last_checkpoint')
     recorded = None
@@ -72,18 +75,24 @@ def find_latest_checkpoint(path):
             recorded = f.read().strip()
     if recorded and ('://' in recorded or os.path.exists(recorded)):
         return recorded
-    folder = os.path.dirname(recorded) if recorded else path
-    candidates = _resumable_checkpoints(folder)
+    reason = (f'{record} names {recorded}, which does not exist' if recorded else
+              f'{record} is empty' if recorded == '' else f'there is no {record}')
+    moved = os.path.join(path, os.path.basename(recorded)) if recorded else None
+    if moved and os.path.exists(moved):
+        print_log(f'{reason} (the work dir was moved?); resuming from {moved}',
+                  logger='current', level=30)
+        return moved
+    folders = list(dict.fromkeys([os.path.dirname(recorded), path] if recorded else [path]))
+    candidates = next(filter(None, map(_resumable_checkpoints, folders)), [])
     if not candidates:
         if recorded is None:
             return None
-        state = f'names {recorded}, which does not exist' if recorded else 'is empty'
+        where = ' nor '.join(folders)
         raise FileNotFoundError(
-            f'{record} {state}, and {folder} holds no epoch_N.pth or iter_N.pth to resume from '
+            f'{reason}, and {"neither " if len(folders) > 1 else ""}{where} holds no '
+            'epoch_N.pth or iter_N.pth to resume from '
             "(checkpoints saved with CheckpointHook's out_dir are in out_dir/<work_dir name>: "
             'pass that file to --resume)')
-    reason = (f'{record} names {recorded}, which does not exist' if recorded else
-              f'{record} is empty' if recorded == '' else f'there is no {record}')
     print_log(f'{reason} (a run killed while checkpointing?); resuming from the latest '
               f'checkpoint, {candidates[-1]}', logger='current', level=30)
     return candidates[-1]

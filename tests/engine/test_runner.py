@@ -140,6 +140,17 @@ def test_auto_resume_accepts_a_recorded_checkpoint_directory(tmp_path):
     assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'iter_8.pth')
 
 
+@pytest.mark.parametrize('recorded, expected', [('epoch_2.pth', 'epoch_2.pth'),
+                                                   ('epoch_5.pth', 'epoch_3.pth')])
+def test_auto_resume_finds_the_checkpoints_of_a_moved_work_dir(tmp_path, recorded, expected):
+    """The record holds an absolute path; a re-queued job sees the work dir elsewhere."""
+    moved = tmp_path / 'new_mount' / 'work_dir'
+    moved.parent.mkdir()
+    write_checkpoints(moved, ['epoch_1.pth', 'epoch_3.pth', 'epoch_2.pth'])
+    (moved / 'last_checkpoint').write_text(str(tmp_path / 'old_mount' / 'work_dir' / recorded))
+    assert find_latest_checkpoint(str(moved)) == str(moved / expected)
+
+
 @pytest.mark.parametrize('record, message', [
     ('epoch_4.pth', 'epoch_4.pth, which does not exist'),
     ('', 'last_checkpoint is empty'),
