@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from _runner_helpers import TinyModel, assert_refused_with_hint, make_runner
+from mmengine.evaluator import BaseMetric, Evaluator
 from mmengine.runner import Runner
 
 import lapformer_mm  # noqa: F401
@@ -106,6 +107,38 @@ def test_safe_rotation_still_keeps_max_keep_ckpts(tmp_path):
                 runner_cls=SafeCheckpointRunner).train()
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith('.pth')) == [
         'epoch_2.pth', 'epoch_3.pth']
+
+
+class RisingScore(BaseMetric):
+    """A score that improves at every validation: a new best checkpoint each epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def process(self, data_batch, data_samples):
+        self.results.append(0)
+
+    def compute_metrics(self, results):
+        self.calls += 1
+        return dict(score=float(self.calls))
+
+
+def test_safe_rotation_with_save_best_keeps_the_latest_checkpoint(tmp_path):
+    """A new best makes mmengine save the step's checkpoint a second time; that second
+    save must not rotate the step's own checkpoint out."""
+    runner = make_runner(
+        tmp_path, 3, num_samples=4,
+        checkpoint=dict(max_keep_ckpts=1, save_best='score', rule='greater'),
+        runner_cls=SafeCheckpointRunner,
+        val_dataloader=dict(dataset=[dict(inputs=torch.zeros(2))], batch_size=1,
+                            collate_fn=dict(type='default_collate'),
+                            sampler=dict(type='DefaultSampler', shuffle=False)),
+        val_evaluator=Evaluator(RisingScore()), val_cfg=dict())
+    runner.train()
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith('.pth')) == [
+        'best_score_epoch_3.pth', 'epoch_3.pth']
+    assert (tmp_path / 'last_checkpoint').read_text() == str(tmp_path / 'epoch_3.pth')
 
 
 def write_checkpoints(folder, names):
