@@ -156,6 +156,33 @@ def test_coco_eval_matches_pycocotools(tmp_path, capsys):
     assert 0 < metrics['bbox']['AP'] < 1
 
 
+def test_coco_eval_takes_one_file_per_type_and_polygon_masks(tmp_path):
+    """mmdet's CocoMetric writes prefix.bbox.json and prefix.segm.json; other tools
+    write polygons."""
+    ann_file, _, results = write_eval_fixture(tmp_path)
+    boxes = [{k: v for k, v in r.items() if k != 'segmentation'} for r in results]
+    polygons = []
+    for r in results:
+        x, y, w, h = r['bbox']
+        polygons.append(dict(image_id=r['image_id'], category_id=r['category_id'],
+                             score=r['score'],
+                             segmentation=[[x, y, x + w, y, x + w, y + h, x, y + h]]))
+    files = []
+    for name, entries in (('res.bbox.json', boxes), ('res.segm.json', polygons)):
+        files.append(str(tmp_path / name))
+        (tmp_path / name).write_text(json.dumps(entries))
+    metrics = coco_eval.evaluate(ann_file, files, ('bbox', 'segm'), verbose=False)
+    assert [metrics['bbox'][k] for k in coco_eval.STAT_NAMES] == [
+        float(v) for v in pycocotools_stats(ann_file, results, 'bbox')]
+    as_rle = []
+    for r in polygons:
+        rle = mask_utils.merge(mask_utils.frPyObjects(r['segmentation'], 60, 80))
+        as_rle.append(dict(r, segmentation=dict(rle, counts=rle['counts'].decode())))
+    expected = pycocotools_stats(ann_file, as_rle, 'segm')
+    assert [metrics['segm'][k] for k in coco_eval.STAT_NAMES] == [float(v) for v in expected]
+    assert 0 < metrics['segm']['AP'] < 1
+
+
 def write_gt(tmp_path):
     gt = dict(images=[dict(id=1, width=40, height=30, file_name='1.png')],
               annotations=[dict(id=1, image_id=1, category_id=1, bbox=[5, 5, 10, 10],
