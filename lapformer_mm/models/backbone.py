@@ -392,8 +392,7 @@ class LaplacianFormer(BaseModule):
         """
         self._check_input(x)
         export = exporting()
-        if export and not torch.jit.is_tracing():
-            # torch.export (the TorchScript exporter traces with jit and has no ranges).
+        if export:
             self._check_export_range(x)
         x = self.stem(x)
         outs = []
@@ -497,33 +496,44 @@ class LaplacianFormer(BaseModule):
             f'channel: train with images over {stride} px on a side, batches of 2 or more, '
             "or conv_norm_cfg=dict(type='GN', num_groups=...)")
 
+    @trace_quiet
     def _check_export_range(self, x: torch.Tensor) -> None:
-        """Under torch.export: refuse an input range that reaches below export_min_size(), or
-        a Dim on one side only.
+        """While exporting: refuse an input size, or a torch.export range, that reaches below
+        export_min_size(), or a torch.export Dim on one side only.
 
-        A user's ``Dim('h', min=100)`` would otherwise fail deep in the trace with a
-        constraint violation that names a derived guard, not the rule.
+        The export form keeps m = g² landmarks at every size, so a smaller example would
+        trace a wrong graph without a word (the TorchScript exporter), and a user's
+        ``Dim('h', min=100)`` would fail deep in the trace with a constraint violation that
+        names a derived guard, not the rule.
         """
         from torch.fx.experimental.symbolic_shapes import statically_known_true
         minimum = self.export_min_size()
-        if isinstance(x.shape[2], torch.SymInt) != isinstance(x.shape[3], torch.SymInt):
+        rule = (f'every stage map with Laplacian attention must be at least its landmark '
+                f'grid, so H and W must be >= {minimum} for this model (docs/deploy.md)')
+        height, width = x.shape[2], x.shape[3]
+        symbolic = isinstance(height, torch.SymInt), isinstance(width, torch.SymInt)
+        if not any(symbolic):
+            # Static sizes: the TorchScript exporter, or torch.export without Dims.
+            if min(int(height), int(width)) < minimum:
+                raise ValueError(f'cannot export at the input size {int(height)}×{int(width)}: '
+                                 f'{rule}; export with a larger example input')
+            return
+        if not all(symbolic):
             # Each stage splits its N = H·W tokens into H × W; with one side static, N is
             # e.g. 74·x + 74 and torch.export cannot prove (74·x + 74) % (x + 1) == 0 (its
             # sympy keeps the product expanded).
-            side = 'height' if isinstance(x.shape[2], torch.SymInt) else 'width'
+            side = 'height' if symbolic[0] else 'width'
             raise ValueError(
                 f'only the {side} of the input has a torch.export Dim: give both H and W a Dim '
                 f"(dynamic_shapes=({{2: Dim('h', min={minimum}, ...), 3: Dim('w', "
-                f"min={minimum}, ...)}}, )) or neither; with one static side torch.export "
-                'cannot prove that the stages split their H·W tokens into H × W '
-                '(docs/deploy.md)')
-        for name, size in (('H', x.shape[2]), ('W', x.shape[3])):
+                f"min={minimum}, ...)}}, )), two separate ones, or neither; with one static "
+                'side torch.export cannot prove that the stages split their H·W tokens into '
+                'H × W (docs/deploy.md)')
+        for name, size in (('H', height), ('W', width)):
             if not statically_known_true(size >= minimum):
                 raise ValueError(
-                    f'the export range of the input {name} reaches below {minimum}: every '
-                    f'stage map with Laplacian attention must be at least its landmark '
-                    f'grid, so H and W must be >= {minimum} for this model; declare '
-                    f'Dim(..., min={minimum}) or more (docs/deploy.md)')
+                    f'the export range of the input {name} reaches below {minimum}: {rule}; '
+                    f'declare Dim(..., min={minimum}) or more')
 
     def _frozen_modules(self) -> List[nn.Module]:
         if self.frozen_stages < 0:

@@ -170,6 +170,14 @@ def test_export_size_below_the_range_names_the_minimum(backbone, tmp_path):
     assert backbone.export_min_size() == 193
     with pytest.raises(ValueError, match='H and W must be >= 193'):
         deploy.export_onnx(backbone, str(tmp_path / 'x.onnx'), shape=(192, 400))
+    # The exporters themselves, without deploy's early check: a smaller example would trace
+    # a wrong graph (the TorchScript exporter) or a static program that fails the rule.
+    small = deploy.example_input((160, 256), 1)
+    with pytest.raises(ValueError, match='cannot export at the input size 160×256: .*H and W '
+                                         'must be >= 193'):
+        torch.onnx.export(backbone, (small, ), str(tmp_path / 'y.onnx'), dynamo=False)
+    with pytest.raises(ValueError, match='cannot export at the input size 160×256'):
+        torch.export.export(backbone, (small, ))
     softmax4 = tiny_backbone(stage4_attention='softmax')
     assert softmax4.export_min_size() == 97
     grid5 = tiny_backbone(attn_cfg=dict(landmark_grid=5))
