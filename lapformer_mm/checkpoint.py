@@ -117,7 +117,7 @@ def safe_load(filename, map_location='cpu'):
             f'Refused to load checkpoint {filename!r}: it contains objects that are not plain '
             f'weights, and unpickling them could run code. {TRUST_HINT}\n'
             f'Details: {_refusal_reason(err)}') from err
-    except (OSError, RuntimeError, EOFError, KeyError) as err:
+    except (OSError, RuntimeError, EOFError, KeyError, IndexError, ValueError) as err:
         raise _unreadable(filename, err) from err
 
 
@@ -131,8 +131,8 @@ def _looks_like_a_checkpoint(filename):
 
 def _unreadable(filename, err):
     # A truncated zip (a save killed mid-write) surfaces as EINVAL or a PytorchStreamReader
-    # error, a file of other bytes as a KeyError or an unknown pickle opcode: none names the
-    # file or the cause.
+    # error, a file of other bytes as a KeyError, an IndexError (a config file: 'a' pops an
+    # empty stack) or an unknown pickle opcode: none names the file or the cause.
     detail = str(err).strip().splitlines()
     detail = next((line.strip() for line in detail if 'Unsupported operand' in line),
                   detail[0] if detail else '')

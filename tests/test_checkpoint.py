@@ -142,8 +142,9 @@ def test_trust_opt_in_named_in_the_message_works(tmp_path, monkeypatch):
     assert loaded['meta'].note == 'trusted'
 
 
-@pytest.mark.parametrize('content', [b'hello\n', b'{"epoch": 3}\n', bytes(range(256)) * 4],
-                         ids=['text', 'json', 'bytes'])
+@pytest.mark.parametrize('content', [b'hello\n', b'{"epoch": 3}\n', bytes(range(256)) * 4,
+                                     b"auto_scale_lr = dict(base_batch_size=16)\n"],
+                         ids=['text', 'json', 'bytes', 'config'])
 def test_a_file_that_is_no_checkpoint_is_named_so_not_refused_as_unsafe(tmp_path, content):
     """Other bytes fail torch's unpickler with a KeyError or an unknown opcode: the message
     says the file is no checkpoint, and offers no trust opt-in for it."""
