@@ -25,6 +25,10 @@ TRUST_HINT = (
     f'`{TRUST_ENV}=1`, or re-save its tensors as a plain state dict.')
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint file refused as unsafe, or unreadable; the message names the file."""
+
+
 def trust_requested():
     """True when the user set torch's opt-out ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` to a true value.
 
@@ -97,8 +101,8 @@ def safe_load(filename, map_location='cpu'):
 
     Raises:
         FileNotFoundError: ``filename`` does not exist.
-        RuntimeError: the file needs unpickling of objects outside the allowlist, or it
-            is truncated or not a torch checkpoint.
+        CheckpointError: (a RuntimeError) the file needs unpickling of objects outside the
+            allowlist, or it is truncated or not a torch checkpoint.
     """
     filename = os.path.expanduser(os.fspath(filename))
     if not os.path.isfile(filename):
@@ -113,7 +117,7 @@ def safe_load(filename, map_location='cpu'):
     except torch.serialization.pickle.UnpicklingError as err:
         if 'Unsupported operand' in str(err) and not _looks_like_a_checkpoint(filename):
             raise _unreadable(filename, err) from err
-        raise RuntimeError(
+        raise CheckpointError(
             f'Refused to load checkpoint {filename!r}: it contains objects that are not plain '
             f'weights, and unpickling them could run code. {TRUST_HINT}\n'
             f'Details: {_refusal_reason(err)}') from err
@@ -136,7 +140,7 @@ def _unreadable(filename, err):
     detail = str(err).strip().splitlines()
     detail = next((line.strip() for line in detail if 'Unsupported operand' in line),
                   detail[0] if detail else '')
-    return RuntimeError(
+    return CheckpointError(
         f'checkpoint file {filename!r} cannot be read as a torch checkpoint '
         f'({type(err).__name__}: {detail}); it is truncated (a save that was '
         'interrupted?) or not a checkpoint')

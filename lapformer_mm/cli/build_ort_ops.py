@@ -59,7 +59,10 @@ def build(include_dir=None, out=None, cxx=None, verbose=False):
     """Compile and link the library; return its path. Raises FileNotFoundError (no
     headers, no compiler) or RuntimeError (a compiler error, with its output)."""
     include = find_include(include_dir)
-    out = osp.abspath(out or default_library_path())
+    out = out or default_library_path()
+    if osp.isdir(out) or out.endswith(os.sep):
+        out = osp.join(out, LIBRARY_NAME)  # a folder: the library's own name in it
+    out = osp.abspath(out)
     compiler = shlex.split(cxx or os.environ.get('CXX') or 'g++')
     if shutil.which(compiler[0]) is None:
         raise FileNotFoundError(f'C++ compiler {compiler[0]!r} not found (set CXX)')
@@ -82,8 +85,12 @@ def build(include_dir=None, out=None, cxx=None, verbose=False):
         os.makedirs(osp.dirname(out), exist_ok=True)
         # Copied, then renamed: a session that has the old file open keeps it intact.
         partial = out + '.partial'
-        shutil.copyfile(staged, partial)
-        os.replace(partial, out)
+        try:
+            shutil.copyfile(staged, partial)
+            os.replace(partial, out)
+        finally:
+            if osp.exists(partial):
+                os.remove(partial)
     return out
 
 
@@ -100,7 +107,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--ort-include', help=f'ONNX Runtime include folder (holding {HEADER}; '
                                               f'default: ${INCLUDE_ENV})')
-    parser.add_argument('--out', help=f'library path (default: {default_library_path()})')
+    parser.add_argument('--out', help=f'library path, or a folder for {LIBRARY_NAME} '
+                                      f'(default: {default_library_path()})')
     parser.add_argument('--cxx', help='C++ compiler (default: $CXX or g++)')
     parser.add_argument('-v', '--verbose', action='store_true', help='print the commands')
     return parser.parse_args(argv)
@@ -110,7 +118,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         path = build(args.ort_include, args.out, args.cxx, args.verbose)
-    except (FileNotFoundError, RuntimeError) as err:
+    except (OSError, RuntimeError) as err:
         print(f'build_ort_ops: {err}', file=sys.stderr)
         return 2
     print(f'wrote {path} ({osp.getsize(path) / 1024:.0f} KB)')

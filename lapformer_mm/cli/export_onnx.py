@@ -20,6 +20,7 @@ Examples::
         --target model --shape 512 512 --exporter torchscript --out upernet_t.onnx
 """
 import argparse
+import os
 import os.path as osp
 import sys
 import time
@@ -27,6 +28,7 @@ import time
 from mmengine.config import DictAction
 
 from lapformer_mm import deploy
+from lapformer_mm.checkpoint import CheckpointError
 from lapformer_mm.ops.export import RESIDUAL_PRECISIONS
 
 VERIFY_INPUT_WORDS = {'toy': 'toy COCO scenes', 'smooth': 'smooth random fields',
@@ -62,7 +64,8 @@ def parse_args(argv=None):
                         help='write each attention as the ONNX Runtime op library\'s '
                              'lapformer_mm nodes (tools/build_ort_ops.py); the file then '
                              'runs only in ONNX Runtime with the library')
-    parser.add_argument('--out', help='output file (default: <config name>_<target>.onnx)')
+    parser.add_argument('--out', help='output file, or a folder for the default name '
+                                      '(<config name>_<target>.onnx)')
     parser.add_argument('--verify', action='store_true',
                         help='run the file in ONNX Runtime and print its error against '
                              'PyTorch')
@@ -78,15 +81,20 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    out = args.out or f'{osp.splitext(osp.basename(args.config))[0]}_{args.target}.onnx'
+    out = f'{osp.splitext(osp.basename(args.config))[0]}_{args.target}.onnx'
+    if args.out and (osp.isdir(args.out) or args.out.endswith(os.sep)):
+        out = osp.join(args.out, out)  # a folder: the default name in it
+    elif args.out:
+        out = args.out
     start = time.perf_counter()
     try:
+        os.makedirs(osp.dirname(osp.abspath(out)), exist_ok=True)
         module, names = deploy.export_config(
             args.config, out, checkpoint=args.checkpoint, target=args.target,
             cfg_options=args.cfg_options, shape=tuple(args.shape), batch=args.batch,
             dynamic=args.dynamic, exporter=args.exporter, residual=args.residual,
             opset=args.opset, ort_ops=args.ort_ops)
-    except (ValueError, FileNotFoundError, ImportError) as err:
+    except (ValueError, OSError, ImportError, CheckpointError) as err:
         print(f'export_onnx: {err}', file=sys.stderr)
         return 2
     summary = deploy.graph_summary(out)

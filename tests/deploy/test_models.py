@@ -135,12 +135,14 @@ def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys, monkeypatch):
     ort_args = [] if library is None else ['--ort-ops']
     if library is not None:
         monkeypatch.setenv(deploy.ORT_OPS_ENV, library)
-    out = str(tmp_path / 'retinanet.onnx')
+    # A folder (created) for --out: the default name in it.
+    folder = osp.join(str(tmp_path), 'exports', '')
+    out = osp.join(folder, 'retinanet_tiny_model.onnx')
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         code = cli.main([tiny_retinanet_config(tmp_path), '--target', 'model', '--shape',
                          *map(str, EXPORT_SHAPE), '--dynamic', '--exporter', 'torchscript',
-                         '--out', out, '--verify'] + ort_args)
+                         '--out', folder, '--verify'] + ort_args)
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert 'ONNX Runtime against PyTorch eager on toy COCO scenes' in printed
@@ -164,3 +166,7 @@ def test_cli_names_the_minimum_size(tmp_path, capsys):
                      'torchscript', '--out', str(tmp_path / 'x.onnx')])
     assert code == 2
     assert 'H and W must be >= 193' in capsys.readouterr().err
+    config = tiny_retinanet_config(tmp_path)  # a config file given as the checkpoint
+    assert cli.main([config, config, '--out', str(tmp_path / 'x.onnx')]) == 2
+    assert f"checkpoint file {config!r} cannot be read as a torch checkpoint" in (
+        capsys.readouterr().err)

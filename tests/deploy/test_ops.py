@@ -479,8 +479,10 @@ def test_ort_op_library_shares_one_domain_per_build(tmp_path):
     if compiler is None:
         pytest.skip('no C++ compiler')
     tsan = [compiler, '-fsanitize=thread', '-g']
-    library = build_ort_ops.build(ORT_INCLUDE, str(tmp_path / build_ort_ops.LIBRARY_NAME),
-                                  cxx=' '.join(tsan))
+    # A folder for the output: the library's name in it, and no staging file left.
+    library = build_ort_ops.build(ORT_INCLUDE, str(tmp_path), cxx=' '.join(tsan))
+    assert library == str(tmp_path / build_ort_ops.LIBRARY_NAME)
+    assert not list(tmp_path.glob('*.partial'))
     stub = tmp_path / 'ort_api_stub'
     build = subprocess.run(tsan + ['-std=c++17', '-O1', '-pthread', '-I', ORT_INCLUDE,
                                    os.path.join(os.path.dirname(__file__), 'ort_api_stub.cpp'),
