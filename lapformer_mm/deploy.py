@@ -96,15 +96,19 @@ def _check_batch(batch):
 
 def _check_opset(opset, exporter):
     """``opset`` within what ``exporter`` writes: from :data:`LOWEST_OPSET` to the highest
-    the installed exporter knows (torch's for TorchScript, onnx's for dynamo)."""
+    the installed exporter knows (torch's for TorchScript; for dynamo, what both onnx and
+    onnxscript's version converter know: past the converter's range torch falls back to
+    onnx's, which has no adapters for these graphs, and fails after the whole export)."""
     highest = None
     with contextlib.suppress(ImportError, AttributeError):
         if exporter == 'torchscript':
             from torch.onnx import _constants
             highest = getattr(_constants, 'ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET',
                               _constants.ONNX_MAX_OPSET)
-        else:  # what onnx knows; a conversion there can still fail (program_to_onnx)
+        else:  # a conversion can still fail (program_to_onnx checks what was written)
             highest = _import('onnx').defs.onnx_opset_version()
+            from onnxscript.version_converter import _version_converter
+            highest = min(highest, _version_converter.SUPPORTED_MAX_ONNX_OPSET)
     lowest = LOWEST_OPSET[exporter]
     if (not isinstance(opset, int) or isinstance(opset, bool) or opset < lowest
             or (highest is not None and opset > highest)):

@@ -201,6 +201,19 @@ def test_bad_export_arguments_are_named(backbone, tmp_path, kwargs, match):
     assert not (tmp_path / 'x.onnx').exists()
 
 
+def test_an_opset_past_the_version_converter_is_refused_before_the_export(backbone, tmp_path):
+    """Past onnxscript's converter torch falls back to onnx's, which has no adapters for
+    these graphs (onnxscript 0.7: 26 and up), and fails after the whole export."""
+    import onnx
+    from onnxscript.version_converter import _version_converter
+    beyond = _version_converter.SUPPORTED_MAX_ONNX_OPSET + 1
+    if beyond > onnx.defs.onnx_opset_version():
+        pytest.skip(f'onnx knows no opset {beyond}')
+    with pytest.raises(ValueError, match=f'opset={beyond} is not supported by the dynamo '
+                                         f'exporter; allowed: 18 to {beyond - 1}$'):
+        deploy.export_onnx(backbone, str(tmp_path / 'x.onnx'), opset=beyond)
+
+
 def test_an_opset_the_dynamo_exporter_falls_back_from_is_refused(tmp_path, monkeypatch):
     """torch's dynamo exporter builds opset 18 and converts; where the conversion fails it
     keeps 18 with a log line only (onnx 1.23: 26 and up). Such a program is refused, and
