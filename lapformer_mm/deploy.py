@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .ops._checks import check_bool, check_int
 from .ops.export import (
     BLOCKS_MIN_OPSET,
     ORT_DOMAIN,
@@ -334,6 +335,7 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
     Returns the output names. Weights go into the file unless they exceed ~2 GB.
     """
     shape = _check_shape(shape)
+    check_bool('dynamic', dynamic)
     _check_choice('exporter', exporter, EXPORTERS)
     _check_choice('ort_ops', ort_ops, (False, True))
     _check_opset(opset, exporter)
@@ -420,6 +422,7 @@ def export_program(model: nn.Module, *, shape: Sequence[int] = (800, 1333), batc
     """
     shape = _check_shape(shape)
     batch = _check_batch(batch)
+    check_bool('dynamic', dynamic)
     _check_choice('residual', residual, RESIDUAL_PRECISIONS)
     check_export_size(model, shape)
     module = _SingleInput(prepare_for_export(model)).eval()
@@ -509,6 +512,8 @@ def ort_session(path: str, threads: Optional[int] = None, ort_ops=None,
     ``profile``: a path prefix; ONNX Runtime then times every node of every run, and
     ``session.end_profiling()`` writes the JSON trace and returns its path.
     """
+    if threads is not None:
+        check_int('threads', threads)
     ort = _import('onnxruntime')
     options = ort.SessionOptions()
     if threads is not None:
@@ -580,6 +585,7 @@ def verify_onnx(path: str, model: nn.Module, sizes: Sequence[Sequence[int]], bat
     rounding error an exported graph cannot be expected to beat.
     """
     make_input = VERIFY_INPUTS[_check_choice('inputs', inputs, tuple(VERIFY_INPUTS))]
+    batch = _check_batch(batch)
     session = ort_session(path, threads)
     module = ExportModule(model) if not hasattr(model, 'output_names') else model
     module = copy.deepcopy(module).eval()

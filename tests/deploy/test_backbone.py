@@ -201,6 +201,20 @@ def test_bad_export_arguments_are_named(backbone, tmp_path, kwargs, match):
     assert not (tmp_path / 'x.onnx').exists()
 
 
+def test_bad_program_session_and_verify_arguments_are_named(backbone, tmp_path):
+    for export in (deploy.export_onnx, lambda model, *_, **kwargs: deploy.export_program(
+            model, **kwargs)):
+        with pytest.raises(TypeError, match="dynamic must be a bool, got str 'no'"):
+            export(backbone, str(tmp_path / 'x.onnx'), dynamic='no')
+    with pytest.raises(TypeError, match='threads must be an int, got float 2.5'):
+        deploy.ort_session(__file__, threads=2.5)
+    with pytest.raises(ValueError, match='threads=-1 must be >= 1'):
+        deploy.ort_session(__file__, threads=-1)
+    for inputs in deploy.VERIFY_INPUTS:
+        with pytest.raises(ValueError, match='batch must be a positive int, got 0'):
+            deploy.verify_onnx(__file__, backbone, [(224, 224)], batch=0, inputs=inputs)
+
+
 def test_an_opset_past_the_version_converter_is_refused_before_the_export(backbone, tmp_path):
     """Past onnxscript's converter torch falls back to onnx's, which has no adapters for
     these graphs (onnxscript 0.7: 26 and up), and fails after the whole export."""
