@@ -574,32 +574,48 @@ def verify_sizes(shape: Sequence[int], min_size: int) -> List[Tuple[int, int]]:
 VERIFY_INPUTS = {'toy': toy_image_input, 'smooth': smooth_input, 'noise': example_input}
 
 
+def rounding_change(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """``x`` with each element moved by at most fp32's unit roundoff (2⁻²⁴) of itself, a
+    fixed random amount: the size of change any evaluation that rounds differently makes."""
+    gen = torch.Generator().manual_seed(seed)
+    step = (torch.rand(x.shape, generator=gen, dtype=torch.float64) * 2 - 1) * 2.0 ** -24
+    return (x.double() * (1 + step)).to(x.dtype)
+
+
 def verify_onnx(path: str, model: nn.Module, sizes: Sequence[Sequence[int]], batch: int = 1,
                 threads: Optional[int] = None, fp64: bool = True,
-                inputs: str = 'toy') -> List[Dict]:
-    """ONNX Runtime against eager PyTorch (fp32) on an input of each size, of the kind
-    ``inputs`` names (:data:`VERIFY_INPUTS`).
+                inputs: str = 'toy', images: int = 1) -> List[Dict]:
+    """ONNX Runtime against eager PyTorch (fp32) on ``images`` inputs of each size, of the
+    kind ``inputs`` names (:data:`VERIFY_INPUTS`).
 
-    Returns one dict per size: size, batch, max_abs, max_rel (:func:`output_error`) and,
-    with ``fp64``, fp32_vs_fp64_rel: eager fp32 against eager fp64 on the same input, the
-    rounding error an exported graph cannot be expected to beat.
+    Returns one dict per size and image: size, image, batch, max_abs, max_rel
+    (:func:`output_error`); rounding_rel, eager fp32 on the input against eager fp32 on
+    :func:`rounding_change` of it, how far rounding alone moves this model on this input
+    (the scale an exported graph's max_rel is to be read against); and, with ``fp64``,
+    fp32_vs_fp64_rel, eager fp32 against eager fp64 on the same input.
     """
     make_input = VERIFY_INPUTS[_check_choice('inputs', inputs, tuple(VERIFY_INPUTS))]
     batch = _check_batch(batch)
+    images = check_int('images', images)
     session = ort_session(path, threads)
     module = ExportModule(model) if not hasattr(model, 'output_names') else model
     module = copy.deepcopy(module).eval()
     module64 = copy.deepcopy(module).double() if fp64 else None
     rows = []
     for size in sizes:
-        x = make_input(tuple(size), batch, seed=1)
-        with torch.no_grad():
-            refs = _as_list(module(x))
-            row = dict(size=tuple(size), batch=batch, **output_error(run_onnx(session, x), refs))
-            if module64 is not None:
-                refs64 = _as_list(module64(x.double()))
-                row['fp32_vs_fp64_rel'] = output_error(refs, refs64)['max_rel']
-        rows.append(row)
+        for image in range(images):
+            seed = 1 + image
+            x = make_input(tuple(size), batch, seed=seed)
+            with torch.no_grad():
+                refs = _as_list(module(x))
+                row = dict(size=tuple(size), image=image, batch=batch,
+                           **output_error(run_onnx(session, x), refs))
+                moved = _as_list(module(rounding_change(x, seed)))
+                row['rounding_rel'] = output_error(moved, refs)['max_rel']
+                if module64 is not None:
+                    refs64 = _as_list(module64(x.double()))
+                    row['fp32_vs_fp64_rel'] = output_error(refs, refs64)['max_rel']
+            rows.append(row)
     return rows
 
 
@@ -671,12 +687,12 @@ def graph_summary(path: str) -> Dict:
 def format_rows(rows: Sequence[Dict]) -> str:
     """A markdown table of :func:`verify_onnx` rows."""
     has64 = any('fp32_vs_fp64_rel' in r for r in rows)
-    head = '| size | batch | max abs error | max rel error |' + (
-        ' eager fp32 vs fp64 (rel) |' if has64 else '')
-    lines = [head, '|---' * (4 + has64) + '|']
+    head = ('| size | image | batch | max abs error | max rel error | eager fp32, input '
+            'changed by rounding (rel) |' + (' eager fp32 vs fp64 (rel) |' if has64 else ''))
+    lines = [head, '|---' * (6 + has64) + '|']
     for r in rows:
-        line = (f"| {r['size'][0]}x{r['size'][1]} | {r['batch']} | {r['max_abs']:.2e} | "
-                f"{r['max_rel']:.2e} |")
+        line = (f"| {r['size'][0]}x{r['size'][1]} | {r.get('image', 0)} | {r['batch']} | "
+                f"{r['max_abs']:.2e} | {r['max_rel']:.2e} | {r['rounding_rel']:.2e} |")
         if has64:
             line += f" {r['fp32_vs_fp64_rel']:.2e} |"
         lines.append(line)
@@ -686,5 +702,6 @@ def format_rows(rows: Sequence[Dict]) -> str:
 __all__ = ['DEFAULT_OPSET', 'EXPORTERS', 'LOWEST_OPSET', 'TARGETS', 'VERIFY_INPUTS', 'ExportModule',
            'build_model', 'check_export_size', 'export_config', 'export_min_size', 'export_onnx',
            'export_program', 'format_rows', 'graph_summary', 'ort_ops_library', 'ort_session',
-           'output_error', 'output_names', 'prepare_for_export', 'program_to_onnx', 'run_onnx',
+           'output_error', 'output_names', 'prepare_for_export', 'program_to_onnx',
+           'rounding_change', 'run_onnx',
            'smooth_input', 'toy_image_input', 'uses_ort_ops', 'verify_onnx', 'verify_sizes']

@@ -74,6 +74,10 @@ def parse_args(argv=None):
                              "the data preprocessor does; default), 'smooth' (smooth random "
                              "fields) or 'noise' (white noise: no image; the model itself is "
                              'ill-conditioned on it at large sizes)')
+    parser.add_argument('--verify-images', type=int, default=1, metavar='N',
+                        help='inputs per size for --verify (default 1); on one image a '
+                             'correct file can land several times further from eager than '
+                             'rounding usually moves it')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config settings, key=value')
     return parser.parse_args(argv)
@@ -81,6 +85,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.verify_images < 1:
+        print(f'export_onnx: --verify-images must be >= 1, got {args.verify_images}',
+              file=sys.stderr)
+        return 2
     out = f'{osp.splitext(osp.basename(args.config))[0]}_{args.target}.onnx'
     if args.out and (osp.isdir(args.out) or args.out.endswith(os.sep)):
         out = osp.join(args.out, out)  # a folder: the default name in it
@@ -109,7 +117,7 @@ def main(argv=None):
             print('static export: verified at the export size only')
         try:
             rows = deploy.verify_onnx(out, module, sizes, batch=args.batch,
-                                      inputs=args.verify_input)
+                                      inputs=args.verify_input, images=args.verify_images)
         # --ort-ops without the library built, or one ONNX Runtime refuses
         except OSError as err:
             print(f'export_onnx: {err}', file=sys.stderr)

@@ -142,7 +142,7 @@ def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys, monkeypatch):
         warnings.simplefilter('always')
         code = cli.main([tiny_retinanet_config(tmp_path), '--target', 'model', '--shape',
                          *map(str, EXPORT_SHAPE), '--dynamic', '--exporter', 'torchscript',
-                         '--out', folder, '--verify'] + ort_args)
+                         '--out', folder, '--verify', '--verify-images', '2'] + ort_args)
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert 'ONNX Runtime against PyTorch eager on toy COCO scenes' in printed
@@ -155,10 +155,22 @@ def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys, monkeypatch):
     assert f'outputs: {", ".join(names)}' in printed
     rows = [line for line in printed.splitlines() if line.startswith('| 2') or
             line.startswith('| 1') or line.startswith('| 3')]
-    assert len(rows) == 3, printed  # the export size and two others
+    assert len(rows) == 6, printed  # two images at the export size and two others
     for row in rows:
-        rel = float(row.split('|')[4])
-        assert rel < 1e-2, row
+        image, rel, rounding, fp64 = (row.split('|')[i] for i in (2, 5, 6, 7))
+        assert int(image) in (0, 1) and 0 < float(rounding) < 1e-3 and float(fp64) < 1e-3
+        assert float(rel) < 1e-2, row
+    assert cli.main([tiny_retinanet_config(tmp_path), '--verify-images', '0']) == 2
+    assert '--verify-images must be >= 1, got 0' in capsys.readouterr().err
+
+
+def test_rounding_change_moves_values_by_at_most_one_ulp():
+    x = torch.randn(2, 3, 16, 16)
+    moved = deploy.rounding_change(x, seed=3)
+    step = (moved - x).abs()
+    assert (step <= torch.finfo(torch.float32).eps * x.abs()).all()
+    assert 0.2 < (step > 0).double().mean() < 0.8
+    assert torch.equal(moved, deploy.rounding_change(x, seed=3))
 
 
 def test_cli_names_the_minimum_size(tmp_path, capsys):
