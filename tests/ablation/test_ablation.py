@@ -83,11 +83,32 @@ def test_bad_variants_name_the_argument_and_the_allowed(token, match):
         parse_variants([token])
 
 
-def test_every_variant_builds_the_backbone():
+# What each variant's attention modules hold: the backbone's defaults with the variant's
+# changes (written out here, not read from variants.py).
+ATTENTION_DEFAULTS = dict(global_term=True, kernel='laplacian', lam=4.0, solver='newton',
+                          iters=None, normalize='injective')
+VARIANT_ATTENTION = {
+    'default': {}, 'noglobal': {'global_term': False}, 'gaussian': {'kernel': 'gaussian'},
+    'none': {'normalize': 'none'}, 'cg': {'solver': 'cg'},
+    'cg_capped': {'solver': 'cg', 'iters': 16}, 'exact': {'solver': 'exact'}, 'lam=2': {'lam': 2.0},
+}
+
+
+def test_every_variant_builds_the_backbone_with_its_attention_options():
     from lapformer_mm.ablation.toy import ToyClassifier
-    for _, cfg in parse_variants(['gaussian', 'none', 'cg', 'cg_capped', 'exact', 'lam=2']):
+    from lapformer_mm.models.attention import LaplacianAttention
+    variants = parse_variants(['gaussian', 'none', 'cg', 'cg_capped', 'exact', 'lam=2'])
+    assert [name for name, _ in variants] == list(VARIANT_ATTENTION)
+    for name, cfg in variants:
         model = ToyClassifier(cfg, 2)
         assert 150_000 < sum(p.numel() for p in model.parameters()) < 160_000
+        attns = [m for m in model.modules() if isinstance(m, LaplacianAttention)]
+        assert len(attns) == 4  # depths [2, 2] of the two built stages
+        expected = {**ATTENTION_DEFAULTS, **VARIANT_ATTENTION[name]}
+        for attn in attns:
+            got = {key: getattr(attn if key == 'global_term' else attn.options, key)
+                   for key in expected}
+            assert got == expected, name
 
 
 def test_takeoff_step_is_where_the_loss_window_leaves_the_plateau():
