@@ -428,13 +428,21 @@ def test_with_cp_same_outputs_and_grads():
     ckpt = LaplacianFormer(arch, drop_path_rate=0.0, norm_eval=True, with_cp=True)
     ckpt.load_state_dict(plain.state_dict())
     x = torch.randn(2, 3, 48, 40)
-    grads, outs = [], []
+    grads, outs, block_calls = [], [], []
     for model in (plain, ckpt):
         model.train()
+        calls = []
+        for stage in model.stages:
+            for block in stage.blocks:
+                block.register_forward_pre_hook(lambda m, _: calls.append(m))
         out = model(x)
         sum(o.square().mean() for o in out).backward()
         outs.append(out)
         grads.append({n: p.grad for n, p in model.named_parameters()})
+        block_calls.append(len(calls))
+    # Checkpointing recomputes each of the 6 blocks' forward in the backward (a pre-hook:
+    # the non-reentrant recompute stops early, before the forward hooks would run).
+    assert block_calls == [6, 12]
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
     # every parameter takes part (DDP without find_unused_parameters)
