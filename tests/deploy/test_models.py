@@ -96,16 +96,27 @@ def test_targets_of_a_network(models):
 
 def test_build_model_loads_a_checkpoint_or_names_what_does_not_fit(models, tmp_path):
     config, options = UPERNET
-    state = models['upernet'].state_dict()
-    # A DDP-wrapped run's checkpoint: the keys under 'module.', in mmengine's 'state_dict'.
+    # Weights no fresh build has (the built model's, shifted), to tell a load from none.
+    state = {k: v + 0.5 if v.is_floating_point() else v
+             for k, v in models['upernet'].state_dict().items()}
+    # A DDP-wrapped run's checkpoint: the keys under 'module.', in mmengine's 'state_dict',
+    # without num_batches_tracked, which BatchNorm's load hook fills.
+    tracked = [k for k in state if k.endswith('num_batches_tracked')]
+    assert tracked
     path = str(tmp_path / 'ddp.pth')
-    torch.save({'state_dict': {f'module.{k}': v for k, v in state.items()}}, path)
-    loaded, _ = deploy.build_model(config, path, options)
-    assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())
-    # BatchNorm's load hook fills a checkpoint's missing num_batches_tracked.
-    torch.save({k: v for k, v in state.items() if not k.endswith('num_batches_tracked')}, path)
-    assert any(k.endswith('num_batches_tracked') for k in state)
-    deploy.build_model(config, path, options)
+    torch.save({'state_dict': {f'module.{k}': v for k, v in state.items() if k not in tracked}},
+               path)
+    loaded = deploy.build_model(config, path, options)[0].state_dict()
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in loaded.items() if k not in tracked)
+    # A checkpoint without the decode head: its keys are missing (not num_batches_tracked,
+    # which the hook fills).
+    missing = [k for k in state if k.startswith('decode_head.') and k not in tracked]
+    torch.save({k: v for k, v in state.items() if not k.startswith('decode_head.')}, path)
+    with pytest.raises(ValueError, match=re.escape(
+            f"checkpoint {path!r} does not match the model of {config}: {len(missing)} missing "
+            f"keys (e.g. {missing[:3]}), 0 unexpected (e.g. [])")):
+        deploy.build_model(config, path, options)
 
     key = 'decode_head.conv_seg.weight'
     assert state[key].shape == (5, 16, 1, 1)
