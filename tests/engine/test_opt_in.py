@@ -1,6 +1,7 @@
 """The engine parts are opt-in: our configs select them, stock jobs are untouched.
 
-- every config of ours includes configs/_base_/safe_runtime.py;
+- every config of ours includes configs/_base_/safe_runtime.py (the detection and segmentation
+  configs: checked in tests/tools/test_detection.py, which builds them);
 - (mmdet's own tools/train.py trains the toy config through ``custom_imports`` alone:
   tests/tools/test_tools.py, beside the other test of the session's toy run);
 - a stock mmengine job runs the same with and without ``import lapformer_mm``.
@@ -16,8 +17,17 @@ import pytest
 from _shared import CONFIG_DIR, ROOT, TESTS
 from mmengine.config import Config
 
-CONFIGS = sorted(p for p in glob.glob(osp.join(CONFIG_DIR, '**', '*.py'), recursive=True)
-                 if '_base_' not in p.split(os.sep))
+# The classification configs; tests/tools/test_detection.py checks the runtime of the
+# detection/segmentation configs (configs/*.py, configs/toy/*.py) while it builds them.
+CONFIGS = sorted(glob.glob(osp.join(CONFIG_DIR, 'cls', '*.py')))
+
+
+def test_the_configs_are_the_classifiers_and_those_test_detection_builds():
+    every = sorted(p for p in glob.glob(osp.join(CONFIG_DIR, '**', '*.py'), recursive=True)
+                   if '_base_' not in p.split(os.sep))
+    detection = glob.glob(osp.join(CONFIG_DIR, '*.py')) + glob.glob(
+        osp.join(CONFIG_DIR, 'toy', '*.py'))
+    assert CONFIGS and every == sorted(CONFIGS + detection)
 
 
 @pytest.mark.parametrize('path', CONFIGS, ids=lambda p: osp.relpath(p, ROOT))

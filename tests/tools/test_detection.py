@@ -52,15 +52,16 @@ def test_all_configs_are_collected():
     'path', CONFIGS, ids=[osp.relpath(c, ROOT) for c in CONFIGS])
 def test_every_config_builds_its_model_through_the_plugin(path):
     cfg = Config.fromfile(path)
-    assert cfg.custom_imports['imports'] == ['lapformer_mm']
+    # The plugin and its runtime (the configs of configs/cls: tests/engine/test_opt_in.py).
+    assert cfg.custom_imports == dict(imports=['lapformer_mm'], allow_failed_imports=False)
+    assert cfg.runner_type == 'SafeCheckpointRunner'
     backbone = cfg.model.backbone
-    model = models_registry(cfg.default_scope).build(cfg.model)
+    models_registry(cfg.default_scope).build(cfg.model)
     if path.endswith('_baseline.py'):  # diagnostic ResNet config
         return
     assert backbone.type == 'LaplacianFormer'
-    arch = model.backbone.arch_settings
-    # the neck/decoder widths must be the backbone's stage widths
-    widths = [arch['embed_dims'][i] for i in backbone.out_indices]
+    # the neck/decoder widths must be the backbone's stage widths (the table above)
+    widths = [NECK_INPUT[backbone.arch][i] for i in backbone.get('out_indices', (0, 1, 2, 3))]
     neck = cfg.model.get('neck')
     head_in = (cfg.model.decode_head.in_channels
                if neck is None else neck.in_channels)
