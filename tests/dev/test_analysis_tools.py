@@ -3,6 +3,7 @@ statistics) and the helpers of benchmarks/backbones.py (tiny inputs; no timing i
 import json
 import os
 import os.path as osp
+import re
 import subprocess
 import sys
 
@@ -113,14 +114,17 @@ def test_benchmark_summary_uses_medians():
     assert entry['slow']
 
 
-def test_benchmark_planned_configs_and_argument_checks():
+def test_benchmark_planned_configs_and_argument_checks(capsys):
     args = bench.parse_args(['--sizes', '64x64', '2048x2048', '--modes', 'fwd', 'fwdbwd'])
     assert bench.planned_configs(args) == [('fwd', (64, 64)), ('fwd', (2048, 2048)),
                                            ('fwdbwd', (64, 64))]
     with pytest.raises(SystemExit):
         bench.parse_args(['--skip', 'resnet@64x64'])
+    assert re.search(r"error: --skip entries must be MODEL@HxW with MODEL in \[.*"
+                     r"'laplacianformer-t', .*\], got 'resnet@64x64'", capsys.readouterr().err)
     with pytest.raises(SystemExit):
         bench.parse_args(['--sizes', '64by64'])
+    assert "error: argument --sizes: size must be HxW, got '64by64'" in capsys.readouterr().err
 
 
 def test_benchmark_fwdbwd_call_leaves_no_gradients():

@@ -43,7 +43,7 @@ def test_every_optimizer_is_scoped():
     assert deploy.ORT_DISABLED_OPTIMIZERS == kept == ['SkipLayerNormFusion']
 
 
-def test_parity_norms_measure_the_stage_map():
+def test_parity_norms_measure_the_stage_map(capsys):
     import numpy as np
     ref = torch.randn(1, 8, 5, 7)
     out = ref + 1e-3 * torch.randn_like(ref)
@@ -55,3 +55,4 @@ def test_parity_norms_measure_the_stage_map():
     assert bench.parse_args(['--parity', '--norm', 'l2']).norm == 'l2'
     with pytest.raises(SystemExit):
         bench.parse_args(['--parity', '--norm', 'rms'])
+    assert "error: argument --norm: invalid choice: 'rms'" in capsys.readouterr().err
