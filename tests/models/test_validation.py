@@ -5,6 +5,7 @@ Every case asserts the exception type and that the message names the offending a
 and the value to set, so a user learns what to change without reading a traceback.
 """
 import os.path as osp
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -56,29 +57,27 @@ def test_decode_head_in_channels_checked_for_segmentors():
         check_model_cfg(model)
 
 
-def test_mmdet_alone_reports_the_mismatch_only_at_forward():
-    """Why the check exists: mmdet builds the bad model and fails deep inside FPN."""
-    from mmdet.registry import MODELS
-    model = MODELS.build(toy_model_cfg(in_channels=[64, 128, 256, 512]))
-    feats = model.backbone(torch.rand(1, 3, 64, 64))
-    with pytest.raises(RuntimeError, match='expected input.* to have 256 channels'):
-        model.neck(feats)
-    with pytest.raises(ValueError, match='does not match the backbone'):
-        check_built_model(model)
-
-
 def test_neck_check_hook_fails_before_the_first_iteration():
+    """mmdet alone builds the bad model and fails deep inside FPN at the first forward; the
+    hook names the fix before it, also for a model under a DDP wrapper (runner.model.module)."""
     from mmdet.registry import MODELS
     from mmengine.registry import HOOKS
 
     hook = HOOKS.build(dict(type='NeckChannelsCheckHook'))
     assert isinstance(hook, NeckChannelsCheckHook)
+    model = MODELS.build(toy_model_cfg(in_channels=[64, 128, 320, 256]))
 
-    class FakeRunner:
-        model = MODELS.build(toy_model_cfg(in_channels=[64, 128, 320, 256]))
+    class Wrapper(torch.nn.Module):  # as MMDistributedDataParallel: the model is .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
 
-    with pytest.raises(ValueError, match=r'set model.neck.in_channels=\[64, 128, 320, 512\]'):
-        hook.before_run(FakeRunner())
+    for wrapped in (model, Wrapper(model)):
+        runner = SimpleNamespace(model=wrapped)
+        with pytest.raises(ValueError, match=r'model.neck.in_channels=\[64, 128, 320, 256\] '
+                                             r'does not match the backbone.*set '
+                                             r'model.neck.in_channels=\[64, 128, 320, 512\]'):
+            hook.before_run(runner)
 
 
 def test_auxiliary_head_in_channels_checked_through_its_in_index():
