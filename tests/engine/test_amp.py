@@ -1,6 +1,7 @@
 """lapformer_mm.engine.amp: CPUAmpOptimWrapper (what ``tools/train.py --amp`` uses on CPU) and
 the fp32 islands it gives mmcv's fp32-only CPU ops; 50 fp16 or bf16 steps of the toy config's
 backbone under it stay finite and learn."""
+import copy
 import json
 import math
 import os.path as osp
@@ -83,14 +84,36 @@ def tiny_wrapper(dtype, **kwargs):
         dtype=dtype, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
 
 
-def test_cpu_amp_wrapper_runs_the_forward_in_the_chosen_dtype():
-    for dtype in ('bfloat16', torch.float16):
-        model, wrapper = tiny_wrapper(dtype)
-        with wrapper.optim_context(model):
-            out = model(torch.randn(3, 4))
-        assert out.dtype == getattr(torch, str(dtype).replace('torch.', ''))
-        wrapper.update_params(out.float().square().mean())
-        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+def test_cpu_amp_step_is_the_fp32_step_within_the_dtypes_precision():
+    """A clipped SGD step under the wrapper (float16: its loss scale unscaled before the
+    clipping) against the same step of mmengine's fp32 OptimWrapper. The scale is one whose
+    scaled gradients do not overflow (the dynamic scale's first 2**16 skips this step)."""
+    from mmengine.optim import OptimWrapper
+    lr, max_norm = 1.0, 0.5
+    for dtype, tol in (('bfloat16', 2e-2), ('float16', 2e-3)):
+        torch.manual_seed(0)
+        x = torch.randn(8, 4)
+        ref_model = torch.nn.Linear(4, 3)
+        amp_model = copy.deepcopy(ref_model)
+        start = [p.detach().clone() for p in ref_model.parameters()]
+        ref = OptimWrapper(optimizer=torch.optim.SGD(ref_model.parameters(), lr=lr),
+                           clip_grad=dict(max_norm=max_norm))
+        amp = CPUAmpOptimWrapper(dtype=dtype, loss_scale=1024.0, clip_grad=dict(max_norm=max_norm),
+                                 optimizer=torch.optim.SGD(amp_model.parameters(), lr=lr))
+        outs = []
+        for model, wrapper in ((ref_model, ref), (amp_model, amp)):
+            with wrapper.optim_context(model):
+                out = model(x)
+            wrapper.update_params((3 * out.float()).square().mean())
+            outs.append(out)
+        assert outs[1].dtype == getattr(torch, dtype)
+        torch.testing.assert_close(outs[1].float(), outs[0], rtol=tol, atol=tol)
+        # The clipping bites: the fp32 step moved the weights by lr * max_norm.
+        moved = torch.cat([(p.detach() - p0).flatten()
+                           for p, p0 in zip(ref_model.parameters(), start)])
+        assert float(moved.norm()) == pytest.approx(lr * max_norm, rel=1e-5)
+        for p, q in zip(amp_model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=lambda m: f'{dtype}: {m}')
 
 
 def test_cpu_amp_wrapper_skips_overflowing_steps_and_resumes_its_scale():
