@@ -1,4 +1,6 @@
 """LaplacianFormer backbone: shapes, API switches, argument checks (CPU, small inputs)."""
+import copy
+
 import pytest
 import torch
 from _attention_helpers import dense_attention_module, finite
@@ -468,14 +470,26 @@ def test_drop_path_linear_over_blocks():
     assert probs == pytest.approx(expected)
 
 
-def test_autocast_bfloat16_forward_and_backward():
+def test_autocast_bfloat16_forward_and_backward_follow_fp32():
+    """Under bf16 autocast the maps and the gradients are fp32's within bf16's precision (an
+    error of about 1-7 % in the maps, growing with depth, and 10 % in the gradient)."""
     torch.manual_seed(0)
     model = LaplacianFormer(SMALL_ARCH, drop_path_rate=0.0).train()
+    fp32 = copy.deepcopy(model)
+    x = torch.randn(2, 3, 40, 36)
     with torch.autocast('cpu', dtype=torch.bfloat16):
-        outs = model(torch.randn(2, 3, 40, 36))
-    assert all(torch.isfinite(o.float()).all() for o in outs)
-    sum(o.float().square().mean() for o in outs).backward()
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        outs = model(x)
+    refs = fp32(x)
+    assert [o.dtype for o in outs] == [torch.bfloat16] * 4
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        error = float((out.float() - ref).detach().norm() / ref.detach().norm())
+        assert error < 0.12, (i, error)
+    for loss_outs in (outs, refs):
+        sum(o.float().square().mean() for o in loss_outs).backward()
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    ref_grad = torch.cat([p.grad.flatten() for p in fp32.parameters()])
+    error = float((grad - ref_grad).norm() / ref_grad.norm())
+    assert error < 0.2, error
 
 
 def test_constant_image_gives_finite_gradients_and_small_residuals():
