@@ -41,7 +41,6 @@ def test_train_tool_names_a_missing_config_and_an_auto_scale_lr_it_cannot_apply(
         train_tool.build_cfg(train_tool.parse_args([str(cfg_path), '--auto-scale-lr']))
 
 
-@pytest.mark.slow
 @pytest.mark.usefixtures('mmdet_scope')
 def test_train_tool_resume_refuses_code_running_checkpoint(evil, toy_coco, tmp_path):
     path, marker = evil
