@@ -94,6 +94,14 @@ def test_auxiliary_head_in_channels_checked_through_its_in_index():
     model.auxiliary_head = [dict(model.auxiliary_head), dict(model.auxiliary_head, in_index=3)]
     with pytest.raises(ValueError, match=r'set model.auxiliary_head.1.in_channels=512'):
         check_model_cfg(model)
+    # A head reading a stage the backbone does not return: named, not an IndexError.
+    model.auxiliary_head = dict(model.auxiliary_head[0], in_index=2)
+    model.backbone.out_indices = (0, 1)
+    model.decode_head.update(in_channels=[64, 128], in_index=[0, 1])
+    with pytest.raises(ValueError, match=r'model.auxiliary_head.in_index=2 selects maps that '
+                                         r'the backbone does not return \(LaplacianFormer'
+                                         r'.* returns 2 maps\)'):
+        check_model_cfg(model)
 
 
 @pytest.mark.filterwarnings('ignore:``build_loss`` would be deprecated')
