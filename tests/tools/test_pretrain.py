@@ -9,6 +9,8 @@ import torch
 from _shared import CONFIG_DIR, TOOLS, run_tool
 from mmengine.config import Config
 
+from lapformer_mm.checkpoint import safe_load
+from lapformer_mm.cli.convert_cls_to_backbone import convert
 from lapformer_mm.cli.make_toy_imagenet import main as make_toy_imagenet_main
 from lapformer_mm.models import LaplacianFormer
 from lapformer_mm.models.pretrained import load_backbone_weights
@@ -52,7 +54,10 @@ def test_toy_imagenet_rejects_tiny_images(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_few_pretraining_iterations_through_the_train_tool(tmp_path):
+def test_pretraining_iterations_through_the_train_tool_convert_into_the_detection_backbone(
+        tmp_path):
+    """The classifier returns stage 4 only, and holds every stage's norm all the same: its
+    converted checkpoint initialises the detection backbone with no key left over."""
     make_toy_imagenet(tmp_path / 'data', per_class=2)
     work_dir = tmp_path / 'work'
     data_root = f"{tmp_path / 'data'}/"
@@ -64,34 +69,23 @@ def test_a_few_pretraining_iterations_through_the_train_tool(tmp_path):
     # 8 train images in batches of 4, then mmpretrain's Accuracy on the 8 val images.
     assert 'Epoch(train) [1][2/2]' in log
     assert 'accuracy/top1:' in log
-    checkpoint = torch.load(work_dir / 'epoch_1.pth', map_location='cpu', weights_only=False)
-    assert checkpoint['state_dict']['head.fc.weight'].shape == (len(CLASSES), 512)
+    trained = safe_load(work_dir / 'epoch_1.pth')['state_dict']
+    assert trained['head.fc.weight'].shape == (len(CLASSES), 512)
 
-
-@pytest.mark.slow
-def test_toy_classifier_converts_into_the_detection_backbone_with_no_key_left(tmp_path):
-    """The classifier returns stage 4 only, and holds every stage's norm all the same."""
-    from mmengine.registry import DefaultScope
-    from mmpretrain.registry import MODELS
-
-    cfg = Config.fromfile(CLS_TOY)
-    with DefaultScope.overwrite_default_scope('mmpretrain'):
-        classifier = MODELS.build(cfg.model)
-    classifier.init_weights()
-    src, dst = tmp_path / 'cls.pth', tmp_path / 'backbone.pth'
-    torch.save(dict(meta=dict(epoch=8), state_dict=classifier.state_dict()), src)
-    out = run_tool([sys.executable, osp.join(TOOLS, 'convert_cls_to_backbone.py'), src, dst,
-                    '--arch', 'tiny'])
-    assert 'arch tiny: 0 missing, 0 unexpected, 0 with another shape' in out
-
+    # The converter's command line: tests/models/test_backbone_cls.py.
+    dst = tmp_path / 'backbone.pth'
+    convert(str(work_dir / 'epoch_1.pth'), str(dst), 'tiny')
     backbone_cfg = Config.fromfile(DET_PRETRAINED).model.backbone
     assert backbone_cfg.init_cfg.type == 'Pretrained'
     kwargs = {k: v for k, v in backbone_cfg.items() if k not in ('type', 'init_cfg')}
     detection_backbone = LaplacianFormer(**kwargs)
     report = load_backbone_weights(detection_backbone, str(dst))
     assert report.missing_keys == () and report.unexpected_keys == ()
-    for key, value in classifier.backbone.state_dict().items():
-        assert torch.equal(detection_backbone.state_dict()[key], value), key
+    own = detection_backbone.state_dict()
+    backbone_keys = [k for k in trained if k.startswith('backbone.')]
+    assert len(backbone_keys) == len(own)
+    for key in backbone_keys:
+        assert torch.equal(own[key[len('backbone.'):]], trained[key]), key
 
 
 def test_toy_classifier_sees_the_detection_input():
