@@ -5,7 +5,7 @@
 #
 # Environment:
 #   LAPFORMER_VENV        where the venv lives (default: <repo>/.venv)
-#   PYTHON                interpreter that creates it (default: python3; 3.9-3.12)
+#   PYTHON                interpreter that creates it (default: python3; 3.11-3.12)
 #   LAPFORMER_WHEEL_CACHE folder of prebuilt mmcv wheels, one subfolder per torch release
 #                         (torch-2.14.1/), tried before building mmcv from source
 #                         (default: <repo>/../shared/wheels when it exists)
