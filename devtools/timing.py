@@ -20,6 +20,34 @@ def parse_size(text):
     return height, width
 
 
+def machine():
+    """What a measurement ran on, for a table's header: the CPU model (``/proc/cpuinfo``'s
+    model name; ``platform.processor()`` is empty on Linux), the CPU count, the CPU
+    kernels' ISA build and the checkout's commit, e.g. 'AMD EPYC, 2 CPUs, avx512 kernels,
+    commit 9cffb4a'."""
+    import platform
+    import subprocess
+    model = platform.processor() or platform.machine()
+    try:
+        with open('/proc/cpuinfo') as f:
+            model = next(line.split(':', 1)[1].strip() for line in f
+                         if line.startswith('model name'))
+    except (OSError, StopIteration):
+        pass
+    parts = [model, f'{os.cpu_count()} CPUs']
+    try:
+        from lapformer_mm.ops.backends import cpu
+        parts.append(f'{cpu.build()} CPU kernels')
+    except Exception:  # no package, no extension: the header says less
+        pass
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = subprocess.run(['git', '-C', root, 'rev-parse', '--short', 'HEAD'],
+                            capture_output=True, text=True).stdout.strip()
+    if commit:
+        parts.append(f'commit {commit}')
+    return ', '.join(parts)
+
+
 def load_average():
     """The 1/5/15-minute load averages as a string (the numbers ``uptime`` shows)."""
     one, five, fifteen = os.getloadavg()
