@@ -28,7 +28,7 @@ if __package__ in (None, ''):
 
 import torch
 
-from devtools.timing import parse_size
+from devtools.timing import machine, parse_size
 
 DTYPES = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
@@ -92,11 +92,21 @@ def main(argv=None):
     args = parse_args(argv)
     if args.device == 'cuda' and not torch.cuda.is_available():
         raise SystemExit('--device cuda needs a CUDA device')
-    path = 'the fused kernels'
+    with tempfile.TemporaryDirectory(prefix='lapformer_emu_') as build_dir:
+        return _measure(args, argv, build_dir)
+
+
+def _measure(args, argv, build_dir):
     if args.emulate:
         from devtools.cuda_emulation import emulate
-        emulate(tempfile.mkdtemp(prefix='lapformer_emu_'))
-        path = 'the fused kernels, emulated on the CPU'
+        emulate(build_dir)
+        path = 'the fused CUDA kernels, emulated on the CPU'
+    elif args.device == 'cuda':
+        path = 'the fused CUDA kernels'
+    else:
+        from lapformer_mm.ops.backends import cpu
+        path = ('the C++ CPU kernels' if cpu.build() is not None
+                else 'the reference: no CPU kernels built')
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, 3, *args.size, generator=gen).to(args.device)
     results = {f'LaplacianFormer-T ({path})': stage_errors(laplacianformer(), x, args.dtypes,
@@ -110,7 +120,7 @@ def main(argv=None):
     date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     print(f'# per-stage max |out - out_fp64| / max |out_fp64|, {args.size[0]}x{args.size[1]}, '
           f'random weights, {date}, torch {torch.__version__}, '
-          f'{torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"}')
+          f'{torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"}, {machine()}')
     print(f'# python benchmarks/numerics_stages.py {" ".join(argv)}\n')
     print(table(results))
     return 0
