@@ -4,8 +4,8 @@ Runs the whole model (``mode='predict'``: backbone, neck, heads, post-processing
 on random images of a fixed size with random weights (pretrained loading off),
 after ``--warmup`` untimed calls. Reports images/s, median and mean latency per
 batch, and peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the
-timed calls; on CPU the growth of the process's resident high-water mark
-(``ru_maxrss``) over the model's resident size before the first call (Linux).
+timed calls; on CPU the process's resident high-water mark (VmHWM, reset with
+``/proc/self/clear_refs`` after the model is built) less its resident size then (Linux).
 Speed on a shared machine depends on its load: ``os.getloadavg()`` is printed. On CPU,
 glibc's mmap/trim thresholds are raised first (:mod:`lapformer_mm.cpu_malloc`) so large
 tensors are reused rather than page-faulted in on every call; ``--glibc-malloc-defaults``
@@ -19,13 +19,19 @@ Example::
 """
 import argparse
 import os
-import resource
 import statistics
+import sys
 import time
+from pathlib import Path
+
+if __package__ in (None, ''):
+    # Run as a script (python benchmarks/NAME.py): the checkout's root holds devtools/.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from mmengine.config import DictAction
 
+from devtools.timing import machine
 from lapformer_mm.analysis.model_zoo import build_from_config, data_samples
 from lapformer_mm.cpu_malloc import keep_large_blocks
 
@@ -38,9 +44,13 @@ def random_batch(scope, batch_size, height, width):
     return dict(inputs=inputs, data_samples=data_samples(scope, height, width, batch_size))
 
 
-def max_rss_mib():
-    """Resident high-water mark of this process (MiB, Linux ru_maxrss is KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def status_mib(key):
+    """A /proc/self/status field (e.g. 'VmHWM', 'VmRSS') in MiB."""
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith(key + ':'):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f'{key} not in /proc/self/status')
 
 
 def benchmark(model, data, repeats, warmup, device):
@@ -53,7 +63,12 @@ def benchmark(model, data, repeats, warmup, device):
         if cuda:
             torch.cuda.synchronize()
 
-    rss_before = max_rss_mib()
+    # The process's high-water mark reset to the resident set of the built model: building
+    # it may have peaked higher than any call, which ru_maxrss would keep.
+    rss_before = status_mib('VmRSS')
+    if not cuda:
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')
     for _ in range(warmup):
         call()
     if cuda:
@@ -66,7 +81,7 @@ def benchmark(model, data, repeats, warmup, device):
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
-        peak = max_rss_mib() - rss_before
+        peak = status_mib('VmHWM') - rss_before
     return times, peak
 
 
@@ -106,6 +121,7 @@ def main(argv=None):
     times, peak = benchmark(model, data, args.repeats, args.warmup, args.device)
     median = statistics.median(times)
     print(f'config:     {args.config}')
+    print(f'machine:    {machine()}')
     print(f'device:     {args.device} (torch threads {torch.get_num_threads()}, '
           f'load average {os.getloadavg()[0]:.1f}'
           f'{", glibc malloc keeps blocks up to 1 GiB" if tuned_malloc else ""})')
