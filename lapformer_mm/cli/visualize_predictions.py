@@ -11,7 +11,7 @@ label 0, left unpainted).
 Examples::
 
     python tools/visualize_predictions.py configs/toy/maskrcnn_lapformer_t_toy.py \\
-        work_dirs/main_job/epoch_12.pth --out-dir work_dirs/main_job/vis --num 6
+        work_dirs/main_job/epoch_6.pth --out-dir work_dirs/main_job/vis --num 6
     python tools/visualize_predictions.py configs/toy/upernet_lapformer_t_toy.py \\
         work_dirs/seg_job/iter_800.pth --out-dir work_dirs/seg_job/vis --num 6
 """
