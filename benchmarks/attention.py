@@ -33,7 +33,6 @@ those made inside native kernels.
 import argparse
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -47,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from devtools.profiling import peak_memory_bytes
-from devtools.timing import best_time, load_average, wall_times
+from devtools.timing import best_time, load_average, machine, wall_times
 from lapformer_mm.ops import (
     injective_normalize,
     laplacian_kernel,
@@ -196,9 +195,8 @@ def speed_study(args):
     methods = make_methods(args)
     rows = []
     print(f'# B={args.batch} h={args.heads} d={args.head_dim} m<={args.landmark_grid ** 2} '
-          f'lam={args.lam:g} threads={torch.get_num_threads()} torch {torch.__version__} '
-          f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, '
-          f'load average {os.getloadavg()[0]:.1f}')
+          f'lam={args.lam:g} threads={torch.get_num_threads()} torch {torch.__version__}, '
+          f'{machine()}, load average {os.getloadavg()[0]:.1f}')
     print('| method | N | fwd ms | fwd+bwd ms | fwd+bwd CPU ms | fwd+bwd peak MiB |')
     print('|---|---|---|---|---|---|')
     for num_tokens in args.tokens:
@@ -358,8 +356,7 @@ def soft_study(args):
     methods = {n: f for n, f in soft_methods(args).items() if n in args.methods}
     saved = torch.get_num_threads()
     print(f'# B={args.batch} h={args.heads} d={args.head_dim} m<={args.landmark_grid ** 2} '
-          f'lam={args.lam:g}, CPU kernels {cpu_ext.build()}, {malloc}, torch {torch.__version__}, '
-          f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, '
+          f'lam={args.lam:g}, {malloc}, torch {torch.__version__}, {machine()}, '
           f'{time.strftime("%Y-%m-%d %H:%M %Z")}, load average {load_average()}')
     print('| threads | N | method | fwd ms | fwd+bwd ms | fwd+bwd CPU ms | '
           'fwd+bwd / soft_core |')
