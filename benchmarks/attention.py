@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from devtools.profiling import peak_memory_bytes
 from devtools.timing import best_time, load_average, machine, wall_times
 from lapformer_mm.ops import (
+    DEFAULT_NS_ITERS,
     injective_normalize,
     laplacian_kernel,
     nystrom_attention,
@@ -355,15 +356,21 @@ def soft_study(args):
     malloc = 'glibc large blocks kept' if keep_large_blocks() else 'glibc defaults'
     methods = {n: f for n, f in soft_methods(args).items() if n in args.methods}
     saved = torch.get_num_threads()
+    # 0 is torch's default, which may equal a count also asked for (1 under
+    # OMP_NUM_THREADS=1): measured twice, its second block would overwrite the first's medians.
+    thread_counts = list(dict.fromkeys(t or saved for t in args.threads))
     print(f'# B={args.batch} h={args.heads} d={args.head_dim} m<={args.landmark_grid ** 2} '
           f'lam={args.lam:g}, {malloc}, torch {torch.__version__}, {machine()}, '
           f'{time.strftime("%Y-%m-%d %H:%M %Z")}, load average {load_average()}')
+    if len(thread_counts) < len(args.threads):
+        print(f'# --threads {" ".join(map(str, args.threads))} (0: torch default, {saved}) '
+              f'measure {" ".join(map(str, thread_counts))}, each once')
     print('| threads | N | method | fwd ms | fwd+bwd ms | fwd+bwd CPU ms | '
           'fwd+bwd / soft_core |')
     print('|---|---|---|---|---|---|---|')
     medians = {}
-    for threads in args.threads:
-        torch.set_num_threads(threads or saved)
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
         for num_tokens in args.tokens:
             generator = torch.Generator().manual_seed(args.seed)
             times = time_soft_round(methods, num_tokens, args, generator)
@@ -397,11 +404,13 @@ def micro_study(args):
     saved = torch.get_num_threads()
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        walls = sorted(wall_times(lambda: iterate(P, 15, 'identity'), args.repeats))
-        print(f'Newton-Schulz, 15 iterations, one 49x49 fp32 matrix, {threads} thread(s): '
+        walls = sorted(wall_times(lambda: iterate(P, DEFAULT_NS_ITERS, 'identity'),
+                                  args.repeats))
+        print(f'Newton-Schulz, {DEFAULT_NS_ITERS} iterations, one 49x49 fp32 matrix, '
+              f'{threads} thread(s): '
               f'min {walls[0] * 1e3:.2f} ms, median {walls[len(walls) // 2] * 1e3:.2f} ms, '
               f'max {walls[-1] * 1e3:.2f} ms over {len(walls)} runs')
-    torch.set_num_threads(saved)
+    torch.set_num_threads(args.threads or saved)
     n = args.tokens
     x, y, g = torch.randn(1, n, 32), torch.randn(1, 49, 32), torch.randn(1, 49, n)
     full = g.contiguous()
@@ -409,8 +418,10 @@ def micro_study(args):
         lambda: torch.ops.aten._cdist_backward(full, y, x, 1.0, full), args.repeats)
     wall_blocked, _ = best_time(
         lambda: reference._l1_grad_native(g, y, x), args.repeats)
-    print(f'landmark gradient at N={n}: one _cdist_backward call {wall_full * 1e3:.1f} ms, '
-          f'blocks of {reference.NATIVE_BLOCK_ROWS} rows {wall_blocked * 1e3:.1f} ms')
+    print(f'landmark gradient at N={n}, {torch.get_num_threads()} thread(s): one '
+          f'_cdist_backward call {wall_full * 1e3:.1f} ms, blocks of '
+          f'{reference.NATIVE_BLOCK_ROWS} rows {wall_blocked * 1e3:.1f} ms')
+    torch.set_num_threads(saved)
     print(f'load average: {os.getloadavg()[0]:.1f}')
 
 
@@ -454,6 +465,9 @@ def parse_args(argv=None):
     micro = sub.add_parser('micro', help='thread and blocking micro-measurements')
     micro.add_argument('--tokens', type=int, default=262144)
     micro.add_argument('--repeats', type=int, default=21)
+    micro.add_argument('--threads', type=int, default=0,
+                       help='intra-op threads of the landmark-gradient timing (0: torch '
+                            'default); the Newton-Schulz timing runs on 1 and 2')
     return parser.parse_args(argv)
 
 
