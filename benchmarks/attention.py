@@ -56,8 +56,13 @@ from lapformer_mm.ops import (
 )
 from lapformer_mm.ops.reference import newton_schulz as newton_schulz_iterate
 
-
 # ---------------------------------------------------------------- NS study
+#: Blur widths (grid cells) of the features: smooth to rough landmark matrices.
+SMOOTHNESSES = (1.0, 3.0, 6.0)
+#: --grid-hw's least value: reflect padding needs a map wider than the widest blur's radius.
+MIN_GRID_HW = int(2 * max(SMOOTHNESSES)) + 2
+
+
 def smooth_features(batch, hw, dim, scale, smoothness, generator):
     """Gaussian-blurred noise (batch, 1, H·W, dim), unit std times ``scale``."""
     height, width = hw
@@ -97,7 +102,7 @@ def ns_study(args):
     hw = (args.grid_hw, args.grid_hw)
     conds, needs = [], {'identity': [], 'authors': []}
     for scale in args.scales:
-        for smoothness in (1.0, 3.0, 6.0):
+        for smoothness in SMOOTHNESSES:
             feats = smooth_features(args.samples, hw, args.head_dim, scale, smoothness,
                                     generator)
             landmarks = pool_landmarks(feats, hw, args.landmark_grid)
@@ -425,47 +430,61 @@ def micro_study(args):
     print(f'load average: {os.getloadavg()[0]:.1f}')
 
 
+def int_at_least(minimum):
+    """An ``argparse`` type: an integer >= ``minimum``, else the argument's error."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f'must be >= {minimum}, got {value}')
+        return value
+    return parse
+
+
 def parse_args(argv=None):
+    positive, nonnegative = int_at_least(1), int_at_least(0)
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     sub = parser.add_subparsers(dest='study', required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument('--head-dim', type=int, default=32)
-    common.add_argument('--landmark-grid', type=int, default=7)
+    common.add_argument('--head-dim', type=positive, default=32)
+    common.add_argument('--landmark-grid', type=positive, default=7)
     common.add_argument('--lam', type=float, default=4.0)
     common.add_argument('--seed', type=int, default=0)
     speed = sub.add_parser('speed', parents=[common], help='time and memory vs N')
-    speed.add_argument('--tokens', type=int, nargs='+',
+    speed.add_argument('--tokens', type=positive, nargs='+',
                        default=[1024, 4096, 16384, 65536, 262144])
     speed.add_argument('--methods', nargs='+', default=list(METHOD_NAMES),
                        choices=METHOD_NAMES)
-    speed.add_argument('--batch', type=int, default=1)
-    speed.add_argument('--heads', type=int, default=1)
-    speed.add_argument('--repeats', type=int, default=5)
-    speed.add_argument('--threads', type=int, default=0, help='0: torch default')
+    speed.add_argument('--batch', type=positive, default=1)
+    speed.add_argument('--heads', type=positive, default=1)
+    speed.add_argument('--repeats', type=positive, default=5)
+    speed.add_argument('--threads', type=nonnegative, default=0, help='0: torch default')
     speed.add_argument('--sdpa-max', type=int, default=16384)
     speed.add_argument('--dense-max', type=int, default=8192)
     speed.add_argument('--plot', default='docs/bench_attention.png')
     ns = sub.add_parser('ns', parents=[common], help='Newton-Schulz iterations study')
     ns.add_argument('--scales', type=float, nargs='+',
                     default=[0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0])
-    ns.add_argument('--samples', type=int, default=8)
-    ns.add_argument('--grid-hw', type=int, default=56)
+    ns.add_argument('--samples', type=positive, default=8)
+    ns.add_argument('--grid-hw', type=int_at_least(MIN_GRID_HW), default=56)
     ns.add_argument('--eps', type=float, default=0.01)
     ns.add_argument('--tol', type=float, default=1e-3)
     ns.add_argument('--cond-limit', type=float, default=2000.0)
-    ns.add_argument('--max-iters', type=int, default=40)
+    ns.add_argument('--max-iters', type=nonnegative, default=40)
     soft = sub.add_parser('soft', parents=[common], help="beside SOFT's attention core")
-    soft.add_argument('--tokens', type=int, nargs='+', default=[16384, 65536])
+    soft.add_argument('--tokens', type=positive, nargs='+', default=[16384, 65536])
     soft.add_argument('--methods', nargs='+', default=list(SOFT_METHODS), choices=SOFT_METHODS)
-    soft.add_argument('--batch', type=int, default=1)
-    soft.add_argument('--heads', type=int, default=2)
-    soft.add_argument('--repeats', type=int, default=5)
-    soft.add_argument('--threads', type=int, nargs='+', default=[1, 0],
+    soft.add_argument('--batch', type=positive, default=1)
+    soft.add_argument('--heads', type=positive, default=2)
+    soft.add_argument('--repeats', type=positive, default=5)
+    soft.add_argument('--threads', type=nonnegative, nargs='+', default=[1, 0],
                       help='intra-op thread counts, one table block each (0: torch default)')
     micro = sub.add_parser('micro', help='thread and blocking micro-measurements')
-    micro.add_argument('--tokens', type=int, default=262144)
-    micro.add_argument('--repeats', type=int, default=21)
-    micro.add_argument('--threads', type=int, default=0,
+    micro.add_argument('--tokens', type=positive, default=262144)
+    micro.add_argument('--repeats', type=positive, default=21)
+    micro.add_argument('--threads', type=nonnegative, default=0,
                        help='intra-op threads of the landmark-gradient timing (0: torch '
                             'default); the Newton-Schulz timing runs on 1 and 2')
     return parser.parse_args(argv)
