@@ -47,7 +47,7 @@ if __package__ in (None, ''):
 import torch
 
 from devtools.profiling import cuda_peak_memory
-from devtools.timing import load_average, parse_size
+from devtools.timing import load_average, machine, parse_size
 from lapformer_mm.analysis.model_zoo import (
     BACKBONE_CONFIGS,
     build_backbone,
@@ -408,7 +408,9 @@ def report_saved_run(path, plot):
     modes = [m for m in MODES if m in results]
     sizes = sorted({parse_size(k) for m in modes for k in results[m]},
                    key=lambda s: s[0] * s[1])
-    print(f"# {info['started']} device={info['device']} threads={info['threads']} load "
+    # Runs saved before the machine was recorded lack it.
+    where = f", {info['machine']}" if 'machine' in info else ''
+    print(f"# {info['started']} device={info['device']} threads={info['threads']}{where}, load "
           f"average before: {info['load_before']}, after timing: {info.get('load_after_timing')}")
     print(format_table(results, params, sizes, modes, key))
     if plot:
@@ -450,13 +452,14 @@ def main(argv=None):
     models = {n: build_backbone(n).to(device) for n in args.models}
     params = {n: count_parameters(m) for n, m in models.items()}
     info = dict(device=str(device), threads=torch.get_num_threads(), torch=torch.__version__,
-                malloc=malloc,
+                machine=machine(), malloc=malloc,
                 git_commit=git_commit(), layouts={n: describe(m) for n, m in models.items()},
                 memory_method=None if not args.memory else (
                     'torch.cuda.max_memory_allocated' if device.type == 'cuda' else
                     'VmHWM - VmRSS of one call in a forked child, /proc/self/clear_refs reset'),
                 load_before=load_average(), started=time.strftime('%Y-%m-%d %H:%M:%S %Z'))
     print(f"# {info['started']} device={device} threads={info['threads']} "
+          f"torch {info['torch']}, {info['machine']}, "
           f"load average before: {info['load_before']}", flush=True)
     results = {}
     for mode, size in planned_configs(args):
