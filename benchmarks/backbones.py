@@ -354,7 +354,9 @@ def parse_args(argv=None):
                         help='configs not to run, e.g. pvtv2-b1@2048x2048 (memory)')
     parser.add_argument('--repeats', type=int, default=3)
     parser.add_argument('--max-call-s', type=float, default=300.0,
-                        help='a model whose warm-up call took longer skips larger sizes')
+                        help='a model with a timed call (not the warm-up) slower than this at '
+                             'one size is not run at the later --sizes, in list order, of the '
+                             'same mode')
     parser.add_argument('--threads', type=int, default=None)
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--memory', action='store_true',
