@@ -341,6 +341,29 @@ def profile_model(name, size, device, rows=15):
     return ops, '\n'.join(lines)
 
 
+def parse_device(text):
+    """An ``argparse`` type: 'cpu', 'cuda' or 'cuda:N' (the devices the timing and memory
+    code handle)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ('cpu', 'cuda'):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def nonnegative_int(text):
+    """An ``argparse`` type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f'must be >= 0, got {value}')
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS),
@@ -357,8 +380,10 @@ def parse_args(argv=None):
                         help='a model with a timed call (not the warm-up) slower than this at '
                              'one size is not run at the later --sizes, in list order, of the '
                              'same mode')
-    parser.add_argument('--threads', type=int, default=None)
-    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--threads', type=nonnegative_int, default=None,
+                        help='intra-op threads (default or 0: torch default)')
+    parser.add_argument('--device', type=parse_device, default='cpu',
+                        help='cpu (default), cuda or cuda:N')
     parser.add_argument('--memory', action='store_true',
                         help='peak memory per config, one forked child each')
     parser.add_argument('--memory-timeout', type=float, default=900.0)
@@ -374,6 +399,19 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f'--repeats must be >= 1, got {args.repeats}')
+    if args.from_json:
+        if not osp.isfile(args.from_json):
+            parser.error(f'--from-json: no such file: {args.from_json!r}')
+        return args  # nothing runs: the device need not exist here
+    device = torch.device(args.device)
+    if device.type == 'cuda':
+        count = torch.cuda.device_count()
+        if count == 0:
+            parser.error(f'--device {args.device}: no CUDA device here (torch '
+                         f'{torch.__version__}, torch.cuda.is_available() is False); use cpu')
+        if device.index is not None and device.index >= count:
+            parser.error(f'--device {args.device}: this machine has cuda:0 to '
+                         f'cuda:{count - 1}')
     for item in args.skip:
         name, _, size = item.partition('@')
         if name not in BACKBONE_CONFIGS or not size:

@@ -127,6 +127,19 @@ def test_benchmark_planned_configs_and_argument_checks(capsys):
     assert "error: argument --sizes: size must be HxW, got '64by64'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize('argv, message', [
+    (['--device', 'gpu'], "argument --device: expected cpu, cuda or cuda:N, got 'gpu'"),
+    (['--device', 'cuda'], '--device cuda: no CUDA device here'),
+    (['--threads', '-2'], 'argument --threads: must be >= 0, got -2'),
+    (['--from-json', 'no/such.json'], "--from-json: no such file: 'no/such.json'"),
+])
+def test_benchmark_argument_errors(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)  # a GPU machine too
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert 'error: ' + message in capsys.readouterr().err
+
+
 def test_benchmark_fwdbwd_call_leaves_no_gradients():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
     wrapped = lambda x: (model(x), )  # noqa: E731  backbones return tuples
