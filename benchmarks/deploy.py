@@ -53,7 +53,7 @@ if __package__ in (None, ''):
 
 import torch
 
-from devtools.timing import load_average, parse_size
+from devtools.timing import load_average, machine, parse_size
 from lapformer_mm import deploy
 from lapformer_mm.analysis.model_zoo import build_backbone
 from lapformer_mm.cpu_malloc import keep_large_blocks
@@ -161,13 +161,13 @@ def benchmark(args):
     keep_large_blocks()
     all_threads = torch.get_num_threads()
     info = dict(size=args.size, exporter=args.exporter, repeats=args.repeats,
-                threads=args.threads, torch=torch.__version__,
+                threads=args.threads, torch=torch.__version__, machine=machine(),
                 started=time.strftime('%Y-%m-%d %H:%M:%S %Z'), load_before=load_average())
     import onnxruntime
     info['onnxruntime'] = onnxruntime.__version__
     print(f"# {info['started']} torch {info['torch']} onnxruntime {info['onnxruntime']}, "
-          f"exporter {args.exporter}, {args.size[0]}x{args.size[1]}, load average "
-          f"{info['load_before']}", flush=True)
+          f"{info['machine']}, exporter {args.exporter}, {args.size[0]}x{args.size[1]}, "
+          f"load average {info['load_before']}", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         exported = export_all(args.models, args.size, args.exporter, folder)
         x = deploy.example_input(args.size, 1)
@@ -497,13 +497,15 @@ def main(argv=None):
     if args.seed is not None:
         torch.manual_seed(args.seed)
     if args.parity:
-        print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {load_average()}")
+        print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {machine()}, load average "
+              f"{load_average()}")
         print(parity_report(inputs=args.inputs, images=args.images, norm=args.norm,
                             checkpoint=args.checkpoint))
         print(f'# load average {load_average()}')
         return 0
     if args.precision:
-        print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average {load_average()}")
+        print(f"# {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {machine()}, load average "
+              f"{load_average()}")
         print(precision_report())
         return 0
     benchmark(args)
