@@ -55,7 +55,7 @@ import torch
 
 from devtools.timing import load_average, machine, parse_size
 from lapformer_mm import deploy
-from lapformer_mm.analysis.model_zoo import build_backbone
+from lapformer_mm.analysis.model_zoo import BACKBONE_CONFIGS, build_backbone
 from lapformer_mm.cpu_malloc import keep_large_blocks
 from lapformer_mm.models.attention import LaplacianAttention
 from lapformer_mm.ops import export as ops_export
@@ -454,14 +454,34 @@ def backbone_precision(size=(448, 640)):
     return '\n'.join(lines)
 
 
+def positive_int(text):
+    """An ``argparse`` type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f'must be >= 1, got {value}')
+    return value
+
+
+#: Options of one mode only (argparse dests): the others would ignore them.
+SPEED_OPTIONS = ('models', 'size', 'exporter', 'repeats', 'threads', 'json', 'all_optimizers',
+                 'profile')
+PARITY_OPTIONS = ('inputs', 'norm', 'images', 'checkpoint')
+_UNSET = object()
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS),
-                        help=f'backbones (default: {" ".join(DEFAULT_MODELS)})')
+                        choices=sorted(BACKBONE_CONFIGS), metavar='MODEL',
+                        help=f'backbones, of {", ".join(sorted(BACKBONE_CONFIGS))} (default: '
+                             f'{" ".join(DEFAULT_MODELS)})')
     parser.add_argument('--size', type=parse_size, default=(800, 1333), help='HxW')
     parser.add_argument('--exporter', choices=deploy.EXPORTERS, default='dynamo')
-    parser.add_argument('--repeats', type=int, default=3)
-    parser.add_argument('--threads', type=int, nargs='+', default=[1],
+    parser.add_argument('--repeats', type=positive_int, default=3)
+    parser.add_argument('--threads', type=positive_int, nargs='+', default=[1],
                         help='intra-op thread counts to time (default: 1)')
     parser.add_argument('--json', help='also write the results to this file')
     parser.add_argument('--all-optimizers', action='store_true',
@@ -489,6 +509,23 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.images < 1:
         parser.error(f'--images must be >= 1, got {args.images}')
+    # Parsed again over a namespace that already holds every mode-specific dest: argparse
+    # leaves those not on the command line as they are, which tells them from defaults.
+    given = parser.parse_args(argv, argparse.Namespace(
+        **dict.fromkeys(SPEED_OPTIONS + PARITY_OPTIONS, _UNSET)))
+
+    def refuse(mode, options):
+        named = ['--' + o.replace('_', '-') for o in options if getattr(given, o) is not _UNSET]
+        if named:
+            parser.error(f'not used by {mode}: {", ".join(named)}')
+
+    if args.parity and args.precision:
+        parser.error('--parity and --precision: one mode per run')
+    if args.parity or args.precision:
+        refuse('--parity' if args.parity else '--precision', SPEED_OPTIONS)
+    if not args.parity:
+        refuse('--precision' if args.precision else 'the speed table (no --parity)',
+               PARITY_OPTIONS)
     return args
 
 

@@ -56,3 +56,24 @@ def test_parity_norms_measure_the_stage_map(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(['--parity', '--norm', 'rms'])
     assert "error: argument --norm: invalid choice: 'rms'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--models', 'foo'], "argument --models: invalid choice: 'foo' (choose from "),
+    (['--repeats', '0'], 'argument --repeats: must be >= 1, got 0'),
+    (['--threads', '1', '0'], 'argument --threads: must be >= 1, got 0'),
+    (['--parity', '--size', '64x64', '--threads', '2'],
+     'not used by --parity: --size, --threads'),
+    (['--precision', '--exporter', 'dynamo'], 'not used by --precision: --exporter'),
+    (['--norm', 'l2'], 'not used by the speed table (no --parity): --norm'),
+    (['--parity', '--precision'], '--parity and --precision: one mode per run'),
+])
+def test_argument_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert 'error: ' + message in capsys.readouterr().err
+
+
+def test_mode_options_are_accepted_in_their_mode():
+    assert bench.parse_args(['--parity', '--images', '2', '--seed', '0']).images == 2
+    assert bench.parse_args(['--size', '64x64', '--threads', '1', '2']).threads == [1, 2]
