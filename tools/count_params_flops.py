@@ -3,7 +3,7 @@
 Usage:
     python tools/count_params_flops.py [--arch tiny small ...] [--size 224]
         [--qk-shared | --no-qk-shared] [--stage4-attention softmax|laplacian]
-        [--newton-iters N] [--markdown]
+        [--iters N] [--markdown]
     python tools/count_params_flops.py --arch medium --ns-residual 7 16
 
 The classifier is the backbone + global average pooling + a 1000-class linear head;
