@@ -57,6 +57,49 @@ def test_qk_distances_cli_writes_plots_and_tables(tmp_path):
     assert data['weights'] == {'laplacianformer-t': 'random init'}
 
 
+def load_cli(script):
+    """tools/analysis/<script> as a module (its parse_args and main, without a process)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        f'analysis_{script[:-3]}', osp.join(TOOLS, 'analysis', script))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize('script, argv, message', [
+    ('qk_distances.py', ['--checkpoint', 'foo'], "--checkpoint must be MODEL=PATH with MODEL "
+     "in ['laplacianformer-s', "),
+    ('qk_distances.py', ['--size', '0', '0'], 'argument --size: must be >= 1, got 0'),
+    ('qk_distances.py', ['--max-queries', '0'], 'argument --max-queries: must be >= 1, got 0'),
+    ('qk_distances.py', ['--max-samples', '1'], 'argument --max-samples: must be >= 2, got 1'),
+    ('qk_distances.py', ['--size', '16', '16'],
+     '--size 16 16: H and W must be >= 29 for pvtv2-b1'),
+    ('attention_maps.py', ['--stage', '5'],
+     'argument --stage: invalid choice: 5 (choose from 1, 2, 3, 4)'),
+    ('attention_maps.py', ['--block', '0'], 'argument --block: must be >= 1, got 0'),
+    ('attention_maps.py', ['--query', '1.5', '0.5'],
+     '--query: ROW and COL must be fractions in [0, 1], got 1.5 0.5'),
+    ('attention_maps.py', ['--size', '0', '0'], 'argument --size: must be >= 1, got 0'),
+])
+def test_analysis_argument_errors(script, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_cli(script).parse_args(argv)
+    assert exit_info.value.code == 2
+    assert 'error: ' + message in capsys.readouterr().err
+
+
+def test_attention_maps_block_past_the_stage_is_an_argument_error(tmp_path, capsys):
+    # The stage's block count comes with the model: checked after building it.
+    with pytest.raises(SystemExit) as exit_info:
+        load_cli('attention_maps.py').main(['--size', '32', '32', '--block', '9',
+                                            '--out', str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert ('error: --stage 1 --block 9: block must be in [1, 1] for stage 1, got 9'
+            in capsys.readouterr().err)
+    assert not list(tmp_path.iterdir())
+
+
 def test_qk_distances_rejects_bad_checkpoint_argument():
     from lapformer_mm.analysis.qk_distances import parse_checkpoints
     with pytest.raises(ValueError, match='MODEL=PATH'):

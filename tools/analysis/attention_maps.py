@@ -23,32 +23,61 @@ from lapformer_mm.analysis.attention_maps import (
 )
 from lapformer_mm.analysis.images import load_images, read_image, to_tensor
 from lapformer_mm.analysis.model_zoo import BACKBONE_CONFIGS, build_backbone
+from lapformer_mm.models.backbone import NUM_STAGES
 
 
-def parse_args(argv=None):
+def positive_int(text):
+    """An ``argparse`` type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f'must be >= 1, got {value}')
+    return value
+
+
+def make_parser():
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--model', default='laplacianformer-t',
                         choices=[n for n in BACKBONE_CONFIGS if n.startswith('laplacianformer')])
     parser.add_argument('--checkpoint', help='backbone weights (weights_only load)')
     parser.add_argument('--image', help='image file (default: a synthetic texture)')
     parser.add_argument('--seed', type=int, default=0, help='synthetic image seed')
-    parser.add_argument('--size', type=int, nargs=2, default=(224, 224), metavar=('H', 'W'))
-    parser.add_argument('--stage', type=int, default=1, help='1-based stage')
-    parser.add_argument('--block', type=int, default=1, help='1-based block in the stage')
+    parser.add_argument('--size', type=positive_int, nargs=2, default=(224, 224),
+                        metavar=('H', 'W'))
+    parser.add_argument('--stage', type=int, default=1, choices=range(1, NUM_STAGES + 1),
+                        help='1-based stage')
+    parser.add_argument('--block', type=positive_int, default=1,
+                        help='1-based block in the stage')
     parser.add_argument('--query', type=float, nargs=2, default=(0.5, 0.5),
                         metavar=('ROW', 'COL'), help='query position, fractions of the grid')
     parser.add_argument('--r-max', type=float, default=12.0,
                         help='largest distance in the gradient plot')
     parser.add_argument('--out', default='docs/analysis')
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None, parser=None):
+    parser = parser or make_parser()
+    args = parser.parse_args(argv)
+    if not all(0.0 <= p <= 1.0 for p in args.query):
+        parser.error(f'--query: ROW and COL must be fractions in [0, 1], got '
+                     f'{args.query[0]:g} {args.query[1]:g}')
+    return args
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parse_args(argv, parser)
     size = tuple(args.size)
     image = read_image(args.image, size) if args.image else load_images(None, 1, size, args.seed)[0]
     model = build_backbone(args.model, args.checkpoint)
-    q, k, hw, attn = capture_block(model, to_tensor([image]), args.stage, args.block)
+    try:
+        q, k, hw, attn = capture_block(model, to_tensor([image]), args.stage, args.block)
+    except ValueError as err:
+        # The block count of a stage and the stage's attention type come with the model.
+        parser.error(f'--stage {args.stage} --block {args.block}: {err}')
     index = query_index(hw, args.query)
     rows = attention_rows(q, k, hw, index, attn)
     os.makedirs(args.out, exist_ok=True)

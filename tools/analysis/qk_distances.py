@@ -22,8 +22,26 @@ from lapformer_mm.analysis.qk_distances import (
     write_report,
 )
 
+#: PVTv2's first spatial reduction is an 8x8 stride-8 conv over the stride-4 map of its
+#: 7x7 stride-4 patch embedding (padding 3): that map is (H - 1) // 4 + 1 >= 8 rows.
+PVT_MIN_SIZE = 29
+
+
+def int_at_least(minimum):
+    """An ``argparse`` type: an integer >= ``minimum``, else the argument's error."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f'must be >= {minimum}, got {value}')
+        return value
+    return parse
+
 
 def parse_args(argv=None):
+    positive = int_at_least(1)
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS),
                         choices=sorted(BACKBONE_CONFIGS))
@@ -32,20 +50,30 @@ def parse_args(argv=None):
     parser.add_argument('--images', help='folder of images (default: synthetic textures)')
     parser.add_argument('--num-images', type=int, default=4)
     parser.add_argument('--batch-size', type=int, default=2)
-    parser.add_argument('--size', type=int, nargs=2, default=(224, 224), metavar=('H', 'W'))
-    parser.add_argument('--max-queries', type=int, default=256,
+    parser.add_argument('--size', type=positive, nargs=2, default=(224, 224),
+                        metavar=('H', 'W'))
+    parser.add_argument('--max-queries', type=positive, default=256,
                         help='queries sampled per attention call')
-    parser.add_argument('--max-keys', type=int, default=256,
+    parser.add_argument('--max-keys', type=positive, default=256,
                         help='keys sampled per attention call')
-    parser.add_argument('--max-windows', type=int, default=64,
+    parser.add_argument('--max-windows', type=positive, default=64,
                         help='images (or Swin windows) sampled per attention call')
-    parser.add_argument('--max-samples', type=int, default=200_000,
+    # The tail statistics need two distances per stage and metric.
+    parser.add_argument('--max-samples', type=int_at_least(2), default=200_000,
                         help='distances kept per stage and metric')
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--out', default='docs/analysis')
     args = parser.parse_args(argv)
     if args.num_images < 1 or args.batch_size < 1:
         parser.error('--num-images and --batch-size must be >= 1')
+    try:
+        parse_checkpoints(args.checkpoint)
+    except ValueError as err:
+        parser.error(str(err))
+    pvt = [m for m in args.models if m.startswith('pvtv2')]
+    if pvt and min(args.size) < PVT_MIN_SIZE:
+        parser.error(f'--size {args.size[0]} {args.size[1]}: H and W must be >= '
+                     f'{PVT_MIN_SIZE} for {", ".join(pvt)}')
     return args
 
 
