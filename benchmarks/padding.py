@@ -24,6 +24,15 @@ if __package__ in (None, ''):
 
 import torch
 
+#: The backbones' last stage stride: an image of a multiple of it gives every stage a map of
+#: exactly H/stride x W/stride, as mmdet's padding to a multiple of 32 does.
+STRIDE = 32
+#: Rows and columns left out at a map's bottom and right (:func:`change`): the positions
+#: compared are this far from the image's padded edges.
+EDGE = 2
+#: The least image side: the last stage's H/32 x W/32 map keeps a cell after the crop.
+MIN_SIDE = STRIDE * (EDGE + 1)
+
 
 def size(text):
     h, w = (int(v) for v in text.lower().split('x'))
@@ -54,7 +63,7 @@ def change(model, image, canvas):
         alone, inside = model(image), model(padded)
     result = []
     for a, b in zip(alone, inside):
-        h, w = a.shape[2] - 2, a.shape[3] - 2
+        h, w = a.shape[2] - EDGE, a.shape[3] - EDGE
         a, b = a[..., :h, :w], b[..., :h, :w]
         result.append(((a - b).norm() / a.norm()).item())
     return result
@@ -63,10 +72,21 @@ def change(model, image, canvas):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--image', type=size, default=(192, 160),
-                        help='image size HxW, a multiple of 32 (default 192x160)')
+                        help=f'image size HxW, multiples of {STRIDE}, at least {MIN_SIDE} '
+                             '(default 192x160)')
     parser.add_argument('--canvas', type=size, nargs='+', default=[(256, 256)],
-                        help='padded batch sizes HxW (default 256x256)')
+                        help='padded batch sizes HxW, each at least the image '
+                             '(default 256x256)')
     args = parser.parse_args(argv)
+    height, width = args.image
+    if height % STRIDE or width % STRIDE or min(height, width) < MIN_SIDE:
+        parser.error(f'--image {height}x{width}: H and W must be multiples of {STRIDE} and at '
+                     f'least {MIN_SIDE}, so that the last stage\'s map keeps a cell after the '
+                     f'{EDGE} edge rows and columns are left out')
+    for canvas in args.canvas:
+        if canvas[0] < height or canvas[1] < width:
+            parser.error(f'--canvas {canvas[0]}x{canvas[1]}: smaller than --image '
+                         f'{height}x{width}')
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1)
     image = torch.randn(1, 3, *args.image, generator=gen)

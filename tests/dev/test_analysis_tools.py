@@ -219,3 +219,17 @@ def test_padding_benchmark_compares_the_image_region_alone_and_padded():
     moved = padding.change(model, image, (192, 192))
     assert len(moved) == 4 and min(moved) > 0.1, moved
     assert padding.size('192x160') == (192, 160)
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--image', '64x64'], '--image 64x64: H and W must be multiples of 32 and at least 96'),
+    (['--image', '50x70'], '--image 50x70: H and W must be multiples of 32 and at least 96'),
+    (['--image', '192x160', '--canvas', '256x256', '128x128'],
+     '--canvas 128x128: smaller than --image 192x160'),
+])
+def test_padding_benchmark_argument_errors(argv, message, capsys):
+    from benchmarks import padding
+    with pytest.raises(SystemExit) as exit_info:
+        padding.main(argv)
+    assert exit_info.value.code == 2
+    assert 'error: ' + message in capsys.readouterr().err
