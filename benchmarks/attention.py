@@ -173,8 +173,8 @@ def make_methods(args):
     }
 
 
-def measure(method, num_tokens, args):
-    """(fwd (wall, cpu) s, fwd+bwd (wall, cpu) s, fwd+bwd peak bytes) at N tokens."""
+def prepare(method, num_tokens, args):
+    """The forward and the forward+backward of ``method`` at N tokens, as closures."""
     generator = torch.Generator().manual_seed(args.seed)
     shape = (args.batch, args.heads, num_tokens, args.head_dim)
     q, k, v = (torch.randn(shape, generator=generator) for _ in range(3))
@@ -189,30 +189,45 @@ def measure(method, num_tokens, args):
         method(*leaves, hw).sum().backward()
         return leaves
 
-    repeats = max(1, args.repeats if num_tokens <= 16384 else args.repeats // 2)
-    t_fwd = best_time(forward, repeats)
-    t_fb = best_time(forward_backward, repeats)
-    peak, _ = peak_memory_bytes(forward_backward)
-    return t_fwd, t_fb, peak
+    return forward, forward_backward
+
+
+def timed(fn):
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def speed_study(args):
     torch.set_num_threads(args.threads or torch.get_num_threads())
     methods = make_methods(args)
-    rows = []
+    runs = {(name, n): prepare(method, n, args) for n in args.tokens
+            for name, (limit, method) in methods.items()
+            if name in args.methods and (limit is None or n <= limit)}
     print(f'# B={args.batch} h={args.heads} d={args.head_dim} m<={args.landmark_grid ** 2} '
           f'lam={args.lam:g} threads={torch.get_num_threads()} torch {torch.__version__}, '
-          f'{machine()}, load average {os.getloadavg()[0]:.1f}')
+          f'{machine()}, load average {os.getloadavg()[0]:.1f}; minimum of {args.repeats} '
+          'rounds, each timing every (method, N) once in turn')
+    # Round-robin: every (method, N) is timed once per round, so the ratios the targets
+    # read (N against N, method against method) see the same load.
+    times = {key: {'fwd': [], 'fb': []} for key in runs}
+    for round_index in range(args.repeats + 1):  # round 0 warms up
+        for key, (forward, forward_backward) in runs.items():
+            for kind, fn in (('fwd', forward), ('fb', forward_backward)):
+                result = timed(fn)
+                if round_index:
+                    times[key][kind].append(result)
+    rows = []
     print('| method | N | fwd ms | fwd+bwd ms | fwd+bwd CPU ms | fwd+bwd peak MiB |')
     print('|---|---|---|---|---|---|')
-    for num_tokens in args.tokens:
-        for name, (limit, method) in methods.items():
-            if name not in args.methods or (limit is not None and num_tokens > limit):
-                continue
-            t_fwd, t_fb, peak = measure(method, num_tokens, args)
-            rows.append((name, num_tokens, t_fwd, t_fb, peak))
-            print(f'| {name} | {num_tokens} | {t_fwd[0] * 1e3:.1f} | {t_fb[0] * 1e3:.1f} | '
-                  f'{t_fb[1] * 1e3:.1f} | {peak / 2 ** 20:.1f} |', flush=True)
+    for (name, num_tokens), (_, forward_backward) in runs.items():
+        t_fwd, t_fb = ((min(t[0] for t in times[(name, num_tokens)][kind]),
+                        min(t[1] for t in times[(name, num_tokens)][kind]))
+                       for kind in ('fwd', 'fb'))
+        peak, _ = peak_memory_bytes(forward_backward)
+        rows.append((name, num_tokens, t_fwd, t_fb, peak))
+        print(f'| {name} | {num_tokens} | {t_fwd[0] * 1e3:.1f} | {t_fb[0] * 1e3:.1f} | '
+              f'{t_fb[1] * 1e3:.1f} | {peak / 2 ** 20:.1f} |', flush=True)
     summarize(rows)
     print(f'load average at the end: {os.getloadavg()[0]:.1f}')
     if args.plot:
