@@ -90,15 +90,31 @@ class LaplacianAttention(nn.Module):
         num_projections = 2 if self.qk_shared else 3
         self.qkv = nn.Linear(dim, num_projections * dim, bias=qkv_bias)
         self.local = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
-        # _local_term's channels-last input gives the weight's gradient channels-last
-        # strides, (9, 1, 3, 1) where the weight's are (9, 9, 3, 1): the same memory, but
-        # DistributedDataParallel compares strides exactly and warns. The weight takes the
-        # gradient's strides; .to(), clone and load_state_dict keep them.
-        weight = self.local.weight
-        weight.data = torch.empty_like(weight, memory_format=torch.channels_last).copy_(weight)
+        self._local_weight_channels_last()
+        self.register_load_state_dict_post_hook(
+            lambda module, _: module._local_weight_channels_last())
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(check_probability('proj_drop', proj_drop))
         load_backends()
+
+    def _local_weight_channels_last(self):
+        """Give the depth-wise weight the strides its gradient comes back with.
+
+        The CPU convolution returns that gradient with channels-last strides, (9, 1, 3, 1)
+        where a contiguous (C, 1, 3, 3) weight has (9, 9, 3, 1): the same memory, but
+        DistributedDataParallel compares strides exactly and warns at every run. Kept
+        through ``.to(memory_format=...)`` and ``load_state_dict(assign=True)``, which
+        replace the weight's storage, by :meth:`_apply` and a load hook.
+        """
+        weight = self.local.weight
+        channels_last = torch.empty_like(weight, memory_format=torch.channels_last)
+        if weight.stride() != channels_last.stride():
+            weight.data = channels_last.copy_(weight)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._local_weight_channels_last()
+        return self
 
     def _split_heads(self, t):
         """(B, N, C) -> (B, h, N, d)."""

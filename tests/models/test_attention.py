@@ -50,7 +50,7 @@ def test_qk_shared_drops_the_key_projection():
     assert n_separate - n_shared == 64 * 64 + 64
 
 
-@pytest.mark.parametrize('copy', ['built', 'deepcopy', 'double'])
+@pytest.mark.parametrize('copy', ['built', 'deepcopy', 'double', 'contiguous', 'assign'])
 def test_gradients_reach_every_parameter_with_its_strides(copy):
     """DistributedDataParallel warns when a gradient's strides differ from its parameter's."""
     module = LaplacianAttention(32, 4, qk_shared=False)
@@ -59,6 +59,14 @@ def test_gradients_reach_every_parameter_with_its_strides(copy):
         module = copy_module.deepcopy(module)
     elif copy == 'double':
         module, dtype = module.double(), torch.float64
+    elif copy == 'contiguous':
+        module = module.to(memory_format=torch.contiguous_format)
+    elif copy == 'assign':  # e.g. a checkpoint saved with contiguous weights
+        state = {k: v.clone(memory_format=torch.contiguous_format).contiguous()
+                 for k, v in module.state_dict().items()}
+        state['local.weight'] = torch.randn(32, 1, 3, 3)
+        module.load_state_dict(state, assign=True)
+        assert torch.equal(module.local.weight, state['local.weight'])
     module(torch.randn(2, 64, 32, dtype=dtype), (8, 8)).square().mean().backward()
     for name, p in module.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
