@@ -45,7 +45,7 @@ def dense_reference(q, v, landmarks):
     c = kernel(q, landmarks)
     p = kernel(landmarks, landmarks) + EPS * torch.eye(M, dtype=torch.float64)
     # Centred twice: with nearly equal kernel values one pass leaves a rounding residue
-    # that is itself 1e-12 of the result at spread 1e-4.
+    # that the whitening carries into the result (docs/benchmarks.md).
     centred = c - c.mean(-1, keepdim=True)
     centred = centred - centred.mean(-1, keepdim=True)
     z = centred / torch.sqrt(centred.var(-2, unbiased=False, keepdim=True) + WHITEN) + 1.0 / M

@@ -53,6 +53,20 @@ def laplacianformer(impl=None):
     return LaplacianFormer(arch='tiny', drop_path_rate=0.0, attn_cfg=dict(impl=impl))
 
 
+PATHS = {'cpu': 'the C++ CPU kernels', 'cupy': 'the fused CUDA kernels',
+         'reference': 'the reference math'}
+
+
+def path_of(model, device):
+    """The implementation the model's attention runs on ``device`` (LAPFORMER_OPS, the
+    kernels built or not), asked of the op's own selection."""
+    from lapformer_mm.models.attention import LaplacianAttention
+    from lapformer_mm.ops.attention import resolve_impl
+    attention = next(m for m in model.modules() if isinstance(m, LaplacianAttention))
+    q = torch.zeros(1, 1, 64, 32, device=device)
+    return resolve_impl(q, q, q, torch.zeros(1, 1, 49, 32, device=device), attention.options)
+
+
 def pvtv2_b1(baseline):
     torch.manual_seed(0)
     if baseline == 'timm':
@@ -100,17 +114,11 @@ def _measure(args, argv, build_dir):
     if args.emulate:
         from devtools.cuda_emulation import emulate
         emulate(build_dir)
-        path = 'the fused CUDA kernels, emulated on the CPU'
-    elif args.device == 'cuda':
-        path = 'the fused CUDA kernels'
-    else:
-        from lapformer_mm.ops.backends import cpu
-        path = ('the C++ CPU kernels' if cpu.build() is not None
-                else 'the reference: no CPU kernels built')
+    model = laplacianformer()
+    path = PATHS[path_of(model, args.device)] + (', emulated on the CPU' if args.emulate else '')
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, 3, *args.size, generator=gen).to(args.device)
-    results = {f'LaplacianFormer-T ({path})': stage_errors(laplacianformer(), x, args.dtypes,
-                                                           args.device)}
+    results = {f'LaplacianFormer-T ({path})': stage_errors(model, x, args.dtypes, args.device)}
     if args.also_reference:
         results['LaplacianFormer-T (reference math)'] = stage_errors(
             laplacianformer('reference'), x, args.dtypes, args.device)

@@ -37,12 +37,15 @@ def machine():
     parts = [model, f'{os.cpu_count()} CPUs']
     try:
         from lapformer_mm.ops.backends import cpu
-        parts.append(f'{cpu.build()} CPU kernels')
+        parts.append(f'{cpu.build() or "no"} CPU kernels')
     except Exception:  # no package, no extension: the header says less
         pass
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = subprocess.run(['git', '-C', root, 'rev-parse', '--short', 'HEAD'],
-                            capture_output=True, text=True).stdout.strip()
+    try:
+        commit = subprocess.run(['git', '-C', root, 'rev-parse', '--short', 'HEAD'],
+                                capture_output=True, text=True).stdout.strip()
+    except OSError:  # no git
+        commit = ''
     if commit:
         parts.append(f'commit {commit}')
     return ', '.join(parts)

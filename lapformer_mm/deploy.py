@@ -575,8 +575,9 @@ VERIFY_INPUTS = {'toy': toy_image_input, 'smooth': smooth_input, 'noise': exampl
 
 
 def rounding_change(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """``x`` with each element moved by at most fp32's unit roundoff (2⁻²⁴) of itself, a
-    fixed random amount: the size of change any evaluation that rounds differently makes."""
+    """``x`` with each element multiplied by 1 + u, |u| <= 2⁻²⁴ (fp32's unit roundoff), a fixed
+    random u, and rounded back: kept or moved by one ulp (about a quarter of the values
+    move), the size of change any evaluation that rounds differently makes."""
     gen = torch.Generator().manual_seed(seed)
     step = (torch.rand(x.shape, generator=gen, dtype=torch.float64) * 2 - 1) * 2.0 ** -24
     return (x.double() * (1 + step)).to(x.dtype)

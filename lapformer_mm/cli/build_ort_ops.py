@@ -59,7 +59,7 @@ def build(include_dir=None, out=None, cxx=None, verbose=False):
     """Compile and link the library; return its path. Raises FileNotFoundError (no
     headers, no compiler) or RuntimeError (a compiler error, with its output)."""
     include = find_include(include_dir)
-    out = out or default_library_path()
+    out = os.fspath(out or default_library_path())
     if osp.isdir(out) or out.endswith(os.sep):
         out = osp.join(out, LIBRARY_NAME)  # a folder: the library's own name in it
     out = osp.abspath(out)

@@ -77,8 +77,9 @@ def find_latest_checkpoint(path):
         return recorded
     reason = (f'{record} names {recorded}, which does not exist' if recorded else
               f'{record} is empty' if recorded == '' else f'there is no {record}')
-    moved = os.path.join(path, os.path.basename(recorded)) if recorded else None
-    if moved and os.path.exists(moved):
+    name = os.path.basename(recorded) if recorded else ''
+    moved = os.path.join(path, name)
+    if _CHECKPOINT_NAME.fullmatch(name) and os.path.exists(moved):
         print_log(f'{reason} (the work dir was moved?); resuming from {moved}',
                   logger='current', level=30)
         return moved

@@ -480,7 +480,7 @@ def test_ort_op_library_shares_one_domain_per_build(tmp_path):
         pytest.skip('no C++ compiler')
     tsan = [compiler, '-fsanitize=thread', '-g']
     # A folder for the output: the library's name in it, and no staging file left.
-    library = build_ort_ops.build(ORT_INCLUDE, str(tmp_path), cxx=' '.join(tsan))
+    library = build_ort_ops.build(ORT_INCLUDE, tmp_path, cxx=' '.join(tsan))
     assert library == str(tmp_path / build_ort_ops.LIBRARY_NAME)
     assert not list(tmp_path.glob('*.partial'))
     stub = tmp_path / 'ort_api_stub'

@@ -184,6 +184,15 @@ def test_auto_resume_finds_the_checkpoints_of_a_moved_work_dir(tmp_path, recorde
     assert find_latest_checkpoint(str(moved)) == str(moved / expected)
 
 
+@pytest.mark.parametrize('recorded', ['', 'last_checkpoint'])
+def test_auto_resume_takes_only_a_checkpoint_name_from_a_stale_record(tmp_path, recorded):
+    """A record naming a folder or another file: the work dir's largest checkpoint, not
+    the work dir itself or the record."""
+    write_checkpoints(tmp_path, ['epoch_1.pth', 'epoch_2.pth'])
+    (tmp_path / 'last_checkpoint').write_text(os.path.join('/gone', 'work_dir', recorded))
+    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'epoch_2.pth')
+
+
 @pytest.mark.parametrize('record, message', [
     ('epoch_4.pth', 'epoch_4.pth, which does not exist'),
     ('', 'last_checkpoint is empty'),
