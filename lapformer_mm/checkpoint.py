@@ -19,6 +19,8 @@ import warnings
 import numpy as np
 import torch
 
+from .preflight import is_remote
+
 TRUST_ENV = 'TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD'
 TRUST_HINT = (
     'Only if you trust the file, load it without the safety for one run with '
@@ -123,6 +125,17 @@ def safe_load(filename, map_location='cpu'):
             f'Details: {_refusal_reason(err)}') from err
     except (OSError, RuntimeError, EOFError, KeyError, IndexError, ValueError) as err:
         raise _unreadable(filename, err) from err
+
+
+def load_checkpoint(filename, map_location='cpu'):
+    """A checkpoint from a local file (:func:`safe_load`) or a ``scheme://`` path, http(s)
+    included, through mmengine's ``CheckpointLoader``, as its ``Runner`` and ``Pretrained``
+    init read them. Its loaders call ``torch.load`` without ``weights_only``: True since
+    torch 2.6, with this module's allowlist."""
+    if not is_remote(filename):
+        return safe_load(filename, map_location=map_location)
+    from mmengine.runner import CheckpointLoader
+    return CheckpointLoader.load_checkpoint(os.fspath(filename), map_location=map_location)
 
 
 def _looks_like_a_checkpoint(filename):

@@ -12,17 +12,13 @@ from mmengine.hooks import CheckpointHook
 from mmengine.logging import print_log
 from mmengine.model import is_model_wrapper
 from mmengine.registry import RUNNERS
-from mmengine.runner import CheckpointLoader, Runner
+from mmengine.runner import Runner
 
-from ..checkpoint import safe_load
+from ..checkpoint import load_checkpoint
+from ..preflight import is_remote
 from . import _mmengine_private as private
 
 ATOMIC_BACKEND_ARGS = dict(backend='atomic_local')
-
-
-def is_local_path(filename):
-    """True for a path mmengine reads with its local loader (no ``scheme://`` prefix)."""
-    return '://' not in os.fspath(filename)
 
 
 def safe_checkpoint_hook_cfg(cfg):
@@ -35,7 +31,7 @@ def safe_checkpoint_hook_cfg(cfg):
         return cfg
     safe = dict(cfg, type='SafeCheckpointHook')
     names_backend = cfg.get('backend_args') is not None or cfg.get('file_client_args') is not None
-    if not names_backend and is_local_path(cfg.get('out_dir') or ''):
+    if not names_backend and not is_remote(cfg.get('out_dir') or ''):
         safe['backend_args'] = dict(ATOMIC_BACKEND_ARGS)
     return safe
 
@@ -73,7 +69,7 @@ def find_latest_checkpoint(path):
     if os.path.isfile(record):
         with open(record) as f:
             recorded = f.read().strip()
-    if recorded and ('://' in recorded or os.path.exists(recorded)):
+    if recorded and (is_remote(recorded) or os.path.exists(recorded)):
         return recorded
     reason = (f'{record} names {recorded}, which does not exist' if recorded else
               f'{record} is empty' if recorded == '' else f'there is no {record}')
@@ -136,10 +132,7 @@ class SafeCheckpointRunner(Runner):
     def load_checkpoint(self, filename, map_location='cpu', strict=False,
                         revise_keys=[(r'^module.', '')]):
         # mmengine's Runner.load_checkpoint with safe_load for local files; the rest is its.
-        if is_local_path(filename):
-            checkpoint = safe_load(filename, map_location=map_location)
-        else:
-            checkpoint = CheckpointLoader.load_checkpoint(filename, map_location=map_location)
+        checkpoint = load_checkpoint(filename, map_location=map_location)
         self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
         model = self.model.module if is_model_wrapper(self.model) else self.model
         checkpoint = private.load_checkpoint_to_model(model, checkpoint, strict, revise_keys)

@@ -15,7 +15,7 @@ from typing import Dict, Iterable, Mapping, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from ..checkpoint import safe_load
+from ..checkpoint import load_checkpoint
 
 BACKBONE_PREFIX = 'backbone.'
 DDP_PREFIX = 'module.'
@@ -23,24 +23,15 @@ DDP_PREFIX = 'module.'
 
 def load_checkpoint_file(path_or_url: str,
                          map_location: str = 'cpu') -> Mapping:
-    """Read a checkpoint with ``weights_only=True``: a local file, an http(s) URL, or any
-    other ``scheme://`` mmengine's ``CheckpointLoader`` knows (``s3://``, ``petrel://``,
-    ``open-mmlab://``, ...) as its ``Pretrained`` init does.
+    """Read a checkpoint with ``weights_only=True``: a local file, or any ``scheme://``
+    mmengine's ``CheckpointLoader`` knows (``https://``, ``s3://``, ``petrel://``,
+    ``open-mmlab://``, ...) as its ``Pretrained`` init does
+    (:func:`lapformer_mm.checkpoint.load_checkpoint`).
 
     Raises RuntimeError for a local file that needs arbitrary pickles (see
     :func:`lapformer_mm.checkpoint.safe_load`); torch refuses such a remote one.
     """
-    path_or_url = str(path_or_url)
-    if path_or_url.startswith(('http://', 'https://')):
-        return torch.hub.load_state_dict_from_url(
-            path_or_url, map_location=map_location, weights_only=True)
-    if '://' in path_or_url:
-        from mmengine.runner import CheckpointLoader
-
-        # Its loaders call torch.load without weights_only: True on torch >= 2.6, with
-        # the allowlist of lapformer_mm.checkpoint.
-        return CheckpointLoader.load_checkpoint(path_or_url, map_location=map_location)
-    return safe_load(path_or_url, map_location=map_location)
+    return load_checkpoint(path_or_url, map_location=map_location)
 
 
 def _strip_prefix(state_dict: Mapping[str, torch.Tensor],
