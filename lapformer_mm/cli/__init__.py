@@ -3,3 +3,14 @@
 Each module has ``main(argv=None)`` returning an exit code. Not imported by
 ``import lapformer_mm``.
 """
+import os
+import os.path as osp
+
+
+def output_path(out, default_name):
+    """``--out`` as a file path: ``default_name`` in it when it names a folder (one that
+    exists, or any path ending with a separator), ``default_name`` here when not given."""
+    if not out:
+        return default_name
+    out = os.fspath(out)
+    return osp.join(out, default_name) if osp.isdir(out) or out.endswith(os.sep) else out

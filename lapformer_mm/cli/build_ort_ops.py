@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 
+from lapformer_mm.cli import output_path
+
 PACKAGE = osp.dirname(osp.dirname(osp.abspath(__file__)))
 SOURCES = osp.join(PACKAGE, 'csrc', 'onnxruntime')
 LIBRARY_NAME = 'liblapformer_mm_ort.so'
@@ -59,10 +61,7 @@ def build(include_dir=None, out=None, cxx=None, verbose=False):
     """Compile and link the library; return its path. Raises FileNotFoundError (no
     headers, no compiler) or RuntimeError (a compiler error, with its output)."""
     include = find_include(include_dir)
-    out = os.fspath(out or default_library_path())
-    if osp.isdir(out) or out.endswith(os.sep):
-        out = osp.join(out, LIBRARY_NAME)  # a folder: the library's own name in it
-    out = osp.abspath(out)
+    out = osp.abspath(output_path(out, LIBRARY_NAME) if out else default_library_path())
     compiler = shlex.split(cxx or os.environ.get('CXX') or 'g++')
     if shutil.which(compiler[0]) is None:
         raise FileNotFoundError(f'C++ compiler {compiler[0]!r} not found (set CXX)')

@@ -20,7 +20,6 @@ Examples::
         --target model --shape 512 512 --exporter torchscript --out upernet_t.onnx
 """
 import argparse
-import os
 import os.path as osp
 import sys
 import time
@@ -29,6 +28,7 @@ from mmengine.config import DictAction
 
 from lapformer_mm import deploy
 from lapformer_mm.checkpoint import CheckpointError
+from lapformer_mm.cli import output_path
 from lapformer_mm.ops.export import RESIDUAL_PRECISIONS
 
 VERIFY_INPUT_WORDS = {'toy': 'toy COCO scenes', 'smooth': 'smooth random fields',
@@ -89,14 +89,10 @@ def main(argv=None):
         print(f'export_onnx: --verify-images must be >= 1, got {args.verify_images}',
               file=sys.stderr)
         return 2
-    out = f'{osp.splitext(osp.basename(args.config))[0]}_{args.target}.onnx'
-    if args.out and (osp.isdir(args.out) or args.out.endswith(os.sep)):
-        out = osp.join(args.out, out)  # a folder: the default name in it
-    elif args.out:
-        out = args.out
+    out = output_path(args.out, f'{osp.splitext(osp.basename(args.config))[0]}_'
+                                f'{args.target}.onnx')
     start = time.perf_counter()
     try:
-        os.makedirs(osp.dirname(osp.abspath(out)), exist_ok=True)
         module, names = deploy.export_config(
             args.config, out, checkpoint=args.checkpoint, target=args.target,
             cfg_options=args.cfg_options, shape=tuple(args.shape), batch=args.batch,
