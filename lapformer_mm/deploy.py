@@ -131,12 +131,11 @@ def export_min_size(model: nn.Module) -> int:
 
 def check_export_size(model: nn.Module, shape: Sequence[int]) -> None:
     """Raise a ValueError naming the minimum when ``shape`` (H, W) is below the export range."""
+    from .models.backbone import export_size_rule
     minimum = export_min_size(model)
     if min(shape) < minimum:
-        raise ValueError(
-            f'shape {shape[0]}x{shape[1]} is below the export size range: every stage map '
-            f'must be at least its landmark grid, so H and W must be >= {minimum} for this '
-            f'model (docs/deploy.md)')
+        raise ValueError(f'shape {shape[0]}x{shape[1]} is below the export size range: '
+                         f'{export_size_rule(minimum)}')
 
 
 def _head_output_names(head) -> Tuple[str, ...]:

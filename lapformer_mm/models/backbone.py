@@ -164,6 +164,12 @@ class LaplacianFormerStage(nn.Module):
         self.blocks = nn.ModuleList(blocks)
 
 
+def export_size_rule(minimum: int) -> str:
+    """Why an export needs H, W >= ``minimum`` (export_min_size), for error messages."""
+    return (f'every stage map with Laplacian attention must be at least its landmark grid, '
+            f'so H and W must be >= {minimum} for this model (docs/deploy.md)')
+
+
 @MODELS.register_module()
 class LaplacianFormer(BaseModule):
     """LaplacianFormer backbone (Laplacian-kernel linear attention pyramid).
@@ -508,8 +514,7 @@ class LaplacianFormer(BaseModule):
         """
         from torch.fx.experimental.symbolic_shapes import statically_known_true
         minimum = self.export_min_size()
-        rule = (f'every stage map with Laplacian attention must be at least its landmark '
-                f'grid, so H and W must be >= {minimum} for this model (docs/deploy.md)')
+        rule = export_size_rule(minimum)
         height, width = x.shape[2], x.shape[3]
         symbolic = isinstance(height, torch.SymInt), isinstance(width, torch.SymInt)
         if not any(symbolic):
