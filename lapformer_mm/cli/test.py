@@ -30,7 +30,7 @@ from lapformer_mm.cli.train import (
     load_cfg,
     setup_cpu_distributed,
 )
-from lapformer_mm.models.validation import ModelConfigError
+from lapformer_mm.models.validation import ConfigError
 from lapformer_mm.preflight import is_remote
 
 
@@ -111,13 +111,13 @@ def apply_tta(cfg):
     if cfg.get('default_scope') == 'mmseg':
         missing = [key for key in ('tta_model', 'tta_pipeline') if key not in cfg]
         if missing:
-            raise ModelConfigError(f'--tta needs {" and ".join(missing)} in the config (mmseg '
-                             "defines them in its dataset and runtime bases)")
+            raise ConfigError(f'--tta needs {" and ".join(missing)} in the config (mmseg '
+                              'defines them in its dataset and runtime bases)')
     else:
         if cfg.model.get('roi_head', {}).get('mask_head') is not None and (
                 'tta_model' not in cfg):
-            raise ModelConfigError("--tta: mmdet's DetTTAModel merges boxes, not masks; this "
-                             'config predicts masks and defines no tta_model of its own')
+            raise ConfigError("--tta: mmdet's DetTTAModel merges boxes, not masks; this "
+                              'config predicts masks and defines no tta_model of its own')
         if 'tta_model' not in cfg:
             cfg.tta_model = DET_TTA_MODEL
         if 'tta_pipeline' not in cfg:

@@ -31,7 +31,7 @@ from mmengine.registry import RUNNERS
 from mmengine.runner import Runner
 
 from lapformer_mm.models import check_model_cfg
-from lapformer_mm.models.validation import ModelConfigError
+from lapformer_mm.models.validation import ConfigError
 from lapformer_mm.preflight import InputCheckError, check_config_inputs
 
 
@@ -149,7 +149,7 @@ def checked_cfg(build, args, mode):
     try:
         cfg = build(args)
         check_config_inputs(cfg, mode)
-    except (FileNotFoundError, InputCheckError, ModelConfigError) as err:
+    except (FileNotFoundError, InputCheckError, ConfigError) as err:
         print(f'error: {err}', file=sys.stderr)
         raise SystemExit(2) from None
     return cfg

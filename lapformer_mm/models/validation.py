@@ -36,7 +36,12 @@ def backbone_out_channels(backbone_cfg: Mapping) -> Optional[List[int]]:
     return [dims[i] for i in out_indices]
 
 
-class ModelConfigError(ValueError):
+class ConfigError(ValueError):
+    """A config that cannot run as given; the message names the fix. The tools print it
+    alone and exit with status 2."""
+
+
+class ModelConfigError(ConfigError):
     """A model config whose backbone does not fit the rest; the message names the fix."""
 
 

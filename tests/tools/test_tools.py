@@ -40,7 +40,7 @@ from lapformer_mm.checkpoint import safe_load
 from lapformer_mm.cli import coco_eval, make_toy_coco
 from lapformer_mm.cli import test as cli_test
 from lapformer_mm.cli import train as cli_train
-from lapformer_mm.models.validation import ModelConfigError
+from lapformer_mm.models.validation import ConfigError
 
 
 def tiny_options(data_root, max_epochs):
@@ -379,9 +379,9 @@ def test_test_tool_tta_wraps_the_model_and_pipeline_as_mmdet_and_mmseg_do(tmp_pa
     cfg = cfg_of('configs/upernet_lapformer_t_ade20k.py')
     assert cfg.model.type == 'SegTTAModel' and cfg.model.module.type == 'EncoderDecoder'
     assert cfg.test_dataloader.dataset.pipeline == cfg.tta_pipeline
-    with pytest.raises(ModelConfigError, match="DetTTAModel merges boxes, not masks"):
+    with pytest.raises(ConfigError, match="DetTTAModel merges boxes, not masks"):
         cfg_of('configs/toy/maskrcnn_lapformer_t_toy.py')
-    with pytest.raises(ModelConfigError, match='--tta needs tta_pipeline in the config'):
+    with pytest.raises(ConfigError, match='--tta needs tta_pipeline in the config'):
         cfg_of('configs/toy/upernet_lapformer_t_toy.py')
 
 
