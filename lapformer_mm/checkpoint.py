@@ -15,6 +15,7 @@ under its pickled name instead.
 """
 import os
 import warnings
+import zipfile
 
 import numpy as np
 import torch
@@ -153,6 +154,9 @@ def _unreadable(filename, err):
     detail = str(err).strip().splitlines()
     detail = next((line.strip() for line in detail if 'Unsupported operand' in line),
                   detail[0] if detail else '')
+    if zipfile.is_zipfile(filename):  # a whole archive, so torch failed on something else
+        return CheckpointError(f'checkpoint file {filename!r} cannot be loaded '
+                               f'({type(err).__name__}: {detail})')
     return CheckpointError(
         f'checkpoint file {filename!r} cannot be read as a torch checkpoint '
         f'({type(err).__name__}: {detail}); it is truncated (a save that was '

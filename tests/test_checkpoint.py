@@ -156,6 +156,15 @@ def test_a_file_that_is_no_checkpoint_is_named_so_not_refused_as_unsafe(tmp_path
     assert TRUST_ENV not in str(info.value)
 
 
+def test_a_whole_checkpoint_that_fails_to_load_is_not_called_truncated(tmp_path):
+    path = tmp_path / 'fine.pth'
+    torch.save({'w': torch.ones(2)}, path)
+    match = r"'.*fine.pth' cannot be loaded \(RuntimeError: "
+    with pytest.raises(RuntimeError, match=match) as info:
+        safe_load(path, map_location='nonsense')
+    assert 'truncated' not in str(info.value)
+
+
 @pytest.mark.filterwarnings('ignore:Detected pickle protocol 5:UserWarning')
 def test_a_checkpoint_in_pickle_protocol_5_is_refused_with_the_trust_hint(tmp_path):
     """Protocols 4 and 5 use opcodes the safe loader lacks: a checkpoint all the same, which
