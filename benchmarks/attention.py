@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from devtools.profiling import peak_memory_bytes
 from devtools.timing import best_time, load_average, machine, wall_times
+from lapformer_mm.cli import int_at_least
 from lapformer_mm.ops import (
     DEFAULT_NS_ITERS,
     injective_normalize,
@@ -443,19 +444,6 @@ def micro_study(args):
           f'{reference.NATIVE_BLOCK_ROWS} rows {wall_blocked * 1e3:.1f} ms')
     torch.set_num_threads(saved)
     print(f'load average: {os.getloadavg()[0]:.1f}')
-
-
-def int_at_least(minimum):
-    """An ``argparse`` type: an integer >= ``minimum``, else the argument's error."""
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f'must be >= {minimum}, got {value}')
-        return value
-    return parse
 
 
 def parse_args(argv=None):

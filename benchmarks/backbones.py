@@ -54,6 +54,7 @@ from lapformer_mm.analysis.model_zoo import (
     count_parameters,
     describe,
 )
+from lapformer_mm.cli import int_at_least
 from lapformer_mm.cpu_malloc import KEEP_BYTES, keep_large_blocks
 
 REFERENCE = 'laplacianformer-t'
@@ -353,17 +354,6 @@ def parse_device(text):
     return text
 
 
-def nonnegative_int(text):
-    """An ``argparse`` type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f'must be >= 0, got {value}')
-    return value
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS),
@@ -380,7 +370,7 @@ def parse_args(argv=None):
                         help='a model with a timed call (not the warm-up) slower than this at '
                              'one size is not run at the later --sizes, in list order, of the '
                              'same mode')
-    parser.add_argument('--threads', type=nonnegative_int, default=None,
+    parser.add_argument('--threads', type=int_at_least(0), default=None,
                         help='intra-op threads (default or 0: torch default)')
     parser.add_argument('--device', type=parse_device, default='cpu',
                         help='cpu (default), cuda or cuda:N')

@@ -56,6 +56,7 @@ import torch
 from devtools.timing import load_average, machine, parse_size
 from lapformer_mm import deploy
 from lapformer_mm.analysis.model_zoo import BACKBONE_CONFIGS, build_backbone
+from lapformer_mm.cli import int_at_least
 from lapformer_mm.cpu_malloc import keep_large_blocks
 from lapformer_mm.models.attention import LaplacianAttention
 from lapformer_mm.ops import export as ops_export
@@ -454,17 +455,6 @@ def backbone_precision(size=(448, 640)):
     return '\n'.join(lines)
 
 
-def positive_int(text):
-    """An ``argparse`` type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f'must be >= 1, got {value}')
-    return value
-
-
 #: Options of one mode only (argparse dests): the others would ignore them.
 SPEED_OPTIONS = ('models', 'size', 'exporter', 'repeats', 'threads', 'json', 'all_optimizers',
                  'profile')
@@ -480,8 +470,8 @@ def parse_args(argv=None):
                              f'{" ".join(DEFAULT_MODELS)})')
     parser.add_argument('--size', type=parse_size, default=(800, 1333), help='HxW')
     parser.add_argument('--exporter', choices=deploy.EXPORTERS, default='dynamo')
-    parser.add_argument('--repeats', type=positive_int, default=3)
-    parser.add_argument('--threads', type=positive_int, nargs='+', default=[1],
+    parser.add_argument('--repeats', type=int_at_least(1), default=3)
+    parser.add_argument('--threads', type=int_at_least(1), nargs='+', default=[1],
                         help='intra-op thread counts to time (default: 1)')
     parser.add_argument('--json', help='also write the results to this file')
     parser.add_argument('--all-optimizers', action='store_true',

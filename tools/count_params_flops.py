@@ -19,6 +19,7 @@ import argparse
 
 from lapformer_mm.analysis.flops import classifier_cost
 from lapformer_mm.analysis.landmark_solve import random_backbone_systems, solve_residual
+from lapformer_mm.cli import int_at_least
 from lapformer_mm.models import ARCH_SETTINGS
 from lapformer_mm.models.backbone import ARCH_ALIASES
 from lapformer_mm.ops import DEFAULT_NS_ITERS, newton_schulz_pinv
@@ -63,29 +64,18 @@ def arch_name(text):
     return text
 
 
-def positive_int(text):
-    """An ``argparse`` type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f'must be >= 1, got {value}')
-    return value
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--arch', nargs='+', type=arch_name, default=list(ARCH_SETTINGS))
-    parser.add_argument('--size', type=positive_int, default=224)
+    parser.add_argument('--size', type=int_at_least(1), default=224)
     parser.add_argument('--qk-shared', action=argparse.BooleanOptionalAction, default=None,
                         help='default: the backbone default')
     parser.add_argument('--stage4-attention', choices=['softmax', 'laplacian'], default=None)
-    parser.add_argument('--iters', type=positive_int, default=None,
+    parser.add_argument('--iters', type=int_at_least(1), default=None,
                         help=f'Newton-Schulz iterations; default: the attention default '
                              f'({DEFAULT_NS_ITERS})')
     parser.add_argument('--markdown', action='store_true', help='print a markdown table')
-    parser.add_argument('--ns-residual', type=positive_int, nargs='+', metavar='ITERS',
+    parser.add_argument('--ns-residual', type=int_at_least(1), nargs='+', metavar='ITERS',
                         help='print Newton-Schulz residuals after these iteration counts')
     args = parser.parse_args(argv)
     attn_cfg = {k: v for k, v in dict(qk_shared=args.qk_shared, iters=args.iters).items()

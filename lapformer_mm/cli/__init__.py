@@ -3,8 +3,22 @@
 Each module has ``main(argv=None)`` returning an exit code. Not imported by
 ``import lapformer_mm``.
 """
+import argparse
 import os
 import os.path as osp
+
+
+def int_at_least(minimum):
+    """An ``argparse`` type: an integer >= ``minimum``, else the argument's error."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f'must be >= {minimum}, got {value}')
+        return value
+    return parse
 
 
 def output_path(out, default_name):

@@ -23,18 +23,8 @@ from lapformer_mm.analysis.attention_maps import (
 )
 from lapformer_mm.analysis.images import load_images, read_image, to_tensor
 from lapformer_mm.analysis.model_zoo import BACKBONE_CONFIGS, build_backbone
+from lapformer_mm.cli import int_at_least
 from lapformer_mm.models.backbone import NUM_STAGES
-
-
-def positive_int(text):
-    """An ``argparse`` type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f'must be >= 1, got {value}')
-    return value
 
 
 def make_parser():
@@ -44,11 +34,11 @@ def make_parser():
     parser.add_argument('--checkpoint', help='backbone weights (weights_only load)')
     parser.add_argument('--image', help='image file (default: a synthetic texture)')
     parser.add_argument('--seed', type=int, default=0, help='synthetic image seed')
-    parser.add_argument('--size', type=positive_int, nargs=2, default=(224, 224),
+    parser.add_argument('--size', type=int_at_least(1), nargs=2, default=(224, 224),
                         metavar=('H', 'W'))
     parser.add_argument('--stage', type=int, default=1, choices=range(1, NUM_STAGES + 1),
                         help='1-based stage')
-    parser.add_argument('--block', type=positive_int, default=1,
+    parser.add_argument('--block', type=int_at_least(1), default=1,
                         help='1-based block in the stage')
     parser.add_argument('--query', type=float, nargs=2, default=(0.5, 0.5),
                         metavar=('ROW', 'COL'), help='query position, fractions of the grid')

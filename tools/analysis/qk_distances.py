@@ -21,23 +21,11 @@ from lapformer_mm.analysis.qk_distances import (
     parse_checkpoints,
     write_report,
 )
+from lapformer_mm.cli import int_at_least
 
 #: PVTv2's first spatial reduction is an 8x8 stride-8 conv over the stride-4 map of its
 #: 7x7 stride-4 patch embedding (padding 3): that map is (H - 1) // 4 + 1 >= 8 rows.
 PVT_MIN_SIZE = 29
-
-
-def int_at_least(minimum):
-    """An ``argparse`` type: an integer >= ``minimum``, else the argument's error."""
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f'must be >= {minimum}, got {value}')
-        return value
-    return parse
 
 
 def parse_args(argv=None):
