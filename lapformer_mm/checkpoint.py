@@ -20,8 +20,6 @@ import zipfile
 import numpy as np
 import torch
 
-from .preflight import is_remote
-
 TRUST_ENV = 'TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD'
 TRUST_HINT = (
     'Only if you trust the file, load it without the safety for one run with '
@@ -126,6 +124,11 @@ def safe_load(filename, map_location='cpu'):
             f'Details: {_refusal_reason(err)}') from err
     except (OSError, RuntimeError, EOFError, KeyError, IndexError, ValueError) as err:
         raise _unreadable(filename, err) from err
+
+
+def is_remote(path) -> bool:
+    """True for a ``scheme://`` path (http(s), s3, petrel, open-mmlab, ...), not a local file."""
+    return '://' in os.fspath(path)
 
 
 def load_checkpoint(filename, map_location='cpu'):

@@ -30,6 +30,8 @@ import os
 import os.path as osp
 from typing import List, Mapping, NamedTuple, Optional, Sequence
 
+from . import checkpoint
+
 # What each mode of a run reads: its dataloaders (val only with a val loop) and whether the
 # backbone's init_cfg checkpoint (only training initialises the weights).
 MODES = {
@@ -72,7 +74,7 @@ def is_remote(path: str, backend_args: Optional[Mapping] = None) -> bool:
     """True for a path this check cannot see: a ``scheme://`` URL or a non-local backend."""
     if backend_args and backend_args.get('backend', 'local') != 'local':
         return True
-    return '://' in str(path)
+    return checkpoint.is_remote(str(path))
 
 
 def _join(data_root: Optional[str], path: str) -> str:

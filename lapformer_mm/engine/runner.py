@@ -14,8 +14,7 @@ from mmengine.model import is_model_wrapper
 from mmengine.registry import RUNNERS
 from mmengine.runner import Runner
 
-from ..checkpoint import load_checkpoint
-from ..preflight import is_remote
+from ..checkpoint import is_remote, load_checkpoint
 from . import _mmengine_private as private
 
 ATOMIC_BACKEND_ARGS = dict(backend='atomic_local')
