@@ -197,11 +197,7 @@ def laplacianformer_mismatch(checkpoint_path: str, backbone_cfg: Mapping,
     shapes come from building the backbone alone (under 2 s on a CPU core for 'huge').
     """
     from .models import LaplacianFormer
-    from .models.pretrained import (
-        backbone_mismatch,
-        extract_backbone_state_dict,
-        load_checkpoint_file,
-    )
+    from .models.pretrained import backbone_mismatch, extract_backbone_state_dict
 
     with open(checkpoint_path, 'rb') as f:
         head = f.read(32)
@@ -209,7 +205,8 @@ def laplacianformer_mismatch(checkpoint_path: str, backbone_cfg: Mapping,
         return (f'is not a torch checkpoint (it starts with {head!r}; a web page saved by '
                 'a failed download?)')
     try:
-        state_dict = extract_backbone_state_dict(load_checkpoint_file(checkpoint_path), prefix)
+        state_dict = extract_backbone_state_dict(checkpoint.load_checkpoint(checkpoint_path),
+                                                 prefix)
     except (RuntimeError, TypeError, ValueError) as err:
         return f'cannot be used: {err}'
     kwargs = {k: v for k, v in backbone_cfg.items()

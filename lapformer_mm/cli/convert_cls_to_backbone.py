@@ -17,17 +17,14 @@ import os
 
 import torch
 
-from lapformer_mm.models.pretrained import (
-    backbone_mismatch,
-    extract_backbone_state_dict,
-    load_checkpoint_file,
-)
+from lapformer_mm.checkpoint import load_checkpoint
+from lapformer_mm.models.pretrained import backbone_mismatch, extract_backbone_state_dict
 
 
 def convert(src: str, dst: str, arch=None) -> dict:
     """Write the backbone tensors of ``src`` to ``dst`` (checked against ``arch`` first,
     when given: :func:`check_against_arch`); returns them."""
-    state_dict = extract_backbone_state_dict(load_checkpoint_file(src))
+    state_dict = extract_backbone_state_dict(load_checkpoint(src))
     state_dict = {k: v.detach().clone().contiguous() for k, v in state_dict.items()}
     if arch is not None:
         check_against_arch(state_dict, arch)

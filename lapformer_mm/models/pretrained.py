@@ -21,19 +21,6 @@ BACKBONE_PREFIX = 'backbone.'
 DDP_PREFIX = 'module.'
 
 
-def load_checkpoint_file(path_or_url: str,
-                         map_location: str = 'cpu') -> Mapping:
-    """Read a checkpoint with ``weights_only=True``: a local file, or any ``scheme://``
-    mmengine's ``CheckpointLoader`` knows (``https://``, ``s3://``, ``petrel://``,
-    ``open-mmlab://``, ...) as its ``Pretrained`` init does
-    (:func:`lapformer_mm.checkpoint.load_checkpoint`).
-
-    Raises RuntimeError for a local file that needs arbitrary pickles (see
-    :func:`lapformer_mm.checkpoint.safe_load`); torch refuses such a remote one.
-    """
-    return load_checkpoint(path_or_url, map_location=map_location)
-
-
 def _strip_prefix(state_dict: Mapping[str, torch.Tensor],
                   prefix: str) -> Dict[str, torch.Tensor]:
     return {(k[len(prefix):] if k.startswith(prefix) else k): v
@@ -126,7 +113,7 @@ def load_backbone_weights(module: nn.Module,
     ``logger`` (anything with ``.warning``/``.info``) and returned.
     """
     state_dict = extract_backbone_state_dict(
-        load_checkpoint_file(path_or_url), prefix)
+        load_checkpoint(path_or_url), prefix)
     own = module.state_dict()
     mismatch = backbone_mismatch(state_dict, own)
     if mismatch is not None:
