@@ -26,6 +26,8 @@ from lapformer_mm.cli import int_at_least
 #: PVTv2's first spatial reduction is an 8x8 stride-8 conv over the stride-4 map of its
 #: 7x7 stride-4 patch embedding (padding 3): that map is (H - 1) // 4 + 1 >= 8 rows.
 PVT_MIN_SIZE = 29
+#: Swin's stage grids are H/4 ... H/32: all multiples of its 7-token window from 7·32 on.
+SWIN_SIZE_STEP = 224
 
 
 def parse_args(argv=None):
@@ -55,9 +57,20 @@ def parse_args(argv=None):
     if args.num_images < 1 or args.batch_size < 1:
         parser.error('--num-images and --batch-size must be >= 1')
     try:
-        parse_checkpoints(args.checkpoint)
+        checkpoints = parse_checkpoints(args.checkpoint)
     except ValueError as err:
         parser.error(str(err))
+    unused = sorted(set(checkpoints) - set(args.models))
+    if unused:
+        parser.error(f'--checkpoint for {", ".join(unused)}, which --models does not list '
+                     f'({", ".join(args.models)})')
+    swin = [m for m in args.models if m.startswith('swin')]
+    if swin and any(side % SWIN_SIZE_STEP for side in args.size):
+        # A grid that is not a multiple of the window is padded, and the padded tokens'
+        # distances would enter the statistics.
+        parser.error(f'--size {args.size[0]} {args.size[1]}: H and W must be multiples of '
+                     f'{SWIN_SIZE_STEP} for {", ".join(swin)} (every stage grid a multiple of '
+                     "its 7x7 window)")
     pvt = [m for m in args.models if m.startswith('pvtv2')]
     if pvt and min(args.size) < PVT_MIN_SIZE:
         parser.error(f'--size {args.size[0]} {args.size[1]}: H and W must be >= '
