@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from devtools.profiling import peak_memory_bytes
-from devtools.timing import best_time, load_average, machine, wall_times
+from devtools.timing import best_time, load_average, machine, timed, wall_times
 from lapformer_mm.cli import int_at_least
 from lapformer_mm.ops import (
     DEFAULT_NS_ITERS,
@@ -191,12 +191,6 @@ def prepare(method, num_tokens, args):
         return leaves
 
     return forward, forward_backward
-
-
-def timed(fn):
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def speed_study(args):

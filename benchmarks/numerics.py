@@ -22,7 +22,7 @@ if __package__ in (None, ''):
 
 import torch
 
-from devtools.timing import load_average, machine, wall_times
+from devtools.timing import load_average, machine, timed
 from lapformer_mm.ops import DEFAULT_NS_ITERS, nystrom_attention
 
 SPREADS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
@@ -79,9 +79,9 @@ def refinement_cost(repeats=30):
     with torch.no_grad():
         for _ in range(repeats + 1):  # the first round warms up
             for refine in (False, True):
-                times[refine].append(wall_times(
+                times[refine].append(timed(
                     lambda refine=refine: nystrom_attention(q, q, v, landmarks,
-                                                            ns_refine=refine), 1)[0])
+                                                            ns_refine=refine))[0])
     return tuple(1e3 * statistics.median(times[refine][1:]) for refine in (False, True))
 
 

@@ -68,6 +68,13 @@ def wall_times(fn, repeats):
     return times
 
 
+def timed(fn):
+    """(wall s, process CPU s) of one call of ``fn()``; CPU time counts all threads."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
 def best_time(fn, repeats):
     """Minimum (wall s, process CPU s) of ``fn()`` over ``repeats`` runs after a warm-up.
 
@@ -75,12 +82,7 @@ def best_time(fn, repeats):
     the least disturbed estimate. Process CPU time counts all threads.
     """
     fn()
-    walls, cpus = [], []
-    for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
-        fn()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
+    walls, cpus = zip(*(timed(fn) for _ in range(repeats)))
     return min(walls), min(cpus)
 
 
