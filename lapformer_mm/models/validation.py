@@ -63,14 +63,19 @@ def _consumers(model_cfg: Mapping):
         return [('neck', neck)]
     if neck is not None:  # a list of necks: the first takes the maps, unchecked
         return []
-    heads = [('decode_head', model_cfg.get('decode_head'))]
-    aux = model_cfg.get('auxiliary_head')
-    if isinstance(aux, Sequence) and not isinstance(aux, str):
-        heads += [(f'auxiliary_head.{i}', h) for i, h in enumerate(aux)]
-    else:
-        heads.append(('auxiliary_head', aux))
+    heads = _heads(model_cfg.get('decode_head'), model_cfg.get('auxiliary_head'),
+                   several=lambda aux: isinstance(aux, Sequence) and not isinstance(aux, str))
     return [(name, {'in_index': HEAD_IN_INDEX, **head}) for name, head in heads
             if isinstance(head, Mapping)]
+
+
+def _heads(decode_head, auxiliary_head, several):
+    """[(name, head)] of a segmentor's decode head and auxiliary head(s), named as in its
+    config; ``several(auxiliary_head)`` tells a list of auxiliary heads."""
+    heads = [('decode_head', decode_head)]
+    if several(auxiliary_head):
+        return heads + [(f'auxiliary_head.{i}', h) for i, h in enumerate(auxiliary_head)]
+    return heads + [('auxiliary_head', auxiliary_head)]
 
 
 def unknown_backbone_keys(backbone_cfg: Mapping) -> List[str]:
@@ -150,15 +155,9 @@ def check_built_model(model) -> None:
         return
     out_channels = [backbone.embed_dims[i] for i in backbone.out_indices]
     neck = getattr(model, 'neck', None)
-    if neck is not None:
-        consumers = [('neck', neck)]
-    else:
-        consumers = [('decode_head', getattr(model, 'decode_head', None))]
-        aux = getattr(model, 'auxiliary_head', None)
-        if isinstance(aux, torch.nn.ModuleList):
-            consumers += [(f'auxiliary_head.{i}', h) for i, h in enumerate(aux)]
-        else:
-            consumers.append(('auxiliary_head', aux))
+    consumers = [('neck', neck)] if neck is not None else _heads(
+        getattr(model, 'decode_head', None), getattr(model, 'auxiliary_head', None),
+        several=lambda aux: isinstance(aux, torch.nn.ModuleList))
     for where, consumer in consumers:
         if consumer is None:
             continue

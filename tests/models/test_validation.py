@@ -4,6 +4,7 @@ against the backbone, on the config before building and in ``NeckChannelsCheckHo
 Every case asserts the exception type and that the message names the offending argument
 and the value to set, so a user learns what to change without reading a traceback.
 """
+import copy
 import os.path as osp
 from types import SimpleNamespace
 
@@ -116,6 +117,14 @@ def test_built_segmentor_checks_its_auxiliary_head():
     with DefaultScope.overwrite_default_scope('mmseg'):
         model = MODELS.build(model_cfg)
     with pytest.raises(ValueError, match=r'set model.auxiliary_head.in_channels=288'):
+        check_built_model(model)
+    # A list of auxiliary heads (mmseg builds a ModuleList), the second on stage 4.
+    first = model.auxiliary_head
+    first.in_channels = 288
+    second = copy.deepcopy(first)
+    second.in_index = 3
+    model.auxiliary_head = torch.nn.ModuleList([first, second])
+    with pytest.raises(ValueError, match=r'set model.auxiliary_head.1.in_channels=512'):
         check_built_model(model)
 
 
