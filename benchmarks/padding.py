@@ -24,6 +24,8 @@ if __package__ in (None, ''):
 
 import torch
 
+from devtools.timing import parse_size
+
 #: The backbones' last stage stride: an image of a multiple of it gives every stage a map of
 #: exactly H/stride x W/stride, as mmdet's padding to a multiple of 32 does.
 STRIDE = 32
@@ -32,11 +34,6 @@ STRIDE = 32
 EDGE = 2
 #: The least image side: the last stage's H/32 x W/32 map keeps a cell after the crop.
 MIN_SIDE = STRIDE * (EDGE + 1)
-
-
-def size(text):
-    h, w = (int(v) for v in text.lower().split('x'))
-    return h, w
 
 
 def backbones():
@@ -71,10 +68,10 @@ def change(model, image, canvas):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--image', type=size, default=(192, 160),
+    parser.add_argument('--image', type=parse_size, default=(192, 160),
                         help=f'image size HxW, multiples of {STRIDE}, at least {MIN_SIDE} '
                              '(default 192x160)')
-    parser.add_argument('--canvas', type=size, nargs='+', default=[(256, 256)],
+    parser.add_argument('--canvas', type=parse_size, nargs='+', default=[(256, 256)],
                         help='padded batch sizes HxW, each at least the image '
                              '(default 256x256)')
     args = parser.parse_args(argv)

@@ -222,7 +222,7 @@ def test_padding_benchmark_compares_the_image_region_alone_and_padded():
     assert padding.change(model, image, (160, 128)) == [0.0] * 4
     moved = padding.change(model, image, (192, 192))
     assert len(moved) == 4 and min(moved) > 0.1, moved
-    assert padding.size('192x160') == (192, 160)
+    assert padding.parse_size('192x160') == (192, 160)
 
 
 @pytest.mark.parametrize('argv, message', [
