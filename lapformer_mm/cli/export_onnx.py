@@ -28,7 +28,7 @@ from mmengine.config import DictAction
 
 from lapformer_mm import deploy
 from lapformer_mm.checkpoint import CheckpointError
-from lapformer_mm.cli import output_path
+from lapformer_mm.cli import int_at_least, output_path
 from lapformer_mm.ops.export import RESIDUAL_PRECISIONS
 
 VERIFY_INPUT_WORDS = {'toy': 'toy COCO scenes', 'smooth': 'smooth random fields',
@@ -74,7 +74,7 @@ def parse_args(argv=None):
                              "the data preprocessor does; default), 'smooth' (smooth random "
                              "fields) or 'noise' (white noise: no image; the model itself is "
                              'ill-conditioned on it at large sizes)')
-    parser.add_argument('--verify-images', type=int, default=1, metavar='N',
+    parser.add_argument('--verify-images', type=int_at_least(1), default=1, metavar='N',
                         help='inputs per size for --verify (default 1); on one image a '
                              'correct file can land several times further from eager than '
                              'rounding usually moves it')
@@ -85,10 +85,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.verify_images < 1:
-        print(f'export_onnx: --verify-images must be >= 1, got {args.verify_images}',
-              file=sys.stderr)
-        return 2
     out = output_path(args.out, f'{osp.splitext(osp.basename(args.config))[0]}_'
                                 f'{args.target}.onnx')
     start = time.perf_counter()

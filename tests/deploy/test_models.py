@@ -171,8 +171,10 @@ def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys, monkeypatch):
         image, rel, rounding, fp64 = (row.split('|')[i] for i in (2, 5, 6, 7))
         assert int(image) in (0, 1) and 0 < float(rounding) < 1e-3 and float(fp64) < 1e-3
         assert float(rel) < 1e-2, row
-    assert cli.main([tiny_retinanet_config(tmp_path), '--verify-images', '0']) == 2
-    assert '--verify-images must be >= 1, got 0' in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([tiny_retinanet_config(tmp_path), '--verify-images', '0'])
+    assert exit_.value.code == 2
+    assert "--verify-images: must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_rounding_change_moves_values_by_at_most_one_ulp():
