@@ -178,12 +178,12 @@ def pretrained_checkpoint(model_cfg: Mapping) -> Optional[Input]:
                        ('model.backbone.pretrained', backbone_cfg)):
         if owner.get('pretrained'):
             return Input(key, owner['pretrained'], 'checkpoint', False)
+    from .models.backbone import init_cfg_entries
     from .models.pretrained import is_pretrained_cfg
     init_cfg = backbone_cfg.get('init_cfg')
-    cfgs = init_cfg if isinstance(init_cfg, Sequence) else [init_cfg]
-    for i, cfg in enumerate(cfgs):
+    for i, cfg in enumerate(init_cfg_entries(init_cfg)):
         if is_pretrained_cfg(cfg) and cfg.get('checkpoint'):
-            where = f'.{i}' if cfgs is init_cfg else ''
+            where = f'.{i}' if isinstance(init_cfg, list) else ''
             return Input(f'model.backbone.init_cfg{where}.checkpoint', cfg['checkpoint'],
                          'checkpoint', False, cfg)
     return None

@@ -181,6 +181,14 @@ def test_preflight_names_a_missing_checkpoint(data, tmp_path):
     cfg = pretrained_cfg(data, tmp_path / 'in1k.pth')
     del cfg['model']['backbone']['init_cfg']['type']
     assert '(set by model.backbone.init_cfg.checkpoint)' in message(cfg)
+    # A list of entries: the key names the Pretrained one's index.
+    cfg = pretrained_cfg(data, tmp_path / 'in1k.pth')
+    backbone = cfg['model']['backbone']
+    backbone['init_cfg'] = [dict(type='TruncNormal', layer='Linear', std=0.02),
+                            backbone['init_cfg']]
+    text = message(cfg)
+    assert '(set by model.backbone.init_cfg.1.checkpoint)' in text
+    assert '--cfg-options model.backbone.init_cfg.1.checkpoint=PATH' in text
 
 
 def test_checkpoint_of_the_backbone_passes_in_each_layout(data, tmp_path):
