@@ -34,11 +34,18 @@ def extract_backbone_state_dict(
 
     ``prefix`` (as in mmengine's ``Pretrained`` init) selects the keys that
     start with it and strips it; by default ``backbone.`` is used when any key
-    carries it.
+    carries it. As in mmengine, ``'backbone'`` means ``'backbone.'``; a leading
+    ``module.`` is stripped from it as from the keys.
     """
     if not isinstance(checkpoint, Mapping):
         raise TypeError('checkpoint must be a mapping (state dict or '
                         f'mmengine checkpoint), got {type(checkpoint)}')
+    if prefix is not None and not isinstance(prefix, str):
+        raise TypeError(f'prefix must be a str or None, got {prefix!r}')
+    if prefix:
+        prefix = prefix if prefix.endswith('.') else prefix + '.'
+        if prefix.startswith(DDP_PREFIX):
+            prefix = prefix[len(DDP_PREFIX):]
     state_dict = checkpoint
     for key in ('state_dict', 'model'):
         if isinstance(checkpoint.get(key), Mapping):

@@ -118,6 +118,27 @@ def test_explicit_prefix_selects_a_submodule(source, tmp_path):
     assert_same_weights(target, source.state_dict())
 
 
+@pytest.mark.parametrize('saved_by_ddp', [False, True])
+@pytest.mark.parametrize('prefix', ['student.backbone', 'student.backbone.'])
+def test_prefix_is_read_as_mmengine_reads_it(source, tmp_path, prefix, saved_by_ddp):
+    """mmpretrain's configs write prefix='backbone' (mmengine adds the dot); on a checkpoint
+    saved from a DDP-wrapped model, mmengine's prefix carries the wrapper's 'module.'."""
+    from mmengine.runner.checkpoint import _load_checkpoint_with_prefix
+    lead = 'module.' if saved_by_ddp else ''
+    weights = {f'{lead}student.backbone.{k}': v for k, v in source.state_dict().items()}
+    weights[f'{lead}student.backbone_ema.stem.0.0.weight'] = torch.zeros(1)
+    path = tmp_path / 'kd.pth'
+    torch.save(dict(state_dict=weights), path)
+    expected = _load_checkpoint_with_prefix(lead + prefix, str(path))
+    for spelling in {lead + prefix, prefix}:
+        target = small_model(out_indices=(3, ), init_cfg=dict(
+            type='Pretrained', checkpoint=str(path), prefix=spelling))
+        target.init_weights()
+        assert_same_weights(target, expected)
+    with pytest.raises(TypeError, match=r'^prefix must be a str or None, got 1$'):
+        extract_backbone_state_dict(weights, prefix=1)
+
+
 def without_norms(state_dict, stages=(0, 1, 2)):
     """A checkpoint of the earlier layout, whose classifiers held no norm0-norm2."""
     return {k: v for k, v in state_dict.items()
