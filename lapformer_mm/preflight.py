@@ -42,8 +42,11 @@ MODES = {
 # data_prefix keys of mmengine, mmdet, mmseg and mmpretrain datasets, as the message names them.
 PREFIX_ROLES = {'img': 'image folder', 'img_path': 'image folder', 'seg': 'label folder',
                 'seg_map_path': 'label folder', 'ann_path': 'annotation folder'}
+# mmpretrain's datasets whose `split` names the image folder when data_prefix is not given.
+SPLIT_DATASETS = ('ImageNet', 'ImageNet21k')
 README_SECTIONS = {'CocoDataset': 'Train and test on COCO',
-                   'ADE20KDataset': 'Train and test on ADE20K'}
+                   'ADE20KDataset': 'Train and test on ADE20K',
+                   'ImageNet': 'Pretrain on ImageNet-1k'}
 CLS_CONFIGS = 'configs/cls/lapformer_{}_in1k.py'
 # torch.save writes a zip archive; files of torch < 1.6 (and plain pickles) start with
 # pickle's PROTO opcode.
@@ -113,6 +116,11 @@ def dataset_inputs(dataset_cfg: Mapping, key: str) -> List[Input]:
             items.append(Input(f'{leaf_key}.ann_file', _join(root, ann_file),
                                'annotation file', False, cfg))
         prefixes = cfg.get('data_prefix') or {}
+        split = cfg.get('split')
+        if (not prefixes and isinstance(split, str) and split
+                and str(cfg.get('type', '')).split('.')[-1] in SPLIT_DATASETS):
+            items.append(Input(f'{leaf_key}.split', _join(root, split), 'image folder', True,
+                               cfg))
         if isinstance(prefixes, str):  # mmpretrain's spelling of dict(img_path=...)
             prefixes = dict(img_path=prefixes)
         for name, prefix in prefixes.items():
@@ -300,7 +308,8 @@ def _data_section(cfg: Mapping, splits: Sequence[str], problems: List[Problem]) 
     for item in items:
         path = osp.join(item.path, '') if item.is_dir else item.path
         lines.append(f'  {path:<{width}}{item.role}')
-    types = sorted({str(p.item.owner.get('type')) for p in problems if p.item.owner})
+    types = sorted({str(p.item.owner.get('type')).split('.')[-1]
+                    for p in problems if p.item.owner})
     sections = [f'README.md, "{README_SECTIONS[t]}"' for t in types if t in README_SECTIONS]
     lines += ['', 'Ways forward for the data:',
               f'  - get the data set: {" and ".join(sections) or "README.md"};']
@@ -308,7 +317,7 @@ def _data_section(cfg: Mapping, splits: Sequence[str], problems: List[Problem]) 
         cfg, splits, lambda root: f'/path/to/{osp.basename(osp.normpath(root))}')
     if options:
         lines.append('  - the data is elsewhere: --cfg-options ' + ' '.join(options) + ';')
-    if sections:  # COCO or ADE20K
+    if {'CocoDataset', 'ADE20KDataset'} & set(types):
         lines.append('  - to try the configs without the data: tools/smoke_fullsize.py writes '
                      'a few synthetic images in this layout and runs them (docs/full_size.md).')
     return lines

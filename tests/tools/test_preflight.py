@@ -20,6 +20,7 @@ from lapformer_mm.cli import test as test_tool
 from lapformer_mm.cli import train as train_tool
 from lapformer_mm.models import LaplacianFormer
 from lapformer_mm.preflight import (
+    README_SECTIONS,
     InputCheckError,
     check_config_inputs,
     data_root_options,
@@ -129,6 +130,21 @@ def test_preflight_names_a_missing_mmpretrain_image_folder(data):
             '(set by train_dataloader.dataset.data_prefix.img_path)') in text
     assert 'get the data set: README.md;' in text
     assert 'smoke_fullsize' not in text  # it writes COCO and ADE20K only
+    # ImageNet's split names its image folder when data_prefix is not given.
+    imagenet = dict(type='mmpretrain.ImageNet', data_root=str(data / 'toy_coco'), split='nope')
+    text = message(run_cfg(imagenet))
+    assert (f"image folder '{data}/toy_coco/nope' does not exist "
+            '(set by train_dataloader.dataset.split)') in text
+    assert 'get the data set: README.md, "Pretrain on ImageNet-1k";' in text
+    assert 'smoke_fullsize' not in text
+    imagenet.update(split='train')
+    assert check_config_inputs(run_cfg(imagenet)) is None
+
+
+def test_the_readme_has_the_sections_the_messages_name():
+    with open(osp.join(osp.dirname(CONFIG_DIR), 'README.md')) as f:
+        headings = {line[3:].strip() for line in f if line.startswith('## ')}
+    assert set(README_SECTIONS.values()) <= headings
 
 
 def test_mode_selects_the_loops_and_the_checkpoint(data, tmp_path):
