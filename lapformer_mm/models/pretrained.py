@@ -3,7 +3,10 @@
 Accepted layouts (all loaded without arbitrary pickles):
 - a plain state dict ``{param_name: tensor}``;
 - an mmengine checkpoint ``{'state_dict': {...}, 'meta': {...}, ...}``
-  (also ``{'model': {...}}`` as written by timm/DeiT scripts);
+  (also ``{'model': {...}}``, DeiT's layout; the files DeiT's and timm's scripts write
+  also pickle their ``argparse.Namespace``, which the weights-only load refuses: save
+  the weights dict alone; an EMA copy beside them, ``model_ema`` or ``state_dict_ema``,
+  is not read);
 - a classifier or detector checkpoint whose backbone keys carry a
   ``backbone.`` prefix (mmpretrain ``ImageClassifier``, mmdet detectors);
   keys without the prefix (neck, head) are dropped.
