@@ -81,11 +81,11 @@ def _check_choice(name, value, allowed):
     return value
 
 
-def _check_shape(shape):
+def _check_shape(shape, name='shape'):
     if (not isinstance(shape, (tuple, list)) or len(shape) != 2
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
                        for s in shape)):
-        raise ValueError(f'shape must be (H, W), two positive ints, got {shape!r}')
+        raise ValueError(f'{name} must be (H, W), two positive ints, got {shape!r}')
     return tuple(shape)
 
 
@@ -131,10 +131,13 @@ def export_min_size(model: nn.Module) -> int:
 
 def check_export_size(model: nn.Module, shape: Sequence[int]) -> None:
     """Raise a ValueError naming the minimum when ``shape`` (H, W) is below the export range."""
+    _check_min_size('shape', _check_shape(shape), export_min_size(model))
+
+
+def _check_min_size(name, shape, minimum):
     from .models.backbone import export_size_rule
-    minimum = export_min_size(model)
     if min(shape) < minimum:
-        raise ValueError(f'shape {shape[0]}x{shape[1]} is below the export size range: '
+        raise ValueError(f'{name} {shape[0]}x{shape[1]} is below the export size range: '
                          f'{export_size_rule(minimum)}')
 
 
@@ -251,6 +254,7 @@ def prepare_for_export(model: nn.Module) -> nn.Module:
 
 def example_input(shape, batch, seed=0, dtype=torch.float32):
     """A fixed random (batch, 3, H, W) input: normalised images have unit scale."""
+    shape, batch = _check_shape(shape), _check_batch(batch)
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, *shape, generator=gen, dtype=dtype)
 
@@ -287,7 +291,7 @@ def toy_image_input(shape, batch, seed=0, dtype=torch.float32, max_objects=4):
     import numpy as np
 
     from .cli.make_toy_coco import render_image
-    height, width = _check_shape(tuple(shape))
+    height, width = _check_shape(shape)
     images = []
     for index in range(_check_batch(batch)):
         image, _, _ = render_image(np.random.default_rng(seed + index), width, height,
@@ -561,7 +565,10 @@ def output_error(outs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> 
 
 def verify_sizes(shape: Sequence[int], min_size: int) -> List[Tuple[int, int]]:
     """The export size and two others, neither a multiple of 32 (both >= ``min_size``)."""
-    height, width = shape
+    min_size = check_int('min_size', min_size)
+    height, width = _check_shape(shape)
+    # width + 37 and height + 45 are not clamped: in the range only when the export size is.
+    _check_min_size('shape', (height, width), min_size)
     return [(height, width), (max(min_size, height * 3 // 4 + 3), width + 37),
             (height + 45, max(min_size, width * 3 // 4 + 11))]
 

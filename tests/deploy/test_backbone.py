@@ -22,6 +22,7 @@ from _deploy_helpers import (
 from torch.export import Dim
 
 from lapformer_mm import deploy
+from lapformer_mm.models.backbone import export_size_rule
 from lapformer_mm.ops import export as ex
 
 onnx = pytest.importorskip('onnx')
@@ -33,6 +34,11 @@ EXPORT_SHAPE = (232, 296)
 #: 231×257 is no multiple of 32; 256×320 is, but its stride-32 map (8×10) is no multiple
 #: of the 7×7 landmark grid (uneven bins).
 OTHER_SIZES = [(231, 257), (256, 320)]
+
+
+def whole(message):
+    """A pytest ``match`` pattern for exactly ``message``."""
+    return f'^{re.escape(message)}$'
 
 
 @pytest.fixture(scope='module')
@@ -245,6 +251,28 @@ def test_an_opset_the_dynamo_exporter_falls_back_from_is_refused(tmp_path, monke
     assert not path.exists()
     deploy.program_to_onnx(program, str(path), opset=21)
     assert onnx.load(str(path)).opset_import[0].version == 21
+
+
+def test_size_helpers_name_a_shape_that_is_no_pair_of_positive_ints(backbone):
+    """Not a TypeError or IndexError from unpacking a single int or a short tuple."""
+    calls = [lambda s: deploy.check_export_size(backbone, s),
+             lambda s: deploy.example_input(s, 1), lambda s: deploy.toy_image_input(s, 1),
+             lambda s: deploy.verify_sizes(s, 193)]
+    for shape in (224, (0, ), (224, 0), (224, 224.0), '224'):
+        for call in calls:
+            with pytest.raises(ValueError, match=whole(
+                    f'shape must be (H, W), two positive ints, got {shape!r}')):
+                call(shape)
+    for make_input in (deploy.example_input, deploy.toy_image_input):
+        with pytest.raises(ValueError, match='^batch must be a positive int, got 0$'):
+            make_input((8, 8), 0)
+    # verify_sizes grows the other two from the export size: in the range only when it is.
+    with pytest.raises(ValueError, match=whole(
+            f'shape 192x400 is below the export size range: {export_size_rule(193)}')):
+        deploy.verify_sizes((192, 400), 193)
+    with pytest.raises(ValueError, match='^min_size=0 must be >= 1$'):
+        deploy.verify_sizes((224, 224), 0)
+    assert deploy.verify_sizes([224, 300], 193) == [(224, 300), (193, 337), (269, 236)]
 
 
 def test_backbone_outputs_are_named_by_stage():
