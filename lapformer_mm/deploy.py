@@ -593,7 +593,8 @@ def verify_onnx(path: str, model: nn.Module, sizes: Sequence[Sequence[int]], bat
                 threads: Optional[int] = None, fp64: bool = True,
                 inputs: str = 'toy', images: int = 1) -> List[Dict]:
     """ONNX Runtime against eager PyTorch (fp32) on ``images`` inputs of each size, of the
-    kind ``inputs`` names (:data:`VERIFY_INPUTS`).
+    kind ``inputs`` names (:data:`VERIFY_INPUTS`); ``sizes``: (H, W) pairs, each at least
+    :func:`export_min_size` of ``model``.
 
     Returns one dict per size and image: size, image, batch, max_abs, max_rel
     (:func:`output_error`); rounding_rel, eager fp32 on the input against eager fp32 on
@@ -604,6 +605,15 @@ def verify_onnx(path: str, model: nn.Module, sizes: Sequence[Sequence[int]], bat
     make_input = VERIFY_INPUTS[_check_choice('inputs', inputs, tuple(VERIFY_INPUTS))]
     batch = _check_batch(batch)
     images = check_int('images', images)
+    if (not isinstance(sizes, (tuple, list)) or not sizes
+            or not all(isinstance(size, (tuple, list)) for size in sizes)):
+        raise ValueError(f'sizes must be a non-empty list of (H, W) pairs, got {sizes!r}')
+    sizes = [_check_shape(size, f'sizes[{i}]') for i, size in enumerate(sizes)]
+    # ONNX Runtime does not enforce a dynamic file's declared size range: below it the file
+    # runs, to outputs wrong by far more than rounding, which a row would pass off as error.
+    minimum = export_min_size(model)
+    for i, size in enumerate(sizes):
+        _check_min_size(f'sizes[{i}]', size, minimum)
     session = ort_session(path, threads)
     module = ExportModule(model) if not hasattr(model, 'output_names') else model
     module = copy.deepcopy(module).eval()
@@ -612,10 +622,10 @@ def verify_onnx(path: str, model: nn.Module, sizes: Sequence[Sequence[int]], bat
     for size in sizes:
         for image in range(images):
             seed = 1 + image
-            x = make_input(tuple(size), batch, seed=seed)
+            x = make_input(size, batch, seed=seed)
             with torch.no_grad():
                 refs = _as_list(module(x))
-                row = dict(size=tuple(size), image=image, batch=batch,
+                row = dict(size=size, image=image, batch=batch,
                            **output_error(run_onnx(session, x), refs))
                 moved = _as_list(module(rounding_change(x, seed)))
                 row['rounding_rel'] = output_error(moved, refs)['max_rel']

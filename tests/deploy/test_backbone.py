@@ -11,6 +11,8 @@ import re
 import pytest
 import torch
 from _deploy_helpers import (
+    FACTOR,
+    FLOOR,
     assert_as_close_as_fp32,
     fp64_tensors,
     frozen_reshapes,
@@ -90,6 +92,26 @@ def test_onnx_runtime_as_close_as_fp32_at_other_sizes(exported, backbone, size, 
         (batch, c, -(-size[0] // s), -(-size[1] // s))
         for c, s in zip(backbone.embed_dims, (4, 8, 16, 32))]
     assert_as_close_as_fp32(outs, backbone, x, exported)
+
+
+def test_verify_refuses_sizes_below_the_export_range_and_runs_from_the_minimum(
+        exported, backbone):
+    """ONNX Runtime runs a dynamic file below its declared range all the same, to outputs
+    0.05-1 (relative) from eager: such a size is refused before anything runs, not reported
+    as an error row. At the minimum itself the file is as close as at the export size."""
+    for sizes, message in [
+            ((232, 296), 'sizes must be a non-empty list of (H, W) pairs, got (232, 296)'),
+            ([], 'sizes must be a non-empty list of (H, W) pairs, got []'),
+            ([(232, 0)], 'sizes[0] must be (H, W), two positive ints, got (232, 0)'),
+            ([EXPORT_SHAPE, (192, 296)],
+             f'sizes[1] 192x296 is below the export size range: {export_size_rule(193)}'),
+            ([(33, 47)], f'sizes[0] 33x47 is below the export size range: '
+                         f'{export_size_rule(193)}')]:
+        with pytest.raises(ValueError, match=whole(message)):
+            deploy.verify_onnx(exported, backbone, sizes)
+    (row, ) = deploy.verify_onnx(exported, backbone, [[193, 193]])
+    assert row['size'] == (193, 193)
+    assert row['max_rel'] <= FACTOR * max(row['fp32_vs_fp64_rel'], FLOOR)
 
 
 @pytest.mark.slow(seconds=25)
