@@ -340,7 +340,7 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
     shape = _check_shape(shape)
     check_bool('dynamic', dynamic)
     _check_choice('exporter', exporter, EXPORTERS)
-    _check_choice('ort_ops', ort_ops, (False, True))
+    check_bool('ort_ops', ort_ops)
     _check_opset(opset, exporter)
     # The standard file's kernel matrices as placeholders, expanded into token blocks after
     # the export (the op-library file has none: no rewrite of it).
@@ -605,6 +605,7 @@ def verify_onnx(path: str, model: nn.Module, sizes: Sequence[Sequence[int]], bat
     make_input = VERIFY_INPUTS[_check_choice('inputs', inputs, tuple(VERIFY_INPUTS))]
     batch = _check_batch(batch)
     images = check_int('images', images)
+    check_bool('fp64', fp64)
     if (not isinstance(sizes, (tuple, list)) or not sizes
             or not all(isinstance(size, (tuple, list)) for size in sizes)):
         raise ValueError(f'sizes must be a non-empty list of (H, W) pairs, got {sizes!r}')

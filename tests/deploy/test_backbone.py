@@ -234,6 +234,16 @@ def test_bad_program_session_and_verify_arguments_are_named(backbone, tmp_path):
             model, **kwargs)):
         with pytest.raises(TypeError, match="dynamic must be a bool, got str 'no'"):
             export(backbone, str(tmp_path / 'x.onnx'), dynamic='no')
+    # 1 == True: a test of membership in (False, True) took ints, and wrote the file.
+    for value in (1, 0, 'yes'):
+        with pytest.raises(TypeError, match=whole(
+                f'ort_ops must be a bool, got {type(value).__name__} {value!r}')):
+            deploy.export_onnx(backbone, str(tmp_path / 'x.onnx'), shape=(224, 224),
+                               exporter='torchscript', ort_ops=value)
+        with pytest.raises(TypeError, match=whole(
+                f'fp64 must be a bool, got {type(value).__name__} {value!r}')):
+            deploy.verify_onnx(__file__, backbone, [(224, 224)], fp64=value)
+    assert not (tmp_path / 'x.onnx').exists()
     with pytest.raises(TypeError, match='threads must be an int, got float 2.5'):
         deploy.ort_session(__file__, threads=2.5)
     with pytest.raises(ValueError, match='threads=-1 must be >= 1'):
