@@ -265,11 +265,20 @@ def smooth_input(shape, batch, seed=0, dtype=torch.float32, cells=(6, 8)):
     Gaussian noise on a coarse ``cells`` grid, bilinearly upsampled and scaled to unit
     standard deviation per channel, as normalised photographs roughly are. White noise
     (:func:`example_input`) is no image: on it LaplacianFormer itself is ill-conditioned
-    at large sizes (docs/deploy.md), so accuracy is measured on these.
+    at large sizes (docs/deploy.md), so accuracy is measured on these. At least two pixels
+    and (2, 2) cells: a single value, or one row or column of cells upsampled to an image
+    one pixel across, has no spread to scale.
     """
+    shape, batch = _check_shape(shape), _check_batch(batch)
+    cells = _check_shape(cells, 'cells')
+    if shape[0] * shape[1] < 2:
+        raise ValueError(f'shape must hold at least two pixels (one has no standard '
+                         f'deviation), got {shape!r}')
+    if min(cells) < 2:
+        raise ValueError(f'cells must be at least (2, 2), got {cells!r}')
     gen = torch.Generator().manual_seed(seed)
     coarse = torch.randn(batch, 3, *cells, generator=gen, dtype=torch.float64)
-    field = torch.nn.functional.interpolate(coarse, size=tuple(shape), mode='bilinear',
+    field = torch.nn.functional.interpolate(coarse, size=shape, mode='bilinear',
                                             align_corners=False)
     field = (field - field.mean((2, 3), keepdim=True)) / field.std((2, 3), keepdim=True)
     return field.to(dtype)

@@ -289,13 +289,13 @@ def test_size_helpers_name_a_shape_that_is_no_pair_of_positive_ints(backbone):
     """Not a TypeError or IndexError from unpacking a single int or a short tuple."""
     calls = [lambda s: deploy.check_export_size(backbone, s),
              lambda s: deploy.example_input(s, 1), lambda s: deploy.toy_image_input(s, 1),
-             lambda s: deploy.verify_sizes(s, 193)]
+             lambda s: deploy.smooth_input(s, 1), lambda s: deploy.verify_sizes(s, 193)]
     for shape in (224, (0, ), (224, 0), (224, 224.0), '224'):
         for call in calls:
             with pytest.raises(ValueError, match=whole(
                     f'shape must be (H, W), two positive ints, got {shape!r}')):
                 call(shape)
-    for make_input in (deploy.example_input, deploy.toy_image_input):
+    for make_input in deploy.VERIFY_INPUTS.values():
         with pytest.raises(ValueError, match='^batch must be a positive int, got 0$'):
             make_input((8, 8), 0)
     # verify_sizes grows the other two from the export size: in the range only when it is.
@@ -305,6 +305,24 @@ def test_size_helpers_name_a_shape_that_is_no_pair_of_positive_ints(backbone):
     with pytest.raises(ValueError, match='^min_size=0 must be >= 1$'):
         deploy.verify_sizes((224, 224), 0)
     assert deploy.verify_sizes([224, 300], 193) == [(224, 300), (193, 337), (269, 236)]
+
+
+def test_smooth_input_has_unit_spread_from_two_pixels_on():
+    """One pixel has no standard deviation, nor has a field from one row or column of cells
+    across an image one pixel wide: refused, not NaN."""
+    for shape in ((1, 2), (2, 1), (3, 5)):
+        x = deploy.smooth_input(shape, 2, cells=(2, 2))
+        assert x.shape == (2, 3, *shape)
+        assert torch.allclose(x.double().std((2, 3)), torch.ones(2, 3).double(), atol=1e-6)
+    with pytest.raises(ValueError, match=whole(
+            'shape must hold at least two pixels (one has no standard deviation), got (1, 1)')):
+        deploy.smooth_input((1, 1), 1)
+    for cells in ((1, 8), (6, 1)):
+        with pytest.raises(ValueError, match=whole(f'cells must be at least (2, 2), got {cells}')):
+            deploy.smooth_input((5, 5), 1, cells=cells)
+    with pytest.raises(ValueError, match=whole(
+            'cells must be (H, W), two positive ints, got (0, 5)')):
+        deploy.smooth_input((5, 5), 1, cells=(0, 5))
 
 
 def test_backbone_outputs_are_named_by_stage():
