@@ -562,10 +562,16 @@ def output_error(outs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> 
     over the outputs (a whole-map relative error, meaningful where single values are ~0)."""
     if len(outs) != len(refs):
         raise ValueError(f'{len(outs)} outputs against {len(refs)} references')
+    # An error of 0 over no values would read as a perfect match.
+    if not outs:
+        raise ValueError('outs and refs are empty: no outputs to compare')
     max_abs = max_rel = 0.0
-    for out, ref in zip(outs, refs):
+    for i, (out, ref) in enumerate(zip(outs, refs)):
         if out.shape != ref.shape:
             raise ValueError(f'output shape {tuple(out.shape)} against {tuple(ref.shape)}')
+        if out.numel() == 0:
+            raise ValueError(f'outs[{i}] and refs[{i}] are empty (shape {tuple(out.shape)}): '
+                             f'no values to compare')
         err = (out.double() - ref.double()).abs().max().item()
         max_abs = max(max_abs, err)
         max_rel = max(max_rel, err / max(ref.double().abs().max().item(), 1e-30))

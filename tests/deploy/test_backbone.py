@@ -325,6 +325,17 @@ def test_smooth_input_has_unit_spread_from_two_pixels_on():
         deploy.smooth_input((5, 5), 1, cells=(0, 5))
 
 
+def test_output_error_of_nothing_is_refused():
+    """No outputs, or an output of no values, has no error: 0 would read as a match."""
+    one = torch.ones(2, 3)
+    assert deploy.output_error([one, -one], [one, 2 * one]) == dict(max_abs=3.0, max_rel=1.5)
+    with pytest.raises(ValueError, match=whole('outs and refs are empty: no outputs to compare')):
+        deploy.output_error([], [])
+    with pytest.raises(ValueError, match=whole('outs[1] and refs[1] are empty (shape (0, 3)): '
+                                               'no values to compare')):
+        deploy.output_error([one, torch.ones(0, 3)], [one, torch.ones(0, 3)])
+
+
 def test_backbone_outputs_are_named_by_stage():
     module = deploy.ExportModule(tiny_backbone(out_indices=(1, 3)))
     outs = module(deploy.example_input((224, 224), 1))
