@@ -102,10 +102,15 @@ def safe_load(filename, map_location='cpu'):
 
     Raises:
         FileNotFoundError: ``filename`` does not exist.
+        IsADirectoryError: ``filename`` is a folder.
         CheckpointError: (a RuntimeError) the file needs unpickling of objects outside the
             allowlist, or it is truncated or not a torch checkpoint.
+        ValueError, TypeError: ``map_location`` is not one torch takes.
     """
+    _check_map_location(map_location)
     filename = os.path.expanduser(os.fspath(filename))
+    if os.path.isdir(filename):
+        raise IsADirectoryError(f'checkpoint {filename!r} is a folder, not a file')
     if not os.path.isfile(filename):
         raise FileNotFoundError(f'checkpoint file {filename!r} does not exist')
     if trust_requested():
@@ -126,6 +131,26 @@ def safe_load(filename, map_location='cpu'):
         raise _unreadable(filename, err) from err
 
 
+def _check_map_location(map_location):
+    """Raise a ValueError or TypeError naming ``map_location`` unless torch.load takes it:
+    None, a device (a string such as 'cpu' or a ``torch.device``), a dict or a callable.
+
+    Checked before the load, in which a device string torch cannot parse fails as if the
+    file could not be read.
+    """
+    if isinstance(map_location, str):
+        try:
+            torch.device(map_location)
+        except RuntimeError as err:
+            raise ValueError(f'map_location={map_location!r} is not a device: {err}') from None
+    elif not (map_location is None or isinstance(map_location, (torch.device, dict))
+              or callable(map_location)):
+        raise TypeError(f"map_location must be a device ('cpu', 'cuda:0', a torch.device), a "
+                        f'dict, a callable or None, got {type(map_location).__name__} '
+                        f'{map_location!r}')
+    return map_location
+
+
 def is_remote(path) -> bool:
     """True for a ``scheme://`` path (http(s), s3, petrel, open-mmlab, ...), not a local file."""
     return '://' in os.fspath(path)
@@ -138,6 +163,7 @@ def load_checkpoint(filename, map_location='cpu'):
     torch 2.6, with this module's allowlist."""
     if not is_remote(filename):
         return safe_load(filename, map_location=map_location)
+    _check_map_location(map_location)
     from mmengine.runner import CheckpointLoader
     return CheckpointLoader.load_checkpoint(os.fspath(filename), map_location=map_location)
 

@@ -1,4 +1,6 @@
 """Checkpoints under torch's weights_only loading: mmengine's own load, crafted pickles don't."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -7,7 +9,7 @@ from mmengine.hooks import Hook
 from mmengine.logging import HistoryBuffer
 
 import lapformer_mm  # noqa: F401  (allowlists mmengine's checkpoint contents)
-from lapformer_mm.checkpoint import TRUST_ENV, safe_load
+from lapformer_mm.checkpoint import TRUST_ENV, load_checkpoint, safe_load
 
 
 @pytest.fixture(scope='module')
@@ -110,6 +112,13 @@ def test_missing_file_is_named(tmp_path):
         safe_load(tmp_path / 'nope.pth')
 
 
+def test_a_folder_is_not_called_missing(tmp_path):
+    with pytest.raises(IsADirectoryError,
+                       match=f'^checkpoint {re.escape(repr(str(tmp_path)))} is a folder, not '
+                             'a file$'):
+        safe_load(tmp_path)
+
+
 class HarmlessCustomObject:
     """Not on the allowlist but harmless: what a trusted third-party checkpoint may hold."""
 
@@ -160,9 +169,28 @@ def test_a_whole_checkpoint_that_fails_to_load_is_not_called_truncated(tmp_path)
     path = tmp_path / 'fine.pth'
     torch.save({'w': torch.ones(2)}, path)
     match = r"'.*fine.pth' cannot be loaded \(RuntimeError: "
+    # A location torch cannot restore, given where safe_load does not check it (in a dict).
     with pytest.raises(RuntimeError, match=match) as info:
-        safe_load(path, map_location='nonsense')
+        safe_load(path, map_location={'cpu': 'nonsense'})
     assert 'truncated' not in str(info.value)
+
+
+def test_a_bad_map_location_is_named_not_blamed_on_the_file(tmp_path):
+    path = tmp_path / 'fine.pth'
+    torch.save({'w': torch.ones(2)}, path)
+    with pytest.raises(ValueError, match=r"^map_location='gpu' is not a device: Expected one "
+                                         r'of cpu, cuda, .* device string: gpu$'):
+        safe_load(path, map_location='gpu')
+    with pytest.raises(TypeError, match=re.escape(
+            "map_location must be a device ('cpu', 'cuda:0', a torch.device), a dict, a "
+            'callable or None, got float 3.5')):
+        load_checkpoint(str(path), map_location=3.5)
+    # Checked before the download, too.
+    with pytest.raises(ValueError, match="^map_location='gpu' is not a device"):
+        load_checkpoint('https://example.invalid/x.pth', map_location='gpu')
+    for location in ('cpu', torch.device('cpu'), None, {'cpu': 'cpu'},
+                     lambda storage, tag: storage):
+        assert torch.equal(safe_load(path, map_location=location)['w'], torch.ones(2))
 
 
 @pytest.mark.filterwarnings('ignore:Detected pickle protocol 5:UserWarning')
