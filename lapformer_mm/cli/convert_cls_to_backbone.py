@@ -8,16 +8,20 @@ layout that ``lapformer_mm.models.pretrained`` accepts); it is read with
 ``weights_only=True``, so a file that needs arbitrary pickles is refused. OUT_PTH
 gets ``{'state_dict': backbone tensors, 'meta': {...}}`` without the ``backbone.``
 prefix, for ``init_cfg=dict(type='Pretrained', checkpoint=OUT_PTH)`` in detection
-and segmentation configs. With ``--arch``, the keys are checked against that
+and segmentation configs; an OUT_PTH that is a folder (or ends with a separator) gets
+``<CLS_CKPT name>_backbone.pth`` in it. With ``--arch``, the keys are checked against that
 backbone before anything is written: missing/unexpected keys are printed, and tensors of
 another shape or stages of another depth stop the conversion.
 """
 import argparse
 import os
+import os.path as osp
+import sys
 
 import torch
 
-from lapformer_mm.checkpoint import load_checkpoint
+from lapformer_mm.checkpoint import CheckpointError, load_checkpoint
+from lapformer_mm.cli import output_path
 from lapformer_mm.models.pretrained import backbone_mismatch, extract_backbone_state_dict
 
 
@@ -30,8 +34,16 @@ def convert(src: str, dst: str, arch=None) -> dict:
         check_against_arch(state_dict, arch)
     out_dir = os.path.dirname(os.path.abspath(dst))
     os.makedirs(out_dir, exist_ok=True)
-    torch.save(dict(state_dict=state_dict, meta=dict(source=os.path.basename(src))), dst)
+    # Opened here, a path that cannot be written is an OSError naming it, not torch's
+    # "[enforce fail at inline_container.cc]".
+    with open(dst, 'wb') as f:
+        torch.save(dict(state_dict=state_dict, meta=dict(source=os.path.basename(src))), f)
     return state_dict
+
+
+def default_name(src: str) -> str:
+    """The file name a folder OUT_PTH gets: ``<src name>_backbone.pth``."""
+    return f'{osp.splitext(osp.basename(src))[0]}_backbone.pth'
 
 
 def check_against_arch(state_dict: dict, arch: str) -> None:
@@ -59,16 +71,24 @@ def check_against_arch(state_dict: dict, arch: str) -> None:
         raise SystemExit(f'the checkpoint does not fit arch {arch!r}; nothing written')
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('src', help='classifier checkpoint (path or URL)')
-    parser.add_argument('dst', help='output .pth')
+    parser.add_argument('dst', help='output .pth, or a folder for <src name>_backbone.pth')
     parser.add_argument('--arch', default=None, help='check the keys against this arch')
-    args = parser.parse_args()
-    state_dict = convert(args.src, args.dst, args.arch)
+    args = parser.parse_args(argv)
+    dst = output_path(args.dst, default_name(args.src))
+    try:
+        state_dict = convert(args.src, dst, args.arch)
+    # A missing or unreadable source, a checkpoint without backbone tensors (ValueError; a
+    # TypeError when it is no mapping), a destination that cannot be written.
+    except (OSError, CheckpointError, ValueError, TypeError) as err:
+        print(f'convert_cls_to_backbone: {err}', file=sys.stderr)
+        return 2
     print(f'wrote {len(state_dict)} tensors '
-          f'({sum(v.numel() for v in state_dict.values()) / 1e6:.2f} M values) to {args.dst}')
+          f'({sum(v.numel() for v in state_dict.values()) / 1e6:.2f} M values) to {dst}')
+    return 0
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(main())

@@ -2,6 +2,7 @@
 tools/train.py, and the classifier -> backbone conversion into the detection backbone."""
 import hashlib
 import os.path as osp
+import re
 import sys
 
 import pytest
@@ -10,6 +11,7 @@ from _shared import CONFIG_DIR, TOOLS, run_tool
 from mmengine.config import Config
 
 from lapformer_mm.checkpoint import safe_load
+from lapformer_mm.cli import convert_cls_to_backbone
 from lapformer_mm.cli.convert_cls_to_backbone import convert
 from lapformer_mm.cli.make_toy_imagenet import main as make_toy_imagenet_main
 from lapformer_mm.models import LaplacianFormer
@@ -86,6 +88,46 @@ def test_pretraining_iterations_through_the_train_tool_convert_into_the_detectio
     assert len(backbone_keys) == len(own)
     for key in backbone_keys:
         assert torch.equal(own[key[len('backbone.'):]], trained[key]), key
+
+
+def test_convert_ends_a_bad_source_or_destination_with_one_line(tmp_path, capsys):
+    """The converter's other command-line tests: tests/models/test_backbone_cls.py."""
+    arch = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
+    src = tmp_path / 'cls.pth'
+    torch.save({f'backbone.{k}': v for k, v in LaplacianFormer(arch).state_dict().items()}, src)
+    notes, tensor = tmp_path / 'notes.pth', tmp_path / 'tensor.pth'
+    notes.write_text('hello\n')
+    torch.save(torch.ones(2), tensor)
+    missing, out = str(tmp_path / 'missing.pth'), str(tmp_path / 'out.pth')
+    for argv, message in [
+            ([missing, out], re.escape(f'checkpoint file {missing!r} does not exist')),
+            ([str(tmp_path), out], re.escape(f'checkpoint {str(tmp_path)!r} is a folder, not '
+                                             'a file')),
+            ([str(notes), out], re.escape(f'checkpoint file {str(notes)!r} cannot be read as a '
+                                          'torch checkpoint (') + r'.*\) or not a checkpoint'),
+            ([str(tensor), out], re.escape("checkpoint must be a mapping (state dict or "
+                                           "mmengine checkpoint), got <class 'torch.Tensor'>")),
+            # A destination under a file: the OSError of its folder, not torch's enforce text.
+            ([str(src), str(notes / 'out.pth')], r'\[Errno \d+\] .*' + re.escape(
+                repr(str(notes))))]:
+        assert convert_cls_to_backbone.main(argv) == 2
+        captured = capsys.readouterr()
+        assert re.fullmatch(f'convert_cls_to_backbone: {message}\n', captured.err), captured.err
+        assert captured.out == ''
+    assert not (tmp_path / 'out.pth').exists()
+    # convert() itself, given a folder: Python's error naming it, not torch's enforce text.
+    with pytest.raises(IsADirectoryError, match=re.escape(repr(str(tmp_path))) + '$'):
+        convert(str(src), str(tmp_path))
+    # A folder, or a path ending with a separator, takes <source name>_backbone.pth.
+    for folder in (str(tmp_path), str(tmp_path / 'new') + osp.sep):
+        assert convert_cls_to_backbone.main([str(src), folder]) == 0
+        written = osp.join(folder, 'cls_backbone.pth')
+        assert capsys.readouterr().out == f'wrote 100 tensors (0.13 M values) to {written}\n'
+        assert safe_load(written)['state_dict'].keys() == LaplacianFormer(arch).state_dict().keys()
+    # The script's exit status, and no traceback.
+    log = run_tool([sys.executable, osp.join(TOOLS, 'convert_cls_to_backbone.py'), missing, out],
+                   returncode=2)
+    assert log == f'convert_cls_to_backbone: checkpoint file {missing!r} does not exist\n'
 
 
 def test_toy_classifier_sees_the_detection_input():
