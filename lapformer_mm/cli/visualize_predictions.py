@@ -14,6 +14,10 @@ Examples::
         work_dirs/main_job/epoch_6.pth --out-dir work_dirs/main_job/vis --num 6
     python tools/visualize_predictions.py configs/toy/upernet_lapformer_t_toy.py \\
         work_dirs/seg_job/iter_800.pth --out-dir work_dirs/seg_job/vis --num 6
+
+The config, the checkpoint and the test data are checked before anything is built
+(``lapformer_mm.preflight``), as ``tools/test.py`` does: a missing one gets one message
+and exit status 2.
 """
 import argparse
 import os
@@ -25,6 +29,9 @@ from mmengine.config import Config, DictAction
 from mmengine.registry import init_default_scope
 
 import lapformer_mm  # noqa: F401  (registers LaplacianFormer)
+from lapformer_mm.cli.train import checked_cfg
+from lapformer_mm.models import check_model_cfg
+from lapformer_mm.preflight import Input, InputCheckError, is_remote, path_problem
 
 
 def parse_args(argv=None):
@@ -47,7 +54,24 @@ def parse_args(argv=None):
         parser.error(f'--num must be >= 1, got {args.num}')
     if not 0.0 <= args.score_thr <= 1.0:
         parser.error(f'--score-thr must be in [0, 1], got {args.score_thr}')
+    if osp.exists(args.out_dir) and not osp.isdir(args.out_dir):
+        parser.error(f'--out-dir must be a folder, got the file {args.out_dir!r}')
     return args
+
+
+def build_cfg(args):
+    """The config with ``--cfg-options`` applied, its model and checkpoint checked: mmdet's
+    and mmseg's init functions read the checkpoint only after building the model, and
+    name a missing one in a traceback."""
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        cfg.merge_from_dict(args.cfg_options)
+    check_model_cfg(cfg.model)
+    if not is_remote(args.checkpoint):
+        problem = path_problem(Input('checkpoint', args.checkpoint, 'checkpoint', False))
+        if problem:
+            raise InputCheckError(f'checkpoint {args.checkpoint!r} {problem}')
+    return cfg
 
 
 def build_test_dataset(cfg):
@@ -147,9 +171,7 @@ def visualize(cfg, checkpoint, out_dir, num, score_thr, device='cpu'):
 
 def main(argv=None):
     args = parse_args(argv)
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
+    cfg = checked_cfg(build_cfg, args, 'test')
     paths = visualize(cfg, args.checkpoint, args.out_dir, args.num,
                       args.score_thr, args.device)
     print(f'wrote {len(paths)} PNGs to {args.out_dir}')

@@ -430,6 +430,48 @@ def test_test_tool_names_a_missing_checkpoint_or_config(tmp_path):
         test_tool.build_cfg(args)
 
 
+def test_visualize_ends_a_missing_config_checkpoint_or_data_with_one_message(tmp_path, capsys):
+    """Checked before anything is built, as tools/test.py does: mmdet's init_detector named a
+    missing checkpoint in a traceback after building the model."""
+    from lapformer_mm.cli import visualize_predictions
+    checkpoint, empty = tmp_path / 'x.pth', tmp_path / 'empty.pth'
+    checkpoint.write_bytes(b'PK\x03\x04')  # read by the model's init, after these checks
+    empty.write_bytes(b'')
+    config, missing = str(tmp_path / 'nope.py'), str(tmp_path / 'missing.pth')
+    no_data = ['--cfg-options', *toy_data_options(str(tmp_path / 'none'))]
+    vis = str(tmp_path / 'vis')
+    for argv, message in [
+            ([config, str(checkpoint)], re.escape(f'[Errno 2] No such file or directory: '
+                                                  f'{config!r}')),
+            ([TOY_CONFIG, missing], re.escape(f'checkpoint {missing!r} does not exist')),
+            ([TOY_CONFIG, str(tmp_path)], re.escape(f'checkpoint {str(tmp_path)!r} is a '
+                                                    'folder, not a file')),
+            ([TOY_CONFIG, str(empty)], re.escape(f'checkpoint {str(empty)!r} is empty')),
+            ([TOY_CONFIG, str(checkpoint), '--cfg-options',
+              'model.neck.in_channels=[64,128,256,512]'],
+             r'.*set model\.neck\.in_channels=\[64, 128, 320, 512\].*'),
+            ([TOY_CONFIG, str(checkpoint), *no_data],
+             re.escape(f'{TOY_CONFIG}: this test run would miss 1 input(s):\n  - data root '
+                       f"'{tmp_path}/none/' does not exist") + r'.*')]:
+        with pytest.raises(SystemExit) as exited:
+            visualize_predictions.main([*argv, '--out-dir', vis])
+        assert exited.value.code == 2
+        captured = capsys.readouterr()
+        assert re.fullmatch(f'error: {message}\n', captured.err, re.DOTALL), captured.err
+        assert 'Traceback' not in captured.err and captured.out == ''
+    assert not osp.exists(vis)
+    with pytest.raises(SystemExit) as exited:
+        visualize_predictions.parse_args([TOY_CONFIG, str(checkpoint), '--out-dir',
+                                          str(empty)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        f'error: --out-dir must be a folder, got the file {str(empty)!r}\n')
+    log = run_tool([sys.executable, osp.join(TOOLS, 'visualize_predictions.py'), TOY_CONFIG,
+                    missing, '--out-dir', vis], returncode=2)
+    assert log.splitlines()[-1] == f'error: checkpoint {missing!r} does not exist', log
+    assert 'Traceback' not in log
+
+
 @pytest.mark.usefixtures('mmdet_scope')
 def test_test_tool_refuses_an_out_file_that_is_not_a_pickle(capsys):
     test_tool = cli_test
