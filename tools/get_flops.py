@@ -11,11 +11,13 @@ Example::
     python tools/get_flops.py configs/maskrcnn_lapformer_t.py --shape 800 1333
 """
 import argparse
+import sys
 
 from mmengine.config import DictAction
 
 from lapformer_mm.analysis.flops import detector_cost
 from lapformer_mm.analysis.model_zoo import build_from_config
+from lapformer_mm.preflight import Input, path_problem
 
 
 def parse_args(argv=None):
@@ -34,9 +36,21 @@ def parse_args(argv=None):
     return args
 
 
+def fail(message):
+    """End the run on a user error: the message alone on stderr, exit status 2."""
+    print(f'get_flops: {message}', file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    model, scope = build_from_config(args.config, args.cfg_options)
+    problem = path_problem(Input('config', args.config, 'config', False))
+    if problem:
+        fail(f'config {args.config!r} {problem}')
+    try:
+        model, scope = build_from_config(args.config, args.cfg_options)
+    except OSError as err:  # mmengine's refusal of a file type it does not read as a config
+        fail(f'config {args.config!r}: {err}')
     height, width = args.shape or {'mmseg': (512, 512),
                                    'mmpretrain': (224, 224)}.get(scope, (800, 1333))
     res = detector_cost(model, scope, height, width)

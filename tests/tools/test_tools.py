@@ -364,6 +364,31 @@ def test_get_flops_counts_an_mmpretrain_classifier():
     assert res['params'] == pytest.approx(expected['params'])
 
 
+def test_get_flops_ends_a_config_it_cannot_read_with_one_line(tmp_path, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('get_flops', osp.join(TOOLS, 'get_flops.py'))
+    get_flops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(get_flops)
+    missing, notes, empty = (str(tmp_path / name) for name in ('nope.py', 'notes.txt',
+                                                                'empty.py'))
+    with open(notes, 'w') as f:
+        f.write('x = 1\n')
+    open(empty, 'w').close()
+    for config, message in [
+            (missing, f'config {missing!r} does not exist'),
+            (str(tmp_path), f'config {str(tmp_path)!r} is a folder, not a file'),
+            (empty, f'config {empty!r} is empty'),
+            (notes, f'config {notes!r}: Only py/yml/yaml/json type are supported now!')]:
+        with pytest.raises(SystemExit) as exited:
+            get_flops.main([config])
+        assert exited.value.code == 2
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err) == ('', f'get_flops: {message}\n')
+    log = run_tool([sys.executable, osp.join(TOOLS, 'get_flops.py'), missing], returncode=2)
+    assert log.splitlines()[-1] == f'get_flops: config {missing!r} does not exist', log
+    assert 'Traceback' not in log
+
+
 def test_test_tool_tta_wraps_the_model_and_pipeline_as_mmdet_and_mmseg_do(tmp_path):
     checkpoint = tmp_path / 'x.pth'
     checkpoint.write_bytes(b'')  # build_cfg checks only that it exists
