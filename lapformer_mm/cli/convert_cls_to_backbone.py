@@ -48,14 +48,14 @@ def default_name(src: str) -> str:
 
 def check_against_arch(state_dict: dict, arch: str) -> None:
     """Print the keys that a detection-style backbone of ``arch`` lacks or does not use;
-    SystemExit for a bad ``arch`` or a checkpoint that cannot initialise it (none of its
+    ValueError for a bad ``arch`` or a checkpoint that cannot initialise it (none of its
     tensors, another shape, another depth: ``backbone_mismatch``)."""
     from lapformer_mm.models import LaplacianFormer
 
     try:
         own = LaplacianFormer(arch).state_dict()
     except ValueError as err:
-        raise SystemExit(f'--arch: {err}') from None
+        raise ValueError(f'--arch: {err}') from None
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     wrong = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
@@ -68,7 +68,7 @@ def check_against_arch(state_dict: dict, arch: str) -> None:
     if mismatch is not None:
         if mismatch[0] == 'depth':
             print(f'  depth: {mismatch[1]}')
-        raise SystemExit(f'the checkpoint does not fit arch {arch!r}; nothing written')
+        raise ValueError(f'the checkpoint does not fit arch {arch!r}; nothing written')
 
 
 def main(argv=None) -> int:
@@ -81,7 +81,8 @@ def main(argv=None) -> int:
     try:
         state_dict = convert(args.src, dst, args.arch)
     # A missing or unreadable source, a checkpoint without backbone tensors (ValueError; a
-    # TypeError when it is no mapping), a destination that cannot be written.
+    # TypeError when it is no mapping) or that does not fit --arch, a destination that
+    # cannot be written.
     except (OSError, CheckpointError, ValueError, TypeError) as err:
         print(f'convert_cls_to_backbone: {err}', file=sys.stderr)
         return 2

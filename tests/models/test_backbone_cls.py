@@ -94,11 +94,17 @@ def test_convert_checks_the_arch_before_writing(tmp_path, capsys):
     arch = dict(embed_dims=[16, 32, 32, 64], num_heads=[1, 1, 1, 2], depths=[1, 1, 1, 1])
     src, dst = tmp_path / 'cls.pth', tmp_path / 'backbone.pth'
     torch.save({f'backbone.{k}': v for k, v in LaplacianFormer(arch).state_dict().items()}, src)
-    with pytest.raises(SystemExit, match="does not fit arch .*; nothing written"):
+    with pytest.raises(ValueError, match="does not fit arch .*; nothing written"):
         convert_cls_to_backbone.convert(str(src), str(dst), dict(arch, depths=[1, 2, 1, 1]))
     assert 'depth: stage 1: 1 blocks in the checkpoint, 2 in the model' in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--arch: arch must be one of .* got 'xxl'"):
+    with pytest.raises(ValueError, match="--arch: arch must be one of .* got 'xxl'"):
         convert_cls_to_backbone.convert(str(src), str(dst), 'xxl')
+    assert not dst.exists()
+    # The command line: one line on stderr and exit status 2, as for other user errors.
+    assert convert_cls_to_backbone.main([str(src), str(dst), '--arch', 'xxl']) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('convert_cls_to_backbone: --arch: arch must be one of ')
+    assert err.endswith(" got 'xxl'\n") and err.count('\n') == 1
     assert not dst.exists()
     convert_cls_to_backbone.convert(str(src), str(dst), arch)
     assert dst.exists()
