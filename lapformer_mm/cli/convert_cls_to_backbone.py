@@ -10,8 +10,9 @@ gets ``{'state_dict': backbone tensors, 'meta': {...}}`` without the ``backbone.
 prefix, for ``init_cfg=dict(type='Pretrained', checkpoint=OUT_PTH)`` in detection
 and segmentation configs; an OUT_PTH that is a folder (or ends with a separator) gets
 ``<CLS_CKPT name>_backbone.pth`` in it. With ``--arch``, the keys are checked against that
-backbone before anything is written: missing/unexpected keys are printed, and tensors of
-another shape or stages of another depth stop the conversion.
+backbone before anything is written: missing keys are printed, unexpected ones (a
+classifier's head saved without a ``backbone.`` prefix) printed and left out, and tensors
+of another shape or stages of another depth stop the conversion.
 """
 import argparse
 import os
@@ -31,7 +32,7 @@ def convert(src: str, dst: str, arch=None) -> dict:
     state_dict = extract_backbone_state_dict(load_checkpoint(src))
     state_dict = {k: v.detach().clone().contiguous() for k, v in state_dict.items()}
     if arch is not None:
-        check_against_arch(state_dict, arch)
+        state_dict = check_against_arch(state_dict, arch)
     out_dir = os.path.dirname(os.path.abspath(dst))
     os.makedirs(out_dir, exist_ok=True)
     # Opened here, a path that cannot be written is an OSError naming it, not torch's
@@ -46,10 +47,11 @@ def default_name(src: str) -> str:
     return f'{osp.splitext(osp.basename(src))[0]}_backbone.pth'
 
 
-def check_against_arch(state_dict: dict, arch: str) -> None:
-    """Print the keys that a detection-style backbone of ``arch`` lacks or does not use;
-    ValueError for a bad ``arch`` or a checkpoint that cannot initialise it (none of its
-    tensors, another shape, another depth: ``backbone_mismatch``)."""
+def check_against_arch(state_dict: dict, arch: str) -> dict:
+    """The tensors of ``state_dict`` that a detection-style backbone of ``arch`` has, with
+    the keys it lacks or does not use printed; ValueError for a bad ``arch`` or a checkpoint
+    that cannot initialise it (none of its tensors, another shape, another depth:
+    ``backbone_mismatch``)."""
     from lapformer_mm.models import LaplacianFormer
 
     try:
@@ -59,7 +61,7 @@ def check_against_arch(state_dict: dict, arch: str) -> None:
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     wrong = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
-    print(f'arch {arch}: {len(missing)} missing, {len(unexpected)} unexpected, '
+    print(f'arch {arch}: {len(missing)} missing, {len(unexpected)} unexpected (left out), '
           f'{len(wrong)} with another shape')
     for title, keys in (('missing', missing), ('unexpected', unexpected), ('shape', wrong)):
         for key in keys:
@@ -69,6 +71,7 @@ def check_against_arch(state_dict: dict, arch: str) -> None:
         if mismatch[0] == 'depth':
             print(f'  depth: {mismatch[1]}')
         raise ValueError(f'the checkpoint does not fit arch {arch!r}; nothing written')
+    return {k: v for k, v in state_dict.items() if k in own}
 
 
 def main(argv=None) -> int:

@@ -108,6 +108,13 @@ def test_convert_checks_the_arch_before_writing(tmp_path, capsys):
     assert not dst.exists()
     convert_cls_to_backbone.convert(str(src), str(dst), arch)
     assert dst.exists()
+    # A classifier saved without the backbone. prefix: its head is left out.
+    own = LaplacianFormer(arch).state_dict()
+    torch.save(dict(own, **{'head.fc.weight': torch.randn(10, 64)}), src)
+    converted = convert_cls_to_backbone.convert(str(src), str(dst), arch)
+    assert 'unexpected: head.fc.weight' in capsys.readouterr().out
+    assert converted.keys() == own.keys()
+    assert torch.load(dst, weights_only=True)['state_dict'].keys() == own.keys()
 
 
 def test_flop_handlers_count_the_attention_core():
