@@ -226,12 +226,47 @@ class AdaptiveAvgPool2dExport(nn.Module):
         return f'output_size={self.output_size}'
 
 
+class UpsampleExport(nn.Module):
+    """mmseg's ``Upsample`` by a whole factor, with the factor in the graph: its own
+    ``int(size * factor)`` fixes the traced size (TorchScript) and is a shape guard that
+    dynamic sizes violate (dynamo). The same output: for whole factors the interpolation
+    weights from the factor and from the size ratio are equal."""
+
+    def __init__(self, scale_factor, mode, align_corners):
+        super().__init__()
+        self.scale_factor, self.mode, self.align_corners = scale_factor, mode, align_corners
+
+    def forward(self, x):
+        return nn.functional.interpolate(x, scale_factor=self.scale_factor, mode=self.mode,
+                                         align_corners=self.align_corners)
+
+    def extra_repr(self):
+        return f'scale_factor={self.scale_factor}, mode={self.mode!r}'
+
+
+def _export_form(child: nn.Module) -> Optional[nn.Module]:
+    """The export form of a module the exporters cannot trace for any size, or None."""
+    if isinstance(child, nn.AdaptiveAvgPool2d):
+        return AdaptiveAvgPool2dExport(child.output_size)
+    try:
+        from mmseg.models.utils import Upsample
+    except ImportError:
+        return None
+    if isinstance(child, Upsample) and not child.size and child.scale_factor:
+        factors = child.scale_factor if isinstance(child.scale_factor, tuple) else (
+            child.scale_factor, )
+        if all(float(f).is_integer() for f in factors):
+            return UpsampleExport(child.scale_factor, child.mode, child.align_corners)
+    return None
+
+
 def prepare_for_export(model: nn.Module) -> nn.Module:
     """An eval-mode copy of ``model`` that the exporters can trace.
 
-    SyncBatchNorm becomes BatchNorm (mmengine's ``revert_sync_batchnorm``) and
-    ``nn.AdaptiveAvgPool2d`` (mmseg's pyramid pooling) its export form; the attention
-    options are checked (:func:`~lapformer_mm.ops.export.check_exportable`).
+    SyncBatchNorm becomes BatchNorm (mmengine's ``revert_sync_batchnorm``),
+    ``nn.AdaptiveAvgPool2d`` (mmseg's pyramid pooling) and mmseg's ``Upsample`` by a
+    whole factor (Semantic FPN's head) their export forms; the attention options are
+    checked (:func:`~lapformer_mm.ops.export.check_exportable`).
     """
     from .models.attention import LaplacianAttention
     prepared = copy.deepcopy(model).eval()
@@ -247,8 +282,9 @@ def prepare_for_export(model: nn.Module) -> nn.Module:
             except ValueError as err:
                 raise ValueError(f'{name}: {err}') from None
         for child_name, child in module.named_children():
-            if isinstance(child, nn.AdaptiveAvgPool2d):
-                setattr(module, child_name, AdaptiveAvgPool2dExport(child.output_size))
+            replacement = _export_form(child)
+            if replacement is not None:
+                setattr(module, child_name, replacement)
     return prepared
 
 
@@ -717,6 +753,18 @@ def graph_summary(path: str) -> Dict:
                 megabytes=os.path.getsize(path) / 2 ** 20)
 
 
+# An honest file is 0.8-5.5x the rounding column (docs/deploy.md); a size fixed in the
+# trace or a wrong node is hundreds of times it.
+WRONG_FACTOR = 100.
+
+
+def wrong_rows(rows: Sequence[Dict], factor: float = WRONG_FACTOR) -> List[Dict]:
+    """The :func:`verify_onnx` rows whose error is more than ``factor`` times how far
+    rounding alone moves eager fp32 (at least 1e-6, fp32's scale): a file that does not
+    compute the model at that size."""
+    return [r for r in rows if r['max_rel'] > factor * max(r['rounding_rel'], 1e-6)]
+
+
 def format_rows(rows: Sequence[Dict]) -> str:
     """A markdown table of :func:`verify_onnx` rows."""
     has64 = any('fp32_vs_fp64_rel' in r for r in rows)
@@ -737,4 +785,5 @@ __all__ = ['DEFAULT_OPSET', 'EXPORTERS', 'LOWEST_OPSET', 'TARGETS', 'VERIFY_INPU
            'export_program', 'format_rows', 'graph_summary', 'ort_ops_library', 'ort_session',
            'output_error', 'output_names', 'prepare_for_export', 'program_to_onnx',
            'rounding_change', 'run_onnx',
-           'smooth_input', 'toy_image_input', 'uses_ort_ops', 'verify_onnx', 'verify_sizes']
+           'smooth_input', 'toy_image_input', 'uses_ort_ops', 'verify_onnx', 'verify_sizes',
+           'wrong_rows']

@@ -117,6 +117,14 @@ def main(argv=None):
         print(f'ONNX Runtime against PyTorch eager on {VERIFY_INPUT_WORDS[args.verify_input]} '
               '(max rel: largest error / largest output value, the largest over the outputs):')
         print(deploy.format_rows(rows))
+        wrong = deploy.wrong_rows(rows)
+        if wrong:
+            sizes = ', '.join(f"{r['size'][0]}x{r['size'][1]} ({r['max_rel']:.1e} against "
+                              f"{r['rounding_rel']:.1e})" for r in wrong)
+            print(f'export_onnx: the file is off by more than {deploy.WRONG_FACTOR:g}x what '
+                  f'rounding moves eager fp32 at {sizes}: it does not compute the model '
+                  'there (a size fixed in the trace? see docs/deploy.md)', file=sys.stderr)
+            return 1
     return 0
 
 

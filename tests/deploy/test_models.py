@@ -1,6 +1,7 @@
 """Whole networks through ONNX Runtime: a tiny Mask R-CNN (FPN features and RPN maps),
 a tiny UperNet (segmentor logits, its pyramid pooling in the export form), a tiny
-RetinaNet through the command-line tool.
+Semantic FPN (its head's upsampling in the export form), a tiny RetinaNet through the
+command-line tool.
 
 Each is exported with dynamic sizes at one size and batch 2, then run at two other sizes
 with batch 1, held to the measure of tests/deploy/test_backbone.py (FACTOR × eager fp32's
@@ -44,6 +45,11 @@ UPERNET = ('configs/toy/upernet_lapformer_t_toy.py', {
     'model.backbone.arch': ARCH, 'model.decode_head.in_channels': DIMS,
     'model.decode_head.channels': 16, 'model.auxiliary_head.in_channels': DIMS[2],
     'model.auxiliary_head.channels': 16})
+# Semantic FPN: its head upsamples by 2 with mmseg's Upsample (prepare_for_export's form).
+FPN_SEG = ('configs/fpn_lapformer_t_ade20k.py', {
+    'model.backbone.arch': ARCH, 'model.backbone.init_cfg': None,
+    'model.neck.in_channels': DIMS, 'model.neck.out_channels': 16,
+    'model.decode_head.in_channels': [16] * 4, 'model.decode_head.channels': 16})
 RETINANET = ('configs/toy/retinanet_lapformer_t_toy.py', )
 
 EXPORT_SHAPE = (232, 296)
@@ -52,18 +58,20 @@ EXPECTED_OUTPUTS = {
     'maskrcnn': [f'feat{i}' for i in range(5)] + [f'rpn_cls{i}' for i in range(5)]
     + [f'rpn_bbox{i}' for i in range(5)],
     'upernet': ['seg_logits'],
+    'fpn': ['seg_logits'],
 }
 
 
 @pytest.fixture(scope='module')
 def models():
     return {name: deploy.build_model(config, cfg_options=options)[0]
-            for name, (config, options) in (('maskrcnn', MASK_RCNN), ('upernet', UPERNET))}
+            for name, (config, options) in (('maskrcnn', MASK_RCNN), ('upernet', UPERNET),
+                                            ('fpn', FPN_SEG))}
 
 
 @pytest.mark.parametrize('exporter', [pytest.param('dynamo', marks=pytest.mark.slow(seconds=60)),
                                       'torchscript'])
-@pytest.mark.parametrize('name', ['maskrcnn', 'upernet'])
+@pytest.mark.parametrize('name', ['maskrcnn', 'upernet', 'fpn'])
 def test_network_outputs_through_onnx_runtime(models, tmp_path, name, exporter):
     module = deploy.ExportModule(models[name], 'model')
     path = str(tmp_path / f'{name}.onnx')
@@ -171,6 +179,24 @@ def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys, monkeypatch):
         image, rel, rounding, fp64 = (row.split('|')[i] for i in (2, 5, 6, 7))
         assert int(image) in (0, 1) and 0 < float(rounding) < 1e-3 and float(fp64) < 1e-3
         assert float(rel) < 1e-2, row
+    # A file far from eager at a size (as one traced with a fixed size) fails --verify.
+    verify = deploy.verify_onnx
+
+    def off_at_other_sizes(*args, **kwargs):
+        rows = verify(*args, **kwargs)
+        for row in rows[1:]:
+            row['max_rel'] = 101 * max(row['rounding_rel'], 1e-6) * (1 + 1e-6)
+        return rows
+    monkeypatch.setattr(deploy, 'verify_onnx', off_at_other_sizes)
+    assert cli.main([tiny_retinanet_config(tmp_path), '--target', 'model', '--shape',
+                     *map(str, EXPORT_SHAPE), '--dynamic', '--exporter', 'torchscript',
+                     '--out', folder, '--verify']) == 1
+    err = capsys.readouterr().err
+    assert re.fullmatch(r'export_onnx: the file is off by more than 100x what rounding moves '
+                        r'eager fp32 at \d+x\d+ \([0-9.e+-]+ against [0-9.e+-]+\), '
+                        r'\d+x\d+ \([0-9.e+-]+ against [0-9.e+-]+\): it does not compute '
+                        r'the model there \(a size fixed in the trace\? see docs/deploy.md\)\n',
+                        err), err
     with pytest.raises(SystemExit) as exit_:
         cli.main([tiny_retinanet_config(tmp_path), '--verify-images', '0'])
     assert exit_.value.code == 2
