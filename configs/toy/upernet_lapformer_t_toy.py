@@ -127,7 +127,8 @@ auto_scale_lr = dict(enable=False, base_batch_size=4)
 default_hooks = dict(
     logger=dict(type='LoggerHook', interval=10, log_metric_by_epoch=False),
     checkpoint=dict(type='CheckpointHook', by_epoch=False, interval=max_iters,
-                    max_keep_ckpts=1))
+                    max_keep_ckpts=1),
+    visualization=dict(type='SegVisualizationHook'))  # draws for tools/test.py --show-dir
 log_processor = dict(by_epoch=False)
 env_cfg = dict(dist_cfg=dict(backend='gloo'))
 randomness = dict(seed=0, deterministic=True)

@@ -79,7 +79,7 @@ def enable_visualization(cfg, args):
     """Turn on the scope's visualization hook (mmdet's or mmseg's) for --show/--show-dir."""
     hook = cfg.get('default_hooks', {}).get('visualization')
     if hook is None:
-        raise RuntimeError(
+        raise ConfigError(
             '--show/--show-dir need a `visualization` entry in default_hooks '
             '(DetVisualizationHook or SegVisualizationHook)')
     hook['draw'] = True
@@ -142,6 +142,9 @@ def build_cfg(args):
     if args.show or args.show_dir:
         enable_visualization(cfg, args)
     if args.out is not None and cfg.get('default_scope') == 'mmseg':
+        if osp.splitext(args.out)[1] in ('.pkl', '.pickle'):
+            raise ConfigError(f'--out of a segmentor names a folder for the predicted masks '
+                              f'(PNG files), got {args.out!r}')
         cfg.test_evaluator['output_dir'] = args.out
         cfg.test_evaluator['keep_results'] = True
     return cfg

@@ -426,6 +426,17 @@ def test_test_tool_ends_a_config_problem_with_one_line_and_takes_remote_checkpoi
         assert cli_test.build_cfg(cli_test.parse_args([config, url])).load_from == url
     with pytest.raises(FileNotFoundError, match="checkpoint 'nope.pth' does not exist"):
         cli_test.build_cfg(cli_test.parse_args([config, 'nope.pth']))
+    # A segmentor's --out is a folder of masks; --show-dir draws with the config's hook.
+    seg = osp.join(ROOT, 'configs/toy/upernet_lapformer_t_toy.py')
+    with pytest.raises(ConfigError, match=r"^--out of a segmentor names a folder for the "
+                                          r"predicted masks \(PNG files\), got 'res.pkl'$"):
+        cli_test.build_cfg(cli_test.parse_args([seg, str(checkpoint), '--out', 'res.pkl']))
+    cfg = cli_test.build_cfg(cli_test.parse_args([seg, str(checkpoint), '--show-dir', 'vis']))
+    assert cfg.default_hooks.visualization.draw and cfg.visualizer.save_dir == 'vis'
+    with pytest.raises(ConfigError, match=r'^--show/--show-dir need a `visualization` entry'):
+        cli_test.build_cfg(cli_test.parse_args([
+            seg, str(checkpoint), '--show-dir', 'vis',
+            '--cfg-options', 'default_hooks.visualization=None']))
 
 
 @pytest.mark.slow(seconds=20)
