@@ -323,7 +323,9 @@ class LaplacianFormer(BaseModule):
 
         dims = self.arch_settings['embed_dims']
         depths = self.arch_settings['depths'][:num_stages]
-        block_dpr = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        # On the CPU whatever the default device: check_model_cfg builds the model on the
+        # meta device, whose tensors have no values to list.
+        block_dpr = torch.linspace(0, drop_path_rate, sum(depths), device='cpu').tolist()
         common = dict(qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate)
 
         self.stem = ConvStem(in_channels, dims[0], conv_norm_cfg, conv_act_cfg)

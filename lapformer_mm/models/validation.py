@@ -6,7 +6,7 @@ pass as a convolution shape error deep inside the neck. These checks compare the
 (without a neck, every head's) ``in_channels`` with the channels the LaplacianFormer
 backbone actually returns (``embed_dims[i]`` for ``i`` in ``out_indices``) and name the
 fix; on the config they also name backbone keys LaplacianFormer does not take (another
-backbone's, merged in from a ``_base_`` config):
+backbone's, merged in from a ``_base_`` config) and values it refuses:
 
 - :func:`check_model_cfg` on a config dict, before anything is built (tools can call it
   right after reading the config);
@@ -15,6 +15,7 @@ backbone's, merged in from a ``_base_`` config):
   :func:`check_built_model` in ``before_run``, before the first iteration.
 """
 import inspect
+import warnings
 from typing import List, Mapping, Optional, Sequence
 
 import torch
@@ -116,18 +117,42 @@ def _compare(where, got, out_channels, consumer, backbone):
         raise ModelConfigError(mismatch_message(where, got, expected, backbone))
 
 
+def _check_backbone_args(backbone_cfg: Mapping) -> None:
+    """Raise :class:`ModelConfigError` when LaplacianFormer refuses the config's arguments.
+
+    The constructor's own checks, run by building the backbone on the meta device (no
+    memory, a fraction of a second for 'huge'): the tools catch a ConfigError and print
+    its message, where the same error raised inside the Runner's build is a traceback.
+    ``arch`` and ``out_indices`` are checked first, to name the key.
+    """
+    for key, check in (('arch', resolve_arch),
+                       ('out_indices', LaplacianFormer._check_out_indices)):
+        if key in backbone_cfg:
+            try:
+                check(backbone_cfg[key])
+            except (TypeError, ValueError) as err:
+                raise ModelConfigError(f'model.backbone.{key}: {err}') from None
+    kwargs = {k: v for k, v in backbone_cfg.items() if k not in ('type', '_scope_')}
+    try:
+        # The build the Runner does next gives the warnings (deprecations, stages not run).
+        with warnings.catch_warnings(), torch.device('meta'):
+            warnings.simplefilter('ignore')
+            LaplacianFormer(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ModelConfigError(f'model.backbone: {err}') from None
+
+
 def check_model_cfg(model_cfg: Mapping) -> None:
     """Raise :class:`ModelConfigError` (a ValueError) when the backbone config has keys
-    LaplacianFormer does not take, or the neck's (or heads') ``in_channels`` do not fit it.
+    LaplacianFormer does not take or values it refuses, or the neck's (or heads')
+    ``in_channels`` do not fit it.
 
     ``model_cfg`` is the ``model`` dict of an mmdet/mmseg config. Configs whose backbone is
     not a LaplacianFormer, or whose consumers have no ``in_channels``, are left alone.
     """
     backbone = model_cfg.get('backbone')
-    if not isinstance(backbone, Mapping):
-        return
-    out_channels = backbone_out_channels(backbone)
-    if out_channels is None:
+    if not isinstance(backbone, Mapping) or backbone.get('type') not in (BACKBONE_TYPE,
+                                                                         LaplacianFormer):
         return
     unknown = unknown_backbone_keys(backbone)
     if '_delete_' in unknown:
@@ -139,6 +164,8 @@ def check_model_cfg(model_cfg: Mapping) -> None:
             f'model.backbone has keys LaplacianFormer does not take: {", ".join(unknown)} '
             '(another backbone\'s, kept from the _base_ config: add _delete_=True to the '
             'backbone dict to replace it; docs/backbone.md lists the arguments)')
+    _check_backbone_args(backbone)
+    out_channels = backbone_out_channels(backbone)
     out_indices = LaplacianFormer._check_out_indices(
         backbone.get('out_indices', tuple(range(NUM_STAGES))))
     for where, consumer in _consumers(model_cfg):

@@ -15,6 +15,8 @@ from mmengine.config import Config
 
 import lapformer_mm  # noqa: F401  (registers LaplacianFormer)
 from lapformer_mm.models import NeckChannelsCheckHook, check_built_model, check_model_cfg
+from lapformer_mm.models.attention import ATTN_CFG_KEYS
+from lapformer_mm.models.validation import ModelConfigError
 
 pytestmark = pytest.mark.usefixtures('mmdet_scope')
 
@@ -173,3 +175,33 @@ def test_delete_without_a_base_backbone_says_to_remove_it():
     with pytest.raises(ValueError, match='has _delete_=True but the _base_ config has no '
                                          'backbone .*remove _delete_'):
         check_model_cfg(model)
+
+
+@pytest.mark.parametrize('key, value, message', [
+    ('arch', 'base', "model.backbone.arch: arch must be one of ['huge', 'large', 'medium', "
+                     "'small', 'tiny'] (or ['h', 'l', 'm', 's', 't']) or a dict, got 'base'"),
+    ('out_indices', [0, 7], 'model.backbone.out_indices: out_indices must be in [0, 4) (or '
+                            'negative from the end) with num_stages=4, got (0, 7)'),
+    ('frozen_stages', 9, 'model.backbone: frozen_stages must be an int in [-1, 4] '
+                         '(num_stages=4), got 9'),
+    ('attn_cfg', dict(lamda=2), "model.backbone: attn_cfg: unknown key(s) 'lamda'; allowed: "
+                                f'{", ".join(ATTN_CFG_KEYS)}'),
+    ('attn_cfg', dict(lam=-1), 'model.backbone: lam=-1 must be finite and > 0'),
+])
+def test_backbone_values_the_constructor_refuses_are_config_errors(key, value, message):
+    """The tools print a ConfigError alone (exit status 2); a plain ValueError from
+    resolve_arch, or the constructor's inside the Runner's build, was a traceback."""
+    model = toy_model_cfg()
+    model.backbone[key] = value
+    with pytest.raises(ModelConfigError) as info:
+        check_model_cfg(model)
+    assert str(info.value) == message
+
+
+def test_backbone_check_leaves_the_warnings_to_the_build(recwarn):
+    """The constructor runs on the meta device, without its warnings: the Runner's build,
+    which comes next, gives them."""
+    model = toy_model_cfg(in_channels=[64, 128])
+    model.backbone.update(out_indices=(0, 1), arch='huge')
+    check_model_cfg(model)
+    assert not [w for w in recwarn if 'LaplacianFormer' in str(w.message)]

@@ -306,6 +306,17 @@ def test_train_tool_names_a_neck_that_does_not_fit(data, tmp_path, capsys):
                                   'model.neck.in_channels=[64,128,320,256]'], capsys)
     assert err.startswith('error: model.neck.in_channels=[64, 128, 320, 256] does not match')
     assert not osp.exists(tmp_path / 'w')
+    # A backbone value its constructor refuses: one line too, not the Runner's traceback.
+    err = tool_error(train_tool, [TOY_CONFIG, '--work-dir', str(tmp_path / 'w'),
+                                  *toy_options(data / 'toy_coco'), 'model.backbone.arch=base'],
+                     capsys)
+    assert err.startswith("error: model.backbone.arch: arch must be one of ['huge', ")
+    err = tool_error(train_tool, [TOY_CONFIG, '--work-dir', str(tmp_path / 'w'),
+                                  *toy_options(data / 'toy_coco'),
+                                  'model.backbone.frozen_stages=9'], capsys)
+    assert err == ('error: model.backbone: frozen_stages must be an int in [-1, 4] '
+                   '(num_stages=4), got 9\n')
+    assert not osp.exists(tmp_path / 'w')
 
 
 def test_test_tool_names_missing_checkpoint_and_annotations(data, tmp_path, capsys):
