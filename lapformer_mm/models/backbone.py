@@ -396,7 +396,8 @@ class LaplacianFormer(BaseModule):
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """(B, C_in, H, W) -> maps (B, C_i, ~H/s_i, ~W/s_i), s_i = 4, 8, 16, 32.
 
-        Spatial sizes round up at each stride-2 step, so any H, W >= 1 works.
+        Spatial sizes round up at each stride-2 step, so any H, W >= 1 works; B >= 1 (an
+        empty batch is an error, where mmdet's PVTv2 returns empty maps).
         """
         self._check_input(x)
         export = exporting()
@@ -483,6 +484,14 @@ class LaplacianFormer(BaseModule):
         if not x.is_floating_point():
             raise TypeError(f'LaplacianFormer input must be a floating-point '
                             f'tensor (normalise images first), got dtype {x.dtype}')
+        # mmdet's PVTv2 returns empty maps for an empty batch; here the attention's reshapes
+        # would fail deep inside, so it is refused by name.
+        if x.shape[0] == 0:
+            raise ValueError(f'LaplacianFormer input batch size must be >= 1, got 0 (shape '
+                             f'{tuple(x.shape)})')
+        if x.shape[2] == 0 or x.shape[3] == 0:
+            raise ValueError(f'LaplacianFormer input height and width must be >= 1, got '
+                             f'{x.shape[2]}x{x.shape[3]} (shape {tuple(x.shape)})')
         if self.training and x.shape[0] == 1:
             self._check_batch_norm_sizes(x.shape[2], x.shape[3])
 

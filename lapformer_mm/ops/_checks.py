@@ -71,6 +71,17 @@ def check_float_tensor(name, t, min_dim=2):
     return t
 
 
+def check_nonempty(name, t, layout):
+    """Require every size of the tensor ``t`` to be >= 1; ``layout`` (e.g. '(..., m, m)')
+    names its dims in the message. An empty batch, head, grid or width gives an empty result
+    on some paths and a reshape error deep inside on others (reshape(-1, ...) of no elements
+    is ambiguous). Sizes traced by an exporter (SymInt) pass: torch takes them as >= 2."""
+    if any(isinstance(size, int) and size == 0 for size in t.shape):
+        raise ValueError(f'{name} must be {layout} with every size >= 1, got shape '
+                         f'{tuple(t.shape)}')
+    return t
+
+
 def trace_quiet(fn):
     """``fn`` with jit's TracerWarning silenced while a jit trace runs (the TorchScript
     ONNX exporter, the FLOP counter). Sizes are tensors there: reading one as a Python value
@@ -88,11 +99,11 @@ def trace_quiet(fn):
 
 @trace_quiet
 def check_square(name, P):
-    """Require a floating tensor (..., m, m)."""
+    """Require a floating tensor (..., m, m) with every size >= 1."""
     check_float_tensor(name, P)
     if P.shape[-1] != P.shape[-2]:
         raise ValueError(f'{name} must be square (..., m, m), got shape {tuple(P.shape)}')
-    return P
+    return check_nonempty(name, P, '(..., m, m)')
 
 
 @trace_quiet

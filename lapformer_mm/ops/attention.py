@@ -43,6 +43,7 @@ from ._checks import (
     check_hw,
     check_int,
     check_non_negative,
+    check_nonempty,
     check_positive,
     check_probability,
     trace_quiet,
@@ -106,15 +107,18 @@ class AttentionOptions:
 
 @trace_quiet
 def check_operands(q, k, v, landmarks, op=False):
-    """q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) must agree (k may be None,
-    landmarks None before they are pooled); the op's are 4-D of one dtype (the kernels read
-    one type)."""
+    """q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) must agree and have no
+    size 0 (k may be None, landmarks None before they are pooled); the op's are 4-D of one
+    dtype (the kernels read one type)."""
     if op and q.dim() != 4:
         raise ValueError(f'nystrom_attention: q must be (B, h, N, d), got shape '
                          f'{tuple(q.shape)}')
-    for name, t in (('q', q), ('k', k), ('v', v), ('landmarks', landmarks)):
+    batch = 'B, h' if op else '...'
+    for name, t, dims in (('q', q, 'N, d'), ('k', k, 'N, d'), ('v', v, 'N, d_v'),
+                          ('landmarks', landmarks, 'm, d')):
         if t is not None:
             check_float_tensor(name, t, min_dim=4 if op else 3)
+            check_nonempty(f'nystrom_attention: {name}', t, f'({batch}, {dims})')
             if op and t.dtype != q.dtype:
                 raise TypeError(f'nystrom_attention: {name} has dtype {t.dtype} but q has '
                                 f'{q.dtype}; all operands must share one dtype')

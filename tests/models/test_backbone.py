@@ -528,6 +528,13 @@ def test_backbone_runs_images_down_to_one_pixel(size):
     (lambda: torch.zeros(1, 3, 32, 32, dtype=torch.uint8), TypeError,
      'must be a floating-point tensor .* got dtype torch.uint8'),
     (lambda: [torch.rand(3, 32, 32)], TypeError, 'must be a torch.Tensor, got list'),
+    # An empty batch or image failed deep inside with a reshape or convolution error.
+    (lambda: torch.rand(0, 3, 32, 32), ValueError,
+     r'^LaplacianFormer input batch size must be >= 1, got 0 \(shape \(0, 3, 32, 32\)\)$'),
+    (lambda: torch.rand(2, 3, 0, 32), ValueError,
+     r'^LaplacianFormer input height and width must be >= 1, got 0x32 '
+     r'\(shape \(2, 3, 0, 32\)\)$'),
+    (lambda: torch.rand(2, 3, 32, 0), ValueError, r'must be >= 1, got 32x0 '),
 ])
 @pytest.mark.usefixtures('mmdet_scope')
 def test_backbone_input_rejected_with_named_errors(make, exc, match):

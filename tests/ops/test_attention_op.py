@@ -198,6 +198,9 @@ def test_the_op_checks_its_operands():
         OPS.nystrom_attention(q, k, v, landmarks[..., :3], *args)
     with pytest.raises(ValueError, match='k must have the shape of q'):
         OPS.nystrom_attention(q, k[:, :, :5], v, landmarks, *args)
+    with pytest.raises(ValueError, match=r'^nystrom_attention: landmarks must be \(B, h, m, d\) '
+                                         r'with every size >= 1, got shape \(1, 2, 0, 4\)$'):
+        OPS.nystrom_attention(q, k, v, landmarks[:, :, :0], *args)
 
 
 def test_mixed_operand_dtypes_follow_q_at_the_public_entry():

@@ -1,5 +1,6 @@
 """Nyström attention: exact limit, gradients, injectivity, batch independence, validation."""
 import os.path as osp
+import re
 import warnings
 
 import pytest
@@ -185,6 +186,27 @@ def test_attention_rejects_mismatched_shapes_naming_them():
         nystrom_attention(q, k, v, k[:, :1])
     with pytest.raises(ValueError, match=r'hw=\(2, 3\)'):
         pool_landmarks(q, (2, 3))
+
+
+@pytest.mark.parametrize('operand, axis, layout', [
+    ('q', 0, '(..., N, d)'), ('q', 1, '(..., N, d)'), ('q', 2, '(..., N, d)'),
+    ('q', 3, '(..., N, d)'), ('v', 3, '(..., N, d_v)'), ('landmarks', 2, '(..., m, d)'),
+])
+@pytest.mark.parametrize('impl', ['reference', 'cpu'])
+def test_attention_rejects_a_zero_size_dim_naming_the_operand(operand, axis, layout, impl):
+    """An empty batch, head, token set, width or landmark set: some paths returned an empty
+    result, others failed deep inside with "cannot reshape tensor of 0 elements"."""
+    shapes = dict(q=[1, 2, 4, 3], v=[1, 2, 4, 3], landmarks=[1, 2, 2, 3])
+    shapes[operand][axis] = 0
+    if operand == 'q':  # k follows q, else the shape check speaks first
+        shapes['landmarks'][:2] = shapes['q'][:2]
+        shapes['landmarks'][3] = shapes['q'][3]
+        shapes['v'][:3] = shapes['q'][:3]
+    q, v, landmarks = (torch.randn(shapes[n]) for n in ('q', 'v', 'landmarks'))
+    message = (f'nystrom_attention: {operand} must be {layout} with every size >= 1, got '
+               f'shape {tuple(shapes[operand])}')
+    with pytest.raises(ValueError, match=f'^{re.escape(message)}$'):
+        nystrom_attention(q, q, v, landmarks, impl=impl)
 
 
 def test_shape_checks_hold_under_a_jit_trace_without_tracer_warnings():

@@ -143,6 +143,17 @@ def test_solvers_reject_non_square_systems_naming_them():
         cg_solve(spd(1, 3, seed=8), torch.zeros(1, 4, 1, dtype=torch.float64))
 
 
+@pytest.mark.parametrize('solve', [
+    newton_schulz_pinv, exact_inverse, lambda P: exact_solve(P, P), lambda P: cg_solve(P, P)])
+@pytest.mark.parametrize('shape', [(2, 0, 0), (0, 3, 3)])
+def test_solvers_reject_an_empty_system_naming_it(solve, shape):
+    """newton_schulz_pinv of m = 0 failed with "cannot reshape tensor of 0 elements"; the
+    others returned an empty result."""
+    with pytest.raises(ValueError, match=r'^P must be \(\.\.\., m, m\) with every size >= 1, '
+                                         rf'got shape \({shape[0]}, {shape[1]}, {shape[2]}\)$'):
+        solve(torch.zeros(shape))
+
+
 @pytest.mark.parametrize('eps', [0.01, 0.0])
 def test_identical_landmarks_cg_forward_and_gradients_finite(eps):
     """CG on the singular-direction system: converged columns must stop, not divide 0 by 0."""
