@@ -6,6 +6,7 @@ stride 4, then four stages; stages 2-4 start with a 3x3 stride-2 conv-norm-act
 blocks on the (B, H*W, C) tokens of its grid. The API follows mmdet's PVT/Swin
 backbones: attention options in ``attn_cfg``, layers in ``norm_cfg``/``act_cfg``.
 """
+import math
 import numbers
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -87,19 +88,25 @@ def resolve_arch(arch: Union[str, dict]) -> Dict[str, List]:
         if not isinstance(value, Sequence) or len(value) != NUM_STAGES:
             raise ValueError(f'arch[{key!r}] must have {NUM_STAGES} entries, '
                              f'got {value!r}')
-        # bool is an int to Python; a float width or depth fails deep inside torch.
+        # bool is an int to Python; a float width or depth fails deep inside torch, an
+        # infinite ratio in int() of the MLP width.
         kinds = numbers.Real if key == 'mlp_ratios' else numbers.Integral
         if not all(isinstance(v, kinds) and not isinstance(v, bool) and v > 0
-                   for v in value):
-            what = 'numbers' if key == 'mlp_ratios' else 'ints'
+                   and math.isfinite(v) for v in value):
+            what = 'finite numbers' if key == 'mlp_ratios' else 'ints'
             raise ValueError(f'arch[{key!r}] entries must be positive {what}, got '
                              f'{value!r}')
         settings[key] = list(value)
-    for i, (dim, heads) in enumerate(
-            zip(settings['embed_dims'], settings['num_heads'])):
+    for i, (dim, heads, ratio) in enumerate(
+            zip(settings['embed_dims'], settings['num_heads'], settings['mlp_ratios'])):
         if dim % heads != 0:
             raise ValueError(f"arch: embed_dims[{i}]={dim} is not divisible "
                              f"by num_heads[{i}]={heads}")
+        # torch builds a zero-width MLP without a word (its output is then the bias alone).
+        if int(dim * ratio) < 1:
+            raise ValueError(f"arch['mlp_ratios'][{i}]={ratio!r} gives the MLP of "
+                             f'embed_dims[{i}]={dim} int({dim} * {ratio!r}) = 0 hidden '
+                             f'channels; it must be at least 1/{dim}')
     return settings
 
 

@@ -192,6 +192,15 @@ def test_arch_dict_and_alias():
                     depths=[1, 1, 1, 1], window=7)),
      r"arch dict must have keys \['depths', 'embed_dims', 'num_heads'\] \(optional: "
      r"mlp_ratios\), got \['depths', 'embed_dims', 'num_heads', 'window'\]"),
+    # An infinite ratio failed in int() (OverflowError), a tiny one built a zero-width MLP.
+    (dict(arch=dict(embed_dims=[32] * 4, num_heads=[1] * 4, depths=[1] * 4,
+                    mlp_ratios=float('inf'))),
+     r"^arch\['mlp_ratios'\] entries must be positive finite numbers, got \[inf, inf, inf, "
+     r'inf\]$'),
+    (dict(arch=dict(embed_dims=[32] * 4, num_heads=[1] * 4, depths=[1] * 4,
+                    mlp_ratios=[4, 4, 4, 0.01])),
+     r"^arch\['mlp_ratios'\]\[3\]=0.01 gives the MLP of embed_dims\[3\]=32 int\(32 \* 0.01\) "
+     r'= 0 hidden channels; it must be at least 1/32$'),
     (dict(frozen_stages=-2), r'frozen_stages must be an int in \[-1, 4\] \(num_stages=4\), '
                              'got -2'),
     (dict(drop_path_rate=-0.1), r'drop_path_rate must be in \[0, 1\), got -0.1'),
