@@ -23,7 +23,7 @@ from ..ops._checks import trace_quiet
 from ..ops.export import exporting
 from .attention import LaplacianAttention, check_attn_cfg_keys
 from .layers import ConvStem, SoftmaxAttention, TransformerBlock, build_token_norm, conv_norm_act
-from .pretrained import is_pretrained_cfg, load_backbone_weights
+from .pretrained import PRETRAINED_KEYS, is_pretrained_cfg, load_backbone_weights
 
 ARCH_SETTINGS: Dict[str, Dict[str, List[int]]] = {
     'tiny': dict(
@@ -235,7 +235,10 @@ class LaplacianFormer(BaseModule):
             checkpoint=...)`` loads a plain state dict, an mmengine checkpoint
             or a classifier/detector checkpoint (``backbone.`` prefix, or
             the ``prefix`` given in the dict), loaded with
-            ``weights_only=True``; missing/unexpected keys are logged.
+            ``weights_only=True`` (to ``map_location``, default 'cpu');
+            missing/unexpected keys are logged. One such entry at most, with
+            the keys of mmengine's ``Pretrained``: type, checkpoint, prefix,
+            map_location.
         num_stages (int): Build the stem and the first ``num_stages`` stages
             (1-4), as mmdet's PVT (last in the signature, so positional calls keep
             their meaning); the per-stage settings (``arch``,
@@ -267,6 +270,10 @@ class LaplacianFormer(BaseModule):
         if not (pretrained is None or isinstance(pretrained, str)):
             raise TypeError(f'pretrained must be a str (a checkpoint path) or None, got '
                             f'{type(pretrained).__name__} {pretrained!r}')
+        if pretrained == '':
+            # Else a Pretrained init_cfg without a checkpoint, refused only by init_weights.
+            raise ValueError("pretrained='' is not a checkpoint path: give one, or None (the "
+                             'default) to start from the default initialisation')
         if pretrained is not None:
             if init_cfg is not None:
                 raise ValueError('give either pretrained or init_cfg, not '
@@ -364,14 +371,28 @@ class LaplacianFormer(BaseModule):
 
     @staticmethod
     def _check_init_cfg(init_cfg) -> None:
-        if all(isinstance(e, dict) for e in init_cfg_entries(init_cfg)):
-            return
-        hint = (' (--cfg-options passes a dict as a string: give a checkpoint with '
-                'model.backbone.init_cfg.checkpoint=PATH where the config has a Pretrained '
-                'init_cfg, or model.backbone.pretrained=PATH where its init_cfg is None)'
-                if isinstance(init_cfg, str) else '')
-        raise TypeError(f'init_cfg must be a dict, a list of dicts or None, got '
-                        f'{type(init_cfg).__name__} {init_cfg!r}{hint}')
+        entries = init_cfg_entries(init_cfg)
+        if not all(isinstance(e, dict) for e in entries):
+            hint = (' (--cfg-options passes a dict as a string: give a checkpoint with '
+                    'model.backbone.init_cfg.checkpoint=PATH where the config has a Pretrained '
+                    'init_cfg, or model.backbone.pretrained=PATH where its init_cfg is None)'
+                    if isinstance(init_cfg, str) else '')
+            raise TypeError(f'init_cfg must be a dict, a list of dicts or None, got '
+                            f'{type(init_cfg).__name__} {init_cfg!r}{hint}')
+        names = ([f'init_cfg[{i}]' for i in range(len(entries))]
+                 if isinstance(init_cfg, list) else ['init_cfg'])
+        pretrained = [(name, e) for name, e in zip(names, entries) if is_pretrained_cfg(e)]
+        if len(pretrained) > 1:
+            # init_weights loads one checkpoint: the others would be dropped without a word.
+            raise ValueError(f'init_cfg has {len(pretrained)} Pretrained entries '
+                             f'({", ".join(name for name, _ in pretrained)}): the backbone '
+                             f'loads one checkpoint; keep one, got {init_cfg!r}')
+        for name, entry in pretrained:
+            unknown = sorted(set(entry) - set(PRETRAINED_KEYS))
+            if unknown:
+                raise ValueError(f'{name}={entry!r}: unknown key(s) '
+                                 f'{", ".join(map(repr, unknown))} in a Pretrained entry; '
+                                 f'allowed: {", ".join(PRETRAINED_KEYS)}')
 
     @staticmethod
     def _check_out_indices(out_indices: Sequence[int],
@@ -605,7 +626,8 @@ class LaplacianFormer(BaseModule):
                 self,
                 pretrained['checkpoint'],
                 logger=MMLogger.get_current_instance(),
-                prefix=pretrained.get('prefix'))
+                prefix=pretrained.get('prefix'),
+                map_location=pretrained.get('map_location', 'cpu'))
         self._is_init = True
 
 

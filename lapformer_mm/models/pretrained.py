@@ -98,6 +98,10 @@ def backbone_mismatch(state_dict: Mapping, own: Mapping) -> Optional[Tuple[str, 
     return ('depth', '; '.join(differ)) if differ else None
 
 
+#: The keys of a ``Pretrained`` init_cfg entry: mmengine's ``PretrainedInit`` arguments.
+PRETRAINED_KEYS = ('type', 'checkpoint', 'prefix', 'map_location')
+
+
 def is_pretrained_cfg(cfg) -> bool:
     """Whether an ``init_cfg`` entry loads a checkpoint: ``type='Pretrained'``, or no type and
     a ``checkpoint`` (the form mmdet's PVT and Swin configs write, which those backbones
@@ -115,15 +119,18 @@ class LoadReport(NamedTuple):
 def load_backbone_weights(module: nn.Module,
                           path_or_url: str,
                           logger: Optional[object] = None,
-                          prefix: Optional[str] = None) -> LoadReport:
+                          prefix: Optional[str] = None,
+                          map_location='cpu') -> LoadReport:
     """Load a checkpoint into ``module`` non-strictly and report key mismatches.
+
+    ``prefix`` and ``map_location`` as in mmengine's ``Pretrained`` init.
 
     A checkpoint sharing no key with the model, and shape and depth mismatches are an
     error (another model or arch), missing and unexpected keys are reported through
     ``logger`` (anything with ``.warning``/``.info``) and returned.
     """
     state_dict = extract_backbone_state_dict(
-        load_checkpoint(path_or_url), prefix)
+        load_checkpoint(path_or_url, map_location=map_location), prefix)
     own = module.state_dict()
     mismatch = backbone_mismatch(state_dict, own)
     if mismatch is not None:

@@ -268,6 +268,45 @@ def test_pretrained_argument_warns_and_still_loads_the_weights(source, tmp_path)
         small_model(pretrained=path, init_cfg=dict(type='Pretrained', checkpoint=path))
 
 
+@pytest.mark.parametrize('kwargs, message', [
+    # The second checkpoint was dropped without a word.
+    (dict(init_cfg=[dict(type='Pretrained', checkpoint='a.pth'), dict(checkpoint='b.pth')]),
+     "init_cfg has 2 Pretrained entries (init_cfg[0], init_cfg[1]): the backbone loads one "
+     "checkpoint; keep one, got [{'type': 'Pretrained', 'checkpoint': 'a.pth'}, "
+     "{'checkpoint': 'b.pth'}]"),
+    # A misspelt prefix was ignored, so the default 'backbone.' was used.
+    (dict(init_cfg=dict(type='Pretrained', checkpoint='a.pth', prefx='model.')),
+     "init_cfg={'type': 'Pretrained', 'checkpoint': 'a.pth', 'prefx': 'model.'}: unknown "
+     "key(s) 'prefx' in a Pretrained entry; allowed: type, checkpoint, prefix, map_location"),
+    (dict(init_cfg=[dict(type='Constant', val=1, layer='Linear'),
+                    dict(checkpoint='a.pth', strict=True)]),
+     "init_cfg[1]={'checkpoint': 'a.pth', 'strict': True}: unknown key(s) 'strict' in a "
+     'Pretrained entry; allowed: type, checkpoint, prefix, map_location'),
+    # Accepted, it failed in init_weights naming init_cfg's checkpoint.
+    (dict(pretrained=''), "pretrained='' is not a checkpoint path: give one, or None (the "
+                          'default) to start from the default initialisation'),
+])
+def test_init_cfg_a_backbone_cannot_honour_fails_at_construction(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        small_model(**kwargs)
+    assert str(info.value) == message
+
+
+def test_pretrained_map_location_is_honoured(source, tmp_path):
+    """mmengine's Pretrained takes map_location; init_weights hands it to torch.load."""
+    path = write_checkpoint('plain', source.state_dict(), tmp_path / 'plain.pth')
+    seen = []
+
+    def record(storage, location):
+        seen.append(location)
+        return storage
+    target = small_model(out_indices=(3, ), init_cfg=dict(type='Pretrained', checkpoint=path,
+                                                          map_location=record))
+    target.init_weights()
+    assert seen and set(seen) == {'cpu'}
+    assert_same_weights(target, source.state_dict())
+
+
 @pytest.mark.parametrize('pretrained', [123, 1.5, ['a.pth'], dict(checkpoint='a.pth'), True])
 def test_pretrained_of_a_wrong_type_fails_at_construction(pretrained):
     """As mmdet's PVT: a TypeError naming the argument before any layer is built."""
