@@ -226,6 +226,10 @@ def laplacianformer_mismatch(checkpoint_path: str, backbone_cfg: Mapping,
     kind, detail = mismatch
     if kind == 'none':
         return f'{detail}: a checkpoint of another model, or one that needs converting'
+    if kind == 'stage4_attention':
+        return (f'does not fit stage4_attention='
+                f'{backbone_cfg.get("stage4_attention", "laplacian")!r} ({detail}): a '
+                'checkpoint of another stage4_attention')
     return (f'does not fit arch={backbone_cfg.get("arch", "tiny")!r} ({detail}): a '
             'checkpoint of another arch')
 

@@ -80,14 +80,34 @@ def _stage_depths(keys: Iterable[str]) -> Dict[int, int]:
     return depths
 
 
+def _stage_attentions(keys: Iterable[str]) -> Dict[int, str]:
+    """Stage index -> 'laplacian' where its blocks have the depth-wise ``attn.local`` conv of
+    LaplacianAttention, else 'softmax' (SoftmaxAttention has none)."""
+    kinds: Dict[int, str] = {}
+    for key in keys:
+        match = re.match(r'stages\.(\d+)\.blocks\.\d+\.attn\.(\w+)\.', key)
+        if match:
+            stage = int(match[1])
+            if match[2] == 'local' or stage not in kinds:
+                kinds[stage] = 'laplacian' if match[2] == 'local' else 'softmax'
+    return kinds
+
+
 def backbone_mismatch(state_dict: Mapping, own: Mapping) -> Optional[Tuple[str, str]]:
     """Why a backbone state dict cannot initialise the model whose state dict is ``own``, as
-    (kind, detail): 'none', it holds none of the model's tensors; 'shape', tensors of
-    another shape; 'depth', stages of another number of blocks (the same widths: tiny,
-    small and large share theirs, so no shape reveals it). None when it fits."""
+    (kind, detail): 'none', it holds none of the model's tensors; 'stage4_attention', stage
+    4 of the other attention (the shapes can agree, the Laplacian one's ``attn.local``
+    tensors would be missing or unexpected); 'shape', tensors of another shape; 'depth',
+    stages of another number of blocks (the same widths: tiny, small and large share
+    theirs, so no shape reveals it). None when it fits."""
     if not any(k in own for k in state_dict):
         return 'none', (f'holds none of the {len(own)} tensors of the model (its keys look '
                         f'like {", ".join(repr(k) for k in list(state_dict)[:3])})')
+    theirs, mine = _stage_attentions(state_dict), _stage_attentions(own)
+    differ = [f'stage {i + 1} has {theirs[i]} attention in the checkpoint, {kind} in the model'
+              for i, kind in sorted(mine.items()) if theirs.get(i, kind) != kind]
+    if differ:
+        return 'stage4_attention', '; '.join(differ)
     wrong = [f'{k}: checkpoint {tuple(v.shape)}, model {tuple(own[k].shape)}'
              for k, v in state_dict.items() if k in own and v.shape != own[k].shape]
     if wrong:
@@ -135,9 +155,11 @@ def load_backbone_weights(module: nn.Module,
     mismatch = backbone_mismatch(state_dict, own)
     if mismatch is not None:
         kind, detail = mismatch
-        hint = ("a checkpoint of another model, or one whose backbone keys sit under a "
-                "prefix other than 'backbone.' (give it as the Pretrained init_cfg's "
-                'prefix=)' if kind == 'none' else 'another arch?')
+        hints = dict(none="a checkpoint of another model, or one whose backbone keys sit "
+                          "under a prefix other than 'backbone.' (give it as the Pretrained "
+                          "init_cfg's prefix=)",
+                     stage4_attention='another stage4_attention')
+        hint = hints.get(kind, 'another arch?')
         raise ValueError(f'checkpoint {path_or_url!r} does not fit the model ({hint}): '
                          f'{detail}')
     result = module.load_state_dict(state_dict, strict=False)

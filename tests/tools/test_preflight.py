@@ -241,6 +241,13 @@ def test_preflight_names_files_that_are_not_checkpoints(data, tmp_path):
     line = checkpoint_line(data, deeper)
     assert (f"does not fit arch={ARCH!r} (stage 2: 2 blocks in the checkpoint, 1 in the "
             'model): a checkpoint of another arch') in line
+    # Stage 4 of the other attention: the shapes agree, so it loaded with a log line.
+    softmax = tmp_path / 'softmax.pth'
+    torch.save(LaplacianFormer(ARCH, stage4_attention='softmax').state_dict(), softmax)
+    assert checkpoint_line(data, softmax).endswith(
+        "softmax.pth' does not fit stage4_attention='laplacian' (stage 4 has softmax attention "
+        'in the checkpoint, laplacian in the model): a checkpoint of another stage4_attention '
+        '(set by model.backbone.init_cfg.checkpoint)')
 
     unsafe = tmp_path / 'unsafe.pth'
     with open(unsafe, 'wb') as f:
