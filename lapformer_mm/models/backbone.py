@@ -22,7 +22,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..ops._checks import trace_quiet
 from ..ops.export import exporting
 from .attention import LaplacianAttention, check_attn_cfg_keys
-from .layers import ConvStem, SoftmaxAttention, TransformerBlock, build_token_norm, conv_norm_act
+from .layers import (
+    STEM_HIDDEN_CHANNELS,
+    ConvStem,
+    SoftmaxAttention,
+    TransformerBlock,
+    build_token_norm,
+    check_group_norm,
+    conv_norm_act,
+)
 from .pretrained import PRETRAINED_KEYS, is_pretrained_cfg, load_backbone_weights
 
 ARCH_SETTINGS: Dict[str, Dict[str, List[int]]] = {
@@ -342,6 +350,9 @@ class LaplacianFormer(BaseModule):
         block_dpr = torch.linspace(0, drop_path_rate, sum(depths), device='cpu').tolist()
         common = dict(qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate)
 
+        # Every width at once: each layer's build would name only its own.
+        check_group_norm('conv_norm_cfg', conv_norm_cfg,
+                         [STEM_HIDDEN_CHANNELS] + list(dims[:num_stages]))
         self.stem = ConvStem(in_channels, dims[0], conv_norm_cfg, conv_act_cfg)
         self.stages = nn.ModuleList()
         first_block = 0

@@ -6,7 +6,9 @@ feature maps are NCHW.
 import functools
 import importlib
 import inspect
-from typing import Tuple
+import math
+import numbers
+from typing import Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +83,32 @@ def _check_cfg(arg: str, cfg) -> None:
                         f'got {cfg!r}')
 
 
+def check_group_norm(arg: str, cfg: dict, widths: Sequence[int]) -> None:
+    """For a GroupNorm ``cfg``: ``num_groups`` a positive int that divides each of ``widths``,
+    the channels of every map it normalises, else a ValueError naming ``arg`` and them.
+
+    mmcv asserts a missing num_groups with an empty message; torch's divisibility error
+    names one width, which may be the stem's hidden 32 that the user never set, and
+    num_groups=0 is a ZeroDivisionError there.
+    """
+    _check_cfg(arg, cfg)
+    if cfg['type'] not in ('GN', 'GroupNorm', nn.GroupNorm):
+        return
+    widths = sorted(set(widths))
+    listed = ', '.join(map(str, widths))
+    divisor = functools.reduce(math.gcd, widths)
+    if 'num_groups' not in cfg:
+        raise ValueError(f'{arg}={cfg!r}: GroupNorm needs num_groups, a divisor of {divisor} '
+                         f'(of every width it normalises: {listed}), e.g. '
+                         f'{math.gcd(divisor, 32)}')
+    groups = cfg['num_groups']
+    if (isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or groups < 1
+            or any(width % groups for width in widths)):
+        raise ValueError(f"{arg}={cfg!r}: GroupNorm's num_groups must be a positive int "
+                         f'dividing every width it normalises ({listed}), so a divisor of '
+                         f'{divisor}; got {groups!r}')
+
+
 def build_norm(arg: str, cfg: dict, num_features: int) -> nn.Module:
     """The norm layer of an mmcv-style config over ``num_features`` channels.
 
@@ -88,11 +116,7 @@ def build_norm(arg: str, cfg: dict, num_features: int) -> nn.Module:
     ``dict(type='GN', num_groups=8)``, ``requires_grad=False`` freezes it); ``arg``
     names the argument in errors.
     """
-    _check_cfg(arg, cfg)
-    if cfg['type'] in ('GN', 'GroupNorm') and 'num_groups' not in cfg:
-        # mmcv asserts it with an empty message.
-        raise ValueError(f'{arg}={cfg!r}: GroupNorm needs num_groups, a divisor of the '
-                         f'channels it normalises (here {num_features}), e.g. 16 or 32')
+    check_group_norm(arg, cfg, [num_features])
     mmcv_cnn = _mmcv_cnn()
     if mmcv_cnn is not None:
         try:
@@ -166,6 +190,10 @@ def conv_norm_act(in_channels: int, out_channels: int, stride: int, norm_cfg: di
         build_activation('conv_act_cfg', act_cfg))
 
 
+#: The channels of the stem's first two layers.
+STEM_HIDDEN_CHANNELS = 32
+
+
 class ConvStem(nn.Sequential):
     """Three 3x3 conv-norm-activation layers with strides 2/1/2 (SOFT's stem).
 
@@ -173,7 +201,7 @@ class ConvStem(nn.Sequential):
     """
 
     def __init__(self, in_channels: int, out_channels: int, norm_cfg: dict, act_cfg: dict,
-                 hidden_channels: int = 32):
+                 hidden_channels: int = STEM_HIDDEN_CHANNELS):
         super().__init__(
             conv_norm_act(in_channels, hidden_channels, 2, norm_cfg, act_cfg),
             conv_norm_act(hidden_channels, hidden_channels, 1, norm_cfg, act_cfg),

@@ -248,7 +248,18 @@ def test_bad_types_raise_type_error():
 
 @pytest.mark.parametrize('kwargs, exc, match', [
     (dict(conv_norm_cfg=dict(type='GN')), ValueError,
-     r"conv_norm_cfg=\{'type': 'GN'\}: GroupNorm needs num_groups"),
+     r"^conv_norm_cfg=\{'type': 'GN'\}: GroupNorm needs num_groups, a divisor of 16 \(of "
+     r'every width it normalises: 16, 32, 64\), e.g. 16$'),
+    # torch named one width (32 of the stem's hidden layers for num_groups=3, which the user
+    # never set); num_groups=0 divided by zero.
+    (dict(conv_norm_cfg=dict(type='GN', num_groups=3)), ValueError,
+     r"^conv_norm_cfg=\{'type': 'GN', 'num_groups': 3\}: GroupNorm's num_groups must be a "
+     r'positive int dividing every width it normalises \(16, 32, 64\), so a divisor of 16; '
+     r'got 3$'),
+    (dict(conv_norm_cfg=dict(type='GN', num_groups=0)), ValueError,
+     r"GroupNorm's num_groups must be a positive int .*; got 0$"),
+    (dict(conv_norm_cfg=dict(type='GN', num_groups=32)), ValueError,
+     r"GroupNorm's num_groups must be a positive int .*; got 32$"),
     (dict(out_indices=(True, )), TypeError, 'out_indices must be a non-empty sequence of ints'),
     (dict(init_cfg="{'type': 'Pretrained'}"), TypeError,
      'init_cfg must be a dict, a list of dicts or None, got str .*'
