@@ -88,7 +88,7 @@ class LaplacianAttention(nn.Module):
         self.options = AttentionOptions(**options)
         self.attn_drop = check_probability('attn_drop', attn_drop)
         num_projections = 2 if self.qk_shared else 3
-        self.qkv = nn.Linear(dim, num_projections * dim, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, num_projections * dim, bias=check_bool('qkv_bias', qkv_bias))
         self.local = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
         self._local_weight_channels_last()
         self.register_load_state_dict_post_hook(
@@ -158,6 +158,7 @@ class LaplacianAttention(nn.Module):
 
         For diagnostics and analysis; :meth:`forward` builds it inside the op.
         """
+        hw = self._check_input(x, hw)
         _, k, _ = self.project(x)
         return landmark_matrix(pool_landmarks(k, hw, self.landmark_grid), self.options)
 

@@ -169,6 +169,8 @@ def test_authors_start_is_selectable_end_to_end():
     (dict(attn_drop=1.5), ValueError, 'attn_drop=1.5'),
     (dict(proj_drop=-0.1), ValueError, 'proj_drop=-0.1'),
     (dict(num_heads=0), ValueError, 'num_heads=0'),
+    # A truthy stand-in turned the bias on.
+    (dict(qkv_bias='no'), TypeError, "^qkv_bias must be a bool, got str 'no'$"),
 ])
 def test_attention_arguments_rejected_with_named_errors(kwargs, exc, match):
     args = dict(dim=32, num_heads=2)
@@ -187,6 +189,12 @@ def test_attention_call_with_wrong_grid_or_width_rejected():
         module(torch.randn(1, 16, 32), 16)
     with pytest.raises(ValueError, match=r'hw\[0\]=0 must be >= 1'):
         module(torch.randn(1, 0, 32), (0, 4))
+    # landmark_system checks its input as forward does; it failed in a matmul.
+    with pytest.raises(ValueError, match=r'^x must be \(B, N, 32\), got shape \(2, 32, 4, 4\)$'):
+        module.landmark_system(torch.randn(2, 32, 4, 4), (4, 4))
+    with pytest.raises(ValueError, match=r'^hw=\(4, 5\) gives H\*W=20 but the input has N=16 '
+                                         r'tokens$'):
+        module.landmark_system(torch.randn(1, 16, 32), (4, 5))
 
 
 def test_attention_options_are_the_module_keywords():
