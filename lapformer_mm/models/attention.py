@@ -11,7 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import AttentionOptions, landmark_matrix, nystrom_attention, pool_landmarks
-from ..ops._checks import check_bool, check_hw, check_int, check_probability, trace_quiet
+from ..ops._checks import (
+    check_bool,
+    check_hw,
+    check_int,
+    check_keys,
+    check_probability,
+    trace_quiet,
+)
 from ..ops.attention import load_backends, one_projection
 
 # The attention options: the module's keyword-only arguments and the keys of the
@@ -23,10 +30,7 @@ ATTN_CFG_KEYS = ('qk_shared', 'landmark_grid') + tuple(
 
 def check_attn_cfg_keys(arg, keys):
     """Raise a ValueError naming the keys of ``keys`` that are not attention options."""
-    unknown = sorted(set(keys) - set(ATTN_CFG_KEYS))
-    if unknown:
-        raise ValueError(f'{arg}: unknown key(s) {", ".join(map(repr, unknown))}; '
-                         f'allowed: {", ".join(ATTN_CFG_KEYS)}')
+    check_keys(arg, keys, ATTN_CFG_KEYS)
 
 
 class LaplacianAttention(nn.Module):

@@ -51,6 +51,14 @@ def check_bool(name, value):
     return value
 
 
+def check_keys(name, keys, allowed):
+    """Require every key of ``keys`` to be in ``allowed``; the error lists both."""
+    unknown = sorted(set(keys) - set(allowed))
+    if unknown:
+        raise ValueError(f'{name}: unknown key(s) {", ".join(map(repr, unknown))}; '
+                         f'allowed: {", ".join(allowed)}')
+
+
 def check_int(name, value, minimum=1):
     """Require an integer ``value >= minimum``."""
     if isinstance(value, bool) or not isinstance(value, Integral):

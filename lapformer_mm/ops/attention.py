@@ -42,6 +42,7 @@ from ._checks import (
     check_float_tensor,
     check_hw,
     check_int,
+    check_keys,
     check_non_negative,
     check_nonempty,
     check_positive,
@@ -116,7 +117,7 @@ def check_operands(q, k, v, landmarks, op=False):
     batch = 'B, h' if op else '...'
     for name, t, dims in (('q', q, 'N, d'), ('k', k, 'N, d'), ('v', v, 'N, d_v'),
                           ('landmarks', landmarks, 'm, d')):
-        if t is not None:
+        if t is not None or name in ('q', 'v'):
             check_float_tensor(name, t, min_dim=4 if op else 3)
             check_nonempty(f'nystrom_attention: {name}', t, f'({batch}, {dims})')
             if op and t.dtype != q.dtype:
@@ -309,11 +310,17 @@ def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmar
     export: whether an exporter traces (None: ask torch). Computes in fp32 (fp64 stays fp64).
     """
     if options is None:
+        # The dataclass's own TypeError names the keyword but not the allowed ones.
+        check_keys('nystrom_attention', kwargs,
+                   [field.name for field in dataclasses.fields(AttentionOptions)])
         options = AttentionOptions(**kwargs)
     elif kwargs or not isinstance(options, AttentionOptions):
         raise TypeError('pass either an AttentionOptions or its fields as keywords, '
                         f'got {type(options).__name__} and {sorted(kwargs)}')
     check_probability('dropout_p', dropout_p)
+    if export is not None:
+        # A truthy stand-in ('no') would take the export path.
+        check_bool('export', export)
     k = q if k is None else k
     if (landmarks is None) == (hw is None):
         raise TypeError('nystrom_attention: give either the landmarks (..., m, d) or hw = '

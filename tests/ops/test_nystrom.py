@@ -167,6 +167,12 @@ def test_value_width_may_differ():
     (dict(normalize='l2'), ValueError, "normalize='l2'.*'injective', 'none'"),
     (dict(iters=-3), ValueError, 'iters=-3'),
     (dict(dropout_p=1.0), ValueError, 'dropout_p'),
+    # The dataclass's TypeError named the keyword, not the allowed ones.
+    (dict(lamda=2), ValueError, "^nystrom_attention: unknown key\\(s\\) 'lamda'; allowed: kernel, "
+                                'lam, eps, solver, iters, ns_init, ns_refine, normalize, '
+                                'whiten_eps, impl$'),
+    # Truthy, it took the export path.
+    (dict(export='no'), TypeError, "^export must be a bool, got str 'no'$"),
 ])
 def test_attention_rejects_bad_arguments_naming_them(kwargs, exc, match):
     q, k, v = qkv((1, 1, 4, 2))
@@ -186,6 +192,8 @@ def test_attention_rejects_mismatched_shapes_naming_them():
         nystrom_attention(q, k, v, k[:, :1])
     with pytest.raises(ValueError, match=r'hw=\(2, 3\)'):
         pool_landmarks(q, (2, 3))
+    with pytest.raises(TypeError, match='^v must be a torch.Tensor, got NoneType$'):
+        nystrom_attention(q, k, None, k)  # an AttributeError on None.shape
 
 
 @pytest.mark.parametrize('operand, axis, layout', [
