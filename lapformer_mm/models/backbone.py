@@ -523,6 +523,22 @@ class LaplacianFormer(BaseModule):
         if not x.is_floating_point():
             raise TypeError(f'LaplacianFormer input must be a floating-point '
                             f'tensor (normalise images first), got dtype {x.dtype}')
+        weight = self.stem[0][0].weight
+        autocast = torch.is_autocast_enabled(x.device.type)
+        double = x.dtype == torch.float64, weight.dtype == torch.float64
+        if autocast:
+            # autocast casts a 16- or 32-bit input and the weights to its dtype, and leaves
+            # float64 alone: one float64 side is then a mismatch.
+            fits = double[0] == double[1]
+        else:
+            fits = x.dtype == weight.dtype
+        if not fits:
+            # torch's convolution names neither side ("expected scalar type Half but found
+            # Float").
+            hint = '' if autocast or any(double) else ', or run under torch.autocast'
+            raise TypeError(f'LaplacianFormer input has dtype {x.dtype} but its weights '
+                            f'{weight.dtype}: cast the input (x.to({weight.dtype})) or the '
+                            f'model{hint}')
         # mmdet's PVTv2 returns empty maps for an empty batch; here the attention's reshapes
         # would fail deep inside, so it is refused by name.
         if x.shape[0] == 0:

@@ -555,6 +555,13 @@ def test_backbone_runs_images_down_to_one_pixel(size):
      r'^LaplacianFormer input height and width must be >= 1, got 0x32 '
      r'\(shape \(2, 3, 0, 32\)\)$'),
     (lambda: torch.rand(2, 3, 32, 0), ValueError, r'must be >= 1, got 32x0 '),
+    # torch's convolution named neither side ("expected scalar type Half but found Float").
+    (lambda: torch.rand(1, 3, 32, 32, dtype=torch.float16), TypeError,
+     r'^LaplacianFormer input has dtype torch.float16 but its weights torch.float32: cast the '
+     r'input \(x.to\(torch.float32\)\) or the model, or run under torch.autocast$'),
+    (lambda: torch.rand(1, 3, 32, 32, dtype=torch.float64), TypeError,
+     r'^LaplacianFormer input has dtype torch.float64 but its weights torch.float32: cast the '
+     r'input \(x.to\(torch.float32\)\) or the model$'),
 ])
 @pytest.mark.usefixtures('mmdet_scope')
 def test_backbone_input_rejected_with_named_errors(make, exc, match):
@@ -562,3 +569,20 @@ def test_backbone_input_rejected_with_named_errors(make, exc, match):
                                          depths=[1] * 4))
     with pytest.raises(exc, match=match):
         backbone(make())
+
+
+def test_input_dtype_check_follows_autocast():
+    """Under autocast the convolutions cast 16- and 32-bit inputs to its dtype, and take no
+    float64 input: the check lets the first through and names the second."""
+    backbone = LaplacianFormer(arch=dict(embed_dims=[32] * 4, num_heads=[1] * 4,
+                                         depths=[1] * 4)).eval()
+    x = torch.rand(1, 3, 32, 32)
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            assert backbone(x.to(dtype))[-1].dtype == torch.bfloat16
+        with pytest.raises(TypeError, match=r'^LaplacianFormer input has dtype torch.float64 '
+                                            r'but its weights torch.float32: cast the input '
+                                            r'\(x.to\(torch.float32\)\) or the model$'):
+            backbone(x.double())
+    with torch.no_grad():
+        assert backbone.double()(x.double())[-1].dtype == torch.float64
