@@ -115,6 +115,24 @@ def check_square(name, P):
 
 
 @trace_quiet
+def check_rhs(P, B):
+    """Require a floating B (..., m, k) for the system P (..., m, m): P's m, batch dims that
+    broadcast with P's (torch's errors name neither the argument nor the rule)."""
+    check_float_tensor('B', B)
+    try:
+        torch.broadcast_shapes(P.shape[:-2], B.shape[:-2])
+    except RuntimeError:
+        fits = False
+    else:
+        fits = B.shape[-2] == P.shape[-1]
+    if not fits:
+        raise ValueError(f'B must be (..., m, k) with m = {P.shape[-1]} and batch dims that '
+                         f'broadcast with those of P {tuple(P.shape)}, got shape '
+                         f'{tuple(B.shape)}')
+    return B
+
+
+@trace_quiet
 def check_hw(hw, num_tokens):
     """Require hw = (H, W) positive ints with H·W == num_tokens; returns (H, W). Sizes traced by
     an exporter (SymInt, tensors) pass unchecked: comparing them would specialise the graph."""

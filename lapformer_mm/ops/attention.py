@@ -157,6 +157,9 @@ def select_backend(q, k, v, landmarks, options):
     """The backend module that runs this call, or None for the reference (the rule of
     docs/attention.md: impl=None warns once of a backend's reasons and passes it over, an
     explicit 'cupy' or 'cpu' raises them)."""
+    if not isinstance(options, AttentionOptions):
+        raise TypeError(f'options must be a lapformer_mm.ops.AttentionOptions (its impl), got '
+                        f'{type(options).__name__} {options!r}')
     impl = options.impl
     if impl == 'reference':
         return None

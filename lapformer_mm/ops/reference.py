@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._checks import KERNELS, check_float_tensor, check_int, check_square
+from ._checks import KERNELS, check_int, check_rhs, check_square
 
 #: A kernel's code in the compiled kernels (the C++ and CUDA KIND template argument, the ONNX
 #: Runtime nodes' attribute): its index in ``KERNELS``.
@@ -237,22 +237,29 @@ def solve_context(P, rhs, opts):
     return apply_inverse(inverse, P, rhs, opts.ns_refine), inverse
 
 
-def exact_solve(P, B):
-    """Solve P X = B exactly; P (..., m, m), B (..., m, k) -> (..., m, k); a singular P raises."""
-    check_square('P', P)
-    check_float_tensor('B', B)
-    dtype = compute_dtype(P.dtype)
-    x, info = torch.linalg.solve_ex(P.to(dtype), B.to(dtype))
+def _check_solved(info):
+    """Raise for the ``info`` of a ``torch.linalg`` ``*_ex`` call that met a singular P."""
     if bool((info != 0).any()):
         raise ValueError('the landmark matrix P = k(L, L) + eps·I is singular (identical '
                          'landmarks with eps=0?): use eps > 0 (default 0.01)')
+
+
+def exact_solve(P, B):
+    """Solve P X = B exactly; P (..., m, m), B (..., m, k) -> (..., m, k); a singular P raises."""
+    check_square('P', P)
+    check_rhs(P, B)
+    dtype = compute_dtype(P.dtype)
+    x, info = torch.linalg.solve_ex(P.to(dtype), B.to(dtype))
+    _check_solved(info)
     return x.to(B.dtype)
 
 
 def exact_inverse(P):
-    """Exact inverse of P (..., m, m) via ``torch.linalg.inv``."""
+    """Exact inverse of P (..., m, m) via ``torch.linalg.inv_ex``; a singular P raises."""
     check_square('P', P)
-    return torch.linalg.inv(P.to(compute_dtype(P.dtype))).to(P.dtype)
+    inverse, info = torch.linalg.inv_ex(P.to(compute_dtype(P.dtype)))
+    _check_solved(info)
+    return inverse.to(P.dtype)
 
 
 def _cg_step_size(num, den, active):
@@ -275,11 +282,8 @@ def cg_solve(P, B, iters=None):
     CG_MAX_ITERS_PER_M · m). A converged column stops moving (its next steps would divide
     round-off by round-off); the check synchronises once per step (an ablation baseline)."""
     check_square('P', P)
-    check_float_tensor('B', B)
+    check_rhs(P, B)
     iters = None if iters is None else check_int('iters', iters)
-    if B.shape[-2] != P.shape[-1]:
-        raise ValueError(f'B must be (..., m, k) with m = {P.shape[-1]}, got shape '
-                         f'{tuple(B.shape)}')
     iters = CG_MAX_ITERS_PER_M * P.shape[-1] if iters is None else iters
     dtype = compute_dtype(P.dtype)
     P, residual = P.to(dtype), B.to(dtype)

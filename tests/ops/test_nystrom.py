@@ -238,6 +238,16 @@ def test_shape_checks_hold_under_a_jit_trace_without_tracer_warnings():
     assert not ours, ours
 
 
+@pytest.mark.parametrize('options', [None, dict(impl='reference'), 'reference'])
+def test_resolve_impl_names_options_that_are_not_attention_options(options):
+    """Each was an AttributeError on options.impl."""
+    q = torch.randn(1, 2, 12, 4)
+    with pytest.raises(TypeError) as info:
+        resolve_impl(q, q, q, pool_landmarks(q, (3, 4), 2), options)
+    assert str(info.value) == ('options must be a lapformer_mm.ops.AttentionOptions (its '
+                               f'impl), got {type(options).__name__} {options!r}')
+
+
 def test_resolve_impl_takes_the_first_backend_without_reasons(monkeypatch):
     monkeypatch.delenv('LAPFORMER_OPS', raising=False)
     q = torch.randn(1, 2, 12, 4)

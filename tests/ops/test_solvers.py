@@ -139,8 +139,26 @@ def test_newton_schulz_bad_arguments(kwargs, exc, match):
 def test_solvers_reject_non_square_systems_naming_them():
     with pytest.raises(ValueError, match='square'):
         newton_schulz_pinv(torch.zeros(2, 3, 4))
-    with pytest.raises(ValueError, match='B must be'):
-        cg_solve(spd(1, 3, seed=8), torch.zeros(1, 4, 1, dtype=torch.float64))
+    # exact_solve's rows and both solvers' batch dims failed inside torch (linalg.solve's
+    # "Incompatible shapes", a broadcast error); a batch of 1 broadcasts.
+    P = spd(2, 3, seed=8)
+    for solve in (exact_solve, cg_solve):
+        for shape in ((2, 4, 1), (3, 3, 1)):
+            with pytest.raises(ValueError, match=(
+                    r'^B must be \(\.\.\., m, k\) with m = 3 and batch dims that broadcast '
+                    rf'with those of P \(2, 3, 3\), got shape \({shape[0]}, {shape[1]}, 1\)$')):
+                solve(P, torch.zeros(shape, dtype=torch.float64))
+        assert solve(P, torch.ones(1, 3, 1, dtype=torch.float64)).shape == (2, 3, 1)
+
+
+def test_exact_inverse_names_a_singular_matrix_as_exact_solve_does():
+    """It raised torch's _LinAlgError ("The diagonal element 1 is zero")."""
+    singular = torch.ones(2, 3, 3, dtype=torch.float64)
+    for solve in (exact_inverse, lambda P: exact_solve(P, P)):
+        with pytest.raises(ValueError, match=r'^the landmark matrix P = k\(L, L\) \+ eps·I is '
+                                             r'singular \(identical landmarks with eps=0\?\): '
+                                             r'use eps > 0 \(default 0\.01\)$'):
+            solve(singular)
 
 
 @pytest.mark.parametrize('solve', [
