@@ -23,16 +23,18 @@ import torch
 
 from lapformer_mm.checkpoint import CheckpointError, load_checkpoint
 from lapformer_mm.cli import output_path
+from lapformer_mm.models.backbone import STAGE4_ATTENTIONS
 from lapformer_mm.models.pretrained import backbone_mismatch, extract_backbone_state_dict
 
 
-def convert(src: str, dst: str, arch=None) -> dict:
-    """Write the backbone tensors of ``src`` to ``dst`` (checked against ``arch`` first,
-    when given: :func:`check_against_arch`); returns them."""
+def convert(src: str, dst: str, arch=None, stage4_attention: str = 'laplacian') -> dict:
+    """Write the backbone tensors of ``src`` to ``dst`` (checked against ``arch`` with
+    ``stage4_attention`` first, when ``arch`` is given: :func:`check_against_arch`); returns
+    them."""
     state_dict = extract_backbone_state_dict(load_checkpoint(src))
     state_dict = {k: v.detach().clone().contiguous() for k, v in state_dict.items()}
     if arch is not None:
-        state_dict = check_against_arch(state_dict, arch)
+        state_dict = check_against_arch(state_dict, arch, stage4_attention)
     out_dir = os.path.dirname(os.path.abspath(dst))
     os.makedirs(out_dir, exist_ok=True)
     # Opened here, a path that cannot be written is an OSError naming it, not torch's
@@ -47,7 +49,7 @@ def default_name(src: str) -> str:
     return f'{osp.splitext(osp.basename(src))[0]}_backbone.pth'
 
 
-def check_against_arch(state_dict: dict, arch: str) -> dict:
+def check_against_arch(state_dict: dict, arch: str, stage4_attention: str = 'laplacian') -> dict:
     """The tensors of ``state_dict`` that a detection-style backbone of ``arch`` has, with
     the keys it lacks or does not use printed; ValueError for a bad ``arch`` or a checkpoint
     that cannot initialise it (none of its tensors, another shape, another depth:
@@ -55,9 +57,10 @@ def check_against_arch(state_dict: dict, arch: str) -> dict:
     from lapformer_mm.models import LaplacianFormer
 
     try:
-        own = LaplacianFormer(arch).state_dict()
+        own = LaplacianFormer(arch, stage4_attention=stage4_attention).state_dict()
     except ValueError as err:
-        raise ValueError(f'--arch: {err}') from None
+        raise ValueError(f'--arch: {err}' if 'stage4_attention' not in str(err) else
+                         f'--stage4-attention: {err}') from None
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     wrong = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
@@ -68,9 +71,10 @@ def check_against_arch(state_dict: dict, arch: str) -> dict:
             print(f'  {title}: {key}')
     mismatch = backbone_mismatch(state_dict, own)
     if mismatch is not None:
-        if mismatch[0] == 'depth':
-            print(f'  depth: {mismatch[1]}')
-        raise ValueError(f'the checkpoint does not fit arch {arch!r}; nothing written')
+        kind, detail = mismatch
+        what = (f'stage4_attention {stage4_attention!r} (--stage4-attention)'
+                if kind == 'stage4_attention' else f'arch {arch!r}')
+        raise ValueError(f'the checkpoint does not fit {what}: {detail}; nothing written')
     return {k: v for k, v in state_dict.items() if k in own}
 
 
@@ -79,10 +83,14 @@ def main(argv=None) -> int:
     parser.add_argument('src', help='classifier checkpoint (path or URL)')
     parser.add_argument('dst', help='output .pth, or a folder for <src name>_backbone.pth')
     parser.add_argument('--arch', default=None, help='check the keys against this arch')
+    parser.add_argument('--stage4-attention', default='laplacian',
+                        choices=STAGE4_ATTENTIONS,
+                        help="the classifier's stage4_attention, for --arch (default "
+                             'laplacian)')
     args = parser.parse_args(argv)
     dst = output_path(args.dst, default_name(args.src))
     try:
-        state_dict = convert(args.src, dst, args.arch)
+        state_dict = convert(args.src, dst, args.arch, args.stage4_attention)
     # A missing or unreadable source, a checkpoint without backbone tensors (ValueError; a
     # TypeError when it is no mapping) or that does not fit --arch, a destination that
     # cannot be written.
