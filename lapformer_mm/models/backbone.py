@@ -288,7 +288,9 @@ class LaplacianFormer(BaseModule):
                                  f'both (pretrained={pretrained!r}, '
                                  f'init_cfg={init_cfg!r}); for another checkpoint where '
                                  'the config has a Pretrained init_cfg, set '
-                                 'model.backbone.init_cfg.checkpoint=PATH')
+                                 'model.backbone.init_cfg.checkpoint=PATH; an mmseg '
+                                 "segmentor's model.pretrained comes here as pretrained: "
+                                 'set model.pretrained=None')
             # A UserWarning, as mmdet's PVT and Swin: Python hides DeprecationWarnings
             # raised outside __main__.
             warnings.warn('LaplacianFormer: pretrained= is deprecated, use '

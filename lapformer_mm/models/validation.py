@@ -142,6 +142,30 @@ def _check_backbone_args(backbone_cfg: Mapping) -> None:
         raise ModelConfigError(f'model.backbone: {err}') from None
 
 
+# mmcv's model zoo: ImageNet CNNs (mmseg's ResNet bases name 'open-mmlab://resnet50_v1c').
+CNN_ZOO_SCHEMES = ('open-mmlab://', 'torchvision://', 'open-mmlab-cpu://')
+
+
+def _check_segmentor_pretrained(model_cfg: Mapping, backbone: Mapping) -> None:
+    """mmseg hands a segmentor's ``pretrained`` to its backbone: from a ResNet ``_base_``
+    config it is a CNN checkpoint, beside (or instead of) the LaplacianFormer one."""
+    pretrained = model_cfg.get('pretrained')
+    if not pretrained:
+        return
+    zoo = isinstance(pretrained, str) and pretrained.startswith(CNN_ZOO_SCHEMES)
+    if backbone.get('init_cfg') is not None or backbone.get('pretrained'):
+        raise ModelConfigError(
+            f'model.pretrained={pretrained!r} and model.backbone both name a checkpoint '
+            '(mmseg hands model.pretrained to the backbone; mmseg\'s ResNet _base_ configs set '
+            'it): set model.pretrained=None, as mmseg\'s transformer configs do')
+    if zoo:
+        raise ModelConfigError(
+            f'model.pretrained={pretrained!r} is a CNN of mmcv\'s model zoo, kept from the '
+            "_base_ config, which mmseg hands to the backbone: set model.pretrained=None (and "
+            "model.backbone.init_cfg=dict(type='Pretrained', checkpoint=PATH) for "
+            'LaplacianFormer weights)')
+
+
 def check_model_cfg(model_cfg: Mapping) -> None:
     """Raise :class:`ModelConfigError` (a ValueError) when the backbone config has keys
     LaplacianFormer does not take or values it refuses, or the neck's (or heads')
@@ -164,6 +188,7 @@ def check_model_cfg(model_cfg: Mapping) -> None:
             f'model.backbone has keys LaplacianFormer does not take: {", ".join(unknown)} '
             '(another backbone\'s, kept from the _base_ config: add _delete_=True to the '
             'backbone dict to replace it; docs/backbone.md lists the arguments)')
+    _check_segmentor_pretrained(model_cfg, backbone)
     _check_backbone_args(backbone)
     out_channels = backbone_out_channels(backbone)
     out_indices = LaplacianFormer._check_out_indices(

@@ -205,3 +205,33 @@ def test_backbone_check_leaves_the_warnings_to_the_build(recwarn):
     model.backbone.update(out_indices=(0, 1), arch='huge')
     check_model_cfg(model)
     assert not [w for w in recwarn if 'LaplacianFormer' in str(w.message)]
+
+
+def test_a_segmentor_pretrained_from_mmseg_resnet_bases_is_named(tmp_path):
+    """The README's snippet on mmseg's upernet_r50.py base: its model.pretrained (a ResNet of
+    mmcv's zoo) reached the backbone beside its init_cfg (the build failed inside the
+    Runner) or, trained from scratch, instead of it (a download of ResNet-50)."""
+    config = tmp_path / 'upernet_on_r50.py'
+    config.write_text(
+        "_base_ = ['mmseg::_base_/models/upernet_r50.py']\n"
+        "model = dict(backbone=dict(_delete_=True, type='LaplacianFormer', arch='tiny', "
+        "init_cfg=dict(type='Pretrained', checkpoint='bb.pth')), "
+        "decode_head=dict(in_channels=[64, 128, 320, 512]), "
+        "auxiliary_head=dict(in_channels=320))\n")
+    model = Config.fromfile(str(config)).model
+    with pytest.raises(ModelConfigError) as info:
+        check_model_cfg(model)
+    assert str(info.value) == (
+        "model.pretrained='open-mmlab://resnet50_v1c' and model.backbone both name a "
+        "checkpoint (mmseg hands model.pretrained to the backbone; mmseg's ResNet _base_ "
+        "configs set it): set model.pretrained=None, as mmseg's transformer configs do")
+    model.backbone.init_cfg = None
+    with pytest.raises(ModelConfigError, match=r"^model.pretrained='open-mmlab://resnet50_v1c' "
+                                               r"is a CNN of mmcv's model zoo, kept from the "
+                                               r"_base_ config, .*set model.pretrained=None"):
+        check_model_cfg(model)
+    model.pretrained = None
+    check_model_cfg(model)
+    # A segmentor's own LaplacianFormer checkpoint (mmseg's older spelling) stays allowed.
+    model.pretrained = 'lapformer_t_in1k.pth'
+    check_model_cfg(model)
