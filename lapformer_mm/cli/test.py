@@ -133,8 +133,10 @@ def apply_tta(cfg):
 def build_cfg(args):
     """The test config with the command line applied."""
     cfg = load_cfg(args)
+    # An empty file is named by the input check of load_from, with the config's other inputs.
     if not is_remote(args.checkpoint) and not osp.isfile(args.checkpoint):
-        raise FileNotFoundError(f'checkpoint {args.checkpoint!r} does not exist')
+        what = 'is a folder, not a file' if osp.isdir(args.checkpoint) else 'does not exist'
+        raise FileNotFoundError(f'checkpoint {args.checkpoint!r} {what}')
     cfg.load_from = args.checkpoint
     cfg.resume = False
     if args.tta:

@@ -426,6 +426,9 @@ def test_test_tool_ends_a_config_problem_with_one_line_and_takes_remote_checkpoi
         assert cli_test.build_cfg(cli_test.parse_args([config, url])).load_from == url
     with pytest.raises(FileNotFoundError, match="checkpoint 'nope.pth' does not exist"):
         cli_test.build_cfg(cli_test.parse_args([config, 'nope.pth']))
+    with pytest.raises(FileNotFoundError, match=f"^checkpoint {str(tmp_path)!r} is a folder, "
+                                                "not a file$"):
+        cli_test.build_cfg(cli_test.parse_args([config, str(tmp_path)]))
     # A segmentor's --out is a folder of masks; --show-dir draws with the config's hook.
     seg = osp.join(ROOT, 'configs/toy/upernet_lapformer_t_toy.py')
     with pytest.raises(ConfigError, match=r"^--out of a segmentor names a folder for the "
