@@ -65,6 +65,8 @@ if wanted env; then
         date -u
         nvidia-smi || echo "nvidia-smi not available"
         timeout 15 "$PY" - <<'EOF'
+import sys
+
 import torch
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())
 p = torch.cuda.get_device_properties(0)
@@ -72,19 +74,28 @@ print('gpu', p.name, 'cc', f'{p.major}.{p.minor}', 'sms', p.multi_processor_coun
       'smem optin', getattr(p, 'shared_memory_per_block_optin', None))
 import cupy
 print('cupy', cupy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())
-from lapformer_mm.ops.backends import cuda
-cl = cuda
+
+
+class NoOpenMMLab:  # the op and its backends must import where no OpenMMLab package is
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('mmengine', 'mmcv', 'mmdet', 'mmseg', 'mmpretrain'):
+            raise ModuleNotFoundError(f'No module named {name!r}', name=name)
+
+
+sys.meta_path.insert(0, NoOpenMMLab())
+import lapformer_mm.ops  # noqa: E402,F401
+from lapformer_mm.ops.backends import cuda  # noqa: E402
+del sys.meta_path[0]
+print('lapformer_mm.ops and its CUDA backend import without OpenMMLab packages')
 limits = cuda.device_limits(torch.device('cuda'))
 print('backend limits', limits)
 for m, dv in ((49, 32), (64, 64)):
-    print(f'plan m={m} dv={dv}:', cl.plan(m, dv, limits.smem_optin))
+    print(f'plan m={m} dv={dv}:', cuda.plan(m, dv, limits.smem_optin))
 for name in ('timm', 'hypothesis', 'mmengine'):
     try:
         print(name, __import__(name).__version__)
     except ImportError:
         print(name, 'missing')
-import lapformer_mm.ops.nystrom  # must import without OpenMMLab packages
-print('lapformer_mm.ops.backends.cuda and the fused op import')
 EOF
     } > "$OUT/env.txt" 2>&1
     rc=$?

@@ -1,0 +1,107 @@
+"""tools/gpu_check.sh run on the CPU: the steps that need no GPU run on a stub device, and
+every Python snippet of the script compiles and finds what it imports of lapformer_mm.
+
+The stub (written by :func:`stub_gpu`, loaded as ``sitecustomize`` by every Python process the
+script starts) makes torch report one CUDA device with an H100's limits and stands
+devtools/fake_cupy.py in for CuPy, so the script's own Python runs as it would there.
+"""
+import ast
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _shared import ROOT
+
+SCRIPT = Path(ROOT) / 'tools' / 'gpu_check.sh'
+
+STUB = '''
+import sys
+import types
+
+import torch
+
+from devtools.fake_cupy import FakeCupy
+
+props = types.SimpleNamespace(name='NVIDIA H100 80GB HBM3', major=9, minor=0,
+                              multi_processor_count=132,
+                              shared_memory_per_block_optin=232448)
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+torch.cuda.current_device = lambda: 0
+torch.cuda.get_device_properties = lambda device=None: props
+torch.cuda.get_device_name = lambda device=None: props.name
+torch.cuda.is_current_stream_capturing = lambda: False
+
+
+class device:
+    def __init__(self, index):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+torch.cuda.device = device
+cupy = FakeCupy(record=False)
+cupy.__version__ = 'fake'
+cupy.cuda.nvrtc = types.SimpleNamespace(getVersion=lambda: (12, 9))
+sys.modules['cupy'] = cupy
+'''
+
+
+@pytest.fixture
+def stub_gpu(tmp_path):
+    folder = tmp_path / 'stub'
+    folder.mkdir()
+    (folder / 'sitecustomize.py').write_text(STUB)
+    return folder
+
+
+def run_script(stub, out, steps):
+    env = dict(os.environ, OUT=str(out), STEPS=steps, PYTHON=sys.executable,
+               PYTHONPATH=str(stub))
+    return subprocess.run(['bash', str(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def summary(out):
+    return (out / 'summary.txt').read_text()
+
+
+def test_the_env_step_passes_on_a_stub_gpu(stub_gpu, tmp_path):
+    out = tmp_path / 'out'
+    proc = run_script(stub_gpu, out, 'env')
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r'^PASS: env \(\d+s\)$', summary(out), re.M), summary(out)
+    env = (out / 'env.txt').read_text()
+    assert 'gpu NVIDIA H100 80GB HBM3 cc 9.0 sms 132 smem optin 232448' in env
+    assert 'import without OpenMMLab packages' in env
+    assert "plan m=49 dv=32: Plan(variant=Variant(name='dv32_tb32'" in env, env
+
+
+def heredocs(text):
+    """The Python programs the script feeds to "$PY" - <<'EOF'."""
+    return re.findall(r"\"\$PY\" - [^\n]*<<'EOF'\n(.*?)\nEOF\n", text, re.S)
+
+
+def test_every_snippet_compiles_and_its_lapformer_mm_imports_resolve():
+    snippets = heredocs(SCRIPT.read_text())
+    assert len(snippets) >= 2
+    for code in snippets:
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith('lapformer_mm'):
+                        importlib.import_module(alias.name)
+            elif isinstance(node, ast.ImportFrom) and str(node.module).startswith('lapformer_mm'):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    if not hasattr(module, alias.name):
+                        importlib.import_module(f'{node.module}.{alias.name}')
