@@ -65,9 +65,11 @@ class FakeCupy:
             def get_function(self, name):
                 return Kernel(name)
 
-        runtime = type('runtime', (), {'getDevice': staticmethod(lambda: fake.current_device)})
+        runtime = type('runtime', (), {'getDevice': staticmethod(lambda: fake.current_device),
+                                       'getDeviceCount': staticmethod(lambda: 2)})
+        nvrtc = type('nvrtc', (), {'getVersion': staticmethod(lambda: (12, 9))})
         self.cuda = type('cuda', (), {'Device': Device, 'ExternalStream': ExternalStream,
-                                      'runtime': runtime})
+                                      'runtime': runtime, 'nvrtc': nvrtc})
         self.RawModule = RawModule
 
 

@@ -170,7 +170,8 @@ def select_backend(q, k, v, landmarks, options):
         if backend.DEVICE != device:
             reasons = (f'it runs on {backend.DEVICE} tensors, got tensors on {device}',)
         elif not backend.available():
-            reasons = (f'it is not usable here ({backend.INSTALL_HINT})',)
+            why = getattr(backend, 'unavailable_reason', lambda: backend.INSTALL_HINT)()
+            reasons = (f'it is not usable here ({why})',)
         else:
             reasons = tuple(backend.not_supported(q, k, v, landmarks, options.op_options))
         if not reasons:

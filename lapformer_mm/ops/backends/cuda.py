@@ -16,6 +16,7 @@ iters, ns_init, ns_refine, normalize, whiten_eps. Compile, load and opt-in happe
 import functools
 import re
 import threading
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -231,13 +232,55 @@ def splits(bh, n, target_blocks, tile_rows):
 
 # -- The device and what runs there --
 
-@functools.lru_cache(maxsize=None)
-def available():
-    """True when ``import cupy`` succeeds (checked once; never at module import)."""
+# [(why the backend cannot run here or None, whether CuPy is installed)], filled at the first
+# call that asks; a plain global, so a compiled graph reads it as a constant.
+_AVAILABILITY = []
+_WARNED = []
+
+
+def _availability():
+    if not _AVAILABILITY:
+        try:
+            cupy = import_cupy()
+        except CupyNotInstalled as exc:
+            _AVAILABILITY.append((str(exc), False))
+        except ImportError as exc:
+            _AVAILABILITY.append((str(exc), True))
+        else:
+            _AVAILABILITY.append((_initialise(cupy), True))
+    return _AVAILABILITY[0]
+
+
+def _initialise(cupy):
     try:
-        return import_cupy() is not None
-    except Exception:  # a broken CUDA install raises more than ImportError
-        return False
+        # What every call needs: the CUDA runtime CuPy was built for (a driver older than it
+        # fails here) and the NVRTC library it compiles with.
+        cupy.cuda.runtime.getDeviceCount()
+        cupy.cuda.nvrtc.getVersion()
+    except Exception as exc:  # CuPy raises its own CUDARuntimeError, or an OSError
+        return (f'CuPy {getattr(cupy, "__version__", "?")} is installed but cannot initialise '
+                f'CUDA and NVRTC: {type(exc).__name__}: {exc}')
+    return None
+
+
+def unavailable_reason():
+    """Why the backend cannot run here, or None where it can: CuPy not installed, or installed
+    but failing to import or to initialise CUDA and NVRTC (its own error). Checked once, at
+    the first call that asks; never at module import."""
+    return _availability()[0]
+
+
+def available():
+    """Whether CuPy imports and initialises. Where it does not, warns once with the reason (at
+    the first attention on CUDA tensors, which then runs the reference); where CuPy is simply
+    not installed, only on a machine that has CUDA."""
+    reason, installed = _availability()
+    if reason is not None and not _WARNED and (installed or torch.cuda.is_available()):
+        _WARNED.append(True)
+        warnings.warn(f'lapformer_mm: the CUDA kernels are not available ({reason}); the '
+                      'attention runs the slower PyTorch reference on CUDA tensors',
+                      RuntimeWarning, stacklevel=4)
+    return reason is None
 
 
 class DeviceLimits(NamedTuple):
@@ -515,12 +558,21 @@ def load_source(name=SOURCE, _seen=None):
     return _INCLUDE.sub(include, path.read_text())
 
 
+class CupyNotInstalled(ImportError):
+    """CuPy is not installed (as opposed to installed and failing to import)."""
+
+
 def import_cupy():
-    """``import cupy`` with an actionable error."""
+    """``import cupy``; the ImportError says how to install it where it is not installed
+    (:class:`CupyNotInstalled`), and carries the import's own error where it is installed but
+    does not import."""
     try:
         import cupy
-    except ImportError as exc:
-        raise ImportError(f'the CUDA backend needs CuPy: {INSTALL_HINT}') from exc
+    except Exception as exc:  # a broken install raises ImportError, OSError or RuntimeError
+        if isinstance(exc, ModuleNotFoundError) and exc.name == 'cupy':
+            raise CupyNotInstalled(f'CuPy is not installed: {INSTALL_HINT}') from exc
+        raise ImportError(f'CuPy is installed but does not import: {type(exc).__name__}: '
+                          f'{exc}') from exc
     return cupy
 
 

@@ -51,7 +51,6 @@ class device:
 torch.cuda.device = device
 cupy = FakeCupy(record=False)
 cupy.__version__ = 'fake'
-cupy.cuda.nvrtc = types.SimpleNamespace(getVersion=lambda: (12, 9))
 sys.modules['cupy'] = cupy
 '''
 

@@ -1,0 +1,129 @@
+"""Where the CUDA backend cannot run a call, and what the op does then (docs/cuda.md): with
+impl=None it warns once with the real reason and runs the reference, with impl='cupy' it
+raises that reason. No GPU: CuPy is made absent, broken or faked (devtools/fake_cupy.py), and
+the backend takes CPU tensors as the emulation's routing makes it
+(devtools/cuda_emulation.py).
+"""
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+from lapformer_mm.ops import attention, nystrom_attention, pool_landmarks
+from lapformer_mm.ops.backends import cuda
+from lapformer_mm.ops.reference import OpOptions
+
+
+def attention_inputs(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 48, 32, generator=gen, dtype=dtype) for _ in range(3))
+    return q, k, v, pool_landmarks(k, (6, 8), 7)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The backend's once-per-process checks undone; CPU tensors taken as CUDA ones (the
+    CPU backend left out, as it would be for them)."""
+    monkeypatch.setattr(cuda, '_AVAILABILITY', [])
+    monkeypatch.setattr(cuda, '_WARNED', [])
+    monkeypatch.setattr(cuda, 'DEVICE', 'cpu')
+    monkeypatch.delitem(attention.BACKENDS, 'cpu')
+    monkeypatch.delitem(sys.modules, 'cupy', raising=False)
+
+
+class CupyFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import cupy`` as on a machine where it is absent (error None) or installed and
+    raising ``error`` when imported."""
+
+    def __init__(self, error=None):
+        self.error = error
+
+    def find_spec(self, name, path=None, target=None):
+        if name != 'cupy':
+            return None
+        if self.error is None:
+            raise ModuleNotFoundError("No module named 'cupy'", name='cupy')
+        return importlib.machinery.ModuleSpec(name, self)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise self.error
+
+
+def cupy_as(monkeypatch, finder):
+    monkeypatch.setattr(sys, 'meta_path', [finder] + sys.meta_path)
+
+
+BROKEN = ImportError('CuPy failed to load libnvrtc.so.12: OSError: libnvrtc.so.12: cannot open '
+                     'shared object file: No such file or directory')
+
+
+def test_a_cupy_that_does_not_import_warns_once_with_its_error_and_runs_the_reference(
+        fresh, monkeypatch):
+    cupy_as(monkeypatch, CupyFinder(BROKEN))
+    q, k, v, landmarks = attention_inputs()
+    with pytest.warns(RuntimeWarning, match=r'CUDA kernels are not available \(CuPy is '
+                      r'installed but does not import: ImportError: CuPy failed to load '
+                      r'libnvrtc\.so\.12'):
+        out = nystrom_attention(q, k, v, landmarks)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        again = nystrom_attention(q, k, v, landmarks)
+    expected = nystrom_attention(q, k, v, landmarks, impl='reference')
+    assert torch.equal(out, expected) and torch.equal(again, expected)
+
+
+def test_impl_cupy_raises_the_import_error_and_does_not_advise_installing(fresh, monkeypatch):
+    cupy_as(monkeypatch, CupyFinder(BROKEN))
+    with pytest.raises(RuntimeError, match=r"impl='cupy' cannot run this call: it is not usable "
+                                           r'here \(CuPy is installed but does not import: '
+                                           r'ImportError: CuPy failed to load') as info, \
+            warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        nystrom_attention(*attention_inputs(), impl='cupy')
+    assert 'pip install' not in str(info.value)
+
+
+def test_a_cupy_that_imports_but_cannot_initialise_cuda_names_the_error(fresh, monkeypatch):
+    def insufficient():
+        raise RuntimeError('cudaErrorInsufficientDriver: CUDA driver version is insufficient '
+                           'for CUDA runtime version')
+    fake = types.SimpleNamespace(__version__='14.0.0', cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=insufficient)))
+    monkeypatch.setitem(sys.modules, 'cupy', fake)
+    with pytest.warns(RuntimeWarning, match=r'CuPy 14\.0\.0 is installed but cannot initialise '
+                                            r'CUDA and NVRTC: RuntimeError: cudaErrorInsufficient'):
+        assert not cuda.available()
+    assert 'pip install' not in cuda.unavailable_reason()
+
+
+@pytest.mark.parametrize('has_cuda', [False, True])
+def test_an_absent_cupy_warns_only_where_there_is_cuda_and_impl_cupy_says_how_to_install(
+        fresh, monkeypatch, has_cuda):
+    cupy_as(monkeypatch, CupyFinder())
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: has_cuda)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        assert not cuda.available()
+    assert [str(w.message) for w in caught] == ([
+        'lapformer_mm: the CUDA kernels are not available (CuPy is not installed: '
+        f'{cuda.INSTALL_HINT}); the attention runs the slower PyTorch reference on CUDA '
+        'tensors'] if has_cuda else [])
+    with pytest.raises(RuntimeError, match=r'it is not usable here \(CuPy is not installed: pip '
+                                           r'install cupy-cuda12x'), \
+            warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        nystrom_attention(*attention_inputs(), impl='cupy')
+
+
+def cuda_options(**overrides):
+    fields = dict(kernel='laplacian', lam=4.0, eps=0.01, iters=16, ns_init='identity',
+                  ns_refine=True, normalize='injective', whiten_eps=1e-5)
+    fields.update(overrides)
+    return OpOptions(**fields)
