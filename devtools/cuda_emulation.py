@@ -113,12 +113,15 @@ def emulated_limits(smem_optin=227 * 1024, sms=2, capability=(9, 0)):
 def route_cpu_tensors_to_cuda_backend(setattr_, limits=None):
     """Make the CUDA backend take CPU tensors (impl=None and impl='cupy' alike) on an
     emulated device (:func:`emulated_limits`), through ``setattr_``
-    (``monkeypatch.setattr`` in tests, ``setattr`` in scripts)."""
+    (``monkeypatch.setattr`` in tests, ``setattr`` in scripts). Its kernels are taken as
+    loaded when a call is checked: the emulation builds its own, and with a fake CuPy
+    (devtools/fake_cupy.py) the first launch compiles."""
     from lapformer_mm.ops.backends import cuda
     limits = emulated_limits() if limits is None else limits
     setattr_(cuda, 'DEVICE', 'cpu')
     setattr_(cuda, 'available', lambda: True)
     setattr_(cuda, 'device_limits', lambda device: limits)
+    setattr_(cuda, 'ensure_loaded', lambda *args: None)
 
 
 def emulate(folder, target_blocks=8):

@@ -91,6 +91,7 @@ def install(cl, setattr_, **kwargs):
     streams = FakeStreams()
     setattr_(cl, 'import_cupy', lambda: fake)
     setattr_(cl, '_groups', {})
+    setattr_(cl, '_failed', {})
     setattr_(cl, '_streams', {})
     setattr_(cl, 'raw_stream', streams)
     setattr_(cl, 'capturing', lambda device_index: False)

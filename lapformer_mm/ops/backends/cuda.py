@@ -328,7 +328,9 @@ def _device_reasons(limits):
 
 
 def not_supported(q, k, v, landmarks, opts):
-    """Why this backend cannot run these operands (empty: it can). Never raises."""
+    """Why this backend cannot run these operands (empty: it can). Never raises. Where the
+    operands fit, the kernels they need are compiled and loaded here (once; see
+    :func:`ensure_loaded`), so that a build that fails is a reason, not an error inside the op."""
     try:
         reasons = []
         if q.dtype not in ELEMENT_TYPES:
@@ -346,9 +348,13 @@ def not_supported(q, k, v, landmarks, opts):
         limits = device_limits(q.device)
         reasons += _device_reasons(limits)
         found = plan(landmarks.shape[2], v.shape[3], limits.smem_optin)
-        return tuple(reasons) + (() if isinstance(found, Plan) else found)
+        if reasons or not isinstance(found, Plan):
+            return tuple(reasons) + (() if isinstance(found, Plan) else found)
     except Exception as exc:  # a device that cannot even be queried
         return (f'the device could not be queried ({type(exc).__name__}: {exc})',)
+    failure = ensure_loaded(q.device.index, found.variant, ELEMENT_TYPES[q.dtype],
+                            limits.smem_optin)
+    return () if failure is None else (failure,)
 
 
 # -- The parameter struct --
@@ -585,6 +591,9 @@ def capturing(device_index):
 _lock = threading.Lock()
 # (device, variant name, element type) -> {kernel name: launch function}
 _groups = {}
+# (device, variant name, element type) -> the error of its failed compile or load: a build
+# that failed once (CuPy for another CUDA than the driver's, say) is not tried at every call.
+_failed = {}
 # Dynamic shared memory a kernel is opted into once, at load: all it may ever ask on the
 # device (so nothing changes later, inside a capture); the limit less this.
 _OPTIN_RESERVE = {'nys_forward_solve': NS_STATIC_SMEM, 'nys_backward_solve': 0,
@@ -617,6 +626,8 @@ def load_group(device_index, variant, element_type, smem_limit):
     with _lock:
         if key in _groups:
             return _groups[key]
+        if key in _failed:
+            raise CudaOpsError(_failed[key])
         if capturing(device_index):
             raise CaptureError(
                 f'the CUDA kernels of the attention ({variant.name}, {element_type}) are not '
@@ -627,9 +638,34 @@ def load_group(device_index, variant, element_type, smem_limit):
         try:
             _groups[key] = _compile(device_index, variant, element_type, smem_limit)
         except Exception as exc:  # CuPy raises CompileException and CUDADriverError
-            raise CudaOpsError(f'compiling {SOURCE} ({variant.name}, {element_type}) for '
-                               f'cuda:{device_index} failed: {exc}') from exc
+            _failed[key] = (f'compiling {SOURCE} ({variant.name}, {element_type}) for '
+                            f'cuda:{device_index} failed: {type(exc).__name__}: {exc}')
+            raise CudaOpsError(_failed[key]) from exc
     return _groups[key]
+
+
+def ensure_loaded(device_index, variant, element_type, smem_limit):
+    """None where the kernels of (device, variant, element type) are loaded, or load now;
+    else why they cannot be (the compile or load error, remembered: not retried). Inside a
+    CUDA-graph capture or a torch.compile trace nothing is loaded here: the launch loads,
+    and raises (:class:`CaptureError` in a capture)."""
+    if torch.compiler.is_compiling():
+        # First, so that a trace reads none of the mutable state below (no guard on it).
+        return None
+    key = (device_index, variant.name, element_type)
+    if key in _groups:
+        return None
+    if key in _failed:
+        return _failed[key]
+    if capturing(device_index):
+        return None
+    try:
+        load_group(device_index, variant, element_type, smem_limit)
+    except CudaOpsError as exc:
+        return str(exc)
+    except CaptureError:  # a capture begun on another thread meanwhile: the launch raises
+        return None
+    return None
 
 
 def raw_stream(device_index):

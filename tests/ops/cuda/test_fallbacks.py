@@ -13,6 +13,8 @@ import warnings
 import pytest
 import torch
 
+from devtools import fake_cupy
+from devtools.cuda_emulation import emulated_limits, route_cpu_tensors_to_cuda_backend
 from lapformer_mm.ops import attention, nystrom_attention, pool_landmarks
 from lapformer_mm.ops.backends import cuda
 from lapformer_mm.ops.reference import OpOptions
@@ -127,3 +129,62 @@ def cuda_options(**overrides):
                   ns_refine=True, normalize='injective', whiten_eps=1e-5)
     fields.update(overrides)
     return OpOptions(**fields)
+
+
+@pytest.fixture
+def failing_build(fresh, monkeypatch):
+    """CuPy faked, its compiles failing as NVRTC's do; the backend checks its kernels at
+    selection as on a GPU (the routing's stand-in for that check undone)."""
+    check = cuda.ensure_loaded
+    cupy, _ = fake_cupy.install(cuda, monkeypatch.setattr, fail_compile=True)
+    route_cpu_tensors_to_cuda_backend(monkeypatch.setattr, emulated_limits())
+    monkeypatch.setattr(cuda, 'ensure_loaded', check)
+    attention._warn_fallback.cache_clear()  # it warns once per process and reasons
+    yield cupy
+    attention._warn_fallback.cache_clear()
+
+
+def compiles(cupy):
+    return [e for e in cupy.events if e[0] == 'compile']
+
+
+def test_a_build_that_fails_warns_once_runs_the_reference_and_is_not_retried(failing_build):
+    q, k, v, landmarks = (t.requires_grad_() for t in attention_inputs())
+    with pytest.warns(RuntimeWarning, match=r"the 'cupy' attention backend does not support this "
+                      r'call \(compiling nystrom_attention\.cu \(dv32_tb32, float\) for '
+                      r'cuda:None failed: RuntimeError: error: identifier "oops" is undefined\)'):
+        out = nystrom_attention(q, k, v, landmarks)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        again = nystrom_attention(q, k, v, landmarks)
+    assert len(compiles(failing_build)) == 1
+    assert not [e for e in failing_build.events if e[0] == 'launch']
+    expected = nystrom_attention(q, k, v, landmarks, impl='reference')
+    assert torch.equal(out, expected) and torch.equal(again, expected)
+    grads = torch.autograd.grad(out.sum(), (q, k, v, landmarks))
+    for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v, landmarks))):
+        assert torch.equal(got, want)
+
+
+def test_impl_cupy_raises_the_build_error(failing_build):
+    with pytest.raises(RuntimeError, match=r"impl='cupy' cannot run this call: compiling "
+                                           r'nystrom_attention\.cu \(dv32_tb32, float\).*'
+                                           r'identifier "oops" is undefined'):
+        nystrom_attention(*attention_inputs(), impl='cupy')
+    # The launch path raises the remembered error without compiling again.
+    with pytest.raises(cuda.CudaOpsError, match='identifier "oops"'):
+        cuda.load_group(None, cuda.VARIANT_BY_NAME['dv32_tb32'], 'float', 1 << 16)
+    assert len(compiles(failing_build)) == 1
+
+
+def test_each_variant_and_element_type_is_tried_once(failing_build):
+    """A failure is remembered per (device, variant, element type): fp16 is tried too."""
+    with pytest.warns(RuntimeWarning, match=r'dv32_tb32, float\)'):
+        nystrom_attention(*attention_inputs())
+    with pytest.warns(RuntimeWarning, match=r'dv32_tb32, lap_half\)'):
+        nystrom_attention(*attention_inputs(torch.float16))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        nystrom_attention(*attention_inputs(torch.float16))
+    assert [e[1][0].split('<')[1].split(',')[0] for e in compiles(failing_build)] == [
+        'float', 'lap_half']

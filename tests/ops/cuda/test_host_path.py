@@ -207,6 +207,7 @@ def test_not_supported_names_the_reason(monkeypatch, limits, shapes, reason):
 def test_not_supported_never_raises(monkeypatch):
     def broken(device):
         raise RuntimeError('CUDA driver version is insufficient')
+    fake_cupy.install(cuda, monkeypatch.setattr)
     monkeypatch.setattr(cuda, 'device_limits', broken)
     q = torch.zeros(1, 1, 4, 4)
     reasons = cuda.not_supported(q, None, q, q, cuda_options())
