@@ -390,7 +390,13 @@ class _Call(NamedTuple):
 
 def _call(q, k, v, landmarks, opts, shapes):
     """The plan, kernel names, row slices and common parameters of one call; its launches
-    go to :func:`launch` with the device's opt-in limit and the shapes for an error."""
+    go to :func:`launch` with the device's opt-in limit and the shapes for an error.
+    Operands the kernels do not take raise their reasons (the registered op called with
+    impl='cupy' directly has not asked :func:`not_supported`)."""
+    reasons = not_supported(q, k, v, landmarks, opts)
+    if reasons:
+        raise RuntimeError(f"impl='cupy' cannot run this call: {'; '.join(reasons)}; use "
+                           "impl='reference' or None")
     batch, heads, n, d = q.shape
     limits = device_limits(q.device)
     found = plan(landmarks.shape[2], v.shape[3], limits.smem_optin)

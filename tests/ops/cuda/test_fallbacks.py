@@ -188,3 +188,30 @@ def test_each_variant_and_element_type_is_tried_once(failing_build):
         nystrom_attention(*attention_inputs(torch.float16))
     assert [e[1][0].split('<')[1].split(',')[0] for e in compiles(failing_build)] == [
         'float', 'lap_half']
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """CuPy faked and CPU tensors taken by the CUDA backend, as in test_host_path.py."""
+    fake_cupy.install(cuda, monkeypatch.setattr)
+    route_cpu_tensors_to_cuda_backend(monkeypatch.setattr, emulated_limits())
+
+
+@pytest.mark.parametrize('dtype, grid, reason', [
+    (torch.float64, 7, r'dtype torch\.float64; the CUDA kernels take torch\.float32'),
+    (torch.float32, 9, r'm = 81 landmarks; the CUDA kernels take 1 to 64'),
+])
+def test_the_registered_ops_called_with_impl_cupy_raise_the_reasons(routed, dtype, grid, reason):
+    gen = torch.Generator().manual_seed(1)
+    q, v = (torch.randn(1, 2, 81, 8, generator=gen, dtype=dtype) for _ in range(2))
+    landmarks = pool_landmarks(q, (9, 9), grid)
+    opts = tuple(cuda_options())
+    with pytest.raises(RuntimeError, match=r"impl='cupy' cannot run this call: " + reason):
+        attention.nystrom_attention_op(q, None, v, landmarks, *opts, 'cupy')
+    out, context, inverse, stats = attention.nystrom_attention_op(q, None, v, landmarks, *opts,
+                                                                  'reference')
+    grad = torch.ones_like(out)
+    with pytest.raises(RuntimeError, match=r"impl='cupy' cannot run this call: " + reason):
+        attention.nystrom_attention_backward_op(
+            grad, q, None, v, landmarks, context, inverse, stats, 'laplacian', 4.0, 0.01, True,
+            'injective', 1e-5, 'cupy')
