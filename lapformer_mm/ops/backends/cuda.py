@@ -507,11 +507,14 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
     return dq, q.new_empty(0) if dk is None else dk, dv_out, dl
 
 
-def warmup(device=None, dtypes=(torch.float32,), value_dims=None, m=MAX_M):
-    """Compile, load and opt in the kernels the op will pick on ``device`` (default: the
-    current one) for these dtypes and value widths (default: those of 32 and 64 the device
-    has kernels for), ahead of any CUDA-graph capture (a first use inside a capture raises
-    :class:`CaptureError`). Returns the variants loaded; a dtype, or a width given, that the
+def warmup(device=None, dtypes=(torch.float32,), value_dims=None, m=None):
+    """Compile, load and opt in, on ``device`` (default: the current one), every variant the
+    op can pick there for these dtypes, ahead of any CUDA-graph capture (a first use inside a
+    capture raises :class:`CaptureError`): the variants that calls of ``m`` landmarks
+    (default: any of 1 to MAX_M; on a small device the plan depends on m) and these value
+    widths select (default: 32 and 64, those of the variants' tiles: a narrower width picks
+    what its tile's width picks; widths without kernels on the device are left out).
+    Returns the (variant name, dtype) pairs loaded; a dtype, or a width given, that the
     kernels do not take is a ValueError (the op would run the reference)."""
     index = None if device is None else torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
@@ -520,17 +523,20 @@ def warmup(device=None, dtypes=(torch.float32,), value_dims=None, m=MAX_M):
             raise ValueError(f'dtypes: the CUDA kernels take '
                              f'{", ".join(map(str, ELEMENT_TYPES))}, got {dtype}')
     limits = device_limits(torch.device('cuda', index))
-    plans = {dv: plan(m, dv, limits.smem_optin) for dv in value_dims or (32, MAX_DV)}
-    if value_dims is None:
-        plans = {dv: found for dv, found in plans.items() if isinstance(found, Plan)}
-    loaded = []
-    for dv, found in plans.items():
-        if not isinstance(found, Plan):
+    landmarks = range(1, MAX_M + 1) if m is None else (m,)
+    variants = {}
+    for dv in value_dims or (32, MAX_DV):
+        plans = [plan(count, dv, limits.smem_optin) for count in landmarks]
+        picked = [found.variant for found in plans if isinstance(found, Plan)]
+        if not picked and value_dims is not None:
             raise ValueError(f'value_dims: no kernels for d_v = {dv} on device {index} '
-                             f'({"; ".join(found)})')
+                             f'({"; ".join(plans[-1])})')
+        variants.update((v.name, v) for v in picked)
+    loaded = []
+    for variant in variants.values():
         for dtype in dtypes:
-            load_group(index, found.variant, ELEMENT_TYPES[dtype], limits.smem_optin)
-            loaded.append((found.variant.name, dtype))
+            load_group(index, variant, ELEMENT_TYPES[dtype], limits.smem_optin)
+            loaded.append((variant.name, dtype))
     return loaded
 
 

@@ -224,10 +224,26 @@ def test_warmup_names_what_the_kernels_do_not_take(fake, monkeypatch):
                                          r'\(d_v = 96 value columns; the CUDA kernels take 1 '
                                          r'to 64\)'):
         cuda.warmup(torch.device('cuda', 0), value_dims=(96,))
-    # By default the widths the device has kernels for: a 48 KiB device (Pascal) has none,
-    # and the op runs the reference there; a width asked for is refused.
+    # A width asked for that no m can use on the device is refused.
     pascal = emulated_limits(smem_optin=48 * 1024, sms=2)
     monkeypatch.setattr(cuda, 'device_limits', lambda device: pascal)
-    assert cuda.warmup(torch.device('cuda', 0)) == []
-    with pytest.raises(ValueError, match='value_dims: no kernels for d_v = 32 on device 0'):
-        cuda.warmup(torch.device('cuda', 0), value_dims=(32, ))
+    with pytest.raises(ValueError, match=r'value_dims: no kernels for d_v = 64 on device 0 '
+                                         r'\(variant dv64_tb32: .*; variant dv64_tb16: the '
+                                         r'gradient kernel needs 56,064 bytes'):
+        cuda.warmup(torch.device('cuda', 0), value_dims=(64, ))
+
+
+@pytest.mark.parametrize('kib', [48, 64, 100, 227])
+def test_warmup_loads_every_variant_a_call_can_select_on_the_device(fake, monkeypatch, kib):
+    """What warmup() loads against the plans of every m and d_v the kernels take: on a
+    48 KiB device (Pascal) m <= 56 at d_v <= 32 runs dv32_tb16, the only variant there."""
+    limits = emulated_limits(smem_optin=kib * 1024, sms=2)
+    monkeypatch.setattr(cuda, 'device_limits', lambda device: limits)
+    selectable = {found.variant.name for m in range(1, cuda.MAX_M + 1)
+                  for dv in range(1, cuda.MAX_DV + 1)
+                  if isinstance(found := cuda.plan(m, dv, limits.smem_optin), cuda.Plan)}
+    dtypes = (torch.float32, torch.bfloat16)
+    loaded = cuda.warmup(torch.device('cuda', 0), dtypes=dtypes)
+    assert sorted(loaded, key=str) == sorted(((name, dtype) for name in selectable
+                                              for dtype in dtypes), key=str)
+    assert ('dv32_tb16' in selectable) == (kib == 48)
