@@ -14,6 +14,9 @@ iters, ns_init, ns_refine, normalize, whiten_eps. Compile, load and opt-in happe
 (device, variant, element type), never inside a CUDA-graph capture (:class:`CaptureError`).
 """
 import functools
+import hashlib
+import json
+import os
 import re
 import threading
 import warnings
@@ -603,6 +606,8 @@ def capturing(device_index):
 _lock = threading.Lock()
 # (device, variant name, element type) -> {kernel name: launch function}
 _groups = {}
+#: (device, variant name, element type) -> 'compiled' (by NVRTC) or 'cached' (CuPy's cache).
+loaded_from = {}
 # (device, variant name, element type) -> the error of its failed compile or load: a build
 # that failed once (CuPy for another CUDA than the driver's, say) is not tried at every call.
 _failed = {}
@@ -612,22 +617,93 @@ _OPTIN_RESERVE = {'nys_forward_solve': NS_STATIC_SMEM, 'nys_backward_solve': 0,
                   'nys_backward_grads': 0}
 
 
+def compile_options(variant, element_type):
+    """NVRTC options of the module of a variant's kernels for one element type: the tile
+    geometry, and a define naming the element type. CuPy's kernel cache keys a binary by
+    source and options, not by the kernels asked for, so without it the modules of one
+    variant's element types would overwrite each other there."""
+    return NVRTC_OPTIONS + variant.defines + (f'-DNYS_ELEMENT={element_type}',)
+
+
+def kernel_cache_dir():
+    """CuPy's on-disk kernel cache (``CUPY_CACHE_DIR``, else ``~/.cupy/kernel_cache``), where
+    the kernels' lowered names are kept beside the binaries CuPy keeps; None where
+    ``CUPY_CACHE_IN_MEMORY=1`` keeps no binary on disk."""
+    if os.environ.get('CUPY_CACHE_IN_MEMORY', '0').strip() == '1':
+        return None
+    return Path(os.environ.get('CUPY_CACHE_DIR') or Path.home() / '.cupy' / 'kernel_cache')
+
+
+def _names_file(cupy, code, options, names):
+    """Where the lowered names of a compile of ``code`` with ``options`` are kept (None: not
+    kept), keyed by everything the names and CuPy's binary depend on."""
+    try:
+        folder = kernel_cache_dir()
+        versions = [str(getattr(cupy, '__version__', '')), list(cupy.cuda.nvrtc.getVersion())]
+    except Exception:  # no home folder, no NVRTC version to key on: nothing kept
+        return None
+    if folder is None:
+        return None
+    key = hashlib.sha256(json.dumps([code, list(options), list(names), versions]).encode())
+    return folder / f'lapformer_mm_{key.hexdigest()[:40]}.json'
+
+
+def _load_compiled(cupy, code, options, names, names_file):
+    """{name: kernel} from CuPy's kernel cache by the lowered names an earlier compile kept,
+    or None. CuPy recompiles a module with name expressions every time (it needs NVRTC's
+    lowered names), 10-20 s per (variant, element type); a module of the same source and
+    options without them is the binary its cache holds, whose kernels the lowered names find."""
+    try:
+        lowered = json.loads(names_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(lowered, dict) or sorted(lowered) != sorted(names):
+        return None
+    module = cupy.RawModule(code=code, options=options, backend='nvrtc')
+    try:
+        return {name: module.get_function(lowered[name]) for name in names}
+    except Exception:  # CuPy's cache no longer holds that binary: compile
+        return None
+
+
+def _keep_names(names_file, module, names):
+    try:
+        lowered = {name: module.module.mapping[name] for name in names}
+        names_file.parent.mkdir(parents=True, exist_ok=True)
+        partial = names_file.with_name(f'{names_file.name}.{os.getpid()}.tmp')
+        partial.write_text(json.dumps(lowered))
+        os.replace(partial, names_file)
+    except Exception:  # a cache that cannot be written costs the next process a compile
+        pass
+
+
 def _compile(device_index, variant, element_type, smem_limit):
-    """One NVRTC compile and module load of every stage for an element type, opted in."""
+    """Every stage for an element type, loaded and opted in: from CuPy's kernel cache where
+    an earlier process compiled the same source and options, else one NVRTC compile.
+    Returns (group, 'cached' or 'compiled')."""
     cupy = import_cupy()
     names = kernel_names((element_type,))
+    code, options = load_source(), compile_options(variant, element_type)
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=load_source(), options=NVRTC_OPTIONS + variant.defines,
-                                name_expressions=names, backend='nvrtc')
+        names_file = _names_file(cupy, code, options, names)
+        functions = None if names_file is None else _load_compiled(cupy, code, options, names,
+                                                                   names_file)
+        how = 'cached'
+        if functions is None:
+            module = cupy.RawModule(code=code, options=options, name_expressions=names,
+                                    backend='nvrtc')
+            functions = {name: module.get_function(name) for name in names}
+            how = 'compiled'
+            if names_file is not None:
+                _keep_names(names_file, module, names)
         group = {}
-        for name in names:
-            function = module.get_function(name)
+        for name, function in functions.items():
             reserve = _OPTIN_RESERVE.get(name.split('<')[0])
             if reserve is not None and smem_limit - reserve > DEFAULT_SMEM:
                 function.max_dynamic_shared_size_bytes = smem_limit - reserve
             # RawKernel.kernel, the compiled Function, skips RawKernel's per-call device lookup.
             group[name] = getattr(function, 'kernel', function)
-    return group
+    return group, how
 
 
 def load_group(device_index, variant, element_type, smem_limit):
@@ -648,7 +724,8 @@ def load_group(device_index, variant, element_type, smem_limit):
                 'eagerly before capturing, or call lapformer_mm.ops.backends.cuda.warmup() '
                 '(torch.compile mode="reduce-overhead" warms up eagerly by itself).')
         try:
-            _groups[key] = _compile(device_index, variant, element_type, smem_limit)
+            _groups[key], loaded_from[key] = _compile(device_index, variant, element_type,
+                                                      smem_limit)
         except Exception as exc:  # CuPy raises CompileException and CUDADriverError
             _failed[key] = (f'compiling {SOURCE} ({variant.name}, {element_type}) for '
                             f'cuda:{device_index} failed: {type(exc).__name__}: {exc}')

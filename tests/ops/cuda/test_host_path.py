@@ -52,7 +52,8 @@ def test_one_compile_per_variant_and_element_type_with_its_geometry(fake):
     compiles = [e for e in cupy.events if e[0] == 'compile']
     assert len(compiles) == 1 and all('<float' in name for name in compiles[0][1])
     variant = cuda.VARIANT_BY_NAME['dv32_tb32']
-    assert compiles[0][2] == cuda.NVRTC_OPTIONS + variant.defines and compiles[0][3] == 'nvrtc'
+    assert compiles[0][2] == cuda.NVRTC_OPTIONS + variant.defines + ('-DNYS_ELEMENT=float',)
+    assert compiles[0][3] == 'nvrtc'
     assert [e[1].split('<')[0] for e in launches(cupy)] == list(cuda.FORWARD) * 3
     # One argument per launch: the parameter struct, a numpy array of size one.
     assert all(len(e[4]) == 1 and e[4][0].dtype == cuda.PARAMS_DTYPE and e[4][0].size == 1
@@ -247,3 +248,56 @@ def test_warmup_loads_every_variant_a_call_can_select_on_the_device(fake, monkey
     assert sorted(loaded, key=str) == sorted(((name, dtype) for name in selectable
                                               for dtype in dtypes), key=str)
     assert ('dv32_tb16' in selectable) == (kib == 48)
+
+
+def test_a_later_process_loads_the_kernels_from_cupys_cache_by_the_names_kept(monkeypatch,
+                                                                              tmp_path):
+    """CuPy compiles a module with name expressions in every process; the backend keeps the
+    lowered names beside CuPy's cache, so a second process (a second fake over the same
+    disk cache) loads the binary and launches the same kernels without compiling."""
+    disk, q, k, v, landmarks = {}, *attention_inputs()
+
+    def process():
+        cupy, _ = fake_cupy.install(cuda, monkeypatch.setattr, disk=disk, cache_dir=tmp_path)
+        route_cpu_tensors_to_cuda_backend(monkeypatch.setattr, H200)
+        nystrom_attention(q, k, v, landmarks)
+        return cupy, [e[0] for e in cupy.events if e[0] in ('compile', 'load')]
+
+    first, loads = process()
+    assert loads == ['compile'] and list(cuda.loaded_from.values()) == ['compiled']
+    second, loads = process()
+    assert loads == ['load'] and list(cuda.loaded_from.values()) == ['cached']
+    assert [e[1] for e in launches(second)] == [e[1] for e in launches(first)]
+    assert [e[1].split('<')[0] for e in launches(second)] == list(cuda.FORWARD)
+    # Another element type of the same variant is another binary in CuPy's cache: both stay.
+    q, k, v, landmarks = (t.half() for t in (q, k, v, landmarks))
+    assert process()[1] == ['compile']
+    q, k, v, landmarks = (t.float() for t in (q, k, v, landmarks))
+    assert process()[1] == ['load']
+
+
+def test_a_stale_or_broken_names_file_means_a_compile(monkeypatch, tmp_path):
+    """The binary gone from CuPy's cache, the names file unreadable, or the source changed:
+    the backend compiles (and keeps the names again), never launches a wrong kernel; for a
+    changed source it compiles once, with no attempt at the old names first."""
+    q, k, v, landmarks = attention_inputs()
+
+    def process(disk):
+        cupy, _ = fake_cupy.install(cuda, monkeypatch.setattr, disk=disk, cache_dir=tmp_path)
+        route_cpu_tensors_to_cuda_backend(monkeypatch.setattr, H200)
+        nystrom_attention(q, k, v, landmarks)
+        assert [e[1].split('<')[0] for e in launches(cupy)] == list(cuda.FORWARD)
+        compiles = len([e for e in cupy.events if e[0] == 'compile'])
+        return cuda.loaded_from.popitem()[1], compiles
+
+    disk = {}
+    assert process(disk) == ('compiled', 1) and process(disk) == ('cached', 0)
+    assert process({}) == ('compiled', 2)  # CuPy's cache emptied, the names file left
+    (names_file,) = tmp_path.glob('lapformer_mm_*.json')
+    disk = {}
+    process(disk)
+    names_file.write_text('{"truncated')
+    assert process(disk) == ('compiled', 1) and process(disk) == ('cached', 0)
+    source = cuda.load_source() + '\n// changed\n'
+    monkeypatch.setattr(cuda, 'load_source', lambda: source)
+    assert process(disk) == ('compiled', 1)
