@@ -1,7 +1,9 @@
 """The fused attention op on a GPU: values, gradients, determinism, streams, CUDA graphs.
 
 Marked ``gpu``: skipped without CUDA and CuPy (tests/conftest.py); tools/gpu_check.sh runs
-it. Imports no OpenMMLab package except through the backbone test, which needs mmengine.
+it. The tests of the attention module and the backbone import lapformer_mm.models, which
+needs mmengine: without it they skip with that reason (the script reports such skips apart
+from the others, which fail it); the others import no OpenMMLab package.
 The same kernels run on the CPU through the emulation in tests/ops/cuda/test_fused_emulation.py.
 Every value test asserts which kernels ran (the ``ran`` fixture counts launches), so a
 silent fall-back to the reference cannot pass it.
@@ -169,7 +171,11 @@ def test_inputs_written_late_on_a_side_stream_are_seen():
     assert torch.equal(out, expected)
 
 
+MMENGINE = 'needs mmengine: lapformer_mm.models imports it (tools/gpu_check.sh: bring it)'
+
+
 def _module(qk_shared=True):
+    pytest.importorskip('mmengine', reason=MMENGINE)
     from lapformer_mm.models.attention import LaplacianAttention
     torch.manual_seed(0)
     return LaplacianAttention(64, 2, qk_shared=qk_shared, impl='cupy').cuda()
@@ -276,7 +282,7 @@ def test_gpu_kernels_per_attention_forward():
 
 
 def test_torch_compile_reduce_overhead_backbone_runs():
-    pytest.importorskip('mmengine')
+    pytest.importorskip('mmengine', reason=MMENGINE)
     from lapformer_mm.models.backbone import LaplacianFormer
     torch.manual_seed(0)
     model = LaplacianFormer(arch='tiny', drop_path_rate=0.0, attn_cfg=dict(impl='cupy'))

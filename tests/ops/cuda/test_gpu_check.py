@@ -1,14 +1,18 @@
-"""tools/gpu_check.sh run on the CPU: the steps that need no GPU run on a stub device, and
-every Python snippet of the script compiles and finds what it imports of lapformer_mm.
+"""tools/gpu_check.sh run on the CPU: the steps that need no GPU run on a stub device (env,
+compile, and the SKIP of a step whose tool or package is missing), and every Python snippet
+of the script compiles and finds what it imports of lapformer_mm.
 
 The stub (written by :func:`stub_gpu`, loaded as ``sitecustomize`` by every Python process the
 script starts) makes torch report one CUDA device with an H100's limits and stands
-devtools/fake_cupy.py in for CuPy, so the script's own Python runs as it would there.
+devtools/fake_cupy.py in for CuPy, with CuPy's kernel cache a folder shared by the processes,
+so the script's own Python runs as it would there.
 """
 import ast
 import importlib
+import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +23,9 @@ from _shared import ROOT
 SCRIPT = Path(ROOT) / 'tools' / 'gpu_check.sh'
 
 STUB = '''
+import hashlib
+import json
+import os
 import sys
 import types
 
@@ -49,7 +56,31 @@ class device:
 
 
 torch.cuda.device = device
-cupy = FakeCupy(record=False)
+
+
+class Disk:
+    """CuPy's kernel cache as the fake's {(code, options): binary}, one file per entry."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def path(self, key):
+        return os.path.join(self.folder, hashlib.sha256(repr(key).encode()).hexdigest())
+
+    def __contains__(self, key):
+        return os.path.exists(self.path(key))
+
+    def __getitem__(self, key):
+        with open(self.path(key)) as f:
+            return json.load(f)
+
+    def __setitem__(self, key, value):
+        os.makedirs(self.folder, exist_ok=True)
+        with open(self.path(key), 'w') as f:
+            json.dump(value, f)
+
+
+cupy = FakeCupy(record=False, disk=Disk(os.environ['CUPY_CACHE_DIR']))
 cupy.__version__ = 'fake'
 sys.modules['cupy'] = cupy
 '''
@@ -65,7 +96,7 @@ def stub_gpu(tmp_path):
 
 def run_script(stub, out, steps):
     env = dict(os.environ, OUT=str(out), STEPS=steps, PYTHON=sys.executable,
-               PYTHONPATH=str(stub))
+               PYTHONPATH=str(stub), CUPY_CACHE_DIR=str(out.parent / 'kernel_cache'))
     return subprocess.run(['bash', str(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -83,6 +114,39 @@ def test_the_env_step_passes_on_a_stub_gpu(stub_gpu, tmp_path):
     assert 'gpu NVIDIA H100 80GB HBM3 cc 9.0 sms 132 smem optin 232448' in env
     assert 'import without OpenMMLab packages' in env
     assert "plan m=49 dv=32: Plan(variant=Variant(name='dv32_tb32'" in env, env
+
+
+def test_the_compile_step_leaves_every_pair_for_later_processes(stub_gpu, tmp_path):
+    """benchmarks/cuda_compile.py in the script: 4 variants x 3 dtypes compiled by parallel
+    workers, then every one loaded from the (stub's) kernel cache by this process."""
+    out = tmp_path / 'out'
+    proc = run_script(stub_gpu, out, 'compile')
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r'^PASS: compile \(\d+s\)$', summary(out), re.M), summary(out)
+    log = (out / 'env.txt').read_text()
+    pairs = [(v, d) for v in ('dv32_tb32', 'dv32_tb16', 'dv64_tb32', 'dv64_tb16')
+             for d in ('fp32', 'fp16', 'bf16')]
+    for variant, dtype in pairs:
+        assert re.search(rf'^{variant} {dtype}: compiled in ', log, re.M), log
+        assert re.search(rf'^{variant} {dtype}, loaded again: cached in ', log, re.M), log
+    assert len(list((tmp_path / 'kernel_cache').glob('lapformer_mm_*.json'))) == len(pairs)
+
+
+def missing(module):
+    return importlib.util.find_spec(module) is None
+
+
+@pytest.mark.skipif(shutil.which('compute-sanitizer') or shutil.which('ncu')
+                    or not (missing('mmengine') or missing('timm')),
+                    reason='a tool or the packages are there: the steps would run')
+def test_steps_whose_tool_or_package_is_missing_are_skips_not_failures(stub_gpu, tmp_path):
+    out = tmp_path / 'out'
+    proc = run_script(stub_gpu, out, 'sanitizer ncu backbones')
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary(out).splitlines() == [
+        'SKIP: sanitizer (no compute-sanitizer)', 'SKIP: ncu (no ncu)',
+        'SKIP: backbones (needs mmengine and timm)',
+        'gpu_check: PASS (steps: sanitizer ncu backbones; skipped: sanitizer ncu backbones)']
 
 
 def heredocs(text):
