@@ -49,6 +49,7 @@ inline void __syncthreads() { swapcontext(emu_running, &emu_scheduler); }
 inline dim3 blockDim;
 inline dim3 gridDim;
 inline unsigned char* emu_dynamic_shared = nullptr;
+inline std::size_t emu_dynamic_shared_bytes = 0;
 inline bool emu_dynamic_shared_overrun = false;
 
 #define __global__
@@ -92,18 +93,28 @@ inline unsigned int lap_host_float_to_bits(float f) {
 // whose layout needs more than the host asked for overwrites them.
 constexpr std::size_t emu_canary_bytes = 256;
 constexpr unsigned char emu_canary = 0xA5;
+// What a block finds in its dynamic shared memory: all-ones bytes, a NaN as float and as
+// double, so that a read before the block's own write spreads NaN into the results
+// (a small finite value could vanish in them).
+constexpr unsigned char emu_poison = 0xFF;
+
+inline void emu_poison_dynamic_shared() {
+    std::memset(emu_dynamic_shared, emu_poison, emu_dynamic_shared_bytes);
+}
 
 template <typename Body>
 void emu_run_blocks(dim3 grid, dim3 block, Body body);
 
 // Runs `body` (the kernel call) for every thread of every block, one block after another,
-// with `dynamic_shared` bytes of dynamic shared memory followed by a canary.
+// with `dynamic_shared` bytes of dynamic shared memory, poisoned, followed by a canary.
 template <typename Body>
 void emu_launch(dim3 grid, dim3 block, std::size_t dynamic_shared, Body body) {
     gridDim = grid;
     blockDim = block;
     std::vector<unsigned char> shared(dynamic_shared + emu_canary_bytes, emu_canary);
     emu_dynamic_shared = shared.data();
+    emu_dynamic_shared_bytes = dynamic_shared;
+    emu_poison_dynamic_shared();
     emu_run_blocks(grid, block, body);
     emu_dynamic_shared_overrun = std::any_of(shared.begin() + dynamic_shared, shared.end(),
                                              [](unsigned char b) { return b != emu_canary; });
@@ -116,7 +127,8 @@ inline dim3 emu_thread_index(unsigned t, dim3 block) {
 #ifdef EMU_THREADS
 // One std::thread per thread of a block, started once per launch: each runs its thread of
 // every block in turn, and a barrier closes each block, so no thread starts the next block
-// (whose `static` shared memory is the same) before the whole block has finished.
+// (whose `static` shared memory is the same) before the whole block has finished. Dynamic
+// shared memory is poisoned once per launch here (this build looks for races).
 template <typename Body>
 void emu_run_blocks(dim3 grid, dim3 block, Body body) {
     const unsigned nthreads = block.x * block.y * block.z;
@@ -161,9 +173,11 @@ struct emu_fiber_start {
     }
 };
 
-// The fibers of one block start at the kernel's entry; the scheduler resumes each fiber
-// that has not finished once per barrier phase until all have (a thread that returns
-// early no longer takes part in the block's barriers, as on the GPU since Volta).
+// The fibers of one block start at the kernel's entry, on dynamic shared memory poisoned
+// again (what an earlier block left there is no more defined on the GPU); the scheduler
+// resumes each fiber that has not finished once per barrier phase until all have (a
+// thread that returns early no longer takes part in the block's barriers, as on the GPU
+// since Volta).
 template <typename Body>
 void emu_run_blocks(dim3 grid, dim3 block, Body body) {
     const unsigned nthreads = block.x * block.y * block.z;
@@ -182,6 +196,7 @@ void emu_run_blocks(dim3 grid, dim3 block, Body body) {
         for (unsigned by = 0; by < grid.y; ++by)
             for (unsigned bx = 0; bx < grid.x; ++bx) {
                 blockIdx = dim3(bx, by, bz);
+                emu_poison_dynamic_shared();
                 for (auto& f : fibers) {
                     getcontext(&f.context);
                     f.context.uc_stack.ss_sp = f.mapping + emu_guard_bytes;
