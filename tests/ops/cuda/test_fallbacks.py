@@ -69,16 +69,22 @@ BROKEN = ImportError('CuPy failed to load libnvrtc.so.12: OSError: libnvrtc.so.1
 def test_a_cupy_that_does_not_import_warns_once_with_its_error_and_runs_the_reference(
         fresh, monkeypatch):
     cupy_as(monkeypatch, CupyFinder(BROKEN))
-    q, k, v, landmarks = attention_inputs()
-    with pytest.warns(RuntimeWarning, match=r'CUDA kernels are not available \(CuPy is '
-                      r'installed but does not import: ImportError: CuPy failed to load '
-                      r'libnvrtc\.so\.12'):
+    warns_once_and_runs_the_reference(
+        r'CUDA kernels are not available \(CuPy is installed but does not import: '
+        r'ImportError: CuPy failed to load libnvrtc\.so\.12', *attention_inputs())
+
+
+def warns_once_and_runs_the_reference(match, q, k, v, landmarks):
+    """The op's output on its first call (which warns, matching ``match``) and its second
+    (which does not), each the reference's; returns (first output, the reference's)."""
+    with pytest.warns(RuntimeWarning, match=match):
         out = nystrom_attention(q, k, v, landmarks)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         again = nystrom_attention(q, k, v, landmarks)
     expected = nystrom_attention(q, k, v, landmarks, impl='reference')
     assert torch.equal(out, expected) and torch.equal(again, expected)
+    return out, expected
 
 
 def test_impl_cupy_raises_the_import_error_and_does_not_advise_installing(fresh, monkeypatch):
@@ -150,17 +156,12 @@ def compiles(cupy):
 
 def test_a_build_that_fails_warns_once_runs_the_reference_and_is_not_retried(failing_build):
     q, k, v, landmarks = (t.requires_grad_() for t in attention_inputs())
-    with pytest.warns(RuntimeWarning, match=r"the 'cupy' attention backend does not support this "
-                      r'call \(compiling nystrom_attention\.cu \(dv32_tb32, float\) for '
-                      r'cuda:None failed: RuntimeError: error: identifier "oops" is undefined\)'):
-        out = nystrom_attention(q, k, v, landmarks)
-    with warnings.catch_warnings():
-        warnings.simplefilter('error')
-        again = nystrom_attention(q, k, v, landmarks)
+    out, expected = warns_once_and_runs_the_reference(
+        r"the 'cupy' attention backend does not support this call \(compiling "
+        r'nystrom_attention\.cu \(dv32_tb32, float\) for cuda:None failed: RuntimeError: '
+        r'error: identifier "oops" is undefined\)', q, k, v, landmarks)
     assert len(compiles(failing_build)) == 1
     assert not [e for e in failing_build.events if e[0] == 'launch']
-    expected = nystrom_attention(q, k, v, landmarks, impl='reference')
-    assert torch.equal(out, expected) and torch.equal(again, expected)
     grads = torch.autograd.grad(out.sum(), (q, k, v, landmarks))
     for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v, landmarks))):
         assert torch.equal(got, want)
