@@ -22,7 +22,8 @@ import torch
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from .backbone import NUM_STAGES, LaplacianFormer, resolve_arch
+from .backbone import NUM_STAGES, LaplacianFormer, init_cfg_entries, resolve_arch
+from .pretrained import is_pretrained_cfg
 
 BACKBONE_TYPE = 'LaplacianFormer'
 
@@ -146,14 +147,20 @@ def _check_backbone_args(backbone_cfg: Mapping) -> None:
 CNN_ZOO_SCHEMES = ('open-mmlab://', 'torchvision://', 'open-mmlab-cpu://')
 
 
+# mmseg's segmentors, which hand their ``pretrained`` to the backbone (mmpretrain's
+# ImageClassifier loads its own into the whole classifier instead).
+SEGMENTOR_TYPES = ('EncoderDecoder', 'CascadeEncoderDecoder')
+
+
 def _check_segmentor_pretrained(model_cfg: Mapping, backbone: Mapping) -> None:
     """mmseg hands a segmentor's ``pretrained`` to its backbone: from a ResNet ``_base_``
     config it is a CNN checkpoint, beside (or instead of) the LaplacianFormer one."""
     pretrained = model_cfg.get('pretrained')
-    if not pretrained:
+    if not pretrained or str(model_cfg.get('type', '')).split('.')[-1] not in SEGMENTOR_TYPES:
         return
     zoo = isinstance(pretrained, str) and pretrained.startswith(CNN_ZOO_SCHEMES)
-    if backbone.get('init_cfg') is not None or backbone.get('pretrained'):
+    if backbone.get('pretrained') or any(
+            is_pretrained_cfg(e) for e in init_cfg_entries(backbone.get('init_cfg'))):
         raise ModelConfigError(
             f'model.pretrained={pretrained!r} and model.backbone both name a checkpoint '
             '(mmseg hands model.pretrained to the backbone; mmseg\'s ResNet _base_ configs set '

@@ -225,13 +225,19 @@ def test_a_segmentor_pretrained_from_mmseg_resnet_bases_is_named(tmp_path):
         "model.pretrained='open-mmlab://resnet50_v1c' and model.backbone both name a "
         "checkpoint (mmseg hands model.pretrained to the backbone; mmseg's ResNet _base_ "
         "configs set it): set model.pretrained=None, as mmseg's transformer configs do")
-    model.backbone.init_cfg = None
-    with pytest.raises(ModelConfigError, match=r"^model.pretrained='open-mmlab://resnet50_v1c' "
-                                               r"is a CNN of mmcv's model zoo, kept from the "
-                                               r"_base_ config, .*set model.pretrained=None"):
-        check_model_cfg(model)
+    for init_cfg in (None, dict(type='TruncNormal', layer='Linear', std=0.02)):
+        model.backbone.init_cfg = init_cfg
+        with pytest.raises(ModelConfigError, match=r"^model.pretrained='open-mmlab://"
+                                                   r"resnet50_v1c' is a CNN of mmcv's model zoo, "
+                                                   r"kept from the _base_ config, .*set "
+                                                   r"model.pretrained=None"):
+            check_model_cfg(model)
     model.pretrained = None
     check_model_cfg(model)
     # A segmentor's own LaplacianFormer checkpoint (mmseg's older spelling) stays allowed.
     model.pretrained = 'lapformer_t_in1k.pth'
     check_model_cfg(model)
+    # mmpretrain's classifier loads its pretrained into itself, not into the backbone.
+    classifier = Config.fromfile(osp.join(CONFIG_DIR, 'cls', 'lapformer_t_in1k.py')).model
+    classifier.pretrained = 'epoch_300.pth'
+    check_model_cfg(classifier)
