@@ -240,4 +240,5 @@ def test_a_segmentor_pretrained_from_mmseg_resnet_bases_is_named(tmp_path):
     # mmpretrain's classifier loads its pretrained into itself, not into the backbone.
     classifier = Config.fromfile(osp.join(CONFIG_DIR, 'cls', 'lapformer_t_in1k.py')).model
     classifier.pretrained = 'epoch_300.pth'
+    classifier.backbone.init_cfg = dict(type='Pretrained', checkpoint='lapformer_t_in1k.pth')
     check_model_cfg(classifier)
