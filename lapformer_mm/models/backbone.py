@@ -401,7 +401,8 @@ class LaplacianFormer(BaseModule):
                              f'({", ".join(name for name, _ in pretrained)}): the backbone '
                              f'loads one checkpoint; keep one, got {init_cfg!r}')
         for name, entry in pretrained:
-            unknown = sorted(set(entry) - set(PRETRAINED_KEYS))
+            # mmengine leaves _delete_ in a dict whose _base_ had nothing there to replace.
+            unknown = sorted(set(entry) - set(PRETRAINED_KEYS) - {'_delete_'})
             if unknown:
                 raise ValueError(f'{name}={entry!r}: unknown key(s) '
                                  f'{", ".join(map(repr, unknown))} in a Pretrained entry; '

@@ -305,6 +305,16 @@ def test_init_cfg_a_backbone_cannot_honour_fails_at_construction(kwargs, message
     assert str(info.value) == message
 
 
+def test_a_pretrained_entry_with_the_delete_key_mmengine_leaves_loads(source, tmp_path):
+    """A child config's init_cfg=dict(_delete_=True, ...) over a _base_ backbone without an
+    init_cfg keeps _delete_ (mmengine removes it only where it replaced something)."""
+    path = write_checkpoint('plain', source.state_dict(), tmp_path / 'plain.pth')
+    target = small_model(out_indices=(3, ), init_cfg=dict(_delete_=True, type='Pretrained',
+                                                          checkpoint=path))
+    target.init_weights()
+    assert_same_weights(target, source.state_dict())
+
+
 def test_pretrained_map_location_is_honoured(source, tmp_path):
     """mmengine's Pretrained takes map_location; init_weights hands it to torch.load."""
     path = write_checkpoint('plain', source.state_dict(), tmp_path / 'plain.pth')
