@@ -24,6 +24,7 @@ imported only by the functions that need them.
 import contextlib
 import copy
 import os
+import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -248,11 +249,10 @@ def _export_form(child: nn.Module) -> Optional[nn.Module]:
     """The export form of a module the exporters cannot trace for any size, or None."""
     if isinstance(child, nn.AdaptiveAvgPool2d):
         return AdaptiveAvgPool2dExport(child.output_size)
-    try:
-        from mmseg.models.utils import Upsample
-    except ImportError:
-        return None
-    if isinstance(child, Upsample) and not child.size and child.scale_factor:
+    # A model holding mmseg's Upsample has imported mmseg; others must not import it here.
+    Upsample = getattr(sys.modules.get('mmseg.models.utils'), 'Upsample', None)
+    if Upsample is not None and isinstance(child, Upsample) and not child.size and \
+            child.scale_factor:
         factors = child.scale_factor if isinstance(child.scale_factor, tuple) else (
             child.scale_factor, )
         if all(float(f).is_integer() for f in factors):

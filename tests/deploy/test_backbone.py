@@ -13,6 +13,7 @@ import torch
 from _deploy_helpers import (
     FACTOR,
     FLOOR,
+    TINY_ARCH,
     assert_as_close_as_fp32,
     fp64_tensors,
     frozen_reshapes,
@@ -358,3 +359,18 @@ def test_toy_image_input_is_a_normalised_toy_scene():
     assert torch.allclose(x[1].double(), expect, atol=1e-6)
     with pytest.raises(ValueError, match='shape must be'):
         deploy.toy_image_input((0, 5), 1)
+
+
+def test_preparing_a_model_without_mmseg_parts_imports_no_codebase():
+    """prepare_for_export looks for mmseg's Upsample only where mmseg is already imported: an
+    mmdet export must not import (and register) mmseg, nor fail with an mmseg that does not
+    import beside this mmcv."""
+    import subprocess
+    import sys
+    code = ('import sys; from lapformer_mm import deploy; '
+            'from lapformer_mm.models import LaplacianFormer; '
+            f'deploy.prepare_for_export(LaplacianFormer({TINY_ARCH!r})); '
+            "print(sorted(m for m in ('mmseg', 'mmdet', 'mmpretrain') if m in sys.modules))")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip().splitlines()[-1] == '[]'
