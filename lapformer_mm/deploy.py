@@ -301,17 +301,16 @@ def smooth_input(shape, batch, seed=0, dtype=torch.float32, cells=(6, 8)):
     Gaussian noise on a coarse ``cells`` grid, bilinearly upsampled and scaled to unit
     standard deviation per channel, as normalised photographs roughly are. White noise
     (:func:`example_input`) is no image: on it LaplacianFormer itself is ill-conditioned
-    at large sizes (docs/deploy.md), so accuracy is measured on these. At least two pixels
-    and (2, 2) cells: a single value, or one row or column of cells upsampled to an image
-    one pixel across, has no spread to scale.
+    at large sizes (docs/deploy.md), so accuracy is measured on these. The field must vary
+    along H or W, with more than one pixel and more than one cell there: else it is
+    constant, with no spread to scale.
     """
     shape, batch = _check_shape(shape), _check_batch(batch)
     cells = _check_shape(cells, 'cells')
-    if shape[0] * shape[1] < 2:
-        raise ValueError(f'shape must hold at least two pixels (one has no standard '
-                         f'deviation), got {shape!r}')
-    if min(cells) < 2:
-        raise ValueError(f'cells must be at least (2, 2), got {cells!r}')
+    if all(min(size, n) < 2 for size, n in zip(shape, cells)):
+        raise ValueError(f'shape {shape!r} with cells {cells!r} is a constant field (no '
+                         'spread to scale): give more than one pixel and more than one cell '
+                         'along H or W')
     gen = torch.Generator().manual_seed(seed)
     coarse = torch.randn(batch, 3, *cells, generator=gen, dtype=torch.float64)
     field = torch.nn.functional.interpolate(coarse, size=shape, mode='bilinear',

@@ -308,19 +308,20 @@ def test_size_helpers_name_a_shape_that_is_no_pair_of_positive_ints(backbone):
     assert deploy.verify_sizes([224, 300], 193) == [(224, 300), (193, 337), (269, 236)]
 
 
-def test_smooth_input_has_unit_spread_from_two_pixels_on():
-    """One pixel has no standard deviation, nor has a field from one row or column of cells
-    across an image one pixel wide: refused, not NaN."""
-    for shape in ((1, 2), (2, 1), (3, 5)):
-        x = deploy.smooth_input(shape, 2, cells=(2, 2))
+def test_smooth_input_has_unit_spread_wherever_the_field_varies():
+    """A field varies along a direction with more than one pixel and one cell; with none,
+    it is constant (one pixel; one row of cells on an image one pixel across): refused,
+    not NaN."""
+    for shape, cells in (((1, 2), (2, 2)), ((2, 1), (2, 2)), ((3, 5), (2, 2)),
+                         ((224, 224), (1, 8)), ((5, 1), (2, 1))):
+        x = deploy.smooth_input(shape, 2, cells=cells)
         assert x.shape == (2, 3, *shape)
         assert torch.allclose(x.double().std((2, 3)), torch.ones(2, 3).double(), atol=1e-6)
-    with pytest.raises(ValueError, match=whole(
-            'shape must hold at least two pixels (one has no standard deviation), got (1, 1)')):
-        deploy.smooth_input((1, 1), 1)
-    for cells in ((1, 8), (6, 1)):
-        with pytest.raises(ValueError, match=whole(f'cells must be at least (2, 2), got {cells}')):
-            deploy.smooth_input((5, 5), 1, cells=cells)
+    for shape, cells in (((1, 1), (6, 8)), ((5, 1), (1, 8)), ((1, 7), (6, 1))):
+        with pytest.raises(ValueError, match=whole(
+                f'shape {shape} with cells {cells} is a constant field (no spread to scale): '
+                'give more than one pixel and more than one cell along H or W')):
+            deploy.smooth_input(shape, 1, cells=cells)
     with pytest.raises(ValueError, match=whole(
             'cells must be (H, W), two positive ints, got (0, 5)')):
         deploy.smooth_input((5, 5), 1, cells=(0, 5))
