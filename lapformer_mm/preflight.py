@@ -249,6 +249,15 @@ def checkpoint_problems(cfg: Mapping) -> List[Problem]:
     return [Problem(item, reason, 'checkpoint')] if reason else []
 
 
+def check_checkpoint_argument(path: str) -> None:
+    """Raise :class:`InputCheckError` when a checkpoint given on a tool's command line is a
+    local path that cannot be read (missing, a folder, empty)."""
+    if not is_remote(path):
+        reason = path_problem(Input('checkpoint', path, 'checkpoint', False))
+        if reason:
+            raise InputCheckError(f'checkpoint {path!r} {reason}')
+
+
 def load_from_problems(cfg: Mapping) -> List[Problem]:
     """A ``load_from`` checkpoint (test, fine-tune, ``--resume PATH``) that is not there."""
     load_from = cfg.get('load_from')

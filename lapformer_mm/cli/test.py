@@ -31,7 +31,7 @@ from lapformer_mm.cli.train import (
     setup_cpu_distributed,
 )
 from lapformer_mm.models.validation import ConfigError
-from lapformer_mm.preflight import is_remote
+from lapformer_mm.preflight import check_checkpoint_argument
 
 
 def parse_args(argv=None):
@@ -133,10 +133,7 @@ def apply_tta(cfg):
 def build_cfg(args):
     """The test config with the command line applied."""
     cfg = load_cfg(args)
-    # An empty file is named by the input check of load_from, with the config's other inputs.
-    if not is_remote(args.checkpoint) and not osp.isfile(args.checkpoint):
-        what = 'is a folder, not a file' if osp.isdir(args.checkpoint) else 'does not exist'
-        raise FileNotFoundError(f'checkpoint {args.checkpoint!r} {what}')
+    check_checkpoint_argument(args.checkpoint)
     cfg.load_from = args.checkpoint
     cfg.resume = False
     if args.tta:

@@ -31,7 +31,7 @@ from mmengine.registry import init_default_scope
 import lapformer_mm  # noqa: F401  (registers LaplacianFormer)
 from lapformer_mm.cli.train import checked_cfg
 from lapformer_mm.models import check_model_cfg
-from lapformer_mm.preflight import Input, InputCheckError, is_remote, path_problem
+from lapformer_mm.preflight import check_checkpoint_argument
 
 
 def parse_args(argv=None):
@@ -67,10 +67,7 @@ def build_cfg(args):
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
     check_model_cfg(cfg.model)
-    if not is_remote(args.checkpoint):
-        problem = path_problem(Input('checkpoint', args.checkpoint, 'checkpoint', False))
-        if problem:
-            raise InputCheckError(f'checkpoint {args.checkpoint!r} {problem}')
+    check_checkpoint_argument(args.checkpoint)
     return cfg
 
 

@@ -41,6 +41,7 @@ from lapformer_mm.cli import coco_eval, make_toy_coco
 from lapformer_mm.cli import test as cli_test
 from lapformer_mm.cli import train as cli_train
 from lapformer_mm.models.validation import ConfigError
+from lapformer_mm.preflight import InputCheckError
 
 
 def tiny_options(data_root, max_epochs):
@@ -391,7 +392,7 @@ def test_get_flops_ends_a_config_it_cannot_read_with_one_line(tmp_path, capsys):
 
 def test_test_tool_tta_wraps_the_model_and_pipeline_as_mmdet_and_mmseg_do(tmp_path):
     checkpoint = tmp_path / 'x.pth'
-    checkpoint.write_bytes(b'')  # build_cfg checks only that it exists
+    checkpoint.write_bytes(b'PK')  # build_cfg reads no more than that it is a non-empty file
 
     def cfg_of(config):
         return cli_test.build_cfg(cli_test.parse_args([osp.join(ROOT, config),
@@ -414,7 +415,7 @@ def test_test_tool_ends_a_config_problem_with_one_line_and_takes_remote_checkpoi
         tmp_path, capsys):
     config = osp.join(ROOT, 'configs/toy/maskrcnn_lapformer_t_toy.py')
     checkpoint = tmp_path / 'x.pth'
-    checkpoint.write_bytes(b'')
+    checkpoint.write_bytes(b'PK')  # not read: the config's problem ends the run first
     with pytest.raises(SystemExit) as exited:
         cli_test.main([config, str(checkpoint), '--tta'])
     assert exited.value.code == 2
@@ -424,9 +425,9 @@ def test_test_tool_ends_a_config_problem_with_one_line_and_takes_remote_checkpoi
     # mmdet's tool takes URLs and storage backends; the runner loads them.
     for url in ('https://example.com/epoch_12.pth', 's3://bucket/epoch_12.pth'):
         assert cli_test.build_cfg(cli_test.parse_args([config, url])).load_from == url
-    with pytest.raises(FileNotFoundError, match="checkpoint 'nope.pth' does not exist"):
+    with pytest.raises(InputCheckError, match="checkpoint 'nope.pth' does not exist"):
         cli_test.build_cfg(cli_test.parse_args([config, 'nope.pth']))
-    with pytest.raises(FileNotFoundError, match=f"^checkpoint {str(tmp_path)!r} is a folder, "
+    with pytest.raises(InputCheckError, match=f"^checkpoint {str(tmp_path)!r} is a folder, "
                                                 "not a file$"):
         cli_test.build_cfg(cli_test.parse_args([config, str(tmp_path)]))
     # A segmentor's --out is a folder of masks; --show-dir draws with the config's hook.
@@ -462,7 +463,7 @@ def test_test_tool_tta_evaluates_a_detector(toy_coco, tmp_path, capsys):
 def test_test_tool_names_a_missing_checkpoint_or_config(tmp_path):
     test_tool = cli_test
     args = test_tool.parse_args([TOY_CONFIG, str(tmp_path / 'missing.pth')])
-    with pytest.raises(FileNotFoundError, match="checkpoint '.*missing.pth' does not exist"):
+    with pytest.raises(InputCheckError, match="checkpoint '.*missing.pth' does not exist"):
         test_tool.build_cfg(args)
     args = test_tool.parse_args([str(tmp_path / 'nope.py'), str(tmp_path / 'x.pth')])
     with pytest.raises(FileNotFoundError, match='nope.py'):
@@ -522,7 +523,7 @@ def test_test_tool_refuses_an_out_file_that_is_not_a_pickle(capsys):
 @pytest.mark.usefixtures('mmdet_scope')
 def test_tools_name_neck_mismatch_before_building(tmp_path):
     ckpt = tmp_path / 'x.pth'
-    ckpt.write_bytes(b'')
+    ckpt.write_bytes(b'PK')
     for name, extra in (('train', []), ('test', [str(ckpt)])):
         tool = dict(test=cli_test, train=cli_train)[name]
         args = tool.parse_args([TOY_CONFIG, *extra, '--cfg-options',
