@@ -19,7 +19,7 @@ from mmengine.registry import MODELS
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..ops._checks import trace_quiet
+from ..ops._checks import check_bool, trace_quiet
 from ..ops.export import exporting
 from .attention import LaplacianAttention, check_attn_cfg_keys
 from .layers import (
@@ -327,9 +327,7 @@ class LaplacianFormer(BaseModule):
                 raise ValueError(f'{name} must be in [0, 1), got {rate!r}')
         for name, flag in (('qkv_bias', qkv_bias), ('norm_eval', norm_eval),
                            ('with_cp', with_cp)):
-            if not isinstance(flag, bool):
-                raise TypeError(f'{name} must be True or False, got {type(flag).__name__} '
-                                f'{flag!r}')
+            check_bool(name, flag)
         if stage4_attention not in STAGE4_ATTENTIONS:
             raise ValueError(f'stage4_attention must be one of '
                              f'{STAGE4_ATTENTIONS}, got {stage4_attention!r}')

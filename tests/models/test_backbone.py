@@ -268,9 +268,9 @@ def test_bad_types_raise_type_error():
     (dict(drop_path_rate='0.1'), TypeError, "drop_path_rate must be a number in .* str '0.1'"),
     (dict(drop_rate=1.0), ValueError, r'drop_rate must be in \[0, 1\), got 1.0'),
     (dict(attn_drop_rate=True), TypeError, 'attn_drop_rate must be a number'),
-    (dict(qkv_bias='no'), TypeError, "qkv_bias must be True or False, got str 'no'"),
-    (dict(norm_eval='yes'), TypeError, 'norm_eval must be True or False'),
-    (dict(with_cp=1), TypeError, 'with_cp must be True or False, got int 1'),
+    (dict(qkv_bias='no'), TypeError, "qkv_bias must be a bool, got str 'no'"),
+    (dict(norm_eval='yes'), TypeError, 'norm_eval must be a bool'),
+    (dict(with_cp=1), TypeError, 'with_cp must be a bool, got int 1'),
     (dict(in_channels=True), ValueError, 'in_channels must be a positive int'),
 ])
 def test_values_of_the_wrong_kind_name_the_argument(kwargs, exc, match):
