@@ -752,8 +752,8 @@ def graph_summary(path: str) -> Dict:
                 megabytes=os.path.getsize(path) / 2 ** 20)
 
 
-# An honest file is 0.8-5.5x the rounding column (docs/deploy.md); a size fixed in the
-# trace or a wrong node is hundreds of times it.
+# Far above the spread of honest files against the rounding column (docs/deploy.md,
+# What accuracy to expect), far below a file with a size fixed in its trace.
 WRONG_FACTOR = 100.
 
 

@@ -64,7 +64,7 @@ def check_against_arch(state_dict: dict, arch: str, stage4_attention: str = 'lap
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     wrong = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
-    print(f'arch {arch}: {len(missing)} missing, {len(unexpected)} unexpected (left out), '
+    print(f'arch {arch}: {len(missing)} missing, {len(unexpected)} unexpected, '
           f'{len(wrong)} with another shape')
     for title, keys in (('missing', missing), ('unexpected', unexpected), ('shape', wrong)):
         for key in keys:

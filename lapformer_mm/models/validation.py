@@ -122,7 +122,7 @@ def _check_backbone_args(backbone_cfg: Mapping) -> None:
     """Raise :class:`ModelConfigError` when LaplacianFormer refuses the config's arguments.
 
     The constructor's own checks, run by building the backbone on the meta device (no
-    memory, a fraction of a second for 'huge'): the tools catch a ConfigError and print
+    memory, no initialisation): the tools catch a ConfigError and print
     its message, where the same error raised inside the Runner's build is a traceback.
     ``arch`` and ``out_indices`` are checked first, to name the key.
     """
