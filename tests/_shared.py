@@ -14,8 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lapformer_mm.cli import make_toy_coco
-
 # The checkout the tests run from (the parent of tests/), and its folders.
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TESTS = osp.join(ROOT, 'tests')
@@ -56,6 +54,10 @@ def write_toy_coco(folder, num_train, seg=False):
 
     With ``seg``, also the same scenes as an mmseg set with label maps under ``folder/toy_seg``.
     """
+    # Here, not at the top: every test run loads this module through conftest.py, and the GPU
+    # check's runs happen where cv2 and pycocotools (which make_toy_coco needs) may be missing.
+    from lapformer_mm.cli import make_toy_coco
+
     root = osp.join(str(folder), 'toy_coco')
     seg_out = ['--seg-out', osp.join(str(folder), 'toy_seg')] if seg else []
     with contextlib.redirect_stdout(io.StringIO()):

@@ -38,8 +38,9 @@
 # |           |             |                       | the card (h100-80gb-hbm3, h200)            |
 #                                       summary.txt: PASS, FAIL or SKIP per step (8 files in all)
 #
-# Needs torch with CUDA, CuPy (cupy-cuda12x or cupy-cuda13x), numpy, pytest, hypothesis; the
-# backbones step timm and mmengine, and three GPU tests mmengine (lapformer_mm.models imports
+# Needs torch with CUDA, CuPy (cupy-cuda12x or cupy-cuda13x), numpy, pytest, hypothesis (the
+# tests step's collection, tests/conftest.py included, needs no more: not cv2 or pycocotools,
+# which only the toy data writer of other tests uses); the backbones step timm and mmengine, and three GPU tests mmengine (lapformer_mm.models imports
 # it); no other OpenMMLab package. A step whose tool (compute-sanitizer, ncu) or package
 # (mmengine, timm) is missing is a SKIP line, not a failure. Where the machine has no
 # mmengine, bring it as wheels (pure Python: mmengine, addict, termcolor, yapf,

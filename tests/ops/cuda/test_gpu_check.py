@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,52 @@ cupy = FakeCupy(record=False, disk=Disk(os.environ['CUPY_CACHE_DIR']))
 cupy.__version__ = 'fake'
 sys.modules['cupy'] = cupy
 '''
+
+
+# Loaded as ``sitecustomize`` too: the machine the script runs on has none of these packages
+# (OpenMMLab's) or may lack them (those of the toy data writer), so every Python process the
+# test starts finds them missing.
+BLOCK = '''
+import sys
+
+BLOCKED = {blocked!r}
+
+
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in BLOCKED:
+            raise ModuleNotFoundError(f'No module named {{name!r}}', name=name)
+
+
+sys.meta_path.insert(0, Blocked())
+'''
+OPENMMLAB = ('mmengine', 'mmcv', 'mmdet', 'mmseg', 'mmpretrain')
+
+
+def blocking(folder, *modules):
+    """A folder whose ``sitecustomize`` makes ``modules`` missing."""
+    folder.mkdir()
+    (folder / 'sitecustomize.py').write_text(BLOCK.format(blocked=set(modules)))
+    return folder
+
+
+def step_command(step):
+    """The command of the script's ``run_step STEP`` call, "$PY" as this interpreter."""
+    text = SCRIPT.read_text().replace('\\\n', ' ')
+    match = re.search(rf'^\s*run_step {step} \d+ "\$OUT/[\w.]+" (.*)$', text, re.M)
+    return [sys.executable if word == '$PY' else word for word in shlex.split(match.group(1))]
+
+
+def test_the_tests_step_collects_without_openmmlab_or_the_toy_data_writers_packages(tmp_path):
+    """The step's pytest loads tests/conftest.py and tests/_shared.py before any test: neither
+    may need what the GPU machine lacks (OpenMMLab, and cv2 / pycocotools of the toy data
+    writer)."""
+    stub = blocking(tmp_path / 'block', *OPENMMLAB, 'cv2', 'pycocotools')
+    env = dict(os.environ, PYTHONPATH=f'{stub}{os.pathsep}{ROOT}')
+    proc = subprocess.run(step_command('tests') + ['--collect-only'], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert re.search(r'^\d+ tests? collected', proc.stdout, re.M), proc.stdout[-4000:]
 
 
 @pytest.fixture
