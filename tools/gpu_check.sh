@@ -40,11 +40,15 @@
 #
 # Needs torch with CUDA, CuPy (cupy-cuda12x or cupy-cuda13x), numpy, pytest, hypothesis (the
 # tests step's collection, tests/conftest.py included, needs no more: not cv2 or pycocotools,
-# which only the toy data writer of other tests uses); the backbones step timm and mmengine, and three GPU tests mmengine (lapformer_mm.models imports
-# it); no other OpenMMLab package. A step whose tool (compute-sanitizer, ncu) or package
-# (mmengine, timm) is missing is a SKIP line, not a failure. Where the machine has no
-# mmengine, bring it as wheels (pure Python: mmengine, addict, termcolor, yapf,
-# platformdirs; the CUDA images have its other needs) and put them on PYTHONPATH:
+# which only the toy data writer of other tests uses); the backbones step timm and mmengine, and
+# three GPU tests mmengine (lapformer_mm.models imports it); no other OpenMMLab package.
+# mmengine counts with the modules it imports (MMENGINE_NEEDS below): addict, termcolor, yapf,
+# platformdirs (yapf's), cv2 (opencv-python or -headless), yaml (pyyaml), rich; its metadata
+# also requires matplotlib, which nothing here imports. A step whose tool (compute-sanitizer,
+# ncu) or package (timm, mmengine or one of its needs) is missing is a SKIP line, not a
+# failure, but for one case: mmengine there without one of its needs fails the tests step
+# (import lapformer_mm imports mmengine's hooks where mmengine is installed). Bring what the machine lacks as wheels (docs/cuda.md says which are pure Python;
+# opencv, pyyaml, rich and matplotlib are in the CUDA images) and put them on PYTHONPATH:
 #   pip install --no-index --no-deps --target /tmp/site WHEELS/*.whl
 #   PYTHONPATH=/tmp/site OUT=... bash tools/gpu_check.sh
 # Exit status: 0 when no step failed (the backbone target's verdict is reported, not
@@ -76,7 +80,26 @@ skip() {  # skip STEP WHY
 
 wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 
-has_module() { "$PY" -c "import $1" > /dev/null 2>&1; }
+# lapformer_mm.models imports mmengine, which imports these.
+MMENGINE_NEEDS="mmengine addict termcolor yapf platformdirs cv2 yaml rich"
+
+missing_modules() {  # missing_modules MODULE...: prints those not installed (or broken)
+    "$PY" - "$@" <<'EOF'
+import sys
+
+missing = []
+for name in sys.argv[1:]:
+    try:
+        __import__(name)
+    except ModuleNotFoundError as err:
+        # mmengine without rich is installed; rich is the one to name
+        if err.name == name:
+            missing.append(name)
+    except ImportError:
+        missing.append(name)
+print(*missing)
+EOF
+}
 
 run_step() {  # run_step NAME TIMEOUT_S LOG COMMAND...
     local name=$1 limit=$2 log=$3 start rc
@@ -143,7 +166,15 @@ if wanted compile; then
     run_step compile 45 "$OUT/env.txt" "$PY" benchmarks/cuda_compile.py
 fi
 
-if wanted tests; then
+wanted tests && missing=$(missing_modules $MMENGINE_NEEDS)
+if wanted tests && [[ -n "$missing" && " $missing " != *" mmengine "* ]]; then
+    # Where mmengine is there, import lapformer_mm imports the parts that use it
+    # (lapformer_mm/registry.py), so without one of its needs no test is even collected.
+    echo "mmengine is installed but not $missing: import lapformer_mm fails" \
+        > "$OUT/gpu_tests.txt"
+    record tests 1 0 "(mmengine is installed without $missing, so import lapformer_mm fails: \
+bring them as well, or leave mmengine out)"
+elif wanted tests; then
     # -rs lists the skips with their reasons: one means CUDA or CuPy was not usable, unless
     # the reason is a missing mmengine.
     run_step tests 85 "$OUT/gpu_tests.txt" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
@@ -215,9 +246,11 @@ if wanted ncu; then
 fi
 
 if wanted backbones; then
-    if ! has_module mmengine || ! has_module timm; then
-        echo "mmengine or timm is not installed: not measured" > "$OUT/backbones.md"
-        skip backbones "needs mmengine and timm"
+    missing=$(missing_modules timm $MMENGINE_NEEDS)
+    if [ -n "$missing" ]; then
+        echo "missing: $missing (timm, mmengine and its needs): not measured" \
+            > "$OUT/backbones.md"
+        skip backbones "needs timm and mmengine; missing: $missing"
     else
         # The result file is named by the card: NVIDIA H100 80GB HBM3 -> h100-80gb-hbm3.
         card=$("$PY" -c "import re, torch

@@ -141,9 +141,10 @@ def stub_gpu(tmp_path):
     return folder
 
 
-def run_script(stub, out, steps):
+def run_script(stub, out, steps, **extra_env):
     env = dict(os.environ, OUT=str(out), STEPS=steps, PYTHON=sys.executable,
-               PYTHONPATH=str(stub), CUPY_CACHE_DIR=str(out.parent / 'kernel_cache'))
+               PYTHONPATH=str(stub), CUPY_CACHE_DIR=str(out.parent / 'kernel_cache'),
+               **extra_env)
     return subprocess.run(['bash', str(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -190,10 +191,49 @@ def test_steps_whose_tool_or_package_is_missing_are_skips_not_failures(stub_gpu,
     out = tmp_path / 'out'
     proc = run_script(stub_gpu, out, 'sanitizer ncu backbones')
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert summary(out).splitlines() == [
-        'SKIP: sanitizer (no compute-sanitizer)', 'SKIP: ncu (no ncu)',
-        'SKIP: backbones (needs mmengine and timm)',
+    lines = summary(out).splitlines()
+    assert lines[:2] == ['SKIP: sanitizer (no compute-sanitizer)', 'SKIP: ncu (no ncu)']
+    assert re.fullmatch(r'SKIP: backbones \(needs timm and mmengine; missing: [\w ]+\)',
+                        lines[2]), lines
+    assert lines[3:] == [
         'gpu_check: PASS (steps: sanitizer ncu backbones; skipped: sanitizer ncu backbones)']
+
+
+# The GPU tests that build LaplacianAttention or the backbone (lapformer_mm.models).
+MODELS_TESTS = 'module or backbone or kernels_per_attention'
+
+
+def test_without_mmengine_the_gpu_tests_needing_it_and_the_backbones_step_are_skips(tmp_path):
+    """(The rest of the tests step, a CUDA-graph capture, cannot run on the stub and is not
+    looked at.)"""
+    stub = blocking(tmp_path / 'stub', *OPENMMLAB)
+    (stub / 'sitecustomize.py').write_text((stub / 'sitecustomize.py').read_text() + STUB)
+    out = tmp_path / 'out'
+    proc = run_script(stub, out, 'tests backbones', PYTEST_ADDOPTS=f'-k "{MODELS_TESTS}"')
+    lines = summary(out).splitlines()
+    assert re.fullmatch(r'PASS: tests \(\d+s\)', lines[0]), proc.stdout + proc.stderr
+    assert lines[1] == 'SKIP: tests needing mmengine (3 skipped: mmengine is not installed)'
+    assert re.fullmatch(r'SKIP: backbones \(needs timm and mmengine; missing: .*\bmmengine\b.*\)',
+                        lines[-2]), lines
+
+
+@pytest.mark.parametrize('needed', ['cv2', 'rich'])
+def test_mmengine_without_a_module_it_needs_skips_backbones_and_fails_tests_saying_why(
+        tmp_path, needed):
+    """Without cv2, ``import mmengine`` works but ``import lapformer_mm.models`` does not;
+    without rich, ``import mmengine`` fails too. Either way ``import lapformer_mm`` fails where
+    mmengine is installed, so no GPU test could run: the tests step says so instead of
+    running them, and the backbones step is a SKIP."""
+    stub = blocking(tmp_path / 'stub', *OPENMMLAB[1:], needed)
+    (stub / 'sitecustomize.py').write_text((stub / 'sitecustomize.py').read_text() + STUB)
+    out = tmp_path / 'out'
+    proc = run_script(stub, out, 'tests backbones')
+    assert proc.returncode == 1
+    lines = summary(out).splitlines()
+    assert lines[0] == (f'FAIL (exit 1): tests (0s) (mmengine is installed without {needed}, so '
+                        'import lapformer_mm fails: bring them as well, or leave mmengine out)')
+    assert re.fullmatch(rf'SKIP: backbones \(needs timm and mmengine; missing: .*\b{needed}\)',
+                        lines[1]), lines
 
 
 def heredocs(text):
