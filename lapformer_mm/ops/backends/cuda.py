@@ -334,6 +334,17 @@ def not_supported(q, k, v, landmarks, opts):
     """Why this backend cannot run these operands (empty: it can). Never raises. Where the
     operands fit, the kernels they need are compiled and loaded here (once; see
     :func:`ensure_loaded`), so that a build that fails is a reason, not an error inside the op."""
+    reasons, found, limits = _operand_reasons(q, k, v, landmarks, opts)
+    if reasons:
+        return reasons
+    failure = ensure_loaded(q.device.index, found.variant, ELEMENT_TYPES[q.dtype],
+                            limits.smem_optin)
+    return () if failure is None else (failure,)
+
+
+def _operand_reasons(q, k, v, landmarks, opts):
+    """(why the operands or the device do not fit, the plan, the device's limits): the
+    checks of :func:`not_supported` before its build."""
     try:
         reasons = []
         if q.dtype not in ELEMENT_TYPES:
@@ -352,12 +363,10 @@ def not_supported(q, k, v, landmarks, opts):
         reasons += _device_reasons(limits)
         found = plan(landmarks.shape[2], v.shape[3], limits.smem_optin)
         if reasons or not isinstance(found, Plan):
-            return tuple(reasons) + (() if isinstance(found, Plan) else found)
+            return tuple(reasons) + (() if isinstance(found, Plan) else found), None, None
     except Exception as exc:  # a device that cannot even be queried
-        return (f'the device could not be queried ({type(exc).__name__}: {exc})',)
-    failure = ensure_loaded(q.device.index, found.variant, ELEMENT_TYPES[q.dtype],
-                            limits.smem_optin)
-    return () if failure is None else (failure,)
+        return (f'the device could not be queried ({type(exc).__name__}: {exc})',), None, None
+    return (), found, limits
 
 
 # -- The parameter struct --
@@ -396,13 +405,26 @@ def _call(q, k, v, landmarks, opts, shapes):
     go to :func:`launch` with the device's opt-in limit and the shapes for an error.
     Operands the kernels do not take raise their reasons (the registered op called with
     impl='cupy' directly has not asked :func:`not_supported`)."""
-    reasons = not_supported(q, k, v, landmarks, opts)
+    reasons, found, limits = _operand_reasons(q, k, v, landmarks, opts)
     if reasons:
         raise RuntimeError(f"impl='cupy' cannot run this call: {'; '.join(reasons)}; use "
                            "impl='reference' or None")
+    failure = ensure_loaded(q.device.index, found.variant, ELEMENT_TYPES[q.dtype],
+                            limits.smem_optin)
+    if failure is not None:
+        # The op's own selection builds the kernels first and falls back where that fails,
+        # so a build failing here means the kernels were chosen unbuilt: by a torch.compile
+        # trace (which builds nothing, and reads impl=None as 'cupy'), or by a direct call of
+        # the registered op. A trace reads no build state (ensure_loaded), so an earlier
+        # failed build does not steer it to the reference either.
+        raise RuntimeError(
+            "impl='cupy' cannot run this call: its CUDA kernels were selected when a "
+            "torch.compile graph was traced, before they were built (a trace builds nothing; "
+            "with impl=None it chooses them unbuilt), or by calling the registered op with "
+            f"impl='cupy'; the build then failed: {failure}. Compile with impl='reference' "
+            "(eager calls with impl=None fall back to it, but a trace chooses the kernels "
+            "whether or not their build failed earlier)")
     batch, heads, n, d = q.shape
-    limits = device_limits(q.device)
-    found = plan(landmarks.shape[2], v.shape[3], limits.smem_optin)
     n_splits, chunk = splits(batch * heads, n, target_blocks(q.device), found.variant.tn)
     kind = KERNEL_CODES[opts.kernel]
     p = np.zeros(1, PARAMS_DTYPE)

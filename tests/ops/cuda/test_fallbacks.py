@@ -216,3 +216,25 @@ def test_the_registered_ops_called_with_impl_cupy_raise_the_reasons(routed, dtyp
         attention.nystrom_attention_backward_op(
             grad, q, None, v, landmarks, context, inverse, stats, 'laplacian', 4.0, 0.01, True,
             'injective', 1e-5, 'cupy')
+
+
+def test_a_build_that_fails_after_a_trace_chose_the_kernels_says_so_and_what_to_do(
+        failing_build):
+    """impl=None under torch.compile: the trace builds nothing, so it chooses the kernels
+    unbuilt; the graph's first run builds them, and that build fails. The error says the
+    user's None was resolved at the trace, and how to get the reference instead (an eager call
+    first does not: the trace reads no build state)."""
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(nystrom_attention, backend='eager')
+        with pytest.raises(RuntimeError) as err:
+            compiled(*attention_inputs())
+    finally:
+        torch._dynamo.reset()
+    message = str(err.value)
+    assert 'selected when a torch.compile graph was traced, before they were built' in message
+    assert ('the build then failed: compiling nystrom_attention.cu (dv32_tb32, float)'
+            in message), message
+    assert 'identifier "oops" is undefined' in message
+    assert "Compile with impl='reference'" in message
+    assert len(compiles(failing_build)) == 1
