@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of the CUDA backend and the backbone on one GPU (an H100 or H200): each step has a
-# time limit, and the limits add up to 300 s, so the whole check ends within 5 minutes.
+# time limit, and the limits add up to 300 s. nvidia-smi, the module probes and the card's
+# name run outside them with no limit of their own, so the whole check ends a little after
+# 5 minutes unless one of those hangs.
 #
 #   OUT=/tmp/gpu_check bash tools/gpu_check.sh                        # every step
 #   STEPS="compile tests sanitizer" OUT=... bash tools/gpu_check.sh   # a subset

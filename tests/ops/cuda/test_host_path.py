@@ -237,7 +237,8 @@ def test_warmup_names_what_the_kernels_do_not_take(fake, monkeypatch):
 @pytest.mark.parametrize('kib', [48, 64, 100, 227])
 def test_warmup_loads_every_variant_a_call_can_select_on_the_device(fake, monkeypatch, kib):
     """What warmup() loads against the plans of every m and d_v the kernels take: on a
-    48 KiB device (Pascal) m <= 56 at d_v <= 32 runs dv32_tb16, the only variant there."""
+    48 KiB device (Pascal) dv32_tb16, the only variant there, takes m <= 60 at every
+    d_v <= 32 and nothing wider."""
     limits = emulated_limits(smem_optin=kib * 1024, sms=2)
     monkeypatch.setattr(cuda, 'device_limits', lambda device: limits)
     selectable = {found.variant.name for m in range(1, cuda.MAX_M + 1)
@@ -248,6 +249,10 @@ def test_warmup_loads_every_variant_a_call_can_select_on_the_device(fake, monkey
     assert sorted(loaded, key=str) == sorted(((name, dtype) for name in selectable
                                               for dtype in dtypes), key=str)
     assert ('dv32_tb16' in selectable) == (kib == 48)
+    if kib == 48:
+        fits = {(m, dv) for m in range(1, cuda.MAX_M + 1) for dv in range(1, cuda.MAX_DV + 1)
+                if isinstance(cuda.plan(m, dv, limits.smem_optin), cuda.Plan)}
+        assert fits == {(m, dv) for m in range(1, 61) for dv in range(1, 33)}
 
 
 def test_a_later_process_loads_the_kernels_from_cupys_cache_by_the_names_kept(monkeypatch,
