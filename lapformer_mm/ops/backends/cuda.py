@@ -673,8 +673,8 @@ def _names_file(cupy, code, options, names):
 def _load_compiled(cupy, code, options, names, names_file):
     """{name: kernel} from CuPy's kernel cache by the lowered names an earlier compile kept,
     or None. CuPy recompiles a module with name expressions every time (it needs NVRTC's
-    lowered names), 10-20 s per (variant, element type); a module of the same source and
-    options without them is the binary its cache holds, whose kernels the lowered names find."""
+    lowered names; docs/cuda.md gives the cost); a module of the same source and options
+    without them is the binary its cache holds, whose kernels the lowered names find."""
     try:
         lowered = json.loads(names_file.read_text())
     except (OSError, ValueError):
