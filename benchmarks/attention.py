@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from devtools.profiling import peak_memory_bytes
 from devtools.timing import best_time, load_average, machine, timed, wall_times
-from lapformer_mm.cli import int_at_least
+from lapformer_mm.cli import int_at_least, positive_float
 from lapformer_mm.ops import (
     DEFAULT_NS_ITERS,
     injective_normalize,
@@ -447,7 +447,7 @@ def parse_args(argv=None):
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument('--head-dim', type=positive, default=32)
     common.add_argument('--landmark-grid', type=positive, default=7)
-    common.add_argument('--lam', type=float, default=4.0)
+    common.add_argument('--lam', type=positive_float, default=4.0)
     common.add_argument('--seed', type=int, default=0)
     speed = sub.add_parser('speed', parents=[common], help='time and memory vs N')
     speed.add_argument('--tokens', type=positive, nargs='+',
@@ -469,7 +469,7 @@ def parse_args(argv=None):
     ns.add_argument('--eps', type=float, default=0.01)
     ns.add_argument('--tol', type=float, default=1e-3)
     ns.add_argument('--cond-limit', type=float, default=2000.0)
-    ns.add_argument('--max-iters', type=nonnegative, default=40)
+    ns.add_argument('--max-iters', type=positive, default=40)
     soft = sub.add_parser('soft', parents=[common], help="beside SOFT's attention core")
     soft.add_argument('--tokens', type=positive, nargs='+', default=[16384, 65536])
     soft.add_argument('--methods', nargs='+', default=list(SOFT_METHODS), choices=SOFT_METHODS)

@@ -47,7 +47,7 @@ if __package__ in (None, ''):
 import torch
 
 from devtools.profiling import cuda_peak_memory
-from devtools.timing import load_average, machine, parse_size
+from devtools.timing import device_problem, load_average, machine, parse_device, parse_size
 from lapformer_mm.analysis.model_zoo import (
     BACKBONE_CONFIGS,
     build_backbone,
@@ -342,18 +342,6 @@ def profile_model(name, size, device, rows=15):
     return ops, '\n'.join(lines)
 
 
-def parse_device(text):
-    """An ``argparse`` type: 'cpu', 'cuda' or 'cuda:N' (the devices the timing and memory
-    code handle)."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ('cpu', 'cuda'):
-        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
-    return text
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--models', nargs='+', default=list(DEFAULT_MODELS),
@@ -393,15 +381,9 @@ def parse_args(argv=None):
         if not osp.isfile(args.from_json):
             parser.error(f'--from-json: no such file: {args.from_json!r}')
         return args  # nothing runs: the device need not exist here
-    device = torch.device(args.device)
-    if device.type == 'cuda':
-        count = torch.cuda.device_count()
-        if count == 0:
-            parser.error(f'--device {args.device}: no CUDA device here (torch '
-                         f'{torch.__version__}, torch.cuda.is_available() is False); use cpu')
-        if device.index is not None and device.index >= count:
-            parser.error(f'--device {args.device}: this machine has cuda:0 to '
-                         f'cuda:{count - 1}')
+    problem = device_problem(args.device)
+    if problem:
+        parser.error(f'--device {args.device}: {problem}')
     for item in args.skip:
         name, _, size = item.partition('@')
         if name not in BACKBONE_CONFIGS or not size:

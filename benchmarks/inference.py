@@ -31,9 +31,11 @@ if __package__ in (None, ''):
 import torch
 from mmengine.config import DictAction
 
-from devtools.timing import machine
+from devtools.timing import device_problem, machine, parse_device
 from lapformer_mm.analysis.model_zoo import build_from_config, data_samples
+from lapformer_mm.cli import int_at_least
 from lapformer_mm.cpu_malloc import keep_large_blocks
+from lapformer_mm.preflight import Input, path_problem
 
 
 def random_batch(scope, batch_size, height, width):
@@ -88,13 +90,13 @@ def benchmark(model, data, repeats, warmup, device):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('config')
-    parser.add_argument('--shape', type=int, nargs=2, metavar=('H', 'W'),
+    parser.add_argument('--shape', type=int_at_least(1), nargs=2, metavar=('H', 'W'),
                         help='input size (default 800 1333; 512 512 for mmseg)')
     parser.add_argument('--batch-size', type=int, default=1)
     parser.add_argument('--repeats', type=int, default=10)
     parser.add_argument('--warmup', type=int, default=2)
-    parser.add_argument('--device', default='cuda' if torch.cuda.is_available()
-                        else 'cpu')
+    parser.add_argument('--device', type=parse_device, default='cuda' if
+                        torch.cuda.is_available() else 'cpu')
     parser.add_argument('--cfg-options', nargs='+', action=DictAction)
     parser.add_argument('--glibc-malloc-defaults', action='store_true',
                         help="CPU: keep glibc's default mmap/trim thresholds instead of "
@@ -106,6 +108,12 @@ def parse_args(argv=None):
                          f'{getattr(args, name)}')
     if args.warmup < 0:
         parser.error(f'--warmup must be >= 0, got {args.warmup}')
+    problem = path_problem(Input('config', args.config, 'config', False))
+    if problem:
+        parser.error(f'config {args.config!r} {problem}')
+    problem = device_problem(args.device)
+    if problem:
+        parser.error(f'--device {args.device}: {problem}')
     return args
 
 

@@ -20,6 +20,32 @@ def parse_size(text):
     return height, width
 
 
+def parse_device(text):
+    """An ``argparse`` type: 'cpu', 'cuda' or 'cuda:N' (the devices the timing and memory
+    code handle)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ('cpu', 'cuda'):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def device_problem(text):
+    """Why a device that :func:`parse_device` took is not on this machine, or None."""
+    device = torch.device(text)
+    if device.type != 'cuda':
+        return None
+    count = torch.cuda.device_count()
+    if count == 0:
+        return (f'no CUDA device here (torch {torch.__version__}, torch.cuda.is_available() '
+                'is False); use cpu')
+    if device.index is not None and device.index >= count:
+        return f'this machine has cuda:0 to cuda:{count - 1}'
+    return None
+
+
 def machine():
     """What a measurement ran on, for a table's header: the CPU model (``/proc/cpuinfo``'s
     model name; ``platform.processor()`` is empty on Linux), the CPU count, the CPU

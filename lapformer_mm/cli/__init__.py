@@ -4,6 +4,7 @@ Each module has ``main(argv=None)`` returning an exit code. Not imported by
 ``import lapformer_mm``.
 """
 import argparse
+import math
 import os
 import os.path as osp
 
@@ -19,6 +20,17 @@ def int_at_least(minimum):
             raise argparse.ArgumentTypeError(f'must be >= {minimum}, got {value}')
         return value
     return parse
+
+
+def positive_float(text):
+    """An ``argparse`` type: a finite number > 0, else the argument's error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected a number, got {text!r}') from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f'must be a finite number > 0, got {text}')
+    return value
 
 
 def output_path(out, default_name):

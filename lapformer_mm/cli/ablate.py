@@ -34,6 +34,7 @@ from lapformer_mm.ablation.real import LAUNCHERS, collect_run, config_num_classe
 from lapformer_mm.ablation.report import write_report
 from lapformer_mm.ablation.tasks import TASKS, build_task
 from lapformer_mm.ablation.variants import NAMED_VARIANTS, parse_variants
+from lapformer_mm.cli import positive_float
 
 
 def parse_args(argv=None):
@@ -53,7 +54,7 @@ def parse_args(argv=None):
     toy.add_argument('--steps', type=int, default=600, help='training steps per run')
     toy.add_argument('--warmup', type=int, default=30, help='linear LR warm-up steps')
     toy.add_argument('--batch-size', type=int, default=32)
-    toy.add_argument('--lr', type=float, default=1e-3, help='AdamW learning rate')
+    toy.add_argument('--lr', type=positive_float, default=1e-3, help='AdamW learning rate')
     toy.add_argument('--val-size', type=int, default=2000,
                      help='images of the fixed validation set')
     toy.add_argument('--early-step', type=int, default=None,

@@ -132,6 +132,11 @@ def test_cli_rejects_bad_input(capsys):
     with pytest.raises(SystemExit):
         ablate.parse_args(['--steps', '10', '--warmup', '10'])
     assert '--warmup must be in [0, --steps=10)' in capsys.readouterr().err
+    for lr in ('-1', 'nan', '0'):
+        with pytest.raises(SystemExit):
+            ablate.parse_args(['--lr', lr])
+        assert (f'argument --lr: must be a finite number > 0, got {lr}'
+                in capsys.readouterr().err)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from _shared import ROOT, TOOLS, run_tool
+from _shared import ROOT, TOOLS, TOY_CONFIG, run_tool
 
 from benchmarks import backbones as bench
 from lapformer_mm.analysis import attention_maps, model_zoo
@@ -85,6 +85,16 @@ def load_cli(script):
     ('attention_maps.py', ['--query', '1.5', '0.5'],
      '--query: ROW and COL must be fractions in [0, 1], got 1.5 0.5'),
     ('attention_maps.py', ['--size', '0', '0'], 'argument --size: must be >= 1, got 0'),
+    ('attention_maps.py', ['--r-max', '0'], 'argument --r-max: must be a finite number > 0, '
+                                            'got 0'),
+    ('attention_maps.py', ['--r-max', 'nan'], 'argument --r-max: must be a finite number > 0, '
+                                              'got nan'),
+    ('attention_maps.py', ['--checkpoint', 'no/such.pth'], '--checkpoint no/such.pth: does '
+                                                          'not exist'),
+    ('attention_maps.py', ['--image', 'no/such.jpg'], '--image no/such.jpg: does not exist'),
+    ('qk_distances.py', ['--checkpoint', 'laplacianformer-t=no/such.pth'],
+     '--checkpoint laplacianformer-t=no/such.pth: does not exist'),
+    ('qk_distances.py', ['--images', 'no/such'], '--images no/such: does not exist'),
 ])
 def test_analysis_argument_errors(script, argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -236,4 +246,19 @@ def test_padding_benchmark_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         padding.main(argv)
     assert exit_info.value.code == 2
+    assert 'error: ' + message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['configs/nonexist.py'], "config 'configs/nonexist.py' does not exist"),
+    ([TOY_CONFIG, '--shape', '0', '0'], 'argument --shape: must be >= 1, got 0'),
+    ([TOY_CONFIG, '--device', 'cuda'], '--device cuda: no CUDA device here'),
+    ([TOY_CONFIG, '--device', 'gpu'], "argument --device: expected cpu, cuda or cuda:N, got "
+                                      "'gpu'"),
+])
+def test_inference_benchmark_argument_errors(argv, message, monkeypatch, capsys):
+    from benchmarks import inference
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)  # a GPU machine too
+    with pytest.raises(SystemExit):
+        inference.parse_args(argv)
     assert 'error: ' + message in capsys.readouterr().err

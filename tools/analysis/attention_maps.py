@@ -23,8 +23,9 @@ from lapformer_mm.analysis.attention_maps import (
 )
 from lapformer_mm.analysis.images import load_images, read_image, to_tensor
 from lapformer_mm.analysis.model_zoo import BACKBONE_CONFIGS, build_backbone
-from lapformer_mm.cli import int_at_least
+from lapformer_mm.cli import int_at_least, positive_float
 from lapformer_mm.models.backbone import NUM_STAGES
+from lapformer_mm.preflight import Input, is_remote, path_problem
 
 
 def make_parser():
@@ -42,7 +43,7 @@ def make_parser():
                         help='1-based block in the stage')
     parser.add_argument('--query', type=float, nargs=2, default=(0.5, 0.5),
                         metavar=('ROW', 'COL'), help='query position, fractions of the grid')
-    parser.add_argument('--r-max', type=float, default=12.0,
+    parser.add_argument('--r-max', type=positive_float, default=12.0,
                         help='largest distance in the gradient plot')
     parser.add_argument('--out', default='docs/analysis')
     return parser
@@ -54,6 +55,10 @@ def parse_args(argv=None, parser=None):
     if not all(0.0 <= p <= 1.0 for p in args.query):
         parser.error(f'--query: ROW and COL must be fractions in [0, 1], got '
                      f'{args.query[0]:g} {args.query[1]:g}')
+    for option, path in (('--checkpoint', args.checkpoint), ('--image', args.image)):
+        problem = path and not is_remote(path) and path_problem(Input(option, path, '', False))
+        if problem:
+            parser.error(f'{option} {path}: {problem}')
     return args
 
 

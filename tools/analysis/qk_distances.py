@@ -22,6 +22,7 @@ from lapformer_mm.analysis.qk_distances import (
     write_report,
 )
 from lapformer_mm.cli import int_at_least
+from lapformer_mm.preflight import Input, is_remote, path_problem
 
 #: PVTv2's first spatial reduction is an 8x8 stride-8 conv over the stride-4 map of its
 #: 7x7 stride-4 patch embedding (padding 3): that map is (H - 1) // 4 + 1 >= 8 rows.
@@ -64,6 +65,14 @@ def parse_args(argv=None):
     if unused:
         parser.error(f'--checkpoint for {", ".join(unused)}, which --models does not list '
                      f'({", ".join(args.models)})')
+    for model, path in checkpoints.items():
+        problem = path_problem(Input('checkpoint', path, 'checkpoint', False))
+        if problem and not is_remote(path):
+            parser.error(f'--checkpoint {model}={path}: {problem}')
+    if args.images is not None:
+        problem = path_problem(Input('images', args.images, 'image folder', True))
+        if problem:
+            parser.error(f'--images {args.images}: {problem}')
     swin = [m for m in args.models if m.startswith('swin')]
     if swin and any(side % SWIN_SIZE_STEP for side in args.size):
         # A grid that is not a multiple of the window is padded, and the padded tokens'
