@@ -54,7 +54,7 @@ from lapformer_mm.analysis.model_zoo import (
     count_parameters,
     describe,
 )
-from lapformer_mm.cli import int_at_least
+from lapformer_mm.cli import int_at_least, positive_float
 from lapformer_mm.cpu_malloc import KEEP_BYTES, keep_large_blocks
 
 REFERENCE = 'laplacianformer-t'
@@ -349,12 +349,12 @@ def parse_args(argv=None):
     parser.add_argument('--sizes', nargs='+', type=parse_size,
                         default=[(512, 512), (800, 1333), (1024, 1024), (2048, 2048)])
     parser.add_argument('--modes', nargs='+', default=list(MODES), choices=MODES)
-    parser.add_argument('--fwdbwd-max-pixels', type=float, default=1024 * 1024,
+    parser.add_argument('--fwdbwd-max-pixels', type=int_at_least(0), default=1024 * 1024,
                         help='skip fwdbwd above this many pixels (CPU time); 0 = no limit')
     parser.add_argument('--skip', nargs='+', default=[], metavar='MODEL@HxW',
                         help='configs not to run, e.g. pvtv2-b1@2048x2048 (memory)')
     parser.add_argument('--repeats', type=int, default=3)
-    parser.add_argument('--max-call-s', type=float, default=300.0,
+    parser.add_argument('--max-call-s', type=positive_float, default=300.0,
                         help='a model with a timed call (not the warm-up) slower than this at '
                              'one size is not run at the later --sizes, in list order, of the '
                              'same mode')

@@ -34,7 +34,7 @@ from lapformer_mm.ablation.real import LAUNCHERS, collect_run, config_num_classe
 from lapformer_mm.ablation.report import write_report
 from lapformer_mm.ablation.tasks import TASKS, build_task
 from lapformer_mm.ablation.variants import NAMED_VARIANTS, parse_variants
-from lapformer_mm.cli import positive_float
+from lapformer_mm.cli import int_at_least, positive_float
 
 
 def parse_args(argv=None):
@@ -74,7 +74,8 @@ def parse_args(argv=None):
     real = parser.add_argument_group('real config')
     real.add_argument('--launcher', choices=LAUNCHERS, default='train',
                       help='tools/train.py, tools/dist_train.sh or tools/slurm_train.sh')
-    real.add_argument('--gpus', type=int, default=8, help='GPUS of dist/slurm launchers')
+    real.add_argument('--gpus', type=int_at_least(1), default=8,
+                      help='GPUS of dist/slurm launchers')
     real.add_argument('--partition', default='PARTITION', help='Slurm partition')
     real.add_argument('--run', action='store_true',
                       help='run the commands here, one after the other (else print them)')

@@ -188,6 +188,8 @@ def test_benchmark_planned_configs_and_argument_checks(capsys):
     (['--device', 'gpu'], "argument --device: expected cpu, cuda or cuda:N, got 'gpu'"),
     (['--device', 'cuda'], '--device cuda: no CUDA device here'),
     (['--threads', '-2'], 'argument --threads: must be >= 0, got -2'),
+    (['--max-call-s', '-1'], 'argument --max-call-s: must be a finite number > 0, got -1'),
+    (['--fwdbwd-max-pixels', '-1'], 'argument --fwdbwd-max-pixels: must be >= 0, got -1'),
     (['--from-json', 'no/such.json'], "--from-json: no such file: 'no/such.json'"),
 ])
 def test_benchmark_argument_errors(argv, message, monkeypatch, capsys):
