@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .ops._checks import check_bool, check_int
+from .ops._checks import check_bool, check_choice, check_int
 from .ops.export import (
     BLOCKS_MIN_OPSET,
     ORT_DOMAIN,
@@ -73,13 +73,6 @@ def _import(name):
     except ImportError as err:
         raise ImportError(f'{name} is needed to export and check ONNX models: '
                           f'{DEPLOY_HINT}') from err
-
-
-def _check_choice(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f'{name}={value!r} is not supported; allowed: '
-                         f'{", ".join(map(repr, allowed))}')
-    return value
 
 
 def _check_shape(shape, name='shape'):
@@ -159,7 +152,7 @@ class ExportModule(nn.Module):
 
     def __init__(self, model: nn.Module, target: str = 'backbone'):
         super().__init__()
-        self.target = _check_choice('target', target, TARGETS)
+        self.target = check_choice('target', target, TARGETS)
         self.model = model
         is_network = hasattr(model, 'backbone')
         if not is_network and target != 'backbone':
@@ -383,7 +376,7 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
     """
     shape = _check_shape(shape)
     check_bool('dynamic', dynamic)
-    _check_choice('exporter', exporter, EXPORTERS)
+    check_choice('exporter', exporter, EXPORTERS)
     check_bool('ort_ops', ort_ops)
     _check_opset(opset, exporter)
     # The standard file's kernel matrices as placeholders, expanded into token blocks after
@@ -406,7 +399,7 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
 def _torchscript_export(model, out, shape, batch, dynamic, residual, opset):
     """:func:`export_onnx` with ``exporter='torchscript'``: the output names."""
     batch = _check_batch(batch)
-    _check_choice('residual', residual, RESIDUAL_PRECISIONS)
+    check_choice('residual', residual, RESIDUAL_PRECISIONS)
     check_export_size(model, shape)
     module = prepare_for_export(model)
     x = example_input(shape, max(batch, 2) if dynamic else batch)
@@ -470,7 +463,7 @@ def export_program(model: nn.Module, *, shape: Sequence[int] = (800, 1333), batc
     shape = _check_shape(shape)
     batch = _check_batch(batch)
     check_bool('dynamic', dynamic)
-    _check_choice('residual', residual, RESIDUAL_PRECISIONS)
+    check_choice('residual', residual, RESIDUAL_PRECISIONS)
     check_export_size(model, shape)
     module = _SingleInput(prepare_for_export(model)).eval()
     x = example_input(shape, max(batch, 2) if dynamic else batch)
@@ -652,7 +645,7 @@ def verify_onnx(path: str, model: nn.Module, sizes: Sequence[Sequence[int]], bat
     (the scale an exported graph's max_rel is to be read against); and, with ``fp64``,
     fp32_vs_fp64_rel, eager fp32 against eager fp64 on the same input.
     """
-    make_input = VERIFY_INPUTS[_check_choice('inputs', inputs, tuple(VERIFY_INPUTS))]
+    make_input = VERIFY_INPUTS[check_choice('inputs', inputs, tuple(VERIFY_INPUTS))]
     batch = _check_batch(batch)
     images = check_int('images', images)
     check_bool('fp64', fp64)
