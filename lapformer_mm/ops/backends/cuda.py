@@ -761,20 +761,13 @@ def ensure_loaded(device_index, variant, element_type, smem_limit):
     CUDA-graph capture or a torch.compile trace nothing is loaded here: the launch loads,
     and raises (:class:`CaptureError` in a capture)."""
     if torch.compiler.is_compiling():
-        # First, so that a trace reads none of the mutable state below (no guard on it).
-        return None
-    key = (device_index, variant.name, element_type)
-    if key in _groups:
-        return None
-    if key in _failed:
-        return _failed[key]
-    if capturing(device_index):
+        # First, so that a trace reads none of load_group's mutable state (no guard on it).
         return None
     try:
         load_group(device_index, variant, element_type, smem_limit)
-    except CudaOpsError as exc:
+    except CudaOpsError as exc:  # this build's failure, now or remembered from before
         return str(exc)
-    except CaptureError:  # a capture begun on another thread meanwhile: the launch raises
+    except CaptureError:  # nothing is loaded inside a capture: the launch raises
         return None
     return None
 
