@@ -35,7 +35,7 @@ from devtools.timing import device_problem, machine, parse_device
 from lapformer_mm.analysis.model_zoo import build_from_config, data_samples
 from lapformer_mm.cli import int_at_least
 from lapformer_mm.cpu_malloc import keep_large_blocks
-from lapformer_mm.preflight import Input, path_problem
+from lapformer_mm.preflight import argument_problem
 
 
 def random_batch(scope, batch_size, height, width):
@@ -108,7 +108,7 @@ def parse_args(argv=None):
                          f'{getattr(args, name)}')
     if args.warmup < 0:
         parser.error(f'--warmup must be >= 0, got {args.warmup}')
-    problem = path_problem(Input('config', args.config, 'config', False))
+    problem = argument_problem(args.config)
     if problem:
         parser.error(f'config {args.config!r} {problem}')
     problem = device_problem(args.device)

@@ -249,13 +249,18 @@ def checkpoint_problems(cfg: Mapping) -> List[Problem]:
     return [Problem(item, reason, 'checkpoint')] if reason else []
 
 
+def argument_problem(path: str, is_dir: bool = False) -> Optional[str]:
+    """Why a file (or folder) given on a tool's command line cannot be read, or None: it
+    looks usable, or it is a ``scheme://`` path this check cannot see."""
+    return None if is_remote(path) else path_problem(Input('', path, '', is_dir))
+
+
 def check_checkpoint_argument(path: str) -> None:
     """Raise :class:`InputCheckError` when a checkpoint given on a tool's command line is a
     local path that cannot be read (missing, a folder, empty)."""
-    if not is_remote(path):
-        reason = path_problem(Input('checkpoint', path, 'checkpoint', False))
-        if reason:
-            raise InputCheckError(f'checkpoint {path!r} {reason}')
+    reason = argument_problem(path)
+    if reason:
+        raise InputCheckError(f'checkpoint {path!r} {reason}')
 
 
 def load_from_problems(cfg: Mapping) -> List[Problem]:

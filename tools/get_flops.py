@@ -17,7 +17,7 @@ from mmengine.config import DictAction
 
 from lapformer_mm.analysis.flops import detector_cost
 from lapformer_mm.analysis.model_zoo import build_from_config
-from lapformer_mm.preflight import Input, path_problem
+from lapformer_mm.preflight import argument_problem
 
 
 def parse_args(argv=None):
@@ -44,7 +44,7 @@ def fail(message):
 
 def main(argv=None):
     args = parse_args(argv)
-    problem = path_problem(Input('config', args.config, 'config', False))
+    problem = argument_problem(args.config)
     if problem:
         fail(f'config {args.config!r} {problem}')
     try:

@@ -25,7 +25,7 @@ from lapformer_mm.analysis.images import load_images, read_image, to_tensor
 from lapformer_mm.analysis.model_zoo import BACKBONE_CONFIGS, build_backbone
 from lapformer_mm.cli import int_at_least, positive_float
 from lapformer_mm.models.backbone import NUM_STAGES
-from lapformer_mm.preflight import Input, is_remote, path_problem
+from lapformer_mm.preflight import argument_problem
 
 
 def make_parser():
@@ -56,7 +56,7 @@ def parse_args(argv=None, parser=None):
         parser.error(f'--query: ROW and COL must be fractions in [0, 1], got '
                      f'{args.query[0]:g} {args.query[1]:g}')
     for option, path in (('--checkpoint', args.checkpoint), ('--image', args.image)):
-        problem = path and not is_remote(path) and path_problem(Input(option, path, '', False))
+        problem = path and argument_problem(path)
         if problem:
             parser.error(f'{option} {path}: {problem}')
     return args

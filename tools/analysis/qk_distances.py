@@ -22,7 +22,7 @@ from lapformer_mm.analysis.qk_distances import (
     write_report,
 )
 from lapformer_mm.cli import int_at_least
-from lapformer_mm.preflight import Input, is_remote, path_problem
+from lapformer_mm.preflight import argument_problem
 
 #: PVTv2's first spatial reduction is an 8x8 stride-8 conv over the stride-4 map of its
 #: 7x7 stride-4 patch embedding (padding 3): that map is (H - 1) // 4 + 1 >= 8 rows.
@@ -66,11 +66,11 @@ def parse_args(argv=None):
         parser.error(f'--checkpoint for {", ".join(unused)}, which --models does not list '
                      f'({", ".join(args.models)})')
     for model, path in checkpoints.items():
-        problem = path_problem(Input('checkpoint', path, 'checkpoint', False))
-        if problem and not is_remote(path):
+        problem = argument_problem(path)
+        if problem:
             parser.error(f'--checkpoint {model}={path}: {problem}')
     if args.images is not None:
-        problem = path_problem(Input('images', args.images, 'image folder', True))
+        problem = argument_problem(args.images, is_dir=True)
         if problem:
             parser.error(f'--images {args.images}: {problem}')
     swin = [m for m in args.models if m.startswith('swin')]
