@@ -53,8 +53,7 @@ def device_variants():
 
     from lapformer_mm.ops.backends import cuda
     limits = cuda.device_limits(torch.device('cuda', torch.cuda.current_device()))
-    return [v.name for v in cuda.VARIANTS if cuda.grads_smem(v) <= limits.smem_optin
-            and cuda.row_pass_static_smem(v) <= cuda.DEFAULT_SMEM]
+    return [v.name for v in cuda.VARIANTS if cuda.variant_fits(v, limits.smem_optin)]
 
 
 def main(argv=None):

@@ -192,6 +192,12 @@ class Plan(NamedTuple):
     ns_partials: int          # floats of the forward solve's k-split partials
 
 
+def variant_fits(v, smem_limit):
+    """Whether the variant's kernels fit a device whose blocks may use ``smem_limit`` bytes
+    of shared memory, whatever m (the solves' needs on m are :func:`plan`'s)."""
+    return row_pass_static_smem(v) <= DEFAULT_SMEM and grads_smem(v) <= smem_limit
+
+
 @functools.lru_cache(maxsize=None)
 def plan(m, dv, smem_limit):
     """A :class:`Plan` for m landmarks and d_v value columns on a device whose blocks may
@@ -202,7 +208,7 @@ def plan(m, dv, smem_limit):
         return (f'd_v = {dv} value columns; the CUDA kernels take 1 to {MAX_DV}',)
     reasons = []
     for v in sorted((v for v in VARIANTS if v.dv >= dv), key=lambda v: (v.dv, -v.tb)):
-        if row_pass_static_smem(v) > DEFAULT_SMEM or grads_smem(v) > smem_limit:
+        if not variant_fits(v, smem_limit):
             reasons.append(f'variant {v.name}: the gradient kernel needs {grads_smem(v):,} bytes '
                            f'of shared memory, the device allows {smem_limit:,}')
             continue
