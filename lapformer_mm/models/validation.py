@@ -16,7 +16,7 @@ backbone's, merged in from a ``_base_`` config) and values it refuses:
 """
 import inspect
 import warnings
-from typing import List, Mapping, Optional, Sequence
+from typing import List, Mapping, Sequence
 
 import torch
 from mmengine.hooks import Hook
@@ -26,16 +26,6 @@ from .backbone import NUM_STAGES, LaplacianFormer, init_cfg_entries, resolve_arc
 from .pretrained import is_pretrained_cfg
 
 BACKBONE_TYPE = 'LaplacianFormer'
-
-
-def backbone_out_channels(backbone_cfg: Mapping) -> Optional[List[int]]:
-    """Channels of the maps a LaplacianFormer config returns, or None for another type."""
-    if backbone_cfg.get('type') not in (BACKBONE_TYPE, LaplacianFormer):
-        return None
-    dims = resolve_arch(backbone_cfg.get('arch', 'tiny'))['embed_dims']
-    out_indices = LaplacianFormer._check_out_indices(
-        backbone_cfg.get('out_indices', tuple(range(NUM_STAGES))))
-    return [dims[i] for i in out_indices]
 
 
 class ConfigError(ValueError):
@@ -118,21 +108,23 @@ def _compare(where, got, out_channels, consumer, backbone):
         raise ModelConfigError(mismatch_message(where, got, expected, backbone))
 
 
-def _check_backbone_args(backbone_cfg: Mapping) -> None:
-    """Raise :class:`ModelConfigError` when LaplacianFormer refuses the config's arguments.
+def _check_backbone_args(backbone_cfg: Mapping):
+    """(embed_dims, out_indices) of a LaplacianFormer config; :class:`ModelConfigError`
+    where LaplacianFormer refuses its arguments.
 
     The constructor's own checks, run by building the backbone on the meta device (no
     memory, no initialisation): the tools catch a ConfigError and print
     its message, where the same error raised inside the Runner's build is a traceback.
     ``arch`` and ``out_indices`` are checked first, to name the key.
     """
-    for key, check in (('arch', resolve_arch),
-                       ('out_indices', LaplacianFormer._check_out_indices)):
-        if key in backbone_cfg:
-            try:
-                check(backbone_cfg[key])
-            except (TypeError, ValueError) as err:
-                raise ModelConfigError(f'model.backbone.{key}: {err}') from None
+    checked = {}
+    for key, check, default in (
+            ('arch', resolve_arch, 'tiny'),
+            ('out_indices', LaplacianFormer._check_out_indices, tuple(range(NUM_STAGES)))):
+        try:
+            checked[key] = check(backbone_cfg.get(key, default))
+        except (TypeError, ValueError) as err:
+            raise ModelConfigError(f'model.backbone.{key}: {err}') from None
     kwargs = {k: v for k, v in backbone_cfg.items() if k not in ('type', '_scope_')}
     try:
         # The build the Runner does next gives the warnings (deprecations, stages not run).
@@ -141,6 +133,7 @@ def _check_backbone_args(backbone_cfg: Mapping) -> None:
             LaplacianFormer(**kwargs)
     except (TypeError, ValueError) as err:
         raise ModelConfigError(f'model.backbone: {err}') from None
+    return checked['arch']['embed_dims'], checked['out_indices']
 
 
 # mmcv's model zoo: ImageNet CNNs (mmseg's ResNet bases name 'open-mmlab://resnet50_v1c').
@@ -196,10 +189,8 @@ def check_model_cfg(model_cfg: Mapping) -> None:
             '(another backbone\'s, kept from the _base_ config: add _delete_=True to the '
             'backbone dict to replace it; docs/backbone.md lists the arguments)')
     _check_segmentor_pretrained(model_cfg, backbone)
-    _check_backbone_args(backbone)
-    out_channels = backbone_out_channels(backbone)
-    out_indices = LaplacianFormer._check_out_indices(
-        backbone.get('out_indices', tuple(range(NUM_STAGES))))
+    dims, out_indices = _check_backbone_args(backbone)
+    out_channels = [dims[i] for i in out_indices]
     for where, consumer in _consumers(model_cfg):
         _compare(where, consumer.get('in_channels'), out_channels, consumer,
                  f"LaplacianFormer(arch={backbone.get('arch', 'tiny')!r}, "
