@@ -30,6 +30,14 @@ def dense_injective(C, whiten_eps):
     return centred / torch.sqrt(var + whiten_eps) + 1.0 / m
 
 
+def dense_average(weights, v):
+    """weights (..., N, M) applied as the attention applies them to v (..., M, d_v):
+    weights · (v − v̄) / M + v̄, so that every row of the N × M matrix acting on v,
+    (weights − rowmean) / M + 1/M, sums to 1 (docs/design.md §2.6)."""
+    mean = v.sum(-2, keepdim=True) / v.shape[-2]
+    return weights @ (v - mean) / v.shape[-2] + mean
+
+
 def smooth_tokens(batch, hw, dim, scale, seed, dtype=torch.float64):
     """Blurred noise tokens (batch, 1, H·W, dim) with std ``scale``."""
     gen = torch.Generator().manual_seed(seed)
@@ -81,9 +89,9 @@ def dense_attention(q, k, v, landmarks, lam=4.0, eps=0.01, whiten_eps=1e-5, kern
                     normalize='injective', iters=None, ns_init='identity', ns_refine=True):
     """The attention in fp64 with explicit kernel tensors and a direct solve.
 
-    Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ v), every tensor cast to fp64: the one
-    independent reference the op, module and backbone tests compare with. With ``iters``
-    the solve is that many Newton–Schulz steps (:func:`dense_newton_schulz_solve`).
+    Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · k(k, L)ᵀ (v − v̄) / N + v̄, every tensor cast to fp64:
+    the one independent reference the op, module and backbone tests compare with. With
+    ``iters`` the solve is that many Newton–Schulz steps (:func:`dense_newton_schulz_solve`).
     """
     q, k, v, landmarks = (t.double() for t in (q, k, v, landmarks))
     kernel_fn = dense_l1_kernel if kernel == 'laplacian' else dense_gaussian_kernel
@@ -91,10 +99,11 @@ def dense_attention(q, k, v, landmarks, lam=4.0, eps=0.01, whiten_eps=1e-5, kern
     w = kernel_fn(landmarks, landmarks, lam)
     p = w + eps * torch.eye(w.shape[-1], dtype=w.dtype)
     z = dense_injective(c_q, whiten_eps) if normalize == 'injective' else c_q
-    rhs = kernel_fn(k, landmarks, lam).mT @ v
+    mean = v.sum(-2, keepdim=True) / v.shape[-2]
+    rhs = kernel_fn(k, landmarks, lam).mT @ (v - mean) / v.shape[-2]
     if iters is None:
-        return z @ torch.linalg.solve(p, rhs)
-    return z @ dense_newton_schulz_solve(p, rhs, iters, ns_init, ns_refine)
+        return z @ torch.linalg.solve(p, rhs) + mean
+    return z @ dense_newton_schulz_solve(p, rhs, iters, ns_init, ns_refine) + mean
 
 
 def dense_attention_module(module, x, hw, qk_shared, landmark_grid, **options):

@@ -40,7 +40,7 @@ class LaplacianAttention(nn.Module):
 
     1. ``q, k, v`` by one linear layer (``k = q`` when ``qk_shared``);
     2. landmarks: the keys average-pooled to at most ``landmark_grid``² points;
-    3. ``o = Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v)`` per head
+    3. ``o = Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · k(k, L)ᵀ (v − v̄) / N + v̄`` per head
        (:func:`lapformer_mm.ops.nystrom_attention`, which pools step 2 too: one op,
        ``lapformer_mm::nystrom_attention``, reading 16-bit q, k, v as they are and computing
        in fp32);

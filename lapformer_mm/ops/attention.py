@@ -15,9 +15,12 @@ normalize, whiten_eps, impl) -> (out, context, inverse, stats)``
 * q (B, h, N, d); k (B, h, N, d) or None when keys are tied to queries; v (B, h, N, d_v);
   landmarks (B, h, m, d); any strides, one floating dtype and device for all four.
 * out (B, N, h, d_v), contiguous, q's dtype: the token layout the module needs next.
-* context (B, h, m, d_v) = P⁻¹ k(k, L)ᵀ v; inverse (B, h, m, m) the Newton–Schulz X ≈ P⁻¹;
-  stats (B, h, 2, m) the whitening's μ and s ((B, h, 0, m) for normalize='none'); fp32
-  (fp64 for fp64 inputs), saved for the backward as flash-attn saves softmax_lse.
+* out = Z · context[:m] + context[m], Z the injective map of k(q, L) (k(q, L) itself for
+  normalize='none').
+* context (B, h, m + 1, d_v): P⁻¹ k(k, L)ᵀ (v − v̄) / N, then the mean value v̄; inverse
+  (B, h, m, m) the Newton–Schulz X ≈ P⁻¹; stats (B, h, 3, m) the whitening's μ and s and the
+  keys' mean kernel row c̄ ((B, h, 1, m), c̄ alone, for normalize='none'); fp32 (fp64 for
+  fp64 inputs), saved for the backward as flash-attn saves softmax_lse.
 
 ``nystrom_attention_backward(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam,
 eps, ns_refine, normalize, whiten_eps, impl) -> (dq, dk, dv, dlandmarks)``: grad (B, N, h,
@@ -262,8 +265,8 @@ def _(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize
     batch, heads, n, _ = q.shape
     m, dv = landmarks.shape[-2], v.shape[-1]
     acc = reference.compute_dtype(q.dtype)
-    rows = 2 if normalize == 'injective' else 0
-    return (q.new_empty(batch, n, heads, dv), q.new_empty(batch, heads, m, dv, dtype=acc),
+    rows = 3 if normalize == 'injective' else 1
+    return (q.new_empty(batch, n, heads, dv), q.new_empty(batch, heads, m + 1, dv, dtype=acc),
             q.new_empty(batch, heads, m, m, dtype=acc),
             q.new_empty(batch, heads, rows, m, dtype=acc))
 
@@ -304,7 +307,8 @@ class NystromAttentionFunction(torch.autograd.Function):
 
 def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmark_grid=7,
                       dropout_p=0.0, export=None, **kwargs):
-    """Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · (k(k, L)ᵀ · v), evaluated right to left.
+    """Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · k(k, L)ᵀ (v − v̄) / N + v̄, evaluated right to left:
+    every row of weights sums to 1 over the N keys (docs/design.md §2.6).
 
     q, k (..., N, d) (k None or ``k is q``: tied keys), v (..., N, d_v) -> (..., N, d_v) in q's
     dtype (4-D operands: a view of the op's (B, N, h, d_v) layout). The landmarks L

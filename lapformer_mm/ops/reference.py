@@ -8,10 +8,12 @@ Read top to bottom, it is the attention in the order it runs (docs/design.md §2
                                                   ('laplacian') or squared ℓ2 ('gaussian')
 3. landmark system      :func:`landmark_system`   P = k(L, L) + εI
 4. solve                :func:`newton_schulz`, :func:`apply_inverse`, :func:`solve_context`:
-                        context = X R, X ≈ P⁻¹, R = k(k, L)ᵀ v, one refinement step;
-                        :func:`exact_solve` and :func:`cg_solve` for the ablations
+                        context = X R, X ≈ P⁻¹, R = k(k, L)ᵀ (v − v̄) / N (:func:`landmark_rhs`),
+                        one refinement step; :func:`exact_solve` and :func:`cg_solve` for the
+                        ablations
 5. feature map          :func:`whiten`, :func:`whitening_scale`: Z = c̃ diag(s) + 1/m
-6. output               :func:`forward`           out = Z · context
+6. output               :func:`forward`           out = Z · context + v̄: rows of weights that
+                                                  sum to 1 over the N keys (docs/design.md §2.6)
 7. backward             :func:`backward` from :func:`context_grads` and :func:`solve_grads`,
                         which the CPU backend calls too
 
@@ -217,18 +219,25 @@ def apply_inverse(inverse, P, rhs, ns_refine):
 
 
 def landmark_rhs(c_k, v):
-    """R = k(k, L)ᵀ v (..., m, d_v) as (C_k − r 1ᵀ)ᵀ v + 1 (rᵀ v), r = C_k's row means over
-    landmarks: exact in math for any r, so r's own rounding does not matter. Every key is
-    nearly equally similar to every landmark, so the output reads only R's small
-    landmark-to-landmark differences (then scaled by the whitening's s); a plain fp32 N-sum
-    loses them (docs/numerics.md). The centred N-sum runs on small values; the common part
-    rᵀ v, N · d_v products, in :data:`RESIDUAL_DTYPE`: P⁻¹ does not keep an error common to
-    the landmarks common, and an fp32 N-sum of it would undo the centring's gain."""
+    """(R, v̄): R = k(k, L)ᵀ (v − 1 v̄ᵀ) / N (..., m, d_v), v̄ (..., 1, d_v) the mean value.
+
+    The 1/N and the centring of v over the keys make the attention a weighted average
+    whatever N (docs/design.md §2.6). R is summed as (C_k − r 1ᵀ)ᵀ ṽ + 1 (rᵀ ṽ), ṽ = v − v̄,
+    r = C_k's row means over landmarks: exact in math for any r, so r's own rounding does
+    not matter. Every key is nearly equally similar to every landmark, so the output reads
+    only R's small landmark-to-landmark differences (then scaled by the whitening's s); a
+    plain fp32 N-sum loses them (docs/numerics.md). The centred N-sum runs on small values;
+    the common part rᵀ ṽ, N · d_v products, in :data:`RESIDUAL_DTYPE`: P⁻¹ does not keep an
+    error common to the landmarks common, and an fp32 N-sum of it would undo the centring's
+    gain."""
+    n = v.shape[-2]
+    mean = v.mean(-2, keepdim=True)
+    centred = v - mean
     row = c_k.mean(-1, keepdim=True)
     wide = torch.promote_types(RESIDUAL_DTYPE.get(), v.dtype)
     # transpose, not .mT: the TorchScript exporter has no aten::mT.
-    common = torch.matmul(row.to(wide).transpose(-1, -2), v.to(wide)).to(v.dtype)
-    return torch.matmul((c_k - row).transpose(-1, -2), v) + common
+    common = torch.matmul(row.to(wide).transpose(-1, -2), centred.to(wide)).to(v.dtype)
+    return (torch.matmul((c_k - row).transpose(-1, -2), centred) + common) / n, mean
 
 
 def solve_context(P, rhs, opts):
@@ -338,29 +347,34 @@ def whiten(C, whiten_eps):
 # 6. The forward ----------------------------------------------------------------------------------
 
 def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=False):
-    """Z(k(q, L)) · P⁻¹ · k(k, L)ᵀ v -> (out (B, h, N, d_v) in q's dtype, context, X, stats)
-    for q (B, h, N, d), k (None: tied to q), v (B, h, N, d_v), landmarks (B, h, m, d), under
-    autograd, autocast off; X is None for the 'exact' and 'cg' solvers; dropout acts on Z."""
+    """Z(k(q, L)) · P⁻¹ · k(k, L)ᵀ (v − v̄) / N + v̄ -> (out (B, h, N, d_v) in q's dtype,
+    context, X, stats) for q (B, h, N, d), k (None: tied to q), v (B, h, N, d_v), landmarks
+    (B, h, m, d), under autograd, autocast off; X is None for the 'exact' and 'cg' solvers;
+    dropout acts on Z. context (B, h, m + 1, d_v) is P⁻¹ R and, last, v̄; stats (B, h, 3, m)
+    the whitening's μ and s and the keys' mean kernel row c̄ = colmean(k(k, L)) ((B, h, 1, m),
+    c̄ alone, for normalize='none')."""
     dtype = compute_dtype(q.dtype)
     with torch.autocast(device_type=q.device.type, enabled=False):
         qa, va, la = q.to(dtype), v.to(dtype), landmarks.to(dtype)
         c_q = similarity(qa, la, opts.lam, opts.kernel, export)
         c_k = c_q if k is None else similarity(k.to(dtype), la, opts.lam, opts.kernel, export)
         P = landmark_system(la, opts.lam, opts.eps, opts.kernel, export)
-        rhs = landmark_rhs(c_k, va)
+        rhs, mean_v = landmark_rhs(c_k, va)
         if solver == 'newton':
             context, inverse = solve_context(P, rhs, opts)
         else:
             inverse = None
             context = exact_solve(P, rhs) if solver == 'exact' else cg_solve(P, rhs, opts.iters)
+        key_mean = c_k.mean(-2, keepdim=True)
         if opts.normalize == 'injective':
             z, stats = whiten(c_q, opts.whiten_eps)
+            stats = torch.cat((stats, key_mean), dim=-2)
         else:
-            z, stats = c_q, c_q.new_empty(*c_q.shape[:-2], 0, la.shape[-2])
+            z, stats = c_q, key_mean
         if dropout_p > 0:
             z = F.dropout(z, dropout_p, training=True)
-        out = torch.matmul(z, context)
-    return out.to(q.dtype), context, inverse, stats
+        out = torch.matmul(z, context) + mean_v
+    return out.to(q.dtype), torch.cat((context, mean_v), dim=-2), inverse, stats
 
 
 # 7. The backward (closed form; it treats the solve as exact) -------------------------------------
@@ -373,7 +387,7 @@ def context_grads(t, gsum, context, stats, n, normalize):
     """
     if normalize != 'injective':
         return t, None, context
-    scale = stats[..., 1:, :]
+    scale = stats[..., 1:2, :]
     m = context.shape[-2]
     d_context = scale.mT * t + gsum / m
     a = scale.square() * scale * (t * context).sum(-1).unsqueeze(-2) / n
@@ -381,15 +395,25 @@ def context_grads(t, gsum, context, stats, n, normalize):
 
 
 def solve_grads(inverse, P, d_context, context, ns_refine):
-    """(dR, dP): dR = P⁻¹ dcontext (X, refined as the forward), dP = −dR contextᵀ."""
+    """(dR, dP): dR = P⁻¹ dcontext (X, refined as the forward), dP = −dR contextᵀ; context
+    (..., m, d_v) without v̄'s row."""
     d_rhs = apply_inverse(inverse, P, d_context, ns_refine)
     return d_rhs, -torch.matmul(d_rhs, context.mT)
 
 
+def value_grads(d_rhs, gsum, key_mean, n):
+    """(dR̃, w) of R = C_kᵀ (v − 1 v̄ᵀ) / N and out's + v̄, for dR (..., m, d_v), colsum(G)
+    (..., 1, d_v) and c̄ (..., 1, m): dR̃ = dR / N, so dC_k = (v − 1 v̄ᵀ) dR̃ᵀ and
+    dv = C_k dR̃ + 1 w, w = colsum(G) / N − c̄ dR̃ (v̄'s share of both paths)."""
+    d_rhs = d_rhs / n
+    return d_rhs, gsum / n - torch.matmul(key_mean, d_rhs)
+
+
 def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
     """(dq, dk, dv, dlandmarks) of :func:`forward` for grad G (B, h, N, d_v) of its output:
-    dc̃ = G contextᵀ diag(s) − (c̃ − μ) diag(a), dC_q = dc̃ − rowmean(dc̃), dC_k = v dRᵀ,
-    dv = C_k dR, then the similarity gradients; dk is empty when k is None (it is in dq)."""
+    dc̃ = G contextᵀ diag(s) − (c̃ − μ) diag(a), dC_q = dc̃ − rowmean(dc̃),
+    dC_k = (v − v̄) dR̃ᵀ, dv = C_k dR̃ + 1 w (:func:`value_grads`), then the similarity
+    gradients; dk is empty when k is None (it is in dq)."""
     dtype = compute_dtype(q.dtype)
     tied = k is None
     with torch.autocast(device_type=q.device.type, enabled=False):
@@ -398,17 +422,21 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
         c_q = similarity(qa, la, opts.lam, opts.kernel)
         c_k = c_q if tied else similarity(ka, la, opts.lam, opts.kernel)
         injective = opts.normalize == 'injective'
+        m, n = la.shape[-2], q.shape[-2]
+        context, mean_v = context[..., :m, :], context[..., m:, :]
         centred = centre_rows(c_q) if injective else c_q
-        d_context, a, _ = context_grads(torch.matmul(centred.mT, g), g.sum(-2, keepdim=True),
-                                        context, stats, q.shape[-2], opts.normalize)
+        gsum = g.sum(-2, keepdim=True)
+        d_context, a, _ = context_grads(torch.matmul(centred.mT, g), gsum, context, stats, n,
+                                        opts.normalize)
         d_cq = torch.matmul(g, context.mT)
         if injective:
-            d_centred = d_cq * stats[..., 1:, :] - (centred - stats[..., :1, :]) * a
+            d_centred = d_cq * stats[..., 1:2, :] - (centred - stats[..., :1, :]) * a
             d_cq = d_centred - d_centred.mean(-1, keepdim=True)
         P = landmark_system(la, opts.lam, opts.eps, opts.kernel)
         d_rhs, d_p = solve_grads(inverse, P, d_context, context, opts.ns_refine)
-        d_ck = torch.matmul(va, d_rhs.mT)
-        dv = torch.matmul(c_k, d_rhs)
+        d_rhs, w = value_grads(d_rhs, gsum, stats[..., -1:, :], n)
+        d_ck = torch.matmul(va - mean_v, d_rhs.mT)
+        dv = torch.matmul(c_k, d_rhs) + w
         dq, dl = similarity_grads((d_cq + d_ck if tied else d_cq) * c_q, qa, la, opts.lam,
                                   opts.kernel)
         if tied:

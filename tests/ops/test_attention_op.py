@@ -67,7 +67,7 @@ def test_output_is_a_view_of_the_token_layout():
     raw = OPS.nystrom_attention(q, None, v, landmarks, 'laplacian', 4.0, 0.01, 16, 'identity',
                                 True, 'injective', 1e-5, 'reference')
     shapes = [tuple(t.shape) for t in raw]
-    assert shapes == [(2, 16, 3, 6), (2, 3, 4, 6), (2, 3, 4, 4), (2, 3, 2, 4)]
+    assert shapes == [(2, 16, 3, 6), (2, 3, 5, 6), (2, 3, 4, 4), (2, 3, 3, 4)]
     assert [t.dtype for t in raw[1:]] == [torch.float64] * 3
 
 
@@ -80,10 +80,14 @@ def test_saved_statistics_are_the_whitening_of_the_kernel_rows():
     centred = c - c.mean(-1, keepdim=True)
     torch.testing.assert_close(stats[..., 0, :], centred.mean(-2))
     torch.testing.assert_close(stats[..., 1, :], (centred.var(-2, unbiased=False) + 1e-5).rsqrt())
+    torch.testing.assert_close(stats[..., 2, :], c.mean(-2))
     p = torch.exp(-(landmarks.unsqueeze(-2) - landmarks.unsqueeze(-3)).abs().sum(-1) / 4.0)
     p = p + 0.01 * torch.eye(9, dtype=p.dtype)
     torch.testing.assert_close(inverse, torch.linalg.inv(p), rtol=1e-8, atol=1e-8)
-    torch.testing.assert_close(context, torch.linalg.solve(p, c.mT @ v), rtol=1e-9, atol=1e-10)
+    mean = v.mean(-2, keepdim=True)
+    torch.testing.assert_close(context[..., :9, :], torch.linalg.solve(p, c.mT @ (v - mean) / 25),
+                               rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(context[..., 9:, :], mean)
 
 
 @pytest.mark.parametrize('dtype, tol', [(torch.float32, 2e-5), (torch.bfloat16, 3e-2),
@@ -98,20 +102,23 @@ def test_16_bit_inputs_compute_in_fp32_and_return_their_dtype(dtype, tol):
 
 
 def test_fp16_does_not_overflow_where_the_whitening_scale_reaches_its_bound():
-    """36 equal tokens of norm ~480 and values of std 100: each column's variance is 0, the
-    whitening scale exactly 1/sqrt(whiten_eps) = 316, and s · context (~1e5) would overflow
-    fp16 (65504) if it were kept in the input dtype; statistics and context stay fp32."""
+    """36 equal queries, keys of spread 0.3 and values of std 3000: each query column's
+    variance is 0, the whitening scale exactly 1/sqrt(whiten_eps) = 316, and s · context
+    (~8e4) would overflow fp16 (65504) if it were kept in the input dtype; statistics and
+    context stay fp32."""
     gen = torch.Generator().manual_seed(6)
-    q = (60.0 + torch.zeros(1, 1, 36, 8, dtype=torch.float64)).half()
-    v = (100 * torch.randn(1, 1, 36, 8, generator=gen, dtype=torch.float64)).abs().half()
-    landmarks = pool_landmarks(q, (6, 6), 3)
-    _, context, _, stats = OPS.nystrom_attention(q, None, v, landmarks, 'laplacian', 4.0, 0.01,
+    q = torch.zeros(1, 1, 36, 8, dtype=torch.half)
+    k = (0.3 * torch.randn(1, 1, 36, 8, generator=gen, dtype=torch.float64)).half()
+    v = (3000 * torch.randn(1, 1, 36, 8, generator=gen, dtype=torch.float64)).half()
+    landmarks = pool_landmarks(k, (6, 6), 3)
+    _, context, _, stats = OPS.nystrom_attention(q, k, v, landmarks, 'laplacian', 4.0, 0.01,
                                                  16, 'identity', True, 'injective', 1e-5,
                                                  'reference')
-    assert stats[0, 0, 1].min() > 316 and (stats[..., 1:, :, None] * context).abs().max() > 7e4
-    out = nystrom_attention(q, q, v, landmarks)
+    scaled = stats[..., 1, :, None] * context[..., :-1, :]
+    assert stats[0, 0, 1].min() > 316 and scaled.abs().max() > 7e4
+    out = nystrom_attention(q, k, v, landmarks)
     assert torch.isfinite(out).all()
-    expected = dense_attention(q, q, v, landmarks)
+    expected = dense_attention(q, k, v, landmarks)
     torch.testing.assert_close(out.double(), expected, rtol=3e-3,
                                atol=3e-3 * expected.abs().max().item())
 
@@ -255,8 +262,9 @@ def test_dropout_takes_the_reference_path_and_drops_entries_of_z(monkeypatch):
     assert 0 < int((mask == 0).sum()) < mask.numel()
     system = dense_l1_kernel(landmarks, landmarks, 4.0) + 0.01 * torch.eye(landmarks.shape[-2],
                                                                         dtype=z.dtype)
-    context = torch.linalg.solve(system, dense_l1_kernel(k, landmarks, 4.0).mT @ v)
-    torch.testing.assert_close(dropped, (z * mask) @ context, rtol=1e-9, atol=1e-10)
+    mean = v.mean(-2, keepdim=True)
+    context = torch.linalg.solve(system, dense_l1_kernel(k, landmarks, 4.0).mT @ (v - mean) / 16)
+    torch.testing.assert_close(dropped, (z * mask) @ context + mean, rtol=1e-9, atol=1e-10)
 
 
 def test_gradients_come_through_the_autograd_function():

@@ -7,6 +7,7 @@ import pytest
 import torch
 from _attention_helpers import (
     dense_attention,
+    dense_average,
     dense_injective,
     dense_l1_kernel,
     finite,
@@ -46,7 +47,7 @@ def test_exact_limit_equals_dense_attention(normalize):
     dense = dense_l1_kernel(q, k, 4.0)
     if normalize == 'injective':
         dense = dense_injective(dense, 1e-5)
-    expected = dense @ v
+    expected = dense_average(dense, v)
     assert ((out - expected).norm() / expected.norm()) < 1e-6
 
 
@@ -331,10 +332,9 @@ def test_feature_scales_finite_forward_and_backward(scale, normalize):
     out.square().sum().backward()
     assert finite(out, q.grad, k.grad, v.grad)
     if scale >= 1e2:
-        # Every kernel value underflows (||q - L||_1 / lam >> 100): the attention
-        # term is exactly 0 and passes no gradient; finite, but the block falls back
-        # to its local (depth-wise conv) term.
-        assert out.abs().max() == 0
+        # Every kernel value underflows (||q - L||_1 / lam >> 100): every query's weights
+        # are uniform, and the attention term is the mean value.
+        torch.testing.assert_close(out, v.mean(-2, keepdim=True).expand_as(out))
 
 
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
@@ -362,8 +362,8 @@ def _near_identical_inputs(spread, seed=0, n=400, m=49, d=32):
 
 @pytest.mark.parametrize('spread', [1e-4, 1e-3, 1e-2])
 def test_fp32_default_newton_within_3x_of_an_fp32_direct_solve(spread):
-    """Near-identical landmarks (cond(P) 1.3e3-4.8e3): fp32 Newton–Schulz alone is off by
-    1e-3..5e-2; with the refinement step (the default) it is within 3x of an fp32 direct solve."""
+    """Near-identical landmarks (cond(P) 1.3e3-4.8e3): with the refinement step (the default)
+    fp32 Newton–Schulz is within 3x of an fp32 direct solve."""
     q, v, landmarks = _near_identical_inputs(spread)
     expected = dense_attention(q, q, v, landmarks)
 
@@ -371,8 +371,6 @@ def test_fp32_default_newton_within_3x_of_an_fp32_direct_solve(spread):
         out = nystrom_attention(q.float(), q.float(), v.float(), landmarks.float(), **options)
         return ((out.double() - expected).norm() / expected.norm()).item()
     assert error() <= 3 * error(solver='exact')
-    if spread < 1e-2:
-        assert error(ns_refine=False) > 10 * error(solver='exact')  # what the step is for
 
 
 def test_zero_whiten_eps_on_a_one_by_one_grid_is_finite():

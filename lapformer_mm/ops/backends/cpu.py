@@ -116,37 +116,46 @@ def forward(q, k, v, landmarks, opts, ops=None):
     kernels (None: this build's), or the ONNX Runtime op library's nodes of the same
     signatures (``lapformer_mm.ops.export.OrtNodes``) that an export composes so.
 
-    Per (b, h): one pass over the rows of k (tied: q) forms k(k, L) and R = k(k, L)ᵀ v; with
-    separate keys a second pass over q forms k(q, L). The query pass also sums the whitening
-    statistics and keeps k(q, L) for out = k(q, L) A + 1 bᵀ, A = (I − J/m) diag(s) context,
-    b = colsum(context) / m (the whitening folded in; the rows centred before the product).
+    Per (b, h): one pass over the rows of k (tied: q) forms k(k, L) and k(k, L)ᵀ [v − v̄, 1]
+    (R and the keys' column sums); with separate keys a second pass over q forms k(q, L).
+    The query pass also sums the whitening statistics and keeps k(q, L) for
+    out = k(q, L) A + 1 bᵀ, A = (I − J/m) diag(s) context, b = colsum(context) / m + v̄ (the
+    whitening folded in; the rows centred before the product).
     """
     ops, kind = ops or _ops(), reference.KERNEL_CODES[opts.kernel]
     injective = opts.normalize == 'injective'
     with torch.autocast(device_type='cpu', enabled=False):
         _, P = _landmark_system(ops, landmarks, opts)
+        n, dv = v.shape[-2:]
+        mean_v = v.float().mean(-2, keepdim=True) if v.dtype != torch.float64 else \
+            v.mean(-2, keepdim=True)
+        v_ones = torch.cat((v - mean_v.to(v.dtype), torch.ones_like(v[..., :1])), dim=-1)
         if k is None:
-            rhs, raw, rows = ops.attention_rows_forward(q, landmarks, v, opts.lam, kind,
-                                                        injective, True)
+            sums, raw, rows = ops.attention_rows_forward(q, landmarks, v_ones, opts.lam, kind,
+                                                         injective, True)
         else:
-            rhs, _, _ = ops.attention_rows_forward(k, landmarks, v, opts.lam, kind, False, False)
+            sums, _, _ = ops.attention_rows_forward(k, landmarks, v_ones, opts.lam, kind, False,
+                                                    False)
             _, raw, rows = ops.attention_rows_forward(q, landmarks, None, opts.lam, kind,
                                                       injective, True)
+        sums = sums / n
+        # transpose, not .mT: the TorchScript exporter has no aten::mT.
+        rhs, key_mean = sums[..., :dv], sums[..., dv:].transpose(-1, -2)
         context, inverse = reference.solve_context(P, rhs, opts)
         m = landmarks.shape[-2]
+        mean_v = mean_v.to(context.dtype)
         if injective:
             mean = raw[:, :, :1]
             scale = reference.whitening_scale(raw[:, :, 1:], opts.whiten_eps)
-            stats = torch.cat((mean, scale), dim=2)
-            # transpose, not .mT: the TorchScript exporter has no aten::mT.
+            stats = torch.cat((mean, scale, key_mean), dim=2)
             scaled = scale.transpose(-1, -2) * context
             folded = scaled - scaled.mean(-2, keepdim=True)
-            bias = context.sum(-2, keepdim=True) / m
+            bias = context.sum(-2, keepdim=True) / m + mean_v
         else:
-            stats = context.new_empty(*context.shape[:2], 0, m)
-            folded, bias = context, context.new_zeros(*context.shape[:2], 1, context.shape[-1])
+            stats = key_mean
+            folded, bias = context, mean_v
         out = ops.attention_rows_apply(rows, folded, bias, injective, q.dtype)
-    return out, context, inverse, stats
+    return out, torch.cat((context, mean_v), dim=2), inverse, stats
 
 
 def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
@@ -154,20 +163,25 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
 
     A first pass over q recomputes C_q and sums T = c̃ᵀ G and colsum(G); the m × d_v algebra
     in between is the reference's; a second pass forms each row's dC_q (with tied keys also
-    dC_k = v dRᵀ and dv = C_k dR) and the kernel gradient of q and L; separate keys take a
-    third pass over k.
+    dC_k = (v − v̄) dR̃ᵀ and dv = C_k dR̃ + 1 w, :func:`reference.value_grads`) and the kernel
+    gradient of q and L; separate keys take a third pass over k.
     """
     ops, kind = _ops(), reference.KERNEL_CODES[opts.kernel]
     injective = opts.normalize == 'injective'
     g = grad.transpose(1, 2)
     with torch.autocast(device_type='cpu', enabled=False):
         t, gsum, rows = ops.attention_grad_sums(q, landmarks, g, opts.lam, kind, injective)
-        d_context, a, scaled = reference.context_grads(t, gsum, context, stats, q.shape[-2],
+        m, n = landmarks.shape[-2], q.shape[-2]
+        context, mean_v = context[:, :, :m], context[:, :, m:]
+        d_context, a, scaled = reference.context_grads(t, gsum, context, stats, n,
                                                        opts.normalize)
         mean = stats[:, :, :1].contiguous() if injective else None
         a = a.contiguous() if injective else None
         w, P = _landmark_system(ops, landmarks, opts)
         d_rhs, d_p = reference.solve_grads(inverse, P, d_context, context, opts.ns_refine)
+        d_rhs, dv_row = reference.value_grads(d_rhs, gsum, stats[:, :, -1:], n)
+        d_rhs = d_rhs.contiguous()
+        v = v - mean_v.to(v.dtype)
         if k is None:
             dq, dl, dv = ops.attention_rows_backward(q, landmarks, rows, g, scaled, a, mean, v,
                                                      d_rhs, True, opts.lam, kind, injective)
@@ -183,4 +197,5 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
         # P = k(L, L) + eps·I: L is both operands.
         dlx, dly = ops.pairwise_backward(d_p, w, landmarks, landmarks, opts.lam, kind, True, True)
         dl = dl + dlx + dly
+        dv = (dv + dv_row.transpose(1, 2)).to(v.dtype)
     return dq.transpose(1, 2), dk, dv.transpose(1, 2), dl.to(landmarks.dtype)
