@@ -57,7 +57,7 @@ def test_every_config_builds_its_model_through_the_plugin(path):
     assert cfg.runner_type == 'SafeCheckpointRunner'
     backbone = cfg.model.backbone
     models_registry(cfg.default_scope).build(cfg.model)
-    if path.endswith('_baseline.py'):  # diagnostic ResNet config
+    if path.endswith('_baseline.py'):  # a comparison baseline: another backbone
         return
     assert backbone.type == 'LaplacianFormer'
     # the neck/decoder widths must be the backbone's stage widths (the table above)
