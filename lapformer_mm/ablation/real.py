@@ -1,10 +1,16 @@
-"""The ablation variants on a real classification config: one config per variant, the
-training commands, and the metrics of the finished work_dirs in the sweep's table.
+"""The ablation sweep on a real config: rows (attention variants, backbone peers, extra
+configs) × seeds, their commands, and the metrics of the finished work_dirs.
+
+A classification config is trained and read from its training validation (top-1). A
+segmentation or detection config is trained, then evaluated by ``tools/test.py``: its
+``metrics.json`` (the headline metrics) and ``test.log`` (mmseg's IoUMetric per-class table,
+mmdet's CocoMetric ``classwise`` tables) are the run's results.
 
 Layout under the sweep's ``out`` folder::
 
     configs/<config>__<variant>.py        _base_ = the given config, + the variant's attn_cfg
-    work_dirs/<variant>/seed<S>/          one mmengine work_dir per run (tools/train.py)
+    work_dirs/<row>/seed<S>/              one mmengine work_dir per run (tools/train.py),
+        run.log, test.log, metrics.json   with --run's output and tools/test.py's (seg, det)
     commands.sh                           every run's command
 """
 import glob
@@ -19,6 +25,37 @@ from .toy import takeoff_step
 LAUNCHERS = ('train', 'dist', 'slurm')
 # The top-1 key of mmpretrain's Accuracy metric, in percent, as mmengine logs it.
 ACCURACY_KEY = 'accuracy/top1'
+#: A config's ``default_scope`` -> the sweep's task.
+SCOPE_TASKS = {'mmpretrain': 'cls', 'mmseg': 'seg', 'mmdet': 'det'}
+#: ``--peers``: the backbones of the toy baselines, ``configs/toy/<head>_<peer>_toy_baseline.py``.
+PEERS = ('pvtv2_b1', 'swin_t', 'r18')
+PEER_HEADS = {'seg': 'upernet', 'det': 'maskrcnn'}
+TOY_CONFIGS = osp.join(osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))),
+                       'configs', 'toy')
+#: Per tested task: the table's headline metrics (name, key of tools/test.py's
+#: --metrics-json), their decimals, and the per-class tables of test.log in the report.
+TEST_METRICS = {
+    'seg': dict(headline=(('mIoU (%)', 'mIoU'), ('aAcc (%)', 'aAcc'), ('mAcc (%)', 'mAcc')),
+                digits=2, classwise=('IoU',)),
+    'det': dict(headline=(('bbox AP', 'coco/bbox_mAP'), ('bbox AP50', 'coco/bbox_mAP_50'),
+                          ('segm AP', 'coco/segm_mAP')),
+                digits=3, classwise=('bbox AP', 'bbox AP50')),
+}
+# Past any iteration or epoch: the evaluation is tools/test.py's, not one in training.
+NO_VAL = 'train_cfg.val_begin=1000000'
+
+
+def config_task(config):
+    """'cls', 'seg' or 'det': the task of ``config`` by its ``default_scope``."""
+    from mmengine.config import Config
+    scope = Config.fromfile(config).get('default_scope')
+    if scope not in SCOPE_TASKS:
+        raise ValueError(f'default_scope {scope!r} is none of {", ".join(SCOPE_TASKS)}')
+    return SCOPE_TASKS[scope]
+
+
+def peer_config(task, peer):
+    return osp.relpath(osp.join(TOY_CONFIGS, f'{PEER_HEADS[task]}_{peer}_toy_baseline.py'))
 
 
 def safe_name(variant):
@@ -29,8 +66,6 @@ def safe_name(variant):
 def write_variant_configs(config, variants, out_dir):
     """One config per variant under ``out_dir/configs``, inheriting ``config`` and
     setting ``model.backbone.attn_cfg`` (merged into the config's own); {variant: path}."""
-    if not osp.isfile(config):
-        raise FileNotFoundError(f'--config: no such file {config!r}')
     folder = osp.join(out_dir, 'configs')
     os.makedirs(folder, exist_ok=True)
     stem = osp.splitext(osp.basename(config))[0]
@@ -50,35 +85,68 @@ def run_work_dir(out_dir, variant, seed):
     return osp.join(out_dir, 'work_dirs', safe_name(variant), f'seed{seed}')
 
 
-def train_command(launcher, config, work_dir, seed, gpus=8, partition='PARTITION',
-                  job_name='ablate'):
-    """The command (a list of words) that trains ``config`` into ``work_dir`` from ``seed``
-    with ``tools/train.py``, ``tools/dist_train.sh`` or ``tools/slurm_train.sh``."""
-    options = ['--cfg-options', f'randomness.seed={seed}']
+def _launch(launcher, tool, args, gpus, partition, job_name):
+    """``tools/<tool>.py`` with ``args`` (the first one or two positional: config, and the
+    checkpoint for test) through ``launcher``; a list of words."""
+    positional = 2 if tool == 'test' else 1
     if launcher == 'train':
-        return ['python', 'tools/train.py', config, '--work-dir', work_dir] + options
+        return ['python', f'tools/{tool}.py'] + args
     if launcher == 'dist':
-        return ['tools/dist_train.sh', config, str(gpus), '--work-dir', work_dir] + options
+        return [f'tools/dist_{tool}.sh'] + args[:positional] + [str(gpus)] + args[positional:]
     if launcher == 'slurm':
-        return ([f'GPUS={gpus}', 'tools/slurm_train.sh', partition, job_name, config,
-                 work_dir] + options)
+        return [f'GPUS={gpus}', f'tools/slurm_{tool}.sh', partition, job_name] + args
     raise ValueError(f'--launcher must be one of {", ".join(LAUNCHERS)}, got {launcher!r}')
 
 
+def train_command(launcher, config, work_dir, seed, gpus=8, partition='PARTITION',
+                  job_name='ablate', options=(), resume=False):
+    """The command (a list of words) that trains ``config`` into ``work_dir`` from ``seed``
+    with ``tools/train.py``, ``tools/dist_train.sh`` or ``tools/slurm_train.sh``; with
+    ``resume``, from the work_dir's last checkpoint when it has one."""
+    args = ([config, work_dir] if launcher == 'slurm' else [config, '--work-dir', work_dir])
+    args += ['--resume'] * resume + ['--cfg-options', f'randomness.seed={seed}', *options]
+    return _launch(launcher, 'train', args, gpus, partition, job_name)
+
+
+def test_command(launcher, task, config, work_dir, gpus=8, partition='PARTITION',
+                 job_name='ablate', options=()):
+    """The shell line that evaluates the last checkpoint of ``work_dir`` with
+    ``tools/test.py`` (or its launchers) into ``work_dir``'s metrics.json and test.log."""
+    options = ['test_evaluator.classwise=True'] * (task == 'det') + list(options)
+    args = [config, '@CKPT', '--work-dir', osp.join(work_dir, 'test'), '--metrics-json',
+            osp.join(work_dir, 'metrics.json')] + ['--cfg-options'] * bool(options) + options
+    line = shlex.join(_launch(launcher, 'test', args, gpus, partition, job_name))
+    checkpoint = f'"$(cat {shlex.quote(osp.join(work_dir, "last_checkpoint"))})"'
+    return (line.replace('@CKPT', checkpoint) + ' > '
+            + shlex.quote(osp.join(work_dir, 'test.log')) + ' 2>&1')
+
+
 def plan_runs(config, variants, seeds, out_dir, launcher='train', gpus=8,
-              partition='PARTITION'):
-    """Write the variant configs and ``commands.sh``; return the planned runs (dicts with
-    ``variant``, ``seed``, ``config``, ``work_dir``, ``command``: a shell line)."""
+              partition='PARTITION', peers=(), extras=(), task='cls', options=()):
+    """Write the variant configs and ``commands.sh``; return the planned runs, seed by seed
+    (dicts with ``variant`` (the row's name), ``kind`` (variant, peer or extra), ``seed``,
+    ``attn_cfg``, ``config``, ``work_dir``, ``command``: a shell line).
+
+    ``peers`` are names of :data:`PEERS`, ``extras`` (name, config path) pairs, ``options``
+    ``--cfg-options`` words for every run (training and test).
+    """
     configs = write_variant_configs(config, variants, out_dir)
-    runs = []
-    for name, attn_cfg in variants:
-        for seed in seeds:
+    rows = ([('variant', name, configs[name], attn_cfg) for name, attn_cfg in variants]
+            + [('peer', peer, peer_config(task, peer), None) for peer in peers]
+            + [('extra', name, path, None) for name, path in extras])
+    runs, tested = [], task in TEST_METRICS
+    for seed in seeds:
+        for kind, name, row_config, attn_cfg in rows:
             work_dir = run_work_dir(out_dir, name, seed)
-            words = train_command(launcher, configs[name], work_dir, seed, gpus, partition,
-                                  job_name=f'ablate_{safe_name(name)}_s{seed}')
-            runs.append(dict(variant=name, seed=seed, attn_cfg=attn_cfg,
-                             config=configs[name], work_dir=work_dir,
-                             command=shlex.join(words)))
+            job_name = f'ablate_{safe_name(name)}_s{seed}'
+            words = train_command(launcher, row_config, work_dir, seed, gpus, partition,
+                                  job_name, [NO_VAL] * tested + list(options), resume=tested)
+            command = shlex.join(words)
+            if tested:
+                command += ' && ' + test_command(launcher, task, row_config, work_dir, gpus,
+                                                 partition, job_name, options)
+            runs.append(dict(variant=name, kind=kind, seed=seed, attn_cfg=attn_cfg,
+                             config=row_config, work_dir=work_dir, command=command))
     with open(osp.join(out_dir, 'commands.sh'), 'w') as f:
         f.write('#!/usr/bin/env bash\n# Written by tools/ablate.py; run from the '
                 'repository root.\nset -e\n')
@@ -86,15 +154,25 @@ def plan_runs(config, variants, seeds, out_dir, launcher='train', gpus=8,
     return runs
 
 
-def latest_scalars(work_dir):
-    """The ``<timestamp>/vis_data/scalars.json`` of the latest run in ``work_dir``, or None.
+def metrics_path(run):
+    """The metrics.json that ``tools/test.py`` leaves in a finished run's work_dir."""
+    return osp.join(run['work_dir'], 'metrics.json')
+
+
+def latest_scalars(work_dir, key='loss'):
+    """The ``<timestamp>/vis_data/scalars.json`` of the latest run in ``work_dir`` that
+    logged ``key``, or None.
 
     mmengine's LocalVisBackend writes one JSON object per line there: training records
     with ``loss``, ``iter`` and ``step`` (the iteration) every logger interval, and
     validation records with the metrics and ``step`` (the epoch for epoch-based loops).
     """
-    found = sorted(glob.glob(osp.join(work_dir, '*', 'vis_data', 'scalars.json')))
-    return found[-1] if found else None
+    for path in sorted(glob.glob(osp.join(work_dir, '*', 'vis_data', 'scalars.json')),
+                       reverse=True):
+        with open(path) as f:
+            if f'"{key}"' in f.read():
+                return path
+    return None
 
 
 def read_scalars(path):
@@ -113,18 +191,18 @@ def read_scalars(path):
 
 
 def collect_run(run, num_classes):
-    """The finished run's record (final and first-validation accuracy as fractions,
-    training losses, take-off step), or None when its work_dir has no validation yet."""
-    path = latest_scalars(run['work_dir'])
+    """The finished classification run's record (final and first-validation accuracy as
+    fractions, training losses, take-off step), or None when its work_dir has no
+    validation yet."""
+    path = latest_scalars(run['work_dir'], ACCURACY_KEY)
     if path is None:
         return None
     train, val = read_scalars(path)
-    if not val:
-        return None
     losses = [record['loss'] for record in train]
     steps = [record['step'] for record in train]
-    return dict(variant=run['variant'], seed=run['seed'], attn_cfg=run['attn_cfg'],
-                work_dir=run['work_dir'], scalars=path,
+    return dict(variant=run['variant'], kind=run['kind'], seed=run['seed'],
+                attn_cfg=run['attn_cfg'], config=run['config'], work_dir=run['work_dir'],
+                scalars=path,
                 final_acc=val[-1][ACCURACY_KEY] / 100, final_step=val[-1]['step'],
                 early_acc=val[0][ACCURACY_KEY] / 100, early_step=val[0]['step'],
                 losses=losses, loss_steps=steps,
@@ -132,6 +210,69 @@ def collect_run(run, num_classes):
                 # window of records covers as many iterations as the toy's.
                 takeoff_step=takeoff_step(losses, num_classes, window=min(5, len(losses)),
                                           steps=steps) if losses else None)
+
+
+def log_tables(path):
+    """The ASCII tables of a log (mmseg's PrettyTable, mmdet's terminaltables): a list of
+    (section, header cells, rows of cells), the section being the iou type of the last
+    ``Evaluating bbox...`` line before the table (CocoMetric's), else None."""
+    tables, section, table = [], None, None
+    with open(path) as f:
+        for line in f:
+            if line.startswith('|'):
+                cells = [cell.strip() for cell in line.strip().strip('|').split('|')]
+                if table is None:
+                    table = (section, cells, [])
+                    tables.append(table)
+                else:
+                    table[2].append(cells)
+            elif not line.startswith('+'):
+                table = None
+                found = re.search(r'Evaluating (\w+)\.\.\.', line)
+                section = found.group(1) if found else section
+    return tables
+
+
+def classwise_results(path, task):
+    """{'IoU': {class: value}} (seg, percent) or {'bbox AP': ..., 'bbox AP50': ...,
+    'segm AP': ..., 'segm AP50': ...} (det, fractions) from the per-class tables of
+    ``tools/test.py``'s log (mmseg's IoUMetric; mmdet's CocoMetric with classwise=True)."""
+    columns = ({'Class': {'IoU': 'IoU', 'Acc': 'Acc'}} if task == 'seg'
+               else {'category': {'AP': 'mAP', 'AP50': 'mAP_50'}})
+    out = {}
+    for section, header, rows in log_tables(path):
+        for name, column in columns.get(header[0], {}).items():
+            key = name if task == 'seg' else f'{section} {name}'
+            index = header.index(column)
+            out[key] = {row[0]: float(row[index]) for row in rows}
+    return out
+
+
+def collect_test_run(run, task):
+    """The finished segmentation or detection run's record (tools/test.py's metrics, the
+    per-class results, the training losses), or None without its metrics.json."""
+    if not osp.isfile(metrics_path(run)):
+        return None
+    with open(metrics_path(run)) as f:
+        metrics = json.load(f)
+    scalars = latest_scalars(run['work_dir'])
+    train = read_scalars(scalars)[0] if scalars else []
+    return dict(variant=run['variant'], kind=run['kind'], seed=run['seed'],
+                attn_cfg=run['attn_cfg'], config=run['config'], work_dir=run['work_dir'],
+                metrics=metrics,
+                classwise=classwise_results(osp.join(run['work_dir'], 'test.log'), task),
+                final_losses={k: v for k, v in (train[-1] if train else {}).items()
+                              if 'loss' in k},
+                losses=[record['loss'] for record in train],
+                loss_steps=[record['step'] for record in train])
+
+
+def model_params(config):
+    """(backbone, whole model) parameters of ``config``'s model, in millions."""
+    from ..analysis.model_zoo import build_from_config
+    model, _ = build_from_config(config)
+    return tuple(sum(p.numel() for p in module.parameters()) / 1e6
+                 for module in (model.backbone, model))
 
 
 def config_num_classes(config):

@@ -1,8 +1,11 @@
 """The report of a sweep: a table per variant, a loss-curve plot and a JSON of every run.
 
-A run is a dict with at least ``variant``, ``seed``, ``final_acc`` and ``takeoff_step``
-(None: it never left the plateau), optionally ``early_step``/``early_acc`` and ``losses``
-(with ``loss_steps``, when not every step was logged). Accuracies are fractions in [0, 1].
+A run is a dict with at least ``variant`` (its row's name) and ``seed``, and either
+``final_acc`` and ``takeoff_step`` (None: it never left the plateau), optionally
+``early_step``/``early_acc`` (the toy task, classification; accuracies are fractions in
+[0, 1]), or ``metrics``, ``classwise`` and ``final_losses`` (a tested segmentation or
+detection run, :func:`metric_rows`). Either may have ``losses`` (with ``loss_steps``, when
+not every step was logged).
 """
 import json
 import os
@@ -24,21 +27,24 @@ def _mean_std(values):
     return mean, std
 
 
+def _names(runs):
+    """The rows' names (``variant``), in the order they first appear."""
+    return list(dict.fromkeys(run['variant'] for run in runs))
+
+
 def summarize(runs):
     """One row (a dict) per variant, in the order the variants first appear."""
-    order = []
-    for run in runs:
-        if run['variant'] not in order:
-            order.append(run['variant'])
     rows = []
-    for variant in order:
+    for variant in _names(runs):
         group = [run for run in runs if run['variant'] == variant]
         final_mean, final_std = _mean_std([run['final_acc'] for run in group])
         early_mean, early_std = _mean_std([run.get('early_acc') for run in group])
         takeoffs = [run['takeoff_step'] for run in group if run['takeoff_step'] is not None]
         early_steps = sorted({run.get('early_step') for run in group} - {None})
         rows.append(dict(
-            variant=variant, attn_cfg=group[0].get('attn_cfg', {}), runs=len(group),
+            variant=variant, kind=group[0].get('kind', 'variant'),
+            config=group[0].get('config'), attn_cfg=group[0].get('attn_cfg', {}),
+            runs=len(group),
             seeds=[run['seed'] for run in group],
             final_acc_mean=final_mean, final_acc_std=final_std,
             final_accs=[run['final_acc'] for run in group],
@@ -53,8 +59,11 @@ def _pct(mean, std):
     return '—' if mean is None else f'{100 * mean:.1f} ± {100 * std:.1f}'
 
 
-def _cfg_text(cfg):
-    return ', '.join(f'{k}={v!r}' for k, v in cfg.items()) or '(defaults)'
+def _cfg_text(row):
+    """A variant's attn_cfg, or the config of a peer or extra row."""
+    if row.get('kind', 'variant') != 'variant':
+        return row['config']
+    return ', '.join(f'{k}={v!r}' for k, v in row['attn_cfg'].items()) or '(defaults)'
 
 
 def format_table(rows, early_label=None):
@@ -68,11 +77,81 @@ def format_table(rows, early_label=None):
     for row in rows:
         takeoff = ('—' if row['mean_takeoff_step'] is None
                    else f"{row['mean_takeoff_step']:.0f}")
-        cells = [row['variant'], _cfg_text(row['attn_cfg']), str(row['runs']),
+        cells = [row['variant'], _cfg_text(row), str(row['runs']),
                  _pct(row['final_acc_mean'], row['final_acc_std']),
                  f"{row['took_off']}/{row['runs']}", takeoff,
                  _pct(row['early_acc_mean'], row['early_acc_std'])]
         lines.append('| ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def _stats(values):
+    """{mean, std (the sample standard deviation; 0 for one value), n, values} of the
+    values that are not None."""
+    mean, std = _mean_std(values)
+    return dict(mean=mean, std=std, n=sum(v is not None for v in values), values=values)
+
+
+def metric_rows(runs, spec, params=None):
+    """One row per name of tested runs: ``spec``'s headline metrics (by their table names),
+    the final training loss and the per-class results, each :func:`_stats` over the seeds.
+
+    ``spec`` is one of :data:`lapformer_mm.ablation.real.TEST_METRICS`; ``params``
+    {name: (backbone, whole model) in millions}.
+    """
+    rows = []
+    for name in _names(runs):
+        group = [run for run in runs if run['variant'] == name]
+        classwise = {}
+        for table in spec['classwise']:
+            values = [run['classwise'].get(table, {}) for run in group]
+            classes = dict.fromkeys(c for run_values in values for c in run_values)
+            classwise[table] = {c: _stats([v.get(c) for v in values]) for c in classes}
+        rows.append(dict(
+            variant=name, kind=group[0]['kind'], config=group[0]['config'],
+            attn_cfg=group[0]['attn_cfg'], runs=len(group),
+            seeds=[run['seed'] for run in group],
+            params=dict(zip(('backbone', 'total'), (params or {}).get(name, (None, None)))),
+            metrics={label: _stats([run['metrics'].get(key) for run in group])
+                     for label, key in spec['headline']},
+            final_loss=_stats([run['final_losses'].get('loss') for run in group]),
+            classwise=classwise))
+    return rows
+
+
+def _cell(stats, digits):
+    if stats['mean'] is None:
+        return '—'
+    text = f"{stats['mean']:.{digits}f}"
+    return text + (f" ± {stats['std']:.{digits}f}" if stats['n'] > 1 else '')
+
+
+def format_metric_table(rows, spec):
+    """The rows of :func:`metric_rows` as Markdown: the headline table, then one per-class
+    table per ``spec['classwise']`` entry."""
+    digits = spec['digits']
+    labels = [label for label, _ in spec['headline']
+              if any(row['metrics'][label]['mean'] is not None for row in rows)]
+    header = (['row', 'attn_cfg or config', 'params (M): backbone / all', 'seeds'] + labels
+              + ['final train loss'])
+    lines = ['Mean ± sample standard deviation (n − 1) over the seeds; one seed: its value.',
+             '', '| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+    for row in rows:
+        params = row['params']
+        size = ('—' if params['backbone'] is None
+                else f"{params['backbone']:.2f} / {params['total']:.2f}")
+        cells = ([row['variant'], _cfg_text(row), size, str(row['runs'])]
+                 + [_cell(row['metrics'][label], digits) for label in labels]
+                 + [_cell(row['final_loss'], 4)])
+        lines.append('| ' + ' | '.join(cells) + ' |')
+    for table in spec['classwise']:
+        classes = list(dict.fromkeys(c for row in rows for c in row['classwise'][table]))
+        lines += ['', f'Per class: {table}', '',
+                  '| row | ' + ' | '.join(classes) + ' |', '|' + '---|' * (len(classes) + 1)]
+        for row in rows:
+            cells = [_cell(row['classwise'][table][c], digits)
+                     if c in row['classwise'][table] else '—' for c in classes]
+            lines.append(f"| {row['variant']} | " + ' | '.join(cells) + ' |')
     return '\n'.join(lines)
 
 
@@ -93,10 +172,7 @@ def plot_losses(runs, path, title=None, window=TAKEOFF_WINDOW):
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 
-    variants = []
-    for run in runs:
-        if run['variant'] not in variants:
-            variants.append(run['variant'])
+    variants = _names(runs)
     cols = min(3, len(variants))
     rows = -(-len(variants) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.8 * rows), sharex=True,
@@ -126,12 +202,18 @@ def plot_losses(runs, path, title=None, window=TAKEOFF_WINDOW):
     return path
 
 
-def write_report(runs, out_dir, settings, plot_title=None, early_label=None):
+def write_report(runs, out_dir, settings, plot_title=None, early_label=None, spec=None,
+                 params=None):
     """Write ``table.md``, ``runs.json`` and ``loss_curves.png`` under ``out_dir``; return
-    (table text, {kind: path})."""
+    (table text, {kind: path}). With ``spec`` (and ``params``) the runs are tested ones
+    (:func:`metric_rows`)."""
     os.makedirs(out_dir, exist_ok=True)
-    rows = summarize(runs)
-    table = format_table(rows, early_label)
+    if spec:
+        rows = metric_rows(runs, spec, params)
+        table = format_metric_table(rows, spec)
+    else:
+        rows = summarize(runs)
+        table = format_table(rows, early_label)
     paths = dict(table=osp.join(out_dir, 'table.md'), json=osp.join(out_dir, 'runs.json'),
                  plot=osp.join(out_dir, 'loss_curves.png'))
     with open(paths['table'], 'w') as f:

@@ -5,14 +5,17 @@ On a toy task (trained here, on the CPU; ``--task``, docs/results.md "Ablations"
     python tools/ablate.py --task same_colour --variants default gaussian none cg_capped \\
         lam=1,2,8 --seeds 5 --steps 600 --out work_dirs/ablate
 
-On a real classification config (``--config``): writes one config per variant, prints the
-training commands (``--launcher train|dist|slurm``; ``--run`` runs them one after the
-other here), and ``--collect`` reads the finished work_dirs into the same table::
+On a real config (``--config``: classification, segmentation or detection): writes one
+config per variant, prints the commands of every row (variant, ``--peers`` backbone,
+``--extra`` config) and seed (``--launcher train|dist|slurm``; ``--run`` runs them here,
+``--jobs`` at once, skipping finished ones), and ``--collect`` reads the finished
+work_dirs into one table (:mod:`lapformer_mm.ablation.real`)::
 
     python tools/ablate.py --config configs/cls/lapformer_t_in1k.py --variants gaussian \\
         --seeds 1 --launcher slurm --gpus 16 --partition P --out work_dirs/ablate_in1k
-    python tools/ablate.py --config configs/cls/lapformer_t_in1k.py --variants gaussian \\
-        --seeds 1 --out work_dirs/ablate_in1k --collect
+    python tools/ablate.py --config configs/toy/upernet_lapformer_t_toy.py \\
+        --peers pvtv2_b1 swin_t r18 --seeds 3 --run --jobs 2 --out work_dirs/sweep_seg
+    python tools/ablate.py ... (the same arguments) --collect
 
 The control without the global attention term (``noglobal``) and ``default`` are always
 run. Writes ``table.md``, ``runs.json`` and ``loss_curves.png`` under ``--out``.
@@ -30,7 +33,18 @@ import subprocess
 import sys
 import time
 
-from lapformer_mm.ablation.real import LAUNCHERS, collect_run, config_num_classes, plan_runs
+from lapformer_mm.ablation.real import (
+    LAUNCHERS,
+    PEERS,
+    TEST_METRICS,
+    collect_run,
+    collect_test_run,
+    config_num_classes,
+    config_task,
+    metrics_path,
+    model_params,
+    plan_runs,
+)
 from lapformer_mm.ablation.report import write_report
 from lapformer_mm.ablation.tasks import TASKS, build_task
 from lapformer_mm.ablation.variants import NAMED_VARIANTS, parse_variants
@@ -43,8 +57,9 @@ def parse_args(argv=None):
     source = parser.add_mutually_exclusive_group()
     source.add_argument('--task', choices=sorted(TASKS), default=None,
                         help='toy task trained here (default: same_colour)')
-    source.add_argument('--config', help='classification config: write a config per '
-                        'variant, print/run the training commands, --collect the results')
+    source.add_argument('--config', help='classification, segmentation or detection config: '
+                        'write a config per variant, print/run the commands, --collect '
+                        'the results')
     parser.add_argument('--variants', nargs='+', default=['default'],
                         help=f'any of {", ".join(NAMED_VARIANTS)} or lam=V1,V2,...; '
                         'default and noglobal always run')
@@ -65,20 +80,30 @@ def parse_args(argv=None):
                      'settings (runs.partial.json under --out) and run only the others')
     toy.add_argument('--report-only', action='store_true',
                      help='with --resume: write the report of the finished runs, train none')
-    toy.add_argument('--threads', type=int, default=None,
-                     help="torch's intra-op threads (default: torch's own choice); 1 is "
-                     'faster on a loaded machine')
-    toy.add_argument('--jobs', type=int, default=1,
-                     help='runs trained at once, each in its own process (with --threads '
-                     'threads); the results do not depend on it')
+    parser.add_argument('--threads', type=int, default=None,
+                        help="torch's intra-op threads per run (default: torch's own "
+                        'choice on the toy task, 1 for --run); 1 is faster on a loaded '
+                        'machine')
+    parser.add_argument('--jobs', type=int, default=1,
+                        help='runs at once, each in its own process (with --threads '
+                        'threads); the results do not depend on it')
     real = parser.add_argument_group('real config')
     real.add_argument('--launcher', choices=LAUNCHERS, default='train',
                       help='tools/train.py, tools/dist_train.sh or tools/slurm_train.sh')
     real.add_argument('--gpus', type=int_at_least(1), default=8,
                       help='GPUS of dist/slurm launchers')
     real.add_argument('--partition', default='PARTITION', help='Slurm partition')
+    real.add_argument('--peers', nargs='+', choices=PEERS, default=[],
+                      help='rows of the toy baselines of a segmentation or detection '
+                      'config: configs/toy/{upernet,maskrcnn}_PEER_toy_baseline.py')
+    real.add_argument('--extra', nargs='+', default=[], metavar='NAME=CONFIG',
+                      help='rows of other configs (e.g. architecture variants)')
+    real.add_argument('--cfg-options', nargs='+', default=[], metavar='KEY=VALUE',
+                      help="every run's --cfg-options (training and test)")
     real.add_argument('--run', action='store_true',
-                      help='run the commands here, one after the other (else print them)')
+                      help='run the commands here, --jobs at once, each run whose '
+                      'metrics.json (segmentation, detection) is there skipped; else '
+                      'print them')
     real.add_argument('--collect', action='store_true',
                       help="read the finished work_dirs' metrics into the table")
     args = parser.parse_args(argv)
@@ -95,14 +120,31 @@ def parse_args(argv=None):
     elif not 1 <= args.early_step <= args.steps:
         parser.error(f'--early-step must be in [1, --steps={args.steps}], got '
                      f'{args.early_step}')
-    if args.config is None and (args.run or args.collect):
-        parser.error('--run and --collect need --config')
+    if args.config is None and (args.run or args.collect or args.peers or args.extra):
+        parser.error('--run, --collect, --peers and --extra need --config')
+    if args.config is not None:
+        try:
+            args.config_task = config_task(args.config)
+        except (OSError, ValueError) as err:
+            parser.error(f'--config {args.config}: {err}')
+        if args.peers and args.config_task not in TEST_METRICS:
+            parser.error('--peers: only segmentation and detection configs have peers')
+    args.extras = [tuple(item.split('=', 1)) for item in args.extra]
+    for item, extra in zip(args.extra, args.extras):
+        if len(extra) != 2 or not osp.isfile(extra[1]):
+            parser.error(f'--extra must be NAME=CONFIG with an existing CONFIG, got {item!r}')
     if args.report_only and not args.resume:
         parser.error('--report-only needs --resume')
     try:
         args.variant_cfgs = parse_variants(args.variants)
     except ValueError as err:
         parser.error(str(err))
+    args.peers = list(dict.fromkeys(args.peers))
+    names = [name for name, _ in args.variant_cfgs] + args.peers
+    for name, _ in args.extras:
+        if name in names:
+            parser.error(f'--extra: the row name {name!r} is taken')
+        names.append(name)
     return args
 
 
@@ -253,39 +295,88 @@ def run_toy(args):
     return 0
 
 
+def run_commands(runs, jobs, threads):
+    """Run each run's command (a shell line), ``jobs`` at once, with ``threads`` torch
+    threads and this interpreter as ``python``, its output in its work_dir's run.log; a
+    tested run whose metrics.json is there is skipped. Returns the failed runs."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               PATH=osp.dirname(sys.executable) + os.pathsep + os.environ.get('PATH', ''))
+    todo = [run for run in runs if not osp.isfile(metrics_path(run))]
+    print(f'running {len(todo)} of {len(runs)} runs ({len(runs) - len(todo)} finished '
+          f'before), {jobs} at once, {threads} thread(s) each; output in each '
+          "work_dir's run.log", flush=True)
+
+    def run_one(run):
+        os.makedirs(run['work_dir'], exist_ok=True)
+        start = time.perf_counter()
+        with open(osp.join(run['work_dir'], 'run.log'), 'w') as log:
+            code = subprocess.run(run['command'], shell=True, stdout=log,
+                                  stderr=subprocess.STDOUT, env=env).returncode
+        return code, time.perf_counter() - start
+
+    failed = []
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futures = {pool.submit(run_one, run): run for run in todo}
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            run, (code, seconds) = futures[future], future.result()
+            result = f'{seconds:.0f} s' if code == 0 else (
+                f"FAILED (exit {code}; {osp.join(run['work_dir'], 'run.log')})")
+            print(f"[{done}/{len(todo)}] {run['variant']} seed {run['seed']}: {result}",
+                  flush=True)
+            if code:
+                failed.append(run)
+    return failed
+
+
+def collect(args, runs, seeds):
+    """Write the report of the finished runs; 1 when none has finished."""
+    spec = TEST_METRICS.get(args.config_task)
+    if spec is None:
+        num_classes = config_num_classes(args.config)
+    collected, missing = [], []
+    for run in runs:
+        record = collect_test_run(run, args.config_task) if spec else collect_run(
+            run, num_classes)
+        (collected if record else missing).append(record or run)
+    for run in missing:
+        print(f"not finished (no {'metrics.json' if spec else 'validation'} in "
+              f"{run['work_dir']})", file=sys.stderr)
+    if not collected:
+        print('no finished run to collect', file=sys.stderr)
+        return 1
+    params = ({run['variant']: model_params(run['config'])
+               for run in {run['variant']: run for run in collected}.values()}
+              if spec else None)
+    settings = dict(config=args.config, task=args.config_task,
+                    variants=[n for n, _ in args.variant_cfgs], peers=args.peers,
+                    extras=args.extras, cfg_options=args.cfg_options, seeds=seeds,
+                    collected=_now(), missing=[[r['variant'], r['seed']] for r in missing])
+    table, paths = write_report(collected, args.out, settings,
+                                plot_title=osp.basename(args.config),
+                                early_label='first validation acc (%)', spec=spec,
+                                params=params)
+    print(table)
+    print('wrote ' + ', '.join(paths.values()))
+    return 0
+
+
 def run_real(args):
     seeds = list(range(args.seeds))
     runs = plan_runs(args.config, args.variant_cfgs, seeds, args.out, args.launcher,
-                     args.gpus, args.partition)
-    if args.collect:
-        num_classes = config_num_classes(args.config)
-        collected, missing = [], []
+                     args.gpus, args.partition, args.peers, args.extras, args.config_task,
+                     args.cfg_options)
+    status = 0
+    if args.run or not args.collect:
         for run in runs:
-            record = collect_run(run, num_classes)
-            (collected if record else missing).append(record or run)
-        for run in missing:
-            print(f"not finished (no validation in {run['work_dir']})", file=sys.stderr)
-        if not collected:
-            print('no finished run to collect', file=sys.stderr)
-            return 1
-        settings = dict(config=args.config, variants=[n for n, _ in args.variant_cfgs],
-                        seeds=seeds, collected=_now(),
-                        missing=[[r['variant'], r['seed']] for r in missing])
-        table, paths = write_report(collected, args.out, settings,
-                                    plot_title=osp.basename(args.config),
-                                    early_label='first validation acc (%)')
-        print(table)
-        print('wrote ' + ', '.join(paths.values()))
-        return 0
-    for run in runs:
-        print(run['command'], flush=True)
-    print(f"# {len(runs)} commands, also in {osp.join(args.out, 'commands.sh')}; then "
-          f'the same arguments with --collect')
+            print(run['command'], flush=True)
+        print(f"# {len(runs)} commands, also in {osp.join(args.out, 'commands.sh')}; then "
+              f'the same arguments with --collect')
     if args.run:
-        for run in runs:
-            print(f"running {run['variant']} seed {run['seed']}", flush=True)
-            subprocess.run(run['command'], shell=True, check=True)
-    return 0
+        failed = run_commands(runs, args.jobs, args.threads or 1)
+        status = int(bool(failed))
+    if args.collect:
+        status = max(status, collect(args, runs, seeds))
+    return status
 
 
 def main(argv=None):

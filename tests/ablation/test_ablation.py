@@ -1,21 +1,25 @@
-"""tools/ablate.py: the toy task, the variant names, the smoke sweep, the real-data path."""
+"""tools/ablate.py: the toy task, the variant names, the smoke sweep, the real-data path
+(classification; segmentation and detection with backbone peers and extra configs)."""
 import json
 import math
 import os
 import os.path as osp
+import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
-from _shared import CONFIG_DIR, TOOLS, run_tool
+from _shared import CONFIG_DIR, ROOT, TOOLS, TOY_CONFIG, run_tool
 
-from lapformer_mm.ablation.real import collect_run, plan_runs
+from lapformer_mm.ablation.real import PEERS, collect_run, peer_config, plan_runs
 from lapformer_mm.ablation.tasks import HUES, SameColourTask, build_task
 from lapformer_mm.ablation.toy import takeoff_step
 from lapformer_mm.ablation.variants import parse_variants
 from lapformer_mm.cli import ablate
 
 TOY_CLS_CONFIG = osp.join(CONFIG_DIR, 'cls', 'lapformer_t_toy.py')
+TOY_SEG_CONFIG = osp.join(CONFIG_DIR, 'toy', 'upernet_lapformer_t_toy.py')
 
 
 def gen(seed):
@@ -137,6 +141,17 @@ def test_cli_rejects_bad_input(capsys):
             ablate.parse_args(['--lr', lr])
         assert (f'argument --lr: must be a finite number > 0, got {lr}'
                 in capsys.readouterr().err)
+    for argv, name in ((['--config', TOY_CLS_CONFIG, '--peers', 'r18'], '--peers'),
+                       (['--peers', 'r18'], '--peers'),
+                       (['--config', TOY_SEG_CONFIG, '--peers', 'vit'], '--peers'),
+                       (['--config', TOY_SEG_CONFIG, '--extra', TOY_SEG_CONFIG], '--extra'),
+                       (['--config', TOY_SEG_CONFIG, '--extra', 'x=nowhere.py'], '--extra'),
+                       (['--config', TOY_SEG_CONFIG, '--extra', f'r18={TOY_SEG_CONFIG}',
+                         '--peers', 'r18'], '--extra'),
+                       (['--config', 'nowhere.py'], '--config')):
+        with pytest.raises(SystemExit):
+            ablate.parse_args(argv)
+        assert name in capsys.readouterr().err, argv
 
 
 @pytest.fixture
@@ -358,3 +373,227 @@ def test_tool_wrapper_prints_the_commands(tmp_path):
     out = run_tool([sys.executable, osp.join(TOOLS, 'ablate.py'), '--config', TOY_CLS_CONFIG,
                     '--seeds', '1', '--out', tmp_path])
     assert out.count('python tools/train.py') == 2 and 'commands.sh' in out
+
+
+def command_lines(out):
+    return (out / 'commands.sh').read_text().splitlines()[3:]
+
+
+def test_peers_and_extras_are_rows_trained_then_tested(tmp_path, capsys):
+    """Segmentation: peers map to the toy UperNet baselines, an extra config is a row as
+    given, every run trains (resumable, no validation) and then tests its last checkpoint;
+    detection: the Mask R-CNN baselines, CocoMetric's classwise tables on."""
+    extra = tmp_path / 'wide.py'
+    extra.write_text(f'_base_ = [{TOY_SEG_CONFIG!r}]\n')
+    out = tmp_path / 'seg'
+    assert ablate.main(['--config', TOY_SEG_CONFIG, '--peers', 'swin_t', 'r18', '--extra',
+                        f'wide={extra}', '--seeds', '2', '--out', str(out), '--cfg-options',
+                        'train_cfg.max_iters=2']) == 0
+    lines = command_lines(out)
+    assert capsys.readouterr().out.count('tools/train.py') == len(lines) == 2 * 5
+    assert [line.split()[2] for line in lines[:5]] == [  # seed by seed
+        f'{out}/configs/upernet_lapformer_t_toy__default.py',
+        f'{out}/configs/upernet_lapformer_t_toy__noglobal.py',
+        osp.relpath(osp.join(CONFIG_DIR, 'toy', 'upernet_swin_t_toy_baseline.py')),
+        osp.relpath(osp.join(CONFIG_DIR, 'toy', 'upernet_r18_toy_baseline.py')), str(extra)]
+    swin, work = lines[7].split()[2], f'{out}/work_dirs/swin_t/seed1'
+    assert lines[7] == (
+        f'python tools/train.py {swin} --work-dir {work} --resume --cfg-options '
+        f'randomness.seed=1 train_cfg.val_begin=1000000 train_cfg.max_iters=2 && '
+        f'python tools/test.py {swin} "$(cat {work}/last_checkpoint)" --work-dir {work}/test '
+        f'--metrics-json {work}/metrics.json --cfg-options train_cfg.max_iters=2 '
+        f'> {work}/test.log 2>&1')
+    assert f'--work-dir {out}/work_dirs/wide/seed0 ' in lines[4]
+
+    out = tmp_path / 'det'
+    assert ablate.main(['--config', TOY_CONFIG, '--peers', *PEERS, '--seeds', '1',
+                        '--out', str(out), '--launcher', 'slurm', '--gpus', '4']) == 0
+    lines = command_lines(out)
+    pvt = osp.relpath(osp.join(CONFIG_DIR, 'toy', 'maskrcnn_pvtv2_b1_toy_baseline.py'))
+    work = f'{out}/work_dirs/pvtv2_b1/seed0'
+    assert lines[2] == (
+        f'GPUS=4 tools/slurm_train.sh PARTITION ablate_pvtv2_b1_s0 {pvt} {work} --resume '
+        f'--cfg-options randomness.seed=0 train_cfg.val_begin=1000000 && GPUS=4 '
+        f'tools/slurm_test.sh PARTITION ablate_pvtv2_b1_s0 {pvt} "$(cat {work}/last_checkpoint)" '
+        f'--work-dir {work}/test --metrics-json {work}/metrics.json --cfg-options '
+        f'test_evaluator.classwise=True > {work}/test.log 2>&1')
+    for task, head in (('seg', 'upernet'), ('det', 'maskrcnn')):
+        for peer in PEERS:
+            text = open(peer_config(task, peer)).read()
+            assert text.startswith('# Comparison baseline') or peer == 'r18'
+            assert f"_base_ = ['./{head}_lapformer_t_toy.py']" in text
+
+
+def test_run_skips_finished_runs_and_runs_the_rest_with_one_thread(tmp_path, monkeypatch,
+                                                                     capsys):
+    out = tmp_path / 'seg'
+    args = ['--config', TOY_SEG_CONFIG, '--peers', 'r18', '--seeds', '2', '--out', str(out)]
+    runs = plan_runs(TOY_SEG_CONFIG, parse_variants([]), [0, 1], str(out), peers=['r18'],
+                     task='seg')
+    finished = [run for run in runs if (run['variant'], run['seed']) != ('r18', 1)
+                and run['seed'] == 1]
+    for run in finished:
+        os.makedirs(run['work_dir'])
+        open(osp.join(run['work_dir'], 'metrics.json'), 'w').write('{}')
+    called = []
+
+    def fake_run(command, shell, stdout, stderr, env):
+        called.append(command)
+        assert shell and env['OMP_NUM_THREADS'] == env['MKL_NUM_THREADS'] == '1'
+        assert env['PATH'].startswith(osp.dirname(sys.executable) + os.pathsep)
+        return subprocess.CompletedProcess(command, 1 if '/r18/seed1 ' in command else 0)
+
+    monkeypatch.setattr(ablate.subprocess, 'run', fake_run)
+    assert ablate.main(args + ['--run', '--jobs', '2']) == 1  # r18 seed 1 failed
+    expected = [run['command'] for run in runs if run not in finished]
+    assert sorted(called) == sorted(expected) and len(called) == 4
+    printed = capsys.readouterr().out
+    assert 'running 4 of 6 runs (2 finished before)' in printed
+    assert f'r18 seed 1: FAILED (exit 1; {out}/work_dirs/r18/seed1/run.log)' in printed
+
+
+def mmengine_line(text):
+    return f'12/07 05:15:55 - mmengine - INFO - {text}\n'
+
+
+def fabricate_tested_run(work_dir, metrics, log, losses):
+    """A finished segmentation or detection run of the sweep: tools/test.py's
+    --metrics-json (a flat dict) and output (test.log), mmengine's scalars.json of the
+    training (a record every logger interval, losses per head)."""
+    folder = osp.join(work_dir, '20261207_051517', 'vis_data')
+    os.makedirs(folder)
+    with open(osp.join(folder, 'scalars.json'), 'w') as f:
+        for i, loss in enumerate(losses):
+            f.write(json.dumps(dict(lr=5e-4, data_time=0.01, loss=loss, **{
+                'decode.loss_ce': loss * 0.7, 'aux.loss_ce': loss * 0.3,
+                'decode.acc_seg': 90.0}, time=0.5, iter=10 * (i + 1), memory=0,
+                step=10 * (i + 1))) + '\n')
+    with open(osp.join(work_dir, 'metrics.json'), 'w') as f:
+        json.dump(metrics, f, indent=2)
+    with open(osp.join(work_dir, 'test.log'), 'w') as f:
+        f.write(log)
+
+
+SEG_CLASSES = ('background', 'circle', 'square', 'triangle', 'star')
+
+
+def seg_test_log(iou, acc):
+    """mmseg 1.2.2 IoUMetric's per-class table in tools/test.py's output."""
+    from prettytable import PrettyTable
+    table = PrettyTable()
+    for key, values in (('Class', SEG_CLASSES), ('IoU', iou), ('Acc', acc)):
+        table.add_column(key, list(values))
+    return (mmengine_line('Load checkpoint from x/iter_800.pth')
+            + mmengine_line('per class results:') + mmengine_line('\n' + table.get_string())
+            + mmengine_line('Iter(test) [20/20]    aAcc: 95.0  mIoU: 80.0  mAcc: 90.0'))
+
+
+def spread(values, digits):
+    """mean ± sample standard deviation, computed here with numpy."""
+    return f'{np.mean(values):.{digits}f} ± {np.std(values, ddof=1):.{digits}f}'
+
+
+def test_collect_seg_writes_mean_spread_and_per_class_iou(tmp_path, capsys):
+    out = tmp_path / 'seg'
+    runs = plan_runs(TOY_SEG_CONFIG, parse_variants([]), [0, 1, 2], str(out),
+                     peers=['r18'], task='seg')
+    rng = np.random.default_rng(0)
+    results = {}
+    for run in runs:
+        if run['variant'] == 'noglobal' or (run['variant'], run['seed']) == ('r18', 2):
+            continue  # not finished
+        iou, acc = rng.uniform(50, 99, (2, 5)).round(2)
+        miou, losses = float(iou.mean()), list(rng.uniform(0.1, 1.0, 3))
+        fabricate_tested_run(run['work_dir'], dict(aAcc=96.0, mIoU=miou, mAcc=float(acc.mean())),
+                             seg_test_log(iou, acc), losses)
+        results.setdefault(run['variant'], []).append((miou, iou, losses[-1]))
+    assert ablate.main(['--config', TOY_SEG_CONFIG, '--peers', 'r18', '--seeds', '3',
+                        '--out', str(out), '--collect']) == 0
+    assert capsys.readouterr().err.count('not finished (no metrics.json in') == 4
+    table = (out / 'table.md').read_text()
+    assert table.startswith('Mean ± sample standard deviation (n − 1) over the seeds')
+    assert ('| row | attn_cfg or config | params (M): backbone / all | seeds | mIoU (%) | '
+            'aAcc (%) | mAcc (%) | final train loss |') in table
+    for name, size in (('default', '12.08 / 13.04'), ('r18', '11.20 / 12.13')):
+        mious, ious, losses = zip(*results[name])
+        assert (f'| {name} | ' in table and f' | {size} | {len(mious)} | '
+                f'{spread(mious, 2)} | 96.00 ± 0.00 |') in table
+        assert f'| {spread(losses, 4)} |' in table
+        per_class = ' | '.join(spread(column, 2) for column in np.array(ious).T)
+        assert f'\n| {name} | {per_class} |' in table
+    assert '\n| row | background | circle | square | triangle | star |' in table
+    data = json.loads((out / 'runs.json').read_text())
+    assert [row['variant'] for row in data['table']] == ['default', 'r18']
+    row = data['table'][1]
+    assert row['config'] == peer_config('seg', 'r18') and row['kind'] == 'peer'
+    assert row['metrics']['mIoU (%)']['values'] == [m for m, _, _ in results['r18']]
+    assert row['classwise']['IoU']['star']['std'] == pytest.approx(
+        np.std([iou[4] for _, iou, _ in results['r18']], ddof=1))
+    assert data['settings']['missing'] == [['noglobal', 0], ['noglobal', 1], ['noglobal', 2],
+                                           ['r18', 2]]
+    assert data['runs'][0]['final_losses']['decode.loss_ce'] == pytest.approx(
+        0.7 * results['default'][0][2])
+
+
+def det_test_log(bbox, segm):
+    """mmdet 3.3.0 CocoMetric's output with classwise=True (an AsciiTable per iou type),
+    then tools/test.py's own table."""
+    from terminaltables import AsciiTable
+    text = ''
+    for iou_type, rows in (('bbox', bbox), ('segm', segm)):
+        text += (mmengine_line(f'Evaluating {iou_type}...') + 'Loading and preparing results...\n'
+                 ' Average Precision  (AP) @[ IoU=0.50:0.95 | area=   all | maxDets=100 ] = 0.6\n')
+        table = [['category', 'mAP', 'mAP_50', 'mAP_75', 'mAP_s', 'mAP_m', 'mAP_l']]
+        table += [[name, str(ap), str(ap50), '0.5', 'nan', '0.5', '0.6']
+                  for name, (ap, ap50) in rows.items()]
+        text += mmengine_line('\n' + AsciiTable(table).table)
+        text += mmengine_line(f'{iou_type}_mAP_copypaste: 0.600 0.900 0.700 -1.000 0.600 0.650')
+    return text + '| | AP | AP50 | AP75 | APs | APm | APl |\n|---|---|---|---|---|---|---|\n'
+
+
+def test_collect_det_reads_the_bbox_tables_of_cocometric(tmp_path, monkeypatch):
+    out = tmp_path / 'det'
+    runs = plan_runs(TOY_CONFIG, parse_variants([]), [0, 1], str(out), peers=['swin_t'],
+                     task='det')
+    by_key = {(run['variant'], run['seed']): run for run in runs}
+    for seed, (ap, ap50) in enumerate(((0.61, 0.9), (0.65, 0.95))):
+        bbox = {'circle': (ap, ap50), 'star': (ap - 0.1, ap50 - 0.1)}
+        segm = {'circle': (0.1, 0.2), 'star': (0.3, 0.4)}  # differs from bbox on purpose
+        fabricate_tested_run(by_key['swin_t', seed]['work_dir'], {
+            'coco/circle_precision': 0.1, 'coco/bbox_mAP': ap, 'coco/bbox_mAP_50': ap50,
+            'coco/bbox_mAP_75': 0.7, 'coco/segm_mAP': 0.2, 'coco/segm_mAP_50': 0.3},
+            det_test_log(bbox, segm), [2.0, 1.5])
+    monkeypatch.setattr(ablate, 'model_params', lambda config: (27.52, 28.85))
+    assert ablate.main(['--config', TOY_CONFIG, '--peers', 'swin_t', '--seeds', '2',
+                        '--out', str(out), '--collect']) == 0
+    table = (out / 'table.md').read_text()
+    assert ('| swin_t | ' + peer_config('det', 'swin_t') + ' | 27.52 / 28.85 | 2 | '
+            f'{spread([0.61, 0.65], 3)} | {spread([0.9, 0.95], 3)} | 0.200 ± 0.000 | '
+            '1.5000 ± 0.0000 |') in table
+    assert ('Per class: bbox AP\n\n| row | circle | star |\n|---|---|---|\n'
+            f'| swin_t | {spread([0.61, 0.65], 3)} | {spread([0.51, 0.55], 3)} |') in table
+    assert ('Per class: bbox AP50\n\n| row | circle | star |\n|---|---|---|\n'
+            f'| swin_t | {spread([0.9, 0.95], 3)} | {spread([0.8, 0.85], 3)} |') in table
+    classwise = json.loads((out / 'runs.json').read_text())['runs'][0]['classwise']
+    assert classwise['segm AP50'] == {'circle': 0.2, 'star': 0.4}
+
+
+@pytest.mark.slow(seconds=120)
+def test_peer_sweep_trains_tests_and_collects(toy_seg, tmp_path, monkeypatch):
+    """Two iterations of the toy UperNet per row on the session's tiny label maps, through
+    the real tools: the table's metrics and per-class IoU are the test step's."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / 'sweep'
+    options = [f'{part}.dataset.data_root={toy_seg}/' for part in
+               ('train_dataloader', 'val_dataloader', 'test_dataloader')]
+    assert ablate.main(['--config', TOY_SEG_CONFIG, '--peers', 'r18', '--seeds', '1',
+                        '--out', str(out), '--run', '--jobs', '2', '--collect',
+                        '--cfg-options', *options, 'train_cfg.max_iters=2',
+                        'default_hooks.logger.interval=1']) == 0
+    data = json.loads((out / 'runs.json').read_text())
+    assert [run['variant'] for run in data['runs']] == ['default', 'noglobal', 'r18']
+    for run in data['runs']:
+        assert set(run['classwise']['IoU']) == set(SEG_CLASSES)
+        assert len(run['losses']) == 2 and 'aux.loss_ce' in run['final_losses']
+        with open(osp.join(run['work_dir'], 'metrics.json')) as f:
+            assert run['metrics']['mIoU'] == json.load(f)['mIoU']
