@@ -269,10 +269,9 @@ def collect_test_run(run, task):
 
 def model_params(config):
     """(backbone, whole model) parameters of ``config``'s model, in millions."""
-    from ..analysis.model_zoo import build_from_config
+    from ..analysis.model_zoo import build_from_config, count_parameters
     model, _ = build_from_config(config)
-    return tuple(sum(p.numel() for p in module.parameters()) / 1e6
-                 for module in (model.backbone, model))
+    return count_parameters(model.backbone) / 1e6, count_parameters(model) / 1e6
 
 
 def config_num_classes(config):
