@@ -6,8 +6,9 @@
 - :mod:`.variants`: variant names (``--variants``) to backbone ``attn_cfg`` dicts;
 - :mod:`.toy`: one training run of the small LaplacianFormer classifier on a task;
 - :mod:`.report`: the table, the loss-curve plot and the JSON of a sweep;
-- :mod:`.real`: the same variants on a real classification config (configs, commands,
-  and the metrics of the finished work_dirs).
+- :mod:`.real`: the same variants, backbone peers and extra configs on a real
+  classification, segmentation or detection config (configs, commands, and the metrics
+  of the finished work_dirs).
 
 Not imported by ``import lapformer_mm``; matplotlib is imported only to draw the plot.
 """
