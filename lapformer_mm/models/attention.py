@@ -4,33 +4,13 @@
 backbone passes it per stage: tied in stages 1–3 and separate in stage 4 is the
 layout that lands on the paper's Medium size (docs/model_size.md).
 """
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..ops import AttentionOptions, landmark_matrix, nystrom_attention, pool_landmarks
-from ..ops._checks import (
-    check_bool,
-    check_hw,
-    check_int,
-    check_keys,
-    check_probability,
-    trace_quiet,
-)
+from ..ops._checks import check_bool, check_int, check_probability
 from ..ops.attention import load_backends, one_projection
-
-# The attention options: the module's keyword-only arguments and the keys of the
-# backbone's attn_cfg. All but the first two and the last are AttentionOptions fields,
-# whose defaults apply; the last, global_term, is for the ablations' control only.
-ATTN_CFG_KEYS = ('qk_shared', 'landmark_grid') + tuple(
-    field.name for field in dataclasses.fields(AttentionOptions)) + ('global_term', )
-
-
-def check_attn_cfg_keys(arg, keys):
-    """Raise a ValueError naming the keys of ``keys`` that are not attention options."""
-    check_keys(arg, keys, ATTN_CFG_KEYS)
 
 
 class LaplacianAttention(nn.Module):
@@ -46,9 +26,8 @@ class LaplacianAttention(nn.Module):
        in fp32);
     4. ``o + dwconv3x3(v)`` on the H×W grid, then the output projection.
 
-    The keyword-only arguments are the attention options (:data:`ATTN_CFG_KEYS`,
-    the keys of the backbone's ``attn_cfg``). They are checked here, once, into
-    ``self.options``; the forward trusts them.
+    The keyword-only arguments are the attention options, the keys of the backbone's
+    ``attn_cfg``. They are checked here, once, into ``self.options``; the forward trusts them.
 
     Args:
         dim (int): Channels C, divisible by ``num_heads``.
@@ -79,17 +58,16 @@ class LaplacianAttention(nn.Module):
     def __init__(self, dim, num_heads, qkv_bias=True, attn_drop=0.0, proj_drop=0.0, *,
                  qk_shared=True, landmark_grid=7, global_term=True, **options):
         super().__init__()
-        dim = check_int('dim', dim)
-        num_heads = check_int('num_heads', num_heads)
         if dim % num_heads:
             raise ValueError(f'dim={dim} must be divisible by num_heads={num_heads}')
         self.dim = dim
         self.num_heads = num_heads
+        # Truthy stand-ins (1, 'no') would take a branch without a word.
         self.qk_shared = check_bool('qk_shared', qk_shared)
-        self.landmark_grid = check_int('landmark_grid', landmark_grid)
         self.global_term = check_bool('global_term', global_term)
-        check_attn_cfg_keys('LaplacianAttention', options)
+        self.landmark_grid = check_int('landmark_grid', landmark_grid)
         self.options = AttentionOptions(**options)
+        # A negative rate would drop nothing.
         self.attn_drop = check_probability('attn_drop', attn_drop)
         num_projections = 2 if self.qk_shared else 3
         self.qkv = nn.Linear(dim, num_projections * dim, bias=check_bool('qkv_bias', qkv_bias))
@@ -98,7 +76,7 @@ class LaplacianAttention(nn.Module):
         self.register_load_state_dict_post_hook(
             lambda module, _: module._local_weight_channels_last())
         self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(check_probability('proj_drop', proj_drop))
+        self.proj_drop = nn.Dropout(proj_drop)
         load_backends()
 
     def _local_weight_channels_last(self):
@@ -162,20 +140,11 @@ class LaplacianAttention(nn.Module):
 
         For diagnostics and analysis; :meth:`forward` builds it inside the op.
         """
-        hw = self._check_input(x, hw)
         _, k, _ = self.project(x)
         return landmark_matrix(pool_landmarks(k, hw, self.landmark_grid), self.options)
 
-    @trace_quiet
-    def _check_input(self, x, hw):
-        """(H, W) of a (B, N, C) input with N = H·W, else an error saying what is wrong."""
-        if x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f'x must be (B, N, {self.dim}), got shape {tuple(x.shape)}')
-        return check_hw(hw, x.shape[1])
-
     def forward(self, x, hw):
         """x (B, N, C) with hw = (H, W), N = H·W -> (B, N, C)."""
-        hw = self._check_input(x, hw)
         q, k, v = self.project(x)
         if not self.global_term:
             return self.proj_drop(self.proj(self._local_term(v, hw)))

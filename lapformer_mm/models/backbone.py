@@ -1,10 +1,10 @@
 """LaplacianFormer: a four-stage pyramid of Laplacian-kernel attention blocks.
 
-Layout after SOFT/SOFT++ (docs/design.md §3): a convolutional stem to
-stride 4, then four stages; stages 2-4 start with a 3x3 stride-2 conv-norm-act
-(BatchNorm and ReLU by default). Each stage is a stack of pre-norm transformer
-blocks on the (B, H*W, C) tokens of its grid. The API follows mmdet's PVT/Swin
-backbones: attention options in ``attn_cfg``, layers in ``norm_cfg``/``act_cfg``.
+Layout after SOFT/SOFT++ (docs/design.md §3): a convolutional stem to stride 4, then four
+stages; stages 2-4 start with a 3x3 stride-2 conv-norm-act (BatchNorm and ReLU by default).
+Each stage is a stack of pre-norm transformer blocks on the (B, H*W, C) tokens of its grid.
+The API follows mmdet's PVT/Swin backbones: attention options in ``attn_cfg``, layers in
+``norm_cfg``/``act_cfg``.
 """
 import math
 import numbers
@@ -19,44 +19,20 @@ from mmengine.registry import MODELS
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..ops._checks import check_bool, trace_quiet
+from ..ops._checks import check_bool
 from ..ops.export import exporting
-from .attention import LaplacianAttention, check_attn_cfg_keys
-from .layers import (
-    STEM_HIDDEN_CHANNELS,
-    ConvStem,
-    SoftmaxAttention,
-    TransformerBlock,
-    build_token_norm,
-    check_group_norm,
-    conv_norm_act,
-)
+from .attention import LaplacianAttention
+from .layers import ConvStem, SoftmaxAttention, TransformerBlock, build_token_norm, conv_norm_act
 from .pretrained import PRETRAINED_KEYS, is_pretrained_cfg, load_backbone_weights
 
 ARCH_SETTINGS: Dict[str, Dict[str, List[int]]] = {
-    'tiny': dict(
-        embed_dims=[64, 128, 320, 512],
-        num_heads=[2, 4, 10, 16],
-        depths=[1, 2, 3, 2]),
-    'small': dict(
-        embed_dims=[64, 128, 320, 512],
-        num_heads=[2, 4, 10, 16],
-        depths=[1, 3, 20, 4]),
-    'medium': dict(
-        embed_dims=[64, 128, 288, 512],
-        num_heads=[2, 4, 9, 16],
-        depths=[1, 3, 29, 5]),
-    'large': dict(
-        embed_dims=[64, 128, 320, 512],
-        num_heads=[2, 4, 10, 16],
-        depths=[1, 3, 40, 5]),
-    'huge': dict(
-        embed_dims=[64, 128, 352, 512],
-        num_heads=[2, 4, 11, 16],
-        depths=[1, 5, 49, 5]),
+    'tiny': dict(embed_dims=[64, 128, 320, 512], num_heads=[2, 4, 10, 16], depths=[1, 2, 3, 2]),
+    'small': dict(embed_dims=[64, 128, 320, 512], num_heads=[2, 4, 10, 16], depths=[1, 3, 20, 4]),
+    'medium': dict(embed_dims=[64, 128, 288, 512], num_heads=[2, 4, 9, 16], depths=[1, 3, 29, 5]),
+    'large': dict(embed_dims=[64, 128, 320, 512], num_heads=[2, 4, 10, 16], depths=[1, 3, 40, 5]),
+    'huge': dict(embed_dims=[64, 128, 352, 512], num_heads=[2, 4, 11, 16], depths=[1, 5, 49, 5]),
 }
-ARCH_ALIASES = {'t': 'tiny', 's': 'small', 'm': 'medium', 'l': 'large',
-                'h': 'huge'}
+ARCH_ALIASES = {'t': 'tiny', 's': 'small', 'm': 'medium', 'l': 'large', 'h': 'huge'}
 NUM_STAGES = 4
 #: Output strides of the four stages (the stem's 4, then one stride-2 conv per stage).
 STAGE_STRIDES = (4, 8, 16, 32)
@@ -66,105 +42,62 @@ ATTN_CFG_DEFAULTS = dict(qk_shared=(True, True, True, False))
 
 
 def resolve_arch(arch: Union[str, dict]) -> Dict[str, List]:
-    """Validated per-stage settings of ``arch`` (a name or a dict).
-
-    Returns a dict with four-element lists ``embed_dims``, ``num_heads``,
-    ``depths`` and ``mlp_ratios``.
-    """
+    """Per-stage settings of ``arch`` (a name or a dict): four-element lists ``embed_dims``,
+    ``num_heads``, ``depths`` and ``mlp_ratios``."""
     if isinstance(arch, str):
         name = ARCH_ALIASES.get(arch.lower(), arch.lower())
         if name not in ARCH_SETTINGS:
-            raise ValueError(f'arch must be one of {sorted(ARCH_SETTINGS)} '
-                             f'(or {sorted(ARCH_ALIASES)}) or a dict, got '
-                             f'{arch!r}')
-        settings = dict(ARCH_SETTINGS[name], mlp_ratios=4.0)
-    elif isinstance(arch, dict):
-        required = {'embed_dims', 'num_heads', 'depths'}
-        allowed = required | {'mlp_ratios'}
-        if not required <= set(arch) or not set(arch) <= allowed:
-            raise ValueError(f'arch dict must have keys {sorted(required)} '
-                             f'(optional: mlp_ratios), got {sorted(arch)}')
-        settings = dict(arch)
-        settings.setdefault('mlp_ratios', 4.0)
-    else:
-        raise TypeError(f'arch must be a str or a dict, got {type(arch)}')
-    if (isinstance(settings['mlp_ratios'], numbers.Real)
-            and not isinstance(settings['mlp_ratios'], bool)):
-        settings['mlp_ratios'] = [float(settings['mlp_ratios'])] * NUM_STAGES
-    for key in ('embed_dims', 'num_heads', 'depths', 'mlp_ratios'):
-        value = settings[key]
-        if not isinstance(value, Sequence) or len(value) != NUM_STAGES:
-            raise ValueError(f'arch[{key!r}] must have {NUM_STAGES} entries, '
-                             f'got {value!r}')
-        # bool is an int to Python; a float width or depth fails deep inside torch, an
-        # infinite ratio in int() of the MLP width.
-        kinds = numbers.Real if key == 'mlp_ratios' else numbers.Integral
-        if not all(isinstance(v, kinds) and not isinstance(v, bool) and v > 0
-                   and math.isfinite(v) for v in value):
-            what = 'finite numbers' if key == 'mlp_ratios' else 'ints'
-            raise ValueError(f'arch[{key!r}] entries must be positive {what}, got '
-                             f'{value!r}')
-        settings[key] = list(value)
-    for i, (dim, heads, ratio) in enumerate(
-            zip(settings['embed_dims'], settings['num_heads'], settings['mlp_ratios'])):
-        if dim % heads != 0:
-            raise ValueError(f"arch: embed_dims[{i}]={dim} is not divisible "
-                             f"by num_heads[{i}]={heads}")
-        # torch builds a zero-width MLP without a word (its output is then the bias alone).
+            raise ValueError(f'arch must be one of {sorted(ARCH_SETTINGS)} (or '
+                             f'{sorted(ARCH_ALIASES)}) or a dict, got {arch!r}')
+        arch = ARCH_SETTINGS[name]
+    # Unknown keys would be ignored without a word.
+    if set(arch) - {'embed_dims', 'num_heads', 'depths', 'mlp_ratios'}:
+        raise ValueError(f"arch dict takes embed_dims, num_heads, depths and mlp_ratios, got "
+                         f'{sorted(arch)}')
+    ratios = arch.get('mlp_ratios', 4.0)
+    if isinstance(ratios, numbers.Real) and not isinstance(ratios, bool):
+        ratios = [float(ratios)] * NUM_STAGES
+    settings = dict(embed_dims=arch['embed_dims'], num_heads=arch['num_heads'],
+                    depths=arch['depths'], mlp_ratios=ratios)
+    for key, values in settings.items():
+        kind = numbers.Real if key == 'mlp_ratios' else numbers.Integral
+        # A float width fails deep in torch, a bool is an int, an infinite ratio overflows
+        # int() of the MLP width, a tiny one builds a zero-width MLP without a word.
+        if (not isinstance(values, Sequence) or len(values) != NUM_STAGES or not all(
+                isinstance(v, kind) and not isinstance(v, bool) and 0 < v < math.inf
+                for v in values)):
+            raise ValueError(f'arch[{key!r}] must be {NUM_STAGES} positive '
+                             f'{"numbers" if key == "mlp_ratios" else "ints"}, got {values!r}')
+        settings[key] = list(values)
+    for i, (dim, ratio) in enumerate(zip(settings['embed_dims'], settings['mlp_ratios'])):
         if int(dim * ratio) < 1:
-            raise ValueError(f"arch['mlp_ratios'][{i}]={ratio!r} gives the MLP of "
-                             f'embed_dims[{i}]={dim} int({dim} * {ratio!r}) = 0 hidden '
-                             f'channels; it must be at least 1/{dim}')
+            raise ValueError(f"arch['mlp_ratios'][{i}]={ratio!r} gives embed_dims[{i}]={dim} a "
+                             'zero-width MLP')
     return settings
 
 
-def _renamed_backend_key(attn_cfg: dict) -> dict:
-    """``attn_cfg`` with the key ``backend`` (the name before 2026-12) read as ``impl``.
-
-    Configs written against the earlier release keep working, with a FutureWarning.
-    """
-    if 'backend' not in attn_cfg:
-        return attn_cfg
-    if 'impl' in attn_cfg:
-        raise ValueError("attn_cfg: 'backend' is the old name of 'impl'; give only 'impl'")
-    warnings.warn("attn_cfg key 'backend' is renamed 'impl'; 'backend' will be removed",
-                  FutureWarning, stacklevel=4)
-    attn_cfg = dict(attn_cfg)
-    attn_cfg['impl'] = attn_cfg.pop('backend')
-    return attn_cfg
-
-
 def resolve_attn_cfg(attn_cfg: Optional[dict]) -> List[dict]:
-    """LaplacianAttention keyword arguments of each stage, from the backbone's ``attn_cfg``.
-
-    Keys not given take :data:`ATTN_CFG_DEFAULTS`, then LaplacianAttention's defaults;
-    ``qk_shared`` may be one bool or one per stage. The values are checked where the
-    attention modules are built.
-    """
-    if attn_cfg is None:
-        attn_cfg = {}
-    if not isinstance(attn_cfg, dict):
-        raise TypeError(f'attn_cfg must be a dict or None, got {type(attn_cfg).__name__} '
-                        f'{attn_cfg!r}')
-    attn_cfg = _renamed_backend_key(attn_cfg)
-    check_attn_cfg_keys('attn_cfg', attn_cfg)
-    cfg = dict(ATTN_CFG_DEFAULTS, **attn_cfg)
+    """LaplacianAttention keyword arguments of each stage from the backbone's ``attn_cfg``:
+    :data:`ATTN_CFG_DEFAULTS`, then the attention's; ``qk_shared`` one bool or one per stage."""
+    cfg = dict(ATTN_CFG_DEFAULTS, **(attn_cfg or {}))
+    if 'backend' in cfg:  # the name before 2026-12
+        if 'impl' in cfg:
+            raise ValueError("attn_cfg: 'backend' is the old name of 'impl'; give only 'impl'")
+        warnings.warn("attn_cfg key 'backend' is renamed 'impl'; 'backend' will be removed",
+                      FutureWarning, stacklevel=3)
+        cfg['impl'] = cfg.pop('backend')
     qk_shared = cfg.pop('qk_shared')
     if isinstance(qk_shared, bool):
         qk_shared = (qk_shared, ) * NUM_STAGES
-    if (not isinstance(qk_shared, Sequence) or len(qk_shared) != NUM_STAGES
-            or not all(isinstance(v, bool) for v in qk_shared)):
-        raise TypeError(f'attn_cfg qk_shared must be a bool or {NUM_STAGES} bools (one '
-                        f'per stage), got {qk_shared!r}')
+    if len(qk_shared) != NUM_STAGES:  # each is checked by its attention
+        raise ValueError(f'attn_cfg qk_shared must be a bool or {NUM_STAGES} bools, got '
+                         f'{qk_shared!r}')
     return [dict(cfg, qk_shared=shared) for shared in qk_shared]
 
 
 def tokens_to_map(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
-    """(B, H*W, C) tokens -> (B, C, H, W) map.
-
-    A view with channels-last strides, not a copy: the next stage's stride-2
-    convolution reads it as is and hands back channels-last tokens.
-    """
+    """(B, H*W, C) tokens -> (B, C, H, W) map: a view with channels-last strides, which the next
+    stage's stride-2 convolution reads as is and hands back as channels-last tokens."""
     B, _, C = x.shape
     return x.transpose(1, 2).reshape(B, C, hw[0], hw[1])
 
@@ -177,12 +110,6 @@ class LaplacianFormerStage(nn.Module):
         super().__init__()
         self.downsample = downsample
         self.blocks = nn.ModuleList(blocks)
-
-
-def export_size_rule(minimum: int) -> str:
-    """Why an export needs H, W >= ``minimum`` (export_min_size), for error messages."""
-    return (f'every stage map with Laplacian attention must be at least its landmark grid, '
-            f'so H and W must be >= {minimum} for this model (docs/deploy.md)')
 
 
 @MODELS.register_module()
@@ -275,22 +202,11 @@ class LaplacianFormer(BaseModule):
                  pretrained: Optional[str] = None,
                  init_cfg: Optional[Union[dict, List[dict]]] = None,
                  num_stages: int = NUM_STAGES):
-        if not (pretrained is None or isinstance(pretrained, str)):
-            raise TypeError(f'pretrained must be a str (a checkpoint path) or None, got '
-                            f'{type(pretrained).__name__} {pretrained!r}')
-        if pretrained == '':
-            # Else a Pretrained init_cfg without a checkpoint, refused only by init_weights.
-            raise ValueError("pretrained='' is not a checkpoint path: give one, or None (the "
-                             'default) to start from the default initialisation')
         if pretrained is not None:
-            if init_cfg is not None:
-                raise ValueError('give either pretrained or init_cfg, not '
-                                 f'both (pretrained={pretrained!r}, '
-                                 f'init_cfg={init_cfg!r}); for another checkpoint where '
-                                 'the config has a Pretrained init_cfg, set '
-                                 'model.backbone.init_cfg.checkpoint=PATH; an mmseg '
-                                 "segmentor's model.pretrained comes here as pretrained: "
-                                 'set model.pretrained=None')
+            if not isinstance(pretrained, str) or not pretrained or init_cfg is not None:
+                raise ValueError(f'pretrained must be a checkpoint path, given without init_cfg '
+                                 "(an mmseg segmentor's model.pretrained comes here: set it to "
+                                 f'None), got {pretrained!r} and init_cfg={init_cfg!r}')
             # A UserWarning, as mmdet's PVT and Swin: Python hides DeprecationWarnings
             # raised outside __main__.
             warnings.warn('LaplacianFormer: pretrained= is deprecated, use '
@@ -299,46 +215,29 @@ class LaplacianFormer(BaseModule):
         self._check_init_cfg(init_cfg)
         super().__init__(init_cfg=init_cfg)
         self.arch_settings = resolve_arch(arch)
-        if (not isinstance(num_stages, int) or isinstance(num_stages, bool)
-                or not 1 <= num_stages <= NUM_STAGES):
-            raise ValueError(f'num_stages must be an int in [1, {NUM_STAGES}], got '
-                             f'{num_stages!r}')
+        if num_stages not in range(1, NUM_STAGES + 1):
+            raise ValueError(f'num_stages must be in [1, {NUM_STAGES}], got {num_stages!r}')
         self.num_stages = num_stages
         self.out_indices = self._check_out_indices(out_indices, num_stages)
         last = max(self.out_indices) + 1
         if last < num_stages:
-            stages = f'stage {num_stages}' if last + 1 == num_stages else \
-                f'stages {last + 1}-{num_stages}'
+            unused = ', '.join(str(i + 1) for i in range(last, num_stages))
             warnings.warn(
-                f'LaplacianFormer: out_indices={self.out_indices} returns no map of {stages}, '
-                'built but not run, so its parameters get no gradient (DistributedDataParallel '
-                f'then needs find_unused_parameters=True): num_stages={last} leaves it out')
-        if (not isinstance(frozen_stages, int) or isinstance(frozen_stages, bool)
-                or not -1 <= frozen_stages <= num_stages):
-            raise ValueError(f'frozen_stages must be an int in [-1, '
-                             f'{num_stages}] (num_stages={num_stages}), got '
+                f'LaplacianFormer: out_indices={self.out_indices} returns no map of stages '
+                f'{unused}, built but not run, so their parameters get no gradient '
+                '(DistributedDataParallel then needs find_unused_parameters=True): '
+                f'num_stages={last} leaves them out')
+        # -2 would freeze nothing, num_stages + 1 fail in an IndexError.
+        if frozen_stages not in range(-1, num_stages + 1):
+            raise ValueError(f'frozen_stages must be in [-1, {num_stages}], got '
                              f'{frozen_stages!r}')
-        for name, rate in (('drop_rate', drop_rate), ('attn_drop_rate', attn_drop_rate),
-                           ('drop_path_rate', drop_path_rate)):
-            if not isinstance(rate, numbers.Real) or isinstance(rate, bool):
-                raise TypeError(f'{name} must be a number in [0, 1), got '
-                                f'{type(rate).__name__} {rate!r}')
-            if not 0.0 <= rate < 1.0:
-                raise ValueError(f'{name} must be in [0, 1), got {rate!r}')
-        for name, flag in (('qkv_bias', qkv_bias), ('norm_eval', norm_eval),
-                           ('with_cp', with_cp)):
-            check_bool(name, flag)
-        if stage4_attention not in STAGE4_ATTENTIONS:
-            raise ValueError(f'stage4_attention must be one of '
-                             f'{STAGE4_ATTENTIONS}, got {stage4_attention!r}')
-        if (not isinstance(in_channels, int) or isinstance(in_channels, bool)
-                or in_channels < 1):
-            raise ValueError(
-                f'in_channels must be a positive int, got {in_channels!r}')
+        if stage4_attention not in STAGE4_ATTENTIONS:  # else Laplacian without a word
+            raise ValueError(f'stage4_attention must be one of {STAGE4_ATTENTIONS}, got '
+                             f'{stage4_attention!r}')
         self.in_channels = in_channels
         self.frozen_stages = frozen_stages
-        self.norm_eval = norm_eval
-        self.with_cp = with_cp
+        self.norm_eval = check_bool('norm_eval', norm_eval)
+        self.with_cp = check_bool('with_cp', with_cp)
         self.stage4_attention = stage4_attention
         stage_attn_cfgs = resolve_attn_cfg(attn_cfg)
         self.qk_shared = tuple(cfg['qk_shared'] for cfg in stage_attn_cfgs)
@@ -349,10 +248,6 @@ class LaplacianFormer(BaseModule):
         # meta device, whose tensors have no values to list.
         block_dpr = torch.linspace(0, drop_path_rate, sum(depths), device='cpu').tolist()
         common = dict(qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate)
-
-        # Every width at once: each layer's build would name only its own.
-        check_group_norm('conv_norm_cfg', conv_norm_cfg,
-                         [STEM_HIDDEN_CHANNELS] + list(dims[:num_stages]))
         self.stem = ConvStem(in_channels, dims[0], conv_norm_cfg, conv_act_cfg)
         self.stages = nn.ModuleList()
         first_block = 0
@@ -382,51 +277,34 @@ class LaplacianFormer(BaseModule):
 
     @staticmethod
     def _check_init_cfg(init_cfg) -> None:
+        """At most one ``Pretrained`` entry, with a checkpoint and mmengine's keys:
+        init_weights loads one checkpoint and reads those keys, dropping others unseen."""
         entries = init_cfg_entries(init_cfg)
         if not all(isinstance(e, dict) for e in entries):
-            hint = (' (--cfg-options passes a dict as a string: give a checkpoint with '
-                    'model.backbone.init_cfg.checkpoint=PATH where the config has a Pretrained '
-                    'init_cfg, or model.backbone.pretrained=PATH where its init_cfg is None)'
-                    if isinstance(init_cfg, str) else '')
             raise TypeError(f'init_cfg must be a dict, a list of dicts or None, got '
-                            f'{type(init_cfg).__name__} {init_cfg!r}{hint}')
-        names = ([f'init_cfg[{i}]' for i in range(len(entries))]
-                 if isinstance(init_cfg, list) else ['init_cfg'])
-        pretrained = [(name, e) for name, e in zip(names, entries) if is_pretrained_cfg(e)]
-        if len(pretrained) > 1:
-            # init_weights loads one checkpoint: the others would be dropped without a word.
-            raise ValueError(f'init_cfg has {len(pretrained)} Pretrained entries '
-                             f'({", ".join(name for name, _ in pretrained)}): the backbone '
-                             f'loads one checkpoint; keep one, got {init_cfg!r}')
-        for name, entry in pretrained:
-            # mmengine leaves _delete_ in a dict whose _base_ had nothing there to replace.
-            unknown = sorted(set(entry) - set(PRETRAINED_KEYS) - {'_delete_'})
-            if unknown:
-                raise ValueError(f'{name}={entry!r}: unknown key(s) '
-                                 f'{", ".join(map(repr, unknown))} in a Pretrained entry; '
-                                 f'allowed: {", ".join(PRETRAINED_KEYS)}')
+                            f'{init_cfg!r} (a checkpoint from --cfg-options: '
+                            'model.backbone.init_cfg.checkpoint=PATH)')
+        pretrained = [e for e in entries if is_pretrained_cfg(e)]
+        # mmengine leaves _delete_ in a dict whose _base_ had nothing there to replace.
+        if len(pretrained) > 1 or any(
+                not e.get('checkpoint') or set(e) - set(PRETRAINED_KEYS) - {'_delete_'}
+                for e in pretrained):
+            raise ValueError(f'init_cfg: one Pretrained entry at most, with a checkpoint and '
+                             f'the keys {", ".join(PRETRAINED_KEYS)}; got {init_cfg!r}')
 
     @staticmethod
     def _check_out_indices(out_indices: Sequence[int],
                            num_stages: int = NUM_STAGES) -> Tuple[int, ...]:
+        """``out_indices`` (an int or ints, negative from the end) as sorted stage indices."""
         if isinstance(out_indices, int):
             out_indices = (out_indices, )
-        if (not isinstance(out_indices, Sequence) or not out_indices
-                or not all(isinstance(i, int) and not isinstance(i, bool)
-                           for i in out_indices)):
-            raise TypeError('out_indices must be a non-empty sequence of '
-                            f'ints, got {out_indices!r}')
-        given = tuple(out_indices)
-        out_indices = tuple(i + num_stages if i < 0 else i
-                            for i in out_indices)
-        if not all(0 <= i < num_stages for i in out_indices):
-            raise ValueError(f'out_indices must be in [0, {num_stages}) (or '
-                             f'negative from the end) with num_stages={num_stages}, '
-                             f'got {given!r}')
-        if len(set(out_indices)) != len(out_indices):
-            raise ValueError(
-                f'out_indices must not repeat, got {out_indices!r}')
-        return tuple(sorted(out_indices))
+        indices = sorted({i + num_stages if isinstance(i, int) and i < 0 else i
+                          for i in out_indices})
+        if (not indices or len(indices) != len(out_indices)
+                or not all(isinstance(i, int) and 0 <= i < num_stages for i in indices)):
+            raise ValueError(f'out_indices must be distinct ints in [0, {num_stages}) (or '
+                             f'negative from the end), got {out_indices!r}')
+        return tuple(indices)
 
     @property
     def embed_dims(self) -> List[int]:
@@ -436,20 +314,18 @@ class LaplacianFormer(BaseModule):
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """(B, C_in, H, W) -> maps (B, C_i, ~H/s_i, ~W/s_i), s_i = 4, 8, 16, 32.
 
-        Spatial sizes round up at each stride-2 step, so any H, W >= 1 works; B >= 1 (an
-        empty batch is an error, where mmdet's PVTv2 returns empty maps).
+        Spatial sizes round up at each stride-2 step, so any H, W >= 1 works eagerly.
         """
-        self._check_input(x)
         export = exporting()
         if export:
-            self._check_export_range(x)
+            self._check_export_size(x)
         x = self.stem(x)
         outs = []
         for i, stage in enumerate(self._stages_run()):
             x = stage.downsample(x)
-            # Python ints for the attention's checks, also under the FLOP counter's jit trace
-            # (its sizes are tensors); symbolic while exporting, where int() would freeze
-            # every reshape of the graph to the example size.
+            # Symbolic while exporting, where int() would freeze every reshape of the graph
+            # to the example size; Python ints otherwise, also under the FLOP counter's jit
+            # trace (its sizes are tensors).
             hw = (x.shape[2], x.shape[3]) if export else (int(x.shape[2]), int(x.shape[3]))
             # Contiguous tokens once per stage: every residual add and norm of the
             # stage would otherwise stride through a transposed view.
@@ -511,115 +387,33 @@ class LaplacianFormer(BaseModule):
                     minimum = max(minimum, (block.attn.landmark_grid - 1) * stride + 1)
         return minimum
 
-    @trace_quiet
-    def _check_input(self, x: torch.Tensor) -> None:
-        """A floating (B, in_channels, H, W) batch, else an error saying what is wrong."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f'LaplacianFormer input must be a torch.Tensor, got '
-                            f'{type(x).__name__}')
-        if x.dim() != 4 or x.shape[1] != self.in_channels:
-            raise ValueError(
-                f'LaplacianFormer input must be (B, {self.in_channels}, H, W) '
-                f'(in_channels={self.in_channels}), got shape {tuple(x.shape)}')
-        if not x.is_floating_point():
-            raise TypeError(f'LaplacianFormer input must be a floating-point '
-                            f'tensor (normalise images first), got dtype {x.dtype}')
-        weight = self.stem[0][0].weight
-        autocast = torch.is_autocast_enabled(x.device.type)
-        double = x.dtype == torch.float64, weight.dtype == torch.float64
-        if autocast:
-            # autocast casts a 16- or 32-bit input and the weights to its dtype, and leaves
-            # float64 alone: one float64 side is then a mismatch.
-            fits = double[0] == double[1]
-        else:
-            fits = x.dtype == weight.dtype
-        if not fits:
-            # torch's convolution names neither side ("expected scalar type Half but found
-            # Float").
-            hint = '' if autocast or any(double) else ', or run under torch.autocast'
-            raise TypeError(f'LaplacianFormer input has dtype {x.dtype} but its weights '
-                            f'{weight.dtype}: cast the input (x.to({weight.dtype})) or the '
-                            f'model{hint}')
-        # mmdet's PVTv2 returns empty maps for an empty batch; here the attention's reshapes
-        # would fail deep inside, so it is refused by name.
-        if x.shape[0] == 0:
-            raise ValueError(f'LaplacianFormer input batch size must be >= 1, got 0 (shape '
-                             f'{tuple(x.shape)})')
-        if x.shape[2] == 0 or x.shape[3] == 0:
-            raise ValueError(f'LaplacianFormer input height and width must be >= 1, got '
-                             f'{x.shape[2]}x{x.shape[3]} (shape {tuple(x.shape)})')
-        if self.training and x.shape[0] == 1:
-            self._check_batch_norm_sizes(x.shape[2], x.shape[3])
-
-    def _check_batch_norm_sizes(self, height: int, width: int) -> None:
-        """A batch of one image whose smallest map with a BatchNorm (the last stage run's
-        downsampling, or the stem's) is 1×1: torch's error ("Expected more than 1 value per
-        channel") would name neither the layer nor the rule."""
-        run = self._stages_run()
-        stride = STAGE_STRIDES[len(run) - 1]
-        if -(-height // stride) > 1 or -(-width // stride) > 1:
-            return
-        norm = next((m for part in (self.stem, run) for m in part.modules()
-                     if isinstance(m, _BatchNorm) and m.training), None)
-        if norm is None:
-            return
-        raise ValueError(
-            f'a training batch of one {height}x{width} image makes the stride-{stride} map '
-            f'1x1, where the {type(norm).__name__} of conv_norm_cfg has a single value per '
-            f'channel: train with images over {stride} px on a side, batches of 2 or more, '
-            "or conv_norm_cfg=dict(type='GN', num_groups=...)")
-
-    @trace_quiet
-    def _check_export_range(self, x: torch.Tensor) -> None:
-        """While exporting: refuse an input size, or a torch.export range, that reaches below
-        export_min_size(), or a torch.export Dim on one side only.
-
-        The export form keeps m = g² landmarks at every size, so a smaller example would
-        trace a wrong graph without a word (the TorchScript exporter), and a user's
-        ``Dim('h', min=100)`` would fail deep in the trace with a constraint violation that
-        names a derived guard, not the rule.
-        """
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
+    def _check_export_size(self, x: torch.Tensor) -> None:
+        """H, W >= :meth:`export_min_size` while exporting: the export form keeps m = g²
+        landmarks, so a smaller example would trace a wrong graph without a word; torch.export
+        narrows a dynamic range to it, or refuses a user's Dim that reaches below."""
+        sizes = x.shape[2:]
+        if torch.jit.is_tracing():  # the TorchScript exporter's: the example's, as tensors
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore', torch.jit.TracerWarning)
+                sizes = [int(size) for size in sizes]
+        if sum(isinstance(size, torch.SymInt) for size in sizes) == 1:
+            # The stages' N = H·W is then e.g. 74·x + 74, and torch.export cannot prove that
+            # it splits into H × W: a failure deep in the trace otherwise.
+            raise ValueError('give the height and the width of the input each a torch.export '
+                             'Dim, or neither (docs/deploy.md)')
         minimum = self.export_min_size()
-        rule = export_size_rule(minimum)
-        height, width = x.shape[2], x.shape[3]
-        symbolic = isinstance(height, torch.SymInt), isinstance(width, torch.SymInt)
-        if not any(symbolic):
-            # Static sizes: the TorchScript exporter, or torch.export without Dims.
-            if min(int(height), int(width)) < minimum:
-                raise ValueError(f'cannot export at the input size {int(height)}×{int(width)}: '
-                                 f'{rule}; export with a larger example input')
-            return
-        if not all(symbolic):
-            # Each stage splits its N = H·W tokens into H × W; with one side static, N is
-            # e.g. 74·x + 74 and torch.export cannot prove (74·x + 74) % (x + 1) == 0 (its
-            # sympy keeps the product expanded).
-            side = 'height' if symbolic[0] else 'width'
-            raise ValueError(
-                f'only the {side} of the input has a torch.export Dim: give both H and W a Dim '
-                f"(dynamic_shapes=({{2: Dim('h', min={minimum}, ...), 3: Dim('w', "
-                f"min={minimum}, ...)}}, )), two separate ones, or neither; with one static "
-                'side torch.export cannot prove that the stages split their H·W tokens into '
-                'H × W (docs/deploy.md)')
-        for name, size in (('H', height), ('W', width)):
-            if not statically_known_true(size >= minimum):
-                raise ValueError(
-                    f'the export range of the input {name} reaches below {minimum}: {rule}; '
-                    f'declare Dim(..., min={minimum}) or more')
-
-    def _frozen_modules(self) -> List[nn.Module]:
-        if self.frozen_stages < 0:
-            return []
-        modules = [self.stem]
-        for i in range(self.frozen_stages):
-            modules += [self.stages[i], getattr(self, f'norm{i}')]
-        return modules
+        for size in sizes:
+            torch._check(size >= minimum, lambda: (
+                f'H and W must be >= {minimum} to export this model (export_min_size: every '
+                'stage map with Laplacian attention at least its landmark grid; docs/deploy.md)'))
 
     def _freeze_stages(self) -> None:
-        for module in self._frozen_modules():
+        frozen = [] if self.frozen_stages < 0 else [self.stem]
+        for i in range(max(self.frozen_stages, 0)):
+            frozen += [self.stages[i], getattr(self, f'norm{i}')]
+        for module in frozen:
             module.eval()
-            for param in module.parameters():
-                param.requires_grad = False
+            module.requires_grad_(False)
 
     def train(self, mode: bool = True) -> 'LaplacianFormer':
         """Switch mode, keeping frozen stages and (norm_eval) BNs in eval."""
@@ -631,31 +425,21 @@ class LaplacianFormer(BaseModule):
                     module.eval()
         return self
 
-    def _pretrained_cfg(self) -> Optional[dict]:
-        for cfg in init_cfg_entries(self.init_cfg):
-            if is_pretrained_cfg(cfg):
-                if not cfg.get('checkpoint'):
-                    raise ValueError("init_cfg of type 'Pretrained' needs a "
-                                     f"'checkpoint', got {cfg!r}")
-                return cfg
-        return None
-
     def init_weights(self) -> None:
         """Default initialisation, then the other ``init_cfg`` entries, then the
         ``Pretrained`` checkpoint if any (mmengine's order). An entry with a
         ``checkpoint`` and no ``type`` is a ``Pretrained`` one, as for mmdet's PVT."""
-        pretrained = self._pretrained_cfg()
+        entries = init_cfg_entries(self.init_cfg)
         self.apply(init_layer)
-        others = [cfg for cfg in init_cfg_entries(self.init_cfg) if not is_pretrained_cfg(cfg)]
+        others = [cfg for cfg in entries if not is_pretrained_cfg(cfg)]
         if others:
             initialize(self, others)
-        if pretrained is not None:
-            load_backbone_weights(
-                self,
-                pretrained['checkpoint'],
-                logger=MMLogger.get_current_instance(),
-                prefix=pretrained.get('prefix'),
-                map_location=pretrained.get('map_location', 'cpu'))
+        for cfg in entries:
+            if is_pretrained_cfg(cfg):
+                load_backbone_weights(self, cfg['checkpoint'],
+                                      logger=MMLogger.get_current_instance(),
+                                      prefix=cfg.get('prefix'),
+                                      map_location=cfg.get('map_location', 'cpu'))
         self._is_init = True
 
 

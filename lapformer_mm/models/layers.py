@@ -5,10 +5,7 @@ feature maps are NCHW.
 """
 import functools
 import importlib
-import inspect
-import math
-import numbers
-from typing import Sequence, Tuple
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
@@ -16,32 +13,22 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 
-def drop_path(x: torch.Tensor, drop_prob: float, training: bool) -> torch.Tensor:
-    """Stochastic depth: zero whole samples of a residual branch.
-
-    x: (B, ...). Surviving samples are scaled by 1 / (1 - drop_prob) so the
-    expectation matches eval mode, where the branch is kept as is.
-    """
-    if drop_prob == 0.0 or not training:
-        return x
-    keep = 1.0 - drop_prob
-    mask_shape = (x.shape[0], ) + (1, ) * (x.ndim - 1)
-    mask = x.new_empty(mask_shape).bernoulli_(keep)
-    return x * mask / keep
-
-
 class DropPath(nn.Module):
-    """Module form of :func:`drop_path`."""
+    """Stochastic depth: zero whole samples of a residual branch, the survivors scaled by
+    1 / (1 - drop_prob) so the expectation matches eval mode, where the branch is kept."""
 
     def __init__(self, drop_prob: float = 0.0):
         super().__init__()
         if not 0.0 <= drop_prob < 1.0:
-            raise ValueError(
-                f'drop_prob must be in [0, 1), got {drop_prob!r}')
+            raise ValueError(f'drop_path_rate must be in [0, 1), got {drop_prob!r}')
         self.drop_prob = drop_prob
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return drop_path(x, self.drop_prob, self.training)
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.drop_prob
+        mask = x.new_empty((x.shape[0], ) + (1, ) * (x.ndim - 1)).bernoulli_(keep)
+        return x * mask / keep
 
     def extra_repr(self) -> str:
         return f'drop_prob={self.drop_prob}'
@@ -49,11 +36,8 @@ class DropPath(nn.Module):
 
 # The types built with torch alone when mmcv is not installed (the backbone needs only
 # torch and mmengine); with mmcv, every type in its registry, as in mmdet's backbones.
-TORCH_NORMS = {'LN': nn.LayerNorm, 'BN': nn.BatchNorm2d, 'SyncBN': nn.SyncBatchNorm,
-               'GN': nn.GroupNorm}
-TORCH_ACTIVATIONS = {'ReLU': nn.ReLU, 'GELU': nn.GELU, 'SiLU': nn.SiLU}
-#: The norm types mmcv registers, for the error on another one.
-MMCV_NORMS = ('BN', 'SyncBN', 'GN', 'LN', 'IN')
+TORCH_LAYERS = {'LN': nn.LayerNorm, 'BN': nn.BatchNorm2d, 'SyncBN': nn.SyncBatchNorm,
+                'GN': nn.GroupNorm, 'ReLU': nn.ReLU, 'GELU': nn.GELU, 'SiLU': nn.SiLU}
 
 
 @functools.lru_cache(maxsize=1)
@@ -65,115 +49,43 @@ def _mmcv_cnn():
         return None
 
 
-def _split_cfg(arg: str, cfg: dict, torch_types: dict):
-    """(layer class, remaining kwargs) of ``cfg`` for the torch-only builders."""
+def _torch_layer(arg: str, cfg: dict, *args) -> nn.Module:
+    """The layer of an mmcv-style ``cfg`` from :data:`TORCH_LAYERS` (mmcv not installed)."""
     kwargs = dict(cfg)
     layer_type = kwargs.pop('type')
-    if inspect.isclass(layer_type):
-        return layer_type, kwargs
-    if layer_type not in torch_types:
-        raise ValueError(f'{arg}={cfg!r}: type {layer_type!r} needs mmcv (not installed); '
-                         f'without it allowed: {", ".join(map(repr, torch_types))}')
-    return torch_types[layer_type], kwargs
-
-
-def _check_cfg(arg: str, cfg) -> None:
-    if not isinstance(cfg, dict) or 'type' not in cfg:
-        raise TypeError(f"{arg} must be a dict with a 'type' key (e.g. dict(type='LN')), "
-                        f'got {cfg!r}')
-
-
-def check_group_norm(arg: str, cfg: dict, widths: Sequence[int]) -> None:
-    """For a GroupNorm ``cfg``: ``num_groups`` a positive int that divides each of ``widths``,
-    the channels of every map it normalises, else a ValueError naming ``arg`` and them.
-
-    mmcv asserts a missing num_groups with an empty message; torch's divisibility error
-    names one width, which may be the stem's hidden 32 that the user never set, and
-    num_groups=0 is a ZeroDivisionError there.
-    """
-    _check_cfg(arg, cfg)
-    if cfg['type'] not in ('GN', 'GroupNorm', nn.GroupNorm):
-        return
-    widths = sorted(set(widths))
-    listed = ', '.join(map(str, widths))
-    divisor = functools.reduce(math.gcd, widths)
-    if 'num_groups' not in cfg:
-        raise ValueError(f'{arg}={cfg!r}: GroupNorm needs num_groups, a divisor of {divisor} '
-                         f'(of every width it normalises: {listed}), e.g. '
-                         f'{math.gcd(divisor, 32)}')
-    groups = cfg['num_groups']
-    if (isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or groups < 1
-            or any(width % groups for width in widths)):
-        raise ValueError(f"{arg}={cfg!r}: GroupNorm's num_groups must be a positive int "
-                         f'dividing every width it normalises ({listed}), so a divisor of '
-                         f'{divisor}; got {groups!r}')
+    if layer_type not in TORCH_LAYERS and not isinstance(layer_type, type):
+        raise ValueError(f'{arg}: type {layer_type!r} needs mmcv (not installed); without it '
+                         f'{", ".join(TORCH_LAYERS)}')
+    layer_cls = TORCH_LAYERS.get(layer_type, layer_type)
+    requires_grad = kwargs.pop('requires_grad', True)
+    if layer_cls is nn.GroupNorm:
+        kwargs['num_channels'] = args[0]
+        args = ()
+    return layer_cls(*args, **kwargs).requires_grad_(requires_grad)
 
 
 def build_norm(arg: str, cfg: dict, num_features: int) -> nn.Module:
-    """The norm layer of an mmcv-style config over ``num_features`` channels.
-
-    ``cfg`` as for mmcv's ``build_norm_layer`` (``dict(type='LN')``,
-    ``dict(type='GN', num_groups=8)``, ``requires_grad=False`` freezes it); ``arg``
-    names the argument in errors.
-    """
-    check_group_norm(arg, cfg, [num_features])
+    """The norm layer of an mmcv-style config over ``num_features`` channels, as mmcv's
+    ``build_norm_layer`` (``requires_grad=False`` freezes it)."""
     mmcv_cnn = _mmcv_cnn()
     if mmcv_cnn is not None:
-        try:
-            return mmcv_cnn.build_norm_layer(cfg, num_features)[1]
-        except KeyError as err:
-            # mmcv's own message for a norm names the type as None
-            raise ValueError(f'{arg}={cfg!r}: unknown norm type {cfg["type"]!r}; mmcv '
-                             f'registers {", ".join(MMCV_NORMS)} (and their 1d/2d/3d '
-                             f'forms) ({err})') from None
-    layer_cls, kwargs = _split_cfg(arg, cfg, TORCH_NORMS)
-    requires_grad = kwargs.pop('requires_grad', True)
-    if layer_cls is nn.GroupNorm:
-        layer = layer_cls(num_channels=num_features, **kwargs)
-    else:
-        layer = layer_cls(num_features, **kwargs)
-    layer.requires_grad_(requires_grad)
-    return layer
+        return mmcv_cnn.build_norm_layer(cfg, num_features)[1]
+    return _torch_layer(arg, cfg, num_features)
 
 
 def build_activation(arg: str, cfg: dict) -> nn.Module:
     """The activation layer of an mmcv-style config (``dict(type='GELU')``)."""
-    _check_cfg(arg, cfg)
     mmcv_cnn = _mmcv_cnn()
-    if mmcv_cnn is not None:
-        try:
-            return mmcv_cnn.build_activation_layer(cfg)
-        except KeyError as err:
-            raise ValueError(f'{arg}={cfg!r}: unknown type ({err})') from None
-    layer_cls, kwargs = _split_cfg(arg, cfg, TORCH_ACTIVATIONS)
-    return layer_cls(**kwargs)
+    return mmcv_cnn.build_activation_layer(cfg) if mmcv_cnn else _torch_layer(arg, cfg)
 
 
 def build_token_norm(cfg: dict, dim: int) -> nn.Module:
-    """The norm of (B, N, C) tokens from ``norm_cfg``: it must normalise the last dimension.
-
-    Batch, instance and group norms normalise dimension 1 of NCHW maps, which for
-    tokens is N, so they are refused here rather than failing at the first forward.
-    """
+    """The norm of (B, N, C) tokens from ``norm_cfg``: a norm of the last dimension. Batch,
+    instance and group norms normalise dimension 1, which for tokens is N."""
     layer = build_norm('norm_cfg', cfg, dim)
     if isinstance(layer, (_NormBase, nn.GroupNorm)):
-        raise ValueError(f'norm_cfg={cfg!r} builds {type(layer).__name__}, a norm of NCHW '
-                         'maps; the blocks normalise (B, N, C) tokens over C: use a norm of '
-                         "the last dimension such as dict(type='LN') (conv_norm_cfg sets the "
-                         'norm of the stem and downsampling convolutions)')
-    return layer
-
-
-def build_map_norm(cfg: dict, channels: int) -> nn.Module:
-    """The norm of (B, C, H, W) maps from ``conv_norm_cfg``: not a LayerNorm, which
-    normalises the last dimension, W (build_token_norm's mirror image)."""
-    layer = build_norm('conv_norm_cfg', cfg, channels)
-    if type(layer) is nn.LayerNorm:  # subclasses (mmpretrain's LN2d) normalise channels
-        raise ValueError(f'conv_norm_cfg={cfg!r} builds LayerNorm, a norm of the last '
-                         'dimension, which for the stem and downsampling maps (B, C, H, W) '
-                         "is W: use a norm of NCHW maps such as dict(type='BN'), "
-                         "dict(type='SyncBN') or dict(type='GN', num_groups=...) (norm_cfg "
-                         'sets the norm of the tokens)')
+        raise ValueError(f'norm_cfg={cfg!r} builds {type(layer).__name__}, a norm of NCHW maps; '
+                         "the tokens (B, N, C) need a norm of C such as dict(type='LN')")
     return layer
 
 
@@ -183,11 +95,15 @@ def conv_norm_act(in_channels: int, out_channels: int, stride: int, norm_cfg: di
 
     (B, in, H, W) -> (B, out, ceil(H / stride), ceil(W / stride)).
     """
+    norm = build_norm('conv_norm_cfg', norm_cfg, out_channels)
+    # A LayerNorm normalises the last dimension, W of these maps (mmpretrain's LN2d, a
+    # subclass, normalises the channels).
+    if type(norm) is nn.LayerNorm:
+        raise ValueError(f'conv_norm_cfg={norm_cfg!r} builds LayerNorm, which for NCHW maps '
+                         "normalises W: use dict(type='BN'), 'SyncBN' or 'GN'")
     return nn.Sequential(
         nn.Conv2d(in_channels, out_channels, kernel_size=3, stride=stride, padding=1,
-                  bias=False),
-        build_map_norm(norm_cfg, out_channels),
-        build_activation('conv_act_cfg', act_cfg))
+                  bias=False), norm, build_activation('conv_act_cfg', act_cfg))
 
 
 #: The channels of the stem's first two layers.
@@ -224,23 +140,15 @@ class Mlp(nn.Module):
 
 
 class SoftmaxAttention(nn.Module):
-    """Plain multi-head softmax self-attention (SOFT's stage-4 layout).
+    """Plain multi-head softmax self-attention (SOFT's stage-4 layout), quadratic in N: cheap
+    only where N is small (stage 4, stride 32). forward(x, hw): x (B, N, C) -> (B, N, C); hw,
+    LaplacianAttention's second argument, is not used."""
 
-    forward(x, hw): x (B, N, C) -> (B, N, C); hw is accepted for the same call
-    signature as LaplacianAttention and not used. Quadratic in N, which is
-    cheap only where N is small (stage 4, stride 32).
-    """
-
-    def __init__(self,
-                 dim: int,
-                 num_heads: int,
-                 qkv_bias: bool = True,
-                 attn_drop: float = 0.0,
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0):
         super().__init__()
         if dim % num_heads != 0:
-            raise ValueError(f'dim ({dim}) must be divisible by num_heads '
-                             f'({num_heads})')
+            raise ValueError(f'dim={dim} must be divisible by num_heads={num_heads}')
         self.num_heads = num_heads
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.attn_drop = attn_drop

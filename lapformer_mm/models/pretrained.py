@@ -40,11 +40,9 @@ def extract_backbone_state_dict(
     carries it. As in mmengine, ``'backbone'`` means ``'backbone.'``; a leading
     ``module.`` is stripped from it as from the keys.
     """
-    if not isinstance(checkpoint, Mapping):
+    if not isinstance(checkpoint, Mapping):  # a file of another object
         raise TypeError('checkpoint must be a mapping (state dict or '
                         f'mmengine checkpoint), got {type(checkpoint)}')
-    if prefix is not None and not isinstance(prefix, str):
-        raise TypeError(f'prefix must be a str or None, got {prefix!r}')
     if prefix:
         prefix = prefix if prefix.endswith('.') else prefix + '.'
         if prefix.startswith(DDP_PREFIX):

@@ -22,7 +22,7 @@ import torch
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from .backbone import NUM_STAGES, LaplacianFormer, init_cfg_entries, resolve_arch
+from .backbone import LaplacianFormer, init_cfg_entries
 from .pretrained import is_pretrained_cfg
 
 BACKBONE_TYPE = 'LaplacianFormer'
@@ -76,64 +76,39 @@ def unknown_backbone_keys(backbone_cfg: Mapping) -> List[str]:
     return sorted(k for k in backbone_cfg if k not in taken | {'type', '_scope_'})
 
 
-def expected_in_channels(out_channels: Sequence[int], consumer: Mapping):
-    """What ``consumer.in_channels`` must be; a head picks maps by its ``in_index``."""
-    in_index = consumer.get('in_index')
-    if isinstance(in_index, int):
-        return out_channels[in_index]
-    if isinstance(in_index, Sequence):
-        return [out_channels[i] for i in in_index]
-    return list(out_channels)
-
-
-def mismatch_message(where: str, got, expected, backbone: str) -> str:
-    return (f'model.{where}.in_channels={list(got) if isinstance(got, Sequence) else got} '
-            f'does not match the backbone: {backbone} returns maps with {expected} channels; '
-            f'set model.{where}.in_channels={expected} (or change the backbone\'s '
-            'out_indices/arch)')
-
-
 def _compare(where, got, out_channels, consumer, backbone):
+    """Raise unless ``got``, a consumer's ``in_channels`` (None: not checked), fits the maps it
+    takes: all of them, or a head's by its ``in_index``."""
     if got is None:
         return
+    index = consumer.get('in_index')
     try:
-        expected = expected_in_channels(out_channels, consumer)
+        expected = (out_channels[index] if isinstance(index, int) else list(out_channels)
+                    if not isinstance(index, Sequence) else [out_channels[i] for i in index])
     except IndexError:
+        raise ModelConfigError(f'model.{where}.in_index={index!r} selects maps that the '
+                               f'backbone does not return ({backbone} returns '
+                               f'{len(out_channels)})') from None
+    got = list(got) if isinstance(got, Sequence) else got
+    if got != expected:
         raise ModelConfigError(
-            f'model.{where}.in_index={consumer.get("in_index")!r} selects maps that the '
-            f'backbone does not return ({backbone} returns {len(out_channels)} maps)'
-        ) from None
-    got_cmp = list(got) if isinstance(got, Sequence) else got
-    if got_cmp != expected:
-        raise ModelConfigError(mismatch_message(where, got, expected, backbone))
+            f'model.{where}.in_channels={got} does not match the backbone: {backbone} returns '
+            f'maps with {expected} channels; set model.{where}.in_channels={expected} (or '
+            "change the backbone's out_indices/arch)")
 
 
-def _check_backbone_args(backbone_cfg: Mapping):
-    """(embed_dims, out_indices) of a LaplacianFormer config; :class:`ModelConfigError`
-    where LaplacianFormer refuses its arguments.
-
-    The constructor's own checks, run by building the backbone on the meta device (no
-    memory, no initialisation): the tools catch a ConfigError and print
-    its message, where the same error raised inside the Runner's build is a traceback.
-    ``arch`` and ``out_indices`` are checked first, to name the key.
-    """
-    checked = {}
-    for key, check, default in (
-            ('arch', resolve_arch, 'tiny'),
-            ('out_indices', LaplacianFormer._check_out_indices, tuple(range(NUM_STAGES)))):
-        try:
-            checked[key] = check(backbone_cfg.get(key, default))
-        except (TypeError, ValueError) as err:
-            raise ModelConfigError(f'model.backbone.{key}: {err}') from None
+def _check_backbone_args(backbone_cfg: Mapping) -> LaplacianFormer:
+    """The LaplacianFormer of a config, built on the meta device (no memory, no
+    initialisation): its constructor's errors as a :class:`ModelConfigError`, which the tools
+    print alone, where the same error inside the Runner's build is a traceback."""
     kwargs = {k: v for k, v in backbone_cfg.items() if k not in ('type', '_scope_')}
     try:
         # The build the Runner does next gives the warnings (deprecations, stages not run).
         with warnings.catch_warnings(), torch.device('meta'):
             warnings.simplefilter('ignore')
-            LaplacianFormer(**kwargs)
+            return LaplacianFormer(**kwargs)
     except (TypeError, ValueError) as err:
         raise ModelConfigError(f'model.backbone: {err}') from None
-    return checked['arch']['embed_dims'], checked['out_indices']
 
 
 # mmcv's model zoo: ImageNet CNNs (mmseg's ResNet bases name 'open-mmlab://resnet50_v1c').
@@ -189,12 +164,12 @@ def check_model_cfg(model_cfg: Mapping) -> None:
             '(another backbone\'s, kept from the _base_ config: add _delete_=True to the '
             'backbone dict to replace it; docs/backbone.md lists the arguments)')
     _check_segmentor_pretrained(model_cfg, backbone)
-    dims, out_indices = _check_backbone_args(backbone)
-    out_channels = [dims[i] for i in out_indices]
+    built = _check_backbone_args(backbone)
+    out_channels = [built.embed_dims[i] for i in built.out_indices]
     for where, consumer in _consumers(model_cfg):
         _compare(where, consumer.get('in_channels'), out_channels, consumer,
                  f"LaplacianFormer(arch={backbone.get('arch', 'tiny')!r}, "
-                 f'out_indices={out_indices})')
+                 f'out_indices={built.out_indices})')
 
 
 def check_built_model(model) -> None:

@@ -1,5 +1,5 @@
-"""Argument checks of the attention: each error names the argument, its value and what is
-allowed, so a bad config fails at construction time."""
+"""Argument checks of the attention, run where its options are built: each error names the
+argument, its value and what is allowed."""
 import functools
 import math
 import warnings
@@ -51,14 +51,6 @@ def check_bool(name, value):
     return value
 
 
-def check_keys(name, keys, allowed):
-    """Require every key of ``keys`` to be in ``allowed``; the error lists both."""
-    unknown = sorted(set(keys) - set(allowed))
-    if unknown:
-        raise ValueError(f'{name}: unknown key(s) {", ".join(map(repr, unknown))}; '
-                         f'allowed: {", ".join(allowed)}')
-
-
 def check_int(name, value, minimum=1):
     """Require an integer ``value >= minimum``."""
     if isinstance(value, bool) or not isinstance(value, Integral):
@@ -68,33 +60,11 @@ def check_int(name, value, minimum=1):
     return int(value)
 
 
-def check_float_tensor(name, t, min_dim=2):
-    """Require a floating-point tensor with at least ``min_dim`` dims."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f'{name} must be a torch.Tensor, got {type(t).__name__}')
-    if not t.is_floating_point():
-        raise TypeError(f'{name} must be a floating-point tensor, got dtype {t.dtype}')
-    if t.dim() < min_dim:
-        raise ValueError(f'{name} must have at least {min_dim} dims, got shape {tuple(t.shape)}')
-    return t
-
-
-def check_nonempty(name, t, layout):
-    """Require every size of the tensor ``t`` to be >= 1; ``layout`` (e.g. '(..., m, m)')
-    names its dims in the message. An empty batch, head, grid or width gives an empty result
-    on some paths and a reshape error deep inside on others (reshape(-1, ...) of no elements
-    is ambiguous). Sizes traced by an exporter (SymInt) pass: torch takes them as >= 2."""
-    if any(isinstance(size, int) and size == 0 for size in t.shape):
-        raise ValueError(f'{name} must be {layout} with every size >= 1, got shape '
-                         f'{tuple(t.shape)}')
-    return t
-
-
 def trace_quiet(fn):
     """``fn`` with jit's TracerWarning silenced while a jit trace runs (the TorchScript
     ONNX exporter, the FLOP counter). Sizes are tensors there: reading one as a Python value
-    (a check's comparison, export.token_blocks' block count) is right for the traced input,
-    and the warning that the reading is not recorded in the graph says what is meant."""
+    (export.token_blocks' block count) is right for the traced input, and the warning that
+    the reading is not recorded in the graph says what is meant."""
     @functools.wraps(fn)
     def quiet(*args, **kwargs):
         if not torch.jit.is_tracing():
@@ -105,56 +75,26 @@ def trace_quiet(fn):
     return quiet
 
 
-@trace_quiet
 def check_square(name, P):
-    """Require a floating tensor (..., m, m) with every size >= 1."""
-    check_float_tensor(name, P)
-    if P.shape[-1] != P.shape[-2]:
-        raise ValueError(f'{name} must be square (..., m, m), got shape {tuple(P.shape)}')
-    return check_nonempty(name, P, '(..., m, m)')
+    """Require a floating tensor (..., m, m) with every size >= 1 (the solvers would return an
+    empty result for an empty one)."""
+    if not (P.is_floating_point() and P.dim() >= 2 and P.shape[-1] == P.shape[-2]
+            and P.numel() > 0):
+        raise ValueError(f'{name} must be a floating tensor (..., m, m) with every size >= 1, '
+                         f'got {P.dtype} {tuple(P.shape)}')
+    return P
 
 
-@trace_quiet
 def check_rhs(P, B):
-    """Require a floating B (..., m, k) for the system P (..., m, m): P's m, batch dims that
-    broadcast with P's (torch's errors name neither the argument nor the rule)."""
-    check_float_tensor('B', B)
+    """Require B (..., m, k) for the system P (..., m, m): P's m, batch dims that broadcast with
+    P's (torch's errors name neither the argument nor the rule)."""
     try:
         torch.broadcast_shapes(P.shape[:-2], B.shape[:-2])
+        fits = B.is_floating_point() and B.shape[-2] == P.shape[-1]
     except RuntimeError:
         fits = False
-    else:
-        fits = B.shape[-2] == P.shape[-1]
     if not fits:
-        raise ValueError(f'B must be (..., m, k) with m = {P.shape[-1]} and batch dims that '
-                         f'broadcast with those of P {tuple(P.shape)}, got shape '
-                         f'{tuple(B.shape)}')
+        raise ValueError(f'B must be a floating tensor (..., m, k) with m = {P.shape[-1]} and '
+                         f'batch dims that broadcast with those of P {tuple(P.shape)}, got '
+                         f'{B.dtype} {tuple(B.shape)}')
     return B
-
-
-@trace_quiet
-def check_hw(hw, num_tokens):
-    """Require hw = (H, W) positive ints with H·W == num_tokens; returns (H, W). Sizes traced by
-    an exporter (SymInt, tensors) pass unchecked: comparing them would specialise the graph."""
-    if not isinstance(hw, (tuple, list)) or len(hw) != 2:
-        raise TypeError(f'hw must be a pair (H, W), got {hw!r}')
-    if any(isinstance(size, (torch.SymInt, torch.Tensor)) for size in hw):
-        return hw[0], hw[1]
-    height, width = (check_int(n, v) for n, v in zip(('hw[0]', 'hw[1]'), hw))
-    if height * width != num_tokens:
-        raise ValueError(f'hw={tuple(hw)} gives H*W={height * width} but the '
-                         f'input has N={num_tokens} tokens')
-    return height, width
-
-
-@trace_quiet
-def check_kernel_pair(x, y):
-    """Validate kernel inputs x (..., N, d) and y (..., M, d)."""
-    check_float_tensor('x', x)
-    check_float_tensor('y', y)
-    if x.shape[:-2] != y.shape[:-2] or x.shape[-1] != y.shape[-1]:
-        raise ValueError('x (..., N, d) and y (..., M, d) must share batch dims and d; '
-                         f'got x {tuple(x.shape)} and y {tuple(y.shape)}')
-    if x.dtype != y.dtype or x.device != y.device:
-        raise ValueError(f'x and y must share dtype and device; got '
-                         f'{x.dtype}/{x.device} and {y.dtype}/{y.device}')

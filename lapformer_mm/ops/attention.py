@@ -42,14 +42,9 @@ from ._checks import (
     SOLVERS,
     check_bool,
     check_choice,
-    check_float_tensor,
-    check_hw,
     check_int,
-    check_keys,
     check_non_negative,
-    check_nonempty,
     check_positive,
-    check_probability,
     trace_quiet,
 )
 from .backends import cpu, cuda
@@ -110,34 +105,17 @@ class AttentionOptions:
 
 
 @trace_quiet
-def check_operands(q, k, v, landmarks, op=False):
-    """q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) must agree and have no
-    size 0 (k may be None, landmarks None before they are pooled); the op's are 4-D of one
-    dtype (the kernels read one type)."""
-    if op and q.dim() != 4:
-        raise ValueError(f'nystrom_attention: q must be (B, h, N, d), got shape '
-                         f'{tuple(q.shape)}')
-    batch = 'B, h' if op else '...'
-    for name, t, dims in (('q', q, 'N, d'), ('k', k, 'N, d'), ('v', v, 'N, d_v'),
-                          ('landmarks', landmarks, 'm, d')):
-        if t is not None or name in ('q', 'v'):
-            check_float_tensor(name, t, min_dim=4 if op else 3)
-            check_nonempty(f'nystrom_attention: {name}', t, f'({batch}, {dims})')
-            if op and t.dtype != q.dtype:
-                raise TypeError(f'nystrom_attention: {name} has dtype {t.dtype} but q has '
-                                f'{q.dtype}; all operands must share one dtype')
-    if k is not None and k.shape != q.shape:
-        raise ValueError(f'k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}')
-    if v.shape[:-1] != q.shape[:-1]:
-        raise ValueError(f'v must be (..., N, d_v) with the batch dims and N of q '
-                         f'{tuple(q.shape)}, got {tuple(v.shape)}')
-    if landmarks is not None and (landmarks.shape[:-2] != q.shape[:-2]
-                                  or landmarks.shape[-1] != q.shape[-1]):
-        raise ValueError(f'landmarks must be (..., m, d) with the batch dims and d '
-                         f'of q {tuple(q.shape)}, got {tuple(landmarks.shape)}')
-    devices = {t.device for t in (q, k, v, landmarks) if t is not None}
-    if len(devices) != 1:
-        raise ValueError(f'q, k, v, landmarks must be on one device, got {devices}')
+def check_operands(q, k, v, landmarks):
+    """q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) on one device, with q's batch
+    dims, N and d: the math would broadcast others without a word, and the kernels read
+    another device's memory as their own (landmarks None before they are pooled)."""
+    if (k.shape != q.shape or v.shape[:-1] != q.shape[:-1] or landmarks is not None and (
+            landmarks.shape[:-2] != q.shape[:-2] or landmarks.shape[-1] != q.shape[-1])
+            or len({t.device for t in (q, k, v, landmarks) if t is not None}) > 1):
+        raise ValueError(
+            'nystrom_attention: q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) '
+            f'must agree and share a device, got q {tuple(q.shape)}, k {tuple(k.shape)}, v '
+            f'{tuple(v.shape)}, landmarks {None if landmarks is None else tuple(landmarks.shape)}')
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,9 +138,6 @@ def select_backend(q, k, v, landmarks, options):
     """The backend module that runs this call, or None for the reference (the rule of
     docs/attention.md: impl=None warns once of a backend's reasons and passes it over, an
     explicit 'cupy' or 'cpu' raises them)."""
-    if not isinstance(options, AttentionOptions):
-        raise TypeError(f'options must be a lapformer_mm.ops.AttentionOptions (its impl), got '
-                        f'{type(options).__name__} {options!r}')
     impl = options.impl
     if impl == 'reference':
         return None
@@ -215,7 +190,6 @@ _LIBRARY.define(
 
 def _forward_impl(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
                   whiten_eps, impl):
-    check_operands(q, k, v, landmarks, op=True)
     opts = reference.OpOptions(kernel, lam, eps, iters, ns_init, ns_refine, normalize,
                                whiten_eps)
     if impl == 'reference':
@@ -261,7 +235,6 @@ PYTHON_KERNELS = {nystrom_attention_op: _forward_impl,
 @torch.library.register_fake('lapformer_mm::nystrom_attention')
 def _(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize, whiten_eps,
       impl):
-    check_operands(q, k, v, landmarks, op=True)
     batch, heads, n, _ = q.shape
     m, dv = landmarks.shape[-2], v.shape[-1]
     acc = reference.compute_dtype(q.dtype)
@@ -318,36 +291,29 @@ def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmar
     export: whether an exporter traces (None: ask torch). Computes in fp32 (fp64 stays fp64).
     """
     if options is None:
-        # The dataclass's own TypeError names the keyword but not the allowed ones.
-        check_keys('nystrom_attention', kwargs,
-                   [field.name for field in dataclasses.fields(AttentionOptions)])
         options = AttentionOptions(**kwargs)
-    elif kwargs or not isinstance(options, AttentionOptions):
-        raise TypeError('pass either an AttentionOptions or its fields as keywords, '
-                        f'got {type(options).__name__} and {sorted(kwargs)}')
-    check_probability('dropout_p', dropout_p)
-    if export is not None:
-        # A truthy stand-in ('no') would take the export path.
-        check_bool('export', export)
-    k = q if k is None else k
-    if (landmarks is None) == (hw is None):
+    elif kwargs:  # they would be ignored
+        raise TypeError(f'nystrom_attention: give options or its fields as keywords, got both '
+                        f'({sorted(kwargs)})')
+    if (landmarks is None) == (hw is None):  # both: which would win?
         raise TypeError('nystrom_attention: give either the landmarks (..., m, d) or hw = '
                         '(H, W), to pool them from the keys')
+    k = q if k is None else k
     check_operands(q, k, v, landmarks)
     export = exporting() if export is None else export
     if hw is not None:
-        if q.dim() != 4:
-            raise ValueError(f'nystrom_attention: pooling the landmarks (hw given) needs q, k '
-                             f'(B, h, N, d), got shape {tuple(q.shape)}')
-        landmarks = reference.pool_landmarks(k, check_hw(hw, q.shape[2]),
-                                             check_int('landmark_grid', landmark_grid), export)
-    if q.dim() != 4:
-        # The op is (B, h, N, d): fold the other batch dims into h.
-        fold = [None if t is None else t.reshape(1, -1, *t.shape[-2:])
-                for t in (q, k, v, landmarks)]
-        fold[1] = fold[0] if k is q else fold[1]
-        out = nystrom_attention(*fold, options, dropout_p=dropout_p, export=export)
-        return out.reshape(*q.shape[:-2], *out.shape[-2:])
+        landmarks = reference.pool_landmarks(k, hw, landmark_grid, export)
+    if q.dim() == 4:
+        return _attention(q, k, v, landmarks, options, dropout_p, export)
+    # The op is (B, h, N, d): fold the other batch dims into h.
+    fold = [t.reshape(1, -1, *t.shape[-2:]) for t in (q, k, v, landmarks)]
+    fold[1] = fold[0] if k is q else fold[1]
+    out = _attention(*fold, options, dropout_p, export)
+    return out.reshape(*q.shape[:-2], *out.shape[-2:])
+
+
+def _attention(q, k, v, landmarks, options, dropout_p, export):
+    """:func:`nystrom_attention` of checked 4-D operands and landmarks (``k is q``: tied)."""
     tied = k is q
     if export:
         check_exportable(options)
