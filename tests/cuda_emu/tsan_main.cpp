@@ -5,7 +5,8 @@
 // shared-memory write and another thread's read is a data race TSan reports. Values are
 // checked by the emulation tests; this program only launches every stage of the fused
 // attention on small, odd shapes (tails in every tile, two row slices, the solves in
-// several column passes) with tied and separate keys, and exits 0.
+// several column passes) with tied and separate keys (and normalize='none' on the
+// latter), and exits 0.
 #include <algorithm>
 #include <cstdio>
 #include <vector>
@@ -37,18 +38,18 @@ nys_operand operand(float* data, long long sb, long long sh, long long sn, long 
 // columns in passes of 4 (backward solve) and groups of NYS_CC (context), the merge and
 // context blocks each looping over several pieces. Operands contiguous (B, h, N, .); the
 // output gradient in the (B, N, h, d_v) layout of the output.
-int nystrom_attention(bool tied) {
+int nystrom_attention(bool tied, bool injective) {
     const int heads = 2, n = 70, m = 9, d = 17, dv = 11, splits = 2, cols = 4, mp = 12, ld = 52;
     const long long bh = 2;
     std::vector<float> q = ramp(bh * n * d, 0.05f), k = ramp(bh * n * d, 0.04f),
                        v = ramp(bh * n * dv, 0.03f), L = ramp(bh * m * d, 0.02f),
                        g = ramp(bh * n * dv, 0.01f);
-    std::vector<float> part(bh * splits * (2 * m + m * dv)), fold(bh * (m + 1) * dv),
-        context(bh * m * dv), inverse(bh * m * m), stats(bh * 2 * m), out(bh * n * dv),
-        fwork(bh * (m * m + m * dv + dv)), bpart(bh * splits * (m * dv + dv)),
-        work(bh * (2 * m * dv + m + m * m + dv)), lpart(bh * splits * m * d), dq(bh * n * d),
-        dk(bh * n * d), dvv(bh * n * dv), dl(bh * m * d);
-    std::vector<double> common(bh * splits * dv);
+    std::vector<float> part(bh * splits * (3 * m + m * dv)), fold(bh * (m + 1) * dv),
+        context(bh * (m + 1) * dv), inverse(bh * m * m), stats(bh * 3 * m), out(bh * n * dv),
+        fwork(bh * (m * m + m * dv + m + 2 * dv)), bpart(bh * splits * (m * dv + dv)),
+        work(bh * (2 * m * dv + m + m * m + 2 * dv)), lpart(bh * splits * m * d),
+        dq(bh * n * d), dk(bh * n * d), dvv(bh * n * dv), dl(bh * m * d);
+    std::vector<double> common(bh * splits * (2 * dv + 1));
     nys_params p{};
     p.q = operand(q.data(), heads * n * d, n * d, d, 1);
     p.k = tied ? nys_operand{} : operand(k.data(), heads * n * d, n * d, d, 1);
@@ -68,7 +69,7 @@ int nystrom_attention(bool tied) {
     p.common = common.data();
     p.bh_count = bh;
     p.heads = heads, p.n = n, p.m = m, p.d = d, p.dv = dv, p.chunk = 64, p.splits = splits;
-    p.iters = 6, p.init_authors = 0, p.refine = 1, p.injective = 1, p.solve_cols = cols;
+    p.iters = 6, p.init_authors = 0, p.refine = 1, p.injective = injective, p.solve_cols = cols;
     p.neg_inv_lam = -0.25f, p.neg_coef = -0.25f, p.eps = 0.01f, p.whiten_eps = 1e-5f;
     // backends.cuda.ns_partials, solve_smem and backward_solve_smem at m = 9 (mp = 12, ld = 52:
     // 3 k-splits of the 12 tiles of X R beside R R, whose partials are the largest).
@@ -80,8 +81,8 @@ int nystrom_attention(bool tied) {
                                                                NYS_MP + cols));
     const std::size_t grads = 4 * (2 * NYS_MP * (NYS_DV + 1) + 2 * NYS_TB * (NYS_MP + 1) +
                                    2 * NYS_TB * (NYS_DW + 1) + NYS_TK * (NYS_TB + 1) +
-                                   NYS_TK * (NYS_MP + 1) + 3 * NYS_MP + 2 * NYS_TB);
-    const unsigned pieces = (m + m * dv + dv + NYS_LANES - 1) / NYS_LANES;
+                                   NYS_TK * (NYS_MP + 1) + 3 * NYS_MP + 2 * NYS_TB + 2 * NYS_DV);
+    const unsigned pieces = (2 * m + m * dv + dv + NYS_LANES - 1) / NYS_LANES;
     const unsigned jobs = 1 + (pieces + NYS_UNITS - 1) / NYS_UNITS;
     p.part = part.data();
     p.work = fwork.data();
@@ -103,8 +104,9 @@ int nystrom_attention(bool tied) {
 }  // namespace
 
 int main() {
-    int rc = nystrom_attention(true);
-    rc |= nystrom_attention(false);
+    int rc = nystrom_attention(true, true);
+    rc |= nystrom_attention(false, true);
+    rc |= nystrom_attention(false, false);
     std::printf("launched, rc=%d\n", rc);
     return rc;
 }

@@ -2,28 +2,33 @@
 // global memory (lapformer_mm/ops/attention.py states the contract, reference.py the math).
 //
 // Per (batch, head) bh, with C = k(., L) the kernel rows against the m landmarks,
-// c~ = C - rowmean(C), s the per-landmark whitening scale and P = k(L, L) + eps I:
+// c~ = C - rowmean(C), s the per-landmark whitening scale, P = k(L, L) + eps I, vbar the
+// mean value and cbar = colmean(C_k) (reference.landmark_rhs, forward, value_grads):
+// R = C_k^T (v - 1 vbar^T) / N, context = [X R; vbar^T], out = Z X R + 1 vbar^T.
 //
 //   forward   nys_forward_stats   over N: column statistics of c~ (Chan's per-tile
-//                                 mean and M2) and R = C_k^T v as reference.landmark_rhs,
-//                                 (C_k - r 1^T)^T v and the common part r^T v in fp64
-//                                 (r: C_k's row means), per row slice
+//                                 mean and M2), (C_k - r 1^T)^T v and its column sums
+//                                 (C_k - r 1^T)^T 1, and in fp64 r^T v, sum r and
+//                                 sum v (r: C_k's row means), per row slice
 //             nys_forward_solve   per bh, one block: P, Newton-Schulz; beside it, many
-//                                 blocks merge the slices (statistics, s, R, r^T v)
-//             nys_forward_context per (value columns, bh): R += the common part rounded
-//                                 to fp32, context = X R (+ X (R - P X R),
-//                                 residual in fp64), fold = diag(s) context,
-//                                 b = colsum(context) / m
-//             nys_forward_out     over N: out = c~ fold + b (normalize='none': C context),
-//                                 written in the (B, N, h, d_v) token layout
+//                                 blocks merge the slices (statistics, s, cbar, and the
+//                                 fp64 sums into vbar and (r^T v - (sum r) vbar^T) / N)
+//             nys_forward_context per (value columns, bh): R = [(C_k - r 1^T)^T v -
+//                                 (C_k - r 1^T)^T 1 vbar^T] / N + the fp64 common part,
+//                                 context = X R (+ X (R - P X R), residual in fp64),
+//                                 fold = diag(s) context, b = colsum(context) / m + vbar
+//             nys_forward_out     over N: out = c~ fold + b (normalize='none':
+//                                 C context + vbar), in the (B, N, h, d_v) token layout
 //   backward  nys_backward_reduce over N: T = c~^T G and colsum(G), per row slice
 //             nys_backward_merge  per (entries, bh): the slices summed
 //             nys_backward_solve  per bh: dcontext, a = s^3 (T . context) / N,
-//                                 dR = X dcontext (refined), dP = -dR context^T and
-//                                 W = (dP + dP^T) * k(L, L)
+//                                 dR = X dcontext (refined), dP = -dR context^T,
+//                                 W = (dP + dP^T) * k(L, L), dR~ = dR / N and
+//                                 w = colsum(G) / N - cbar dR~
 //             nys_backward_grads  over N: dc~ = (G context^T) diag(s) - (c~ - mu) diag(a),
-//                                 dC_q = dc~ - rowmean(dc~), dC_k = v dR^T, dv = C_k dR,
-//                                 dq, dk through the kernel, landmark partials per slice
+//                                 dC_q = dc~ - rowmean(dc~), dC_k = (v - vbar) dR~^T,
+//                                 dv = C_k dR~ + w, dq, dk through the kernel, landmark
+//                                 partials per slice
 //             nys_backward_landmarks  per (entries, bh): the landmark gradient through P
 //                                 plus the slices
 //
@@ -35,7 +40,7 @@
 // nys_slice_range): no atomics, bit-equal reruns. Inputs q, k, v, L and the
 // output gradient are read with arbitrary strides; element types fp32, fp16, bf16
 // (fp64 inputs take the reference); everything accumulates in fp32 but the common
-// part of R, r^T v, and the refinement's residual (fp64). Limits: m <= NYS_MP
+// part of R (r^T v, sum r, sum v) and the refinement's residual (fp64). Limits: m <= NYS_MP
 // landmarks and d_v <= NYS_DV (the backend's not_supported says which variant fits);
 // any N, d and number of (batch, head) pairs (blocks loop beyond the grid limits).
 //
@@ -98,12 +103,12 @@ struct nys_params {
     void* out;               // (B, N, h, d_v), contiguous
     float* part;             // per-slice partials of the row passes
     float* fold;             // forward: [diag(s) context; b] per bh
-    float* context;
+    float* context;          // (bh, m + 1, d_v): X R, then vbar
     float* inverse;
-    float* stats;
-    float* work;             // backward: [dR, a, dL through P] per bh
+    float* stats;            // (bh, 3, m) [mu, s, cbar] (injective) or (bh, 1, m) [cbar]
+    float* work;             // per bh: nys_forward_work_stride, nys_backward_work_stride
     float* lpart;            // backward: the landmarks' gradient per slice
-    double* common;          // forward: per slice, the common part r^T v of R (d_v)
+    double* common;          // forward: per slice, [r^T v (d_v), sum v (d_v), sum r]
     long long bh_count;
     int heads, n, m, d, dv;
     int chunk, splits;       // rows of a slice, slices per bh
@@ -121,6 +126,21 @@ __device__ __forceinline__ const T* nys_in(const nys_operand& o, long long bh, i
 template <typename T>
 __device__ __forceinline__ T* nys_out(const nys_operand& o, long long bh, int heads) {
     return static_cast<T*>(o.ptr) + (bh / heads) * o.sb + (bh % heads) * o.sh;
+}
+
+// The stats of bh: [mu, s, cbar] (injective) or [cbar], m each.
+__device__ __forceinline__ float* nys_stats(const nys_params& p, long long bh) {
+    return p.stats + bh * (p.injective ? 3 : 1) * (long long)p.m;
+}
+
+// The keys' mean kernel row cbar of bh, the last row of its stats.
+__device__ __forceinline__ float* nys_key_mean(const nys_params& p, long long bh) {
+    return nys_stats(p, bh) + (p.injective ? 2 * p.m : 0);
+}
+
+// The context of bh: X R (m x d_v), then the mean value vbar (d_v).
+__device__ __forceinline__ float* nys_context(const nys_params& p, long long bh) {
+    return p.context + bh * (long long)(p.m + 1) * p.dv;
 }
 
 template <int KIND>
@@ -232,14 +252,15 @@ __device__ void nys_row_means(float (*ct)[NYS_MP + 1], int nrows, int m, float* 
     __syncthreads();
 }
 
-// dst[i][t] = x[i, t] for rows i < nrows and columns t < width, 0 elsewhere, over the
-// first NYS_DV columns of rows W + 1 wide (no barrier).
+// dst[i][t] = x[i, t] (less shift[t] where given) for rows i < nrows and columns
+// t < width, 0 elsewhere, over the first NYS_DV columns of rows W + 1 wide (no barrier).
 template <int TN, int W, typename T>
 __device__ void nys_load_rows(const T* __restrict__ x, long long sn, long long st, int nrows,
-                              int width, float (*dst)[W + 1]) {
+                              int width, float (*dst)[W + 1], const float* shift = nullptr) {
     for (int e = nys_tid(); e < TN * NYS_DV; e += NYS_THREADS) {
         const int i = e / NYS_DV, t = e % NYS_DV;
-        dst[i][t] = (i < nrows && t < width) ? lap_load(x + i * sn + t * st) : 0.0f;
+        const bool in = i < nrows && t < width;
+        dst[i][t] = in ? lap_load(x + i * sn + t * st) - (shift ? shift[t] : 0.0f) : 0.0f;
     }
 }
 
@@ -334,28 +355,35 @@ __device__ __forceinline__ float nys_sum_slices(const float* __restrict__ src, l
     return s;
 }
 
-// Per bh of the backward: [dR (m x d_v), a (m), W = (dP + dP^T) * k(L, L) (m x m),
-// the merged T (m x d_v) and colsum(G) (d_v)].
+// Per bh of the backward: [dR~ = dR / N (m x d_v), a (m), W = (dP + dP^T) * k(L, L)
+// (m x m), the merged T (m x d_v) and colsum(G) (d_v), w = colsum(G) / N - cbar dR~ (d_v)].
 __device__ __forceinline__ long long nys_backward_work_stride(int m, int dv) {
-    return 2LL * m * dv + m + (long long)m * m + dv;
+    return 2LL * m * dv + m + (long long)m * m + 2LL * dv;
 }
 
 // ---------------------------------------------------------------------------
 // Forward.
 // ---------------------------------------------------------------------------
 
-// Per bh of the forward: [P (m x m), the merged centred R (m x d_v), r^T v (d_v)].
+// Per bh of the forward: [P (m x m), the merged centred R (m x d_v), its column sums
+// (m), the common part (r^T v - (sum r) vbar^T) / N (d_v), vbar (d_v)].
 __device__ __forceinline__ long long nys_forward_work_stride(int m, int dv) {
-    return (long long)m * m + (long long)m * dv + dv;
+    return (long long)m * m + (long long)m * dv + m + 2LL * dv;
 }
 
+// Doubles of a slice's fp64 sums in p.common: [r^T v (d_v), sum v (d_v), sum r].
+__device__ __forceinline__ long long nys_common_stride(int dv) { return 2LL * dv + 1; }
+
 // Pass 1: one block per (row slice, bh). Writes, per slice, the column mean and M2 of
-// c~ over the slice's rows (injective) and R = C_k^T v (m x d_v) as
-// reference.landmark_rhs: the centred (C_k - r 1^T)^T v in fp32, part[bh, split] =
-// [mean (m), M2 (m), centred R (m x d_v)], and the common part r^T v summed in fp64,
-// common[bh, split] (d_v), r the key rows' means over the landmarks. Every key is nearly
-// equally similar to every landmark: the output reads only R's small landmark-to-landmark
-// differences, which a plain fp32 N-sum loses (docs/numerics.md).
+// c~ over the slice's rows (injective) and the parts of R = C_k^T (v - 1 vbar^T) / N as
+// reference.landmark_rhs sums it, (C_k - r 1^T)^T (v - 1 vbar^T) + 1 r^T (v - 1 vbar^T), r
+// the key rows' means over the landmarks, without a pass for vbar: the centred
+// (C_k - r 1^T)^T v and its column sums (C_k - r 1^T)^T 1 in fp32, part[bh, split] =
+// [mean (m), M2 (m), centred R (m x d_v), column sums (m)], and r^T v, sum v and sum r
+// in fp64, common[bh, split] (nys_common_stride); nys_forward_context combines them.
+// Every key is nearly equally similar to every landmark: the output reads only R's
+// small landmark-to-landmark differences, which a plain fp32 N-sum loses
+// (docs/numerics.md).
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_params p) {
     __shared__ nys_row_smem rs;
@@ -366,17 +394,19 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
     __shared__ float group_mean[NYS_GROUPS][NYS_MP];
     __shared__ float group_m2[NYS_GROUPS][NYS_MP];
     __shared__ double group_common[NYS_CGROUPS][NYS_DV];
+    __shared__ double group_rsum[NYS_CGROUPS];
     const int tid = nys_tid();
     const int m = p.m, dv = p.dv;
     const int split = blockIdx.x, splits = gridDim.x;
     const int row_begin = split * p.chunk, row_end = min(p.n, row_begin + p.chunk);
-    const long long part_stride = 2LL * m + (long long)m * dv;
-    // Every thread works on the statistics: column tid % NYS_MP over the tile rows of its
-    // group, the groups merged in order by the first NYS_MP threads.
+    const long long part_stride = 3LL * m + (long long)m * dv;
+    // Every thread works on the statistics and the column sums of the centred key tile:
+    // column tid % NYS_MP over the tile rows of its group, the groups merged in order by
+    // the first NYS_MP threads.
     constexpr int GROUP_ROWS = (NYS_TN + NYS_GROUPS - 1) / NYS_GROUPS;
     const int column = tid % NYS_MP, group = tid / NYS_MP;
-    // The common part: value column tid % NYS_DV over the tile rows of its group, in
-    // fp64 over the whole slice, the groups summed in order at its end.
+    // The fp64 sums: value column tid % NYS_DV over the tile rows of its group, over the
+    // whole slice, the groups summed in order at its end.
     constexpr int CGROUP_ROWS = (NYS_TN + NYS_CGROUPS - 1) / NYS_CGROUPS;
     const int vcolumn = tid % NYS_DV, cgroup = tid / NYS_DV;
 
@@ -390,7 +420,10 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
         float mean = 0.0f, m2 = 0.0f;
         float acc[NYS_RM][NYS_CV];
         nys_zero(acc);
-        double common = 0.0;
+        // Column `column` of (C_k - r 1^T)^T 1 over the group's rows; r^T v and sum v of
+        // value column `vcolumn` and sum r over the cgroup's rows.
+        float ksum = 0.0f;
+        double common = 0.0, vsum = 0.0, rsum = 0.0;
         for (int row0 = row_begin; row0 < row_end; row0 += NYS_TN) {
             const int nrows = min(NYS_TN, row_end - row0);
             nys_kernel_tile<NYS_TN, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb,
@@ -444,25 +477,58 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_param
             {
                 const int i0 = min(nrows, cgroup * CGROUP_ROWS);
                 const int i1 = min(nrows, i0 + CGROUP_ROWS);
-                for (int i = i0; i < i1; ++i) common += (double)rm[i] * (double)vt[i][vcolumn];
+                for (int i = i0; i < i1; ++i) {
+                    const double r = (double)rm[i], value = (double)vt[i][vcolumn];
+                    common += r * value;
+                    vsum += value;
+                    rsum += r;
+                }
+            }
+            {
+                const int i0 = min(nrows, group * GROUP_ROWS);
+                const int i1 = min(nrows, i0 + GROUP_ROWS);
+                for (int i = i0; i < i1; ++i) ksum += ct[i][column];
             }
             // ct, rm and vt are rewritten by the next tile.
             __syncthreads();
         }
         float* pb = p.part + (bh * splits + split) * part_stride;
+        double* cb = p.common + (bh * splits + split) * nys_common_stride(dv);
         if (p.injective && tid < m) {
             pb[tid] = mean;
             pb[m + tid] = m2;
         }
         nys_store_atb(acc, m, dv, pb + 2 * m);
+        // The statistics' group sums are free after the last tile's barrier.
+        group_mean[group][column] = ksum;
         group_common[cgroup][vcolumn] = common;
+        __syncthreads();
+        if (tid < m) {
+            float s = 0.0f;
+            for (int g = 0; g < NYS_GROUPS; ++g) s += group_mean[g][tid];
+            pb[2 * m + m * dv + tid] = s;
+        }
+        if (tid < dv) {
+            double s = 0.0;
+            for (int g = 0; g < NYS_CGROUPS; ++g) s += group_common[g][tid];
+            cb[tid] = s;
+        }
+        // group_common is rewritten with sum v.
+        __syncthreads();
+        group_common[cgroup][vcolumn] = vsum;
+        if (vcolumn == 0) group_rsum[cgroup] = rsum;
         __syncthreads();
         if (tid < dv) {
             double s = 0.0;
             for (int g = 0; g < NYS_CGROUPS; ++g) s += group_common[g][tid];
-            p.common[(bh * splits + split) * dv + tid] = s;
+            cb[dv + tid] = s;
         }
-        // group_common is rewritten by the next bh.
+        if (tid == 0) {
+            double s = 0.0;
+            for (int g = 0; g < NYS_CGROUPS; ++g) s += group_rsum[g];
+            cb[2 * dv] = s;
+        }
+        // group_mean, group_common and group_rsum are rewritten by the next bh.
         __syncthreads();
     }
 }
@@ -502,29 +568,37 @@ __device__ void nys_solve_inverse(const nys_params& p, long long bh, float* smem
 }
 
 // A merge unit of nys_forward_solve (the block's NYS_THREADS threads from unit * NYS_THREADS
-// on): the slices' statistics, R and common part for NYS_LANES consecutive entries `piece`
-// of [m statistics columns, then R's m x d_v entries, then the d_v of r^T v] (none past
-// them). Writes stats = [mean, s] (injective), and the merged centred R and r^T v (summed
-// in fp64, rounded once) into work after P. red: the unit's 5 x NYS_THREADS floats, the
-// last 2 x NYS_THREADS 8-byte aligned. Every thread of the block calls this (one barrier).
+// on): the slices' sums for NYS_LANES consecutive entries `piece` of [m statistics
+// columns, R's m x d_v centred entries, its m column sums, d_v value columns] (none past
+// them). Writes stats' [mean, s] (injective) and cbar = (column sums + sum r) / N, and into
+// work after P the merged centred R, its column sums, and per value column, from the fp64
+// sums, vbar = sum v / N and the common part (r^T v - (sum r) vbar) / N, rounded once (the two
+// nearly cancel). red: the unit's 9 x NYS_THREADS floats, the last 6 x NYS_THREADS 8-byte
+// aligned. Every thread of the block calls this (one barrier).
 __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, float* red) {
     const int tid = nys_tid() % NYS_THREADS, lane = tid % NYS_LANES, group = tid / NYS_LANES;
     const int m = p.m, dv = p.dv, md = m * dv;
     const int e = piece * NYS_LANES + lane;
-    const bool stat = e < m, common = e >= m + md,
-               valid = e < m + md + dv && (!stat || p.injective);
-    const long long stride = 2LL * m + (long long)md;
+    const bool stat = e < m, colsum = e >= m + md && e < 2 * m + md, column = e >= 2 * m + md,
+               valid = e < 2 * m + md + dv && (!stat || p.injective);
+    const long long stride = 3LL * m + (long long)md, cstride = nys_common_stride(dv);
     const float* pb = p.part + bh * p.splits * stride;
-    const double* cb = p.common + bh * p.splits * (long long)dv;
+    const double* cb = p.common + bh * p.splits * cstride;
     double* cred = reinterpret_cast<double*>(red + 3 * NYS_THREADS);
     int first, last;
     nys_slice_range(p.splits, group, first, last);
     // Statistics: Chan et al.'s merge of (count, mean, M2) over the group's slices in order;
-    // R: the sum (in `mean`); the common part: the sum in fp64 (in `csum`).
+    // R and the column sums: the sum (in `mean`); in fp64, sum r (column sums and value
+    // columns, in `rsum`), r^T v and sum v (value columns).
     float count = 0.0f, mean = 0.0f, m2 = 0.0f;
-    double csum = 0.0;
-    if (valid && common) {
-        for (int sp = first; sp < last; ++sp) csum += cb[sp * (long long)dv + (e - m - md)];
+    double common = 0.0, vsum = 0.0, rsum = 0.0;
+    if (valid && column) {
+        const int c = e - 2 * m - md;
+        for (int sp = first; sp < last; ++sp) {
+            common += cb[sp * cstride + c];
+            vsum += cb[sp * cstride + dv + c];
+            rsum += cb[sp * cstride + 2 * dv];
+        }
     } else if (valid && stat) {
         for (int sp = first; sp < last; ++sp) {
             const float nb = (float)min(p.chunk, p.n - sp * p.chunk);
@@ -536,18 +610,30 @@ __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, 
     } else if (valid) {
 #pragma unroll 4
         for (int sp = first; sp < last; ++sp) mean += pb[sp * stride + m + e];
+        if (colsum)
+            for (int sp = first; sp < last; ++sp) rsum += cb[sp * cstride + 2 * dv];
     }
     red[tid] = count;
     red[NYS_THREADS + tid] = mean;
     red[2 * NYS_THREADS + tid] = m2;
-    cred[tid] = csum;
+    cred[tid] = common;
+    cred[NYS_THREADS + tid] = vsum;
+    cred[2 * NYS_THREADS + tid] = rsum;
     __syncthreads();
     if (group == 0 && valid) {
         float* wb = p.work + bh * nys_forward_work_stride(m, dv) + (long long)m * m;
-        if (common) {
-            double s = 0.0;
-            for (int g = 0; g < NYS_SGROUPS; ++g) s += cred[g * NYS_LANES + lane];
-            wb[e - m] = (float)s;
+        const double n = (double)p.n;
+        if (column) {
+            common = vsum = rsum = 0.0;
+            for (int g = 0; g < NYS_SGROUPS; ++g) {
+                const int i = g * NYS_LANES + lane;
+                common += cred[i];
+                vsum += cred[NYS_THREADS + i];
+                rsum += cred[2 * NYS_THREADS + i];
+            }
+            const double vmean = vsum / n;
+            wb[e - m] = (float)((common - rsum * vmean) / n);
+            wb[e - m + dv] = (float)vmean;
         } else if (stat) {
             count = mean = m2 = 0.0f;
             for (int g = 0; g < NYS_SGROUPS; ++g) {
@@ -561,12 +647,18 @@ __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, 
             }
             // A column constant over the queries with whiten_eps = 0 stays 0.
             const float denom = m2 / (float)p.n + p.whiten_eps;
-            p.stats[bh * 2 * m + e] = mean;
-            p.stats[bh * 2 * m + m + e] = denom > 0.0f ? 1.0f / sqrtf(denom) : 0.0f;
+            float* sb = nys_stats(p, bh);
+            sb[e] = mean;
+            sb[m + e] = denom > 0.0f ? 1.0f / sqrtf(denom) : 0.0f;
         } else {
             float s = 0.0f;
-            for (int g = 0; g < NYS_SGROUPS; ++g) s += red[NYS_THREADS + g * NYS_LANES + lane];
+            rsum = 0.0;
+            for (int g = 0; g < NYS_SGROUPS; ++g) {
+                s += red[NYS_THREADS + g * NYS_LANES + lane];
+                rsum += cred[2 * NYS_THREADS + g * NYS_LANES + lane];
+            }
             wb[e - m] = s;
+            if (colsum) nys_key_mean(p, bh)[e - m - md] = (float)(((double)s + rsum) / n);
         }
     }
 }
@@ -575,14 +667,15 @@ __device__ void nys_merge_forward(const nys_params& p, long long bh, int piece, 
 // builds P = k(L, L) + eps I and runs Newton-Schulz (the one serial part); jobs 1.. merge
 // the slices of pass 1 in parallel with it, NYS_UNITS pieces of NYS_LANES entries each
 // (a unit's threads: NYS_SGROUPS groups of consecutive slices times NYS_LANES coalesced
-// entries). Outputs inverse (bh, m, m), stats (bh, 2, m) = [mean, s] (injective; s =
-// (sigma^2 + delta)^-1/2) and work (bh) = [P (m x m), centred R (m x d_v), r^T v (d_v)].
+// entries). Outputs inverse (bh, m, m), stats (bh, 3, m) = [mean, s, cbar] (injective; s =
+// (sigma^2 + delta)^-1/2; 'none': (bh, 1, m) = [cbar]) and work (bh) =
+// nys_forward_work_stride's [P, centred R, its column sums, common part, vbar].
 //
 // Dynamic shared memory (floats), backends.cuda.solve_smem: P, X and the Newton-Schulz
 // scratch (mp x ld each, the padded layout of ns_iterate) and p.ns_partials floats of its
 // k-split partials; at least the landmark tile (NYS_LTILE) after P; a merge job uses
-// 5 NYS_SOLVE_THREADS of it.
-static_assert(5 * NYS_SOLVE_THREADS <= NYS_LTILE, "a merge job fits the landmark tile's room");
+// 9 NYS_SOLVE_THREADS of it.
+static_assert(9 * NYS_SOLVE_THREADS <= NYS_LTILE, "a merge job fits the landmark tile's room");
 static_assert(NYS_SOLVE_THREADS >= (NYS_MP / NS_MT) * (NYS_MP / NS_MT + 1),
               "every tile of Newton-Schulz's X R beside R R has a thread");
 static_assert(NYS_THREADS % 2 == 0, "a merge unit's fp64 sums stay 8-byte aligned");
@@ -590,7 +683,7 @@ template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_SOLVE_THREADS) nys_forward_solve(const nys_params p) {
     LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
     float* smem = reinterpret_cast<float*>(smem_bytes);
-    const int pieces = (p.m + p.m * p.dv + p.dv + NYS_LANES - 1) / NYS_LANES;
+    const int pieces = (2 * p.m + p.m * p.dv + p.dv + NYS_LANES - 1) / NYS_LANES;
     const int jobs = 1 + (pieces + NYS_UNITS - 1) / NYS_UNITS;
     const int unit = nys_tid() / NYS_THREADS;
     for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y)
@@ -599,17 +692,18 @@ __global__ void __launch_bounds__(NYS_SOLVE_THREADS) nys_forward_solve(const nys
                 nys_solve_inverse<T, KIND>(p, bh, smem);
             else
                 nys_merge_forward(p, bh, (job - 1) * NYS_UNITS + unit,
-                                  smem + unit * 5 * NYS_THREADS);
+                                  smem + unit * 9 * NYS_THREADS);
             // The next job reuses the shared memory.
             __syncthreads();
         }
 }
 
-// Pass 2b: grid (value-column groups of NYS_CC, bh). R = the merged centred R plus the
-// common part, context = X R and the refinement
-// step X (R - P X R) with its residual in fp64, as the reference; fold (bh, m + 1, d_v) =
-// [diag(s) context; colsum(context) / m] for the output pass (normalize='none':
-// [context; 0]). Every value column is independent, so the columns spread over blocks.
+// Pass 2b: grid (value-column groups of NYS_CC, bh). R = [centred R - (its column sums)
+// vbar^T] / N plus the common part, context = X R and the refinement step X (R - P X R)
+// with its residual in fp64, as the reference; context's row m = vbar; fold (bh, m + 1,
+// d_v) = [diag(s) context; colsum(context) / m + vbar] for the output pass
+// (normalize='none': [context; vbar]). Every value column is independent, so the columns
+// spread over blocks.
 template <typename T>
 __global__ void __launch_bounds__(NYS_THREADS) nys_forward_context(const nys_params p) {
     __shared__ float Xs[NYS_MP][NYS_MP + 1];
@@ -619,6 +713,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_context(const nys_par
     __shared__ float sv[NYS_MP];
     const int m = p.m, dv = p.dv, tid = nys_tid();
     const int md = m * dv, groups = (dv + NYS_CC - 1) / NYS_CC;
+    const float n = (float)p.n;
     for (long long bh = blockIdx.y; bh < p.bh_count; bh += gridDim.y) {
         const float* wb = p.work + bh * nys_forward_work_stride(m, dv);
         const float* ib = p.inverse + bh * m * m;
@@ -627,16 +722,21 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_context(const nys_par
             Ps[e / m][e % m] = wb[e];
         }
         for (int j = tid; j < m; j += NYS_THREADS)
-            sv[j] = p.injective ? p.stats[bh * 2 * m + m + j] : 1.0f;
-        float* cb = p.context + bh * md;
+            sv[j] = p.injective ? nys_stats(p, bh)[m + j] : 1.0f;
+        float* cb = nys_context(p, bh);
         float* fb = p.fold + bh * (md + dv);
+        // The merge's sums (nys_forward_work_stride).
+        const float* rt = wb + m * m;
+        const float* ksum = rt + md;
+        const float* common = ksum + m;
+        const float* vmean = common + dv;
         for (int g = blockIdx.x; g < groups; g += gridDim.x) {
             const int c0 = g * NYS_CC, w = min(NYS_CC, dv - c0), mw = m * w;
             for (int e = tid; e < mw; e += NYS_THREADS) {
                 const int j = e / w, c = e % w;
-                // The centred R plus the common part r^T v (rounded to fp32 in the
-                // merge), as reference.landmark_rhs.
-                R[j][c] = wb[m * m + j * dv + c0 + c] + wb[m * m + md + c0 + c];
+                // (C_k - r 1^T)^T (v - 1 vbar^T) / N plus the common part r^T (v - 1 vbar^T) / N
+                // (rounded to fp32 in the merge), as reference.landmark_rhs.
+                R[j][c] = (rt[j * dv + c0 + c] - ksum[j] * vmean[c0 + c]) / n + common[c0 + c];
             }
             __syncthreads();
             for (int e = tid; e < mw; e += NYS_THREADS) {
@@ -673,7 +773,8 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_context(const nys_par
                 float s = 0.0f;
                 if (p.injective)
                     for (int j = 0; j < m; ++j) s += Cx[j][c];
-                fb[md + c0 + c] = s / (float)m;
+                cb[md + c0 + c] = vmean[c0 + c];
+                fb[md + c0 + c] = s / (float)m + vmean[c0 + c];
             }
             // R and Cx are rewritten by the next columns.
             __syncthreads();
@@ -684,7 +785,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_context(const nys_par
 }
 
 // Pass 3: one block per (row tile, bh). out (B, N, heads, d_v), contiguous, the input
-// dtype: out[i] = (C[i] - rowmean C[i]) fold + b, or C[i] context for 'none'.
+// dtype: out[i] = c~[i] fold + b, or C[i] context + vbar for 'none' (fold = [context; vbar]).
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_forward_out(const nys_params p) {
     __shared__ nys_row_smem rs;
@@ -817,8 +918,9 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_merge(const nys_para
     }
 }
 
-// Pass B0: one block per bh. work[bh] = [dR (m x d_v), a (m), W = (dP + dP^T) * k(L, L)]
-// (nys_backward_work_stride), from the merged T and colsum(G).
+// Pass B0: one block per bh. work[bh] = [dR~ = dR / N (m x d_v), a (m), W = (dP + dP^T)
+// * k(L, L)] and w = colsum(G) / N - cbar dR~ (nys_backward_work_stride), from the merged T
+// and colsum(G), and cbar (read from the stats where w is formed).
 //
 // Dynamic shared memory (floats): k(L, L) (m x m); X (m x m), then dP (m x (m + 1));
 // the context, dcontext and dR for solve_cols value columns at a time (m x (solve_cols
@@ -843,15 +945,17 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_solve(const nys_para
 
     for (long long bh = blockIdx.x; bh < p.bh_count; bh += gridDim.x) {
         const T* lb = nys_in<T>(p.L, bh, p.heads);
-        const float* cb = p.context + bh * md;
+        const float* cb = nys_context(p, bh);
+        const float* kmean = nys_key_mean(p, bh);
         float* wb = p.work + bh * work_stride;
-        const float* tb = wb + md + m + m * m;   // the merged T, then colsum(G)
+        const float* tb = wb + md + m + m * m;   // the merged T, then colsum(G), then w
+        float* wv = wb + 2 * md + m + m * m + dv;
         const float (*ct)[NYS_MP + 1] = nys_landmark_tile<T, KIND>(p, lb, X);
         for (int e = tid; e < m * m; e += NYS_THREADS) K[e] = ct[e / m][e % m];
         // The tile overlaps X.
         __syncthreads();
         for (int e = tid; e < m * m; e += NYS_THREADS) X[e] = p.inverse[bh * m * m + e];
-        if (tid < m) sv[tid] = p.injective ? p.stats[bh * 2 * m + m + tid] : 1.0f;
+        if (tid < m) sv[tid] = p.injective ? nys_stats(p, bh)[m + tid] : 1.0f;
         // a_j = s_j^3 sum_e T_je context_je / N, summed over the passes in column order.
         float ds = 0.0f;
         float dp[NYS_DPR];
@@ -914,7 +1018,13 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_solve(const nys_para
             }
             for (int e = tid; e < mw; e += NYS_THREADS) {
                 const int j = e / w, c = e % w;
-                wb[j * dv + c0 + c] = DR[j * lc + c];
+                wb[j * dv + c0 + c] = DR[j * lc + c] / (float)p.n;
+            }
+            // vbar's share of both paths to v (reference.value_grads).
+            for (int c = tid; c < w; c += NYS_THREADS) {
+                float s = gs[c];
+                for (int j = 0; j < m; ++j) s -= kmean[j] * DR[j * lc + c];
+                wv[c0 + c] = s / (float)p.n;
             }
             // Cx, Dc, DR and gs are rewritten by the next columns.
             __syncthreads();
@@ -995,8 +1105,8 @@ __device__ void nys_kernel_grads(const T* __restrict__ x, long long xsn, long lo
 //
 // Dynamic shared memory (floats, fixed by the variant):
 // 2 NYS_MP (NYS_DV + 1) + 2 NYS_TB (NYS_MP + 1) + 2 NYS_TB (NYS_DW + 1)
-// + NYS_TK (NYS_TB + 1) + NYS_TK (NYS_MP + 1) + 3 NYS_MP + 2 NYS_TB, as laid out below;
-// backends.cuda.grads_smem is the same number of bytes.
+// + NYS_TK (NYS_TB + 1) + NYS_TK (NYS_MP + 1) + 3 NYS_MP + 2 NYS_TB + 2 NYS_DV, as laid
+// out below; backends.cuda.grads_smem is the same number of bytes.
 template <typename T, int KIND>
 __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_params p) {
     LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
@@ -1005,11 +1115,11 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
     typedef float RowW[NYS_DW + 1];
     typedef float RowB[NYS_TB + 1];
     RowV* cx = reinterpret_cast<RowV*>(smem_bytes);   // context
-    RowV* dr = cx + NYS_MP;                            // dR
+    RowV* dr = cx + NYS_MP;                            // dR~ = dR / N
     RowM* cq = reinterpret_cast<RowM*>(dr + NYS_MP);   // C_q tile
     RowM* wq = cq + NYS_TB;                            // dc~, then dC_q * C_q (+ dC_k * C_q)
     RowW* gt = reinterpret_cast<RowW*>(wq + NYS_TB);   // G, then dC_k * C_k (separate keys)
-    RowW* vt = gt + NYS_TB;                            // v, then the C_k tile
+    RowW* vt = gt + NYS_TB;                            // v - vbar, then the C_k tile
     RowB* xs = reinterpret_cast<RowB*>(vt + NYS_TB);
     RowM* ys = reinterpret_cast<RowM*>(xs + NYS_TK);
     float* sv = reinterpret_cast<float*>(ys + NYS_TK);
@@ -1017,6 +1127,8 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
     float* av = mu + NYS_MP;
     float* rm = av + NYS_MP;
     float* rm2 = rm + NYS_TB;
+    float* vmean = rm2 + NYS_TB;                       // vbar
+    float* wv = vmean + NYS_DV;                        // w = colsum(G) / N - cbar dR~
     // C_q's second row means (nys_row_means's rc) are read before rm2 is written.
     float* rc = rm2;
     // gt and vt double as landmark-wide tiles: rows of NYS_DW >= NYS_MP floats.
@@ -1042,17 +1154,22 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
         T* dqb = nys_out<T>(p.grad_q, bh, p.heads);
         T* dkb = tied ? nullptr : nys_out<T>(p.grad_k, bh, p.heads);
         T* dvb = nys_out<T>(p.grad_v, bh, p.heads);
+        const float* cb = nys_context(p, bh);
         for (int e = tid; e < NYS_MP * NYS_DV; e += NYS_THREADS) {
             const int j = e / NYS_DV, c = e % NYS_DV;
             const bool in = j < m && c < dv;
-            cx[j][c] = in ? p.context[bh * md + j * dv + c] : 0.0f;
+            cx[j][c] = in ? cb[j * dv + c] : 0.0f;
             dr[j][c] = in ? wb[j * dv + c] : 0.0f;
         }
         for (int j = tid; j < NYS_MP; j += NYS_THREADS) {
             const bool in = injective && j < m;
-            mu[j] = in ? p.stats[bh * 2 * m + j] : 0.0f;
-            sv[j] = in ? p.stats[bh * 2 * m + m + j] : 0.0f;
+            mu[j] = in ? nys_stats(p, bh)[j] : 0.0f;
+            sv[j] = in ? nys_stats(p, bh)[m + j] : 0.0f;
             av[j] = in ? wb[md + j] : 0.0f;
+        }
+        for (int c = tid; c < NYS_DV; c += NYS_THREADS) {
+            vmean[c] = c < dv ? cb[md + c] : 0.0f;
+            wv[c] = c < dv ? wb[2 * md + m + m * m + dv + c] : 0.0f;
         }
         float* lp = p.lpart + (bh * splits + split) * (long long)m * d;
         for (int row0 = row_begin; row0 < row_end; row0 += NYS_TB) {
@@ -1062,12 +1179,14 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
             nys_kernel_tile<NYS_TB, T, KIND>(p, qb + row0 * p.q.sn, p.q.sn, p.q.sd, nrows, lb, xs,
                                              ys, cq);
             nys_load_rows<NYS_TB, NYS_DW, T>(gb + row0 * p.g.sn, p.g.sn, p.g.sd, nrows, dv, gt);
-            nys_load_rows<NYS_TB, NYS_DW, T>(vb + row0 * p.v.sn, p.v.sn, p.v.sd, nrows, dv, vt);
+            nys_load_rows<NYS_TB, NYS_DW, T>(vb + row0 * p.v.sn, p.v.sn, p.v.sd, nrows, dv, vt,
+                                             vmean);
             if (injective)
                 nys_row_means<NYS_TB>(cq, nrows, m, rm, rc);
             else
                 __syncthreads();
-            // G context^T -> dc~, and dC_k = v dR^T, for the thread's rows and landmarks.
+            // G context^T -> dc~, and dC_k = (v - vbar) dR~^T, for the thread's rows and
+            // landmarks.
             float dck[R][NYS_CM];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -1111,7 +1230,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
                                                  xs, ys, ck);
             else
                 __syncthreads();
-            // dv = C_k dR for the thread's rows and value columns.
+            // dv = C_k dR~ + w for the thread's rows and value columns.
             RowM* cv = tied ? cq : ck;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -1129,7 +1248,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
 #pragma unroll
                 for (int c = 0; c < NYS_CV; ++c) {
                     const int e = tx + NYS_TX * c;
-                    if (e < dv) lap_store(dvi + e * p.grad_v.sd, acc[c]);
+                    if (e < dv) lap_store(dvi + e * p.grad_v.sd, acc[c] + wv[e]);
                 }
             }
             if (!tied) {

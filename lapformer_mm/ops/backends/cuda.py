@@ -132,15 +132,17 @@ def grads_smem(v):
     """Dynamic shared memory (bytes) of nys_backward_grads: the layout at its top."""
     dw = max(v.mp, v.dv)
     return 4 * (2 * v.mp * (v.dv + 1) + 2 * v.tb * (v.mp + 1) + 2 * v.tb * (dw + 1)
-                + v.tk * (v.tb + 1) + v.tk * (v.mp + 1) + 3 * v.mp + 2 * v.tb)
+                + v.tk * (v.tb + 1) + v.tk * (v.mp + 1) + 3 * v.mp + 2 * v.tb + 2 * v.dv)
 
 
 def row_pass_static_smem(v):
     """Static shared memory (bytes) of the largest row-pass kernel (nys_forward_out or
     nys_forward_stats); it must stay within the 48 KiB every device has."""
     staging = v.tk * (v.tn + 1) + v.tk * (v.mp + 1) + v.tn * (v.mp + 1) + 2 * v.tn
-    # The values, the statistics' group sums and the fp64 group sums of the common part.
-    stats = staging + v.tn * (v.dv + 1) + 2 * (v.threads // v.mp) * v.mp + 2 * v.threads
+    # The values, the statistics' group sums and the fp64 group sums of the common part
+    # and of sum r.
+    stats = (staging + v.tn * (v.dv + 1) + 2 * (v.threads // v.mp) * v.mp + 2 * v.threads
+             + 2 * (v.threads // v.dv))
     out = staging + v.mp * (v.dv + 1) + v.dv
     return 4 * max(stats, out)
 
@@ -460,19 +462,19 @@ def forward(q, k, v, landmarks, opts):
     batch, heads, n, _ = q.shape
     m, dv, bh, device = landmarks.shape[2], v.shape[3], batch * heads, q.device
     out = torch.empty(batch, n, heads, dv, dtype=q.dtype, device=device)
-    context = torch.empty(batch, heads, m, dv, dtype=_F32, device=device)
+    context = torch.empty(batch, heads, m + 1, dv, dtype=_F32, device=device)
     inverse = torch.empty(batch, heads, m, m, dtype=_F32, device=device)
-    stats = torch.empty(batch, heads, 2 if opts.normalize == 'injective' else 0, m,
+    stats = torch.empty(batch, heads, 3 if opts.normalize == 'injective' else 1, m,
                         dtype=_F32, device=device)
-    # First the slices' fp64 common parts r^T v of R (d_v each; 8-byte aligned at the
-    # allocation's start), then the float partials [mean, M2, centred R] per slice, the
-    # fold and the solve's [P, centred R, r^T v] per (batch, head) (the .cu's
-    # nys_forward_work_stride).
-    common_floats = 2 * bh * c.n_splits * dv
-    part_floats = bh * c.n_splits * (2 * m + m * dv)
+    # First the slices' fp64 sums [r^T v, sum v, sum r] (2 d_v + 1 each; 8-byte aligned at
+    # the allocation's start), then the float partials [mean, M2, centred R, its column
+    # sums] per slice, the fold and the solve's [P, centred R, column sums, common part,
+    # mean value] per (batch, head) (the .cu's nys_forward_work_stride).
+    common_floats = 2 * bh * c.n_splits * (2 * dv + 1)
+    part_floats = bh * c.n_splits * (3 * m + m * dv)
     fold_floats = bh * (m + 1) * dv
-    work = torch.empty(common_floats + part_floats + fold_floats + bh * (m * m + m * dv + dv),
-                       dtype=_F32, device=device)
+    work = torch.empty(common_floats + part_floats + fold_floats
+                       + bh * (m * m + m * dv + m + 2 * dv), dtype=_F32, device=device)
     p, base, variant = c.params, work.data_ptr(), c.plan.variant
     p['out'], p['context'] = out.data_ptr(), context.data_ptr()
     p['inverse'], p['stats'] = inverse.data_ptr(), stats.data_ptr()
@@ -482,7 +484,7 @@ def forward(q, k, v, landmarks, opts):
     bh_grid = min(bh, MAX_GRID_YZ)
     # Job 0 of a (batch, head) is the Newton-Schulz block, the others merge the slices,
     # sy / ty pieces each.
-    jobs = 1 + _ceil_div(_ceil_div(m + m * dv + dv, variant.lanes), variant.sy // variant.ty)
+    jobs = 1 + _ceil_div(_ceil_div(2 * m + m * dv + dv, variant.lanes), variant.sy // variant.ty)
     c.launch(c.names['nys_forward_stats'], grid=(c.n_splits, bh_grid))
     c.launch(c.names['nys_forward_solve'], grid=(min(jobs, MAX_GRID_X), bh_grid),
              block=(variant.tx, variant.sy, 1), shared_mem=c.plan.solve_smem)
@@ -511,9 +513,9 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
     dv_out = _token_layout(batch, heads, n, dv, q)
     dl = torch.empty_like(landmarks)
     reduce_floats = bh * c.n_splits * (m * dv + dv)
-    # Per (batch, head): dR, a, W = (dP + dP^T) * k(L, L), the merged T and colsum(G)
-    # (the .cu's nys_backward_work_stride).
-    work_floats = bh * (2 * m * dv + m + m * m + dv)
+    # Per (batch, head): dR / N, a, W = (dP + dP^T) * k(L, L), the merged T, colsum(G) and
+    # w (the .cu's nys_backward_work_stride).
+    work_floats = bh * (2 * m * dv + m + m * m + 2 * dv)
     work = torch.empty(reduce_floats + work_floats + bh * c.n_splits * m * d, dtype=_F32,
                        device=q.device)
     p, base, lanes = c.params, work.data_ptr(), c.plan.variant.lanes

@@ -192,7 +192,7 @@ def test_plans_are_cached_per_shape():
     (emulated_limits(capability=(7, 0))._replace(nvrtc_major=13), {},
      r'NVRTC 13 cannot compile for sm_70; install cupy-cuda12x'),
     (emulated_limits(smem_optin=48 * 1024), dict(m=64, dv=64),
-     r'variant dv64_tb16: the gradient kernel needs 56,064 bytes .* allows 49,152'),
+     r'variant dv64_tb16: the gradient kernel needs 56,576 bytes .* allows 49,152'),
 ])
 def test_not_supported_names_the_reason(monkeypatch, limits, shapes, reason):
     monkeypatch.setattr(cuda, 'device_limits', lambda device: limits)
@@ -230,7 +230,7 @@ def test_warmup_names_what_the_kernels_do_not_take(fake, monkeypatch):
     monkeypatch.setattr(cuda, 'device_limits', lambda device: pascal)
     with pytest.raises(ValueError, match=r'value_dims: no kernels for d_v = 64 on device 0 '
                                          r'\(variant dv64_tb32: .*; variant dv64_tb16: the '
-                                         r'gradient kernel needs 56,064 bytes'):
+                                         r'gradient kernel needs 56,576 bytes'):
         cuda.warmup(torch.device('cuda', 0), value_dims=(64, ))
 
 
