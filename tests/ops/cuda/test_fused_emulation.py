@@ -323,10 +323,10 @@ def test_refinement_step_holds_near_identical_landmarks(launches, kernel, spread
     """Tokens within ``spread`` of one point (a flat image region) make P = k(L, L) + eps I
     ill-conditioned and every row of C nearly constant: the fused output as close to the
     dense fp64 attention as the reference path's, in the part the attention adds to the
-    mean value v̄ (measured 0.7-1.0x; the last Newton step's upper triangle mirrored, or c~
-    centred once, left 10-70x), and the refinement step worth at least 10x at spread 0.1
-    (measured 19x, 29x). At 0.003 the keys are so alike that the output is v̄ within a few
-    fp32 roundings of it, which hide the step (3x, 1x)."""
+    mean value v̄ (measured 0.7-1.0x; with c~ centred once, up to 1.6x the fused error),
+    and the refinement step worth at least 10x at spread 0.1 (measured 19x, 29x). At 0.003
+    the keys are so alike that the output is v̄ within a few fp32 roundings of it, which
+    hide the step (3x, 1x)."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 1, 1, 8, generator=gen) + spread * torch.randn(1, 2, 49, 8, generator=gen)
     v = torch.randn(1, 2, 49, 8, generator=gen)
