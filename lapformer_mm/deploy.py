@@ -1,40 +1,33 @@
-"""Export LaplacianFormer models to ONNX or ``torch.export`` and check them on ONNX Runtime.
+"""Export LaplacianFormer models to ONNX or ``torch.export`` and check them on ONNX Runtime
+(docs/deploy.md).
 
-:func:`export_onnx` writes one ``.onnx`` file of a module with either of torch's
-exporters (``'dynamo'``, torch's default, or ``'torchscript'``, what mmdeploy calls),
-static or with symbolic batch, height and width; :func:`export_program` is the
-``torch.export`` program (AOTInductor, ExecuTorch, Torch-TensorRT); :func:`verify_onnx`
-runs a file in ONNX Runtime against the eager model; :func:`export_config` does it from an
-mmdet/mmseg config (``tools/export_onnx.py``). While they trace, the attention takes its
-export form (:mod:`lapformer_mm.ops.export`); the model you pass is not changed (the
-exporters get a prepared copy, :func:`prepare_for_export`).
+:func:`export_onnx` writes one ``.onnx`` file with either of torch's exporters ('dynamo' or
+'torchscript', what mmdeploy calls), static or with symbolic batch, height and width;
+:func:`export_program` is the ``torch.export`` program; :func:`verify_onnx` runs a file in
+ONNX Runtime against the eager model; :func:`export_config` does it from an mmdet/mmseg
+config. The exporters get a prepared copy of the model (:func:`prepare_for_export`).
 
-Targets of a detector or segmentor (:class:`ExportModule`): ``'backbone'``;
-``'features'``, backbone + neck, what every mmdet/mmseg head consumes; ``'model'``, the
-raw outputs without post-processing: a single-stage detector's class and box maps
-(RetinaNet), a two-stage detector's FPN features and RPN maps (the RoI stage needs
-mmcv's RoIAlign), a segmentor's decode-head logits (UperNet, Semantic FPN) at 1/4 of the
-input. The input is the normalised, padded batch the model's data preprocessor makes.
-
-Sizes: a LaplacianFormer exports for H, W >= ``export_min_size()`` (every Laplacian stage
-at least its landmark grid; 193 for the default layout); a dynamic export declares that
-as the range of its height and width. onnx and onnxruntime (the ``[deploy]`` extra) are
-imported only by the functions that need them.
+Targets of a detector or segmentor (:class:`ExportModule`): 'backbone'; 'features' (backbone
++ neck); 'model', the raw head outputs without post-processing (a two-stage detector's FPN
+features and RPN maps: the RoI stage needs mmcv's RoIAlign). The input is the normalised,
+padded batch the data preprocessor makes. A LaplacianFormer exports for H, W >=
+``export_min_size()`` and states it to the exporters itself. onnx and onnxruntime (the
+``[deploy]`` extra) are imported only where needed.
 """
 import contextlib
 import copy
 import os
+import os.path as osp
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from .ops._checks import check_bool, check_choice, check_int
+from .ops._checks import check_choice, check_int
 from .ops.export import (
     BLOCKS_MIN_OPSET,
     ORT_DOMAIN,
-    RESIDUAL_PRECISIONS,
     check_exportable,
     expand_placeholders,
     kernel_form,
@@ -60,7 +53,9 @@ INPUT_NAME = 'input'
 #: room for the graph); above it the weights go to an external data file.
 SINGLE_FILE_BYTES = 2 ** 31 - 2 ** 26
 DEPLOY_HINT = "pip install 'lapformer_mm[deploy]' (onnx, onnxscript, onnxruntime)"
-#: Overrides where :func:`ort_ops_library` looks for the op library.
+#: Where ``tools/build_ort_ops.py`` puts the op library, and :func:`ort_ops_library` looks
+#: for it unless ``$LAPFORMER_ORT_OPS_LIBRARY`` names another file.
+ORT_OPS_LIBRARY = osp.join(osp.dirname(osp.abspath(__file__)), 'liblapformer_mm_ort.so')
 ORT_OPS_ENV = 'LAPFORMER_ORT_OPS_LIBRARY'
 ORT_OPS_HINT = ('build it with `python tools/build_ort_ops.py --ort-include DIR` (DIR: the '
                 'include/ folder of an ONNX Runtime release) or `make ort-ops '
@@ -75,45 +70,24 @@ def _import(name):
                           f'{DEPLOY_HINT}') from err
 
 
-def _check_shape(shape, name='shape'):
-    if (not isinstance(shape, (tuple, list)) or len(shape) != 2
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
-                       for s in shape)):
-        raise ValueError(f'{name} must be (H, W), two positive ints, got {shape!r}')
-    return tuple(shape)
-
-
-def _check_batch(batch):
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-        raise ValueError(f'batch must be a positive int, got {batch!r}')
-    return batch
-
-
 def _check_opset(opset, exporter):
-    """``opset`` within what ``exporter`` writes: from :data:`LOWEST_OPSET` to the highest
-    the installed exporter knows (torch's for TorchScript; for dynamo, what both onnx and
-    onnxscript's version converter know: past the converter's range torch falls back to
-    onnx's, which has no adapters for these graphs, and fails after the whole export)."""
+    """``opset`` within what ``exporter`` writes, checked before the export (minutes): from
+    :data:`LOWEST_OPSET` to the highest the installed exporter knows (torch's for TorchScript;
+    for dynamo what both onnx and onnxscript's version converter know: past the converter's
+    range torch falls back to onnx's, which has no adapters for these graphs)."""
     highest = None
     with contextlib.suppress(ImportError, AttributeError):
         if exporter == 'torchscript':
             from torch.onnx import _constants
             highest = getattr(_constants, 'ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET',
                               _constants.ONNX_MAX_OPSET)
-        else:  # a conversion can still fail (program_to_onnx checks what was written)
-            highest = _import('onnx').defs.onnx_opset_version()
+        else:
             from onnxscript.version_converter import _version_converter
-            highest = min(highest, _version_converter.SUPPORTED_MAX_ONNX_OPSET)
-    lowest = LOWEST_OPSET[exporter]
-    if (not isinstance(opset, int) or isinstance(opset, bool) or opset < lowest
-            or (highest is not None and opset > highest)):
-        allowed = f'{lowest} to {highest}' if highest is not None else f'{lowest} or later'
-        hint = ("; exporter='torchscript' writes lower ones"
-                if exporter == 'dynamo' and isinstance(opset, int)
-                and LOWEST_OPSET['torchscript'] <= opset < lowest else '')
-        raise ValueError(f'opset={opset!r} is not supported by the {exporter} exporter; '
-                         f'allowed: {allowed}{hint}')
-    return opset
+            highest = min(_import('onnx').defs.onnx_opset_version(),
+                          _version_converter.SUPPORTED_MAX_ONNX_OPSET)
+    if not LOWEST_OPSET[exporter] <= opset <= (highest or opset):
+        raise ValueError(f'opset={opset!r} is not supported by the {exporter} exporter; allowed: '
+                         f'{LOWEST_OPSET[exporter]} to {highest}')
 
 
 def export_min_size(model: nn.Module) -> int:
@@ -123,16 +97,10 @@ def export_min_size(model: nn.Module) -> int:
     return max(sizes, default=1)
 
 
-def check_export_size(model: nn.Module, shape: Sequence[int]) -> None:
-    """Raise a ValueError naming the minimum when ``shape`` (H, W) is below the export range."""
-    _check_min_size('shape', _check_shape(shape), export_min_size(model))
-
-
 def _check_min_size(name, shape, minimum):
-    from .models.backbone import export_size_rule
     if min(shape) < minimum:
-        raise ValueError(f'{name} {shape[0]}x{shape[1]} is below the export size range: '
-                         f'{export_size_rule(minimum)}')
+        raise ValueError(f'{name} {shape[0]}x{shape[1]} is below the export size range: H and '
+                         f'W must be >= {minimum} for this model (export_min_size)')
 
 
 def _head_output_names(head) -> Tuple[str, ...]:
@@ -205,13 +173,12 @@ class AdaptiveAvgPool2dExport(nn.Module):
 
     def __init__(self, output_size):
         super().__init__()
-        if isinstance(output_size, int):
-            output_size = (output_size, output_size)
-        if (not isinstance(output_size, (tuple, list)) or len(output_size) != 2
-                or not all(isinstance(s, int) and s >= 1 for s in output_size)):
+        size = (output_size, output_size) if isinstance(output_size, int) else output_size
+        # nn.AdaptiveAvgPool2d takes None (the input's size), which has no export form.
+        if len(size) != 2 or not all(isinstance(s, int) and s >= 1 for s in size):
             raise ValueError(f'output_size must be a positive int or a pair of them, got '
                              f'{output_size!r}')
-        self.output_size = tuple(output_size)
+        self.output_size = tuple(size)
 
     def forward(self, x):
         return adaptive_avg_pool2d_export(x, self.output_size)
@@ -283,7 +250,6 @@ def prepare_for_export(model: nn.Module) -> nn.Module:
 
 def example_input(shape, batch, seed=0, dtype=torch.float32):
     """A fixed random (batch, 3, H, W) input: normalised images have unit scale."""
-    shape, batch = _check_shape(shape), _check_batch(batch)
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, *shape, generator=gen, dtype=dtype)
 
@@ -294,16 +260,11 @@ def smooth_input(shape, batch, seed=0, dtype=torch.float32, cells=(6, 8)):
     Gaussian noise on a coarse ``cells`` grid, bilinearly upsampled and scaled to unit
     standard deviation per channel, as normalised photographs roughly are. White noise
     (:func:`example_input`) is no image: on it LaplacianFormer itself is ill-conditioned
-    at large sizes (docs/deploy.md), so accuracy is measured on these. The field must vary
-    along H or W, with more than one pixel and more than one cell there: else it is
-    constant, with no spread to scale.
+    at large sizes (docs/deploy.md), so accuracy is measured on these.
     """
-    shape, batch = _check_shape(shape), _check_batch(batch)
-    cells = _check_shape(cells, 'cells')
-    if all(min(size, n) < 2 for size, n in zip(shape, cells)):
-        raise ValueError(f'shape {shape!r} with cells {cells!r} is a constant field (no '
-                         'spread to scale): give more than one pixel and more than one cell '
-                         'along H or W')
+    if all(min(size, n) < 2 for size, n in zip(shape, cells)):  # else NaN: 0 / 0
+        raise ValueError(f'shape {shape!r} with cells {cells!r} is a constant field: give '
+                         'more than one pixel and more than one cell along H or W')
     gen = torch.Generator().manual_seed(seed)
     coarse = torch.randn(batch, 3, *cells, generator=gen, dtype=torch.float64)
     field = torch.nn.functional.interpolate(coarse, size=shape, mode='bilinear',
@@ -320,17 +281,17 @@ IMAGE_STD = (58.395, 57.12, 57.375)
 def toy_image_input(shape, batch, seed=0, dtype=torch.float32, max_objects=4):
     """A fixed (batch, 3, H, W) input as the data preprocessor makes it from a toy COCO scene.
 
-    Each image is one scene of ``tools/make_toy_coco.py`` (a colour gradient, low-contrast
+    Each image is one scene of :mod:`lapformer_mm.scenes` (a colour gradient, low-contrast
     stripes, pixel noise and a few occluding filled shapes with sharp edges) drawn at H × W
     from ``seed`` + its index, then normalised with :data:`IMAGE_MEAN` and :data:`IMAGE_STD`:
     what a detector is fed, deterministic, with no download.
     """
     import numpy as np
 
-    from .cli.make_toy_coco import render_image
-    height, width = _check_shape(shape)
+    from .scenes import render_image
+    height, width = shape
     images = []
-    for index in range(_check_batch(batch)):
+    for index in range(batch):
         image, _, _ = render_image(np.random.default_rng(seed + index), width, height,
                                    max_objects)
         images.append(torch.from_numpy(image.astype(np.float64)).permute(2, 0, 1))
@@ -349,35 +310,23 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
                 batch: int = 1, dynamic: bool = False, exporter: str = 'dynamo',
                 residual: str = 'fp64', opset: int = DEFAULT_OPSET,
                 ort_ops: bool = False) -> List[str]:
-    """Write ``model`` (e.g. an :class:`ExportModule`) as one ONNX file ``out``.
+    """Write ``model`` (e.g. an :class:`ExportModule`; not modified) as one ONNX file ``out``;
+    returns the output names. Weights go into the file unless they exceed ~2 GB.
 
     Args:
-        model: a module taking one (B, 3, H, W) tensor; not modified.
-        out: the ``.onnx`` path (its folder is created).
         shape: (H, W) of the example input; at least :func:`export_min_size`.
-        batch: batch of the example input. With ``dynamic`` the graph takes any batch;
-            it is traced at batch >= 2 (torch.export specialises a size-1 dimension).
-        dynamic: symbolic batch, height and width (range: :func:`export_min_size` to
-            16384) instead of the example's sizes.
-        exporter: 'dynamo' (:func:`export_program`, then :func:`program_to_onnx`:
-            ``torch.onnx.export(dynamo=True)``) or 'torchscript' (``dynamo=False``,
-            ``dynamic_axes``).
-        residual: 'fp64' (the eager numerics; ONNX Runtime CPU) or 'fp32' (no fp64
-            tensor in the graph, for TensorRT and mobile runtimes): the precision of the
-            attention's refinement residual (docs/deploy.md has the accuracy of each).
-        opset: the ONNX opset; from 13 on the tokens' kernel matrices are written in
-            token blocks (docs/deploy.md).
-        ort_ops: write each attention as the ONNX Runtime op library's ``lapformer_mm``
-            nodes (:func:`ort_ops_library`, :func:`ort_session`; docs/deploy.md) instead
-            of standard operators. Such a file runs only in ONNX Runtime with the
-            library registered.
-
-    Returns the output names. Weights go into the file unless they exceed ~2 GB.
+        batch: batch of the example input; a dynamic graph is traced at batch >= 2
+            (torch.export specialises a size-1 dimension).
+        dynamic: symbolic batch, height and width (from :func:`export_min_size` to 16384).
+        exporter: 'dynamo' (:func:`export_program`, then :func:`program_to_onnx`) or
+            'torchscript' (``dynamo=False``, ``dynamic_axes``).
+        residual: precision of the attention's refinement residual, 'fp64' (the eager
+            numerics) or 'fp32' (no fp64 tensor, for TensorRT and mobile runtimes).
+        opset: the ONNX opset; from 13 on the kernel matrices are written in token blocks.
+        ort_ops: write each attention as the ONNX Runtime op library's nodes
+            (:func:`ort_ops_library`), a file only ONNX Runtime with the library runs.
     """
-    shape = _check_shape(shape)
-    check_bool('dynamic', dynamic)
-    check_choice('exporter', exporter, EXPORTERS)
-    check_bool('ort_ops', ort_ops)
+    check_choice('exporter', exporter, EXPORTERS)  # another would take the TorchScript branch
     _check_opset(opset, exporter)
     # The standard file's kernel matrices as placeholders, expanded into token blocks after
     # the export (the op-library file has none: no rewrite of it).
@@ -388,7 +337,7 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
             program = export_program(model, shape=shape, batch=batch, dynamic=dynamic,
                                      residual=residual)
             names = output_names(model, shape)
-            program_to_onnx(program, out, output_names=names, opset=opset)
+            _save_program(program, out, names, opset)
         else:
             names = _torchscript_export(model, out, shape, batch, dynamic, residual, opset)
     if blocks:
@@ -398,9 +347,6 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
 
 def _torchscript_export(model, out, shape, batch, dynamic, residual, opset):
     """:func:`export_onnx` with ``exporter='torchscript'``: the output names."""
-    batch = _check_batch(batch)
-    check_choice('residual', residual, RESIDUAL_PRECISIONS)
-    check_export_size(model, shape)
     module = prepare_for_export(model)
     x = example_input(shape, max(batch, 2) if dynamic else batch)
     _makedirs_for(out)
@@ -441,45 +387,26 @@ def output_names(model: nn.Module, shape: Sequence[int]) -> List[str]:
     return _names(module, count)
 
 
-class _SingleInput(nn.Module):
-    """``module`` with its one input named ``x`` (the key of the dynamic shapes)."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, x):
-        return self.module(x)
-
-
 def export_program(model: nn.Module, *, shape: Sequence[int] = (800, 1333), batch: int = 2,
                    dynamic: bool = True, residual: str = 'fp64'):
-    """``torch.export.export`` of ``model`` (not modified): an ExportedProgram.
-
-    Same arguments as :func:`export_onnx`; a dynamic program checks the size range when
-    called. ``program.run_decompositions()`` lowers it to core ATen with no lapformer_mm
-    op left.
-    """
-    shape = _check_shape(shape)
-    batch = _check_batch(batch)
-    check_bool('dynamic', dynamic)
-    check_choice('residual', residual, RESIDUAL_PRECISIONS)
-    check_export_size(model, shape)
-    module = _SingleInput(prepare_for_export(model)).eval()
+    """``torch.export.export`` of ``model`` (not modified), arguments as :func:`export_onnx`;
+    ``program.run_decompositions()`` lowers it to core ATen with no lapformer_mm op left."""
+    module = prepare_for_export(model)
     x = example_input(shape, max(batch, 2) if dynamic else batch)
-    dims = {'x': _dynamic_dims(export_min_size(model))} if dynamic else None
+    dims = (_dynamic_dims(export_min_size(model)), ) if dynamic else None
     with torch.no_grad(), residual_precision(residual):
         return torch.export.export(module, (x, ), dynamic_shapes=dims)
 
 
 def program_to_onnx(program, out: str, *, output_names: Optional[Sequence[str]] = None,
                     opset: int = DEFAULT_OPSET) -> None:
-    """Convert an :func:`export_program` program to the ONNX file ``out`` (dynamo exporter).
-
-    Its dynamic dimensions stay symbolic; the weights go into the file unless they
-    exceed ~2 GB.
-    """
+    """Convert an :func:`export_program` program to the ONNX file ``out`` (dynamo exporter);
+    its dynamic dimensions stay symbolic."""
     _check_opset(opset, 'dynamo')
+    _save_program(program, out, output_names, opset)
+
+
+def _save_program(program, out, output_names, opset):
     external = sum(t.numel() * t.element_size()
                    for t in program.state_dict.values()) > SINGLE_FILE_BYTES
     onnx_program = torch.onnx.export(
@@ -515,12 +442,11 @@ def _name_input_dims(onnx_program):
 def ort_ops_library(path: Optional[str] = None) -> str:
     """The path of the ONNX Runtime op library (``tools/build_ort_ops.py``).
 
-    ``path``, else $LAPFORMER_ORT_OPS_LIBRARY, else where the build tool puts it
-    (``lapformer_mm/liblapformer_mm_ort.so``). Raises FileNotFoundError, with the build
-    command, when there is no file there. Nothing is loaded here.
+    ``path``, else $LAPFORMER_ORT_OPS_LIBRARY, else :data:`ORT_OPS_LIBRARY`. Raises
+    FileNotFoundError, with the build command, when there is no file there. Nothing is loaded
+    here.
     """
-    from .cli.build_ort_ops import default_library_path
-    path = path or os.environ.get(ORT_OPS_ENV) or default_library_path()
+    path = path or os.environ.get(ORT_OPS_ENV) or ORT_OPS_LIBRARY
     if not os.path.isfile(path):
         raise FileNotFoundError(f'the ONNX Runtime op library {path!r} does not exist: '
                                 f'{ORT_OPS_HINT}')
@@ -543,17 +469,10 @@ ORT_DISABLED_OPTIMIZERS = ['SkipLayerNormFusion']
 
 def ort_session(path: str, threads: Optional[int] = None, ort_ops=None,
                 profile: Optional[str] = None):
-    """An ONNX Runtime CPU session of ``path``; ``threads`` intra-op threads (None: all),
-    the graph optimizers but :data:`ORT_DISABLED_OPTIMIZERS`.
-
-    ``ort_ops``: register the op library (:func:`ort_ops_library`) with the session:
-    True, False, a library path, or None (default): when the file uses it. OSError when
-    ONNX Runtime refuses it (not a library, or a ``$LAPFORMER_ORT_ISA`` this CPU lacks).
-    ``profile``: a path prefix; ONNX Runtime then times every node of every run, and
-    ``session.end_profiling()`` writes the JSON trace and returns its path.
-    """
-    if threads is not None:
-        check_int('threads', threads)
+    """An ONNX Runtime CPU session of ``path``; ``threads`` intra-op threads (None: all), the
+    graph optimizers but :data:`ORT_DISABLED_OPTIMIZERS`; ``ort_ops`` registers the op library:
+    True, False, a library path, or None (when the file uses it); ``profile``, a path prefix,
+    times every node (``session.end_profiling()`` writes the trace)."""
     ort = _import('onnxruntime')
     options = ort.SessionOptions()
     if threads is not None:
@@ -588,18 +507,14 @@ def run_onnx(session, x: torch.Tensor) -> List[torch.Tensor]:
 def output_error(outs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> Dict[str, float]:
     """max_abs: largest |out - ref|; max_rel: the largest of max |out - ref| / max |ref|
     over the outputs (a whole-map relative error, meaningful where single values are ~0)."""
-    if len(outs) != len(refs):
-        raise ValueError(f'{len(outs)} outputs against {len(refs)} references')
-    # An error of 0 over no values would read as a perfect match.
-    if not outs:
-        raise ValueError('outs and refs are empty: no outputs to compare')
+    # Else zip would drop outputs, a difference broadcast, and no values read as a match.
+    if (not outs or len(outs) != len(refs) or any(
+            o.shape != r.shape or not o.numel() for o, r in zip(outs, refs))):
+        raise ValueError(f'outs and refs must be as many non-empty tensors of the same shapes, '
+                         f'got {[tuple(o.shape) for o in outs]} and '
+                         f'{[tuple(r.shape) for r in refs]}')
     max_abs = max_rel = 0.0
-    for i, (out, ref) in enumerate(zip(outs, refs)):
-        if out.shape != ref.shape:
-            raise ValueError(f'output shape {tuple(out.shape)} against {tuple(ref.shape)}')
-        if out.numel() == 0:
-            raise ValueError(f'outs[{i}] and refs[{i}] are empty (shape {tuple(out.shape)}): '
-                             f'no values to compare')
+    for out, ref in zip(outs, refs):
         err = (out.double() - ref.double()).abs().max().item()
         max_abs = max(max_abs, err)
         max_rel = max(max_rel, err / max(ref.double().abs().max().item(), 1e-30))
@@ -607,11 +522,9 @@ def output_error(outs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> 
 
 
 def verify_sizes(shape: Sequence[int], min_size: int) -> List[Tuple[int, int]]:
-    """The export size and two others, neither a multiple of 32 (both >= ``min_size``)."""
-    min_size = check_int('min_size', min_size)
-    height, width = _check_shape(shape)
-    # width + 37 and height + 45 are not clamped: in the range only when the export size is.
-    _check_min_size('shape', (height, width), min_size)
+    """The export size and two others, neither a multiple of 32, each at least ``min_size``
+    where the export size is."""
+    height, width = shape
     return [(height, width), (max(min_size, height * 3 // 4 + 3), width + 37),
             (height + 45, max(min_size, width * 3 // 4 + 11))]
 
@@ -635,24 +548,16 @@ def rounding_change(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
 def verify_onnx(path: str, model: nn.Module, sizes: Sequence[Sequence[int]], batch: int = 1,
                 threads: Optional[int] = None, fp64: bool = True,
                 inputs: str = 'toy', images: int = 1) -> List[Dict]:
-    """ONNX Runtime against eager PyTorch (fp32) on ``images`` inputs of each size, of the
-    kind ``inputs`` names (:data:`VERIFY_INPUTS`); ``sizes``: (H, W) pairs, each at least
-    :func:`export_min_size` of ``model``.
+    """ONNX Runtime against eager PyTorch (fp32) on ``images`` inputs of each (H, W) of
+    ``sizes`` (each at least :func:`export_min_size`), of the kind ``inputs`` names.
 
-    Returns one dict per size and image: size, image, batch, max_abs, max_rel
-    (:func:`output_error`); rounding_rel, eager fp32 on the input against eager fp32 on
-    :func:`rounding_change` of it, how far rounding alone moves this model on this input
-    (the scale an exported graph's max_rel is to be read against); and, with ``fp64``,
-    fp32_vs_fp64_rel, eager fp32 against eager fp64 on the same input.
+    One dict per size and image: size, image, batch, max_abs, max_rel (:func:`output_error`);
+    rounding_rel, how far rounding alone moves eager fp32 on this input (:func:`rounding_change`:
+    the scale to read max_rel against); with ``fp64``, fp32_vs_fp64_rel.
     """
     make_input = VERIFY_INPUTS[check_choice('inputs', inputs, tuple(VERIFY_INPUTS))]
-    batch = _check_batch(batch)
-    images = check_int('images', images)
-    check_bool('fp64', fp64)
-    if (not isinstance(sizes, (tuple, list)) or not sizes
-            or not all(isinstance(size, (tuple, list)) for size in sizes)):
-        raise ValueError(f'sizes must be a non-empty list of (H, W) pairs, got {sizes!r}')
-    sizes = [_check_shape(size, f'sizes[{i}]') for i, size in enumerate(sizes)]
+    images = check_int('images', images)  # 0: no rows, which would read as a pass
+    sizes = [tuple(size) for size in sizes]
     # ONNX Runtime does not enforce a dynamic file's declared size range: below it the file
     # runs, to outputs wrong by far more than rounding, which a row would pass off as error.
     minimum = export_min_size(model)
@@ -681,13 +586,9 @@ def verify_onnx(path: str, model: nn.Module, sizes: Sequence[Sequence[int]], bat
 
 
 def build_model(config, checkpoint: Optional[str] = None, cfg_options: Optional[dict] = None):
-    """(model in eval mode, scope) of an mmdet/mmseg config; weights from ``checkpoint``.
-
-    Without a checkpoint the weights are random (the backbone's ``init_cfg`` is dropped,
-    nothing is downloaded). The checkpoint (a full detector/segmentor checkpoint or its
-    state dict) is read with ``weights_only=True`` and must match the model.
-    """
-    from .analysis.model_zoo import build_from_config
+    """(model in eval mode, scope) of an mmdet/mmseg config, the weights from ``checkpoint``
+    (read with ``weights_only=True``; it must match the model), else random."""
+    from .registry import build_from_config
     model, scope = build_from_config(config, cfg_options)
     if checkpoint is not None:
         from .checkpoint import safe_load
@@ -698,16 +599,9 @@ def build_model(config, checkpoint: Optional[str] = None, cfg_options: Optional[
                              f'weights, or one under "state_dict")')
         state = {k[len('module.'):] if k.startswith('module.') else k: v
                  for k, v in state.items()}
-        own = model.state_dict()
-        resized = [f'{k} {tuple(v.shape)} (model: {tuple(own[k].shape)})'
-                   for k, v in state.items() if k in own
-                   and getattr(v, 'shape', None) != own[k].shape]
-        if resized:  # load_state_dict would raise torch's list of every one
-            raise ValueError(f'checkpoint {checkpoint!r} does not match the model of '
-                             f'{config}: {len(resized)} tensors of another shape (e.g. '
-                             f'{resized[:3]})')
-        # The load's own report: the modules' load hooks (BatchNorm's num_batches_tracked,
-        # mmdet's renamed heads) fill or map keys a comparison of the dicts would miss.
+        # Tensors of another shape are torch's RuntimeError. The load's own report: the
+        # modules' load hooks (BatchNorm's num_batches_tracked, mmdet's renamed heads) fill or
+        # map keys a comparison of the dicts would miss.
         report = model.load_state_dict(state, strict=False)
         if report.missing_keys or report.unexpected_keys:
             raise ValueError(
@@ -773,7 +667,7 @@ def format_rows(rows: Sequence[Dict]) -> str:
 
 
 __all__ = ['DEFAULT_OPSET', 'EXPORTERS', 'LOWEST_OPSET', 'TARGETS', 'VERIFY_INPUTS', 'ExportModule',
-           'build_model', 'check_export_size', 'export_config', 'export_min_size', 'export_onnx',
+           'build_model', 'export_config', 'export_min_size', 'export_onnx',
            'export_program', 'format_rows', 'graph_summary', 'ort_ops_library', 'ort_session',
            'output_error', 'output_names', 'prepare_for_export', 'program_to_onnx',
            'rounding_change', 'run_onnx',

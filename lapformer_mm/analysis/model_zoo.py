@@ -1,22 +1,11 @@
-"""Backbones compared in the analyses and benchmarks, built from config dicts.
-
-Names accepted by :func:`build_backbone` (see ``BACKBONE_CONFIGS``):
-``laplacianformer-t``, ``laplacianformer-s`` (ours, the backbone's default
-layout; ``laplacianformer-t-softmax4`` is Tiny with SOFT's softmax attention
-in stage 4), ``pvtv2-b1``, ``pvtv2-b2``
-and ``swin-t`` (mmdet 3.3's PyramidVisionTransformerV2 and SwinTransformer with
-the settings of mmdet's own ``configs/pvt`` and ``configs/swin`` files).
-
-Weights are random (each model's ``init_weights``) unless the user passes a
-checkpoint, which is read with ``weights_only=True`` and loaded non-strictly
-(:func:`lapformer_mm.models.pretrained.load_backbone_weights`). Nothing is
-downloaded.
-
-Whole detectors and segmentors for FLOP counts and speed: :func:`build_from_config`
-and :func:`data_samples`.
+"""Backbones compared in the analyses and benchmarks (``BACKBONE_CONFIGS``: ours, and mmdet's
+PVTv2 and Swin with the settings of mmdet's own configs), random weights unless a checkpoint
+is given (read with ``weights_only=True``); nothing is downloaded. Whole detectors and
+segmentors: :func:`build_from_config` (:mod:`lapformer_mm.registry`), :func:`data_samples`.
 """
 import copy
-import logging
+
+from ..registry import build_from_config, init_weights_quietly  # noqa: F401
 
 BACKBONE_CONFIGS = {
     'laplacianformer-t': dict(type='LaplacianFormer', arch='tiny', drop_path_rate=0.0),
@@ -63,24 +52,6 @@ def load_weights(model, checkpoint_path):
     return list(report.missing_keys), list(report.unexpected_keys)
 
 
-def init_weights_quietly(model):
-    """``model.init_weights()`` without mmengine's INFO line per parameter, which goes to the
-    console (hundreds of lines for a detector) where no Runner has opened a log file.
-
-    A filter of its own per call rather than the logger's level: calls overlapping in
-    threads then leave the logger as they found it."""
-    from mmengine.logging import MMLogger
-
-    def only_warnings(record):
-        return record.levelno >= logging.WARNING
-    logger = MMLogger.get_current_instance()
-    logger.addFilter(only_warnings)
-    try:
-        model.init_weights()
-    finally:
-        logger.removeFilter(only_warnings)
-
-
 def build_backbone(name, checkpoint=None, config_overrides=None):
     """Build backbone ``name`` in eval mode, randomly initialised or from ``checkpoint``.
 
@@ -123,32 +94,6 @@ def count_parameters(model):
     """Number of parameters of ``model``."""
     return sum(p.numel() for p in model.parameters())
 
-
-
-def build_from_config(config, cfg_options=None):
-    """(model in eval mode, scope) of an mmdet/mmseg config, random weights, nothing loaded.
-
-    config: a config file path or an ``mmengine.Config``; cfg_options (dict | None):
-    overrides merged into it (``--cfg-options``).
-    """
-    from mmengine.config import Config
-    from mmengine.registry import init_default_scope
-
-    import lapformer_mm  # noqa: F401  registers LaplacianFormer
-    cfg = config if isinstance(config, Config) else Config.fromfile(config)
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
-    scope = cfg.get('default_scope', 'mmdet')
-    init_default_scope(scope)
-    if scope == 'mmseg':
-        from mmseg.registry import MODELS
-    else:
-        from mmdet.registry import MODELS
-    cfg.model.backbone.init_cfg = None
-    model = MODELS.build(cfg.model)
-    init_weights_quietly(model)
-    model.eval()
-    return model, scope
 
 
 def data_samples(scope, height, width, count=1):

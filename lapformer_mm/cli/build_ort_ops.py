@@ -9,8 +9,8 @@ install step does not build it, so without the headers nothing changes.
     python tools/build_ort_ops.py --ort-include /path/to/onnxruntime/include
     make ort-ops ORT_INCLUDE_DIR=/path/to/onnxruntime/include
 
-The library goes to :func:`default_library_path` (``lapformer_mm/liblapformer_mm_ort.so``,
-where :func:`lapformer_mm.deploy.ort_ops_library` looks) unless ``--out`` names another.
+The library goes to ``lapformer_mm/liblapformer_mm_ort.so`` (``deploy.ORT_OPS_LIBRARY``, where
+:func:`lapformer_mm.deploy.ort_ops_library` looks) unless ``--out`` names another.
 """
 import argparse
 import os
@@ -23,10 +23,11 @@ import sys
 import tempfile
 
 from lapformer_mm.cli import output_path
+from lapformer_mm.deploy import ORT_OPS_LIBRARY
 
 PACKAGE = osp.dirname(osp.dirname(osp.abspath(__file__)))
 SOURCES = osp.join(PACKAGE, 'csrc', 'onnxruntime')
-LIBRARY_NAME = 'liblapformer_mm_ort.so'
+LIBRARY_NAME = osp.basename(ORT_OPS_LIBRARY)
 INCLUDE_ENV = 'ORT_INCLUDE_DIR'
 HEADER = 'onnxruntime_c_api.h'
 COMMON_FLAGS = ['-std=c++17', '-O3', '-fPIC', '-fvisibility=hidden', '-fno-math-errno',
@@ -37,10 +38,6 @@ COMMON_FLAGS = ['-std=c++17', '-O3', '-fPIC', '-fvisibility=hidden', '-fno-math-
 KERNELS = {'default': [], 'avx2': ['-mavx2', '-mfma', '-mno-avx256-split-unaligned-load',
                                         '-mno-avx256-split-unaligned-store'],
            'avx512': ['-mavx512f']}
-
-
-def default_library_path():
-    return osp.join(PACKAGE, LIBRARY_NAME)
 
 
 def find_include(include_dir=None):
@@ -61,7 +58,7 @@ def build(include_dir=None, out=None, cxx=None, verbose=False):
     """Compile and link the library; return its path. Raises FileNotFoundError (no
     headers, no compiler) or RuntimeError (a compiler error, with its output)."""
     include = find_include(include_dir)
-    out = osp.abspath(output_path(out, LIBRARY_NAME) if out else default_library_path())
+    out = osp.abspath(output_path(out, LIBRARY_NAME) if out else ORT_OPS_LIBRARY)
     compiler = shlex.split(cxx or os.environ.get('CXX') or 'g++')
     if shutil.which(compiler[0]) is None:
         raise FileNotFoundError(f'C++ compiler {compiler[0]!r} not found (set CXX)')
@@ -107,7 +104,7 @@ def parse_args(argv=None):
     parser.add_argument('--ort-include', help=f'ONNX Runtime include folder (holding {HEADER}; '
                                               f'default: ${INCLUDE_ENV})')
     parser.add_argument('--out', help=f'library path, or a folder for {LIBRARY_NAME} '
-                                      f'(default: {default_library_path()})')
+                                      f'(default: {ORT_OPS_LIBRARY})')
     parser.add_argument('--cxx', help='C++ compiler (default: $CXX or g++)')
     parser.add_argument('-v', '--verbose', action='store_true', help='print the commands')
     return parser.parse_args(argv)

@@ -26,10 +26,10 @@ import os.path as osp
 import cv2
 import numpy as np
 
-from lapformer_mm.cli.make_toy_coco import (
+from lapformer_mm.cli import int_at_least
+from lapformer_mm.scenes import (
     BASE_COLOURS,
     CLASSES,
-    positive_int,
     rasterize,
     shape_polygon,
     textured_background,
@@ -73,14 +73,11 @@ def make_split(out_dir, split, per_class, img_size, seed):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--out', default='data/toy_imagenet', help='output folder')
-    parser.add_argument('--per-class-train', type=positive_int, default=500)
-    parser.add_argument('--per-class-val', type=positive_int, default=100)
-    parser.add_argument('--img-size', type=positive_int, default=64, help='square side (px)')
+    parser.add_argument('--per-class-train', type=int_at_least(1), default=500)
+    parser.add_argument('--per-class-val', type=int_at_least(1), default=100)
+    parser.add_argument('--img-size', type=int_at_least(32), default=64, help='square side (px)')
     parser.add_argument('--seed', type=int, default=0)
-    args = parser.parse_args(argv)
-    if args.img_size < 32:
-        parser.error(f'--img-size must be >= 32, got {args.img_size}')
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv=None):

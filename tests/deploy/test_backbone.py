@@ -3,8 +3,8 @@
 Each exporter writes the backbone once, traced at batch 2 and EXPORT_SHAPE with dynamic
 batch, height and width and the fp32 refinement residual; ONNX Runtime then runs it at
 that size and at two others with batch 1, each output held to FACTOR × the distance of
-eager fp32 from eager fp64 (tests/_deploy_helpers.py). The torch.export test exports the
-backbone as a user would, with plain Dims and no project wrapper, and lowers it to core ATen.
+eager fp32 from eager fp64 (tests/_deploy_helpers.py). The torch.export and dynamo ONNX tests
+export the backbone as a user would, with plain dims and no project wrapper.
 """
 import re
 
@@ -22,10 +22,10 @@ from _deploy_helpers import (
     stage_sizes,
     tiny_backbone,
 )
+from torch._dynamo.exc import UserError
 from torch.export import Dim
 
 from lapformer_mm import deploy
-from lapformer_mm.models.backbone import export_size_rule
 from lapformer_mm.ops import export as ex
 
 onnx = pytest.importorskip('onnx')
@@ -37,11 +37,6 @@ EXPORT_SHAPE = (232, 296)
 #: 231×257 is no multiple of 32; 256×320 is, but its stride-32 map (8×10) is no multiple
 #: of the 7×7 landmark grid (uneven bins).
 OTHER_SIZES = [(231, 257), (256, 320)]
-
-
-def whole(message):
-    """A pytest ``match`` pattern for exactly ``message``."""
-    return f'^{re.escape(message)}$'
 
 
 @pytest.fixture(scope='module')
@@ -100,16 +95,11 @@ def test_verify_refuses_sizes_below_the_export_range_and_runs_from_the_minimum(
     """ONNX Runtime runs a dynamic file below its declared range all the same, to outputs
     0.05-1 (relative) from eager: such a size is refused before anything runs, not reported
     as an error row. At the minimum itself the file is as close as at the export size."""
-    for sizes, message in [
-            ((232, 296), 'sizes must be a non-empty list of (H, W) pairs, got (232, 296)'),
-            ([], 'sizes must be a non-empty list of (H, W) pairs, got []'),
-            ([(232, 0)], 'sizes[0] must be (H, W), two positive ints, got (232, 0)'),
-            ([EXPORT_SHAPE, (192, 296)],
-             f'sizes[1] 192x296 is below the export size range: {export_size_rule(193)}'),
-            ([(33, 47)], f'sizes[0] 33x47 is below the export size range: '
-                         f'{export_size_rule(193)}')]:
-        with pytest.raises(ValueError, match=whole(message)):
+    for sizes in ([EXPORT_SHAPE, (192, 296)], [(33, 47)]):
+        with pytest.raises(ValueError, match='sizes'):
             deploy.verify_onnx(exported, backbone, sizes)
+    with pytest.raises(ValueError, match='images'):  # no rows would read as a pass
+        deploy.verify_onnx(exported, backbone, [EXPORT_SHAPE], images=0)
     (row, ) = deploy.verify_onnx(exported, backbone, [[193, 193]])
     assert row['size'] == (193, 193)
     assert row['max_rel'] <= FACTOR * max(row['fp32_vs_fp64_rel'], FLOOR)
@@ -135,12 +125,28 @@ def test_torch_export_with_plain_dims_lowers_and_matches_eager(backbone):
         with torch.no_grad():
             outs = lowered.module()(x)
         assert_as_close_as_fp32(list(outs), backbone, x, 'torch.export')
-    # A range reaching below the minimum is refused by the rule, before any tracing.
+    # A range reaching below the minimum is refused by the rule (the backbone's first guard).
     low = ({2: Dim('h', min=100, max=2048), 3: Dim('w', min=224, max=2048)}, )
-    with pytest.raises(ValueError, match='range of the input H reaches below 193.*must be '
-                                         'at least its landmark grid'):
+    with pytest.raises(UserError, match=r"(?s)193 <= .*Dim\('h', min=193"):
         torch.export.export(backbone, (deploy.example_input(EXPORT_SHAPE, 2), ),
                             dynamic_shapes=low)
+
+
+@pytest.mark.slow(seconds=60)
+def test_the_dynamo_onnx_call_users_write_exports_and_runs_at_other_sizes(backbone, tmp_path):
+    """torch.onnx.export with named dynamic dims, no wrapper and no range: the backbone's own
+    torch._check narrows height and width to export_min_size; ONNX Runtime runs the file at
+    sizes and batches the export never saw, as close to eager as the project's own exports."""
+    path = str(tmp_path / 'user.onnx')
+    x = deploy.example_input(EXPORT_SHAPE, 2)
+    torch.onnx.export(backbone, (x, ), dynamo=True,
+                      dynamic_shapes=({0: 'batch', 2: 'height', 3: 'width'}, )).save(path)
+    dims = onnx.load(path).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_param for d in dims] == ['batch', '', 'height', 'width']
+    session = deploy.ort_session(path)
+    for size, batch in [((193, 197), 1), (OTHER_SIZES[0], 3)]:
+        x = deploy.example_input(size, batch, seed=size[0])
+        assert_as_close_as_fp32(deploy.run_onnx(session, x), backbone, x, path)
 
 
 @pytest.mark.parametrize('axis, side', [(2, 'height'), (3, 'width')])
@@ -148,8 +154,7 @@ def test_torch_export_with_one_dim_names_the_rule(backbone, axis, side):
     # A Dim on H alone (or W alone) cannot export: torch.export cannot prove the token
     # splits with one static side (docs/deploy.md); the user gets the rule, not a guard.
     dims = ({axis: Dim('s', min=224, max=2048)}, )
-    with pytest.raises(ValueError, match=f'only the {side} of the input has a torch.export '
-                                         'Dim: give both H and W a Dim'):
+    with pytest.raises(ValueError, match=side):
         torch.export.export(backbone, (deploy.example_input(EXPORT_SHAPE, 2), ),
                             dynamic_shapes=dims)
 
@@ -196,62 +201,33 @@ def test_fp64_residual_default_and_the_op_library(backbone, tmp_path):
 
 
 def test_export_size_below_the_range_names_the_minimum(backbone, tmp_path):
+    """Every exporter, through deploy or called directly: a smaller example would trace a
+    wrong graph (the TorchScript exporter) or a static program that fails the rule."""
     assert backbone.export_min_size() == 193
-    with pytest.raises(ValueError, match='H and W must be >= 193'):
-        deploy.export_onnx(backbone, str(tmp_path / 'x.onnx'), shape=(192, 400))
-    # The exporters themselves, without deploy's early check: a smaller example would trace
-    # a wrong graph (the TorchScript exporter) or a static program that fails the rule.
     small = deploy.example_input((160, 256), 1)
-    with pytest.raises(ValueError, match='cannot export at the input size 160×256: .*H and W '
-                                         'must be >= 193'):
-        torch.onnx.export(backbone, (small, ), str(tmp_path / 'y.onnx'), dynamo=False)
-    with pytest.raises(ValueError, match='cannot export at the input size 160×256'):
-        torch.export.export(backbone, (small, ))
+    for export in (lambda: deploy.export_onnx(backbone, str(tmp_path / 'x.onnx'),
+                                              shape=(192, 400)),
+                   lambda: torch.onnx.export(backbone, (small, ), str(tmp_path / 'y.onnx'),
+                                             dynamo=False),
+                   lambda: torch.export.export(backbone, (small, ))):
+        with pytest.raises(RuntimeError, match='export_min_size'):
+            export()
     softmax4 = tiny_backbone(stage4_attention='softmax')
     assert softmax4.export_min_size() == 97
     grid5 = tiny_backbone(attn_cfg=dict(landmark_grid=5))
     assert grid5.export_min_size() == 129
 
 
-@pytest.mark.parametrize('kwargs, match', [
-    (dict(shape=(224, )), 'shape must be'), (dict(batch=0), 'batch must be'),
-    (dict(exporter='tensorrt'), "exporter='tensorrt' is not supported"),
-    (dict(residual='fp16'), "residual='fp16' is not supported"),
-    (dict(opset=17), "opset=17 is not supported by the dynamo exporter; allowed: 18 to "
-                     r"\d+; exporter='torchscript' writes lower ones"),
-    (dict(opset=9, exporter='torchscript'),
-     'opset=9 is not supported by the torchscript exporter; allowed: 10 to 20$'),
-    (dict(opset=21, exporter='torchscript'), 'allowed: 10 to 20'),
-    (dict(opset=99, exporter='torchscript'), 'opset=99 is not supported by the torchscript'),
-    (dict(opset='20'), "opset='20' is not supported")])
-def test_bad_export_arguments_are_named(backbone, tmp_path, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize('kwargs, name', [
+    # An unknown exporter took the TorchScript branch.
+    (dict(exporter='tensorrt'), 'exporter'), (dict(residual='fp16'), 'residual'),
+    # Refused before the export, which a bad opset failed only after (minutes).
+    (dict(opset=17), 'opset'), (dict(opset=9, exporter='torchscript'), 'opset'),
+    (dict(opset=99, exporter='torchscript'), 'opset')])
+def test_bad_export_arguments_are_named(backbone, tmp_path, kwargs, name):
+    with pytest.raises(ValueError, match=name):
         deploy.export_onnx(backbone, str(tmp_path / 'x.onnx'), **kwargs)
     assert not (tmp_path / 'x.onnx').exists()
-
-
-def test_bad_program_session_and_verify_arguments_are_named(backbone, tmp_path):
-    for export in (deploy.export_onnx, lambda model, *_, **kwargs: deploy.export_program(
-            model, **kwargs)):
-        with pytest.raises(TypeError, match="dynamic must be a bool, got str 'no'"):
-            export(backbone, str(tmp_path / 'x.onnx'), dynamic='no')
-    # 1 == True: a test of membership in (False, True) took ints, and wrote the file.
-    for value in (1, 0, 'yes'):
-        with pytest.raises(TypeError, match=whole(
-                f'ort_ops must be a bool, got {type(value).__name__} {value!r}')):
-            deploy.export_onnx(backbone, str(tmp_path / 'x.onnx'), shape=(224, 224),
-                               exporter='torchscript', ort_ops=value)
-        with pytest.raises(TypeError, match=whole(
-                f'fp64 must be a bool, got {type(value).__name__} {value!r}')):
-            deploy.verify_onnx(__file__, backbone, [(224, 224)], fp64=value)
-    assert not (tmp_path / 'x.onnx').exists()
-    with pytest.raises(TypeError, match='threads must be an int, got float 2.5'):
-        deploy.ort_session(__file__, threads=2.5)
-    with pytest.raises(ValueError, match='threads=-1 must be >= 1'):
-        deploy.ort_session(__file__, threads=-1)
-    for inputs in deploy.VERIFY_INPUTS:
-        with pytest.raises(ValueError, match='batch must be a positive int, got 0'):
-            deploy.verify_onnx(__file__, backbone, [(224, 224)], batch=0, inputs=inputs)
 
 
 def test_an_opset_past_the_version_converter_is_refused_before_the_export(backbone, tmp_path):
@@ -262,8 +238,7 @@ def test_an_opset_past_the_version_converter_is_refused_before_the_export(backbo
     beyond = _version_converter.SUPPORTED_MAX_ONNX_OPSET + 1
     if beyond > onnx.defs.onnx_opset_version():
         pytest.skip(f'onnx knows no opset {beyond}')
-    with pytest.raises(ValueError, match=f'opset={beyond} is not supported by the dynamo '
-                                         f'exporter; allowed: 18 to {beyond - 1}$'):
+    with pytest.raises(ValueError, match=f'opset={beyond}'):
         deploy.export_onnx(backbone, str(tmp_path / 'x.onnx'), opset=beyond)
 
 
@@ -278,33 +253,14 @@ def test_an_opset_the_dynamo_exporter_falls_back_from_is_refused(tmp_path, monke
     with monkeypatch.context() as patch:
         patch.setattr(torch.onnx, 'export',
                       lambda *args, **kwargs: export(*args, **dict(kwargs, opset_version=18)))
-        with pytest.raises(ValueError, match='opset=21: the dynamo exporter made opset 18 '
-                                             'instead'):
+        with pytest.raises(ValueError, match='opset=21'):
             deploy.program_to_onnx(program, str(path), opset=21)
     assert not path.exists()
     deploy.program_to_onnx(program, str(path), opset=21)
     assert onnx.load(str(path)).opset_import[0].version == 21
 
 
-def test_size_helpers_name_a_shape_that_is_no_pair_of_positive_ints(backbone):
-    """Not a TypeError or IndexError from unpacking a single int or a short tuple."""
-    calls = [lambda s: deploy.check_export_size(backbone, s),
-             lambda s: deploy.example_input(s, 1), lambda s: deploy.toy_image_input(s, 1),
-             lambda s: deploy.smooth_input(s, 1), lambda s: deploy.verify_sizes(s, 193)]
-    for shape in (224, (0, ), (224, 0), (224, 224.0), '224'):
-        for call in calls:
-            with pytest.raises(ValueError, match=whole(
-                    f'shape must be (H, W), two positive ints, got {shape!r}')):
-                call(shape)
-    for make_input in deploy.VERIFY_INPUTS.values():
-        with pytest.raises(ValueError, match='^batch must be a positive int, got 0$'):
-            make_input((8, 8), 0)
-    # verify_sizes grows the other two from the export size: in the range only when it is.
-    with pytest.raises(ValueError, match=whole(
-            f'shape 192x400 is below the export size range: {export_size_rule(193)}')):
-        deploy.verify_sizes((192, 400), 193)
-    with pytest.raises(ValueError, match='^min_size=0 must be >= 1$'):
-        deploy.verify_sizes((224, 224), 0)
+def test_verify_sizes_grow_from_the_export_size_within_the_range():
     assert deploy.verify_sizes([224, 300], 193) == [(224, 300), (193, 337), (269, 236)]
 
 
@@ -318,24 +274,19 @@ def test_smooth_input_has_unit_spread_wherever_the_field_varies():
         assert x.shape == (2, 3, *shape)
         assert torch.allclose(x.double().std((2, 3)), torch.ones(2, 3).double(), atol=1e-6)
     for shape, cells in (((1, 1), (6, 8)), ((5, 1), (1, 8)), ((1, 7), (6, 1))):
-        with pytest.raises(ValueError, match=whole(
-                f'shape {shape} with cells {cells} is a constant field (no spread to scale): '
-                'give more than one pixel and more than one cell along H or W')):
+        with pytest.raises(ValueError, match='cells'):
             deploy.smooth_input(shape, 1, cells=cells)
-    with pytest.raises(ValueError, match=whole(
-            'cells must be (H, W), two positive ints, got (0, 5)')):
-        deploy.smooth_input((5, 5), 1, cells=(0, 5))
 
 
 def test_output_error_of_nothing_is_refused():
-    """No outputs, or an output of no values, has no error: 0 would read as a match."""
+    """No outputs, or an output of no values, has no error: 0 would read as a match; a
+    missing output or one of another shape would be dropped or broadcast."""
     one = torch.ones(2, 3)
     assert deploy.output_error([one, -one], [one, 2 * one]) == dict(max_abs=3.0, max_rel=1.5)
-    with pytest.raises(ValueError, match=whole('outs and refs are empty: no outputs to compare')):
-        deploy.output_error([], [])
-    with pytest.raises(ValueError, match=whole('outs[1] and refs[1] are empty (shape (0, 3)): '
-                                               'no values to compare')):
-        deploy.output_error([one, torch.ones(0, 3)], [one, torch.ones(0, 3)])
+    for outs, refs in (([], []), ([one, torch.ones(0, 3)], [one, torch.ones(0, 3)]),
+                       ([one, one], [one]), ([one], [one[:1]])):  # zip and broadcasting
+        with pytest.raises(ValueError, match='outs and refs'):
+            deploy.output_error(outs, refs)
 
 
 def test_backbone_outputs_are_named_by_stage():
@@ -348,7 +299,7 @@ def test_backbone_outputs_are_named_by_stage():
 def test_toy_image_input_is_a_normalised_toy_scene():
     import numpy as np
 
-    from lapformer_mm.cli.make_toy_coco import render_image
+    from lapformer_mm.scenes import render_image
     x = deploy.toy_image_input((97, 131), 2, seed=5)
     assert x.shape == (2, 3, 97, 131) and x.dtype == torch.float32
     assert torch.equal(x, deploy.toy_image_input((97, 131), 2, seed=5))
@@ -358,8 +309,6 @@ def test_toy_image_input_is_a_normalised_toy_scene():
               - torch.tensor(deploy.IMAGE_MEAN, dtype=torch.float64).view(3, 1, 1)) \
         / torch.tensor(deploy.IMAGE_STD, dtype=torch.float64).view(3, 1, 1)
     assert torch.allclose(x[1].double(), expect, atol=1e-6)
-    with pytest.raises(ValueError, match='shape must be'):
-        deploy.toy_image_input((0, 5), 1)
 
 
 def test_preparing_a_model_without_mmseg_parts_imports_no_codebase():

@@ -63,3 +63,9 @@ def test_two_registered_ops_in_the_lapformer_mm_namespace():
     names = {op for op in dir(torch.ops.lapformer_mm) if not op.startswith('_')}
     names -= {'name', 'dispatch'}
     assert names == {'nystrom_attention', 'nystrom_attention_backward'}
+
+
+def test_deploy_imports_nothing_from_the_tools():
+    """cli/ and analysis/ build on deploy, not the other way round."""
+    tools = ('lapformer_mm.cli', 'lapformer_mm.analysis')
+    assert not [t for t in _imports()['lapformer_mm.deploy'] if t.startswith(tools)]

@@ -52,7 +52,7 @@ def test_toy_imagenet_is_deterministic_class_folders(tmp_path):
 def test_toy_imagenet_rejects_tiny_images(tmp_path):
     log = run_tool([sys.executable, osp.join(TOOLS, 'make_toy_imagenet.py'),
                     '--out', tmp_path, '--img-size', '16'], returncode=2)
-    assert '--img-size must be >= 32, got 16' in log
+    assert '--img-size' in log
 
 
 @pytest.mark.slow

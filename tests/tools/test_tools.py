@@ -89,7 +89,7 @@ def test_make_toy_coco_is_deterministic_and_valid(tmp_path):
 def test_make_toy_coco_rejects_bad_sizes(capsys):
     with pytest.raises(SystemExit):
         make_toy_coco.main(['--img-size', '8'])
-    assert 'error: --img-size must be >= 32, got (8, 8)' in capsys.readouterr().err
+    assert '--img-size' in capsys.readouterr().err
 
 
 def write_eval_fixture(tmp_path):
