@@ -1,20 +1,12 @@
 """LaplacianFormer for OpenMMLab: Laplacian-kernel linear attention backbones.
 
-``import lapformer_mm`` (or ``custom_imports=dict(imports=['lapformer_mm'])``) registers,
-in mmengine's root registries that mmdet's, mmseg's and mmpretrain's fall back to:
-``LaplacianFormer`` (MODELS), ``NeckChannelsCheckHook``, ``SafeCheckpointHook`` and
-``InputCheckHook`` (HOOKS), ``SafeCheckpointRunner`` (RUNNERS), ``CPUAmpOptimWrapper``
-(OPTIM_WRAPPERS) and the ``atomic_local`` file backend. None of them is used until a config
-selects it (:mod:`lapformer_mm.engine`).
-
-The import changes nothing in torch, mmengine or the OpenMMLab codebases, and imports none
-of mmdet, mmseg, mmpretrain or ``mmcv.ops``. Its one global action is additive:
-:func:`~lapformer_mm.checkpoint.allow_mmengine_checkpoints` adds the data types mmengine
-writes into checkpoints to ``torch.serialization``'s safe globals, so that
-``torch.load(weights_only=True)`` (torch's default since 2.6) reads mmengine checkpoints.
-
-``lapformer_mm.ops`` needs only torch (and CuPy on GPU); without mmengine nothing is
-registered.
+``import lapformer_mm`` (or ``custom_imports=dict(imports=['lapformer_mm'])``) registers the
+backbone, its hooks, runner, CPU AMP wrapper and ``atomic_local`` file backend in mmengine's
+root registries (:mod:`.registry`); none is used until a config selects it. It imports none
+of mmdet, mmseg, mmpretrain or ``mmcv.ops``, and its one global action is additive:
+:func:`~lapformer_mm.checkpoint.allow_mmengine_checkpoints` lets
+``torch.load(weights_only=True)`` read mmengine checkpoints. ``lapformer_mm.ops`` needs only
+torch (and CuPy on GPU).
 """
 import re
 

@@ -26,16 +26,18 @@ TRUST_HINT = (
     f'`{TRUST_ENV}=1`, or re-save its tensors as a plain state dict.')
 
 
+# torch.save writes a zip archive; files of torch < 1.6 (and plain pickles) start with
+# pickle's PROTO opcode.
+CHECKPOINT_MAGIC = (b'PK\x03\x04', b'\x80')
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint file refused as unsafe, or unreadable; the message names the file."""
 
 
 def trust_requested():
-    """True when the user set torch's opt-out ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` to a true value.
-
-    torch itself honours the variable only where ``weights_only`` is not passed; the
-    loaders here pass it, so they read the variable themselves to keep one switch.
-    """
+    """True when the user set torch's opt-out ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``: torch honours
+    it only where ``weights_only`` is not passed, and the loaders here pass it."""
     return os.environ.get(TRUST_ENV, '0').lower() in ('1', 'y', 'yes', 'true')
 
 
@@ -46,20 +48,13 @@ def _history_buffer_getattr(obj, name):
     allowed = {'min', 'max', 'current', 'mean', *HistoryBuffer._statistics_methods}
     if obj is HistoryBuffer and name in allowed:
         return getattr(obj, name)
-    raise pickle_error(f'getattr({obj!r}, {name!r}) is not allowed in a checkpoint')
-
-
-def pickle_error(message):
-    return torch.serialization.pickle.UnpicklingError(message)
+    raise torch.serialization.pickle.UnpicklingError(
+        f'getattr({obj!r}, {name!r}) is not allowed in a checkpoint')
 
 
 def _numpy_globals():
-    """numpy's array, dtype and scalar pickling globals, under both module spellings.
-
-    numpy 2 pickles them from ``numpy._core.multiarray``, numpy 1 from
-    ``numpy.core.multiarray``: a checkpoint saved on a cluster with the other major
-    version names the other module, and must load all the same.
-    """
+    """numpy's array, dtype and scalar pickling globals under both module spellings: numpy 2
+    pickles them from ``numpy._core.multiarray``, numpy 1 from ``numpy.core.multiarray``."""
     core = np._core if hasattr(np, '_core') else np.core
     scalar_dtypes = [type(np.dtype(t)) for t in (
         np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
@@ -71,13 +66,8 @@ def _numpy_globals():
 
 
 def allow_mmengine_checkpoints():
-    """Allowlist the data types of mmengine full checkpoints for ``weights_only`` loading.
-
-    Idempotent. A no-op on torch versions without ``add_safe_globals`` (< 2.4), which also
-    do not default to ``weights_only=True``.
-    """
-    if not hasattr(torch.serialization, 'add_safe_globals'):
-        return
+    """Allowlist the data types of mmengine full checkpoints for ``weights_only`` loading
+    (idempotent)."""
     safe = _numpy_globals()
     try:
         from mmengine.logging import HistoryBuffer
@@ -91,22 +81,9 @@ def allow_mmengine_checkpoints():
 
 
 def safe_load(filename, map_location='cpu'):
-    """``torch.load`` with ``weights_only=True`` and an error that says what was refused.
-
-    Args:
-        filename (str | os.PathLike): a local checkpoint file.
-        map_location: as for :func:`torch.load`.
-
-    Returns:
-        The loaded object (a state dict or an mmengine checkpoint dict).
-
-    Raises:
-        FileNotFoundError: ``filename`` does not exist.
-        IsADirectoryError: ``filename`` is a folder.
-        CheckpointError: (a RuntimeError) the file needs unpickling of objects outside the
-            allowlist, or it is truncated or not a torch checkpoint.
-        ValueError, TypeError: ``map_location`` is not one torch takes.
-    """
+    """``torch.load`` of a local file with ``weights_only=True``: FileNotFoundError,
+    IsADirectoryError, or a :class:`CheckpointError` that names the file and what was refused
+    (objects outside the allowlist) or why it cannot be read."""
     _check_map_location(map_location)
     filename = os.path.expanduser(os.fspath(filename))
     if os.path.isdir(filename):
@@ -132,23 +109,10 @@ def safe_load(filename, map_location='cpu'):
 
 
 def _check_map_location(map_location):
-    """Raise a ValueError or TypeError naming ``map_location`` unless torch.load takes it:
-    None, a device (a string such as 'cpu' or a ``torch.device``), a dict or a callable.
-
-    Checked before the load, in which a device string torch cannot parse fails as if the
-    file could not be read.
-    """
+    """A device string torch cannot parse fails inside the load as if the file could not be
+    read: checked before it (torch.device names the string)."""
     if isinstance(map_location, str):
-        try:
-            torch.device(map_location)
-        except RuntimeError as err:
-            raise ValueError(f'map_location={map_location!r} is not a device: {err}') from None
-    elif not (map_location is None or isinstance(map_location, (torch.device, dict))
-              or callable(map_location)):
-        raise TypeError(f"map_location must be a device ('cpu', 'cuda:0', a torch.device), a "
-                        f'dict, a callable or None, got {type(map_location).__name__} '
-                        f'{map_location!r}')
-    return map_location
+        torch.device(map_location)
 
 
 def is_remote(path) -> bool:
@@ -172,8 +136,7 @@ def _looks_like_a_checkpoint(filename):
     """A zip archive (torch.save) or a pickle (the legacy format): an opcode the safe
     loader lacks (pickle protocols 4 and 5) is then a refusal, not a file of other bytes."""
     with open(filename, 'rb') as f:
-        head = f.read(4)
-    return head.startswith((b'PK\x03\x04', b'\x80'))
+        return f.read(4).startswith(CHECKPOINT_MAGIC)
 
 
 def _unreadable(filename, err):

@@ -1,13 +1,10 @@
 """glibc ``malloc`` settings that keep large CPU tensors from being page-faulted in afresh.
 
-PyTorch's CPU allocator is the C library's ``malloc``. glibc serves every request above its
-mmap threshold (at most 32 MiB unless set) with a fresh ``mmap`` and returns it to the
-kernel on ``free``, so each such tensor is faulted in again page by page (one fault per
-4 KiB) every time it is allocated. At 2048×2048 a stage-1 feature map of LaplacianFormer-T
-or Swin-T is 64 MiB, and those faults made the forward time grow faster than the pixels
-from 1024² to 2048² (measured: ``benchmarks/malloc_faults.py``, docs/analysis.md).
-PyTorch's CPU performance guide addresses this by recommending jemalloc or tcmalloc; raising
-glibc's mmap and trim thresholds is the in-process equivalent.
+glibc serves every request above its mmap threshold (at most 32 MiB unless set) with a fresh
+``mmap`` and returns it on ``free``, so each such tensor is faulted in again page by page
+every time it is allocated: at 2048×2048 those faults made the forward time grow faster than
+the pixels (``benchmarks/malloc_faults.py``, docs/analysis.md). Raising glibc's mmap and trim
+thresholds is the in-process equivalent of PyTorch's advice to use jemalloc or tcmalloc.
 """
 import ctypes
 import ctypes.util
@@ -18,22 +15,10 @@ KEEP_BYTES = 1 << 30
 
 
 def keep_large_blocks(threshold=KEEP_BYTES):
-    """Have glibc serve and keep blocks up to ``threshold`` bytes from its heap.
-
-    Sets ``M_MMAP_THRESHOLD`` (requests above it still get their own ``mmap``) and
-    ``M_TRIM_THRESHOLD`` (free memory at the top of the heap is returned to the kernel only
-    beyond it) to ``threshold``. The process keeps up to that much freed memory resident
-    for reuse. Affects the whole process from the call on; already allocated blocks are
-    unchanged.
-
-    Args:
-        threshold (int): bytes, in [1, 2**31 - 1]. Default 1 GiB.
-
-    Returns:
-        bool: True when both settings took effect, False where the C library is not glibc
-        (nothing is changed then).
-    """
-    if not isinstance(threshold, int) or not 1 <= threshold <= 2**31 - 1:
+    """Have glibc serve and keep blocks up to ``threshold`` bytes (an int in [1, 2**31 - 1],
+    default 1 GiB) from its heap, the whole process from the call on: ``M_MMAP_THRESHOLD`` and
+    ``M_TRIM_THRESHOLD`` set to it. False where the C library is not glibc (nothing changed)."""
+    if not isinstance(threshold, int) or not 1 <= threshold <= 2**31 - 1:  # mallopt's int
         raise ValueError(f'threshold must be an int in [1, 2**31 - 1] bytes, got {threshold!r}')
     name = ctypes.util.find_library('c')
     if name is None:

@@ -2,29 +2,18 @@
 
 Without this, a run on a machine that lacks the data builds the whole model and then dies
 deep in pycocotools (or at the first batch, or when the backbone loads its ImageNet
-weights) with a long traceback. :func:`check_config_inputs` looks at the config alone:
-
-- the datasets of the dataloaders the run uses (through ``ConcatDataset``,
-  ``RepeatDataset`` and other wrappers): ``data_root``, the annotation file and every
-  ``data_prefix`` folder, joined as mmengine's ``BaseDataset`` joins them, so mmdet's
-  ``CocoDataset`` (``ann_file`` + ``data_prefix.img``), mmseg's ``ADE20KDataset``
-  (``img_path`` / ``seg_map_path`` folders) and mmpretrain's datasets alike;
-- the evaluators' annotation files (mmdet's ``CocoMetric(ann_file=...)``);
-- the backbone's ``init_cfg=dict(type='Pretrained', checkpoint=...)``, when training:
-  that it exists and, for a LaplacianFormer, that it reads with ``weights_only=True`` and
-  holds weights of this backbone (the loader would otherwise skip unmatched keys with a
-  warning and train from scratch);
-- ``load_from`` (the checkpoint of a test, or of ``--resume PATH``).
+weights) with a long traceback. :func:`check_config_inputs` looks at the config alone: the
+datasets of the dataloaders the run uses (through wrappers; ``data_root``, the annotation
+file and every ``data_prefix`` folder, joined as mmengine's ``BaseDataset`` joins them), the
+evaluators' annotation files, the backbone's ``Pretrained`` checkpoint when training (for a
+LaplacianFormer: read with ``weights_only=True``, and weights of this backbone, which the
+loader would otherwise skip with a warning) and ``load_from``. Remote paths are not checked.
 
 It raises :class:`InputCheckError` with one message that names each missing input, lists
-the layout the config expects and the ways forward. ``tools/train.py`` and
-``tools/test.py`` print it and exit with status 2. With mmdet's, mmseg's or mmpretrain's
-own tools, call it on the config before ``Runner.from_cfg``, or add
-``custom_hooks = [dict(type='InputCheckHook')]`` (:mod:`lapformer_mm.engine.hooks`), which
-runs it when the run starts: after mmengine has built the datasets (an annotation file it
-lacks has failed already), before the first image is read and before the backbone loads
-its checkpoint. Remote paths (``s3://``, ``http://``, a non-local ``backend_args``) are
-not checked.
+the layout the config expects and the ways forward. ``tools/train.py`` and ``tools/test.py``
+print it and exit with status 2; with mmdet's, mmseg's or mmpretrain's own tools, call it
+before ``Runner.from_cfg``, or add ``custom_hooks = [dict(type='InputCheckHook')]``
+(:mod:`lapformer_mm.engine.hooks`), which runs it once the datasets are built.
 """
 import os
 import os.path as osp
@@ -48,9 +37,6 @@ README_SECTIONS = {'CocoDataset': 'Train and test on COCO',
                    'ADE20KDataset': 'Train and test on ADE20K',
                    'ImageNet': 'Pretrain on ImageNet-1k'}
 CLS_CONFIGS = 'configs/cls/lapformer_{}_in1k.py'
-# torch.save writes a zip archive; files of torch < 1.6 (and plain pickles) start with
-# pickle's PROTO opcode.
-CHECKPOINT_MAGIC = (b'PK\x03\x04', b'\x80')
 
 
 class InputCheckError(RuntimeError):
@@ -67,7 +53,6 @@ class Input(NamedTuple):
 
 
 class Problem(NamedTuple):
-    """An input that is missing or unusable, and why."""
     item: Input
     reason: str
     kind: str           # 'data', 'checkpoint' (the backbone's) or 'load_from'
@@ -75,16 +60,13 @@ class Problem(NamedTuple):
 
 def is_remote(path: str, backend_args: Optional[Mapping] = None) -> bool:
     """True for a path this check cannot see: a ``scheme://`` URL or a non-local backend."""
-    if backend_args and backend_args.get('backend', 'local') != 'local':
-        return True
-    return checkpoint.is_remote(str(path))
+    local = not backend_args or backend_args.get('backend', 'local') == 'local'
+    return not local or checkpoint.is_remote(str(path))
 
 
 def _join(data_root: Optional[str], path: str) -> str:
     """``path`` joined to ``data_root`` as mmengine's ``BaseDataset._join_prefix`` does."""
-    if data_root and not osp.isabs(path):
-        return osp.join(data_root, path)
-    return path
+    return osp.join(data_root, path) if data_root and not osp.isabs(path) else path
 
 
 def _dataset_leaves(dataset_cfg, key: str):
@@ -160,22 +142,14 @@ def split_inputs(cfg: Mapping, split: str) -> List[Input]:
 
 def path_problem(item: Input) -> Optional[str]:
     """Why ``item`` cannot be read, or None when it looks usable."""
-    if item.is_dir:
-        if not osp.exists(item.path):
-            return 'does not exist'
-        if not osp.isdir(item.path):
-            return 'is a file, not a folder'
-        with os.scandir(item.path) as entries:
-            if next(entries, None) is None:
-                return 'is empty'
-        return None
     if not osp.exists(item.path):
         return 'does not exist'
-    if not osp.isfile(item.path):
-        return 'is a folder, not a file'
-    if osp.getsize(item.path) == 0:
-        return 'is empty'
-    return None
+    if item.is_dir != osp.isdir(item.path):
+        return 'is a file, not a folder' if item.is_dir else 'is a folder, not a file'
+    if item.is_dir:
+        with os.scandir(item.path) as entries:
+            return 'is empty' if next(entries, None) is None else None
+    return 'is empty' if osp.getsize(item.path) == 0 else None
 
 
 def pretrained_checkpoint(model_cfg: Mapping) -> Optional[Input]:
@@ -209,7 +183,7 @@ def laplacianformer_mismatch(checkpoint_path: str, backbone_cfg: Mapping,
 
     with open(checkpoint_path, 'rb') as f:
         head = f.read(32)
-    if not head.startswith(CHECKPOINT_MAGIC):
+    if not head.startswith(checkpoint.CHECKPOINT_MAGIC):
         return (f'is not a torch checkpoint (it starts with {head!r}; a web page saved by '
                 'a failed download?)')
     try:
@@ -341,12 +315,6 @@ def _data_section(cfg: Mapping, splits: Sequence[str], problems: List[Problem]) 
     return lines
 
 
-def _scratch_option(key: str) -> str:
-    """The option that drops the checkpoint set at ``key``: the deprecated ``pretrained``
-    itself, else the backbone's ``init_cfg``."""
-    return f'{key}=None' if key.endswith('.pretrained') else 'model.backbone.init_cfg=None'
-
-
 def _checkpoint_section(cfg: Mapping, problem: Problem) -> List[str]:
     arch = cfg['model']['backbone'].get('arch', 'tiny')
     cls_config = CLS_CONFIGS.format(arch[0].lower() if isinstance(arch, str) else '*')
@@ -355,7 +323,10 @@ def _checkpoint_section(cfg: Mapping, problem: Problem) -> List[str]:
              'tools/convert_cls_to_backbone.py (README.md, "Use the backbone in your own '
              'config"; `make pretrain` runs that chain on toy data);',
              f'  - use one you have: --cfg-options {problem.item.key}=PATH;',
-             '  - train from scratch: --cfg-options ' + _scratch_option(problem.item.key)]
+             # the deprecated pretrained itself, else the backbone's init_cfg
+             '  - train from scratch: --cfg-options ' + (
+                 f'{problem.item.key}=None' if problem.item.key.endswith('.pretrained')
+                 else 'model.backbone.init_cfg=None')]
     if cfg.get('resume') or cfg.get('load_from'):
         lines[-1] += (' (this run resumes or loads a checkpoint, which replaces these '
                       'weights anyway)')
@@ -384,18 +355,9 @@ def format_problems(cfg: Mapping, mode: str, problems: List[Problem]) -> str:
 
 
 def check_config_inputs(cfg: Mapping, mode: str = 'train') -> None:
-    """Raise :class:`InputCheckError` when a ``mode`` run of ``cfg`` would miss an input.
-
-    Args:
-        cfg (mmengine.Config | dict): the run's config, with its command-line options
-            applied.
-        mode (str): 'train' (train and val data, the backbone's pretrained checkpoint),
-            'val' or 'test' (that loop's data); ``load_from`` in every mode.
-
-    Raises:
-        InputCheckError: the message names each missing or unusable input, the data
-            layout the config expects, and the ways forward.
-    """
+    """Raise :class:`InputCheckError` when a ``mode`` run of ``cfg`` (the config with its
+    command-line options) would miss an input: 'train' reads the train and val data and the
+    backbone's pretrained checkpoint, 'val' or 'test' that loop's data, each ``load_from``."""
     problems = find_input_problems(cfg, mode)
     if problems:
         raise InputCheckError(format_problems(cfg, mode, problems))

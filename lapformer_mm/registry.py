@@ -10,15 +10,9 @@ import logging
 
 
 def register_all_modules():
-    """Import the registered parts (each module registers its own with a decorator).
-
-    ``LaplacianFormer`` (MODELS), ``NeckChannelsCheckHook`` (HOOKS) and the engine parts
-    of :mod:`lapformer_mm.engine`. Importing twice registers once (Python caches modules).
-
-    Returns:
-        bool: False when mmengine is not installed (the bare ``lapformer_mm.ops`` use on a
-        GPU box), where there is nothing to register into.
-    """
+    """Import the registered parts: ``LaplacianFormer`` (MODELS), ``NeckChannelsCheckHook``
+    (HOOKS) and :mod:`lapformer_mm.engine`'s; False when mmengine is not installed (nothing to
+    register into)."""
     try:
         import mmengine.registry  # noqa: F401
     except ModuleNotFoundError as err:
@@ -30,11 +24,9 @@ def register_all_modules():
 
 
 def init_weights_quietly(model):
-    """``model.init_weights()`` without mmengine's INFO line per parameter, which goes to the
-    console (hundreds of lines for a detector) where no Runner has opened a log file.
-
-    A filter of its own per call rather than the logger's level: calls overlapping in
-    threads then leave the logger as they found it."""
+    """``model.init_weights()`` without mmengine's INFO line per parameter (hundreds on the
+    console for a detector), by a filter of its own per call: calls overlapping in threads
+    leave the logger as they found it."""
     from mmengine.logging import MMLogger
 
     def only_warnings(record):
@@ -48,11 +40,8 @@ def init_weights_quietly(model):
 
 
 def build_from_config(config, cfg_options=None):
-    """(model in eval mode, scope) of an mmdet/mmseg config, random weights, nothing loaded.
-
-    config: a config file path or an ``mmengine.Config``; cfg_options (dict | None):
-    overrides merged into it (``--cfg-options``).
-    """
+    """(model in eval mode, scope) of an mmdet/mmseg config (a path or an ``mmengine.Config``)
+    with ``cfg_options`` merged, random weights, nothing loaded."""
     from mmengine.config import Config
     from mmengine.registry import init_default_scope
 

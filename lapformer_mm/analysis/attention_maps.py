@@ -1,29 +1,13 @@
-"""Attention rows of one query under the Laplacian kernel, the Gaussian kernel and softmax.
+"""Attention rows of one query under the Laplacian kernel, the Gaussian kernel and softmax
+(``tools/analysis/attention_maps.py``, docs/analysis.md).
 
-For a query position on the token grid of one LaplacianFormer block, the rows
-are computed from that block's own queries and keys (captured by hooks, see
-:mod:`.qk_capture`) and shown over the image, side by side:
-
-* top: row-normalised kernels k(q_i, k_j) / sum_j k(q_i, k_j) for the
-  Laplacian exp(-||q-k||₁/λ) and the Gaussian exp(-||q-k||₂²/λ), and softmax
-  of q·k/sqrt(d);
-* bottom: the same two kernels through the injective map (docs/design.md §2.4) with
-  every key as a landmark (the dense limit of the layer), the effective row
-  of the layer itself (Nyström with its pooled landmarks: z_i · P⁻¹ · k(k, L)ᵀ,
-  whose product with v is the layer's attention output for query i), and a
-  profile of the row-normalised maps along the query's grid row.
-
-A second figure plots |dk/dr| against the distance r for both kernels,
-computed by autograd through lapformer_mm.ops and matching the analytic
-exp(-r/λ)/λ (Laplacian, → 1/λ at r → 0) and 2r/λ·exp(-r²/λ) (Gaussian, → 0).
-
-Weights are random unless ``--checkpoint`` is given, so maps show what a
-random-init layer does with these inputs, not what the paper's trained model does.
-
-Example::
-
-    python tools/analysis/attention_maps.py --size 224 224 --stage 1 --block 1 \\
-        --query 0.5 0.5 --out docs/analysis
+For a query on the token grid of one LaplacianFormer block, from that block's own queries
+and keys (:mod:`.qk_capture`), over the image: the row-normalised Laplacian and Gaussian
+kernels and softmax; both kernels through the injective map with every key a landmark (the
+layer's dense limit); the layer's own row (Nyström with its pooled landmarks,
+z_i · P⁻¹ · k(k, L)ᵀ); a profile along the query's grid row. A second figure plots |dk/dr|
+of both kernels by autograd through lapformer_mm.ops. Weights are random unless a checkpoint
+is given: maps of a random-init layer, not of the paper's trained model.
 """
 import numpy as np
 import torch
@@ -59,11 +43,8 @@ def softmax_row(q_i, k):
 
 
 def injective_dense_row(q, k, index, kernel, lam, whiten_eps):
-    """Row ``index`` of injective_normalize(k(q, k)) with all keys as landmarks.
-
-    q, k (h, N, d) -> (h, N). The whitening needs every query's kernel row, so
-    the (h, N, N) matrix is built; N is limited to MAX_DENSE_TOKENS.
-    """
+    """Row ``index`` of injective_normalize(k(q, k)) with all keys as landmarks, q, k (h, N, d)
+    -> (h, N): the whitening needs every query's row, so N <= MAX_DENSE_TOKENS."""
     from lapformer_mm.ops import gaussian_kernel, injective_normalize, laplacian_kernel
     if q.shape[-2] > MAX_DENSE_TOKENS:
         raise ValueError(f'the dense injective row needs N <= {MAX_DENSE_TOKENS} tokens, '
@@ -73,15 +54,11 @@ def injective_dense_row(q, k, index, kernel, lam, whiten_eps):
 
 
 def nystrom_row(q, k, hw, index, attn):
-    """Effective attention row of a LaplacianAttention layer for query ``index``.
-
-    q, k (h, N, d) -> (h, N): z_i · S · k(k, L)ᵀ with the layer's options
-    (``attn.options``: kernel, λ, ε, normalisation, solver) and landmark grid, where S
-    is the operator the solve applies: the Newton–Schulz X, or 2X − X P X when the
-    refinement step follows (x + X (b − P x) with x = X b); 'exact' and 'cg' use the
-    exact inverse. Its product with v (h, N, d_v) equals the layer's Nyström output
-    for query i.
-    """
+    """Effective attention row of a LaplacianAttention layer for query ``index``, q, k (h, N, d)
+    -> (h, N): the weights w with z_i · S · k(k, L)ᵀ (v − v̄) / N + v̄ = w v, S the operator the
+    solve applies (Newton–Schulz's X, 2X − X P X with the refinement step; the exact inverse
+    for 'exact' and 'cg'): r − mean(r) over the keys, over N, plus 1/N, r = z_i S k(k, L)ᵀ.
+    Its product with v is the layer's Nyström output for query i."""
     from lapformer_mm.ops import (
         injective_normalize,
         kernel_matrix,
@@ -100,7 +77,8 @@ def nystrom_row(q, k, hw, index, attn):
     else:
         p_inv = torch.linalg.inv(p)
     z = injective_normalize(c_q, opts.whiten_eps) if opts.normalize == 'injective' else c_q
-    return torch.einsum('hm,hmn,hjn->hj', z[:, index], p_inv, c_k)
+    r = torch.einsum('hm,hmn,hjn->hj', z[:, index], p_inv, c_k)
+    return (r - r.mean(-1, keepdim=True) + 1) / r.shape[-1]
 
 
 def attention_rows(q, k, hw, index, attn):
@@ -119,12 +97,8 @@ def attention_rows(q, k, hw, index, attn):
 
 
 def kernel_gradient_curves(distances, lam):
-    """dk/dr at distances r > 0 by autograd through lapformer_mm.ops, both kernels.
-
-    In one dimension ||r - 0||₁ = r and ||r - 0||₂² = r², so the derivative
-    with respect to the input is dk/dr. Returns {'laplacian', 'gaussian'} ->
-    (values k(r), derivatives dk/dr), float64 numpy arrays.
-    """
+    """{'laplacian', 'gaussian'} -> (k(r), dk/dr) at distances r > 0 (float64 numpy), by
+    autograd through lapformer_mm.ops: in one dimension the input is the distance."""
     from lapformer_mm.ops import gaussian_kernel, laplacian_kernel
     r = torch.as_tensor(np.asarray(distances), dtype=torch.float64)
     if (r <= 0).any():
@@ -199,14 +173,9 @@ def plot_attention_rows(image, rows, hw, index, path, title):
     ax.set_title("profile along the query's grid row (/ max)", fontsize=9)
     ax.set_xlabel('grid column', fontsize=8)
     ax.legend(fontsize=7)
-    for ax in axes.flat[1:4]:
+    for ax in [*axes[0], *axes[1, 1:]]:
         ax.set_xticks([])
         ax.set_yticks([])
-    for ax in axes[1, 1:]:
-        ax.set_xticks([])
-        ax.set_yticks([])
-    axes[0, 0].set_xticks([])
-    axes[0, 0].set_yticks([])
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=72)
@@ -214,10 +183,8 @@ def plot_attention_rows(image, rows, hw, index, path, title):
 
 
 def capture_block(model, tensor, stage, block):
-    """(q, k, hw, attn) of one LaplacianFormer block for a (1, 3, H, W) input.
-
-    ``stage`` and ``block`` are 1-based; q, k are (h, N, d).
-    """
+    """(q (h, N, d), k, hw, attn) of block ``block`` of stage ``stage`` (1-based) of a
+    LaplacianFormer for a (1, 3, H, W) input."""
     stages = model.stages
     if not 1 <= stage <= len(stages):
         raise ValueError(f'stage must be in [1, {len(stages)}], got {stage}')

@@ -1,24 +1,12 @@
 """FLOPs of LaplacianFormer models with mmengine's ``FlopAnalyzer``, the attention op included.
 
-Counting convention (mmengine/fvcore): one FLOP is one multiply-add, counted by tracing
-with :class:`mmengine.analysis.FlopAnalyzer`; element-wise ops (activations, exp outside
-the kernels, the injective normalisation's centring and scaling) are not counted. The
-tracer does not see inside the attention's registered op, so :data:`FLOP_HANDLES` gives it
-the count of :func:`attention_flops`:
-
-- the attention ``lapformer_mm::nystrom_attention`` (solver='newton'): its kernel, solve and
-  visible parts, reported under ``pairwise_kernel``, ``newton_schulz`` and ``matmul``;
-- the kernel matrices of the reference path ('exact' and 'cg' solvers), traced as
-  ``aten::cdist``: N·M·(d + 1) per batch element, also under ``pairwise_kernel`` (each
-  (pair, channel) one subtract-abs-accumulate, plus one exp per pair). With ``qk_shared`` the
-  query and key kernels coincide and are evaluated (and counted) once;
-- softmax attention (the stage-4 option): N·M·(d + d_v) per head.
-
-On the reference path the landmark-sized products around the solve are ordinary matmuls,
-counted by mmengine's own handle. Each count belongs to a part: ``kernel`` and ``solve`` are
-inside the op; ``visible`` are products a tracer sees when the kernel and the solve are
-opaque (as in SOFT's released model). :func:`flop_totals` reports ``visible`` (comparable
-with the papers' tables) and ``full`` (visible + kernel + solve).
+One FLOP is one multiply-add (mmengine/fvcore); element-wise ops are not counted. The tracer
+does not see inside the registered op, so :data:`FLOP_HANDLES` counts it (:func:`attention_flops`:
+its kernel, solve and visible parts under ``pairwise_kernel``, ``newton_schulz`` and
+``matmul``), the reference path's kernel matrices (``aten::cdist``, N·M·(d + 1), once for
+tied keys) and softmax attention (N·M·(d + d_v) per head). ``visible`` are the products a
+tracer sees when the kernel and the solve are opaque (as in SOFT's released model):
+:func:`flop_totals` reports them (the papers' convention) and ``full``.
 """
 import math
 from collections import Counter
@@ -92,11 +80,8 @@ FLOP_HANDLES = {
 
 
 def traced_name(op):
-    """The node kind under which a ``torch.jit`` trace records a call of ``op``.
-
-    op: a dispatcher op (``torch.ops.<namespace>.<name>``, its overloads, or a
-    ``torch.library.custom_op``), traced under its schema name.
-    """
+    """The node kind (schema name) under which a ``torch.jit`` trace records a call of ``op``,
+    a dispatcher op, one of its overloads or a ``torch.library.custom_op``."""
     if isinstance(op, torch.library.CustomOpDef):
         op = op._opoverload
     if isinstance(op, torch._ops.OpOverloadPacket):
@@ -138,12 +123,8 @@ class Classifier(nn.Module):
 
 
 def classifier_cost(arch, size, backbone_kwargs=None):
-    """Params (M) and FLOPs (G) of the ImageNet classifier of ``arch`` on one size² image.
-
-    The classifier is the backbone (``out_indices=(3,)``) + global average pooling + a
-    1000-class linear head, as in configs/cls/lapformer_*_in1k.py. Returns params,
-    backbone_params (M) and the :func:`flop_totals` parts (G).
-    """
+    """Params (M) and the :func:`flop_totals` parts (G) of the ImageNet classifier of ``arch``
+    (configs/cls/lapformer_*_in1k.py's layout) on one size² image."""
     from lapformer_mm.models import LaplacianFormer
     torch.manual_seed(0)
     model = Classifier(LaplacianFormer(arch, out_indices=(3, ), **(backbone_kwargs or {})))
@@ -168,13 +149,8 @@ class TensorForward(nn.Module):
 
 
 def detector_cost(model, scope, height, width):
-    """Params (M) and FLOPs (G) of a built detector, segmentor or classifier on one
-    height×width image.
-
-    Traces the tensor forward (backbone -> neck -> heads; for two-stage detectors the
-    RoI heads on the RPN's proposals). Returns params, backbone_params (M), full,
-    visible and backbone (G, the backbone's share of full).
-    """
+    """Params (M) and FLOPs (G: full, visible, the backbone's share) of a built detector,
+    segmentor or classifier on one height×width image, from its traced tensor forward."""
     from .model_zoo import data_samples
     samples = None if scope == 'mmpretrain' else data_samples(scope, height, width)
     wrapped = TensorForward(model, samples)

@@ -1,17 +1,9 @@
 """How well each attention's landmark solve converges, measured on a model's activations.
 
-Each :class:`~lapformer_mm.models.LaplacianAttention` inverts ``P = k(L, L) + eps·I``
-(m×m per sample and head) with a fixed number of Newton–Schulz steps (or its ablation
-solver). Whether those steps were enough depends on the conditioning of ``P``, i.e. on
-the data: identical landmarks (a constant image) make ``k(L, L)`` the all-ones matrix and
-``P`` rests on ``eps`` alone.
-
-- :func:`landmark_systems`: one forward pass, ``P`` of every attention call, by name;
-- :func:`solve_residual`: ``||I - P X||`` (2- or inf-norm) of an inverse, in fp64;
-- :func:`solve_report`, :func:`landmark_solve_residuals`: per attention module, the worst
-  residual of the module's own solver and the condition number of ``P``;
-- :func:`random_backbone_systems`: the systems of a freshly initialised backbone on a
-  random image (``tools/count_params_flops.py --ns-residual``).
+Each :class:`~lapformer_mm.models.LaplacianAttention` inverts ``P = k(L, L) + eps·I`` with a
+fixed number of Newton–Schulz steps; whether they suffice depends on the data (identical
+landmarks, a constant image, leave ``P`` resting on ``eps``). Per attention module: the
+worst residual ``||I - P X||`` of its own solver and the condition number of ``P``.
 """
 from typing import Dict, NamedTuple
 
@@ -29,11 +21,8 @@ class SolveReport(NamedTuple):
 
 
 def solve_residual(p, inverse, ord=2):
-    """||I - P X|| per matrix for p, inverse (..., m, m) -> (...), evaluated in fp64.
-
-    ``ord`` 2 (spectral) or ``'inf'`` (max absolute row sum). Forming I - P X in fp32
-    would itself add ~cond(P)·m·2^-24 of round-off and hide how good an fp32 inverse is.
-    """
+    """||I - P X|| (``ord`` 2 or 'inf') per matrix of p, inverse (..., m, m), in fp64: in fp32
+    the product would add ~cond(P)·m·2^-24 of round-off and hide how good an inverse is."""
     p64 = p.double()
     residual = torch.eye(p.shape[-1], dtype=torch.float64, device=p.device) - p64 @ inverse.double()
     if ord == 'inf':
@@ -53,10 +42,8 @@ def module_inverse(module: LaplacianAttention, p):
 
 
 def solve_report(module: LaplacianAttention, x: torch.Tensor, hw) -> SolveReport:
-    """:class:`SolveReport` of ``module``'s landmark solve for input x (B, N, C) on hw.
-
-    Computes in fp32 as the attention does (fp64 input and module stay fp64).
-    """
+    """:class:`SolveReport` of ``module``'s landmark solve for x (B, N, C) on hw, in fp32 as the
+    attention computes (fp64 stays fp64)."""
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         x = x if x.dtype == torch.float64 else x.float()
         p = module.landmark_system(x, hw)
@@ -66,11 +53,8 @@ def solve_report(module: LaplacianAttention, x: torch.Tensor, hw) -> SolveReport
 
 
 def _run_with_attention_hooks(model, hook_factory, inputs, kwargs):
-    """``model(*inputs, **kwargs)`` without grad, a pre-hook on every LaplacianAttention.
-
-    ``hook_factory(name)`` makes the hook of the module called ``name``; the hooks are
-    removed afterwards, also on error.
-    """
+    """``model(*inputs, **kwargs)`` without grad, with the pre-hook ``hook_factory(name)`` on
+    every LaplacianAttention."""
     handles = [module.register_forward_pre_hook(hook_factory(name))
                for name, module in model.named_modules()
                if isinstance(module, LaplacianAttention)]
@@ -84,11 +68,8 @@ def _run_with_attention_hooks(model, hook_factory, inputs, kwargs):
 
 def landmark_solve_residuals(model: torch.nn.Module, *inputs, **kwargs
                              ) -> Dict[str, SolveReport]:
-    """Run ``model(*inputs, **kwargs)`` once and report every attention's landmark solve.
-
-    Returns ``{module name: SolveReport}`` for each LaplacianAttention that ran; the
-    model's own output is discarded.
-    """
+    """``{module name: SolveReport}`` of every LaplacianAttention that ran in one
+    ``model(*inputs, **kwargs)``."""
     reports: Dict[str, SolveReport] = {}
 
     def make_hook(name):
@@ -114,12 +95,8 @@ def landmark_systems(model: torch.nn.Module, *inputs, **kwargs) -> Dict[str, tor
 
 
 def random_backbone_systems(arch, size, backbone_kwargs=None, batch=2):
-    """P of every block with a full landmark grid of a fresh backbone, stacked (K, m, m).
-
-    A randomly initialised ``LaplacianFormer(arch)`` (seed 0) runs on a random
-    (batch, 3, size, size) input; blocks whose token grid is smaller than the landmark
-    grid are left out.
-    """
+    """P (K, m, m) of every block with a full landmark grid of a fresh ``LaplacianFormer(arch)``
+    (seed 0) on a random (batch, 3, size, size) input (``tools/count_params_flops.py``)."""
     from ..models import LaplacianFormer
     torch.manual_seed(0)
     model = LaplacianFormer(arch, out_indices=(3, ), **(backbone_kwargs or {}))

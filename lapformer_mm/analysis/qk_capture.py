@@ -1,23 +1,10 @@
-"""Capture the queries and keys of every attention layer with forward hooks.
+"""Capture the queries and keys of every attention layer with forward pre-hooks, which
+recompute the projections from the inputs the layers receive (the models are not changed).
 
-Nothing in the models is modified: hooks on existing submodules recompute the
-query/key projections from the inputs those submodules receive (one extra
-linear layer per attention call, under ``no_grad``).
-
-Supported backbones and what counts as "the keys" of a query:
-
-* ``LaplacianFormer``: hook on each block's ``attn`` (``LaplacianAttention``
-  or the stage-4 ``SoftmaxAttention``), inputs ``(x, hw)``; q, k from
-  ``attn.qkv``. With ``qk_shared`` the keys are the queries. Pairs: all
-  tokens of the image (global attention).
-* mmdet ``PyramidVisionTransformerV2``: pre-hook on the
-  ``nn.MultiheadAttention`` inside each ``SpatialReductionAttention``; q from
-  the full-resolution tokens, k from the spatially reduced ones, both through
-  ``in_proj_weight``. Pairs: all (query, reduced key) pairs.
-* mmdet ``SwinTransformer``: pre-hook on each ``WindowMSA``, inputs
-  ``(windows, mask)``; q, k from ``w_msa.qkv`` (before the 1/sqrt(d)
-  scaling). Pairs: within a window only, and for shifted windows only the
-  pairs the shift mask lets attend.
+What counts as the keys of a query: ``LaplacianFormer``, every token of the image (keys are
+the queries with ``qk_shared``); mmdet's ``PyramidVisionTransformerV2``, every spatially
+reduced key; mmdet's ``SwinTransformer``, the keys of the window (before the 1/sqrt(d)
+scaling) that the shift mask lets attend.
 """
 import contextlib
 from dataclasses import dataclass
@@ -29,13 +16,9 @@ import torch.nn.functional as F
 
 @dataclass
 class QKRecord:
-    """Queries and keys of one attention call.
-
-    q: (B', h, N, d); k: (B', h, M, d); pair_mask: bool (B', 1, N, M), True
-    where query i attends key j, or None when every pair attends. B' is the
-    batch for global attention and batch × windows for Swin. hw: the query
-    grid (H, W) when the attention is global over an image grid, else None.
-    """
+    """Queries q (B', h, N, d) and keys k (B', h, M, d) of one attention call; pair_mask bool
+    (B', 1, N, M) where query i attends key j (None: every pair); B' is batch × windows for
+    Swin; hw the query grid of a global attention, else None."""
     stage: int
     layer: str
     q: torch.Tensor

@@ -1,23 +1,8 @@
-"""Query–key distance distributions per stage of LaplacianFormer, PVTv2 and Swin.
-
-Hooks every attention layer (:mod:`.qk_capture`), runs a set of
-images through each backbone, samples (query, key) pairs per layer and pools
-them per stage. The command line (``tools/analysis/qk_distances.py``) writes,
-for ℓ1 and squared-ℓ2 distances:
-
-* ``<out>/qk_distances_<model>.png``: histograms per stage (log density);
-* ``<out>/qk_distances_normalised.png``: all models, distances divided by
-  their stage median, so tails of differently scaled models are comparable;
-* ``<out>/qk_distance_stats.md`` and ``.json``: excess kurtosis, share of
-  outliers beyond Q3 + 1.5·IQR, quantiles, q99/q50.
-
-Weights are random unless ``--checkpoint MODEL=PATH`` is given: distances of
-random-init models are NOT the statistics of the paper's trained models.
-
-Example::
-
-    python tools/analysis/qk_distances.py --models laplacianformer-t pvtv2-b1 swin-t \\
-        --num-images 4 --size 224 224 --out docs/analysis
+"""Query–key distance distributions per stage of LaplacianFormer, PVTv2 and Swin
+(``tools/analysis/qk_distances.py``, docs/analysis.md): (query, key) pairs sampled per
+layer (:mod:`.qk_capture`), pooled per stage; histograms, stage-median-normalised
+histograms, and tail statistics for ℓ1 and squared-ℓ2 distances. Weights are random unless
+a checkpoint is given: not the statistics of the paper's trained models.
 """
 import json
 import os

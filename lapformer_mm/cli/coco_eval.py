@@ -113,19 +113,9 @@ def segm_results(results, gt):
 
 
 def evaluate(ann_file, results_files, iou_types=IOU_TYPES, verbose=True):
-    """Evaluate detections; return {iou_type: {stat name: fraction}}.
-
-    Args:
-        ann_file (str): COCO annotation json.
-        results_files (list[str]): one results json for all types, or one per
-            entry of ``iou_types`` (same order).
-        iou_types (sequence[str]): subset of ('bbox', 'segm').
-        verbose (bool): print pycocotools' table.
-    """
-    bad = [t for t in iou_types if t not in IOU_TYPES]
-    if bad or not iou_types:
-        raise EvalInputError(f'iou_types must be a non-empty subset of {IOU_TYPES}, '
-                             f'got {list(iou_types)}')
+    """{iou_type: {stat name: fraction}} of the detections in ``results_files`` (one for all
+    ``iou_types``, a subset of ('bbox', 'segm'), or one per type) against ``ann_file``;
+    ``verbose`` prints pycocotools' table."""
     if len(results_files) not in (1, len(iou_types)):
         raise EvalInputError(
             f'give one results file or one per type ({len(iou_types)}), '

@@ -3,9 +3,6 @@
 Works for mmdet and mmseg configs (the config's ``default_scope`` picks the registries).
 The checkpoint and the test data are checked before anything is built
 (``lapformer_mm.preflight``): a missing one gets one message and exit status 2.
-Our configs select ``SafeCheckpointRunner``, which reads the checkpoint with
-``torch.load(weights_only=True)`` and refuses a file that would run code with a message
-naming it (``lapformer_mm/engine/runner.py``).
 
 Examples::
 
@@ -167,13 +164,6 @@ def coco_table(metrics):
     return '\n'.join([header, '|---' * (len(COCO_KEYS) + 1) + '|'] + rows)
 
 
-def write_metrics(metrics, path):
-    # numbers.Real: mmseg's IoUMetric returns numpy float32, which json cannot write.
-    with open(path, 'w') as f:
-        json.dump({k: float(v) if isinstance(v, numbers.Real) else v
-                   for k, v in metrics.items()}, f, indent=2)
-
-
 def evaluate(cfg, args):
     """Build the runner and test; the runner is gone on return (see close_distributed)."""
     runner = build_runner(cfg)
@@ -193,7 +183,10 @@ def main(argv=None):
         if table:
             print(table, flush=True)
         if args.metrics_json:
-            write_metrics(metrics, args.metrics_json)
+            # numbers.Real: mmseg's IoUMetric returns numpy float32, which json cannot write.
+            with open(args.metrics_json, 'w') as f:
+                json.dump({k: float(v) if isinstance(v, numbers.Real) else v
+                           for k, v in metrics.items()}, f, indent=2)
     close_distributed()
     return metrics
 

@@ -1,13 +1,10 @@
 """Train a detector or segmentor from a config (mmdet's ``tools/train.py`` interface).
 
 Works for mmdet, mmseg and mmpretrain configs alike (the config's ``default_scope`` picks
-the registries). Everything that shapes the run comes from the config: ours select
-``SafeCheckpointRunner`` through ``configs/_base_/safe_runtime.py``, so mmdet's own
-``tools/train.py`` trains them to the same weights. This script adds what mmdet's lacks:
-the neck's ``in_channels`` are checked against the backbone and the run's inputs (data,
-pretrained checkpoint: ``lapformer_mm.preflight``) before anything is built, with one
-message and exit status 2 for a missing one; ``--amp`` on CPU uses ``CPUAmpOptimWrapper``;
-``--launcher pytorch`` works without CUDA (gloo).
+the registries); mmdet's own ``tools/train.py`` trains ours to the same weights. This script
+adds: the model config and the run's inputs checked before anything is built (one message,
+exit status 2); ``--amp`` on CPU (``CPUAmpOptimWrapper``); ``--launcher pytorch`` without
+CUDA (gloo).
 
 Examples::
 
@@ -64,25 +61,17 @@ def parse_args(argv=None):
     return args
 
 
-def default_work_dir(config_path):
-    """``./work_dirs/<config name>``, mmdet's default."""
-    return osp.join('./work_dirs', osp.splitext(osp.basename(config_path))[0])
-
-
 def enable_amp(cfg):
-    """Switch the optimizer wrapper to mixed precision for the device at hand.
-
-    GPU (or NPU/MLU/MUSA): mmengine's ``AmpOptimWrapper`` (fp16, dynamic loss scale).
-    CPU: ``CPUAmpOptimWrapper`` (bf16 autocast; ``optim_wrapper.dtype=float16`` for fp16
-    with a dynamic loss scale), because mmengine's wrapper refuses to train on CPU.
-    """
+    """Mixed precision for the device at hand: mmengine's ``AmpOptimWrapper`` on a GPU (fp16,
+    dynamic loss scale), ``CPUAmpOptimWrapper`` on CPU (bf16; ``optim_wrapper.dtype=float16``
+    for fp16), which mmengine's wrapper refuses."""
     from mmengine.device import get_device
     wanted = 'CPUAmpOptimWrapper' if get_device() == 'cpu' else 'AmpOptimWrapper'
     current = cfg.optim_wrapper.get('type', 'OptimWrapper')
     if current == wanted:
         return
     if current not in ('OptimWrapper', 'AmpOptimWrapper', 'CPUAmpOptimWrapper'):
-        raise ValueError(f'--amp replaces the optimizer wrapper with {wanted}, but the config '
+        raise ConfigError(f'--amp replaces the optimizer wrapper with {wanted}, but the config '
                          f'sets optim_wrapper.type={current!r}; drop --amp or use one of '
                          "'OptimWrapper', 'AmpOptimWrapper', 'CPUAmpOptimWrapper'")
     cfg.optim_wrapper.type = wanted
@@ -95,30 +84,17 @@ def enable_amp(cfg):
                   logger='current')
 
 
-def enable_auto_scale_lr(cfg):
-    """Turn on mmengine's LR scaling; the config must say its base batch size."""
-    scale = cfg.get('auto_scale_lr')
-    if not scale or 'base_batch_size' not in scale:
-        raise RuntimeError(
-            '--auto-scale-lr needs `auto_scale_lr = dict(enable=False, '
-            'base_batch_size=N)` in the config')
-    cfg.auto_scale_lr.enable = True
-
-
 def load_cfg(args):
-    """The config with ``--cfg-options``, ``--launcher`` and ``--work-dir`` applied.
-
-    A neck or decode head whose ``in_channels`` do not fit the backbone is named here,
-    before anything is built. Shared with ``tools/test.py``.
-    """
+    """The config with ``--cfg-options``, ``--launcher`` and ``--work-dir`` applied, its model
+    checked (:func:`lapformer_mm.models.check_model_cfg`). Shared with ``tools/test.py``."""
     cfg = Config.fromfile(args.config)
     cfg.launcher = args.launcher
     if args.cfg_options is not None:
         cfg.merge_from_dict(args.cfg_options)
     if args.work_dir is not None:
         cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = default_work_dir(args.config)
+    elif cfg.get('work_dir', None) is None:  # mmdet's default
+        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
     check_model_cfg(cfg.model)
     return cfg
 
@@ -129,7 +105,10 @@ def build_cfg(args):
     if args.amp:
         enable_amp(cfg)
     if args.auto_scale_lr:
-        enable_auto_scale_lr(cfg)
+        if 'base_batch_size' not in (cfg.get('auto_scale_lr') or {}):
+            raise ConfigError('--auto-scale-lr needs `auto_scale_lr = dict(enable=False, '
+                              'base_batch_size=N)` in the config')
+        cfg.auto_scale_lr.enable = True
     if args.resume == 'auto':
         cfg.resume = True
         cfg.load_from = None
@@ -140,12 +119,9 @@ def build_cfg(args):
 
 
 def checked_cfg(build, args, mode):
-    """``build(args)``, checked for the inputs of a ``mode`` run (``lapformer_mm.preflight``).
-
-    A missing config file or input, or a backbone that does not fit the model config
-    (:func:`lapformer_mm.models.check_model_cfg`), ends the run here, before anything is built: its
-    message alone on stderr (no traceback) and exit status 2. Shared with ``tools/test.py``.
-    """
+    """``build(args)``, checked for the inputs of a ``mode`` run (``lapformer_mm.preflight``): a
+    missing config file or input, or a config error, ends the run before anything is built,
+    its message alone on stderr and exit status 2."""
     try:
         cfg = build(args)
         check_config_inputs(cfg, mode)
@@ -156,13 +132,10 @@ def checked_cfg(build, args, mode):
 
 
 def setup_cpu_distributed(cfg):
-    """Make ``--launcher pytorch`` work on a machine without CUDA (gloo, CPU DDP).
-
-    mmengine's launcher calls ``torch.cuda.set_device`` and wraps the model
-    in DDP with ``device_ids=[LOCAL_RANK]``; both fail without CUDA. Starting
-    the gloo process group here makes mmengine skip its own start, and an
-    explicit wrapper config without device ids gives CPU DDP.
-    """
+    """``--launcher pytorch`` without CUDA: mmengine's launcher calls
+    ``torch.cuda.set_device`` and wraps the model with ``device_ids=[LOCAL_RANK]``. A gloo
+    group started here makes mmengine skip its own, and a wrapper without device ids gives
+    CPU DDP."""
     if cfg.launcher != 'pytorch' or torch.cuda.is_available():
         return
     if not dist.is_initialized():
@@ -178,15 +151,11 @@ def setup_cpu_distributed(cfg):
 
 
 def close_distributed():
-    """Destroy the process groups while the interpreter is still whole.
-
-    gloo's worker threads take the GIL to release a finished collective's tensors; one still
-    doing so when the interpreter finalizes aborts the process ("terminate called without an
-    active exception"). Destroying a group joins its threads, but only once nothing else
-    holds it: the caller drops its runner and what ``runner.train()`` returned (the DDP
-    model holds the group), and the collection here frees the runner's reference cycles.
-    The warning covers the default group.
-    """
+    """Destroy the process groups while the interpreter is still whole: a gloo thread still
+    releasing a collective's tensors at finalization aborts the process ("terminate called
+    without an active exception"). Destroying a group joins its threads once nothing holds it:
+    the caller drops its runner (the DDP model holds the group), the collection here frees the
+    runner's reference cycles."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     dist.barrier()
@@ -201,9 +170,7 @@ def close_distributed():
 
 
 def build_runner(cfg):
-    if 'runner_type' in cfg:
-        return RUNNERS.build(cfg)
-    return Runner.from_cfg(cfg)
+    return RUNNERS.build(cfg) if 'runner_type' in cfg else Runner.from_cfg(cfg)
 
 
 def main(argv=None):

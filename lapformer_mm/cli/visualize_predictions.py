@@ -29,6 +29,7 @@ from mmengine.config import Config, DictAction
 from mmengine.registry import init_default_scope
 
 import lapformer_mm  # noqa: F401  (registers LaplacianFormer)
+from lapformer_mm.cli import int_at_least
 from lapformer_mm.cli.train import checked_cfg
 from lapformer_mm.models import check_model_cfg
 from lapformer_mm.preflight import check_checkpoint_argument
@@ -41,7 +42,7 @@ def parse_args(argv=None):
     parser.add_argument('checkpoint', help='checkpoint file')
     parser.add_argument('--out-dir', required=True, help='where PNGs go')
     parser.add_argument(
-        '--num', type=int, default=6, help='first N test images (default 6)')
+        '--num', type=int_at_least(1), default=6, help='first N test images (default 6)')
     parser.add_argument(
         '--score-thr', type=float, default=0.3,
         help='detection: draw predictions scoring at least this (default 0.3)')
@@ -50,8 +51,6 @@ def parse_args(argv=None):
         '--cfg-options', nargs='+', action=DictAction,
         help='override config settings, key=value')
     args = parser.parse_args(argv)
-    if args.num < 1:
-        parser.error(f'--num must be >= 1, got {args.num}')
     if not 0.0 <= args.score_thr <= 1.0:
         parser.error(f'--score-thr must be in [0, 1], got {args.score_thr}')
     if osp.exists(args.out_dir) and not osp.isdir(args.out_dir):
@@ -69,12 +68,6 @@ def build_cfg(args):
     check_model_cfg(cfg.model)
     check_checkpoint_argument(args.checkpoint)
     return cfg
-
-
-def build_test_dataset(cfg):
-    """The config's test dataset with annotations loaded (for the GT panel)."""
-    from mmdet.registry import DATASETS
-    return DATASETS.build(cfg.test_dataloader.dataset)
 
 
 def original_scale_gt(data_sample):
@@ -95,11 +88,11 @@ def original_scale_gt(data_sample):
 def visualize_detection(cfg, checkpoint, out_dir, num, score_thr, device='cpu'):
     """Write ``num`` PNGs into ``out_dir``; return their paths."""
     from mmdet.apis import inference_detector, init_detector
-    from mmdet.registry import VISUALIZERS
+    from mmdet.registry import DATASETS, VISUALIZERS
 
     init_default_scope(cfg.get('default_scope', 'mmdet'))
     model = init_detector(cfg, checkpoint, device=device)
-    dataset = build_test_dataset(cfg)
+    dataset = DATASETS.build(cfg.test_dataloader.dataset)
     visualizer = VISUALIZERS.build(
         dict(type='DetLocalVisualizer', name='lapformer_vis'))
     visualizer.dataset_meta = model.dataset_meta

@@ -1,11 +1,8 @@
 """Mixed-precision training on CPU: what ``tools/train.py --amp`` uses without a GPU.
 
-mmengine's ``AmpOptimWrapper`` asserts a CUDA/NPU/MLU/MUSA device, and its CPU
-``autocast`` allows only bfloat16. :class:`CPUAmpOptimWrapper` runs the forward pass under
-``torch.autocast('cpu', dtype)`` for bfloat16 or float16, with a dynamic loss scale for
-float16 (as ``--amp`` has on GPU). mmcv's CPU ``roi_align`` and ``nms`` kernels exist
-only for float32, so inside the autocast region they get float32 inputs and hand back
-their result in the input's dtype.
+mmengine's ``AmpOptimWrapper`` asserts a CUDA/NPU/MLU/MUSA device. mmcv's CPU ``roi_align``
+and ``nms`` kernels exist only for float32: inside the autocast region they get float32
+inputs and hand back their result in the input's dtype.
 """
 import contextlib
 import sys
@@ -19,12 +16,8 @@ CPU_AMP_DTYPES = ('bfloat16', 'float16')
 
 @contextlib.contextmanager
 def mmcv_cpu_ops_in_fp32():
-    """Within the block, mmcv's ``roi_align`` and ``nms`` compute in float32.
-
-    ``roi_align`` returns the input features' dtype; ``nms`` returns boxes in the input
-    boxes' dtype. mmdet calls both through their modules' globals, which are swapped back
-    on exit.
-    """
+    """Within the block, mmcv's ``roi_align`` and ``nms`` compute in float32 (mmdet calls
+    both through their modules' globals, swapped back on exit)."""
     import mmcv.ops  # noqa: F401  (loads the two modules below)
     nms_module = sys.modules['mmcv.ops.nms']
     roi_module = sys.modules['mmcv.ops.roi_align']
@@ -50,11 +43,8 @@ class CPUAmpOptimWrapper(OptimWrapper):
 
     Args:
         dtype (str | torch.dtype): 'bfloat16' (default; no loss scale needed) or 'float16'.
-        loss_scale (str | float | dict): float16 only, as in mmengine's ``AmpOptimWrapper``.
-            'dynamic' (default) starts at 2**16, halves on every step whose gradients
-            overflow (the step is skipped) and doubles after 2000 clean steps; a float is a
-            static scale (overflowing steps are still skipped); a dict holds
-            ``torch.amp.GradScaler`` arguments of a dynamic scale.
+        loss_scale (str | float | dict): float16 only, as in mmengine's ``AmpOptimWrapper``:
+            'dynamic' (default), a static float, or ``torch.amp.GradScaler`` arguments.
         **kwargs: ``OptimWrapper`` arguments (``optimizer``, ``clip_grad``, ...).
     """
 

@@ -15,16 +15,11 @@ from .fileio import atomic_write_bytes
 class SafeCheckpointHook(CheckpointHook):
     """``CheckpointHook`` that deletes an outdated checkpoint only after the new one is recorded.
 
-    mmengine's hook deletes the checkpoint that falls out of ``max_keep_ckpts`` *before* it
-    writes the new one, and rewrites ``last_checkpoint`` in place: a run killed in between
-    (with ``max_keep_ckpts=1``) is left with no checkpoint, or with a ``last_checkpoint``
-    that is empty or names a deleted file. This hook saves in the order write the new
-    checkpoint, replace ``last_checkpoint`` atomically, then delete the outdated one; a save
-    that fails deletes nothing. A replaced ``best_*.pth`` is still deleted before the new
-    one is written, as in mmengine.
-
-    Arguments are ``CheckpointHook``'s. For atomic checkpoint files as well, add
-    ``backend_args=dict(backend='atomic_local')`` (what ``SafeCheckpointRunner`` does).
+    mmengine's deletes the checkpoint that falls out of ``max_keep_ckpts`` before it writes
+    the new one and rewrites ``last_checkpoint`` in place: a run killed in between is left with
+    no checkpoint, or a ``last_checkpoint`` that is empty or names a deleted file. This one
+    writes the new checkpoint, replaces ``last_checkpoint`` atomically, then deletes; a save
+    that fails deletes nothing (a replaced ``best_*.pth`` goes first, as in mmengine).
     """
 
     def _save_checkpoint_with_step(self, runner, step, meta):
@@ -77,16 +72,11 @@ class SafeCheckpointHook(CheckpointHook):
 
 @HOOKS.register_module()
 class InputCheckHook(Hook):
-    """Stop a run whose inputs are missing, with one message that says what to do.
-
-    ``custom_hooks = [dict(type='InputCheckHook')]`` runs
-    :func:`lapformer_mm.preflight.check_config_inputs` on the runner's config when the run
-    starts (``before_run``): for training, before the backbone loads its ``Pretrained``
-    checkpoint, for every run before the first image is read. mmengine builds the
-    datasets before any hook runs, so an annotation file or a folder that the dataset
-    lists when it is built has failed by then with mmdet's or mmseg's own error; to name
-    those too, call ``check_config_inputs(cfg)`` before ``Runner.from_cfg`` (as this
-    repository's ``tools/train.py`` and ``tools/test.py`` do).
+    """Stop a run whose inputs are missing, with one message that says what to do:
+    :func:`lapformer_mm.preflight.check_config_inputs` in ``before_run``, before the first
+    image is read and the backbone loads its checkpoint. mmengine builds the datasets before
+    any hook runs (a missing annotation file has failed by then with mmdet's or mmseg's own
+    error): ``tools/train.py`` and ``tools/test.py`` check before ``Runner.from_cfg``.
     """
 
     priority = 'VERY_HIGH'

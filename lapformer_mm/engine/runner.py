@@ -53,15 +53,12 @@ def find_latest_checkpoint(path):
     """mmengine's ``find_latest_checkpoint`` that survives a run killed while checkpointing,
     and a work dir that was moved.
 
-    mmengine's ``CheckpointHook`` rewrites the ``last_checkpoint`` record in ``path`` in place
-    after each save, so a kill can leave it empty, or naming a checkpoint that rotation
-    already deleted; and the record holds an absolute path, which a work dir moved or copied
-    to another mount (a re-queued job) no longer has. Then, with a warning: the recorded
-    file's name in ``path``, else the ``epoch_N.pth``/``iter_N.pth`` with the largest N
-    beside the recorded file, else in ``path``. Returns None when there is neither a record
-    nor such a checkpoint (a fresh start, as in mmengine). Raises ``FileNotFoundError`` when
-    there is a record but nothing to resume from, rather than silently training from
-    scratch.
+    A kill can leave mmengine's ``last_checkpoint`` record empty or naming a checkpoint that
+    rotation deleted, and a moved work dir makes its absolute path stale. Then, with a
+    warning: the recorded file's name in ``path``, else the ``epoch_N.pth``/``iter_N.pth``
+    with the largest N beside the recorded file, else in ``path``. None without a record or
+    a checkpoint (a fresh start); ``FileNotFoundError`` for a record with nothing to resume
+    from, rather than training from scratch without a word.
     """
     record = os.path.join(path, 'last_checkpoint')
     recorded = None
@@ -96,22 +93,11 @@ def find_latest_checkpoint(path):
 
 @RUNNERS.register_module()
 class SafeCheckpointRunner(Runner):
-    """``Runner`` whose checkpoints survive a kill and whose loads refuse code-running pickles.
-
-    Compared with mmengine's ``Runner``:
-
-    - local checkpoints (``load_from``, ``resume``, ``tools/test.py``) are read with
-      :func:`lapformer_mm.checkpoint.safe_load`: ``torch.load(weights_only=True)``, and a
-      refusal names the file and says how to allow a trusted one. Other schemes
-      (``https://``, ``s3://``, ...) go through mmengine's ``CheckpointLoader``;
-    - auto-resume (``resume=True`` without ``load_from``) uses :func:`find_latest_checkpoint`,
-      which survives an empty or stale ``last_checkpoint``;
-    - a ``CheckpointHook`` in ``default_hooks`` (mmengine's default, or the config's) is
-      built as :class:`~lapformer_mm.engine.hooks.SafeCheckpointHook`, and, for a local
-      checkpoint directory without ``backend_args``, writes through the ``atomic_local``
-      backend (:class:`~lapformer_mm.engine.fileio.AtomicLocalBackend`).
-
-    Arguments are ``Runner``'s.
+    """``Runner`` whose checkpoints survive a kill and whose loads refuse code-running pickles:
+    local checkpoints read with :func:`lapformer_mm.checkpoint.safe_load` (other schemes by
+    mmengine's ``CheckpointLoader``), auto-resume by :func:`find_latest_checkpoint`, and the
+    ``CheckpointHook`` built as :class:`~lapformer_mm.engine.hooks.SafeCheckpointHook`, writing
+    through the ``atomic_local`` backend where the directory is local and names none.
     """
 
     def register_default_hooks(self, hooks=None):

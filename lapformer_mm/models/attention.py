@@ -26,8 +26,8 @@ class LaplacianAttention(nn.Module):
        in fp32);
     4. ``o + dwconv3x3(v)`` on the H×W grid, then the output projection.
 
-    The keyword-only arguments are the attention options, the keys of the backbone's
-    ``attn_cfg``. They are checked here, once, into ``self.options``; the forward trusts them.
+    The keyword-only arguments, the keys of the backbone's ``attn_cfg``, are checked here,
+    once; the forward trusts them.
 
     Args:
         dim (int): Channels C, divisible by ``num_heads``.
@@ -35,24 +35,15 @@ class LaplacianAttention(nn.Module):
         qkv_bias (bool): Bias in the q/k/v projection. Default True.
         attn_drop (float): Dropout on the normalised query features.
         proj_drop (float): Dropout after the output projection.
-        qk_shared (bool): Tie keys to queries (see the module docstring).
-            Default True. The ``qkv`` layer outputs [q, v] when True and
-            [q, k, v] when False, each C wide, heads contiguous.
+        qk_shared (bool): Tie keys to queries: ``qkv`` outputs [q, v], else [q, k, v], each C
+            wide, heads contiguous. Default True.
         landmark_grid (int): Landmark grid g (m <= g²). Default 7.
-        global_term (bool): Keep step 3, the Nyström term. Default True. False leaves
-            only the local term (step 4), the control of the ablations
-            (:mod:`lapformer_mm.ablation`): a model that cannot carry information
-            across the image, so a task it solves does not need long-range attention.
-            Not meant for training real models.
-        **options: the fields of :class:`lapformer_mm.ops.AttentionOptions`,
-            with its defaults: ``lam`` (kernel bandwidth λ > 0), ``kernel``
-            ('laplacian' | 'gaussian'), ``normalize`` ('injective' | 'none'),
-            ``solver`` ('newton' | 'exact' | 'cg'), ``iters`` (Newton–Schulz
-            iterations or the most CG steps; None: the solver's default),
-            ``ns_init`` ('identity' | 'authors'), ``ns_refine`` (one step of
-            iterative refinement after Newton–Schulz, docs/numerics.md),
-            ``eps`` (ridge ε >= 0 added to k(L, L)), ``whiten_eps`` (δ >= 0 of
-            the whitening) and ``impl`` ('reference' | 'cupy' | 'cpu' | None).
+        global_term (bool): Keep step 3. False leaves the local term alone, the ablations'
+            control (:mod:`lapformer_mm.ablation`), a model that cannot carry information
+            across the image; not meant for training real models.
+        **options: the fields of :class:`lapformer_mm.ops.AttentionOptions` (docs/attention.md):
+            ``lam``, ``kernel``, ``normalize``, ``solver``, ``iters``, ``ns_init``,
+            ``ns_refine``, ``eps``, ``whiten_eps``, ``impl``.
     """
 
     def __init__(self, dim, num_heads, qkv_bias=True, attn_drop=0.0, proj_drop=0.0, *,

@@ -114,72 +114,40 @@ class LaplacianFormerStage(nn.Module):
 
 @MODELS.register_module()
 class LaplacianFormer(BaseModule):
-    """LaplacianFormer backbone (Laplacian-kernel linear attention pyramid).
+    """LaplacianFormer backbone (Laplacian-kernel linear attention pyramid); docs/backbone.md
+    describes every argument.
 
     Args:
-        arch (str | dict): 'tiny', 'small', 'medium', 'large', 'huge' (or
-            't'/'s'/'m'/'l'/'h'), or a dict with four-element lists
-            ``embed_dims``, ``num_heads``, ``depths`` and optional
-            ``mlp_ratios`` (a number or four numbers; default 4).
+        arch (str | dict): 'tiny', 'small', 'medium', 'large', 'huge' (or 't'/'s'/'m'/'l'/
+            'h'), or a dict with four-element lists ``embed_dims``, ``num_heads``, ``depths``
+            and optional ``mlp_ratios`` (a number or four numbers; default 4).
         in_channels (int): Input image channels. Default 3.
-        out_indices (Sequence[int]): Stages (0 to ``num_stages`` - 1) whose
-            maps are returned, at strides 4, 8, 16, 32. Default (0, 1, 2, 3).
+        out_indices (Sequence[int]): Stages whose maps are returned, at strides 4, 8, 16, 32.
         qkv_bias (bool): Bias in the q/k/v projections. Default True.
         drop_rate (float): Dropout after the MLP and attention projections.
         attn_drop_rate (float): Dropout on attention weights.
-        drop_path_rate (float): Stochastic depth at the last block, in
-            [0, 1); rises linearly from 0 over all blocks. Default 0.1.
-        attn_cfg (dict | None): Options of the Laplacian attention: the
-            keyword-only arguments of :class:`LaplacianAttention`, which
-            describes them and whose defaults apply to keys left out:
-            ``lam`` (λ), ``landmark_grid``, ``kernel`` ('laplacian' |
-            'gaussian'), ``normalize`` ('injective' | 'none'), ``solver``
-            ('newton' | 'exact' | 'cg'), ``iters`` (solver iterations),
-            ``ns_init``, ``ns_refine``, ``eps``, ``whiten_eps``, ``impl``,
-            ``global_term`` (False only in the ablations' control) and
-            ``qk_shared``. An unknown key raises ValueError. Here
-            ``qk_shared`` is one bool or one per stage, default
-            (True, True, True, False): keys tied to queries in stages 1-3
-            (the SOFT layout), separate in stage 4, which lands on the
-            paper's Medium size (docs/model_size.md).
-        norm_cfg (dict): Norm of the tokens (the blocks' two pre-norms and
-            each stage's closing norm), as in mmdet's PVT; it must normalise the last
-            dimension of (B, N, C). Default dict(type='LN').
-        act_cfg (dict): Activation of the MLPs. Default dict(type='GELU').
-        conv_norm_cfg (dict): Norm of the stem's and the downsampling
-            convolutions (NCHW maps), e.g. dict(type='SyncBN') for
-            multi-GPU training. Default dict(type='BN').
-        conv_act_cfg (dict): Activation of those convolutions. Default
-            dict(type='ReLU', inplace=True).
-            The four layer configs are built by mmcv's build_norm_layer /
-            build_activation_layer when mmcv is installed (any type in its
-            registry); without mmcv, from ``layers.TORCH_NORMS`` and
-            ``layers.TORCH_ACTIVATIONS``.
-        stage4_attention (str): 'laplacian' (the same attention as stages
-            1-3, so the cost stays linear in pixels; the default) or
-            'softmax' (plain multi-head attention with separate q, k, v, the
-            SOFT layout; ``attn_cfg`` does not apply to it).
-        frozen_stages (int): -1 freezes nothing, 0 the stem, k >= 1 the stem
-            and stages 1..k (with their closing norms). At most ``num_stages``.
-        norm_eval (bool): Keep BatchNorm layers (of ``conv_norm_cfg``) in
-            eval mode during training. Default False.
-        with_cp (bool): Gradient checkpointing of each block. Default False.
-        pretrained (str | None): Deprecated spelling of a ``Pretrained``
-            init_cfg (mmseg's ``EncoderDecoder(pretrained=...)`` passes it).
-        init_cfg (dict | list[dict] | None): ``dict(type='Pretrained',
-            checkpoint=...)`` loads a plain state dict, an mmengine checkpoint
-            or a classifier/detector checkpoint (``backbone.`` prefix, or
-            the ``prefix`` given in the dict), loaded with
-            ``weights_only=True`` (to ``map_location``, default 'cpu');
-            missing/unexpected keys are logged. One such entry at most, with
-            the keys of mmengine's ``Pretrained``: type, checkpoint, prefix,
-            map_location.
-        num_stages (int): Build the stem and the first ``num_stages`` stages
-            (1-4), as mmdet's PVT (last in the signature, so positional calls keep
-            their meaning); the per-stage settings (``arch``,
-            ``qk_shared``) keep four entries and the first ones apply, so a
-            checkpoint of the four-stage model loads into it (the keys of the
-            stages left out are reported as unexpected). Default 4.
+        drop_path_rate (float): Stochastic depth at the last block, rising linearly from 0.
+        attn_cfg (dict | None): The keyword-only arguments of :class:`LaplacianAttention`
+            (its defaults apply); ``qk_shared`` one bool or one per stage, default (True,
+            True, True, False): keys tied to queries in stages 1-3 (the SOFT layout).
+        norm_cfg (dict): Norm of the tokens (of their last dimension). Default LN.
+        act_cfg (dict): Activation of the MLPs. Default GELU.
+        conv_norm_cfg (dict): Norm of the stem's and downsampling convolutions (NCHW maps),
+            e.g. SyncBN for multi-GPU training. Default BN.
+        conv_act_cfg (dict): Activation of those convolutions. Default ReLU. The layer configs
+            are built by mmcv's registry when installed, else from ``layers.TORCH_LAYERS``.
+        stage4_attention (str): 'laplacian' (the default: linear in pixels) or 'softmax' (plain
+            multi-head attention, SOFT's layout; ``attn_cfg`` does not apply to it).
+        frozen_stages (int): -1 freezes nothing, 0 the stem, k the stem and stages 1..k.
+        norm_eval (bool): Keep the BatchNorm layers in eval mode during training.
+        with_cp (bool): Gradient checkpointing of each block.
+        pretrained (str | None): Deprecated spelling of a ``Pretrained`` init_cfg (mmseg's
+            ``EncoderDecoder(pretrained=...)`` passes it).
+        init_cfg (dict | list[dict] | None): One ``dict(type='Pretrained', checkpoint=...,
+            prefix=..., map_location=...)`` at most: a plain state dict, an mmengine checkpoint
+            or a classifier/detector checkpoint, loaded with ``weights_only=True``.
+        num_stages (int): Build the first ``num_stages`` stages (1-4), as mmdet's PVT; the
+            per-stage settings keep four entries, so a four-stage checkpoint loads into it.
     """
 
     def __init__(self,
@@ -371,15 +339,10 @@ class LaplacianFormer(BaseModule):
         return self.stages[:max(self.out_indices) + 1]
 
     def export_min_size(self) -> int:
-        """The smallest image height (and width) this backbone exports for.
-
-        Every stage with Laplacian attention must be at least its landmark grid g × g:
-        stage i maps are ceil(H / s_i) with s_i = :data:`STAGE_STRIDES`, so
-        H >= (g - 1)·s_i + 1 (193 for g = 7 in all four stages, 97 with
-        ``stage4_attention='softmax'``). Eager calls take any size (the grid is clipped
-        to the map); the export form keeps m = g² landmarks, a static shape
-        (docs/deploy.md).
-        """
+        """The smallest H (and W) this backbone exports for: every stage with Laplacian
+        attention at least its landmark grid g × g, so H >= (g - 1)·s_i + 1 at stride s_i (193
+        for g = 7, 97 with a softmax stage 4). Eager calls take any size (the grid is clipped
+        to the map); the export form keeps m = g² landmarks, a static shape."""
         minimum = 1
         for stride, stage in zip(STAGE_STRIDES, self._stages_run()):
             for block in stage.blocks:

@@ -1,16 +1,8 @@
-"""Loading backbone weights from the checkpoint layouts people actually have.
-
-Accepted layouts (all loaded without arbitrary pickles):
-- a plain state dict ``{param_name: tensor}``;
-- an mmengine checkpoint ``{'state_dict': {...}, 'meta': {...}, ...}``
-  (also ``{'model': {...}}``, DeiT's layout; the files DeiT's and timm's scripts write
-  also pickle their ``argparse.Namespace``, which the weights-only load refuses: save
-  the weights dict alone; an EMA copy beside them, ``model_ema`` or ``state_dict_ema``,
-  is not read);
-- a classifier or detector checkpoint whose backbone keys carry a
-  ``backbone.`` prefix (mmpretrain ``ImageClassifier``, mmdet detectors);
-  keys without the prefix (neck, head) are dropped.
-A ``module.`` prefix left by DistributedDataParallel is stripped.
+"""Loading backbone weights from the checkpoint layouts people actually have, without
+arbitrary pickles: a plain state dict; an mmengine checkpoint (``state_dict``, or DeiT's
+``model``; an EMA copy beside it is not read); a classifier or detector checkpoint whose
+backbone keys carry a ``backbone.`` prefix (the other keys are dropped). A ``module.``
+prefix left by DistributedDataParallel is stripped.
 """
 import re
 from typing import Dict, Iterable, Mapping, NamedTuple, Optional, Tuple
@@ -22,12 +14,6 @@ from ..checkpoint import load_checkpoint
 
 BACKBONE_PREFIX = 'backbone.'
 DDP_PREFIX = 'module.'
-
-
-def _strip_prefix(state_dict: Mapping[str, torch.Tensor],
-                  prefix: str) -> Dict[str, torch.Tensor]:
-    return {(k[len(prefix):] if k.startswith(prefix) else k): v
-            for k, v in state_dict.items()}
 
 
 def extract_backbone_state_dict(
@@ -52,7 +38,8 @@ def extract_backbone_state_dict(
         if isinstance(checkpoint.get(key), Mapping):
             state_dict = checkpoint[key]
             break
-    state_dict = _strip_prefix(state_dict, DDP_PREFIX)
+    state_dict = {k[len(DDP_PREFIX):] if k.startswith(DDP_PREFIX) else k: v
+                  for k, v in state_dict.items()}
     if prefix is None and any(k.startswith(BACKBONE_PREFIX) for k in state_dict):
         prefix = BACKBONE_PREFIX
     if prefix:
@@ -129,7 +116,6 @@ def is_pretrained_cfg(cfg) -> bool:
 
 
 class LoadReport(NamedTuple):
-    """Keys of the model not found in the checkpoint and vice versa."""
     missing_keys: Tuple[str, ...]
     unexpected_keys: Tuple[str, ...]
 
@@ -161,15 +147,11 @@ def load_backbone_weights(module: nn.Module,
         raise ValueError(f'checkpoint {path_or_url!r} does not fit the model ({hint}): '
                          f'{detail}')
     result = module.load_state_dict(state_dict, strict=False)
-    report = LoadReport(
-        tuple(result.missing_keys), tuple(result.unexpected_keys))
+    report = LoadReport(tuple(result.missing_keys), tuple(result.unexpected_keys))
     if logger is not None:
-        if report.missing_keys:
-            logger.warning(f'missing keys in {path_or_url}: '
-                           f'{", ".join(report.missing_keys)}')
-        if report.unexpected_keys:
-            logger.warning(f'unexpected keys in {path_or_url}: '
-                           f'{", ".join(report.unexpected_keys)}')
-        logger.info(f'loaded {len(state_dict) - len(report.unexpected_keys)}'
-                    f' tensors from {path_or_url}')
+        for kind, keys in zip(('missing', 'unexpected'), report):
+            if keys:
+                logger.warning(f'{kind} keys in {path_or_url}: {", ".join(keys)}')
+        logger.info(f'loaded {len(state_dict) - len(report.unexpected_keys)} tensors from '
+                    f'{path_or_url}')
     return report

@@ -1,18 +1,12 @@
-"""Build-time checks that a model config wires the backbone to its neck correctly.
+"""Checks that a model config wires the backbone to its neck, before the first forward.
 
-A backbone cannot see its neck, and mmdet's FPN (or mmseg's decode and auxiliary heads)
-accept any ``in_channels`` at construction: a mismatch surfaces only at the first forward
-pass as a convolution shape error deep inside the neck. These checks compare the neck's
-(without a neck, every head's) ``in_channels`` with the channels the LaplacianFormer
-backbone actually returns (``embed_dims[i]`` for ``i`` in ``out_indices``) and name the
-fix; on the config they also name backbone keys LaplacianFormer does not take (another
-backbone's, merged in from a ``_base_`` config) and values it refuses:
-
-- :func:`check_model_cfg` on a config dict, before anything is built (tools can call it
-  right after reading the config);
-- :func:`check_built_model` on a built detector or segmentor;
-- :class:`NeckChannelsCheckHook`, registered in mmengine's ``HOOKS``, runs
-  :func:`check_built_model` in ``before_run``, before the first iteration.
+mmdet's FPN (or mmseg's decode and auxiliary heads) accept any ``in_channels``: a mismatch
+surfaces at the first forward as a convolution shape error deep inside the neck. These
+compare the neck's (without a neck, every head's) ``in_channels`` with the channels the
+backbone returns and name the fix: :func:`check_model_cfg` on a config (it also names
+backbone keys LaplacianFormer does not take, kept from a ``_base_`` config, and values it
+refuses), :func:`check_built_model` on a built model, :class:`NeckChannelsCheckHook` in
+``before_run``.
 """
 import inspect
 import warnings
@@ -29,12 +23,11 @@ BACKBONE_TYPE = 'LaplacianFormer'
 
 
 class ConfigError(ValueError):
-    """A config that cannot run as given; the message names the fix. The tools print it
-    alone and exit with status 2."""
+    """A config that cannot run as given; the tools print the message alone (status 2)."""
 
 
 class ModelConfigError(ConfigError):
-    """A model config whose backbone does not fit the rest; the message names the fix."""
+    """A model config whose backbone does not fit the rest."""
 
 
 #: mmseg's decode heads take the last map by default (BaseDecodeHead(in_index=-1)); a neck
@@ -142,13 +135,9 @@ def _check_segmentor_pretrained(model_cfg: Mapping, backbone: Mapping) -> None:
 
 
 def check_model_cfg(model_cfg: Mapping) -> None:
-    """Raise :class:`ModelConfigError` (a ValueError) when the backbone config has keys
-    LaplacianFormer does not take or values it refuses, or the neck's (or heads')
-    ``in_channels`` do not fit it.
-
-    ``model_cfg`` is the ``model`` dict of an mmdet/mmseg config. Configs whose backbone is
-    not a LaplacianFormer, or whose consumers have no ``in_channels``, are left alone.
-    """
+    """Raise :class:`ModelConfigError` when the ``model`` dict of an mmdet/mmseg config gives
+    a LaplacianFormer keys it does not take or values it refuses, or a neck (or heads) whose
+    ``in_channels`` do not fit it."""
     backbone = model_cfg.get('backbone')
     if not isinstance(backbone, Mapping) or backbone.get('type') not in (BACKBONE_TYPE,
                                                                          LaplacianFormer):
@@ -194,10 +183,8 @@ def check_built_model(model) -> None:
 
 @HOOKS.register_module()
 class NeckChannelsCheckHook(Hook):
-    """Fail before the first iteration when the neck does not fit the backbone.
-
-    ``custom_hooks = [dict(type='NeckChannelsCheckHook')]``.
-    """
+    """``custom_hooks = [dict(type='NeckChannelsCheckHook')]``: fail before the first
+    iteration when the neck does not fit the backbone."""
 
     priority = 'VERY_HIGH'
 

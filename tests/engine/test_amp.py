@@ -137,10 +137,8 @@ def test_cpu_amp_wrapper_float_loss_scale_is_static_as_in_mmengine():
 
 
 @pytest.mark.parametrize('kwargs, error, match', [
-    (dict(dtype='float32'), ValueError, r"dtype must be one of \('bfloat16', 'float16'\), "
-                                        r"got 'float32'"),
-    (dict(dtype='float16', loss_scale='static'), TypeError,
-     r"loss_scale must be 'dynamic', a float or a dict"),
+    (dict(dtype='float32'), ValueError, 'dtype'),
+    (dict(dtype='float16', loss_scale='static'), TypeError, 'loss_scale'),
 ])
 def test_cpu_amp_wrapper_names_a_bad_dtype_or_loss_scale(kwargs, error, match):
     with pytest.raises(error, match=match):

@@ -219,11 +219,8 @@ def test_checkpoint_of_the_other_stage4_attention_is_an_error(tmp_path, theirs, 
     Laplacian one's attn.local tensors were only logged as missing or unexpected."""
     other = LaplacianFormer(ARCH, stage4_attention=theirs)
     path = write_checkpoint('classifier', other.state_dict(), tmp_path / 'x.pth')
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match='stage4_attention'):
         load_backbone_weights(small_model(stage4_attention=mine), path)
-    assert str(info.value) == (
-        f'checkpoint {path!r} does not fit the model (another stage4_attention): stage 4 has '
-        f'{theirs} attention in the checkpoint, {mine} in the model')
 
 
 def test_extract_rejects_tensorless_checkpoints():

@@ -151,9 +151,7 @@ def test_exact_inverse_names_a_singular_matrix_as_exact_solve_does():
     """It raised torch's _LinAlgError ("The diagonal element 1 is zero")."""
     singular = torch.ones(2, 3, 3, dtype=torch.float64)
     for solve in (exact_inverse, lambda P: exact_solve(P, P)):
-        with pytest.raises(ValueError, match=r'^the landmark matrix P = k\(L, L\) \+ eps·I is '
-                                             r'singular \(identical landmarks with eps=0\?\): '
-                                             r'use eps > 0 \(default 0\.01\)$'):
+        with pytest.raises(ValueError, match='eps'):
             solve(singular)
 
 

@@ -99,24 +99,17 @@ def test_convert_ends_a_bad_source_or_destination_with_one_line(tmp_path, capsys
     notes.write_text('hello\n')
     torch.save(torch.ones(2), tensor)
     missing, out = str(tmp_path / 'missing.pth'), str(tmp_path / 'out.pth')
-    for argv, message in [
-            ([missing, out], re.escape(f'checkpoint file {missing!r} does not exist')),
-            ([str(tmp_path), out], re.escape(f'checkpoint {str(tmp_path)!r} is a folder, not '
-                                             'a file')),
-            ([str(notes), out], re.escape(f'checkpoint file {str(notes)!r} cannot be read as a '
-                                          'torch checkpoint (') + r'.*\) or not a checkpoint'),
-            ([str(tensor), out], re.escape("checkpoint must be a mapping (state dict or "
-                                           "mmengine checkpoint), got <class 'torch.Tensor'>")),
-            # A destination under a file: the OSError of its folder, not torch's enforce text.
-            ([str(src), str(notes / 'out.pth')], r'\[Errno \d+\] .*' + re.escape(
-                repr(str(notes))))]:
+    for argv, named in [([missing, out], missing), ([str(tmp_path), out], str(tmp_path)),
+                        ([str(notes), out], str(notes)), ([str(tensor), out], 'mapping'),
+                        # A destination under a file: its folder's OSError, not torch's text.
+                        ([str(src), str(notes / 'out.pth')], str(notes))]:
         assert convert_cls_to_backbone.main(argv) == 2
         captured = capsys.readouterr()
-        assert re.fullmatch(f'convert_cls_to_backbone: {message}\n', captured.err), captured.err
-        assert captured.out == ''
+        assert captured.err.startswith('convert_cls_to_backbone: ') and named in captured.err
+        assert captured.err.count('\n') == 1 and captured.out == ''
     assert not (tmp_path / 'out.pth').exists()
     # convert() itself, given a folder: Python's error naming it, not torch's enforce text.
-    with pytest.raises(IsADirectoryError, match=re.escape(repr(str(tmp_path))) + '$'):
+    with pytest.raises(IsADirectoryError, match=re.escape(str(tmp_path))):
         convert(str(src), str(tmp_path))
     # A folder, or a path ending with a separator, takes <source name>_backbone.pth.
     for folder in (str(tmp_path), str(tmp_path / 'new') + osp.sep):

@@ -29,6 +29,7 @@ from mmengine.config import Config
 
 from lapformer_mm.checkpoint import safe_load
 from lapformer_mm.cli import train as train_tool
+from lapformer_mm.models.validation import ConfigError
 
 
 @pytest.mark.usefixtures('mmdet_scope')
@@ -37,7 +38,7 @@ def test_train_tool_names_a_missing_config_and_an_auto_scale_lr_it_cannot_apply(
         train_tool.build_cfg(train_tool.parse_args([str(tmp_path / 'nope.py')]))
     cfg_path = tmp_path / 'no_scale.py'
     cfg_path.write_text(f"_base_ = ['{TOY_CONFIG}']\nauto_scale_lr = None\n")
-    with pytest.raises(RuntimeError, match='--auto-scale-lr needs `auto_scale_lr'):
+    with pytest.raises(ConfigError, match='--auto-scale-lr'):
         train_tool.build_cfg(train_tool.parse_args([str(cfg_path), '--auto-scale-lr']))
 
 
@@ -92,8 +93,7 @@ def test_train_tool_amp_trains_finite_in_both_16_bit_types(toy_coco, tmp_path, d
 
 def test_amp_refuses_to_replace_another_wrapper_type():
     cfg = Config(dict(optim_wrapper=dict(type='ApexOptimWrapper', optimizer=dict(type='SGD'))))
-    with pytest.raises(ValueError,
-                       match=r"--amp replaces .* optim_wrapper.type='ApexOptimWrapper'"):
+    with pytest.raises(ConfigError, match='optim_wrapper.type'):
         train_tool.enable_amp(cfg)
 
 
