@@ -6,12 +6,12 @@
 tools/gpu_check.sh's compile step. One process per (variant, dtype), as many at once as
 ``--jobs`` (default: the cores): every variant whose kernels fit the device's shared memory
 (on an H100 or H200 all four; the GPU tests force the smaller devices' variants on it), for
-each dtype. Each one compiles through the backend (``cuda.load_group``), which leaves the
-binary in CuPy's kernel cache and the kernels' lowered names beside it (docs/cuda.md,
-"Compiles, once per machine"). Then this process loads every pair again, as the tests and
-benchmarks after it will, and says whether it came from the cache: a pair compiled again
-means every later process would compile it too (10-20 s each), and the script exits 1, as
-it does when a compile fails.
+each dtype. Each one loads through the backend (``cuda.load_group``), which compiles it and
+leaves the binary in CuPy's kernel cache (docs/cuda.md, "Compiles, once per machine"), or
+loads it from there. Then this process loads every pair again, as the tests and benchmarks
+after it will, and says what CuPy did (``cuda.loaded_from``): a pair compiled again means
+every later process would compile it too (10-40 s each), and the script exits 1, as it does
+when a compile fails.
 """
 import argparse
 import concurrent.futures
@@ -36,11 +36,10 @@ def _load(variant_name, dtype_name):
     from lapformer_mm.ops.backends import cuda
     dtype = {'fp32': torch.float32, 'fp16': torch.float16, 'bf16': torch.bfloat16}[dtype_name]
     index = torch.cuda.current_device()
-    limits = cuda.device_limits(torch.device('cuda', index))
     variant, element = cuda.VARIANT_BY_NAME[variant_name], cuda.ELEMENT_TYPES[dtype]
     start = time.perf_counter()
     try:
-        cuda.load_group(index, variant, element, limits.smem_optin)
+        cuda.load_group(index, variant, element)
         how = cuda.loaded_from[(index, variant.name, element)]
     except Exception as exc:  # reported, and the script fails
         how = f'FAILED: {type(exc).__name__}: {exc}'

@@ -1,10 +1,13 @@
 """Per-kernel GPU times of the fused attention from the profiler (forward + backward).
 
     python benchmarks/cuda_kernels.py --out kernel_times.md      # (bh, N) = (4, 66600), (32, 1050)
+    ncu -k regex:nys_backward -c 5 python benchmarks/cuda_kernels.py --no-profiler
 
 m = 49, d = d_v = 32 (Tiny); each configuration warmed up, then ``--repeats`` calls of
-forward + backward under torch.profiler: the table gives each kernel's mean time per
-call (µs) and the sum of the solve-type kernels (one block per (batch, head)).
+forward + backward under torch.profiler: the table gives each stage's mean time per call
+(µs) and the sum of the solve-type kernels (one block per (batch, head)).
+``--no-profiler``: the same calls without torch.profiler, for a profiler of its own (Nsight
+Compute: two CUPTI clients in one process do not mix).
 """
 import argparse
 import collections
@@ -20,10 +23,11 @@ SOLVE_TYPE = ('nys_forward_solve', 'nys_forward_context', 'nys_backward_merge',
               'nys_backward_solve', 'nys_backward_landmarks')
 
 
-def kernel_times(bh, n, repeats, m_grid=7, d=32):
+def kernel_times(bh, n, repeats, m_grid=7, d=32, profiler=True):
     from torch.profiler import ProfilerActivity, profile
 
     from lapformer_mm.ops import nystrom_attention, pool_landmarks
+    from lapformer_mm.ops.backends.cuda import stage_of
     side = int(n ** 0.5)
     hw = (side, -(-n // side))
     n = hw[0] * hw[1]
@@ -37,15 +41,19 @@ def kernel_times(bh, n, repeats, m_grid=7, d=32):
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    if not profiler:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+        return n, {}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
             step()
         torch.cuda.synchronize()
     totals = collections.defaultdict(float)
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and 'nys_' in event.name:
-            name = event.name.split('nys_', 1)[1].split('<')[0].split('(')[0]
-            totals['nys_' + name] += event.device_time / repeats
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.name.startswith('nys_'):
+            totals[stage_of(event.name)] += event.device_time / repeats
     return n, dict(totals)
 
 
@@ -54,11 +62,12 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--out', default=None)
     p.add_argument('--repeats', type=int, default=20)
+    p.add_argument('--no-profiler', action='store_true', help='run the calls, time nothing')
     args = p.parse_args(argv)
     lines = [f'GPU: {torch.cuda.get_device_name()}', '',
              '| bh | N | kernel | µs per call |', '|---|---|---|---|']
     for bh, n in ((4, 66_600), (32, 1_050)):
-        n, totals = kernel_times(bh, n, args.repeats)
+        n, totals = kernel_times(bh, n, args.repeats, profiler=not args.no_profiler)
         for name, us in sorted(totals.items()):
             lines.append(f'| {bh} | {n} | `{name}` | {us:.1f} |')
         solve = sum(us for name, us in totals.items() if name in SOLVE_TYPE)

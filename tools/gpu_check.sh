@@ -146,7 +146,6 @@ limits = cuda.device_limits(torch.device('cuda'))
 print('backend limits', limits)
 for m, dv in ((49, 32), (64, 64)):
     print(f'plan m={m} dv={dv}:', cuda.plan(m, dv, limits.smem_optin))
-print('kernel cache', cuda.kernel_cache_dir())
 for name in ('timm', 'hypothesis', 'mmengine'):
     try:
         print(name, __import__(name).__version__)

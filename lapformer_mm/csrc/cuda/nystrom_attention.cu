@@ -64,6 +64,16 @@
 // row); NYS_CC: value columns per block of nys_forward_context; NYS_TX x NYS_SY threads
 // the block of nys_forward_solve (Newton-Schulz on more warps than the other kernels).
 #define NYS_THREADS (NYS_TX * NYS_TY)
+// A kernel: a __global__ template where kernels are reached as templates (the emulation,
+// tests/cuda_emu), else, for the host's modules of one element type (-DNYS_ELEMENT), a
+// device function inlined into the module's entry points at the end of this file.
+#ifdef NYS_ELEMENT
+#define NYS_KERNEL(threads) __device__ __forceinline__ void
+#define NYS_PARAMS const nys_params&
+#else
+#define NYS_KERNEL(threads) __global__ void __launch_bounds__(threads)
+#define NYS_PARAMS const nys_params
+#endif
 #define NYS_SOLVE_THREADS (NYS_TX * NYS_SY)
 #define NYS_DW (NYS_MP > NYS_DV ? NYS_MP : NYS_DV)  // tiles that hold G or v, then C_k
 static_assert(NYS_MP % NYS_TX == 0 && NYS_MP % NYS_TY == 0 && NYS_DV % NYS_TX == 0 &&
@@ -385,7 +395,7 @@ __device__ __forceinline__ long long nys_common_stride(int dv) { return 2LL * dv
 // small landmark-to-landmark differences, which a plain fp32 N-sum loses
 // (docs/numerics.md).
 template <typename T, int KIND>
-__global__ void __launch_bounds__(NYS_THREADS) nys_forward_stats(const nys_params p) {
+NYS_KERNEL(NYS_THREADS) nys_forward_stats(NYS_PARAMS p) {
     __shared__ nys_row_smem rs;
     __shared__ float vt[NYS_TN][NYS_DV + 1];
     float (*ct)[NYS_MP + 1] = rs.ct;
@@ -680,7 +690,7 @@ static_assert(NYS_SOLVE_THREADS >= (NYS_MP / NS_MT) * (NYS_MP / NS_MT + 1),
               "every tile of Newton-Schulz's X R beside R R has a thread");
 static_assert(NYS_THREADS % 2 == 0, "a merge unit's fp64 sums stay 8-byte aligned");
 template <typename T, int KIND>
-__global__ void __launch_bounds__(NYS_SOLVE_THREADS) nys_forward_solve(const nys_params p) {
+NYS_KERNEL(NYS_SOLVE_THREADS) nys_forward_solve(NYS_PARAMS p) {
     LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
     float* smem = reinterpret_cast<float*>(smem_bytes);
     const int pieces = (2 * p.m + p.m * p.dv + p.dv + NYS_LANES - 1) / NYS_LANES;
@@ -705,7 +715,7 @@ __global__ void __launch_bounds__(NYS_SOLVE_THREADS) nys_forward_solve(const nys
 // (normalize='none': [context; vbar]). Every value column is independent, so the columns
 // spread over blocks.
 template <typename T>
-__global__ void __launch_bounds__(NYS_THREADS) nys_forward_context(const nys_params p) {
+NYS_KERNEL(NYS_THREADS) nys_forward_context(NYS_PARAMS p) {
     __shared__ float Xs[NYS_MP][NYS_MP + 1];
     __shared__ float Ps[NYS_MP][NYS_MP + 1];
     __shared__ float R[NYS_MP][NYS_CC + 1];
@@ -787,7 +797,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_context(const nys_par
 // Pass 3: one block per (row tile, bh). out (B, N, heads, d_v), contiguous, the input
 // dtype: out[i] = c~[i] fold + b, or C[i] context + vbar for 'none' (fold = [context; vbar]).
 template <typename T, int KIND>
-__global__ void __launch_bounds__(NYS_THREADS) nys_forward_out(const nys_params p) {
+NYS_KERNEL(NYS_THREADS) nys_forward_out(NYS_PARAMS p) {
     __shared__ nys_row_smem rs;
     __shared__ float fp[NYS_MP][NYS_DV + 1];
     __shared__ float bv[NYS_DV];
@@ -854,7 +864,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_forward_out(const nys_params 
 // Pass A: one block per (row slice, bh): part[bh, split] = [T = c~^T G (m x d_v),
 // colsum(G) (d_v)] over the slice's rows (T = C_q^T G for 'none').
 template <typename T, int KIND>
-__global__ void __launch_bounds__(NYS_THREADS) nys_backward_reduce(const nys_params p) {
+NYS_KERNEL(NYS_THREADS) nys_backward_reduce(NYS_PARAMS p) {
     __shared__ nys_row_smem rs;
     __shared__ float gt[NYS_TN][NYS_DV + 1];
     float (*ct)[NYS_MP + 1] = rs.ct;
@@ -901,7 +911,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_reduce(const nys_par
 // Pass A2: grid (pieces of NYS_LANES entries, bh): the slices of pass A summed per entry,
 // [T (m x d_v), colsum(G) (d_v)], into the merged part of work (nys_backward_work_stride).
 template <typename T>
-__global__ void __launch_bounds__(NYS_THREADS) nys_backward_merge(const nys_params p) {
+NYS_KERNEL(NYS_THREADS) nys_backward_merge(NYS_PARAMS p) {
     __shared__ float red[NYS_THREADS];
     const int m = p.m, dv = p.dv, md = m * dv;
     const long long part_stride = (long long)md + dv;
@@ -929,7 +939,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_merge(const nys_para
 // staged at X first; backends.cuda.backward_solve_smem sizes it. dP sums over every value
 // column, so each thread keeps its dP entries in registers across the column passes.
 template <typename T, int KIND>
-__global__ void __launch_bounds__(NYS_THREADS) nys_backward_solve(const nys_params p) {
+NYS_KERNEL(NYS_THREADS) nys_backward_solve(NYS_PARAMS p) {
     LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
     const int m = p.m, dv = p.dv, cw = p.solve_cols, lc = cw + 1;
     float* K = reinterpret_cast<float*>(smem_bytes);   // k(L, L)
@@ -1108,7 +1118,7 @@ __device__ void nys_kernel_grads(const T* __restrict__ x, long long xsn, long lo
 // + NYS_TK (NYS_TB + 1) + NYS_TK (NYS_MP + 1) + 3 NYS_MP + 2 NYS_TB + 2 NYS_DV, as laid
 // out below; backends.cuda.grads_smem is the same number of bytes.
 template <typename T, int KIND>
-__global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_params p) {
+NYS_KERNEL(NYS_THREADS) nys_backward_grads(NYS_PARAMS p) {
     LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
     typedef float RowM[NYS_MP + 1];
     typedef float RowV[NYS_DV + 1];
@@ -1279,7 +1289,7 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_grads(const nys_para
 // the part through P, sum_l W[j][l] phi'(L[j, t] - L[l, t]), plus the slices' partials,
 // each summed by NYS_SGROUPS groups (of landmarks, of slices) and the groups in order.
 template <typename T, int KIND>
-__global__ void __launch_bounds__(NYS_THREADS) nys_backward_landmarks(const nys_params p) {
+NYS_KERNEL(NYS_THREADS) nys_backward_landmarks(NYS_PARAMS p) {
     __shared__ float red[NYS_THREADS];
     const int m = p.m, d = p.d, md = m * d;
     const int lane = nys_tid() % NYS_LANES, group = nys_tid() / NYS_LANES;
@@ -1314,3 +1324,42 @@ __global__ void __launch_bounds__(NYS_THREADS) nys_backward_landmarks(const nys_
         }
     }
 }
+
+#ifdef NYS_ELEMENT
+// The entry points of a module of one element type, under fixed C names, so that the host
+// needs no name expressions and CuPy's kernel cache serves the module by its source and
+// options alone: <stage>_<kernel function> for the stages that evaluate one, <stage>_entry
+// for the two that do not (backends.cuda.entry_name).
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_forward_stats_laplacian(const nys_params p) { nys_forward_stats<NYS_ELEMENT, 0>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_forward_stats_gaussian(const nys_params p) { nys_forward_stats<NYS_ELEMENT, 1>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_SOLVE_THREADS)
+nys_forward_solve_laplacian(const nys_params p) { nys_forward_solve<NYS_ELEMENT, 0>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_SOLVE_THREADS)
+nys_forward_solve_gaussian(const nys_params p) { nys_forward_solve<NYS_ELEMENT, 1>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_forward_context_entry(const nys_params p) { nys_forward_context<NYS_ELEMENT>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_forward_out_laplacian(const nys_params p) { nys_forward_out<NYS_ELEMENT, 0>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_forward_out_gaussian(const nys_params p) { nys_forward_out<NYS_ELEMENT, 1>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_backward_reduce_laplacian(const nys_params p) { nys_backward_reduce<NYS_ELEMENT, 0>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_backward_reduce_gaussian(const nys_params p) { nys_backward_reduce<NYS_ELEMENT, 1>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_backward_merge_entry(const nys_params p) { nys_backward_merge<NYS_ELEMENT>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_backward_solve_laplacian(const nys_params p) { nys_backward_solve<NYS_ELEMENT, 0>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_backward_solve_gaussian(const nys_params p) { nys_backward_solve<NYS_ELEMENT, 1>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_backward_grads_laplacian(const nys_params p) { nys_backward_grads<NYS_ELEMENT, 0>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_backward_grads_gaussian(const nys_params p) { nys_backward_grads<NYS_ELEMENT, 1>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_backward_landmarks_laplacian(const nys_params p) { nys_backward_landmarks<NYS_ELEMENT, 0>(p); }
+extern "C" __global__ void __launch_bounds__(NYS_THREADS)
+nys_backward_landmarks_gaussian(const nys_params p) { nys_backward_landmarks<NYS_ELEMENT, 1>(p); }
+#endif

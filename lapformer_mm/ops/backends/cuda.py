@@ -1,22 +1,22 @@
 """The CUDA backend of the attention op (``impl='cupy'``): 4 launches forward, 5 backward.
 
 The kernels (``lapformer_mm/csrc/cuda/nystrom_attention.cu``, the math of
-:mod:`lapformer_mm.ops.reference`) are compiled at run time by NVRTC through CuPy, imported
-on first use, for the device's own architecture, and run on PyTorch's current stream. The
-op asks :func:`not_supported` first and runs the reference where it returns reasons.
-Plain Python up to :func:`launch`, which the g++ emulation replaces: the tile geometry
-(:data:`VARIANTS`, NVRTC ``-D`` options, part of CuPy's cache key), :func:`plan` (what fits
-a device's shared-memory opt-in limit) and the kernels' one by-value argument
-``nys_params`` (:data:`PARAMS_DTYPE`: CuPy 13 and 14 pass a numpy array of size one by
-value, ``CNumpyArray``). Operands follow the op's contract (q, v, landmarks (B, h, ., .)
-with any strides, k None when tied; out (B, N, h, d_v)); ``opts`` has kernel, lam, eps,
-iters, ns_init, ns_refine, normalize, whiten_eps. Compile, load and opt-in happen once per
-(device, variant, element type), never inside a CUDA-graph capture (:class:`CaptureError`).
+:mod:`lapformer_mm.ops.reference`) are compiled at run time by NVRTC through CuPy, for the
+device's own architecture, and run on PyTorch's current stream. Three parts:
+
+* **Plan** (:mod:`.cuda_plan`, plain Python shared with the g++ emulation; its names are
+  this module's too): the stages, the tile variants, what fits a device, ``nys_params``.
+* **Runtime** (CuPy): one module per (device, variant, element type), its kernels under
+  fixed C names, so that CuPy's own kernel cache serves every later process; loaded and
+  opted in to the device's own shared-memory limit once (:func:`load_group`), never inside
+  a CUDA-graph capture (:class:`CaptureError`); :func:`launch`.
+* **Backend** (what the op calls): :func:`not_supported` checks a call and loads its kernels
+  once per shape and device; :func:`forward` and :func:`backward` find that check.
+
+Operands follow the op's contract (q, v, landmarks (B, h, ., .) with any strides, k None
+when tied; out (B, N, h, d_v)); ``opts`` is a ``reference.OpOptions``.
 """
 import functools
-import hashlib
-import json
-import os
 import re
 import threading
 import warnings
@@ -27,6 +27,41 @@ import numpy as np
 import torch
 
 from ..reference import KERNEL_CODES
+from .cuda_plan import (  # noqa: F401 (the plan's names, read as this module's)
+    BACKWARD,
+    DEFAULT_SMEM,
+    ELEMENT_TYPES,
+    FORWARD,
+    MAX_DV,
+    MAX_GRID_X,
+    MAX_GRID_YZ,
+    MAX_M,
+    NO_KIND,
+    NS_LD_NARROW,
+    NS_LD_WIDE,
+    NS_PART_STRIDE,
+    NS_STATIC_SMEM,
+    PARAMS_DTYPE,
+    STAGES,
+    VARIANT_BY_NAME,
+    VARIANTS,
+    DeviceLimits,
+    Plan,
+    Variant,
+    ceil_div,
+    context_static_smem,
+    entry_name,
+    fit,
+    grads_smem,
+    kernel_name,
+    kernel_names,
+    plan,
+    row_pass_static_smem,
+    set_operand,
+    splits,
+    stage_of,
+    variant_fits,
+)
 
 NAME = 'cupy'
 DEVICE = 'cuda'
@@ -35,213 +70,10 @@ INSTALL_HINT = 'pip install cupy-cuda12x or cupy-cuda13x (matching the CUDA driv
 SOURCE = 'nystrom_attention.cu'
 #: NVRTC options besides the variant's ``-D`` ones. CuPy adds the device's architecture.
 NVRTC_OPTIONS = ('-std=c++17',)
-
-#: torch dtype -> C++ element type of the kernels (fp64 runs the reference).
-ELEMENT_TYPES = {torch.float32: 'float', torch.float16: 'lap_half', torch.bfloat16: 'lap_bf16'}
-
-FORWARD = ('nys_forward_stats', 'nys_forward_solve', 'nys_forward_context', 'nys_forward_out')
-BACKWARD = ('nys_backward_reduce', 'nys_backward_merge', 'nys_backward_solve',
-            'nys_backward_grads', 'nys_backward_landmarks')
-STAGES = FORWARD + BACKWARD
-#: Stages that evaluate no kernel function: no KIND template argument.
-NO_KIND = ('nys_forward_context', 'nys_backward_merge')
-
-#: The oldest architecture the kernels are written for (no instruction needs more).
-MIN_CAPABILITY = (6, 0)
-#: NVRTC 13 dropped every architecture below this one.
-NVRTC13_MIN_CAPABILITY = (7, 5)
-MAX_GRID_YZ = 65535
-MAX_GRID_X = 2 ** 31 - 1
-# Sizes are 32-bit ints in the kernels; the margin keeps "size + tile - 1" from overflowing.
-_MAX_SIZE = 2 ** 31 - 2 ** 16
-#: lap_common.cuh's layout of ns_iterate: floats of one k-split partial, the row strides.
-NS_PART_STRIDE, NS_LD_NARROW, NS_LD_WIDE = 20, 52, 68
-#: ns_iterate's static norm scalar, as ptxas reports it (counts against the limit).
-NS_STATIC_SMEM = 16
-#: Shared memory every CUDA device gives a block without opting in.
-DEFAULT_SMEM = 48 * 1024
 _F32 = torch.float32
 
 
-def kernel_name(stage, element_type, kind):
-    """Template instantiation of a stage; the stages of :data:`NO_KIND` have no KIND."""
-    return f'{stage}<{element_type}>' if stage in NO_KIND else f'{stage}<{element_type}, {kind}>'
-
-
-def kernel_names(element_types=tuple(ELEMENT_TYPES.values())):
-    """Every instantiation the host can launch for these element types (one compile)."""
-    return list(dict.fromkeys(kernel_name(stage, element, kind) for element in element_types
-                              for kind in KERNEL_CODES.values() for stage in STAGES))
-
-
-class Variant(NamedTuple):
-    """Tile geometry (the .cu's NYS_* macros): landmark and value columns of a tile (mp, dv),
-    rows of a row-pass / gradient tile (tn, tb), the staged d-chunk (tk), threads (tx, ty),
-    entries per block of the slice merges (lanes: one warp's coalesced row), value columns
-    per block of the context kernel (cc) and thread rows of the forward solve (sy)."""
-    name: str
-    mp: int
-    dv: int
-    tn: int
-    tb: int
-    tk: int = 16
-    tx: int = 16
-    ty: int = 16
-    lanes: int = 32
-    cc: int = 8
-    sy: int = 32
-
-    @property
-    def defines(self):
-        return tuple(f'-DNYS_{key.upper()}={getattr(self, key)}' for key in self._fields[1:])
-
-    @property
-    def threads(self):
-        return self.tx * self.ty
-
-    @property
-    def block(self):
-        return (self.tx, self.ty, 1)
-
-
-#: Value tiles fitted to d_v <= 32 (Tiny's heads) or <= 64; gradient tiles of 32 rows, or 16
-#: where the device's shared memory is smaller (T4, RTX 20xx: 64 KiB).
-VARIANTS = (
-    Variant('dv32_tb32', 64, 32, 64, 32),
-    Variant('dv32_tb16', 64, 32, 64, 16),
-    Variant('dv64_tb32', 64, 64, 64, 32),
-    Variant('dv64_tb16', 64, 64, 64, 16),
-)
-VARIANT_BY_NAME = {v.name: v for v in VARIANTS}
-MAX_M = max(v.mp for v in VARIANTS)
-MAX_DV = max(v.dv for v in VARIANTS)
-
-
-def _ceil_div(a, b):
-    return -(-a // b)
-
-
-def ns_layout(m):
-    """(mp, ld): m padded to the 4 x 4 micro-tile and the row stride of ns_iterate's
-    matrices (lap_common.cuh's ns_stride)."""
-    mp = _ceil_div(m, 4) * 4
-    return mp, (NS_LD_NARROW if mp <= NS_LD_NARROW else NS_LD_WIDE)
-
-
-def grads_smem(v):
-    """Dynamic shared memory (bytes) of nys_backward_grads: the layout at its top."""
-    dw = max(v.mp, v.dv)
-    return 4 * (2 * v.mp * (v.dv + 1) + 2 * v.tb * (v.mp + 1) + 2 * v.tb * (dw + 1)
-                + v.tk * (v.tb + 1) + v.tk * (v.mp + 1) + 3 * v.mp + 2 * v.tb + 2 * v.dv)
-
-
-def row_pass_static_smem(v):
-    """Static shared memory (bytes) of the largest row-pass kernel (nys_forward_out or
-    nys_forward_stats); it must stay within the 48 KiB every device has."""
-    staging = v.tk * (v.tn + 1) + v.tk * (v.mp + 1) + v.tn * (v.mp + 1) + 2 * v.tn
-    # The values, the statistics' group sums and the fp64 group sums of the common part
-    # and of sum r.
-    stats = (staging + v.tn * (v.dv + 1) + 2 * (v.threads // v.mp) * v.mp + 2 * v.threads
-             + 2 * (v.threads // v.dv))
-    out = staging + v.mp * (v.dv + 1) + v.dv
-    return 4 * max(stats, out)
-
-
-def context_static_smem(v):
-    """Static shared memory (bytes) of nys_forward_context: X, P, R and the context columns."""
-    return 4 * (2 * v.mp * (v.mp + 1) + 2 * v.mp * (v.cc + 1) + v.mp)
-
-
-def landmark_tile_floats(v):
-    """Floats of the kernel tile of the landmarks against themselves (NYS_LTILE)."""
-    return (2 * v.tk + v.mp) * (v.mp + 1)
-
-
-def ns_partials(v, m, smem_limit):
-    """Floats of ns_iterate's k-split partials in nys_forward_solve on a device with this
-    limit, for Newton's P X and X (P X) over all nt^2 4 x 4 tiles, the product steps' X R
-    beside R R over the upper triangle's nt (nt + 1) twice and the last one's X R over
-    nt (nt + 1) / 2. Splits per product as
-    lap_common.cuh's ns_splits: tiles x splits threads fill the block as far as the room
-    P, X and T leave holds the partials of the splits past the first."""
-    mp, ld = ns_layout(m)
-    nt, room = mp // 4, max(0, (smem_limit - NS_STATIC_SMEM) // 4 - 3 * mp * ld)
-    return NS_PART_STRIDE * max(
-        (max(1, min(v.tx * v.sy // t, nt, 1 + room // (NS_PART_STRIDE * t))) - 1) * t
-        for t in (nt * nt, nt * (nt + 1) // 2, nt * (nt + 1)))
-
-
-def solve_smem(v, m, partials):
-    """Dynamic shared memory (bytes) of nys_forward_solve: P, X, T and the k-split partials,
-    or P and the landmark tile, whichever is more (a merge job, 5 floats a thread, needs
-    less than both: the .cu asserts it)."""
-    mp, ld = ns_layout(m)
-    return 4 * max(mp * ld + landmark_tile_floats(v), 3 * mp * ld + partials)
-
-
-def backward_solve_smem(v, m, cols):
-    """Dynamic shared memory (bytes) of nys_backward_solve with ``cols`` value columns a pass."""
-    return 4 * (m * m + max(landmark_tile_floats(v),
-                            m * (m + 1) + 3 * m * (cols + 1) + v.mp + cols))
-
-
-class Plan(NamedTuple):
-    variant: Variant
-    backward_solve_cols: int  # value columns per pass of nys_backward_solve
-    solve_smem: int
-    backward_solve_smem: int
-    grads_smem: int
-    ns_partials: int          # floats of the forward solve's k-split partials
-
-
-def variant_fits(v, smem_limit):
-    """Whether the variant's kernels fit a device whose blocks may use ``smem_limit`` bytes
-    of shared memory, whatever m (the solves' needs on m are :func:`plan`'s)."""
-    return row_pass_static_smem(v) <= DEFAULT_SMEM and grads_smem(v) <= smem_limit
-
-
-@functools.lru_cache(maxsize=None)
-def plan(m, dv, smem_limit):
-    """A :class:`Plan` for m landmarks and d_v value columns on a device whose blocks may
-    use ``smem_limit`` bytes of shared memory, or a tuple of reasons none fits."""
-    if not 1 <= m <= MAX_M:
-        return (f'm = {m} landmarks; the CUDA kernels take 1 to {MAX_M}',)
-    if not 1 <= dv <= MAX_DV:
-        return (f'd_v = {dv} value columns; the CUDA kernels take 1 to {MAX_DV}',)
-    reasons = []
-    for v in sorted((v for v in VARIANTS if v.dv >= dv), key=lambda v: (v.dv, -v.tb)):
-        if not variant_fits(v, smem_limit):
-            reasons.append(f'variant {v.name}: the gradient kernel needs {grads_smem(v):,} bytes '
-                           f'of shared memory, the device allows {smem_limit:,}')
-            continue
-        # The backward solve's widest column pass: all of d_v, else a halving down to 8.
-        bcols = next((c for c in dict.fromkeys([dv] + [c for c in (32, 16, 8) if c < dv])
-                      if backward_solve_smem(v, m, c) <= smem_limit), None)
-        partials = ns_partials(v, m, smem_limit)
-        if solve_smem(v, m, partials) + NS_STATIC_SMEM > smem_limit or bcols is None:
-            mp, ld = ns_layout(m)
-            need = max(solve_smem(v, m, 0) + NS_STATIC_SMEM, backward_solve_smem(v, m, 8))
-            reasons.append(f'variant {v.name}: the solves of m = {m} need {need:,} bytes of '
-                           f'shared memory (Newton-Schulz on {mp} x {ld}), the device allows '
-                           f'{smem_limit:,}')
-            continue
-        return Plan(v, bcols, solve_smem(v, m, partials), backward_solve_smem(v, m, bcols),
-                    grads_smem(v), partials)
-    return tuple(reasons)
-
-
-@functools.lru_cache(maxsize=None)
-def splits(bh, n, target_blocks, tile_rows):
-    """(splits, chunk): the N rows of each (batch, head) cut into ``splits`` slices of
-    ``chunk`` rows (a multiple of the tile heights) so that about ``target_blocks`` blocks
-    exist. Depends only on the shapes and the device: results are deterministic."""
-    tiles = _ceil_div(max(n, 1), tile_rows)
-    count = min(tiles, max(1, _ceil_div(target_blocks, bh)), MAX_GRID_X)
-    chunk = _ceil_div(tiles, count) * tile_rows
-    return _ceil_div(max(n, 1), chunk), chunk
-
-
-# -- The device and what runs there --
+# == Runtime: CuPy, the device, one module per (device, variant, element type) ==
 
 # [(why the backend cannot run here or None, whether CuPy is installed)], filled at the first
 # call that asks; a plain global, so a compiled graph reads it as a constant.
@@ -294,11 +126,12 @@ def available():
     return reason is None
 
 
-class DeviceLimits(NamedTuple):
-    capability: tuple
-    sms: int
-    smem_optin: int       # shared memory a block may opt into (static + dynamic), bytes
-    nvrtc_major: int      # 0 when unknown
+def smem_optin(cupy, index):
+    """The device's own shared-memory opt-in limit per block, as CUDA reports it."""
+    runtime = cupy.cuda.runtime
+    # cudaDevAttrMaxSharedMemoryPerBlockOptin, 97 in every CUDA since 9.0.
+    return int(runtime.deviceGetAttribute(
+        getattr(runtime, 'cudaDevAttrMaxSharedMemoryPerBlockOptin', 97), index))
 
 
 @functools.lru_cache(maxsize=None)
@@ -308,10 +141,9 @@ def _device_limits(index):
     nvrtc = 0
     try:
         cupy = import_cupy()
-        if not optin:
-            optin = int(cupy.cuda.Device(index).attributes['MaxSharedMemoryPerBlockOptin'])
+        optin = optin or smem_optin(cupy, index)
         nvrtc = cupy.cuda.nvrtc.getVersion()[0]
-    except Exception:  # no attribute on this CuPy/driver: the limit every GPU allows
+    except Exception:  # no CuPy, or no attribute on this driver: the limit every GPU allows
         optin = optin or DEFAULT_SMEM
     return DeviceLimits((props.major, props.minor), props.multi_processor_count, optin, nvrtc)
 
@@ -327,76 +159,275 @@ def target_blocks(device):
     return 4 * device_limits(device).sms
 
 
-@functools.lru_cache(maxsize=None)
-def _device_reasons(limits):
-    if limits.capability < MIN_CAPABILITY:
-        return (f'compute capability {limits.capability[0]}.{limits.capability[1]}; the CUDA '
-                f'kernels need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later',)
-    if limits.nvrtc_major >= 13 and limits.capability < NVRTC13_MIN_CAPABILITY:
-        return (f'NVRTC {limits.nvrtc_major} cannot compile for sm_{limits.capability[0]}'
-                f'{limits.capability[1]}; install cupy-cuda12x (NVRTC 12)',)
-    return ()
+class CudaOpsError(RuntimeError):
+    """A CUDA kernel failed to compile or launch; the message names kernel and shapes."""
+
+
+class CaptureError(RuntimeError):
+    """The kernels would be compiled, loaded or opted in while a CUDA graph is captured."""
+
+
+class CupyNotInstalled(ImportError):
+    """CuPy is not installed (as opposed to installed and failing to import)."""
+
+
+def import_cupy():
+    """``import cupy``; the ImportError says how to install it where it is not installed
+    (:class:`CupyNotInstalled`), and carries the import's own error where it is installed but
+    does not import."""
+    try:
+        import cupy
+    except Exception as exc:  # a broken install raises ImportError, OSError or RuntimeError
+        if isinstance(exc, ModuleNotFoundError) and exc.name == 'cupy':
+            raise CupyNotInstalled(f'CuPy is not installed: {INSTALL_HINT}') from exc
+        raise ImportError(f'CuPy is installed but does not import: {type(exc).__name__}: '
+                          f'{exc}') from exc
+    return cupy
+
+
+def source_dir():
+    """lapformer_mm/csrc/cuda, shipped with the package."""
+    return Path(__file__).resolve().parents[2] / 'csrc' / 'cuda'
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
+
+
+def load_source(name=SOURCE, _seen=None):
+    """Text of ``name`` with its local ``#include "..."`` lines inlined (once each), so that
+    CuPy's kernel cache, keyed by the source text, sees header changes too."""
+    path = source_dir() / name
+    if not path.is_file():
+        raise FileNotFoundError(f'CUDA source {path} is missing; reinstall lapformer_mm')
+    seen = set() if _seen is None else _seen
+
+    def include(match):
+        header = match.group(1)
+        if header in seen:
+            return ''
+        seen.add(header)
+        return load_source(header, seen)
+
+    return _INCLUDE.sub(include, path.read_text())
+
+
+def compile_options(variant, element_type):
+    """NVRTC options of the module of a variant's kernels for one element type: the tile
+    geometry and the element type, which picks the module's entry points (the .cu's end)."""
+    return NVRTC_OPTIONS + variant.defines + (f'-DNYS_ELEMENT={element_type}',)
+
+
+def capturing(device_index):
+    """Whether PyTorch's current stream on the device is capturing a CUDA graph."""
+    with torch.cuda.device(device_index):
+        return torch.cuda.is_current_stream_capturing()
+
+
+_lock = threading.Lock()
+# (device, variant name, element type) -> {kernel name: launch function}
+_groups = {}
+# (device, variant name, kernel name) -> launch function: what a launch looks up.
+_launchers = {}
+#: (device, variant name, element type) -> 'compiled' (NVRTC ran) or 'cached' (CuPy's kernel
+#: cache served the module), as CuPy reported it.
+loaded_from = {}
+# (device, variant name, element type) -> the error of its failed compile or load: a build
+# that failed once (CuPy for another CUDA than the driver's, say) is not tried at every call.
+_failed = {}
+# Dynamic shared memory a kernel is opted into at load: all the device allows (so that no
+# later call changes it, inside a capture say), less its static shared memory.
+_OPTIN_RESERVE = {'nys_forward_solve': NS_STATIC_SMEM, 'nys_backward_solve': 0,
+                  'nys_backward_grads': 0}
+
+
+class _CompileLog:
+    """CuPy's ``log_stream``: NVRTC's log is written to it after a compile, never where
+    CuPy's kernel cache served the module (cupy/cuda/compiler.py, CuPy 13 and 14)."""
+    compiled = False
+
+    def write(self, text):
+        self.compiled = True
+
+
+def _build(device_index, variant, element_type):
+    """({kernel name: launch function}, 'compiled' or 'cached') of one module, loaded and
+    opted in. CuPy compiles a module once per process (its memo of source, options and log)
+    and keeps the binary in its kernel cache (source, options, architecture, NVRTC)."""
+    cupy = import_cupy()
+    code, options = load_source(), compile_options(variant, element_type)
+    log, group = _CompileLog(), {}
+    device = cupy.cuda.Device(device_index)
+    with device:
+        optin = smem_optin(cupy, device.id)
+        for stage in STAGES:
+            for kind in (0,) if stage in NO_KIND else KERNEL_CODES.values():
+                kernel = cupy.RawKernel(code, entry_name(stage, kind), options=options,
+                                        backend='nvrtc')
+                kernel.compile(log_stream=log)
+                reserve = _OPTIN_RESERVE.get(stage)
+                if reserve is not None and optin - reserve > DEFAULT_SMEM:
+                    kernel.max_dynamic_shared_size_bytes = optin - reserve
+                # RawKernel.kernel, the loaded function, skips RawKernel's per-call lookups.
+                group[kernel_name(stage, element_type, kind)] = kernel.kernel
+    return group, 'compiled' if log.compiled else 'cached'
+
+
+def load_group(device_index, variant, element_type):
+    """The launch functions of every stage for (device, variant, element type), loaded once
+    (:func:`_build`); a failure is remembered and raised again (:class:`CudaOpsError`)."""
+    key = (device_index, variant.name, element_type)
+    if key in _groups:
+        return _groups[key]
+    with _lock:
+        if key in _groups:
+            return _groups[key]
+        if key in _failed:
+            raise CudaOpsError(_failed[key])
+        if capturing(device_index):
+            raise CaptureError(
+                f'the CUDA kernels of the attention ({variant.name}, {element_type}) are not '
+                f'loaded yet on cuda:{device_index}, and a CUDA graph is being captured: '
+                'compiling and loading them would break the capture. Run the attention once '
+                'eagerly before capturing, or call lapformer_mm.ops.backends.cuda.warmup() '
+                '(torch.compile mode="reduce-overhead" warms up eagerly by itself).')
+        try:
+            group, loaded_from[key] = _build(device_index, variant, element_type)
+        except Exception as exc:  # CuPy raises CompileException and CUDADriverError
+            _failed[key] = (f'compiling {SOURCE} ({variant.name}, {element_type}) for '
+                            f'cuda:{device_index} failed: {type(exc).__name__}: {exc}')
+            raise CudaOpsError(_failed[key]) from exc
+        _launchers.update(((device_index, variant.name, name), fn) for name, fn in group.items())
+        _groups[key] = group
+    return group
+
+
+def ensure_loaded(device_index, variant, element_type):
+    """None where the kernels of (device, variant, element type) are loaded, or load now;
+    else why they cannot be (the compile or load error, remembered: not retried). Inside a
+    CUDA-graph capture nothing is loaded: the launch loads, and raises CaptureError."""
+    try:
+        load_group(device_index, variant, element_type)
+    except CudaOpsError as exc:  # this build's failure, now or remembered from before
+        return str(exc)
+    except CaptureError:
+        return None
+    return None
+
+
+def raw_stream(device_index):
+    """Handle of PyTorch's current stream on the device (the capture stream while a CUDA
+    graph is being captured), without making a Stream object (as inductor's code does)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+class _Stream(NamedTuple):
+    """A stream as CuPy's launch reads it (its ``.ptr`` alone): PyTorch's current one, never
+    CuPy's own current stream, which would escape a CUDA-graph capture."""
+    ptr: int
+
+
+def launch(name, variant, tensor, grid, block, params, shared_mem=0, shapes='', smem_limit=0):
+    """Launch kernel ``name`` of ``variant`` on PyTorch's current stream of ``tensor``'s
+    device with the by-value ``params``; no host synchronisation, a device context only when
+    that device is not the current one. Failures raise :class:`CudaOpsError` naming the
+    kernel, the geometry and ``shapes`` (a string, or a callable made on failure only).
+    ``smem_limit``: the plan's, which the emulation checks (the device opted in to its own)."""
+    cupy = import_cupy()
+    device_index = tensor.device.index
+    call = _launchers.get((device_index, variant.name, name))
+    if call is None:  # a launch no checked call loaded for
+        element_type = name.split('<', 1)[1].split(',')[0].rstrip('>').strip()
+        call = load_group(device_index, variant, element_type)[name]
+    try:
+        stream = _Stream(raw_stream(device_index))
+        if cupy.cuda.runtime.getDevice() == device_index:
+            call(grid, block, (params,), shared_mem=shared_mem, stream=stream)
+        else:
+            with cupy.cuda.Device(device_index):
+                call(grid, block, (params,), shared_mem=shared_mem, stream=stream)
+    except Exception as exc:
+        raise CudaOpsError(f'launching {name} ({variant.name}, grid={grid}, block={block}, '
+                           f'shared_mem={shared_mem}) for '
+                           f'{shapes() if callable(shapes) else shapes} failed: {exc}') from exc
+
+
+def warmup(device=None, dtypes=(torch.float32,), value_dims=None, m=None):
+    """Load, on ``device`` (default: the current one), every variant the op can pick there
+    for these dtypes, ahead of any CUDA-graph capture (a first use inside one raises
+    :class:`CaptureError`): those that calls of ``m`` landmarks (default: any of 1 to
+    MAX_M) and these value widths (default: 32 and 64, the tiles' widths; widths without
+    kernels on the device are left out) select. Returns the (variant name, dtype) pairs
+    loaded; a dtype, or a width given, that the kernels do not take is a ValueError."""
+    index = None if device is None else torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    for dtype in dtypes:
+        if dtype not in ELEMENT_TYPES:
+            raise ValueError(f'dtypes: the CUDA kernels take '
+                             f'{", ".join(map(str, ELEMENT_TYPES))}, got {dtype}')
+    limits = device_limits(torch.device('cuda', index))
+    landmarks = range(1, MAX_M + 1) if m is None else (m,)
+    variants = {}
+    for dv in value_dims or (32, MAX_DV):
+        plans = [plan(count, dv, limits.smem_optin) for count in landmarks]
+        picked = [found.variant for found in plans if isinstance(found, Plan)]
+        if not picked and value_dims is not None:
+            raise ValueError(f'value_dims: no kernels for d_v = {dv} on device {index} '
+                             f'({"; ".join(plans[-1])})')
+        variants.update((v.name, v) for v in picked)
+    loaded = []
+    for variant in variants.values():
+        for dtype in dtypes:
+            load_group(index, variant, ELEMENT_TYPES[dtype])
+            loaded.append((variant.name, dtype))
+    return loaded
+
+
+# == Backend: the op's calls ==
+
+class _Ready(NamedTuple):
+    """A call's check passed: its plan, the device's limits, the element type."""
+    plan: Plan
+    limits: DeviceLimits
+    element: str
+
+
+# (device, dtype, q's shape, d_v, m, kernel, limits) -> _Ready: the check of a call, found
+# again by the op's body after the selection's not_supported, and by the backward.
+_READY = {}
+_MAX_READY = 1024
+
+
+def _checked(q, v, landmarks, opts, load=True):
+    """(the :class:`_Ready` or None, why not, the build's failure or None) of a call: the
+    operands and the device checked and the kernels loaded (``load``) once per shape and
+    device, then found in ``_READY``. Never raises."""
+    try:
+        limits = device_limits(q.device)
+        key = (q.device.index, q.dtype, q.shape, v.shape[3], landmarks.shape[2], opts.kernel,
+               limits)
+        if load and key in _READY:
+            return _READY[key], (), None
+        reasons, found = fit(q, v, landmarks, opts, limits)
+    except Exception as exc:  # a device that cannot even be queried
+        return None, (f'the device could not be queried ({type(exc).__name__}: {exc})',), None
+    if reasons or not load:
+        return None, reasons, None
+    element = ELEMENT_TYPES[q.dtype]
+    failure = ensure_loaded(q.device.index, found.variant, element)
+    if failure is not None:
+        return None, (failure,), failure
+    if len(_READY) >= _MAX_READY:
+        _READY.clear()
+    ready = _READY[key] = _Ready(found, limits, element)
+    return ready, (), None
 
 
 def not_supported(q, k, v, landmarks, opts):
     """Why this backend cannot run these operands (empty: it can). Never raises. Where the
-    operands fit, the kernels they need are compiled and loaded here (once; see
-    :func:`ensure_loaded`), so that a build that fails is a reason, not an error inside the op."""
-    reasons, found, limits = _operand_reasons(q, k, v, landmarks, opts)
-    if reasons:
-        return reasons
-    failure = ensure_loaded(q.device.index, found.variant, ELEMENT_TYPES[q.dtype],
-                            limits.smem_optin)
-    return () if failure is None else (failure,)
-
-
-def _operand_reasons(q, k, v, landmarks, opts):
-    """(why the operands or the device do not fit, the plan, the device's limits): the
-    checks of :func:`not_supported` before its build."""
-    try:
-        reasons = []
-        if q.dtype not in ELEMENT_TYPES:
-            reasons.append(f'dtype {q.dtype}; the CUDA kernels take '
-                           f'{", ".join(str(t) for t in ELEMENT_TYPES)}')
-        if q.numel() == 0 or v.numel() == 0 or landmarks.numel() == 0:
-            reasons.append('empty operands')
-        sizes = dict(n=q.shape[2], d=q.shape[3], bh=q.shape[0] * q.shape[1],
-                     elements=max(q.numel(), v.numel()))
-        reasons += [f'{name} = {value:,} exceeds the kernels\' 32-bit index range'
-                    for name, value in sizes.items() if value > _MAX_SIZE]
-        if opts.kernel not in KERNEL_CODES:
-            reasons.append(f'kernel {opts.kernel!r}; the CUDA kernels take '
-                           f'{", ".join(KERNEL_CODES)}')
-        limits = device_limits(q.device)
-        reasons += _device_reasons(limits)
-        found = plan(landmarks.shape[2], v.shape[3], limits.smem_optin)
-        if reasons or not isinstance(found, Plan):
-            return tuple(reasons) + (() if isinstance(found, Plan) else found), None, None
-    except Exception as exc:  # a device that cannot even be queried
-        return (f'the device could not be queried ({type(exc).__name__}: {exc})',), None, None
-    return (), found, limits
-
-
-# -- The parameter struct --
-
-_OPERAND = np.dtype([('ptr', np.uint64), ('sb', np.int64), ('sh', np.int64), ('sn', np.int64),
-                     ('sd', np.int64)], align=True)
-OPERANDS = ('q', 'k', 'v', 'L', 'g', 'grad_q', 'grad_k', 'grad_v', 'grad_l')
-POINTERS = ('out', 'part', 'fold', 'context', 'inverse', 'stats', 'work', 'lpart', 'common')
-INTS = ('heads', 'n', 'm', 'd', 'dv', 'chunk', 'splits', 'iters', 'init_authors', 'refine',
-        'injective', 'solve_cols', 'ns_partials')
-FLOATS = ('neg_inv_lam', 'neg_coef', 'eps', 'whiten_eps')
-#: ``struct nys_params`` of the .cu, field for field (C alignment: align=True).
-PARAMS_DTYPE = np.dtype([(name, _OPERAND) for name in OPERANDS]
-                        + [(name, np.uint64) for name in POINTERS] + [('bh_count', np.int64)]
-                        + [(name, np.int32) for name in INTS]
-                        + [(name, np.float32) for name in FLOATS], align=True)
-
-
-def set_operand(params, name, tensor):
-    """params[name] = (pointer, batch, head, row, column strides) of a (B, h, n, c) tensor."""
-    if tensor is not None:
-        params[name] = (tensor.data_ptr(),) + tuple(tensor.stride())
+    operands fit, the kernels they need are loaded here (once), so that a build that fails
+    is a reason, not an error inside the op. A ``torch.compile`` trace loads nothing and
+    reads no load state: the graph's first run loads, and raises what fails."""
+    return _checked(q, v, landmarks, opts, load=not torch.compiler.is_compiling())[1]
 
 
 class _Call(NamedTuple):
@@ -409,22 +440,14 @@ class _Call(NamedTuple):
 
 
 def _call(q, k, v, landmarks, opts, shapes):
-    """The plan, kernel names, row slices and common parameters of one call; its launches
-    go to :func:`launch` with the device's opt-in limit and the shapes for an error.
-    Operands the kernels do not take raise their reasons (the registered op called with
-    impl='cupy' directly has not asked :func:`not_supported`)."""
-    reasons, found, limits = _operand_reasons(q, k, v, landmarks, opts)
-    if reasons:
-        raise RuntimeError(f"impl='cupy' cannot run this call: {'; '.join(reasons)}; use "
-                           "impl='reference' or None")
-    failure = ensure_loaded(q.device.index, found.variant, ELEMENT_TYPES[q.dtype],
-                            limits.smem_optin)
+    """The plan, kernel names, row slices and common parameters of one call, from its check
+    (:func:`_checked`: done by the selection's not_supported, else here); its launches go to
+    :func:`launch` with the shapes for an error."""
+    ready, reasons, failure = _checked(q, v, landmarks, opts)
     if failure is not None:
-        # The op's own selection builds the kernels first and falls back where that fails,
-        # so a build failing here means the kernels were chosen unbuilt: by a torch.compile
-        # trace (which builds nothing, and reads impl=None as 'cupy'), or by a direct call of
-        # the registered op. A trace reads no build state (ensure_loaded), so an earlier
-        # failed build does not steer it to the reference either.
+        # The op's selection builds the kernels first and falls back where that fails, so a
+        # build failing here means they were chosen unbuilt: by a torch.compile trace (which
+        # builds nothing, and reads impl=None as 'cupy'), or by a direct call of the op.
         raise RuntimeError(
             "impl='cupy' cannot run this call: its CUDA kernels were selected when a "
             "torch.compile graph was traced, before they were built (a trace builds nothing; "
@@ -432,28 +455,32 @@ def _call(q, k, v, landmarks, opts, shapes):
             f"impl='cupy'; the build then failed: {failure}. Compile with impl='reference' "
             "(eager calls with impl=None fall back to it, but a trace chooses the kernels "
             "whether or not their build failed earlier)")
+    if ready is None:  # the registered op called with impl='cupy' directly
+        raise RuntimeError(f"impl='cupy' cannot run this call: {'; '.join(reasons)}; use "
+                           "impl='reference' or None")
     batch, heads, n, d = q.shape
-    n_splits, chunk = splits(batch * heads, n, target_blocks(q.device), found.variant.tn)
+    n_splits, chunk = splits(batch * heads, n, target_blocks(q.device), ready.plan.variant.tn)
     kind = KERNEL_CODES[opts.kernel]
     p = np.zeros(1, PARAMS_DTYPE)
     for name, t in (('q', q), ('k', k), ('v', v), ('L', landmarks)):
         set_operand(p, name, t)
     p['bh_count'] = batch * heads
     p['heads'], p['n'], p['m'], p['d'], p['dv'] = heads, n, landmarks.shape[2], d, v.shape[3]
-    p['chunk'], p['splits'], p['ns_partials'] = chunk, n_splits, found.ns_partials
+    p['chunk'], p['splits'], p['ns_partials'] = chunk, n_splits, ready.plan.ns_partials
     p['iters'], p['init_authors'] = opts.iters, opts.ns_init == 'authors'
     p['refine'], p['injective'] = bool(opts.ns_refine), opts.normalize == 'injective'
     p['neg_inv_lam'] = -1.0 / opts.lam
     p['neg_coef'] = -(1.0 if kind == KERNEL_CODES['laplacian'] else 2.0) / opts.lam
     p['eps'], p['whiten_eps'] = opts.eps, opts.whiten_eps
-    element = ELEMENT_TYPES[q.dtype]
 
     def describe():  # the operands for an error message, formatted only if one is raised
         return ', '.join(f'{key} {tuple(t.shape)} {t.dtype}' for key, t in shapes.items())
 
-    go = functools.partial(launch, variant=found.variant, tensor=q, block=found.variant.block,
-                           params=p, shapes=describe, smem_limit=limits.smem_optin)
-    return _Call(found, {s: kernel_name(s, element, kind) for s in STAGES}, n_splits, p, go)
+    variant = ready.plan.variant
+    go = functools.partial(launch, variant=variant, tensor=q, block=variant.block, params=p,
+                           shapes=describe, smem_limit=ready.limits.smem_optin)
+    return _Call(ready.plan, {s: kernel_name(s, ready.element, kind) for s in STAGES},
+                 n_splits, p, go)
 
 
 def forward(q, k, v, landmarks, opts):
@@ -484,13 +511,13 @@ def forward(q, k, v, landmarks, opts):
     bh_grid = min(bh, MAX_GRID_YZ)
     # Job 0 of a (batch, head) is the Newton-Schulz block, the others merge the slices,
     # sy / ty pieces each.
-    jobs = 1 + _ceil_div(_ceil_div(2 * m + m * dv + dv, variant.lanes), variant.sy // variant.ty)
+    jobs = 1 + ceil_div(ceil_div(2 * m + m * dv + dv, variant.lanes), variant.sy // variant.ty)
     c.launch(c.names['nys_forward_stats'], grid=(c.n_splits, bh_grid))
     c.launch(c.names['nys_forward_solve'], grid=(min(jobs, MAX_GRID_X), bh_grid),
              block=(variant.tx, variant.sy, 1), shared_mem=c.plan.solve_smem)
     c.launch(c.names['nys_forward_context'],
-             grid=(min(_ceil_div(dv, variant.cc), MAX_GRID_X), bh_grid))
-    c.launch(c.names['nys_forward_out'], grid=(min(_ceil_div(n, variant.tn), MAX_GRID_X), bh_grid))
+             grid=(min(ceil_div(dv, variant.cc), MAX_GRID_X), bh_grid))
+    c.launch(c.names['nys_forward_out'], grid=(min(ceil_div(n, variant.tn), MAX_GRID_X), bh_grid))
     return out, context, inverse, stats
 
 
@@ -530,296 +557,11 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
     bh_grid = min(bh, MAX_GRID_YZ)
     c.launch(c.names['nys_backward_reduce'], grid=(c.n_splits, bh_grid))
     c.launch(c.names['nys_backward_merge'],
-             grid=(min(_ceil_div(m * dv + dv, lanes), MAX_GRID_X), bh_grid))
+             grid=(min(ceil_div(m * dv + dv, lanes), MAX_GRID_X), bh_grid))
     c.launch(c.names['nys_backward_solve'], grid=(min(bh, MAX_GRID_X),),
              shared_mem=c.plan.backward_solve_smem)
     c.launch(c.names['nys_backward_grads'], grid=(c.n_splits, bh_grid),
              shared_mem=c.plan.grads_smem)
     c.launch(c.names['nys_backward_landmarks'],
-             grid=(min(_ceil_div(m * d, lanes), MAX_GRID_X), bh_grid))
+             grid=(min(ceil_div(m * d, lanes), MAX_GRID_X), bh_grid))
     return dq, q.new_empty(0) if dk is None else dk, dv_out, dl
-
-
-def warmup(device=None, dtypes=(torch.float32,), value_dims=None, m=None):
-    """Compile, load and opt in, on ``device`` (default: the current one), every variant the
-    op can pick there for these dtypes, ahead of any CUDA-graph capture (a first use inside a
-    capture raises :class:`CaptureError`): the variants that calls of ``m`` landmarks
-    (default: any of 1 to MAX_M; on a small device the plan depends on m) and these value
-    widths select (default: 32 and 64, those of the variants' tiles: a narrower width picks
-    what its tile's width picks; widths without kernels on the device are left out).
-    Returns the (variant name, dtype) pairs loaded; a dtype, or a width given, that the
-    kernels do not take is a ValueError (the op would run the reference)."""
-    index = None if device is None else torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    for dtype in dtypes:
-        if dtype not in ELEMENT_TYPES:
-            raise ValueError(f'dtypes: the CUDA kernels take '
-                             f'{", ".join(map(str, ELEMENT_TYPES))}, got {dtype}')
-    limits = device_limits(torch.device('cuda', index))
-    landmarks = range(1, MAX_M + 1) if m is None else (m,)
-    variants = {}
-    for dv in value_dims or (32, MAX_DV):
-        plans = [plan(count, dv, limits.smem_optin) for count in landmarks]
-        picked = [found.variant for found in plans if isinstance(found, Plan)]
-        if not picked and value_dims is not None:
-            raise ValueError(f'value_dims: no kernels for d_v = {dv} on device {index} '
-                             f'({"; ".join(plans[-1])})')
-        variants.update((v.name, v) for v in picked)
-    loaded = []
-    for variant in variants.values():
-        for dtype in dtypes:
-            load_group(index, variant, ELEMENT_TYPES[dtype], limits.smem_optin)
-            loaded.append((variant.name, dtype))
-    return loaded
-
-
-# -- CuPy side: compile, cache, launch --
-
-class CudaOpsError(RuntimeError):
-    """A CUDA kernel failed to compile or launch; the message names kernel and shapes."""
-
-
-class CaptureError(RuntimeError):
-    """The kernels would be compiled, loaded or opted in while a CUDA graph is captured."""
-
-
-def source_dir():
-    """lapformer_mm/csrc/cuda, shipped with the package."""
-    return Path(__file__).resolve().parents[2] / 'csrc' / 'cuda'
-
-
-_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
-
-
-def load_source(name=SOURCE, _seen=None):
-    """Text of ``name`` with its local ``#include "..."`` lines inlined (once each), so that
-    CuPy's on-disk cache, keyed by the source text, sees header changes too."""
-    path = source_dir() / name
-    if not path.is_file():
-        raise FileNotFoundError(f'CUDA source {path} is missing; reinstall lapformer_mm')
-    seen = set() if _seen is None else _seen
-
-    def include(match):
-        header = match.group(1)
-        if header in seen:
-            return ''
-        seen.add(header)
-        return load_source(header, seen)
-
-    return _INCLUDE.sub(include, path.read_text())
-
-
-class CupyNotInstalled(ImportError):
-    """CuPy is not installed (as opposed to installed and failing to import)."""
-
-
-def import_cupy():
-    """``import cupy``; the ImportError says how to install it where it is not installed
-    (:class:`CupyNotInstalled`), and carries the import's own error where it is installed but
-    does not import."""
-    try:
-        import cupy
-    except Exception as exc:  # a broken install raises ImportError, OSError or RuntimeError
-        if isinstance(exc, ModuleNotFoundError) and exc.name == 'cupy':
-            raise CupyNotInstalled(f'CuPy is not installed: {INSTALL_HINT}') from exc
-        raise ImportError(f'CuPy is installed but does not import: {type(exc).__name__}: '
-                          f'{exc}') from exc
-    return cupy
-
-
-def capturing(device_index):
-    """Whether PyTorch's current stream on the device is capturing a CUDA graph."""
-    with torch.cuda.device(device_index):
-        return torch.cuda.is_current_stream_capturing()
-
-
-_lock = threading.Lock()
-# (device, variant name, element type) -> {kernel name: launch function}
-_groups = {}
-#: (device, variant name, element type) -> 'compiled' (by NVRTC) or 'cached' (CuPy's cache).
-loaded_from = {}
-# (device, variant name, element type) -> the error of its failed compile or load: a build
-# that failed once (CuPy for another CUDA than the driver's, say) is not tried at every call.
-_failed = {}
-# Dynamic shared memory a kernel is opted into once, at load: all it may ever ask on the
-# device (so nothing changes later, inside a capture); the limit less this.
-_OPTIN_RESERVE = {'nys_forward_solve': NS_STATIC_SMEM, 'nys_backward_solve': 0,
-                  'nys_backward_grads': 0}
-
-
-def compile_options(variant, element_type):
-    """NVRTC options of the module of a variant's kernels for one element type: the tile
-    geometry, and a define naming the element type. CuPy's kernel cache keys a binary by
-    source and options, not by the kernels asked for, so without it the modules of one
-    variant's element types would overwrite each other there."""
-    return NVRTC_OPTIONS + variant.defines + (f'-DNYS_ELEMENT={element_type}',)
-
-
-def kernel_cache_dir():
-    """CuPy's on-disk kernel cache (``CUPY_CACHE_DIR``, else ``~/.cupy/kernel_cache``), where
-    the kernels' lowered names are kept beside the binaries CuPy keeps; None where
-    ``CUPY_CACHE_IN_MEMORY=1`` keeps no binary on disk."""
-    if os.environ.get('CUPY_CACHE_IN_MEMORY', '0').strip() == '1':
-        return None
-    return Path(os.environ.get('CUPY_CACHE_DIR') or Path.home() / '.cupy' / 'kernel_cache')
-
-
-def _names_file(cupy, code, options, names):
-    """Where the lowered names of a compile of ``code`` with ``options`` are kept (None: not
-    kept), keyed by everything the names and CuPy's binary depend on."""
-    try:
-        folder = kernel_cache_dir()
-        versions = [str(getattr(cupy, '__version__', '')), list(cupy.cuda.nvrtc.getVersion())]
-    except Exception:  # no home folder, no NVRTC version to key on: nothing kept
-        return None
-    if folder is None:
-        return None
-    key = hashlib.sha256(json.dumps([code, list(options), list(names), versions]).encode())
-    return folder / f'lapformer_mm_{key.hexdigest()[:40]}.json'
-
-
-def _load_compiled(cupy, code, options, names, names_file):
-    """{name: kernel} from CuPy's kernel cache by the lowered names an earlier compile kept,
-    or None. CuPy recompiles a module with name expressions every time (it needs NVRTC's
-    lowered names; docs/cuda.md gives the cost); a module of the same source and options
-    without them is the binary its cache holds, whose kernels the lowered names find."""
-    try:
-        lowered = json.loads(names_file.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(lowered, dict) or sorted(lowered) != sorted(names):
-        return None
-    module = cupy.RawModule(code=code, options=options, backend='nvrtc')
-    try:
-        return {name: module.get_function(lowered[name]) for name in names}
-    except Exception:  # CuPy's cache no longer holds that binary: compile
-        return None
-
-
-def _keep_names(names_file, module, names):
-    try:
-        lowered = {name: module.module.mapping[name] for name in names}
-        names_file.parent.mkdir(parents=True, exist_ok=True)
-        partial = names_file.with_name(f'{names_file.name}.{os.getpid()}.tmp')
-        partial.write_text(json.dumps(lowered))
-        os.replace(partial, names_file)
-    except Exception:  # a cache that cannot be written costs the next process a compile
-        pass
-
-
-def _compile(device_index, variant, element_type, smem_limit):
-    """Every stage for an element type, loaded and opted in: from CuPy's kernel cache where
-    an earlier process compiled the same source and options, else one NVRTC compile.
-    Returns (group, 'cached' or 'compiled')."""
-    cupy = import_cupy()
-    names = kernel_names((element_type,))
-    code, options = load_source(), compile_options(variant, element_type)
-    with cupy.cuda.Device(device_index):
-        names_file = _names_file(cupy, code, options, names)
-        functions = None if names_file is None else _load_compiled(cupy, code, options, names,
-                                                                   names_file)
-        how = 'cached'
-        if functions is None:
-            module = cupy.RawModule(code=code, options=options, name_expressions=names,
-                                    backend='nvrtc')
-            functions = {name: module.get_function(name) for name in names}
-            how = 'compiled'
-            if names_file is not None:
-                _keep_names(names_file, module, names)
-        group = {}
-        for name, function in functions.items():
-            reserve = _OPTIN_RESERVE.get(name.split('<')[0])
-            if reserve is not None and smem_limit - reserve > DEFAULT_SMEM:
-                function.max_dynamic_shared_size_bytes = smem_limit - reserve
-            # RawKernel.kernel, the compiled Function, skips RawKernel's per-call device lookup.
-            group[name] = getattr(function, 'kernel', function)
-    return group, how
-
-
-def load_group(device_index, variant, element_type, smem_limit):
-    """The launch functions of every stage for (device, variant, element type), cached."""
-    key = (device_index, variant.name, element_type)
-    if key in _groups:
-        return _groups[key]
-    with _lock:
-        if key in _groups:
-            return _groups[key]
-        if key in _failed:
-            raise CudaOpsError(_failed[key])
-        if capturing(device_index):
-            raise CaptureError(
-                f'the CUDA kernels of the attention ({variant.name}, {element_type}) are not '
-                f'loaded yet on cuda:{device_index}, and a CUDA graph is being captured: '
-                'compiling and loading them would break the capture. Run the attention once '
-                'eagerly before capturing, or call lapformer_mm.ops.backends.cuda.warmup() '
-                '(torch.compile mode="reduce-overhead" warms up eagerly by itself).')
-        try:
-            _groups[key], loaded_from[key] = _compile(device_index, variant, element_type,
-                                                      smem_limit)
-        except Exception as exc:  # CuPy raises CompileException and CUDADriverError
-            _failed[key] = (f'compiling {SOURCE} ({variant.name}, {element_type}) for '
-                            f'cuda:{device_index} failed: {type(exc).__name__}: {exc}')
-            raise CudaOpsError(_failed[key]) from exc
-    return _groups[key]
-
-
-def ensure_loaded(device_index, variant, element_type, smem_limit):
-    """None where the kernels of (device, variant, element type) are loaded, or load now;
-    else why they cannot be (the compile or load error, remembered: not retried). Inside a
-    CUDA-graph capture or a torch.compile trace nothing is loaded here: the launch loads,
-    and raises (:class:`CaptureError` in a capture)."""
-    if torch.compiler.is_compiling():
-        # First, so that a trace reads none of load_group's mutable state (no guard on it).
-        return None
-    try:
-        load_group(device_index, variant, element_type, smem_limit)
-    except CudaOpsError as exc:  # this build's failure, now or remembered from before
-        return str(exc)
-    except CaptureError:  # nothing is loaded inside a capture: the launch raises
-        return None
-    return None
-
-
-def raw_stream(device_index):
-    """Handle of PyTorch's current stream on the device (the capture stream while a CUDA
-    graph is being captured), without making a Stream object (as inductor's code does)."""
-    return torch._C._cuda_getCurrentRawStream(device_index)
-
-
-_streams = {}
-_MAX_STREAMS = 256
-
-
-def cupy_stream(cupy, device_index):
-    """PyTorch's current stream as a CuPy ``ExternalStream``, one wrapper per handle; never
-    CuPy's own current stream (the legacy default stream unless set), which would escape a
-    CUDA graph capture and replay stale results."""
-    handle = raw_stream(device_index)
-    key = (device_index, handle)
-    if key not in _streams:
-        if len(_streams) >= _MAX_STREAMS:
-            _streams.clear()
-        _streams[key] = cupy.cuda.ExternalStream(handle, device_index)
-    return _streams[key]
-
-
-def launch(name, variant, tensor, grid, block, params, shared_mem=0, shapes='', smem_limit=0):
-    """Launch kernel ``name`` of ``variant`` on PyTorch's current stream of ``tensor``'s
-    device with the by-value ``params``; no host synchronisation, a device context only when
-    that device is not the current one. Failures raise :class:`CudaOpsError` naming the
-    kernel, the geometry and ``shapes`` (a string, or a callable made on failure only)."""
-    cupy = import_cupy()
-    device_index = tensor.device.index
-    element_type = name.split('<', 1)[1].split(',')[0].rstrip('>').strip()
-    call = load_group(device_index, variant, element_type, smem_limit)[name]
-    try:
-        stream = cupy_stream(cupy, device_index)
-        if cupy.cuda.runtime.getDevice() == device_index:
-            call(grid, block, (params,), shared_mem=shared_mem, stream=stream)
-        else:
-            with cupy.cuda.Device(device_index):
-                call(grid, block, (params,), shared_mem=shared_mem, stream=stream)
-    except Exception as exc:
-        raise CudaOpsError(f'launching {name} ({variant.name}, grid={grid}, block={block}, '
-                           f'shared_mem={shared_mem}) for '
-                           f'{shapes() if callable(shapes) else shapes} failed: {exc}') from exc

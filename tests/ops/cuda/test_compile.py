@@ -153,13 +153,35 @@ def test_only_the_gradient_kernel_reads_its_rows():
     of the geometry (the #if, the #error, the static_assert every compile evaluates)."""
     text = cuda.load_source()
     start = text.index('__device__ void nys_kernel_grads')
-    end = text.index('nys_backward_landmarks(const nys_params p)')
-    assert start < text.index('nys_backward_grads(const nys_params p)') < end
+    end = text.index('nys_backward_landmarks(NYS_PARAMS p)')
+    assert start < text.index('nys_backward_grads(NYS_PARAMS p)') < end
     outside = [line.split('//')[0].strip() for line in (text[:start] + text[end:]).splitlines()]
     uses = [line for line in outside if 'NYS_TB' in line and not line.startswith(('#if', '#error'))]
     assert uses == ['NYS_TN % NYS_TY == 0 && NYS_TB % NYS_TY == 0,'], uses
     assert [v.name for v in cuda.VARIANTS if stages_to_compile(v.name)] == ['dv32_tb16',
                                                                            'dv64_tb16']
+
+
+def test_the_modules_the_backend_loads_are_the_kernels_checked_here(nvrtc):
+    """What CuPy compiles (one element type, -DNYS_ELEMENT, no name expressions) exports
+    every stage's entry point under its C name, and nothing else, each the same SASS
+    instructions as the template instantiation the tests here check (dv32_tb32, fp32)."""
+    options = (('--gpu-architecture=sm_90',)
+               + cuda.compile_options(cuda.VARIANT_BY_NAME['dv32_tb32'], 'float')
+               + CUPY_ADDED_OPTIONS)
+    status, log, _, cubin = nvrtc.compile(cuda.load_source(), cuda.SOURCE, options, [])
+    assert status == 0, log
+    _, _, lowered, templates = sass.compile_variant('dv32_tb32', 'sm_90')
+    nvdisasm = sass.find_nvdisasm()
+    if not nvdisasm:
+        pytest.fail('nvdisasm not found: pip install nvidia-cuda-nvdisasm (requirements/tests.txt)')
+    module, reference = sass.disassemble(nvdisasm, cubin), sass.disassemble(nvdisasm, templates)
+    entries = {cuda.kernel_name(stage, 'float', kind): cuda.entry_name(stage, kind)
+               for stage in cuda.STAGES for kind in cuda.KERNEL_CODES.values()}
+    assert sorted(module) == sorted(set(entries.values()))
+    for name, entry in entries.items():
+        assert ([op for _, op, _, _ in module[entry]]
+                == [op for _, op, _, _ in reference[lowered[name]]]), name
 
 
 def test_host_sizes_the_solve_with_the_sources_layout():

@@ -177,7 +177,6 @@ def test_the_compile_step_leaves_every_pair_for_later_processes(stub_gpu, tmp_pa
     for variant, dtype in pairs:
         assert re.search(rf'^{variant} {dtype}: compiled in ', log, re.M), log
         assert re.search(rf'^{variant} {dtype}, loaded again: cached in ', log, re.M), log
-    assert len(list((tmp_path / 'kernel_cache').glob('lapformer_mm_*.json'))) == len(pairs)
 
 
 def missing(module):

@@ -1,13 +1,17 @@
 """The host path of the CUDA backend with a fake CuPy (devtools/fake_cupy.py): no GPU needed.
 
 What makes the CuPy path thin, per-device and CUDA-graph safe, checked on the CPU: one
-compile per (variant, element type) with the variant's -D geometry, the opt-in done once
-at load, nothing compiled or loaded inside a capture (a clear error, or warmup() first),
-every launch on PyTorch's current stream (so a capture stream is followed and CuPy's own
-current stream, the legacy default stream, is never used), a device context entered only
-when the device is not current, strided operands passed without copies, one struct
-argument per launch, and reasons instead of exceptions for what the kernels cannot take.
+module per (variant, element type) with the variant's -D geometry, its kernels under fixed C
+names that CuPy's kernel cache serves to a later process (under both of CuPy's cache keys),
+the opt-in to the device's own limit done once at load, nothing compiled or loaded inside a
+capture (a clear error, or warmup() first), every launch on PyTorch's current stream (so a
+capture stream is followed and CuPy's own current stream, the legacy default stream, is
+never used) with no deprecated CuPy API, a device context entered only when the device is
+not current, strided operands passed without copies, one struct argument per launch, one
+check per call, and reasons instead of exceptions for what the kernels cannot take.
 """
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +24,8 @@ from lapformer_mm.ops.backends import cuda
 from lapformer_mm.ops.reference import OpOptions
 
 H200 = emulated_limits(smem_optin=227 * 1024, sms=2)
+# The backend's load at a call's check (the routing to CPU tensors takes it as done).
+ENSURE_LOADED = cuda.ensure_loaded
 
 
 @pytest.fixture
@@ -49,12 +55,11 @@ def test_one_compile_per_variant_and_element_type_with_its_geometry(fake):
     q, k, v, landmarks = attention_inputs()
     for _ in range(3):
         nystrom_attention(q, k, v, landmarks)
-    compiles = [e for e in cupy.events if e[0] == 'compile']
-    assert len(compiles) == 1 and all('<float' in name for name in compiles[0][1])
+    compiles = [e for e in cupy.events if e[0] in ('compile', 'load')]
     variant = cuda.VARIANT_BY_NAME['dv32_tb32']
-    assert compiles[0][2] == cuda.NVRTC_OPTIONS + variant.defines + ('-DNYS_ELEMENT=float',)
-    assert compiles[0][3] == 'nvrtc'
-    assert [e[1].split('<')[0] for e in launches(cupy)] == list(cuda.FORWARD) * 3
+    assert compiles == [('compile', (), cuda.NVRTC_OPTIONS + variant.defines
+                         + ('-DNYS_ELEMENT=float',), 'nvrtc')]
+    assert [e[1] for e in launches(cupy)] == [cuda.entry_name(s, 0) for s in cuda.FORWARD] * 3
     # One argument per launch: the parameter struct, a numpy array of size one.
     assert all(len(e[4]) == 1 and e[4][0].dtype == cuda.PARAMS_DTYPE and e[4][0].size == 1
                for e in launches(cupy))
@@ -71,11 +76,28 @@ def test_opt_in_happens_once_at_load_to_the_devices_limit(fake):
     q, k, v, landmarks = (t.detach().requires_grad_() for t in attention_inputs())
     nystrom_attention(q, k, v, landmarks).sum().backward()
     nystrom_attention(q, k, v, landmarks).sum().backward()
-    optins = {e[1].split('<')[0]: e[2] for e in cupy.events if e[0] == 'optin'}
-    assert optins == {'nys_forward_solve': H200.smem_optin - cuda.NS_STATIC_SMEM,
-                      'nys_backward_solve': H200.smem_optin,
-                      'nys_backward_grads': H200.smem_optin}
+    optins = {cuda.stage_of(e[1]): e[2] for e in cupy.events if e[0] == 'optin'}
+    assert optins == {'nys_forward_solve': cupy.smem_optin - cuda.NS_STATIC_SMEM,
+                      'nys_backward_solve': cupy.smem_optin,
+                      'nys_backward_grads': cupy.smem_optin}
     assert len([e for e in cupy.events if e[0] == 'optin']) == 3 * 2  # both kinds, once
+
+
+def test_a_variant_loaded_under_a_smaller_forced_limit_serves_a_full_size_launch(fake,
+                                                                                  monkeypatch):
+    """A plan made for 64 KiB (a test forcing a smaller device's plan) loads dv32_tb32
+    first; the device's own limit's plan at m = 64 then launches the forward solve with
+    73,984 bytes, which the fake refuses over the opt-in, as CUDA does."""
+    cupy, _ = fake
+    q = torch.randn(1, 2, 64, 32)
+    landmarks = pool_landmarks(q, (8, 8), 8)
+    for kib in (64, 227):
+        monkeypatch.setattr(cuda, 'device_limits',
+                            lambda device, kib=kib: emulated_limits(smem_optin=kib * 1024))
+        nystrom_attention(q, q, q.clone(), landmarks)
+    solves = [e[5] for e in launches(cupy) if cuda.stage_of(e[1]) == 'nys_forward_solve']
+    assert solves == [cuda.plan(64, 32, 64 * 1024).solve_smem, 73_984]
+    assert len([e for e in cupy.events if e[0] == 'compile']) == 1
 
 
 def test_a_first_call_inside_a_capture_raises_and_warmup_prevents_it(fake, monkeypatch):
@@ -89,7 +111,7 @@ def test_a_first_call_inside_a_capture_raises_and_warmup_prevents_it(fake, monke
     assert loaded == [('dv32_tb32', torch.float32)]
     compiles = len([e for e in cupy.events if e[0] == 'compile'])
     monkeypatch.setattr(cuda, 'capturing', lambda device_index: True)
-    group = cuda.load_group(0, cuda.VARIANT_BY_NAME['dv32_tb32'], 'float', H200.smem_optin)
+    group = cuda.load_group(0, cuda.VARIANT_BY_NAME['dv32_tb32'], 'float')
     assert len(group) == len(cuda.kernel_names(('float',)))
     assert len([e for e in cupy.events if e[0] == 'compile']) == compiles
 
@@ -101,16 +123,17 @@ def cuda_options(**overrides):
     return OpOptions(**fields)
 
 
-def test_launches_follow_pytorchs_current_stream_one_wrapper_each(fake):
-    """Two calls on one stream wrap it once; a new current stream (a capture stream, say)
-    is used from the next launch on. The fake refuses a launch without a stream."""
+def test_launches_follow_pytorchs_current_stream_without_deprecated_cupy_api(fake):
+    """A new current stream (a capture stream, say) is used from the next launch on. The fake
+    refuses a launch without a stream and warns at CuPy 14's deprecated ExternalStream."""
     cupy, streams = fake
     q, k, v, landmarks = attention_inputs()
-    nystrom_attention(q, k, v, landmarks)
-    nystrom_attention(q, k, v, landmarks)
-    streams.handle = 777
-    nystrom_attention(q, k, v, landmarks)
-    assert [e for e in cupy.events if e[0] == 'stream'] == [('stream', 12345), ('stream', 777)]
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        nystrom_attention(q, k, v, landmarks)
+        nystrom_attention(q, k, v, landmarks)
+        streams.handle = 777
+        nystrom_attention(q, k, v, landmarks)
     n = len(cuda.FORWARD)
     assert [e[-1] for e in launches(cupy)] == [12345] * (2 * n) + [777] * n
 
@@ -255,54 +278,75 @@ def test_warmup_loads_every_variant_a_call_can_select_on_the_device(fake, monkey
         assert fits == {(m, dv) for m in range(1, 61) for dv in range(1, 33)}
 
 
-def test_a_later_process_loads_the_kernels_from_cupys_cache_by_the_names_kept(monkeypatch,
-                                                                              tmp_path):
-    """CuPy compiles a module with name expressions in every process; the backend keeps the
-    lowered names beside CuPy's cache, so a second process (a second fake over the same
-    disk cache) loads the binary and launches the same kernels without compiling."""
+@pytest.mark.parametrize('version', ['13.6.0', '14.2.0'])
+def test_a_later_process_loads_the_module_from_cupys_cache(monkeypatch, version):
+    """CuPy's kernel cache keys a module without name expressions by its source and options
+    under every CuPy from 13 on: a second process (a second fake over the same disk cache)
+    loads the binary and launches the same kernels, and says so; each element type is a
+    module of its own; CUPY_CACHE_IN_MEMORY=1 keeps nothing."""
     disk, q, k, v, landmarks = {}, *attention_inputs()
 
-    def process():
-        cupy, _ = fake_cupy.install(cuda, monkeypatch.setattr, disk=disk, cache_dir=tmp_path)
+    def process(*operands):
+        cupy, _ = fake_cupy.install(cuda, monkeypatch.setattr, disk=disk, version=version)
         route_cpu_tensors_to_cuda_backend(monkeypatch.setattr, H200)
-        nystrom_attention(q, k, v, landmarks)
+        monkeypatch.setattr(cuda, 'ensure_loaded', ENSURE_LOADED)
+        nystrom_attention(*operands)
         return cupy, [e[0] for e in cupy.events if e[0] in ('compile', 'load')]
 
-    first, loads = process()
+    first, loads = process(q, k, v, landmarks)
     assert loads == ['compile'] and list(cuda.loaded_from.values()) == ['compiled']
-    second, loads = process()
+    second, loads = process(q, k, v, landmarks)
     assert loads == ['load'] and list(cuda.loaded_from.values()) == ['cached']
     assert [e[1] for e in launches(second)] == [e[1] for e in launches(first)]
-    assert [e[1].split('<')[0] for e in launches(second)] == list(cuda.FORWARD)
-    # Another element type of the same variant is another binary in CuPy's cache: both stay.
-    q, k, v, landmarks = (t.half() for t in (q, k, v, landmarks))
-    assert process()[1] == ['compile']
-    q, k, v, landmarks = (t.float() for t in (q, k, v, landmarks))
-    assert process()[1] == ['load']
+    assert process(*(t.half() for t in (q, k, v, landmarks)))[1] == ['compile']
+    assert process(q, k, v, landmarks)[1] == ['load']
+    monkeypatch.setenv('CUPY_CACHE_IN_MEMORY', '1')
+    assert process(q, k, v, landmarks)[1] == ['compile']
+    assert list(cuda.loaded_from.values()) == ['compiled']
 
 
-def test_a_stale_or_broken_names_file_means_a_compile(monkeypatch, tmp_path):
-    """The binary gone from CuPy's cache, the names file unreadable, or the source changed:
-    the backend compiles (and keeps the names again), never launches a wrong kernel; for a
-    changed source it compiles once, with no attempt at the old names first."""
-    q, k, v, landmarks = attention_inputs()
 
-    def process(disk):
-        cupy, _ = fake_cupy.install(cuda, monkeypatch.setattr, disk=disk, cache_dir=tmp_path)
-        route_cpu_tensors_to_cuda_backend(monkeypatch.setattr, H200)
-        nystrom_attention(q, k, v, landmarks)
-        assert [e[1].split('<')[0] for e in launches(cupy)] == list(cuda.FORWARD)
-        compiles = len([e for e in cupy.events if e[0] == 'compile'])
-        return cuda.loaded_from.popitem()[1], compiles
+@pytest.mark.parametrize('version, later', [('13.6.0', 'compile'), ('14.2.0', 'load')])
+def test_the_fake_keys_modules_with_name_expressions_as_cupy_does(version, later):
+    """What the fake models of a module reached by name expressions: up to CuPy 14.0 it is
+    compiled in every process; from 14.1 the cache keys it by the names too, so the same
+    source and options without them is another module, with no template in it."""
+    disk, code = {}, 'template <int K> __global__ void f() {}\nextern "C" __global__ void g() {}'
+    for expected in ('compile', later):
+        cupy = fake_cupy.FakeCupy(disk=disk, version=version)
+        module = cupy.RawModule(code=code, options=('-DX',), name_expressions=['f<1>'])
+        assert module.get_function('f<1>').kernel.name == fake_cupy.lowered('f<1>')
+        assert [e[0] for e in cupy.events] == [expected]
+    plain = fake_cupy.FakeCupy(disk=disk, version=version).RawModule(code=code, options=('-DX',))
+    assert plain.get_function('g').kernel.name == 'g'
+    with pytest.raises(RuntimeError, match='CUDA_ERROR_NOT_FOUND'):
+        plain.get_function(fake_cupy.lowered('f<1>') if later == 'load' else 'f<1>')
 
-    disk = {}
-    assert process(disk) == ('compiled', 1) and process(disk) == ('cached', 0)
-    assert process({}) == ('compiled', 2)  # CuPy's cache emptied, the names file left
-    (names_file,) = tmp_path.glob('lapformer_mm_*.json')
-    disk = {}
-    process(disk)
-    names_file.write_text('{"truncated')
-    assert process(disk) == ('compiled', 1) and process(disk) == ('cached', 0)
-    source = cuda.load_source() + '\n// changed\n'
-    monkeypatch.setattr(cuda, 'load_source', lambda: source)
-    assert process(disk) == ('compiled', 1)
+
+def test_a_module_exposes_the_entry_points_of_its_element_type_only():
+    """The .cu's C entry points exist where the host defines NYS_ELEMENT (as the fake's
+    preprocessing reads the source), one per stage and kernel function, named as
+    entry_name says; without a variant's geometry the source stops at its #error."""
+    variant, source = cuda.VARIANT_BY_NAME['dv32_tb32'], cuda.load_source()
+    lines = fake_cupy.active_lines(source, cuda.compile_options(variant, 'lap_bf16'))
+    entries = fake_cupy._ENTRY.findall('\n'.join(lines))
+    assert sorted(entries) == sorted({cuda.entry_name(stage, kind) for stage in cuda.STAGES
+                                      for kind in cuda.KERNEL_CODES.values()})
+    assert not fake_cupy._ENTRY.findall('\n'.join(fake_cupy.active_lines(source, variant.defines)))
+    with pytest.raises(RuntimeError, match='tile geometry'):
+        fake_cupy.active_lines(source, cuda.NVRTC_OPTIONS)
+
+
+def test_one_check_per_call(fake, monkeypatch):
+    """The selection's not_supported checks a call and loads its kernels; the op's body and
+    the backward find that check (nothing evaluated or loaded twice)."""
+    q, k, v, landmarks = (t.detach().requires_grad_() for t in attention_inputs())
+    nystrom_attention(q, k, v, landmarks)
+    fits, loads = [], []
+    fit, ensure = cuda.fit, cuda.ensure_loaded
+    monkeypatch.setattr(cuda, 'fit', lambda *args: fits.append(1) or fit(*args))
+    monkeypatch.setattr(cuda, 'ensure_loaded', lambda *args: loads.append(1) or ensure(*args))
+    nystrom_attention(q, k, v, landmarks).sum().backward()
+    assert fits == [] and loads == []
+    nystrom_attention(q[:, :, :40], k[:, :, :40], v[:, :, :40], landmarks).sum().backward()
+    assert fits == [1] and loads == [1]
