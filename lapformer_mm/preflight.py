@@ -153,8 +153,8 @@ def path_problem(item: Input) -> Optional[str]:
 
 
 def pretrained_checkpoint(model_cfg: Mapping) -> Optional[Input]:
-    """The backbone's ``Pretrained`` checkpoint: ``init_cfg``, or the deprecated ``pretrained``
-    of the backbone or of an mmseg segmentor (which hands it to the backbone)."""
+    """The backbone's ``Pretrained`` checkpoint: ``init_cfg``, or the ``pretrained`` of the
+    backbone or of an mmseg segmentor (which hands it to the backbone)."""
     backbone_cfg = model_cfg['backbone']
     for key, owner in (('model.pretrained', model_cfg),
                        ('model.backbone.pretrained', backbone_cfg)):
@@ -173,11 +173,8 @@ def pretrained_checkpoint(model_cfg: Mapping) -> Optional[Input]:
 
 def laplacianformer_mismatch(checkpoint_path: str, backbone_cfg: Mapping,
                              prefix: Optional[str]) -> Optional[str]:
-    """Why the checkpoint cannot initialise this LaplacianFormer, or None when it can.
-
-    The checkpoint is read with ``weights_only=True``; the backbone's own tensor names and
-    shapes come from building the backbone alone (under 2 s on a CPU core for 'huge').
-    """
+    """Why the checkpoint (read with ``weights_only=True``) cannot initialise this
+    LaplacianFormer, built alone for its tensors, or None when it can."""
     from .models import LaplacianFormer
     from .models.pretrained import backbone_mismatch, extract_backbone_state_dict
 
@@ -268,11 +265,8 @@ def find_input_problems(cfg: Mapping, mode: str = 'train') -> List[Problem]:
 
 
 def data_root_options(cfg: Mapping, splits: Sequence[str], new_root) -> List[str]:
-    """``--cfg-options`` (``key=value`` strings) that move the data of ``splits`` elsewhere.
-
-    ``new_root(root)`` gives the new path of each dataset's ``data_root``; an evaluator's
-    annotation file under an old root moves with it.
-    """
+    """``--cfg-options`` (``key=value``) that move the data of ``splits`` to ``new_root(root)``
+    of each dataset's ``data_root``; an evaluator's annotation file under it moves along."""
     options, moved = [], {}
     for split in splits:
         loader = cfg.get(f'{split}_dataloader')

@@ -1,10 +1,8 @@
 """Build lapformer_mm's ONNX Runtime custom-operator library (opt-in, docs/deploy.md).
 
-A plain C++ shared library (``lapformer_mm/csrc/onnxruntime``): no torch and no ONNX Runtime
-link; it needs only ONNX Runtime's C API headers at build time, whose folder the user
-names (``--ort-include DIR`` or ``ORT_INCLUDE_DIR``; the folder holding
-``onnxruntime_c_api.h``, e.g. the ``include/`` of an ONNX Runtime release). The pip
-install step does not build it, so without the headers nothing changes.
+A plain C++ shared library (``lapformer_mm/csrc/onnxruntime``) that needs only ONNX
+Runtime's C API headers at build time (``--ort-include DIR`` or ``ORT_INCLUDE_DIR``, e.g. the
+``include/`` of an ONNX Runtime release); the pip install step does not build it.
 
     python tools/build_ort_ops.py --ort-include /path/to/onnxruntime/include
     make ort-ops ORT_INCLUDE_DIR=/path/to/onnxruntime/include

@@ -1,17 +1,9 @@
 """COCO evaluation of a results file with pycocotools.
 
-Prints pycocotools' standard 12-line table for each type and, with ``--out-json``,
-writes the six headline numbers per type as fractions, exactly as pycocotools
-computes them (``COCOeval.stats[:6]``; ``segm`` uses mask areas)::
-
-    {"bbox": {"AP": .., "AP50": .., "AP75": .., "APs": .., "APm": .., "APl": ..},
-     "segm": {...}}
-
-A results file is the standard COCO list of detections
-(``[{"image_id", "category_id", "bbox" | "segmentation", "score"}, ...]``), e.g. the
-``*.bbox.json``/``*.segm.json`` files mmdet's ``CocoMetric`` writes with
-``outfile_prefix``. With two types, pass one file per type, or one file whose
-detections carry both ``bbox`` and ``segmentation``.
+Prints pycocotools' table for each type and, with ``--out-json``, writes the six headline
+numbers per type as fractions (``COCOeval.stats[:6]``; ``segm`` uses mask areas). A results
+file is the standard COCO list of detections (mmdet's ``CocoMetric`` writes them with
+``outfile_prefix``); with two types, one file per type or one whose detections carry both.
 
 Example::
 

@@ -3,16 +3,12 @@
 Usage:
     python tools/convert_cls_to_backbone.py CLS_CKPT OUT_PTH [--arch medium]
 
-CLS_CKPT is an mmpretrain checkpoint of configs/cls/lapformer_*_in1k.py (or any
-layout that ``lapformer_mm.models.pretrained`` accepts); it is read with
-``weights_only=True``, so a file that needs arbitrary pickles is refused. OUT_PTH
-gets ``{'state_dict': backbone tensors, 'meta': {...}}`` without the ``backbone.``
-prefix, for ``init_cfg=dict(type='Pretrained', checkpoint=OUT_PTH)`` in detection
-and segmentation configs; an OUT_PTH that is a folder (or ends with a separator) gets
-``<CLS_CKPT name>_backbone.pth`` in it. With ``--arch``, the keys are checked against that
-backbone before anything is written: missing keys are printed, unexpected ones (a
-classifier's head saved without a ``backbone.`` prefix) printed and left out, and tensors
-of another shape or stages of another depth stop the conversion.
+CLS_CKPT is an mmpretrain checkpoint of configs/cls/lapformer_*_in1k.py (or any layout
+``lapformer_mm.models.pretrained`` accepts), read with ``weights_only=True``. OUT_PTH (a
+folder gets ``<CLS_CKPT name>_backbone.pth``) gets the backbone tensors without their
+prefix, for a ``Pretrained`` init_cfg. With ``--arch`` the keys are checked against that
+backbone first: missing and unexpected ones printed (the latter left out), tensors of
+another shape or stages of another depth stop the conversion.
 """
 import argparse
 import os

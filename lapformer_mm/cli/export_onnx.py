@@ -1,16 +1,9 @@
 """Export a detector's or segmentor's backbone, features or raw outputs to one ONNX file.
 
-mmdet-style arguments: a config, an optional checkpoint (random weights without one),
-``--target backbone | features | model``, ``--shape H W`` of the example input,
-``--batch``, ``--dynamic`` (symbolic batch, height and width, H and W from the model's
-minimum up), ``--exporter dynamo | torchscript``, ``--out``; ``--verify`` runs the file in
-ONNX Runtime and prints the largest absolute and relative error against PyTorch at the
-export size and at two other sizes (dynamic exports), beside eager fp32's own error
-against fp64, on toy COCO scenes (``--verify-input``). The input of the graph is the
-normalised, padded batch the model's data preprocessor makes (docs/deploy.md).
-``--ort-ops`` writes the kernel matrices as nodes of the opt-in ONNX Runtime op library
-(``tools/build_ort_ops.py``), which ``--verify`` registers. Needs the ``[deploy]`` extra
-(onnx, onnxscript, onnxruntime).
+A config, an optional checkpoint (random weights without one), mmdet-style options;
+``--verify`` runs the file in ONNX Runtime and prints its error against PyTorch at the export
+size and, for a dynamic file, two others, beside how far rounding moves eager fp32
+(docs/deploy.md). Needs the ``[deploy]`` extra.
 
 Examples::
 

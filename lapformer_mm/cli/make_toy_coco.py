@@ -1,48 +1,18 @@
-"""Write a small, deterministic COCO-format instance-segmentation data set
-(and, with ``--seg-out``, the same scenes as an mmseg semantic-segmentation set).
+"""Write a small, deterministic COCO-format instance-segmentation data set of toy scenes
+(:mod:`lapformer_mm.scenes`; annotations are the polygons of each object's visible part) and,
+with ``--seg-out``, the same scenes as an mmseg set with label maps (0 = background, 1-4 =
+``CLASSES``).
 
-Each image is a textured background (smooth colour gradient, low-contrast
-stripes and pixel noise) with a few filled shapes painted back to front, so
-later shapes occlude earlier ones. Every class has its own shape and colour
-family (with jitter), object sizes span COCO's "small" and "medium" ranges,
-and the annotations are polygons of the *visible* part of each object.
+Layouts: 'toy' (``annotations/instances_{train,val}.json``, ``{train,val}/000000.png``;
+``img_dir/`` and ``ann_dir/`` under ``--seg-out``) and 'official', the names the full-size
+configs read (COCO 2017 under ``--out``, ADE20K under ``--seg-out``, the categories named as
+COCO's first four classes; :data:`LAYOUTS`). The same ``--seed`` and sizes give
+byte-identical files, with or without ``--seg-out``.
 
-Layout written under ``--out`` (default ``data/toy_coco``)::
+Example::
 
-    annotations/instances_train.json
-    annotations/instances_val.json
-    train/000000.png ...
-    val/000000.png ...
-
-With ``--seg-out DIR`` the same images are also written in mmseg's layout,
-each with a single-channel PNG label map of its visible pixels (0 = background,
-1-4 = ``CLASSES`` in order, i.e. the COCO category ids)::
-
-    img_dir/train/000000.png ...   ann_dir/train/000000.png ...
-    img_dir/val/000000.png ...     ann_dir/val/000000.png ...
-
-``--layout official`` writes the same scenes under the names the full-size configs
-read (COCO 2017 under ``--out``, ADE20K under ``--seg-out``; JPEG images, PNG label
-maps; the categories named as COCO's first four classes, see :data:`LAYOUTS`)::
-
-    annotations/instances_train2017.json   images/training/000000000001.jpg ...
-    annotations/instances_val2017.json     images/validation/000000000001.jpg ...
-    train2017/000000000001.jpg ...         annotations/training/000000000001.png ...
-    val2017/000000000001.jpg ...           annotations/validation/000000000001.png ...
-
-``--img-size WIDTH HEIGHT`` writes non-square images (object sizes follow the shorter
-side). Writing the label maps draws no random numbers, so the COCO files are the same
-with or without ``--seg-out``. The same ``--seed`` and sizes always give
-byte-identical files.
-
-Examples::
-
-    python tools/make_toy_coco.py --out data/toy_coco --num-train 320 --num-val 80 \
+    python tools/make_toy_coco.py --out data/toy_coco --num-train 320 --num-val 80 \\
         --seg-out data/toy_seg
-    # a few scenes at COCO's training size, in COCO's and ADE20K's layouts
-    python tools/make_toy_coco.py --layout official --img-size 1333 800 --num-train 4 \
-        --num-val 2 --out work_dirs/fullsize_data/coco \
-        --seg-out work_dirs/fullsize_data/ade/ADEChallengeData2016
 """
 import argparse
 import json

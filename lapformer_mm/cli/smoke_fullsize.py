@@ -1,18 +1,12 @@
 """Smoke-run the full-size configs on a few synthetic images at COCO's training size.
 
 For each config: two training iterations and one evaluation through ``tools/train.py``,
-with the config unchanged except for ``--cfg-options``: the data root (and the COCO
-evaluator's annotation file) pointing at synthetic data, ``model.backbone.init_cfg=None``
-(no ImageNet checkpoint needed), the loop length (``train_cfg.max_epochs=1`` of the 4
-training images at 2 per batch, or ``train_cfg.max_iters=2``), and logging of every
-iteration's own time (``default_hooks.logger.interval=1 log_processor.window_size=1``).
-
-The data (``tools/make_toy_coco.py --layout official``) goes to ``WORK_DIR/data/coco`` and
-``WORK_DIR/data/ade/ADEChallengeData2016``, never into ``data/``, where real data sets live.
-Prints, and writes to ``WORK_DIR/summary.json``, per config: the time of each training
-iteration and of each evaluated image (mmengine's log), the peak resident memory of the
-run (its largest process, from ``wait4``) and the load average before and after.
-The checkpoints the runs save are deleted unless ``--keep-checkpoints``.
+the config changed only by ``--cfg-options`` (the data roots on synthetic data under
+``WORK_DIR/data``, never ``data/``; no ImageNet checkpoint; the loop length; every
+iteration's own time logged). Prints, and writes to ``WORK_DIR/summary.json``, per config:
+each training iteration's and evaluated image's time, the run's peak resident memory (its
+largest process, from ``wait4``) and the load average before and after. The checkpoints the
+runs save are deleted unless ``--keep-checkpoints``.
 
 Example (docs/full_size.md)::
 

@@ -14,10 +14,9 @@ import argparse
 import copy
 import json
 import numbers
-import os
 import os.path as osp
 
-from mmengine.config import ConfigDict, DictAction
+from mmengine.config import ConfigDict
 from mmengine.dist import is_main_process
 
 from lapformer_mm.cli.train import (
@@ -25,6 +24,7 @@ from lapformer_mm.cli.train import (
     checked_cfg,
     close_distributed,
     load_cfg,
+    parse_run_args,
     setup_cpu_distributed,
 )
 from lapformer_mm.models.validation import ConfigError
@@ -56,16 +56,7 @@ def parse_args(argv=None):
         '--tta', action='store_true',
         help="test-time augmentation: the config's tta_model and tta_pipeline (a box "
         "detector without them: mmdet's horizontal flip and NMS)")
-    parser.add_argument(
-        '--cfg-options', nargs='+', action=DictAction,
-        help='override config settings, key=value')
-    parser.add_argument(
-        '--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
-        default='none', help='job launcher')
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
-    args = parser.parse_args(argv)
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    args = parse_run_args(parser, argv)
     if args.out is not None and not osp.isdir(args.out) and \
             osp.splitext(args.out)[1] not in ('', '.pkl', '.pickle'):
         parser.error(f'--out must be a .pkl/.pickle file or a folder, got {args.out!r}')

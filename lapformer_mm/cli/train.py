@@ -46,18 +46,22 @@ def parse_args(argv=None):
         '--resume', nargs='?', type=str, const='auto',
         help='resume from this checkpoint; without a path, from the latest '
         'checkpoint in the work directory')
+    return parse_run_args(parser, argv)
+
+
+def parse_run_args(parser, argv):
+    """``parser``'s arguments, with those of a run that tools/train.py and tools/test.py
+    share: --cfg-options, --launcher, --local-rank."""
     parser.add_argument(
         '--cfg-options', nargs='+', action=DictAction,
-        help='override config settings, key=value (e.g. '
-        'train_cfg.max_epochs=1 randomness.seed=3)')
+        help='override config settings, key=value (e.g. train_cfg.max_epochs=1)')
     parser.add_argument(
         '--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
         default='none', help='job launcher')
     # torch.distributed.launch passes --local-rank; torchrun sets LOCAL_RANK.
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args(argv)
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    os.environ.setdefault('LOCAL_RANK', str(args.local_rank))
     return args
 
 

@@ -1,12 +1,8 @@
 """Draw a detector's or a segmentor's predictions into PNG files.
 
-Detection (mmdet configs): each PNG shows the ground truth (left, when the
-config's test set has annotations) next to the predictions above
-``--score-thr`` (right), drawn by mmdet's ``DetLocalVisualizer``.
-Semantic segmentation (configs with ``default_scope = 'mmseg'``): each PNG
-shows the image, the ground-truth label map and the predicted one side by
-side, labels painted over the image in the dataset's palette (background,
-label 0, left unpainted).
+Detection: the ground truth next to the predictions above ``--score-thr`` (mmdet's
+``DetLocalVisualizer``). Segmentation (``default_scope = 'mmseg'``): the image, the
+ground-truth and the predicted label maps side by side, in the dataset's palette.
 
 Examples::
 
@@ -15,9 +11,8 @@ Examples::
     python tools/visualize_predictions.py configs/toy/upernet_lapformer_t_toy.py \\
         work_dirs/seg_job/iter_800.pth --out-dir work_dirs/seg_job/vis --num 6
 
-The config, the checkpoint and the test data are checked before anything is built
-(``lapformer_mm.preflight``), as ``tools/test.py`` does: a missing one gets one message
-and exit status 2.
+The config, the checkpoint and the test data are checked before anything is built, as
+``tools/test.py`` does.
 """
 import argparse
 import os

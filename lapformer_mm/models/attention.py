@@ -71,14 +71,10 @@ class LaplacianAttention(nn.Module):
         load_backends()
 
     def _local_weight_channels_last(self):
-        """Give the depth-wise weight the strides its gradient comes back with.
-
-        The CPU convolution returns that gradient with channels-last strides, (9, 1, 3, 1)
-        where a contiguous (C, 1, 3, 3) weight has (9, 9, 3, 1): the same memory, but
-        DistributedDataParallel compares strides exactly and warns at every run. Kept
-        through ``.to(memory_format=...)`` and ``load_state_dict(assign=True)``, which
-        replace the weight's storage, by :meth:`_apply` and a load hook.
-        """
+        """Give the depth-wise weight the channels-last strides its CPU gradient comes back
+        with (the same memory, but DistributedDataParallel compares strides and warns at every
+        run); kept through ``.to(...)`` and ``load_state_dict(assign=True)`` by :meth:`_apply`
+        and a load hook."""
         weight = self.local.weight
         channels_last = torch.empty_like(weight, memory_format=torch.channels_last)
         if weight.stride() != channels_last.stride():
@@ -95,25 +91,17 @@ class LaplacianAttention(nn.Module):
         return t.view(batch, num_tokens, self.num_heads, -1).transpose(1, 2)
 
     def _local_term(self, v, hw):
-        """Depth-wise 3×3 convolution of v (B, N, C) on its H×W grid -> (B, N, C).
-
-        The (B, H, W, C) tokens are viewed as a channels-last NCHW map, so neither
-        direction copies and the result adds to the tokens without a strided pass.
-        """
+        """Depth-wise 3×3 convolution of v (B, N, C) on its H×W grid -> (B, N, C), through a
+        channels-last view of the tokens: no copy either way."""
         batch, num_tokens, channels = v.shape
         grid = v.reshape(batch, *hw, channels).permute(0, 3, 1, 2)
         return self.local(grid).permute(0, 2, 3, 1).reshape(batch, num_tokens, channels)
 
     def project(self, x):
-        """q, k (B, h, N, d) and v (B, N, C) of x (B, N, C); k is q when keys are tied.
-
-        On a GPU one product: the CUDA kernels read the strided head views of its C-wide
-        slices, and there every extra launch costs more than a layout does. On a CPU one
-        product per projection, each with its rows of the ``qkv`` weight (views): q, k and v
-        are contiguous (B, N, C) tensors, so the heads are views, the depth-wise convolution
-        reads v and the landmark pooling reads k as channels-last maps, and neither copies
-        them (docs/benchmarks.md, CPU kernels).
-        """
+        """q, k (B, h, N, d) and v (B, N, C) of x (B, N, C); k is q when keys are tied. One
+        product on a GPU (the kernels read strided head views; a launch costs more than a
+        layout); one per projection on a CPU, so q, k and v are contiguous and the convolution
+        and the pooling read them without a copy (docs/benchmarks.md)."""
         parts = 2 if self.qk_shared else 3
         if one_projection(x.device):
             projected = self.qkv(x).chunk(parts, dim=-1)
@@ -127,10 +115,8 @@ class LaplacianAttention(nn.Module):
         return q, k, projected[-1]
 
     def landmark_system(self, x, hw):
-        """P = k(L, L) + eps·I (B, h, m, m), the matrix the attention inverts for x (B, N, C).
-
-        For diagnostics and analysis; :meth:`forward` builds it inside the op.
-        """
+        """P = k(L, L) + eps·I (B, h, m, m) the attention inverts for x (B, N, C), for analysis
+        (:meth:`forward` builds it inside the op)."""
         _, k, _ = self.project(x)
         return landmark_matrix(pool_landmarks(k, hw, self.landmark_grid), self.options)
 

@@ -313,11 +313,9 @@ class LaplacianFormer(BaseModule):
         return tuple(outs)
 
     def get_layer_depth(self, param_name: str, prefix: str = '') -> Tuple[int, int]:
-        """(depth, number of depths) of a parameter, for mmpretrain's layer-wise learning
-        rate decay (``LearningRateDecayOptimWrapperConstructor``), as its Swin's: the stem
-        0, the blocks 1, 2, ... in order, a stage's downsampling and its norm with the
-        blocks before and after, everything else (a head: names without ``prefix``) the
-        last."""
+        """(depth, number of depths) of a parameter for mmpretrain's layer-wise learning rate
+        decay, as its Swin's: the stem 0, the blocks 1, 2, ... in order, a stage's downsampling
+        and norm with the blocks around, the rest (a head) the last."""
         depths = self.arch_settings['depths'][:self.num_stages]
         num_layers = sum(depths) + 2
         if not param_name.startswith(prefix):

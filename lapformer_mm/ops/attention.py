@@ -126,11 +126,9 @@ def _warn_fallback(name, reasons):
 
 
 def load_backends():
-    """Load the C++ CPU kernels' library now, quietly (a missing build warns at the first
-    call that would run it). The attention modules call it when built, so that a
-    ``torch.compile`` trace, even one before any eager call, reads only the backend's
-    cached state: a first load inside the trace breaks the graph (torch calls that return
-    no tensor)."""
+    """Load the C++ CPU kernels' library now, quietly (a missing build warns at the first call
+    that would run it): the modules call it when built, since a first load inside a
+    ``torch.compile`` trace breaks the graph."""
     cpu.load()
 
 
@@ -162,8 +160,8 @@ def select_backend(q, k, v, landmarks, options):
 
 
 def one_projection(device):
-    """Whether the attention on ``device`` takes q, k, v as strided views of one product:
-    the CUDA kernels read them so, and on a GPU a launch costs more than a layout does."""
+    """Whether the attention on ``device`` takes q, k, v as strided views of one product (the
+    CUDA kernels read them so)."""
     return device.type == cuda.DEVICE
 
 
