@@ -28,7 +28,8 @@ backbone's base class).
     python3 benchmarks/backbones_gpu.py --json docs/cuda_results/backbones_h200.json
 
 writes ``{"date", "device", "command", "rows": [{"model", "mode", "dtype", "graphed", "ms",
-"launches", "peak_mib"}]}`` (plus a markdown table on stdout) and prints the verdict of
+"launches", "peak_mib"}]}`` again after each row (a run stopped early keeps what it measured;
+a markdown row on stdout each), then prints the table and the verdict of
 issue #24's target: in every eager (mode, dtype) row LaplacianFormer-T takes at most 0.8x
 the time of the faster of PVTv2-b1 and Swin-T. Exits 1 when a row failed to run (a missed
 target is reported, not an error: ``--strict`` makes it one).
@@ -226,9 +227,10 @@ def peak_mib(fn):
     return (torch.cuda.max_memory_allocated() - start) / 2 ** 20
 
 
-def measure(name, args):
-    """The rows of one model, and a list of (row key, error) for calls that failed."""
-    rows, errors = [], []
+def measure(name, args, keep):
+    """Measure one model's rows, each handed to ``keep`` as it is measured; returns a list of
+    (row key, error) for calls that failed."""
+    errors = []
     model = build(name, args.size).cuda()
     gen = torch.Generator(device='cuda').manual_seed(0)
     x = torch.randn(args.batch, 3, *args.size, device='cuda', generator=gen)
@@ -259,11 +261,11 @@ def measure(name, args):
                     continue
                 finally:
                     model.zero_grad(set_to_none=True)
-                rows.append(row)
+                keep(row)
                 print(markdown([row], []).splitlines()[2], flush=True)
     del model
     torch.cuda.empty_cache()
-    return rows, errors
+    return errors
 
 
 def main(argv=None):
@@ -274,19 +276,20 @@ def main(argv=None):
     device = torch.cuda.get_device_name(0)
     print(f'# {device}, torch {torch.__version__}, size {args.size}, batch {args.batch}')
     rows, errors = [], []
+    command = 'python3 benchmarks/backbones_gpu.py ' + ' '.join(argv)
+
+    def keep(row):
+        rows.append(row)
+        if args.json is not None:
+            write_results(args.json, rows, device, command)
     for name in args.models:
         try:
-            got, failed = measure(name, args)
+            errors += measure(name, args, keep)
         except Exception as exc:  # a missing/old timm names itself
-            got, failed = [], [((name,), f'build error: {type(exc).__name__}: {exc}'[:300])]
-            print(f'# {name}: {failed[0][1]}', flush=True)
-        rows += got
-        errors += failed
+            errors.append(((name,), f'build error: {type(exc).__name__}: {exc}'[:300]))
+            print(f'# {name}: {errors[-1][1]}', flush=True)
     targets = verdicts(rows)
     print(markdown(rows, targets))
-    if args.json is not None:
-        write_results(args.json, rows, device,
-                      'python3 benchmarks/backbones_gpu.py ' + ' '.join(argv))
     if errors:
         print(f'backbones_gpu: {len(errors)} row(s) failed', file=sys.stderr)
         return 1

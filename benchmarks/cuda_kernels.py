@@ -66,16 +66,16 @@ def main(argv=None):
     args = p.parse_args(argv)
     lines = [f'GPU: {torch.cuda.get_device_name()}', '',
              '| bh | N | kernel | µs per call |', '|---|---|---|---|']
+    print('\n'.join(lines), flush=True)
     for bh, n in ((4, 66_600), (32, 1_050)):
         n, totals = kernel_times(bh, n, args.repeats, profiler=not args.no_profiler)
-        for name, us in sorted(totals.items()):
-            lines.append(f'| {bh} | {n} | `{name}` | {us:.1f} |')
+        rows = [f'| {bh} | {n} | `{name}` | {us:.1f} |' for name, us in sorted(totals.items())]
         solve = sum(us for name, us in totals.items() if name in SOLVE_TYPE)
-        lines.append(f'| {bh} | {n} | solve-type kernels, sum | {solve:.1f} |')
-    text = '\n'.join(lines) + '\n'
-    print(text)
+        rows.append(f'| {bh} | {n} | solve-type kernels, sum | {solve:.1f} |')
+        print('\n'.join(rows), flush=True)  # as measured: a run stopped later keeps them
+        lines += rows
     if args.out:
-        Path(args.out).write_text(text)
+        Path(args.out).write_text('\n'.join(lines) + '\n')
     return 0
 
 

@@ -73,3 +73,22 @@ def test_the_script_needs_a_gpu(monkeypatch):
     monkeypatch.setattr('torch.cuda.is_available', lambda: False)
     with pytest.raises(SystemExit, match='needs a CUDA device'):
         bench.main([])
+
+
+def test_the_json_holds_each_row_as_soon_as_it_is_measured(monkeypatch, tmp_path):
+    """A run stopped by a time limit keeps the rows it measured: the file is written after
+    each row, not at the end."""
+    path = tmp_path / 'backbones_h100.json'
+    seen = []
+
+    def measure(name, args, keep):
+        if path.exists():
+            seen.append([row['model'] for row in json.loads(path.read_text())['rows']])
+        keep(bench.make_row(name, 'fwd', 'fp32', False, 1.0))
+        return []
+    monkeypatch.setattr('torch.cuda.is_available', lambda: True)
+    monkeypatch.setattr('torch.cuda.get_device_name', lambda device=None: 'NVIDIA H100')
+    monkeypatch.setattr(bench, 'measure', measure)
+    assert bench.main(['--json', str(path), '--models', 'pvtv2-b1', 'swin-t']) == 0
+    assert seen == [['pvtv2-b1']]
+    assert [row['model'] for row in json.loads(path.read_text())['rows']] == ['pvtv2-b1', 'swin-t']

@@ -1,13 +1,16 @@
 """The fused attention op on a GPU: values, gradients, determinism, streams, CUDA graphs.
 
 Marked ``gpu``: skipped without CUDA and CuPy (tests/conftest.py); tools/gpu_check.sh runs
-it. The tests of the attention module and the backbone import lapformer_mm.models, which
-needs mmengine: without it they skip with that reason (the script reports such skips apart
-from the others, which fail it); the others import no OpenMMLab package.
+it, the torch.compile test in a step of its own. The tests of the attention module import
+lapformer_mm.models, which needs mmengine: without it they skip with that reason (the script
+reports such skips apart from the others, which fail it); the others import no OpenMMLab
+package.
 The same kernels run on the CPU through the emulation in tests/ops/cuda/test_fused_emulation.py.
 Every value test asserts which kernels ran (the ``ran`` fixture counts launches), so a
 silent fall-back to the reference cannot pass it.
 """
+import warnings
+
 import pytest
 import torch
 from _attention_helpers import dense_attention, dense_attention_grads, finite
@@ -261,8 +264,10 @@ def test_cuda_graph_of_a_training_step_of_the_module():
 
 
 def test_gpu_kernels_per_attention_forward():
-    """Profiler count of one LaplacianAttention forward (fp32): 4 kernels of ours and the
-    layer's own (projections, pooling, local conv, sum), at most 10 in all."""
+    """Profiler count of one LaplacianAttention forward (fp32): the 4 kernels of ours, in
+    order, asserted; the layer's own (projections, pooling, local conv, sum; docs/cuda.md
+    counts 5 ATen ops) reported in a warning, not asserted: how many kernels cuBLAS or cuDNN
+    launch for one op (an epilogue, a split-K reduction) is theirs."""
     from torch.profiler import ProfilerActivity, profile
 
     from lapformer_mm.ops.backends import cuda
@@ -276,25 +281,28 @@ def test_gpu_kernels_per_attention_forward():
             torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and 'memcpy' not in e.name.lower() and 'memset' not in e.name.lower()]
-    print('kernels per LaplacianAttention forward:', len(kernels), kernels)
-    assert sum('nys_forward' in name for name in kernels) == len(cuda.FORWARD)
-    assert len(kernels) <= 10
+    ours = [cuda.stage_of(name) for name in kernels if name.startswith('nys_')]
+    assert ours == list(cuda.FORWARD), kernels
+    others = [name for name in kernels if not name.startswith('nys_')]
+    warnings.warn(f'kernels per LaplacianAttention forward: {len(ours)} ours + {len(others)} '
+                  f'others: {others}')
 
 
-def test_torch_compile_reduce_overhead_backbone_runs():
-    pytest.importorskip('mmengine', reason=MMENGINE)
-    from lapformer_mm.models.backbone import LaplacianFormer
-    torch.manual_seed(0)
-    model = LaplacianFormer(arch='tiny', drop_path_rate=0.0, attn_cfg=dict(impl='cupy'))
-    model = model.cuda().eval()
-    x = torch.randn(1, 3, 128, 160, device='cuda')
+def test_torch_compile_reduce_overhead_runs_the_kernels(ran):
+    """The attention module (landmark pooling, local conv, the op: what a backbone adds is
+    layers of its own) under torch.compile(mode='reduce-overhead'): the trace selects the
+    kernels, the eager warm-up loads and runs them, the CUDA graph replays them."""
+    from lapformer_mm.ops.backends import cuda
+    module = _module().eval()
+    x = torch.randn(2, 768, 64, device='cuda')
     with torch.no_grad():
-        eager = model(x)
-        compiled = torch.compile(model, mode='reduce-overhead')
+        eager = module(x, (24, 32))
+        compiled = torch.compile(module, mode='reduce-overhead')
         for _ in range(3):
-            outs = compiled(x)
-    for a, b in zip(outs, eager):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            out = compiled(x, (24, 32))
+    # The eager call's launches, then the compiled graph's warm-up (and capture) ones.
+    assert [name.split('<')[0] for name, _ in ran[len(cuda.FORWARD):]][:4] == list(cuda.FORWARD)
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

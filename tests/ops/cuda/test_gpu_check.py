@@ -1,11 +1,15 @@
-"""tools/gpu_check.sh run on the CPU: the steps that need no GPU run on a stub device (env,
-compile, and the SKIP of a step whose tool or package is missing), and every Python snippet
-of the script compiles and finds what it imports of lapformer_mm.
+"""tools/gpu_check.sh run on the CPU: the steps that need no GPU run on a stub device (wheels,
+env and its module probe, compile, under both of CuPy's kernel-cache keys, and a cache broken
+on purpose), the steps whose tool or package is missing are SKIPs, a host without Nsight
+Compute's counter permission is a SKIP, the sanitizer's four tools run at once and count our
+kernels' errors alone, and every Python snippet of the script compiles and finds what it
+imports of lapformer_mm.
 
 The stub (written by :func:`stub_gpu`, loaded as ``sitecustomize`` by every Python process the
 script starts) makes torch report one CUDA device with an H100's limits and stands
-devtools/fake_cupy.py in for CuPy, with CuPy's kernel cache a folder shared by the processes,
-so the script's own Python runs as it would there.
+devtools/fake_cupy.py in for CuPy (the version ``FAKE_CUPY_VERSION``), with CuPy's kernel
+cache a folder shared by the processes, so the script's own Python runs as it would there.
+Every limit is scaled (``LIMIT_SCALE``): this machine is not the GPU machine.
 """
 import ast
 import importlib
@@ -16,6 +20,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -81,8 +86,8 @@ class Disk:
             json.dump(value, f)
 
 
-cupy = FakeCupy(record=False, disk=Disk(os.environ['CUPY_CACHE_DIR']))
-cupy.__version__ = 'fake'
+cupy = FakeCupy(record=False, disk=Disk(os.environ['CUPY_CACHE_DIR']),
+                version=os.environ.get('FAKE_CUPY_VERSION', '14.2.0'))
 sys.modules['cupy'] = cupy
 '''
 
@@ -115,10 +120,14 @@ def blocking(folder, *modules):
 
 
 def step_command(step):
-    """The command of the script's ``run_step STEP`` call, "$PY" as this interpreter."""
+    """The command of the script's ``run_step STEP`` call, "$PY" as this interpreter and the
+    script's variables as it sets them."""
     text = SCRIPT.read_text().replace('\\\n', ' ')
-    match = re.search(rf'^\s*run_step {step} \d+ "\$OUT/[\w.]+" (.*)$', text, re.M)
-    return [sys.executable if word == '$PY' else word for word in shlex.split(match.group(1))]
+    variables = dict(re.findall(r'^(COMPILED_TEST)=(\S+)$', text, re.M))
+    match = re.search(rf'^\s*run_step {step} "\$LIMIT_\w+" "\$OUT/[\w.]+" (.*)$', text, re.M)
+    words = [variables.get(w[1:], w) if w.startswith('$') else w
+             for w in shlex.split(match.group(1))]
+    return [sys.executable if word == '$PY' else word for word in words]
 
 
 def test_the_tests_step_collects_without_openmmlab_or_the_toy_data_writers_packages(tmp_path):
@@ -130,7 +139,10 @@ def test_the_tests_step_collects_without_openmmlab_or_the_toy_data_writers_packa
     proc = subprocess.run(step_command('tests') + ['--collect-only'], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert re.search(r'^\d+ tests? collected', proc.stdout, re.M), proc.stdout[-4000:]
+    # Every test but the torch.compile one, which has a step of its own.
+    assert re.search(r'^(\d+)/(\d+) tests collected \(1 deselected\)', proc.stdout, re.M), \
+        proc.stdout[-4000:]
+    assert 'torch_compile' not in proc.stdout
 
 
 @pytest.fixture
@@ -141,42 +153,78 @@ def stub_gpu(tmp_path):
     return folder
 
 
-def run_script(stub, out, steps, **extra_env):
+def run_script(stub, out, steps, path=None, **extra_env):
     env = dict(os.environ, OUT=str(out), STEPS=steps, PYTHON=sys.executable,
                PYTHONPATH=str(stub), CUPY_CACHE_DIR=str(out.parent / 'kernel_cache'),
-               **extra_env)
+               WHEELS=str(out.parent / 'wheels'), LIMIT_SCALE='10', **extra_env)
+    if path is not None:
+        env['PATH'] = f'{path}{os.pathsep}{env["PATH"]}'
     return subprocess.run(['bash', str(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=900)
 
 
 def summary(out):
     return (out / 'summary.txt').read_text()
 
 
-def test_the_env_step_passes_on_a_stub_gpu(stub_gpu, tmp_path):
+def verdict(out, step):
+    """The summary's line of a step, time left out."""
+    found = [re.sub(r' \(\d+s\)', '', line) for line in summary(out).splitlines()
+             if re.match(rf'(PASS|FAIL[^:]*|SKIP): {re.escape(step)}( \(|$)', line)]
+    assert len(found) == 1, summary(out)
+    return found[0]
+
+
+def fake_wheel(folder, name, version, code=''):
+    """A pure-Python wheel of module ``name`` whose __version__ is ``version``."""
+    folder.mkdir(exist_ok=True)
+    path = folder / f'{name}-{version}-py3-none-any.whl'
+    info = f'{name}-{version}.dist-info'
+    with zipfile.ZipFile(path, 'w') as whl:
+        whl.writestr(f'{name}/__init__.py', f'__version__ = {version!r}\n{code}')
+        whl.writestr(f'{info}/METADATA', f'Metadata-Version: 2.1\nName: {name}\nVersion: '
+                                         f'{version}\n')
+        whl.writestr(f'{info}/WHEEL', 'Wheel-Version: 1.0\nGenerator: test\n'
+                                      'Root-Is-Purelib: true\nTag: py3-none-any\n')
+        whl.writestr(f'{info}/RECORD', '')
+    return path
+
+
+@pytest.mark.parametrize('version', ['13.6.0', '14.2.0'])
+def test_the_first_steps_pass_on_a_stub_gpu_under_both_cache_keys(stub_gpu, tmp_path, version):
+    """wheels, env (with its module probe) and compile: the wheels installed on PYTHONPATH
+    (the probe finds the carried module's version), the backend's plans, and the 12 modules
+    compiled by parallel workers, then every one loaded from the (stub's) kernel cache by
+    another process, as CuPy up to 14.0 and from 14.1 keys it."""
     out = tmp_path / 'out'
-    proc = run_script(stub_gpu, out, 'env')
+    # termcolor as mmengine uses it (lapformer_mm imports mmengine where it is installed).
+    fake_wheel(tmp_path / 'wheels', 'termcolor', '9.9.9', 'def colored(text, *args, **kw):\n'
+                                                         '    return text\n')
+    proc = run_script(stub_gpu, out, 'wheels env compile', FAKE_CUPY_VERSION=version)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert re.search(r'^PASS: env \(\d+s\)$', summary(out), re.M), summary(out)
+    assert [verdict(out, step) for step in ('wheels', 'env', 'modules', 'compile')] == [
+        'PASS: wheels', 'PASS: env', 'PASS: modules', 'PASS: compile'], summary(out)
     env = (out / 'env.txt').read_text()
     assert 'gpu NVIDIA H100 80GB HBM3 cc 9.0 sms 132 smem optin 232448' in env
+    assert 'CuPy compiled and loaded a kernel' in env
     assert 'import without OpenMMLab packages' in env
     assert "plan m=49 dv=32: Plan(variant=Variant(name='dv32_tb32'" in env, env
-
-
-def test_the_compile_step_leaves_every_pair_for_later_processes(stub_gpu, tmp_path):
-    """benchmarks/cuda_compile.py in the script: 4 variants x 3 dtypes compiled by parallel
-    workers, then every one loaded from the (stub's) kernel cache by this process."""
-    out = tmp_path / 'out'
-    proc = run_script(stub_gpu, out, 'compile')
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert re.search(r'^PASS: compile \(\d+s\)$', summary(out), re.M), summary(out)
-    log = (out / 'env.txt').read_text()
+    assert 'module termcolor 9.9.9' in env
     pairs = [(v, d) for v in ('dv32_tb32', 'dv32_tb16', 'dv64_tb32', 'dv64_tb16')
              for d in ('fp32', 'fp16', 'bf16')]
     for variant, dtype in pairs:
-        assert re.search(rf'^{variant} {dtype}: compiled in ', log, re.M), log
-        assert re.search(rf'^{variant} {dtype}, loaded again: cached in ', log, re.M), log
+        assert re.search(rf'^{variant} {dtype}: compiled in ', env, re.M), env
+        assert re.search(rf'^{variant} {dtype}, loaded again: cached in ', env, re.M), env
+
+
+def test_a_kernel_cache_that_serves_nothing_fails_the_compile_step(stub_gpu, tmp_path):
+    """Broken on purpose (CUPY_CACHE_IN_MEMORY=1: CuPy keeps no binary on disk), every later
+    process would compile again: the step says so and fails."""
+    out = tmp_path / 'out'
+    proc = run_script(stub_gpu, out, 'compile', CUPY_CACHE_IN_MEMORY='1')
+    assert proc.returncode == 1
+    assert verdict(out, 'compile') == 'FAIL (exit 1): compile', summary(out)
+    assert "CuPy's kernel cache did not serve the kernels" in (out / 'env.txt').read_text()
 
 
 def missing(module):
@@ -190,16 +238,44 @@ def test_steps_whose_tool_or_package_is_missing_are_skips_not_failures(stub_gpu,
     out = tmp_path / 'out'
     proc = run_script(stub_gpu, out, 'sanitizer ncu backbones')
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = summary(out).splitlines()
-    assert lines[:2] == ['SKIP: sanitizer (no compute-sanitizer)', 'SKIP: ncu (no ncu)']
-    assert re.fullmatch(r'SKIP: backbones \(needs timm and mmengine; missing: [\w ]+\)',
-                        lines[2]), lines
-    assert lines[3:] == [
-        'gpu_check: PASS (steps: sanitizer ncu backbones; skipped: sanitizer ncu backbones)']
+    assert verdict(out, 'sanitizer') == 'SKIP: sanitizer (no compute-sanitizer)'
+    assert verdict(out, 'ncu') == 'SKIP: ncu (no ncu)'
+    assert re.fullmatch(r'SKIP: backbones \(needs timm and mmengine; missing or broken: '
+                        r'[\w ]+\)', verdict(out, 'backbones'))
 
 
-# The GPU tests that build LaplacianAttention or the backbone (lapformer_mm.models).
-MODELS_TESTS = 'module or backbone or kernels_per_attention'
+TOOL = """#!/usr/bin/env bash
+echo "$(basename "$0") $*"
+{body}
+"""
+
+
+def test_sanitizer_tools_run_at_once_on_our_kernels_and_ncu_without_permission_is_a_skip(
+        stub_gpu, tmp_path):
+    """Stand-ins for the tools: compute-sanitizer reports an error only under racecheck (it
+    must be that tool's FAIL alone), ncu prints the counter permission error."""
+    tools = tmp_path / 'tools'
+    tools.mkdir()
+    for name, body in (('compute-sanitizer', '[ "$2" = racecheck ] && exit 3; exit 0'),
+                       ('ncu', 'echo "==ERROR== ERR_NVGPUCTRPERM - The user does not have '
+                               'permission to access NVIDIA GPU Performance Counters"')):
+        (tools / name).write_text(TOOL.format(body=body))
+        (tools / name).chmod(0o755)
+    out = tmp_path / 'out'
+    proc = run_script(stub_gpu, out, 'sanitizer ncu', path=tools)
+    assert proc.returncode == 1
+    assert [verdict(out, f'sanitizer {tool}') for tool in ('memcheck', 'racecheck',
+                                                           'synccheck', 'initcheck')] == [
+        'PASS: sanitizer memcheck', 'FAIL (exit 3): sanitizer racecheck',
+        'PASS: sanitizer synccheck', 'PASS: sanitizer initcheck']
+    calls = re.findall(r'^compute-sanitizer .*$', (out / 'sanitizer.txt').read_text(), re.M)
+    assert len(calls) == 4 and all('--kernel-name kns=nys_ --report-api-errors no' in c
+                                   for c in calls), calls
+    assert verdict(out, 'ncu').startswith('SKIP: ncu (no permission')
+
+
+# The GPU tests that build LaplacianAttention (lapformer_mm.models).
+MODELS_TESTS = 'module or kernels_per_attention'
 
 
 def test_without_mmengine_the_gpu_tests_needing_it_and_the_backbones_step_are_skips(tmp_path):
@@ -209,11 +285,12 @@ def test_without_mmengine_the_gpu_tests_needing_it_and_the_backbones_step_are_sk
     (stub / 'sitecustomize.py').write_text((stub / 'sitecustomize.py').read_text() + STUB)
     out = tmp_path / 'out'
     proc = run_script(stub, out, 'tests backbones', PYTEST_ADDOPTS=f'-k "{MODELS_TESTS}"')
-    lines = summary(out).splitlines()
-    assert re.fullmatch(r'PASS: tests \(\d+s\)', lines[0]), proc.stdout + proc.stderr
-    assert lines[1] == 'SKIP: tests needing mmengine (3 skipped: mmengine is not installed)'
-    assert re.fullmatch(r'SKIP: backbones \(needs timm and mmengine; missing: .*\bmmengine\b.*\)',
-                        lines[-2]), lines
+    assert verdict(out, 'tests') == 'PASS: tests', proc.stdout + proc.stderr
+    assert verdict(out, 'tests needing mmengine') == (
+        'SKIP: tests needing mmengine (2 skipped: mmengine is not installed)')
+    assert re.fullmatch(r'SKIP: backbones \(needs timm and mmengine; missing or broken: '
+                        r'.*\bmmengine\b.*\)', verdict(out, 'backbones'))
+    assert 'NOTE: modules missing: ' in summary(out)
 
 
 @pytest.mark.parametrize('needed', ['cv2', 'rich'])
@@ -228,11 +305,11 @@ def test_mmengine_without_a_module_it_needs_skips_backbones_and_fails_tests_sayi
     out = tmp_path / 'out'
     proc = run_script(stub, out, 'tests backbones')
     assert proc.returncode == 1
-    lines = summary(out).splitlines()
-    assert lines[0] == (f'FAIL (exit 1): tests (0s) (mmengine is installed without {needed}, so '
-                        'import lapformer_mm fails: bring them as well, or leave mmengine out)')
-    assert re.fullmatch(rf'SKIP: backbones \(needs timm and mmengine; missing: .*\b{needed}\)',
-                        lines[1]), lines
+    assert re.fullmatch(rf'FAIL \(exit 1\): tests \(mmengine is installed but .*\b{needed}\b.* '
+                        'is missing or broken, so import lapformer_mm fails: bring them as '
+                        r'well, or leave mmengine out\)', verdict(out, 'tests')), summary(out)
+    assert re.fullmatch(rf'SKIP: backbones \(needs timm and mmengine; missing or broken: '
+                        rf'.*\b{needed}\b.*\)', verdict(out, 'backbones'))
 
 
 def heredocs(text):
@@ -242,7 +319,7 @@ def heredocs(text):
 
 def test_every_snippet_compiles_and_its_lapformer_mm_imports_resolve():
     snippets = heredocs(SCRIPT.read_text())
-    assert len(snippets) >= 2
+    assert len(snippets) >= 3
     for code in snippets:
         for node in ast.walk(ast.parse(code)):
             if isinstance(node, ast.Import):
