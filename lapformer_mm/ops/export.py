@@ -126,13 +126,17 @@ def _pairwise_node(x, y, lam, kind, blocks=0, m=0):
 
 def rows_reference(x, landmarks, v, lam, kind, want_stats, want_rows):
     """What AttentionRows computes, in standard operators: for x (B, N, h, d) and v (B, N, h,
-    d_v) in the token layout, (rhs, stats, rows) of ``attention_rows_forward``."""
+    d_v) in the token layout, (rhs, stats, rows) of ``attention_rows_forward``: rhs
+    [R; v̄] (B, h, m + 1, d_v), stats the whitening's mean and variance (want_stats), then
+    c̄ when d_v > 0."""
     c = reference.similarity_export(x.transpose(1, 2), landmarks, lam, kind)
-    rhs = reference.landmark_rhs(c, v.transpose(1, 2))
+    rhs = torch.cat(reference.landmark_rhs(c, v.transpose(1, 2)), dim=-2)
     centred = c - c.mean(-1, keepdim=True)
     mean = centred.mean(-2, keepdim=True)
     var = (centred - mean).square().mean(-2, keepdim=True)
-    stats = torch.cat((mean, var), dim=-2) if want_stats else c[..., :0, :]
+    stats = ([mean, var] if want_stats else []) + ([c.mean(-2, keepdim=True)]
+                                                    if _hint(v.shape[-1]) else [])
+    stats = torch.cat(stats, dim=-2) if stats else c[..., :0, :]
     return rhs, stats, c if want_rows else c[..., :0, :]
 
 
@@ -183,7 +187,7 @@ class OrtNodes:
         v = x[..., :0] if v is None else v.transpose(1, 2)
         if torch.compiler.is_exporting():
             (b, n, h, _), m = x.shape, landmarks.shape[-2]
-            shapes = [(b, h, m, v.shape[-1]), (b, h, 2 if want_stats else 0, m),
+            shapes = [(b, h, m + 1, v.shape[-1]), (b, h, 2 * want_stats + bool(v.shape[-1]), m),
                       (b, h, n if want_rows else 0, m)]
             attrs = dict(lam=lam, kind=kind, want_stats=int(want_stats),
                          want_rows=int(want_rows))

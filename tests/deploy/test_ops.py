@@ -354,11 +354,15 @@ def _rows_case(n, m, dv, seed):
 
 
 def _rows_dense(x, landmarks, v, lam, kind):
-    """(rhs, stats, rows) of AttentionRows in fp64 with the dense kernel."""
+    """(rhs, stats, rows) of AttentionRows in fp64 with the dense kernel: rhs
+    [C^T (v - v̄) / N; v̄], stats the row-centred C's column mean and variance, then c̄."""
     c = dense_kernel(x.double().transpose(1, 2), landmarks.double(), lam, kind)
+    v = v.double().transpose(1, 2)
+    mean_v = v.mean(-2, keepdim=True)
     centred = c - c.mean(-1, keepdim=True)
-    stats = torch.cat((centred.mean(-2, keepdim=True), centred.var(-2, False, keepdim=True)), -2)
-    return c.mT @ v.double().transpose(1, 2), stats, c
+    stats = torch.cat((centred.mean(-2, keepdim=True), centred.var(-2, False, keepdim=True),
+                       c.mean(-2, keepdim=True)), -2)
+    return torch.cat((c.mT @ (v - mean_v) / c.shape[-2], mean_v), -2), stats, c
 
 
 # (N, m, dv, kind): row-block and chunk tails, m beyond one register tile, no v (with as
@@ -385,19 +389,23 @@ def test_ort_op_library_ops_match_dense_fp64(monkeypatch):
             rhs, stats, rows = (torch.from_numpy(o) for o in outs)
             want_rhs, want_stats, want_rows = _rows_dense(x, landmarks, v, 2.5, kind)
             assert relative_errors([rows], [want_rows])[0] < 2e-6, (isa, n, m)
-            assert rhs.shape == (2, 3, m, dv)
+            assert rhs.shape == (2, 3, m + 1, dv)
+            assert stats.shape == (2, 3, 3 if dv else 2, m)
             if dv:
-                assert relative_errors([rhs], [want_rhs])[0] < 1e-6, (isa, n, m)
+                # R, v̄ and c̄ each against its own scale (v is offset by twice its spread).
+                assert max(relative_errors(
+                    [rhs[:, :, :m], rhs[:, :, m:], stats[:, :, 2:]],
+                    [want_rhs[:, :, :m], want_rhs[:, :, m:], want_stats[:, :, 2:]])) < 1e-5
             # Each statistic against its own scale (the variance is ~1e-3 of the mean's).
-            assert max(relative_errors([stats[:, :, :1], stats[:, :, 1:]],
-                                       [want_stats[:, :, :1], want_stats[:, :, 1:]])) < 1e-5
-            # Not wanted: empty outputs, and the same rhs.
+            assert max(relative_errors([stats[:, :, :1], stats[:, :, 1:2]],
+                                       [want_stats[:, :, :1], want_stats[:, :, 1:2]])) < 1e-5
+            # Not wanted: empty outputs (c̄ alone with v), and the same rhs.
             lean = _op_session(library, ex.ORT_ROWS_OP, ['x', 'l', 'v'],
                                ['rhs', 'stats', 'rows'], lam=2.5, kind=kind, want_stats=0,
                                want_rows=0)
             outs = lean.run(None, {'x': x.numpy(), 'l': landmarks.numpy(), 'v': v.numpy()})
-            assert outs[1].shape == (2, 3, 0, m) and outs[2].shape == (2, 3, 0, m)
-            assert (outs[0] == rhs.numpy()).all()
+            assert outs[1].shape == (2, 3, 1 if dv else 0, m) and outs[2].shape == (2, 3, 0, m)
+            assert (outs[0] == rhs.numpy()).all() and (outs[1] == stats[:, :, 2:].numpy()).all()
             gen = torch.Generator().manual_seed(n)
             a = torch.randn(2, 3, m, 40, generator=gen)
             bias = torch.randn(2, 3, 1, 40, generator=gen)
@@ -433,7 +441,8 @@ def test_ort_op_library_statistics_do_not_hinge_on_the_first_token(monkeypatch):
         stats = torch.from_numpy(
             session.run(None, {'x': x.numpy(), 'l': landmarks.numpy(), 'v': v.numpy()})[1])
         assert relative_errors([stats[:, :, :1]], [want[:, :, :1]])[0] < 1e-6, isa
-        assert ((stats[:, :, 1:] - want[:, :, 1:]).abs() / want[:, :, 1:]).max() < 1e-5, isa
+        assert stats.shape == (1, 1, 2, 49)  # no v: no c̄
+        assert ((stats[:, :, 1:] - want[:, :, 1:2]).abs() / want[:, :, 1:2]).max() < 1e-5, isa
 
 
 def test_ort_op_library_sessions_keep_the_instruction_set_they_registered(monkeypatch):

@@ -656,10 +656,13 @@ void reduce_into(const std::vector<acc_t>& parts, int64_t BH, int64_t chunks, in
 }
 
 // Forward pass over the rows of x: C = K(x, L) row by row. Optionally
-//   ctx_rhs: R = C^T v (B, H, m, d_v), as reference.landmark_rhs: (C - r 1^T)^T v summed in
-//            acc_t plus the common part r^T v (r the row means over landmarks) summed in
-//            double (each block's few rows in acc_t first);
-//   stats:   (B, H, 2, m), the column mean and (biased) variance over rows of the
+//   with v:  the keys' sums of the op's contract (reference.landmark_rhs), in this one pass:
+//            rhs (B, H, m + 1, d_v), rows < m R = C^T (v - 1 v̄^T) / N, row m v̄ = colmean(v);
+//            and c̄ = colmean(C), the last row of stats. The pass sums C̃^T v and C̃^T 1 in
+//            acc_t (C̃ = C - r 1^T, r the row means over landmarks) and r^T v, Σr and Σv in
+//            double (each block's few rows in acc_t first); then, in double,
+//            R = [C̃^T v - (C̃^T 1) v̄^T] / N + 1 [r^T v - (Σr) v̄^T] / N, c̄ = (C̃^T 1 + Σr) / N.
+//   stats:   (B, H, 2 (+ 1 with v), m), the column mean and (biased) variance over rows of the
 //            row-centred C, accumulated around the centred mean of kShiftRows sampled rows
 //            (no cancellation for nearly constant columns), chunk partials summed in double;
 //   rows:    C itself (B, H, N, m), when a later pass reads it.
@@ -674,15 +677,16 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
     constexpr int64_t VL = Vec::size();
     const PassShape<acc_t> s(x, l);
     const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-    const bool with_v = v.has_value() && v->defined();
+    const bool with_v = given(v);
     const int64_t dv = with_v ? v->size(3) : 0, dvp = padded_width<acc_t>(dv);
-    at::Tensor rhs = with_v ? at::empty({s.B, s.H, s.M, dv}, acc_opts) : at::empty({0}, acc_opts);
-    at::Tensor stats = want_stats ? at::empty({s.B, s.H, 2, s.M}, acc_opts) : at::empty({0}, acc_opts);
+    const int64_t stat_rows = (want_stats ? 2 : 0) + (with_v ? 1 : 0);
+    at::Tensor rhs = with_v ? at::empty({s.B, s.H, s.M + 1, dv}, acc_opts) : at::empty({0}, acc_opts);
+    at::Tensor stats = stat_rows ? at::empty({s.B, s.H, stat_rows, s.M}, acc_opts) : at::empty({0}, acc_opts);
     at::Tensor rows = want_rows ? at::empty({s.B, s.H, s.N, s.M}, acc_opts) : at::empty({0}, acc_opts);
-    if (s.B * s.H == 0 || s.M == 0) return {rhs, stats, rows};
-    if (s.N == 0) {
-      if (with_v) rhs.zero_();
-      if (want_stats) stats.zero_();
+    if (s.B * s.H == 0) return {rhs, stats, rows};
+    if (s.N == 0 || s.M == 0) {
+      rhs.zero_();
+      stats.zero_();
       return {rhs, stats, rows};
     }
     const auto xo = operand<scalar_t>(x);
@@ -708,20 +712,22 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
         for (int64_t j = 0; j < s.M; ++j) sh[j] = static_cast<acc_t>(sum[j] / samples);
       }
     }
-    const int64_t rhs_part = with_v ? s.M * dvp : 0, stat_part = want_stats ? 2 * s.Mp : 0;
+    // Per chunk: C̃^T v (m x dvp), then C̃^T 1 (Mp); in double r^T v, Σv (dv each), then Σr.
+    const int64_t rhs_part = with_v ? s.M * dvp + s.Mp : 0, stat_part = want_stats ? 2 * s.Mp : 0;
+    const int64_t common_part = with_v ? 2 * dv + 1 : 0;
     std::vector<acc_t> rhs_parts(static_cast<size_t>(s.items() * rhs_part));
-    std::vector<double> common_parts(static_cast<size_t>(with_v ? s.items() * dv : 0));
+    std::vector<double> common_parts(static_cast<size_t>(s.items() * common_part));
     std::vector<acc_t> stat_parts(static_cast<size_t>(s.items() * stat_part));
     const auto vo = with_v ? operand<scalar_t>(*v) : Operand<scalar_t>{nullptr, 0, 0, 0, 0};
     acc_t* prows = want_rows ? rows.data_ptr<acc_t>() : nullptr;
     for_each_chunk(s, [&](int64_t bh, int64_t b, int64_t h, int64_t i0, int64_t n, int64_t chunk) {
       std::vector<acc_t> kbuf(kBlockRows * s.Mp, acc_t(0)), vbuf(kBlockRows * dvp);
-      std::vector<acc_t> cbuf(with_v ? kBlockRows * s.Mp : 0), tbuf(with_v ? dvp : 0);
+      std::vector<acc_t> cbuf(with_v ? kBlockRows * s.Mp : 0), tbuf(with_v ? 2 * dvp : 0);
       acc_t* rp = rhs_parts.data() + (bh * s.chunks + chunk) * rhs_part;
       acc_t* sp = stat_parts.data() + (bh * s.chunks + chunk) * stat_part;
-      double* cp = with_v ? common_parts.data() + (bh * s.chunks + chunk) * dv : nullptr;
+      double* cp = common_parts.data() + (bh * s.chunks + chunk) * common_part;
       std::fill(rp, rp + rhs_part, acc_t(0));
-      if (with_v) std::fill(cp, cp + dv, 0.0);
+      std::fill(cp, cp + common_part, 0.0);
       std::fill(sp, sp + stat_part, acc_t(0));
       const acc_t* sh = want_stats ? shift.data() + bh * s.Mp : nullptr;
       for_each_block(n, [&](auto rows_const, int64_t i) {
@@ -749,36 +755,70 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_forward(
           }
         }
         if (with_v) {
+          acc_t* kp = rp + s.M * dvp;
           for (int r = 0; r < R; ++r) {
             stage_row(vo.row(b, h, row0 + r), vo.sc, dv, dvp, vbuf.data() + r * dvp);
             const Vec mean(row_mean[r]);
-            // Lanes beyond m hold -mean; accumulate_outer reads the first m only.
-            for (int64_t v0 = 0; v0 < s.Mp; v0 += VL)
-              (Vec::loadu(kbuf.data() + r * s.Mp + v0) - mean).store(cbuf.data() + r * s.Mp + v0);
+            // Lanes beyond m hold -mean; nothing reads them.
+            for (int64_t v0 = 0; v0 < s.Mp; v0 += VL) {
+              const Vec c = Vec::loadu(kbuf.data() + r * s.Mp + v0) - mean;
+              c.store(cbuf.data() + r * s.Mp + v0);
+              (Vec::loadu(kp + v0) + c).store(kp + v0);
+            }
           }
           accumulate_outer<R>(cbuf.data(), s.Mp, vbuf.data(), s.M, dvp, rp);
-          // The common part: the block's R terms in acc_t, then into the chunk's double sum
+          // r^T v and Σv: the block's R terms in acc_t, then into the chunk's double sums
           // (as good as an fp64 N-sum, and the scalar double work is 1/R of the rows').
           for (int64_t v0 = 0; v0 < dvp; v0 += VL) {
-            Vec sum(acc_t(0));
-            for (int r = 0; r < R; ++r)
-              sum = at::vec::fmadd(Vec(row_mean[r]), Vec::loadu(vbuf.data() + r * dvp + v0), sum);
+            Vec sum(acc_t(0)), vsum(acc_t(0));
+            for (int r = 0; r < R; ++r) {
+              const Vec vr = Vec::loadu(vbuf.data() + r * dvp + v0);
+              sum = at::vec::fmadd(Vec(row_mean[r]), vr, sum);
+              vsum = vsum + vr;
+            }
             sum.store(tbuf.data() + v0);
+            vsum.store(tbuf.data() + dvp + v0);
           }
-          for (int64_t c = 0; c < dv; ++c) cp[c] += static_cast<double>(tbuf[c]);
+          acc_t rsum = 0;
+          for (int r = 0; r < R; ++r) rsum += row_mean[r];
+          for (int64_t c = 0; c < dv; ++c) {
+            cp[c] += static_cast<double>(tbuf[c]);
+            cp[dv + c] += static_cast<double>(tbuf[dvp + c]);
+          }
+          cp[2 * dv] += static_cast<double>(rsum);
         }
       });
     });
     if (with_v) {
-      reduce_into(rhs_parts, s.B * s.H, s.chunks, s.M, dvp, rhs);
+      const int64_t BH = s.B * s.H;
+      std::vector<acc_t> sums(static_cast<size_t>(BH * rhs_part));
+      reduce_partials(rhs_parts.data(), BH, s.chunks, rhs_part,
+                      [&](int64_t bh, int64_t e, acc_t sum) { sums[bh * rhs_part + e] = sum; });
       acc_t* pr = rhs.data_ptr<acc_t>();
-      for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
+      acc_t* pk = stats.data_ptr<acc_t>() + (stat_rows - 1) * s.M;
+      const double inv_n = 1.0 / static_cast<double>(s.N);
+      std::vector<double> total(static_cast<size_t>(common_part)), mean(dv), common(dv);
+      for (int64_t bh = 0; bh < BH; ++bh) {
+        std::fill(total.begin(), total.end(), 0.0);
+        for (int64_t k = 0; k < s.chunks; ++k)
+          for (int64_t e = 0; e < common_part; ++e)
+            total[e] += common_parts[(bh * s.chunks + k) * common_part + e];
+        const double row_sum = total[2 * dv];
         for (int64_t c = 0; c < dv; ++c) {
-          double sum = 0;
-          for (int64_t k = 0; k < s.chunks; ++k) sum += common_parts[(bh * s.chunks + k) * dv + c];
-          const acc_t common = static_cast<acc_t>(sum);
-          for (int64_t j = 0; j < s.M; ++j) pr[(bh * s.M + j) * dv + c] += common;
+          mean[c] = total[dv + c] * inv_n;
+          common[c] = (total[c] - row_sum * mean[c]) * inv_n;
         }
+        const acc_t* ctv = sums.data() + bh * rhs_part;
+        const acc_t* ct1 = ctv + s.M * dvp;
+        acc_t* out = pr + bh * (s.M + 1) * dv;
+        for (int64_t j = 0; j < s.M; ++j)
+          for (int64_t c = 0; c < dv; ++c)
+            out[j * dv + c] = static_cast<acc_t>(
+                (static_cast<double>(ctv[j * dvp + c]) - static_cast<double>(ct1[j]) * mean[c]) * inv_n +
+                common[c]);
+        for (int64_t c = 0; c < dv; ++c) out[s.M * dv + c] = static_cast<acc_t>(mean[c]);
+        for (int64_t j = 0; j < s.M; ++j)
+          pk[bh * stat_rows * s.M + j] = static_cast<acc_t>((static_cast<double>(ct1[j]) + row_sum) * inv_n);
       }
     }
     if (want_stats) {
@@ -931,14 +971,17 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_grad_sums(
 //   W = (Dc + E) * C, where
 //     Dc = D - a * (Cc - mu), minus its row mean (centre) or D (no centre), D = G ctx_s^T,
 //          present when g is given;
-//     E = v dR^T, present when v is given;
+//     E = (v - 1 v̄^T) dR^T, present when v is given (v_mean v̄ (B, H, 1, d_v); v centred
+//         as read, in acc_t);
 // and returns dx (B, N, H, d) in x's dtype (a (B, H, N, d) view by transposing),
-// dl (B, H, m, d) in acc_t and, with need_dv, dv = C dR (B, N, H, d_v) in v's dtype.
+// dl (B, H, m, d) in acc_t and, with need_dv, dv = C dR + 1 w^T (B, N, H, d_v) in v's dtype.
+// d_rhs (B, H, m + 1, d_v): dR, then the row w.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_backward(
     const at::Tensor& x, const at::Tensor& l, const c10::optional<at::Tensor>& rows_in,
     const c10::optional<at::Tensor>& g, const c10::optional<at::Tensor>& ctx_s,
     const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& mu,
-    const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& d_rhs, bool need_dv,
+    const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& v_mean,
+    const c10::optional<at::Tensor>& d_rhs, bool need_dv,
     double lam, int64_t kind, bool centre) {
   check_pair(x, l, lam, kind);
   const int64_t N = x.size(2), M = l.size(2);
@@ -957,7 +1000,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_backward(
   TORCH_CHECK(!need_dv || given(v), "need_dv needs v");
   if (given(v)) {
     check_like("v", *v, x, N);
-    check_small("d_rhs", *d_rhs, x, M, v->size(3));
+    check_small("v_mean", *v_mean, x, 1, v->size(3));
+    check_small("d_rhs", *d_rhs, x, M + 1, v->size(3));
   }
   return LAPF_DISPATCH_FLOATING(x.scalar_type(), "attention_rows_backward", [&]() -> Tensors3 {
     using acc_t = typename AccOf<scalar_t>::type;
@@ -967,7 +1011,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_backward(
     const auto acc_opts = x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
     const bool with_g = given(g), with_v = given(v), with_rows = given(rows_in);
     const int64_t dg = with_g ? g->size(3) : 0, dgp = padded_width<acc_t>(dg);
-    const int64_t dv = with_v ? v->size(3) : (need_dv ? d_rhs->size(3) : 0);
+    const int64_t dv = with_v ? v->size(3) : 0;
     const int64_t dvp = padded_width<acc_t>(dv), dp = padded_width<acc_t>(s.d);
     at::Tensor dx = at::empty({s.B, s.N, s.H, s.d}, x.options());
     at::Tensor dl = at::zeros({s.B, s.H, s.M, s.d}, acc_opts);
@@ -987,9 +1031,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_backward(
     const int64_t psize = packed_size<acc_t>(s.M, s.d);
     const acc_t neg_inv_lam = static_cast<acc_t>(-1.0 / lam);
     const acc_t scale = static_cast<acc_t>((kind == kLaplacian ? 1.0 : 2.0) / lam);
-    // Per (b, h): L rows padded to dp; ctx_s^T (d_g x Mp); a, mu (Mp); dR^T (d_v x Mp); dR (m x dvp).
+    // Per (b, h): L rows padded to dp; ctx_s^T (d_g x Mp); a, mu (Mp); dR^T (d_v x Mp);
+    // v̄ (dvp); dR and w ((m + 1) x dvp).
     const int64_t BH = s.B * s.H;
-    std::vector<std::vector<acc_t>> lpack(BH), cst(BH), av(BH), muv(BH), drt(BH), dr(BH);
+    std::vector<std::vector<acc_t>> lpack(BH), cst(BH), av(BH), muv(BH), drt(BH), vmv(BH), dr(BH);
+    const at::Tensor d_key = with_v ? d_rhs->narrow(2, 0, s.M) : at::Tensor();
     for (int64_t bh = 0; bh < BH; ++bh) {
       lpack[bh].resize(s.M * dp);
       for (int64_t j = 0; j < s.M; ++j)
@@ -1001,7 +1047,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_backward(
           muv[bh] = pack_vector<acc_t>(*mu, bh, 0, s.Mp);
         }
       }
-      if (with_v) drt[bh] = pack_matrix<acc_t>(*d_rhs, bh, true, s.Mp);
+      if (with_v) {
+        drt[bh] = pack_matrix<acc_t>(d_key, bh, true, s.Mp);
+        vmv[bh] = pack_vector<acc_t>(*v_mean, bh, 0, dvp);
+      }
       if (need_dv) dr[bh] = pack_matrix<acc_t>(*d_rhs, bh, false, dvp);
     }
     const int64_t part = s.M * dp;
@@ -1050,16 +1099,19 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_backward(
             }
           }
         }
-        if (with_v || need_dv) {
-          for (int r = 0; r < R; ++r)
-            if (with_v) stage_row(vo.row(b, h, row0 + r), vo.sc, dv, dvp, vbuf.data() + r * dvp);
-        }
         if (with_v) {
+          for (int r = 0; r < R; ++r) {
+            acc_t* vr = vbuf.data() + r * dvp;
+            stage_row(vo.row(b, h, row0 + r), vo.sc, dv, dvp, vr);
+            for (int64_t v0 = 0; v0 < dvp; v0 += VL)
+              (Vec::loadu(vr + v0) - Vec::loadu(vmv[bh].data() + v0)).store(vr + v0);
+          }
           rows_times<R>(vbuf.data(), dvp, dv, drt[bh].data(), s.Mp, nullptr, tbuf.data());
           for (int64_t e = 0; e < R * s.Mp; ++e) wbuf[e] += tbuf[e];
         }
         if (need_dv) {
-          rows_times<R>(kbuf.data(), s.Mp, s.M, dr[bh].data(), dvp, nullptr, obuf.data());
+          const acc_t* w = dr[bh].data() + s.M * dvp;
+          rows_times<R>(kbuf.data(), s.Mp, s.M, dr[bh].data(), dvp, w, obuf.data());
           for (int r = 0; r < R; ++r) {
             scalar_t* dst = pdv + ((b * s.N + row0 + r) * s.H + h) * dv;
             for (int64_t e = 0; e < dv; ++e) dst[e] = static_cast<scalar_t>(obuf[r * dvp + e]);
@@ -1155,8 +1207,8 @@ inline void define_ops(torch::Library& m) {
   m.def("attention_grad_sums(Tensor x, Tensor landmarks, Tensor grad, float lam, int kind, "
         "bool centre) -> (Tensor, Tensor, Tensor)");
   m.def("attention_rows_backward(Tensor x, Tensor landmarks, Tensor? rows, Tensor? grad, "
-        "Tensor? ctx_s, Tensor? a, Tensor? mu, Tensor? v, Tensor? d_rhs, bool need_dv, "
-        "float lam, int kind, bool centre) -> (Tensor, Tensor, Tensor)");
+        "Tensor? ctx_s, Tensor? a, Tensor? mu, Tensor? v, Tensor? v_mean, Tensor? d_rhs, "
+        "bool need_dv, float lam, int kind, bool centre) -> (Tensor, Tensor, Tensor)");
 }
 
 inline void implement_ops(torch::Library& m) {

@@ -251,21 +251,36 @@ void rows_chunk(const RowsPass& p, int64_t bh, int64_t chunk, float* scratch) {
     vc = vb;
     ldv = dvp;
   }
-  float* rp = p.rhs_parts + part * m * dvp;
-  double* cp = p.common_parts + part * dv;
-  for (int64_t e = 0; e < m * dvp; ++e) rp[e] = 0.0f;
-  for (int64_t e = 0; e < dv; ++e) cp[e] = 0.0;
+  float* rp = p.rhs_parts + part * (m * dvp + mp);
+  float* kp = rp + m * dvp;
+  double* cp = p.common_parts + part * (2 * dv + 1);
+  for (int64_t e = 0; e < m * dvp + mp; ++e) rp[e] = 0.0f;
+  for (int64_t e = 0; e < 2 * dv + 1; ++e) cp[e] = 0.0;
   accumulate_outer(kb, mp, vc, ldv, m, dvp, count, rp);
-  // The common part: kSumRows terms at a time in float, then into the chunk's double sum.
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t v0 = 0; v0 < mp; v0 += kLanes)
+      store(kp + v0, load(kp + v0) + load(kb + i * mp + v0));
+  // r^T v, Σv and Σr: kSumRows terms at a time in float, then into the chunk's double sums.
   for (int64_t i0 = 0; i0 < count; i0 += kSumRows) {
     const int64_t block = count - i0 < kSumRows ? count - i0 : kSumRows;
     for (int64_t v0 = 0; v0 < dvp; v0 += kLanes) {
-      vf sum = splat(0.0f);
-      for (int64_t r = i0; r < i0 + block; ++r) sum += splat(mean[r]) * load(vc + r * ldv + v0);
-      float lanes[kLanes];
+      vf sum = splat(0.0f), vsum = splat(0.0f);
+      for (int64_t r = i0; r < i0 + block; ++r) {
+        const vf vr = load(vc + r * ldv + v0);
+        sum += splat(mean[r]) * vr;
+        vsum += vr;
+      }
+      float lanes[kLanes], vlanes[kLanes];
       store(lanes, sum);
-      for (int l = 0; l < kLanes && v0 + l < dv; ++l) cp[v0 + l] += static_cast<double>(lanes[l]);
+      store(vlanes, vsum);
+      for (int l = 0; l < kLanes && v0 + l < dv; ++l) {
+        cp[v0 + l] += static_cast<double>(lanes[l]);
+        cp[dv + v0 + l] += static_cast<double>(vlanes[l]);
+      }
     }
+    float rsum = 0.0f;
+    for (int64_t r = i0; r < i0 + block; ++r) rsum += mean[r];
+    cp[2 * dv] += static_cast<double>(rsum);
   }
 }
 

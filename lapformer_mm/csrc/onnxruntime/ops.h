@@ -30,9 +30,10 @@ struct Problem {
 // The attention's pass over the rows of x (B, N, H, d) for one chunk of rows of one (b, h):
 // C = K(x, L) (kernel: the Problem of x and L; its out unused), and
 //   rows:   C into (B, H, N, m), when not null;
-//   sums:   when dv > 0, the chunk's sum of (C_i - r_i 1)^T v_i into rhs_parts (m, dvp) and of
-//           r_i v_i into common_parts (dv, double; a few rows in float first), r_i the
-//           row's mean over landmarks, v (B, N, H, dv);
+//   sums:   when dv > 0, the chunk's sums of (C_i - r_i 1)^T v_i and C_i - r_i 1 into
+//           rhs_parts (m × dvp, then `padded` floats) and of r_i v_i, v_i and r_i into
+//           common_parts (dv, dv, 1, double; a few rows in float first), r_i the row's mean
+//           over landmarks, v (B, N, H, dv);
 //   stats:  when shift is not null, the chunk's sums of delta and delta^2 into stat_parts
 //           (2, padded), delta = C_i - r_i 1 - shift, shift (B*H, padded) the centred mean of
 //           kShiftRows sampled rows of C.

@@ -2,18 +2,18 @@
 //
 //   PairwiseKernel(X (..., N, d), Y (..., M, d)) -> K (..., N, M) = exp(-dist(x_i, y_j) / lam)
 //   AttentionRows(X (B, N, H, d), L (B, H, m, d), V (B, N, H, dv))
-//       -> rhs (B, H, m, dv), stats (B, H, 2 | 0, m), rows (B, H, N | 0, m)
+//       -> rhs (B, H, m + 1, dv), stats (B, H, 2 | 0 (+ 1 if dv), m), rows (B, H, N | 0, m)
 //   AttentionApply(rows (B, H, N, m), A (B, H, m, dv), bias (B, H, 1, dv)) -> out (B, N, H, dv)
 //
 // lam (float) and kind ('laplacian': l1 distance, 'gaussian': squared l2 distance) on the
 // first two; AttentionRows' want_stats / want_rows (int) and AttentionApply's centre (int)
 // are lapformer_mm/csrc/cpu's attention_rows_forward / attention_rows_apply flags, the two
 // passes of the eager CPU backend (lapformer_mm/ops/backends/cpu.py composes them; so does
-// the exported graph): rhs = C^T v with C = K(X, L) (centred N-sum, common part in double),
-// stats the column mean and variance over rows of the row-centred C, rows C itself; out =
-// C_i A + bias, C_i row-centred with centre. X and V come in the token layout the
-// projections write, and out goes out in it: no transposes around the nodes. dv may be 0
-// (no rhs).
+// the exported graph): with C = K(X, L), rhs = [C^T (v - v̄) / N; v̄] (one pass, the
+// centring applied to its sums after it), stats the column mean and variance over rows of the
+// row-centred C, then (dv > 0) c̄ = colmean(C), rows C itself; out = C_i A + bias, C_i
+// row-centred with centre. X and V come in the token layout the projections write, and out
+// goes out in it: no transposes around the nodes. dv may be 0 (no rhs, no c̄).
 //
 // Built against ONNX Runtime's C API headers only: the library links nothing of ONNX
 // Runtime, which hands it the API table in RegisterCustomOps, the one exported symbol. It
@@ -279,16 +279,18 @@ OrtStatus* compute_rows(void* op_kernel, OrtKernelContext* context) {
   if (vs.dims[0] != B || vs.dims[1] != N || vs.dims[2] != H)
     return error(kRows, "V must be (B, N, H, dv) with B, N and H of X (B, N, H, d)");
   const int64_t dv = vs.dims[3], BH = B * H;
+  // The statistics' rows: the whitening's mean and variance when wanted, then c̄ with v.
+  const int64_t stat_rows = (kernel.want_stats ? 2 : 0) + (dv ? 1 : 0);
   float* rhs = nullptr;
   float* stats = nullptr;
   float* rows = nullptr;
-  LAPF_TRY(output(context, 0, {B, H, m, dv}, &rhs));
-  LAPF_TRY(output(context, 1, {B, H, kernel.want_stats ? 2 : 0, m}, &stats));
+  LAPF_TRY(output(context, 0, {B, H, m + 1, dv}, &rhs));
+  LAPF_TRY(output(context, 1, {B, H, stat_rows, m}, &stats));
   LAPF_TRY(output(context, 2, {B, H, kernel.want_rows ? N : 0, m}, &rows));
-  if (BH == 0 || m == 0) return nullptr;
-  if (N == 0) {
-    std::fill(rhs, rhs + BH * m * dv, 0.0f);
-    if (kernel.want_stats) std::fill(stats, stats + BH * 2 * m, 0.0f);
+  if (BH == 0) return nullptr;
+  if (N == 0 || m == 0) {
+    std::fill(rhs, rhs + BH * (m + 1) * dv, 0.0f);
+    std::fill(stats, stats + BH * stat_rows * m, 0.0f);
     return nullptr;
   }
   const int64_t mp = padded(m), dvp = padded(dv), chunks = chunks_of(N);
@@ -318,8 +320,9 @@ OrtStatus* compute_rows(void* op_kernel, OrtKernelContext* context) {
       for (int64_t j = 0; j < m; ++j) shift[bh * mp + j] = static_cast<float>(sum[j] / samples);
     }
   }
-  std::vector<float> rhs_parts(static_cast<size_t>(dv ? BH * chunks * m * dvp : 0));
-  std::vector<double> common_parts(static_cast<size_t>(BH * chunks * dv));
+  const int64_t rhs_part = dv ? m * dvp + mp : 0, common_part = dv ? 2 * dv + 1 : 0;
+  std::vector<float> rhs_parts(static_cast<size_t>(BH * chunks * rhs_part));
+  std::vector<double> common_parts(static_cast<size_t>(BH * chunks * common_part));
   std::vector<float> stat_parts(static_cast<size_t>(kernel.want_stats ? BH * chunks * 2 * mp : 0));
   RowsPass pass{problem, v, dv, dvp, chunks, kernel.want_rows ? rows : nullptr,
                 kernel.want_stats ? shift.data() : nullptr, rhs_parts.data(), common_parts.data(),
@@ -330,21 +333,36 @@ OrtStatus* compute_rows(void* op_kernel, OrtKernelContext* context) {
     kernel.isa.rows_chunk(pass, bh, (index / H) % chunks, thread_scratch(scratch));
   };
   LAPF_TRY(parallel_for(context, BH * chunks, task));
-  // The partials in chunk order: float for the centred sums, double for the rest.
-  std::vector<float> sums(static_cast<size_t>(m * dvp));
-  std::vector<double> common(static_cast<size_t>(dv));
+  // The partials in chunk order: float for the centred sums, double for the rest. Then, in
+  // double, v̄ = Σv / N, R = [C̃^T v - (C̃^T 1) v̄^T] / N + 1 [r^T v - (Σr) v̄^T] / N and
+  // c̄ = (C̃^T 1 + Σr) / N (C̃ = C - r 1^T).
+  std::vector<float> sums(static_cast<size_t>(rhs_part));
+  std::vector<double> common(static_cast<size_t>(common_part)), mean(static_cast<size_t>(dv));
+  const double inv_n = 1.0 / static_cast<double>(N);
   for (int64_t bh = 0; bh < BH; ++bh) {
+    float* st = stats + bh * stat_rows * m;
     if (dv) {
       std::fill(sums.begin(), sums.end(), 0.0f);
       std::fill(common.begin(), common.end(), 0.0);
       for (int64_t c = 0; c < chunks; ++c) {
-        const float* part = rhs_parts.data() + (bh * chunks + c) * m * dvp;
-        for (int64_t e = 0; e < m * dvp; ++e) sums[e] += part[e];
-        for (int64_t e = 0; e < dv; ++e) common[e] += common_parts[(bh * chunks + c) * dv + e];
+        const float* part = rhs_parts.data() + (bh * chunks + c) * rhs_part;
+        for (int64_t e = 0; e < rhs_part; ++e) sums[e] += part[e];
+        for (int64_t e = 0; e < common_part; ++e) common[e] += common_parts[(bh * chunks + c) * common_part + e];
       }
+      const double row_sum = common[2 * dv];
+      for (int64_t e = 0; e < dv; ++e) {
+        mean[e] = common[dv + e] * inv_n;
+        common[e] = (common[e] - row_sum * mean[e]) * inv_n;
+      }
+      const float* ones = sums.data() + m * dvp;
+      float* out = rhs + bh * (m + 1) * dv;
       for (int64_t j = 0; j < m; ++j)
         for (int64_t e = 0; e < dv; ++e)
-          rhs[(bh * m + j) * dv + e] = sums[j * dvp + e] + static_cast<float>(common[e]);
+          out[j * dv + e] = static_cast<float>(
+              (static_cast<double>(sums[j * dvp + e]) - static_cast<double>(ones[j]) * mean[e]) * inv_n + common[e]);
+      for (int64_t e = 0; e < dv; ++e) out[m * dv + e] = static_cast<float>(mean[e]);
+      for (int64_t j = 0; j < m; ++j)
+        st[(stat_rows - 1) * m + j] = static_cast<float>((static_cast<double>(ones[j]) + row_sum) * inv_n);
     }
     if (!kernel.want_stats) continue;
     for (int64_t j = 0; j < m; ++j) {
@@ -354,8 +372,8 @@ OrtStatus* compute_rows(void* op_kernel, OrtKernelContext* context) {
         s2 += stat_parts[(bh * chunks + c) * 2 * mp + mp + j];
       }
       const double off = s1 / static_cast<double>(N);
-      stats[(bh * 2) * m + j] = static_cast<float>(shift[bh * mp + j] + off);
-      stats[(bh * 2 + 1) * m + j] = static_cast<float>(std::max(s2 / static_cast<double>(N) - off * off, 0.0));
+      st[j] = static_cast<float>(shift[bh * mp + j] + off);
+      st[m + j] = static_cast<float>(std::max(s2 / static_cast<double>(N) - off * off, 0.0));
     }
   }
   return nullptr;

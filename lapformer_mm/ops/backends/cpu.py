@@ -116,38 +116,34 @@ def forward(q, k, v, landmarks, opts, ops=None):
     kernels (None: this build's), or the ONNX Runtime op library's nodes of the same
     signatures (``lapformer_mm.ops.export.OrtNodes``) that an export composes so.
 
-    Per (b, h): one pass over the rows of k (tied: q) forms k(k, L) and k(k, L)ᵀ [v − v̄, 1]
-    (R and the keys' column sums); with separate keys a second pass over q forms k(q, L).
-    The query pass also sums the whitening statistics and keeps k(q, L) for
-    out = k(q, L) A + 1 bᵀ, A = (I − J/m) diag(s) context, b = colsum(context) / m + v̄ (the
-    whitening folded in; the rows centred before the product).
+    Per (b, h): one pass over the rows of k (tied: q) forms k(k, L), R = k(k, L)ᵀ (v − v̄) / N,
+    v̄ and c̄ (the keys' mean kernel row, the last row of its stats); with separate keys a
+    second pass over q forms k(q, L). The query pass also sums the whitening statistics and
+    keeps k(q, L) for out = k(q, L) A + 1 bᵀ, A = (I − J/m) diag(s) context,
+    b = colsum(context) / m + v̄ (the whitening folded in; the rows centred before the
+    product).
     """
     ops, kind = ops or _ops(), reference.KERNEL_CODES[opts.kernel]
     injective = opts.normalize == 'injective'
     with torch.autocast(device_type='cpu', enabled=False):
         _, P = _landmark_system(ops, landmarks, opts)
-        n, dv = v.shape[-2:]
-        mean_v = v.float().mean(-2, keepdim=True) if v.dtype != torch.float64 else \
-            v.mean(-2, keepdim=True)
-        v_ones = torch.cat((v - mean_v.to(v.dtype), torch.ones_like(v[..., :1])), dim=-1)
         if k is None:
-            sums, raw, rows = ops.attention_rows_forward(q, landmarks, v_ones, opts.lam, kind,
+            sums, raw, rows = ops.attention_rows_forward(q, landmarks, v, opts.lam, kind,
                                                          injective, True)
+            key_mean = raw[:, :, -1:]
         else:
-            sums, _, _ = ops.attention_rows_forward(k, landmarks, v_ones, opts.lam, kind, False,
-                                                    False)
+            sums, key_mean, _ = ops.attention_rows_forward(k, landmarks, v, opts.lam, kind,
+                                                           False, False)
             _, raw, rows = ops.attention_rows_forward(q, landmarks, None, opts.lam, kind,
                                                       injective, True)
-        sums = sums / n
-        # transpose, not .mT: the TorchScript exporter has no aten::mT.
-        rhs, key_mean = sums[..., :dv], sums[..., dv:].transpose(-1, -2)
-        context, inverse = reference.solve_context(P, rhs, opts)
         m = landmarks.shape[-2]
-        mean_v = mean_v.to(context.dtype)
+        mean_v = sums[:, :, m:]
+        context, inverse = reference.solve_context(P, sums[:, :, :m], opts)
         if injective:
             mean = raw[:, :, :1]
-            scale = reference.whitening_scale(raw[:, :, 1:], opts.whiten_eps)
+            scale = reference.whitening_scale(raw[:, :, 1:2], opts.whiten_eps)
             stats = torch.cat((mean, scale, key_mean), dim=2)
+            # transpose, not .mT: the TorchScript exporter has no aten::mT.
             scaled = scale.transpose(-1, -2) * context
             folded = scaled - scaled.mean(-2, keepdim=True)
             bias = context.sum(-2, keepdim=True) / m + mean_v
@@ -179,23 +175,22 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
         a = a.contiguous() if injective else None
         w, P = _landmark_system(ops, landmarks, opts)
         d_rhs, d_p = reference.solve_grads(inverse, P, d_context, context, opts.ns_refine)
-        d_rhs, dv_row = reference.value_grads(d_rhs, gsum, stats[:, :, -1:], n)
-        d_rhs = d_rhs.contiguous()
-        v = v - mean_v.to(v.dtype)
+        # dR̃, then the row w that every row of dv gains.
+        d_rhs = torch.cat(reference.value_grads(d_rhs, gsum, stats[:, :, -1:], n), dim=2)
         if k is None:
             dq, dl, dv = ops.attention_rows_backward(q, landmarks, rows, g, scaled, a, mean, v,
-                                                     d_rhs, True, opts.lam, kind, injective)
+                                                     mean_v, d_rhs, True, opts.lam, kind,
+                                                     injective)
             dk = q.new_empty(0)
         else:
             dq, dl, _ = ops.attention_rows_backward(q, landmarks, rows, g, scaled, a, mean, None,
-                                                    None, False, opts.lam, kind, injective)
+                                                    None, None, False, opts.lam, kind, injective)
             dk, dl_k, dv = ops.attention_rows_backward(k, landmarks, None, None, None, None,
-                                                       None, v, d_rhs, True, opts.lam, kind,
-                                                       injective)
+                                                       None, v, mean_v, d_rhs, True, opts.lam,
+                                                       kind, injective)
             dl = dl + dl_k
             dk = dk.transpose(1, 2)
         # P = k(L, L) + eps·I: L is both operands.
         dlx, dly = ops.pairwise_backward(d_p, w, landmarks, landmarks, opts.lam, kind, True, True)
         dl = dl + dlx + dly
-        dv = (dv + dv_row.transpose(1, 2)).to(v.dtype)
     return dq.transpose(1, 2), dk, dv.transpose(1, 2), dl.to(landmarks.dtype)

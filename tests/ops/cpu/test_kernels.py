@@ -193,6 +193,45 @@ def test_attention_matches_dense_fp64(case, tied, kernel, normalize):
         _close(g, w, 1e-11)
 
 
+def _rows_dense(x, y, v, lam, kind):
+    """(rhs, stats) of attention_rows_forward with v and the statistics, in fp64:
+    rhs = [C^T (v - v̄) / N; v̄], stats = (column mean, biased variance of the row-centred C, c̄)."""
+    c = dense_kernel(x.double(), y.double(), lam, kind)
+    v = v.double()
+    mean_v = v.mean(-2, keepdim=True)
+    centred = c - c.mean(-1, keepdim=True)
+    stats = (centred.mean(-2, keepdim=True), centred.var(-2, unbiased=False, keepdim=True),
+             c.mean(-2, keepdim=True))
+    return torch.cat((c.mT @ (v - mean_v) / c.shape[-2], mean_v), -2), torch.cat(stats, -2)
+
+
+@needs_ext
+@pytest.mark.parametrize('ops', _builds())
+@pytest.mark.parametrize('kind', KINDS)
+@pytest.mark.parametrize('dtype, rtol', [(torch.float64, 1e-12), (torch.float32, 3e-5),
+                                         (torch.bfloat16, 3e-5)])
+def test_keys_pass_sums_match_dense_fp64(ops, kind, dtype, rtol):
+    """The keys' pass: R = C^T (v - v̄) / N, v̄ and c̄, from sums of v offset by 3 times its
+    spread, centred after the pass (R's error 5-7x that of centring v first, 1.1e-5 at most
+    in fp32 here; end to end on nearly_equal_columns_cases the same as centring first); 16-bit
+    v read as it is."""
+    x = (_randn(2, 3, 600, 7, seed=50) * 0.2).to(dtype)
+    y = (_randn(2, 3, 9, 7, seed=51) * 0.2).to(dtype)
+    v = (_randn(2, 3, 600, 33, seed=52) + 3.0).to(dtype)
+    code = KINDS.index(kind)
+    rhs, stats, rows = ops.attention_rows_forward(x, y, v, 4.0, code, True, False)
+    want_rhs, want_stats = _rows_dense(x, y, v, 4.0, kind)
+    assert rhs.shape == (2, 3, 10, 33) and stats.shape == (2, 3, 3, 9) and rows.numel() == 0
+    _close(rhs[:, :, :9], want_rhs[:, :, :9], rtol)
+    small = 1e-14 if dtype == torch.float64 else 1e-6
+    _close(rhs[:, :, 9:], want_rhs[:, :, 9:], small)
+    for row in (0, 2):  # the variance is checked by test_whitening_statistics_...
+        _close(stats[:, :, row], want_stats[:, :, row], small)
+    # Without the statistics c̄ is the only row; rhs is the same bit for bit.
+    lean, key_mean, _ = ops.attention_rows_forward(x, y, v, 4.0, code, False, False)
+    assert torch.equal(lean, rhs) and torch.equal(key_mean, stats[:, :, 2:])
+
+
 _BUILD_ATTENTION_CODE = '''
 import torch
 from _attention_helpers import dense_attention
@@ -283,7 +322,7 @@ def test_results_bit_equal_with_1_and_2_threads(kind):
     v = _randn(2, 2, 1500, 16, seed=33, dtype=torch.float32)
     gv = _randn(2, 2, 1500, 16, seed=34, dtype=torch.float32)
     small = [_randn(2, 2, *s, seed=35 + i, dtype=torch.float32)
-             for i, s in enumerate([(49, 16), (1, 49), (1, 49), (49, 16)])]
+             for i, s in enumerate([(49, 16), (1, 49), (1, 49), (50, 16)])]
     code = KINDS.index(kind)
 
     def run():
@@ -295,7 +334,8 @@ def test_results_bit_equal_with_1_and_2_threads(kind):
                                                                True, torch.float32)]
         results += ops.attention_grad_sums(x, y, gv, 4.0, code, True)
         results += ops.attention_rows_backward(x, y, None, gv, small[0], small[1], small[2], v,
-                                               small[3], True, 4.0, code, True)
+                                               small[3][..., :1, :], small[3], True, 4.0, code,
+                                               True)
         return results
 
     one, two = _with_threads(1, run), _with_threads(2, run)
