@@ -1,6 +1,5 @@
 """Nyström attention: exact limit, gradients, injectivity, batch independence, validation."""
 import os.path as osp
-import re
 import warnings
 
 import pytest
@@ -167,13 +166,7 @@ def test_value_width_may_differ():
     (dict(kernel='cosine'), ValueError, "kernel='cosine'.*'laplacian', 'gaussian'"),
     (dict(normalize='l2'), ValueError, "normalize='l2'.*'injective', 'none'"),
     (dict(iters=-3), ValueError, 'iters=-3'),
-    (dict(dropout_p=1.0), ValueError, 'dropout_p'),
-    # The dataclass's TypeError named the keyword, not the allowed ones.
-    (dict(lamda=2), ValueError, "^nystrom_attention: unknown key\\(s\\) 'lamda'; allowed: kernel, "
-                                'lam, eps, solver, iters, ns_init, ns_refine, normalize, '
-                                'whiten_eps, impl$'),
-    # Truthy, it took the export path.
-    (dict(export='no'), TypeError, "^export must be a bool, got str 'no'$"),
+    (dict(lamda=2), TypeError, 'lamda'),
 ])
 def test_attention_rejects_bad_arguments_naming_them(kwargs, exc, match):
     q, k, v = qkv((1, 1, 4, 2))
@@ -181,41 +174,25 @@ def test_attention_rejects_bad_arguments_naming_them(kwargs, exc, match):
         nystrom_attention(q, k, v, k[..., :2, :], **kwargs)
 
 
-def test_attention_rejects_mismatched_shapes_naming_them():
+def test_attention_rejects_operands_that_would_broadcast():
     q, k, v = qkv((1, 2, 4, 3))
-    with pytest.raises(ValueError, match='k must have the shape of q'):
-        nystrom_attention(q, k[..., :3, :], v, k)
-    with pytest.raises(ValueError, match='v must be'):
-        nystrom_attention(q, k, v[..., :3, :], k)
-    with pytest.raises(ValueError, match='landmarks must be'):
-        nystrom_attention(q, k, v, k[..., :2])
-    with pytest.raises(ValueError, match='landmarks must be'):
-        nystrom_attention(q, k, v, k[:, :1])
-    with pytest.raises(ValueError, match=r'hw=\(2, 3\)'):
-        pool_landmarks(q, (2, 3))
-    with pytest.raises(TypeError, match='^v must be a torch.Tensor, got NoneType$'):
-        nystrom_attention(q, k, None, k)  # an AttributeError on None.shape
+    for args in ((q, k[..., :3, :], v, k), (q, k, v[..., :3, :], k), (q, k, v, k[..., :2]),
+                 (q, k, v, k[:, :1])):
+        with pytest.raises(ValueError, match='nystrom_attention'):
+            nystrom_attention(*args)
 
 
-@pytest.mark.parametrize('operand, axis, layout', [
-    ('q', 0, '(..., N, d)'), ('q', 1, '(..., N, d)'), ('q', 2, '(..., N, d)'),
-    ('q', 3, '(..., N, d)'), ('v', 3, '(..., N, d_v)'), ('landmarks', 2, '(..., m, d)'),
-])
 @pytest.mark.parametrize('impl', ['reference', 'cpu'])
-def test_attention_rejects_a_zero_size_dim_naming_the_operand(operand, axis, layout, impl):
-    """An empty batch, head, token set, width or landmark set: some paths returned an empty
-    result, others failed deep inside with "cannot reshape tensor of 0 elements"."""
-    shapes = dict(q=[1, 2, 4, 3], v=[1, 2, 4, 3], landmarks=[1, 2, 2, 3])
-    shapes[operand][axis] = 0
-    if operand == 'q':  # k follows q, else the shape check speaks first
-        shapes['landmarks'][:2] = shapes['q'][:2]
-        shapes['landmarks'][3] = shapes['q'][3]
-        shapes['v'][:3] = shapes['q'][:3]
-    q, v, landmarks = (torch.randn(shapes[n]) for n in ('q', 'v', 'landmarks'))
-    message = (f'nystrom_attention: {operand} must be {layout} with every size >= 1, got '
-               f'shape {tuple(shapes[operand])}')
-    with pytest.raises(ValueError, match=f'^{re.escape(message)}$'):
-        nystrom_attention(q, q, v, landmarks, impl=impl)
+def test_empty_sizes_give_empty_outputs_and_zero_width_the_mean(impl):
+    """No batch or no tokens: an empty output on every backend; keys of width 0 are all
+    equally similar, so every query gets the mean value."""
+    for shape in ((0, 2, 6, 3), (1, 2, 0, 3)):
+        q, v = torch.randn(shape), torch.randn(*shape[:3], 5)
+        assert nystrom_attention(q, q, v, torch.randn(*shape[:2], 4, 3), impl=impl).shape == \
+            (*shape[:3], 5)
+    q, v = torch.randn(1, 2, 6, 0), torch.randn(1, 2, 6, 5)
+    out = nystrom_attention(q, q, v, q[..., :4, :], impl=impl)
+    torch.testing.assert_close(out, v.mean(-2, keepdim=True).expand_as(out))
 
 
 def test_shape_checks_hold_under_a_jit_trace_without_tracer_warnings():
@@ -226,9 +203,9 @@ def test_shape_checks_hold_under_a_jit_trace_without_tracer_warnings():
 
     def trace(fn, *args):
         return torch.jit.trace(fn, args, check_trace=False)
-    with pytest.raises(ValueError, match='landmarks must be'):
+    with pytest.raises(ValueError, match='nystrom_attention'):
         trace(nystrom_attention, q, k, v, k[:, :1, :2])
-    with pytest.raises(ValueError, match='must share batch dims'):
+    with pytest.raises(ValueError, match='batch dims'):
         trace(laplacian_kernel, q, k[:, :1])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
@@ -237,16 +214,6 @@ def test_shape_checks_hold_under_a_jit_trace_without_tracer_warnings():
     ours = [f'{w.filename}:{w.lineno}' for w in caught
             if osp.dirname(lapformer_mm.__file__) in w.filename]
     assert not ours, ours
-
-
-@pytest.mark.parametrize('options', [None, dict(impl='reference'), 'reference'])
-def test_resolve_impl_names_options_that_are_not_attention_options(options):
-    """Each was an AttributeError on options.impl."""
-    q = torch.randn(1, 2, 12, 4)
-    with pytest.raises(TypeError) as info:
-        resolve_impl(q, q, q, pool_landmarks(q, (3, 4), 2), options)
-    assert str(info.value) == ('options must be a lapformer_mm.ops.AttentionOptions (its '
-                               f'impl), got {type(options).__name__} {options!r}')
 
 
 def test_resolve_impl_takes_the_first_backend_without_reasons(monkeypatch):
