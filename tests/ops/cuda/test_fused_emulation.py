@@ -33,7 +33,7 @@ from devtools.cuda_emulation import (
 )
 from lapformer_mm.ops import attention, nystrom_attention, pool_landmarks, reference
 from lapformer_mm.ops.attention import nystrom_attention_op
-from lapformer_mm.ops.backends import cuda
+from lapformer_mm.ops.backends import cuda, cuda_plan
 
 
 def use_limits(monkeypatch, smem_optin=227 * 1024, sms=2):
@@ -199,6 +199,7 @@ def test_blocks_loop_over_heads_and_tiles_beyond_the_grid_limits(launches, monke
     tiles and slices, as it does past 65535 pairs on a GPU."""
     monkeypatch.setattr(cuda, 'MAX_GRID_YZ', 1)
     monkeypatch.setattr(cuda, 'MAX_GRID_X', 1)
+    monkeypatch.setattr(cuda_plan, 'MAX_GRID_X', 1)  # the row slices (splits)
     cuda.splits.cache_clear()
     try:
         q, k, v, landmarks = make_inputs(2, 3, (10, 13), 8, 8, 3, False, torch.float32, seed=13)

@@ -27,6 +27,8 @@ import pytest
 from _shared import ROOT
 
 SCRIPT = Path(ROOT) / 'tools' / 'gpu_check.sh'
+# Each starts the script or pytest in fresh processes (torch imported each time).
+pytestmark = pytest.mark.slow(seconds=15)
 
 STUB = '''
 import hashlib
