@@ -410,7 +410,7 @@ def precision_report():
     """Markdown tables: export-form error against conditioning, and at the backbone."""
     from benchmarks.numerics import EPS, LAM, SPREADS, WHITEN, dense_reference, inputs
     from lapformer_mm.ops import AttentionOptions, nystrom_attention
-    from lapformer_mm.ops.export import residual_precision
+    from lapformer_mm.ops.export import ExportForm
     options = AttentionOptions(lam=LAM, eps=EPS, whiten_eps=WHITEN, impl='reference')
     lines = ['| spread | cond(P) | fp64 residual | fp32 residual |', '|---|---|---|---|']
     for spread in SPREADS:
@@ -419,8 +419,7 @@ def precision_report():
         errs = []
         for precision in ('fp64', 'fp32'):
             qf, vf, lf = q.float(), v.float(), landmarks.float()
-            with residual_precision(precision):
-                out = nystrom_attention(qf, qf, vf, lf, options, export=True)
+            out = nystrom_attention(qf, qf, vf, lf, options, export=ExportForm(precision))
             errs.append(((out.double() - ref).norm() / ref.norm()).item())
         lines.append(f'| {spread:g} | {cond:.3g} | {errs[0]:.1e} | {errs[1]:.1e} |')
     lines += ['', backbone_precision()]

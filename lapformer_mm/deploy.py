@@ -1,18 +1,11 @@
-"""Export LaplacianFormer models to ONNX or ``torch.export`` and check them on ONNX Runtime
-(docs/deploy.md).
+"""Export LaplacianFormer models to ONNX (:func:`export_onnx`, either of torch's exporters,
+static or with symbolic batch, height and width) or ``torch.export`` (:func:`export_program`)
+and check the files in ONNX Runtime against eager (:func:`verify_onnx`); docs/deploy.md.
 
-:func:`export_onnx` writes one ``.onnx`` file with either of torch's exporters ('dynamo' or
-'torchscript', what mmdeploy calls), static or with symbolic batch, height and width;
-:func:`export_program` is the ``torch.export`` program; :func:`verify_onnx` runs a file in
-ONNX Runtime against the eager model; :func:`export_config` does it from an mmdet/mmseg
-config. The exporters get a prepared copy of the model (:func:`prepare_for_export`).
-
-Targets of a detector or segmentor (:class:`ExportModule`): 'backbone'; 'features' (backbone
-+ neck); 'model', the raw head outputs without post-processing (a two-stage detector's FPN
-features and RPN maps: the RoI stage needs mmcv's RoIAlign). The input is the normalised,
-padded batch the data preprocessor makes. A LaplacianFormer exports for H, W >=
-``export_min_size()`` and states it to the exporters itself. onnx and onnxruntime (the
-``[deploy]`` extra) are imported only where needed.
+An :class:`ExportModule` exports a detector's or segmentor's 'backbone', 'features' (with the
+neck) or 'model' (the raw head outputs; a two-stage detector's stop at the RPN maps), from the
+normalised, padded batch the data preprocessor makes. onnx and onnxruntime (the ``[deploy]``
+extra) are imported only where needed.
 """
 import contextlib
 import copy
@@ -25,16 +18,8 @@ import torch
 from torch import nn
 
 from .ops._checks import check_choice, check_int
-from .ops.export import (
-    BLOCKS_MIN_OPSET,
-    ORT_DOMAIN,
-    check_exportable,
-    expand_placeholders,
-    kernel_form,
-    pairwise_placeholders,
-    residual_precision,
-)
-from .ops.reference import adaptive_avg_pool2d_export
+from .ops.export import ORT_DOMAIN, PLACEHOLDER_DOMAIN, ExportForm, check_exportable
+from .ops.reference import LANDMARK_CHUNK, adaptive_avg_pool2d_export
 
 TARGETS = ('backbone', 'features', 'model')
 EXPORTERS = ('dynamo', 'torchscript')
@@ -43,6 +28,9 @@ EXPORTERS = ('dynamo', 'torchscript')
 #: >= 10 read it, TensorRT 8.6 reads 18; below 17 (LayerNormalization) the TorchScript
 #: exporter writes LayerNorm as its primitive nodes.
 DEFAULT_OPSET = 20
+#: From this opset on the standard file's kernel matrices are token blocks (Split and
+#: ReduceSum take their sizes as inputs).
+BLOCKS_MIN_OPSET = 13
 #: The lowest opset each exporter writes for these models. The dynamo exporter builds
 #: opset 18 and converts down to a lower one, which fails on these graphs (ONNX's version
 #: converter needs constant ``axes`` inputs) and then keeps 18 with a log line only; the
@@ -95,12 +83,6 @@ def export_min_size(model: nn.Module) -> int:
     from .models.backbone import LaplacianFormer
     sizes = [m.export_min_size() for m in model.modules() if isinstance(m, LaplacianFormer)]
     return max(sizes, default=1)
-
-
-def _check_min_size(name, shape, minimum):
-    if min(shape) < minimum:
-        raise ValueError(f'{name} {shape[0]}x{shape[1]} is below the export size range: H and '
-                         f'W must be >= {minimum} for this model (export_min_size)')
 
 
 def _head_output_names(head) -> Tuple[str, ...]:
@@ -220,8 +202,9 @@ def _export_form(child: nn.Module) -> Optional[nn.Module]:
     return None
 
 
-def prepare_for_export(model: nn.Module) -> nn.Module:
-    """An eval-mode copy of ``model`` that the exporters can trace.
+def prepare_for_export(model: nn.Module, form: Optional[ExportForm] = None) -> nn.Module:
+    """An eval-mode copy of ``model`` that the exporters can trace, its attentions in ``form``
+    (None: the default :class:`~lapformer_mm.ops.export.ExportForm`).
 
     SyncBatchNorm becomes BatchNorm (mmengine's ``revert_sync_batchnorm``),
     ``nn.AdaptiveAvgPool2d`` (mmseg's pyramid pooling) and mmseg's ``Upsample`` by a
@@ -241,6 +224,7 @@ def prepare_for_export(model: nn.Module) -> nn.Module:
                 check_exportable(module.options)
             except ValueError as err:
                 raise ValueError(f'{name}: {err}') from None
+            module.export_form = form
         for child_name, child in module.named_children():
             replacement = _export_form(child)
             if replacement is not None:
@@ -255,13 +239,9 @@ def example_input(shape, batch, seed=0, dtype=torch.float32):
 
 
 def smooth_input(shape, batch, seed=0, dtype=torch.float32, cells=(6, 8)):
-    """A fixed natural-image-like (batch, 3, H, W) input: a smooth random field.
-
-    Gaussian noise on a coarse ``cells`` grid, bilinearly upsampled and scaled to unit
-    standard deviation per channel, as normalised photographs roughly are. White noise
-    (:func:`example_input`) is no image: on it LaplacianFormer itself is ill-conditioned
-    at large sizes (docs/deploy.md), so accuracy is measured on these.
-    """
+    """A fixed natural-image-like (batch, 3, H, W) input: Gaussian noise on a coarse ``cells``
+    grid, bilinearly upsampled, unit standard deviation per channel (on white noise the model
+    itself is ill-conditioned at large sizes, docs/deploy.md)."""
     if all(min(size, n) < 2 for size, n in zip(shape, cells)):  # else NaN: 0 / 0
         raise ValueError(f'shape {shape!r} with cells {cells!r} is a constant field: give '
                          'more than one pixel and more than one cell along H or W')
@@ -279,13 +259,9 @@ IMAGE_STD = (58.395, 57.12, 57.375)
 
 
 def toy_image_input(shape, batch, seed=0, dtype=torch.float32, max_objects=4):
-    """A fixed (batch, 3, H, W) input as the data preprocessor makes it from a toy COCO scene.
-
-    Each image is one scene of :mod:`lapformer_mm.scenes` (a colour gradient, low-contrast
-    stripes, pixel noise and a few occluding filled shapes with sharp edges) drawn at H × W
-    from ``seed`` + its index, then normalised with :data:`IMAGE_MEAN` and :data:`IMAGE_STD`:
-    what a detector is fed, deterministic, with no download.
-    """
+    """A fixed (batch, 3, H, W) input as the data preprocessor makes it: image i the toy scene
+    (:mod:`lapformer_mm.scenes`) of seed + i, normalised with :data:`IMAGE_MEAN` and
+    :data:`IMAGE_STD`."""
     import numpy as np
 
     from .scenes import render_image
@@ -300,10 +276,15 @@ def toy_image_input(shape, batch, seed=0, dtype=torch.float32, max_objects=4):
     return ((torch.stack(images) - mean) / std).to(dtype)
 
 
-def _dynamic_dims(min_size):
-    Dim = torch.export.Dim
-    return {0: Dim('batch', min=1, max=1024), 2: Dim('height', min=min_size, max=16384),
-            3: Dim('width', min=min_size, max=16384)}
+def _example(model, shape, batch, dynamic):
+    """The example input and, when ``dynamic``, the Dims of its batch, height and width (traced
+    at batch >= 2: torch.export specialises a size-1 dimension)."""
+    x = example_input(shape, max(batch, 2) if dynamic else batch)
+    if not dynamic:
+        return x, None
+    Dim, low = torch.export.Dim, export_min_size(model)
+    return x, ({0: Dim('batch', min=1, max=1024), 2: Dim('height', min=low, max=16384),
+                3: Dim('width', min=low, max=16384)}, )
 
 
 def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333),
@@ -315,10 +296,9 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
 
     Args:
         shape: (H, W) of the example input; at least :func:`export_min_size`.
-        batch: batch of the example input; a dynamic graph is traced at batch >= 2
-            (torch.export specialises a size-1 dimension).
+        batch: batch of the example input.
         dynamic: symbolic batch, height and width (from :func:`export_min_size` to 16384).
-        exporter: 'dynamo' (:func:`export_program`, then :func:`program_to_onnx`) or
+        exporter: 'dynamo' (``torch.export``, then the dynamo ONNX exporter) or
             'torchscript' (``dynamo=False``, ``dynamic_axes``).
         residual: precision of the attention's refinement residual, 'fp64' (the eager
             numerics) or 'fp32' (no fp64 tensor, for TensorRT and mobile runtimes).
@@ -331,71 +311,121 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
     # The standard file's kernel matrices as placeholders, expanded into token blocks after
     # the export (the op-library file has none: no rewrite of it).
     blocks = not ort_ops and opset >= BLOCKS_MIN_OPSET
-    with kernel_form('ort' if ort_ops else 'standard'), (
-            pairwise_placeholders() if blocks else contextlib.nullcontext()):
-        if exporter == 'dynamo':
-            program = export_program(model, shape=shape, batch=batch, dynamic=dynamic,
-                                     residual=residual)
-            names = output_names(model, shape)
-            _save_program(program, out, names, opset)
-        else:
-            names = _torchscript_export(model, out, shape, batch, dynamic, residual, opset)
-    if blocks:
-        _expand_placeholders(out)
-    return names
-
-
-def _torchscript_export(model, out, shape, batch, dynamic, residual, opset):
-    """:func:`export_onnx` with ``exporter='torchscript'``: the output names."""
-    module = prepare_for_export(model)
-    x = example_input(shape, max(batch, 2) if dynamic else batch)
-    _makedirs_for(out)
-    with torch.no_grad(), residual_precision(residual):
-        outputs = _as_list(module(x))
-        names = _names(module, len(outputs))
-        axes = None
-        if dynamic:
-            axes = {INPUT_NAME: {0: 'batch', 2: 'height', 3: 'width'}}
-            for name, t in zip(names, outputs):
-                axes[name] = {0: 'batch', **{d: f'{name}_dim{d}' for d in range(2, t.dim())}}
-        torch.onnx.export(module, (x, ), out, dynamo=False, input_names=[INPUT_NAME],
-                          output_names=names, opset_version=opset, dynamic_axes=axes)
-    return names
-
-
-def _expand_placeholders(path):
-    """The file at ``path`` with its kernel-matrix placeholders expanded into standard
-    operators (``ops.export.expand_placeholders``); external weights stay where they are."""
-    onnx = _import('onnx')
-    proto = onnx.load(path, load_external_data=False)
-    onnx.save(expand_placeholders(proto), path)
-
-
-def _makedirs_for(path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-
-
-def _names(module, count):
-    return list(getattr(module, 'output_names', [])) or [f'output{i}' for i in range(count)]
-
-
-def output_names(model: nn.Module, shape: Sequence[int]) -> List[str]:
-    """The names :func:`export_onnx` gives the outputs of ``model``, from one forward."""
-    module = prepare_for_export(model)
+    module = prepare_for_export(model, ExportForm(residual, ort_ops, blocks))
+    x, dims = _example(model, shape, batch, dynamic)
     with torch.no_grad():
-        count = len(_as_list(module(example_input(tuple(shape), 1))))
-    return _names(module, count)
+        outputs = _as_list(module(x))
+        names = list(getattr(module, 'output_names', [])) or [
+            f'output{i}' for i in range(len(outputs))]
+        if exporter == 'dynamo':
+            _save_program(torch.export.export(module, (x, ), dynamic_shapes=dims), out, names,
+                          opset)
+        else:
+            axes = None
+            if dynamic:
+                axes = {INPUT_NAME: {0: 'batch', 2: 'height', 3: 'width'}}
+                for name, t in zip(names, outputs):
+                    axes[name] = {0: 'batch', **{d: f'{name}_dim{d}' for d in range(2, t.dim())}}
+            os.makedirs(osp.dirname(osp.abspath(out)), exist_ok=True)
+            torch.onnx.export(module, (x, ), out, dynamo=False, input_names=[INPUT_NAME],
+                              output_names=names, opset_version=opset, dynamic_axes=axes)
+    if blocks:
+        # External weights stay where they are.
+        onnx = _import('onnx')
+        onnx.save(expand_placeholders(onnx.load(out, load_external_data=False)), out)
+    return names
+
+
+def expand_placeholders(proto):
+    """Replace each placeholder node in ``proto`` (an ``onnx.ModelProto``, changed in place)
+    with ``reference.similarity_export``'s standard operators, the tokens in blocks.
+
+    Each block is its own ``Sub → Abs → ReduceSum`` steps (``Mul`` for the Gaussian) of
+    ``LANDMARK_CHUNK`` landmarks, the block bounds ⌊i·N / blocks⌋ computed from
+    the input's shape: every sum is the unblocked form's, in the same order. The nodes of
+    the i-th are named ``lapformer_mm_kernel<i>/...``."""
+    from onnx import helper
+    graph = proto.graph
+    if any(node.domain == PLACEHOLDER_DOMAIN for f in proto.functions for node in f.node):
+        raise ValueError('expand_placeholders: a placeholder inside a local function')
+    nodes, count = [], 0
+    for node in graph.node:
+        if node.domain == PLACEHOLDER_DOMAIN:
+            nodes.extend(_blocked_kernel(node, f'lapformer_mm_kernel{count}', helper))
+            count += 1
+        else:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    imports = [o for o in proto.opset_import if o.domain != PLACEHOLDER_DOMAIN]
+    del proto.opset_import[:]
+    proto.opset_import.extend(imports)
+    return proto
+
+
+def _blocked_kernel(node, prefix, helper):
+    """The standard nodes of one placeholder (x (B, h, N, d), y (B, h, m, d)) -> k (B, h, N, m)."""
+    from onnx import TensorProto
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    kind, blocks, m = attrs['kind'].decode(), attrs['blocks'], attrs['m']
+    x, y = node.input
+    nodes = []
+
+    def const(values, dtype=TensorProto.INT64):
+        out = f'{prefix}/c{len(nodes)}'
+        nodes.append(helper.make_node('Constant', [], [out], value=helper.make_tensor(
+            out, dtype, [len(values)], values)))
+        return out
+
+    def op(op_type, inputs, outputs=1, **kwargs):
+        outs = [f'{prefix}/{op_type}{len(nodes)}_{i}' for i in range(outputs)]
+        nodes.append(helper.make_node(op_type, inputs, outs, name=f'{prefix}/{len(nodes)}',
+                                      **kwargs))
+        return outs[0] if outputs == 1 else outs
+
+    # x (B, h, 1, d, N) and the landmark chunks (B, h, c, d, 1): the layout of similarity_export.
+    # A Reshape, not an Unsqueeze: ONNX Runtime moves a Transpose past an Unsqueeze (and then
+    # before a Split), into a slower 5-D transpose (docs/deploy.md).
+    shape = op('Shape', [x])
+    xt = op('Reshape', [op('Transpose', [x], perm=[0, 1, 3, 2]), op('Concat', [
+        op('Slice', [shape, const([0]), const([2])]), const([1]),
+        op('Slice', [shape, const([3]), const([4])]), const([-1])], axis=0)])
+    yt = op('Unsqueeze', [y, const([4])])
+    step = LANDMARK_CHUNK
+    chunks = [op('Slice', [yt, const([j]), const([min(j + step, m)]), const([2])])
+              for j in range(0, m, step)]
+    if blocks == 1:
+        parts = [xt]
+    else:
+        tokens = op('Slice', [shape, const([2]), const([3])])
+        edges = op('Div', [op('Mul', [tokens, const(list(range(blocks + 1)))]),
+                           const([blocks])])
+        sizes = op('Sub', [op('Slice', [edges, const([1]), const([blocks + 1])]),
+                           op('Slice', [edges, const([0]), const([blocks])])])
+        parts = op('Split', [xt, sizes], outputs=blocks, axis=4)
+    rows = []
+    for part in parts:
+        sums = []
+        for chunk in chunks:
+            diff = op('Sub', [part, chunk])
+            size = op('Abs', [diff]) if kind == 'laplacian' else op('Mul', [diff, diff])
+            sums.append(op('ReduceSum', [size, const([3])], keepdims=0))
+        rows.append(sums[0] if len(sums) == 1 else op('Concat', sums, axis=2))
+    dist = rows[0] if len(rows) == 1 else op('Concat', rows, axis=3)
+    scaled = op('Mul', [dist, const([attrs['scale']], TensorProto.FLOAT)])
+    nodes.append(helper.make_node('Transpose', [op('Exp', [scaled])], list(node.output),
+                                  name=f'{prefix}/out', perm=[0, 1, 3, 2]))
+    return nodes
 
 
 def export_program(model: nn.Module, *, shape: Sequence[int] = (800, 1333), batch: int = 2,
                    dynamic: bool = True, residual: str = 'fp64'):
     """``torch.export.export`` of ``model`` (not modified), arguments as :func:`export_onnx`;
     ``program.run_decompositions()`` lowers it to core ATen with no lapformer_mm op left."""
-    module = prepare_for_export(model)
-    x = example_input(shape, max(batch, 2) if dynamic else batch)
-    dims = (_dynamic_dims(export_min_size(model)), ) if dynamic else None
-    with torch.no_grad(), residual_precision(residual):
-        return torch.export.export(module, (x, ), dynamic_shapes=dims)
+    x, dims = _example(model, shape, batch, dynamic)
+    with torch.no_grad():
+        return torch.export.export(prepare_for_export(model, ExportForm(residual)), (x, ),
+                                   dynamic_shapes=dims)
 
 
 def program_to_onnx(program, out: str, *, output_names: Optional[Sequence[str]] = None,
@@ -418,7 +448,7 @@ def _save_program(program, out, output_names, opset):
         raise ValueError(f'opset={opset}: the dynamo exporter made opset {written} instead '
                          f'(its conversion failed); no file written')
     _name_input_dims(onnx_program)
-    _makedirs_for(out)
+    os.makedirs(osp.dirname(osp.abspath(out)), exist_ok=True)
     onnx_program.save(out, external_data=external)
 
 
@@ -562,7 +592,9 @@ def verify_onnx(path: str, model: nn.Module, sizes: Sequence[Sequence[int]], bat
     # runs, to outputs wrong by far more than rounding, which a row would pass off as error.
     minimum = export_min_size(model)
     for i, size in enumerate(sizes):
-        _check_min_size(f'sizes[{i}]', size, minimum)
+        if min(size) < minimum:
+            raise ValueError(f'sizes[{i}] {size} is below the export size range: H and W must '
+                             f'be >= {minimum} for this model (export_min_size)')
     session = ort_session(path, threads)
     module = ExportModule(model) if not hasattr(model, 'output_names') else model
     module = copy.deepcopy(module).eval()
@@ -664,12 +696,3 @@ def format_rows(rows: Sequence[Dict]) -> str:
             line += f" {r['fp32_vs_fp64_rel']:.2e} |"
         lines.append(line)
     return '\n'.join(lines)
-
-
-__all__ = ['DEFAULT_OPSET', 'EXPORTERS', 'LOWEST_OPSET', 'TARGETS', 'VERIFY_INPUTS', 'ExportModule',
-           'build_model', 'export_config', 'export_min_size', 'export_onnx',
-           'export_program', 'format_rows', 'graph_summary', 'ort_ops_library', 'ort_session',
-           'output_error', 'output_names', 'prepare_for_export', 'program_to_onnx',
-           'rounding_change', 'run_onnx',
-           'smooth_input', 'toy_image_input', 'uses_ort_ops', 'verify_onnx', 'verify_sizes',
-           'wrong_rows']

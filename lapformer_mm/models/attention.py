@@ -46,6 +46,10 @@ class LaplacianAttention(nn.Module):
             ``ns_refine``, ``eps``, ``whiten_eps``, ``impl``.
     """
 
+    #: The form an exporter writes (``deploy.prepare_for_export`` sets it in its copy; None:
+    #: the default while an exporter traces).
+    export_form = None
+
     def __init__(self, dim, num_heads, qkv_bias=True, attn_drop=0.0, proj_drop=0.0, *,
                  qk_shared=True, landmark_grid=7, global_term=True, **options):
         super().__init__()
@@ -128,7 +132,8 @@ class LaplacianAttention(nn.Module):
         # The op pools the landmarks from the keys: it knows whether an exporter traces.
         out = nystrom_attention(q, k, self._split_heads(v), options=self.options, hw=hw,
                                 landmark_grid=self.landmark_grid,
-                                dropout_p=self.attn_drop if self.training else 0.0)
+                                dropout_p=self.attn_drop if self.training else 0.0,
+                                export=self.export_form)
         out = out.transpose(1, 2).reshape(x.shape) + self._local_term(v, hw)
         return self.proj_drop(self.proj(out))
 

@@ -13,9 +13,8 @@ from .functional import (
     landmark_matrix,
     laplacian_kernel,
     newton_schulz_pinv,
-    pool_landmarks,
 )
-from .reference import DEFAULT_NS_ITERS, cg_solve, exact_inverse, exact_solve
+from .reference import DEFAULT_NS_ITERS, cg_solve, exact_inverse, exact_solve, pool_landmarks
 
 __all__ = [
     'AttentionOptions', 'DEFAULT_NS_ITERS', 'cg_solve', 'exact_inverse', 'exact_solve',

@@ -1,11 +1,7 @@
 """Argument checks of the attention, run where its options are built: each error names the
 argument, its value and what is allowed."""
-import functools
 import math
-import warnings
 from numbers import Integral, Real
-
-import torch
 
 KERNELS = ('laplacian', 'gaussian')
 NORMALIZATIONS = ('injective', 'none')
@@ -58,43 +54,3 @@ def check_int(name, value, minimum=1):
     if value < minimum:
         raise ValueError(f'{name}={value!r} must be >= {minimum}')
     return int(value)
-
-
-def trace_quiet(fn):
-    """``fn`` with jit's TracerWarning silenced while a jit trace runs (the TorchScript
-    ONNX exporter, the FLOP counter). Sizes are tensors there: reading one as a Python value
-    (export.token_blocks' block count) is right for the traced input, and the warning that
-    the reading is not recorded in the graph says what is meant."""
-    @functools.wraps(fn)
-    def quiet(*args, **kwargs):
-        if not torch.jit.is_tracing():
-            return fn(*args, **kwargs)
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore', torch.jit.TracerWarning)
-            return fn(*args, **kwargs)
-    return quiet
-
-
-def check_square(name, P):
-    """Require a floating tensor (..., m, m) with every size >= 1 (the solvers would return an
-    empty result for an empty one)."""
-    if not (P.is_floating_point() and P.dim() >= 2 and P.shape[-1] == P.shape[-2]
-            and P.numel() > 0):
-        raise ValueError(f'{name} must be a floating tensor (..., m, m) with every size >= 1, '
-                         f'got {P.dtype} {tuple(P.shape)}')
-    return P
-
-
-def check_rhs(P, B):
-    """Require B (..., m, k) for the system P (..., m, m): P's m, batch dims that broadcast with
-    P's (torch's errors name neither the argument nor the rule)."""
-    try:
-        torch.broadcast_shapes(P.shape[:-2], B.shape[:-2])
-        fits = B.is_floating_point() and B.shape[-2] == P.shape[-1]
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(f'B must be a floating tensor (..., m, k) with m = {P.shape[-1]} and '
-                         f'batch dims that broadcast with those of P {tuple(P.shape)}, got '
-                         f'{B.dtype} {tuple(B.shape)}')
-    return B

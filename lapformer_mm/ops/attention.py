@@ -1,30 +1,21 @@
-"""The Nyström attention op: its options, the registered op pair, autograd, and the one entry.
+"""The Nyström attention op: its options, the registered op pair, autograd, and the entry
+:func:`nystrom_attention`. Newton–Schulz without dropout runs as the op on the backend
+:func:`select_backend` picks (else the reference); dropout, the 'exact' and 'cg' solvers and
+exports run ``reference.forward`` under autograd (the op library's export: the CPU backend's
+composition over :class:`.export.OrtNodes`).
 
-:func:`nystrom_attention` runs Newton–Schulz without dropout as ``NystromAttentionFunction``
-over ``lapformer_mm::nystrom_attention`` (and its backward op) on the backend
-:func:`select_backend` picks, else on :mod:`.reference`; dropout on Z, the 'exact' and 'cg'
-solvers and exports run ``reference.forward`` under autograd (exports for the ONNX Runtime
-op library :func:`.export.ort_forward`). It is also where the attention asks whether an
-exporter traces (:func:`.export.exporting`), for the landmarks it pools too.
-
-Op contract (per batch element b and head h; every backend keeps it):
-
-``nystrom_attention(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine,
-normalize, whiten_eps, impl) -> (out, context, inverse, stats)``
-
-* q (B, h, N, d); k (B, h, N, d) or None when keys are tied to queries; v (B, h, N, d_v);
-  landmarks (B, h, m, d); any strides, one floating dtype and device for all four.
-* out (B, N, h, d_v), contiguous, q's dtype: the token layout the module needs next.
-* out = Z · context[:m] + context[m], Z the injective map of k(q, L) (k(q, L) itself for
-  normalize='none').
-* context (B, h, m + 1, d_v): P⁻¹ k(k, L)ᵀ (v − v̄) / N, then the mean value v̄; inverse
-  (B, h, m, m) the Newton–Schulz X ≈ P⁻¹; stats (B, h, 3, m) the whitening's μ and s and the
-  keys' mean kernel row c̄ ((B, h, 1, m), c̄ alone, for normalize='none'); fp32 (fp64 for
-  fp64 inputs), saved for the backward as flash-attn saves softmax_lse.
-
-``nystrom_attention_backward(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam,
-eps, ns_refine, normalize, whiten_eps, impl) -> (dq, dk, dv, dlandmarks)``: grad (B, N, h,
-d_v) any strides; dk is empty when k is None; each gradient has its operand's dtype.
+Op contract (per batch element and head; every backend keeps it):
+``nystrom_attention(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
+whiten_eps, impl) -> (out, context, inverse, stats)`` for q (B, h, N, d), k like q or None (keys
+tied to queries), v (B, h, N, d_v), landmarks (B, h, m, d), any strides, one dtype and device.
+out (B, N, h, d_v), contiguous, q's dtype (the token layout the module needs next) = Z ·
+context[:m] + context[m], Z the injective map of k(q, L) (itself for normalize='none'); context
+(B, h, m + 1, d_v) = [P⁻¹ k(k, L)ᵀ (v − v̄) / N; v̄]; inverse (B, h, m, m) the Newton–Schulz X;
+stats (B, h, 3, m) the whitening's μ and s and c̄ = colmean(k(k, L)) (c̄ alone for 'none'); fp32
+(fp64 for fp64 inputs), saved for the backward as flash-attn saves softmax_lse.
+``nystrom_attention_backward(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam, eps,
+ns_refine, normalize, whiten_eps, impl) -> (dq, dk, dv, dlandmarks)``: grad (B, N, h, d_v), any
+strides; dk empty when k is None; each gradient in its operand's dtype.
 """
 import dataclasses
 import functools
@@ -45,10 +36,9 @@ from ._checks import (
     check_int,
     check_non_negative,
     check_positive,
-    trace_quiet,
 )
 from .backends import cpu, cuda
-from .export import check_exportable, exporting, ort_forward
+from .export import ExportForm, OrtNodes, check_exportable, exporting
 
 #: The implementations: the reference on every device, and the backends by their names.
 BACKENDS = {cuda.NAME: cuda, cpu.NAME: cpu}
@@ -104,7 +94,6 @@ class AttentionOptions:
             self.normalize, self.whiten_eps))
 
 
-@trace_quiet
 def check_operands(q, k, v, landmarks):
     """q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) on one device, with q's batch
     dims, N and d: the math would broadcast others without a word, and the kernels read
@@ -118,7 +107,7 @@ def check_operands(q, k, v, landmarks):
             f'{tuple(v.shape)}, landmarks {None if landmarks is None else tuple(landmarks.shape)}')
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # once per backend and reasons
 def _warn_fallback(name, reasons):
     warnings.warn(f'lapformer_mm: the {name!r} attention backend does not support this call '
                   f'({"; ".join(reasons)}); running the PyTorch reference', RuntimeWarning,
@@ -171,8 +160,8 @@ def resolve_impl(q, k, v, landmarks, options):
     return 'reference' if backend is None else backend.NAME
 
 
-# The registered ops: torch.library define/impl with an autograd.Function outside, the cheapest
-# way to attach autograd per call (docs/cuda.md, host path).
+# The registered ops: define/impl with an autograd.Function outside, the cheapest way to attach
+# autograd per call (docs/cuda.md, host path).
 
 _LIBRARY = torch.library.Library('lapformer_mm', 'FRAGMENT')
 _LIBRARY.define(
@@ -250,8 +239,8 @@ def _(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam, eps, ns_re
 
 
 class NystromAttentionFunction(torch.autograd.Function):
-    """Autograd of the op: the forward saves context, inverse and stats (non-differentiable
-    outputs); the backward op recomputes the kernel rows from them (once differentiable)."""
+    """Autograd of the op: the backward op recomputes the kernel rows from the saved context,
+    inverse and stats."""
 
     @staticmethod
     def forward(ctx, q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
@@ -284,9 +273,10 @@ def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmar
     q, k (..., N, d) (k None or ``k is q``: tied keys), v (..., N, d_v) -> (..., N, d_v) in q's
     dtype (4-D operands: a view of the op's (B, N, h, d_v) layout). The landmarks L
     (..., m, d), or, given ``hw`` = (H, W) of the N = H·W tokens instead, the keys (B, h, N, d)
-    pooled on a ``landmark_grid`` × ``landmark_grid`` grid (:func:`~.functional.pool_landmarks`).
+    pooled on a ``landmark_grid`` × ``landmark_grid`` grid (:func:`~.reference.pool_landmarks`).
     options: an :class:`AttentionOptions`, or its fields as keywords. dropout_p: dropout on Z.
-    export: whether an exporter traces (None: ask torch). Computes in fp32 (fp64 stays fp64).
+    export: the :class:`~.export.ExportForm` to trace (None: the default one while an exporter
+    traces, else eager). Computes in fp32 (fp64 stays fp64).
     """
     if options is None:
         options = AttentionOptions(**kwargs)
@@ -297,10 +287,11 @@ def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmar
         raise TypeError('nystrom_attention: give either the landmarks (..., m, d) or hw = '
                         '(H, W), to pool them from the keys')
     k = q if k is None else k
-    check_operands(q, k, v, landmarks)
-    export = exporting() if export is None else export
+    export = (ExportForm() if exporting() else None) if export is None else export
+    if export is None:  # an export's sizes are symbols (or a jit trace's tensors)
+        check_operands(q, k, v, landmarks)
     if hw is not None:
-        landmarks = reference.pool_landmarks(k, hw, landmark_grid, export)
+        landmarks = reference.pool_landmarks(k, hw, landmark_grid, export is not None)
     if q.dim() == 4:
         return _attention(q, k, v, landmarks, options, dropout_p, export)
     # The op is (B, h, N, d): fold the other batch dims into h.
@@ -311,14 +302,14 @@ def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmar
 
 
 def _attention(q, k, v, landmarks, options, dropout_p, export):
-    """:func:`nystrom_attention` of checked 4-D operands and landmarks (``k is q``: tied)."""
+    """:func:`nystrom_attention` of 4-D operands and landmarks (``k is q``: tied)."""
     tied = k is q
-    if export:
+    if export is not None:
         check_exportable(options)
-        out = ort_forward(q, None if tied else k, v, landmarks, options.op_options)
-        if out is not None:
-            return out.transpose(1, 2)
-    if export or dropout_p > 0 or options.solver != 'newton':
+        if export.ort and q.dtype == torch.float32:  # the op library's type
+            return cpu.forward(q, None if tied else k, v, landmarks, options.op_options,
+                               OrtNodes, export.residual_dtype)[0].transpose(1, 2)
+    if export is not None or dropout_p > 0 or options.solver != 'newton':
         # The reference under autograd; an exported graph has no dropout.
         return reference.forward(q, None if tied else k, v, landmarks, options.op_options,
                                  options.solver, 0.0 if export else dropout_p, export)[0]

@@ -1,55 +1,21 @@
-"""What the exporters need of the attention: when they trace (:func:`exporting`; the entry then
-runs ``reference.forward`` with ``export=True``, or within ``kernel_form('ort')``
-:func:`ort_forward`), what can export, the residual's precision, the attention's form and the
-standard file's kernel matrices in token blocks (:func:`pairwise_placeholders`, then
-:func:`expand_placeholders`; docs/deploy.md)."""
-import contextlib
-import contextvars
+"""What the exporters need of the attention: when they trace (:func:`exporting`), the form they
+write (:class:`ExportForm`, which the entry passes down to ``reference.forward``, or for the op
+library's nodes to the CPU backend's composition over :class:`OrtNodes`), what can export
+(:func:`check_exportable`), and the standard file's kernel matrices in token blocks
+(:func:`pairwise_placeholder`, expanded by ``deploy.expand_placeholders``; docs/deploy.md)."""
+import dataclasses
+import warnings
 
 import torch
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from . import reference
-from ._checks import KERNELS, trace_quiet
-from .backends import cpu
+from ._checks import KERNELS, check_bool, check_choice
 
 #: Precisions of the refinement step's residual ``b - P x`` in an exported attention: 'fp64'
 #: as in eager (ONNX Runtime CPU runs fp64 matmuls), 'fp32' for runtimes without fp64
 #: (TensorRT, mobile delegates). docs/deploy.md gives each one's accuracy.
 RESIDUAL_PRECISIONS = {'fp64': torch.float64, 'fp32': torch.float32}
-
-
-def exporting():
-    """True while ``torch.onnx.export`` (either exporter) or ``torch.export`` traces; not under
-    the FLOP counter's ``torch.jit`` trace, which must see the op that carries its FLOP handle."""
-    return torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting()
-
-
-@contextlib.contextmanager
-def _scoped(var, what, choice, values):
-    """``var`` is ``values[choice]`` within the block (and the current thread or task)."""
-    if not isinstance(choice, str) or choice not in values:
-        raise ValueError(f'{what} {choice!r} is not supported; allowed: '
-                         f'{", ".join(map(repr, values))}')
-    token = var.set(values[choice])
-    try:
-        yield
-    finally:
-        var.reset(token)
-
-
-def residual_precision(precision):
-    """Within the block (and the current thread or task) the attention forms its refinement
-    residual in ``precision``, one of :data:`RESIDUAL_PRECISIONS`."""
-    return _scoped(reference.RESIDUAL_DTYPE, 'residual precision', precision,
-                   RESIDUAL_PRECISIONS)
-
-
-#: Forms of the attention in an exported ONNX graph: 'standard' (standard-domain operators
-#: only, every runtime) or 'ort' (the ONNX Runtime op library's nodes, tools/build_ort_ops.py:
-#: the eager CPU backend's two passes over the rows as AttentionRows and AttentionApply, the
-#: landmarks' own kernel matrix as PairwiseKernel, the m × m steps in standard operators).
-KERNEL_FORMS = ('standard', 'ort')
 #: The ONNX domain of the op library, its operators and their version.
 ORT_DOMAIN = 'lapformer_mm'
 ORT_KERNEL_OP = 'PairwiseKernel'
@@ -58,70 +24,90 @@ ORT_APPLY_OP = 'AttentionApply'
 ORT_OPS = (ORT_KERNEL_OP, ORT_ROWS_OP, ORT_APPLY_OP)
 ORT_OPSET_VERSION = 1
 
-_FORM = contextvars.ContextVar('lapformer_mm_kernel_form', default='standard')
+
+def exporting():
+    """True while ``torch.onnx.export`` (either exporter) or ``torch.export`` traces; not under
+    the FLOP counter's ``torch.jit`` trace, which must see the op that carries its FLOP handle."""
+    return torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting()
 
 
-def kernel_form(form):
-    """Within the block (and the current thread or task) exported attentions take ``form``,
-    one of :data:`KERNEL_FORMS`; nothing changes outside exporters."""
-    return _scoped(_FORM, 'kernel form', form, {f: f for f in KERNEL_FORMS})
+@dataclasses.dataclass(frozen=True)
+class ExportForm:
+    """How an exported attention is written (docs/deploy.md). The entry takes the default one
+    while an exporter traces; ``deploy.prepare_for_export`` gives its copy's attentions another.
+
+    residual: the refinement residual's precision (:data:`RESIDUAL_PRECISIONS`); ort: the op
+    library's nodes for fp32 operands (``tools/build_ort_ops.py``), else standard operators;
+    blocks: the tokens' kernel matrices as placeholders that ``deploy.expand_placeholders``
+    turns into token blocks after the export."""
+    residual: str = 'fp64'
+    ort: bool = False
+    blocks: bool = False
+
+    def __post_init__(self):
+        check_choice('residual', self.residual, tuple(RESIDUAL_PRECISIONS))
+        check_bool('ort', self.ort)
+        check_bool('blocks', self.blocks)
+
+    @property
+    def residual_dtype(self):
+        return RESIDUAL_PRECISIONS[self.residual]
+
+    def similarity(self, x, y, lam, kernel):
+        """The tokens' kernel matrix k(x, y) in this form's operators."""
+        if self.blocks:
+            return pairwise_placeholder(x, y, lam, kernel)
+        return reference.similarity_export(x, y, lam, kernel)
 
 
-def _kind_name(kind):
-    return KERNELS[kind]
-
-
-def _symbolic(op, inputs, attrs, like, shapes, domain=ORT_DOMAIN):
-    """The node ``domain::op`` under torch.export: outputs of ``like``'s dtype."""
-    return torch.onnx.ops.symbolic_multi_out(
-        f'{domain}::{op}', inputs, attrs, dtypes=[like.dtype] * len(shapes), shapes=shapes,
-        version=ORT_OPSET_VERSION)
-
-
-def _node(g, op, like, *inputs, outputs=1, domain=ORT_DOMAIN, **attrs):
-    """The node ``domain::op`` for the TorchScript exporter, outputs of ``like``'s dtype and
-    rank with unknown sizes: the exporter's later symbolics read the dtype (type promotion),
-    and the sizes are the runtime's to compute."""
-    outs = g.op(f'{domain}::{op}', *inputs, outputs=outputs, **attrs)
-    for out in (outs,) if outputs == 1 else outs:
-        out.setType(like.type().with_sizes([None] * like.type().dim()))
-    return outs
-
-
-def _placeholder_attrs(lam, kind, blocks, m):
-    # The factor, not λ: ONNX attributes are fp32, and the unblocked form multiplies by
-    # fp32(-1/λ), not by -1/fp32(λ).
-    return dict(scale=-1.0 / lam, kind=kind, blocks=blocks, m=m)
-
-
-class _PairwiseKernel(torch.autograd.Function):
-    """PairwiseKernel for the TorchScript exporter: the library's node (blocks 0) or the
-    placeholder of :func:`expand_placeholders`; the forward (what the trace runs) is the
-    standard form."""
-
-    @staticmethod
-    def forward(ctx, x, y, lam, kind, blocks, m):
-        return reference.similarity_export(x, y, lam, kind)
+class _Node(torch.autograd.Function):
+    """A node of the op library (or a placeholder) for the TorchScript exporter: its forward,
+    what the trace (or an eager call) runs, is the node's standard-operator form."""
 
     @staticmethod
-    def symbolic(g, x, y, lam, kind, blocks, m):
-        if not blocks:
-            return _node(g, ORT_KERNEL_OP, x, x, y, lam_f=lam, kind_s=kind)
-        attrs = _placeholder_attrs(lam, kind, blocks, m)
-        return _node(g, ORT_KERNEL_OP, x, x, y, domain=PLACEHOLDER_DOMAIN,
-                     scale_f=attrs['scale'], kind_s=kind, blocks_i=blocks, m_i=m)
+    def forward(ctx, node, standard, *inputs):
+        return standard(*inputs)
+
+    @staticmethod
+    def symbolic(g, node, standard, *inputs):
+        domain, op, attrs = node
+        kinds = {float: 'f', str: 's', int: 'i'}
+        outputs = _OUTPUTS[op]
+        outs = g.op(f'{domain}::{op}', *inputs, outputs=outputs,
+                    **{f'{name}_{kinds[type(value)]}': value for name, value in attrs})
+        # The first input's dtype and rank, sizes unknown: the exporter's later symbolics read
+        # the dtype (type promotion); the sizes are the runtime's to compute.
+        like = inputs[0].type()
+        for out in (outs, ) if outputs == 1 else outs:
+            out.setType(like.with_sizes([None] * like.dim()))
+        return outs
+
+
+_OUTPUTS = {ORT_KERNEL_OP: 1, ORT_ROWS_OP: 3, ORT_APPLY_OP: 1}
+
+
+def _node(op, inputs, attrs, standard, shapes, domain=ORT_DOMAIN):
+    """The outputs (a tuple) of ``domain::op`` of ``inputs`` in the first input's dtype: a
+    ``torch.onnx.ops`` node of the shapes ``shapes()`` under torch.export, else a
+    :class:`_Node` computing ``standard``."""
+    if torch.compiler.is_exporting():
+        return tuple(torch.onnx.ops.symbolic_multi_out(
+            f'{domain}::{op}', inputs, attrs, dtypes=[inputs[0].dtype] * _OUTPUTS[op],
+            shapes=shapes(), version=ORT_OPSET_VERSION))
+    outs = _Node.apply((domain, op, tuple(attrs.items())), standard, *inputs)
+    return (outs, ) if _OUTPUTS[op] == 1 else outs
 
 
 def _pairwise_node(x, y, lam, kind, blocks=0, m=0):
     """k(x, y) (..., N, M) as one PairwiseKernel node: the op library's (blocks 0) or the
-    placeholder of ``blocks`` token blocks and ``m`` landmarks."""
-    if torch.compiler.is_exporting():
-        shape = (*x.shape[:-1], y.shape[-2])
-        attrs, domain = dict(lam=lam, kind=kind), ORT_DOMAIN
-        if blocks:
-            attrs, domain = _placeholder_attrs(lam, kind, blocks, m), PLACEHOLDER_DOMAIN
-        return _symbolic(ORT_KERNEL_OP, (x, y), attrs, x, [shape], domain=domain)[0]
-    return _PairwiseKernel.apply(x, y, lam, kind, blocks, m)
+    placeholder of ``blocks`` token blocks and ``m`` landmarks. The placeholder carries the
+    factor, not λ: ONNX attributes are fp32, and the unblocked form multiplies by fp32(-1/λ),
+    not by -1/fp32(λ)."""
+    attrs, domain = ((dict(scale=-1.0 / lam, kind=kind, blocks=blocks, m=m), PLACEHOLDER_DOMAIN)
+                     if blocks else (dict(lam=lam, kind=kind), ORT_DOMAIN))
+    return _node(ORT_KERNEL_OP, (x, y), attrs,
+                 lambda x, y: reference.similarity_export(x, y, lam, kind),
+                 lambda: [(*x.shape[:-1], y.shape[-2])], domain)[0]
 
 
 def rows_reference(x, landmarks, v, lam, kind, want_stats, want_rows):
@@ -146,79 +132,47 @@ def apply_reference(rows, a, bias, centre):
     return (torch.matmul(c, a) + bias).transpose(1, 2)
 
 
-class _AttentionRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, landmarks, v, lam, kind, want_stats, want_rows):
-        return rows_reference(x, landmarks, v, lam, kind, want_stats, want_rows)
-
-    @staticmethod
-    def symbolic(g, x, landmarks, v, lam, kind, want_stats, want_rows):
-        return _node(g, ORT_ROWS_OP, x, x, landmarks, v, outputs=3, lam_f=lam, kind_s=kind,
-                     want_stats_i=int(want_stats), want_rows_i=int(want_rows))
-
-
-class _AttentionApply(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows, a, bias, centre):
-        return apply_reference(rows, a, bias, centre)
-
-    @staticmethod
-    def symbolic(g, rows, a, bias, centre):
-        return _node(g, ORT_APPLY_OP, rows, rows, a, bias, centre_i=int(centre))
-
-
 class OrtNodes:
     """The op library's nodes with the signatures of the CPU backend's kernels
     (``lapformer_mm/csrc/cpu``), so :func:`lapformer_mm.ops.backends.cpu.forward` composes
-    them as it composes those: a ``torch.onnx.ops`` node under torch.export, else a Function's
-    ``symbolic``. q, k, v come (B, h, N, d) as the op takes them; the nodes read them in the
-    token layout (B, N, h, d), which the projections write (the exported graph's transposes
-    cancel)."""
+    them as it composes those. q, k, v come (B, h, N, d) as the op takes them; the nodes read
+    them in the token layout (B, N, h, d), which the projections write (the exported graph's
+    transposes cancel)."""
 
     @staticmethod
     def pairwise_forward(x, y, lam, kind):
-        return _pairwise_node(x, y, float(lam), _kind_name(kind))
+        return _pairwise_node(x, y, float(lam), KERNELS[kind])
 
     @staticmethod
     def attention_rows_forward(x, landmarks, v, lam, kind, want_stats, want_rows):
-        lam, kind = float(lam), _kind_name(kind)
         x = x.transpose(1, 2)
         # No v (the query pass of separate keys): a zero-width one, and no rhs.
         v = x[..., :0] if v is None else v.transpose(1, 2)
-        if torch.compiler.is_exporting():
-            (b, n, h, _), m = x.shape, landmarks.shape[-2]
-            shapes = [(b, h, m + 1, v.shape[-1]), (b, h, 2 * want_stats + bool(v.shape[-1]), m),
-                      (b, h, n if want_rows else 0, m)]
-            attrs = dict(lam=lam, kind=kind, want_stats=int(want_stats),
-                         want_rows=int(want_rows))
-            return tuple(_symbolic(ORT_ROWS_OP, (x, landmarks, v), attrs, x, shapes))
-        return _AttentionRows.apply(x, landmarks, v, lam, kind, bool(want_stats),
-                                    bool(want_rows))
+        attrs = dict(lam=float(lam), kind=KERNELS[kind], want_stats=int(want_stats),
+                     want_rows=int(want_rows))
+
+        def shapes():
+            (b, n, h, _), m, dv = x.shape, landmarks.shape[-2], v.shape[-1]
+            return [(b, h, m + 1, dv), (b, h, 2 * want_stats + bool(dv), m),
+                    (b, h, n if want_rows else 0, m)]
+        return _node(ORT_ROWS_OP, (x, landmarks, v), attrs,
+                     lambda x, landmarks, v: rows_reference(x, landmarks, v, attrs['lam'],
+                                                            attrs['kind'], want_stats,
+                                                            want_rows), shapes)
 
     @staticmethod
     def attention_rows_apply(rows, a, bias, centre, dtype):
-        if torch.compiler.is_exporting():
-            (b, h, n, _), dv = rows.shape, a.shape[-1]
-            out = _symbolic(ORT_APPLY_OP, (rows, a, bias), dict(centre=int(centre)), rows,
-                            [(b, n, h, dv)])[0]
-        else:
-            out = _AttentionApply.apply(rows, a, bias, bool(centre))
+        (b, h, n, _), dv = rows.shape, a.shape[-1]
+        out, = _node(ORT_APPLY_OP, (rows, a, bias), dict(centre=int(centre)),
+                     lambda rows, a, bias: apply_reference(rows, a, bias, centre),
+                     lambda: [(b, n, h, dv)])
         return out.to(dtype)
-
-
-def ort_forward(q, k, v, landmarks, opts):
-    """The attention's output (B, N, h, d_v) as the op library's nodes within
-    ``kernel_form('ort')`` for fp32 operands (the library's type), else None."""
-    if _FORM.get() != 'ort' or q.dtype != torch.float32:
-        return None
-    return cpu.forward(q, k, v, landmarks, opts, ops=OrtNodes)[0]
 
 
 # The standard file's kernel matrices in token blocks --------------------------------------------
 
-#: The domain of the placeholder nodes that ``deploy.export_onnx`` has the exporters write for
-#: the tokens' kernel matrices, and then expands into standard operators
-#: (:func:`expand_placeholders`): no file it writes keeps one.
+#: The domain of the placeholder nodes of ``ExportForm(blocks=True)``, which
+#: ``deploy.expand_placeholders`` expands into standard operators: no file it writes keeps one.
 PLACEHOLDER_DOMAIN = 'lapformer_mm.placeholder'
 #: The expansion takes the tokens in blocks whose difference tensor (one image, h heads,
 #: ``reference.LANDMARK_CHUNK`` landmarks, d, N / blocks) is at most this many bytes: the
@@ -226,17 +180,17 @@ PLACEHOLDER_DOMAIN = 'lapformer_mm.placeholder'
 BLOCK_BYTES = 4 << 20
 #: At most this many blocks: each is 3 nodes per landmark chunk.
 MAX_BLOCKS = 32
-#: The lowest opset of the expansion (Split and ReduceSum take their sizes as inputs).
-BLOCKS_MIN_OPSET = 13
 
 
-@trace_quiet
 def _hint(size):
     """A traced size as an int without a guard: a hint of torch.export's symbolic sizes, the
-    value of the TorchScript trace's size tensors (the value is all we want)."""
+    value of the TorchScript trace's size tensors (the value is all we want, so the tracer's
+    warning that it is not recorded in the graph is not for us)."""
     if not isinstance(size, torch.Tensor):
         return optimization_hint(size)
-    return int(size)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', torch.jit.TracerWarning)
+        return int(size)
 
 
 def token_blocks(x, num_landmarks):
@@ -248,106 +202,13 @@ def token_blocks(x, num_landmarks):
 
 
 def pairwise_placeholder(x, y, lam, kind):
-    """:func:`reference.similarity`'s export form within :func:`pairwise_placeholders`: one
-    placeholder node for fp32 (B, h, N, d) operands, else ``reference.similarity_export``."""
+    """The tokens' kernel matrix as one placeholder node for fp32 (B, h, N, d) operands, else
+    ``reference.similarity_export``."""
     if x.dim() != 4 or x.dtype != torch.float32:
         return reference.similarity_export(x, y, lam, kind)
     num_landmarks = _hint(y.shape[-2])
     return _pairwise_node(x, y, float(lam), kind, token_blocks(x, num_landmarks),
                           num_landmarks)
-
-
-def pairwise_placeholders():
-    """Within the block (and the current thread or task) exported kernel matrices of the
-    tokens are placeholder nodes, for :func:`expand_placeholders` to expand."""
-    return _scoped(reference.SIMILARITY_EXPORT, 'similarity export', 'placeholders',
-                   {'placeholders': pairwise_placeholder})
-
-
-def expand_placeholders(proto):
-    """Replace each placeholder node in ``proto`` (an ``onnx.ModelProto``, changed in place)
-    with ``reference.similarity_export``'s standard operators, the tokens in blocks.
-
-    Each block is its own ``Sub → Abs → ReduceSum`` steps (``Mul`` for the Gaussian) of
-    ``reference.LANDMARK_CHUNK`` landmarks, the block bounds ⌊i·N / blocks⌋ computed from
-    the input's shape: every sum is the unblocked form's, in the same order. The nodes of
-    the i-th are named ``lapformer_mm_kernel<i>/...``."""
-    from onnx import helper
-    graph = proto.graph
-    opset = next((o.version for o in proto.opset_import if o.domain in ('', 'ai.onnx')), 0)
-    if opset < BLOCKS_MIN_OPSET:
-        raise ValueError(f'expand_placeholders: opset {opset}; the token blocks need '
-                         f'{BLOCKS_MIN_OPSET} or later')
-    if any(node.domain == PLACEHOLDER_DOMAIN for f in proto.functions for node in f.node):
-        raise ValueError('expand_placeholders: a placeholder inside a local function')
-    nodes, count = [], 0
-    for node in graph.node:
-        if node.domain == PLACEHOLDER_DOMAIN:
-            nodes.extend(_blocked_kernel(node, f'lapformer_mm_kernel{count}', helper))
-            count += 1
-        else:
-            nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    imports = [o for o in proto.opset_import if o.domain != PLACEHOLDER_DOMAIN]
-    del proto.opset_import[:]
-    proto.opset_import.extend(imports)
-    return proto
-
-
-def _blocked_kernel(node, prefix, helper):
-    """The standard nodes of one placeholder (x (B, h, N, d), y (B, h, m, d)) -> k (B, h, N, m)."""
-    from onnx import TensorProto
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    kind, blocks, m = attrs['kind'].decode(), attrs['blocks'], attrs['m']
-    x, y = node.input
-    nodes = []
-
-    def const(values, dtype=TensorProto.INT64):
-        out = f'{prefix}/c{len(nodes)}'
-        nodes.append(helper.make_node('Constant', [], [out], value=helper.make_tensor(
-            out, dtype, [len(values)], values)))
-        return out
-
-    def op(op_type, inputs, outputs=1, **kwargs):
-        outs = [f'{prefix}/{op_type}{len(nodes)}_{i}' for i in range(outputs)]
-        nodes.append(helper.make_node(op_type, inputs, outs, name=f'{prefix}/{len(nodes)}',
-                                      **kwargs))
-        return outs[0] if outputs == 1 else outs
-
-    # x (B, h, 1, d, N) and the landmark chunks (B, h, c, d, 1): the layout of similarity_export.
-    # A Reshape, not an Unsqueeze: ONNX Runtime moves a Transpose past an Unsqueeze (and then
-    # before a Split), into a slower 5-D transpose (docs/deploy.md).
-    shape = op('Shape', [x])
-    xt = op('Reshape', [op('Transpose', [x], perm=[0, 1, 3, 2]), op('Concat', [
-        op('Slice', [shape, const([0]), const([2])]), const([1]),
-        op('Slice', [shape, const([3]), const([4])]), const([-1])], axis=0)])
-    yt = op('Unsqueeze', [y, const([4])])
-    step = reference.LANDMARK_CHUNK
-    chunks = [op('Slice', [yt, const([j]), const([min(j + step, m)]), const([2])])
-              for j in range(0, m, step)]
-    if blocks == 1:
-        parts = [xt]
-    else:
-        tokens = op('Slice', [shape, const([2]), const([3])])
-        edges = op('Div', [op('Mul', [tokens, const(list(range(blocks + 1)))]),
-                           const([blocks])])
-        sizes = op('Sub', [op('Slice', [edges, const([1]), const([blocks + 1])]),
-                           op('Slice', [edges, const([0]), const([blocks])])])
-        parts = op('Split', [xt, sizes], outputs=blocks, axis=4)
-    rows = []
-    for part in parts:
-        sums = []
-        for chunk in chunks:
-            diff = op('Sub', [part, chunk])
-            size = op('Abs', [diff]) if kind == 'laplacian' else op('Mul', [diff, diff])
-            sums.append(op('ReduceSum', [size, const([3])], keepdims=0))
-        rows.append(sums[0] if len(sums) == 1 else op('Concat', sums, axis=2))
-    dist = rows[0] if len(rows) == 1 else op('Concat', rows, axis=3)
-    scaled = op('Mul', [dist, const([attrs['scale']], TensorProto.FLOAT)])
-    nodes.append(helper.make_node('Transpose', [op('Exp', [scaled])], list(node.output),
-                                  name=f'{prefix}/out', perm=[0, 1, 3, 2]))
-    return nodes
 
 
 def check_exportable(options):

@@ -12,11 +12,9 @@ from ._checks import (
     check_int,
     check_non_negative,
     check_positive,
-    trace_quiet,
 )
 
 
-@trace_quiet  # its sizes are tensors under a jit trace, which the batch dims' test reads
 def kernel_matrix(kernel, x, y, lam=4.0):
     """The kernel ``kernel`` ('laplacian' or 'gaussian') of x (..., N, d), y (..., M, d)
     -> (..., N, M) in x's dtype, computed in fp32 (fp64 stays fp64) without an (N, M, d)
@@ -49,12 +47,6 @@ def newton_schulz_pinv(P, iters=None, init='identity'):
     check_choice('init', init, NS_INITS)
     p = P.to(reference.compute_dtype(P.dtype))
     return reference.newton_schulz(p, iters, init).to(P.dtype)
-
-
-def pool_landmarks(t, hw, grid=7):
-    """Adaptive average pooling of tokens t (B, h, N, d) on an H×W grid -> (B, h, m, d),
-    m = min(grid, H) · min(grid, W), in row-major grid order."""
-    return reference.pool_landmarks(t, hw, grid)
 
 
 def injective_normalize(C, whiten_eps=1e-5):

@@ -1,34 +1,27 @@
 """The attention's math in plain PyTorch: the ground truth on every device, and the stages the
-backends share.
-
-Read top to bottom, it is the attention in the order it runs (docs/design.md §2):
+backends share. Read top to bottom, it is the attention in the order it runs (docs/design.md §2):
 
 1. landmarks            :func:`pool_landmarks`    L = the keys averaged on a g × g grid
 2. similarity           :func:`similarity`        k(x, y) = exp(-dist(x, y) / λ), dist ℓ1
                                                   ('laplacian') or squared ℓ2 ('gaussian')
 3. landmark system      :func:`landmark_system`   P = k(L, L) + εI
-4. solve                :func:`newton_schulz`, :func:`apply_inverse`, :func:`solve_context`:
-                        context = X R, X ≈ P⁻¹, R = k(k, L)ᵀ (v − v̄) / N (:func:`landmark_rhs`),
-                        one refinement step; :func:`exact_solve` and :func:`cg_solve` for the
-                        ablations
-5. feature map          :func:`whiten`, :func:`whitening_scale`: Z = c̃ diag(s) + 1/m
-6. output               :func:`forward`           out = Z · context + v̄: rows of weights that
-                                                  sum to 1 over the N keys (docs/design.md §2.6)
-7. backward             :func:`backward` from :func:`context_grads` and :func:`solve_grads`,
-                        which the CPU backend calls too
+4. solve                :func:`solve_context`     context = X R, X ≈ P⁻¹ by Newton–Schulz,
+                                                  R = k(k, L)ᵀ (v − v̄) / N; exact and CG
+                                                  solves for the ablations
+5. feature map          :func:`whiten`            Z = c̃ diag(s) + 1/m
+6. output               :func:`forward`           out = Z · context + v̄
+7. backward             :func:`backward`          closed form, shared with the CPU backend
 
-Everything computes in fp32 (fp64 stays fp64, :func:`compute_dtype`). With ``export=True`` (the
-caller decides) the two primitives the exporters cannot take, ``torch.cdist`` and adaptive
-pooling, take their standard-operator forms (the last section). This module imports torch and
-the argument checks only.
+Everything computes in fp32 (fp64 stays fp64). The standard-operator forms of the two
+primitives the exporters cannot take, ``torch.cdist`` and adaptive pooling, come last. This
+module imports torch and the argument checks only.
 """
-import contextvars
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ._checks import KERNELS, check_int, check_rhs, check_square
+from ._checks import KERNELS, check_int
 
 #: A kernel's code in the compiled kernels (the C++ and CUDA KIND template argument, the ONNX
 #: Runtime nodes' attribute): its index in ``KERNELS``.
@@ -54,10 +47,9 @@ def compute_dtype(dtype):
 
 # 1. Landmarks ------------------------------------------------------------------------------------
 
-def pool_landmarks(t, hw, grid, export=False):
-    """Adaptive average pooling of tokens t (B, h, N, d) on hw = (H, W) -> (B, h, m, d),
-    m = min(grid, H) · min(grid, W), row-major. The heads pool as channels of one (B, h·d, H, W)
-    map: for head views of the (B, N, h·d) tokens a channels-last view, read in place."""
+def pool_landmarks(t, hw, grid=7, export=False):
+    """Adaptive average pooling of tokens t (B, h, N, d) on an H×W grid -> (B, h, m, d),
+    m = min(grid, H) · min(grid, W), row-major; the heads pool as channels of one map."""
     batch, heads, _, width = t.shape
     if export:
         return pool_landmarks_export(t, hw, grid)
@@ -147,16 +139,9 @@ def similarity_grads(w, x, y, lam, kernel, needs=(True, True)):
     return dx, dy
 
 
-#: What :func:`similarity` exports as, when set: ``deploy.export_onnx`` puts a node there that
-#: it expands into standard operators after the export (``export.pairwise_placeholders``).
-SIMILARITY_EXPORT = contextvars.ContextVar('lapformer_mm_similarity_export', default=None)
-
-
-def similarity(x, y, lam, kernel, export=False):
+def similarity(x, y, lam, kernel):
     """The kernel matrix exp(-dist(x_i, y_j) / lam) (..., N, M) of x (..., N, d), y (..., M, d).
     The squared ℓ2 comes from coordinate differences: |x|² + |y|² − 2x·y cancels in fp32."""
-    if export:
-        return (SIMILARITY_EXPORT.get() or similarity_export)(x, y, lam, kernel)
     # A jit trace (the FLOP counter's) must see aten::cdist, not an opaque Function.
     if (torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
             and not torch.jit.is_tracing()):
@@ -200,50 +185,41 @@ def newton_schulz(P, iters, init):
     return x.view(P.shape).to(P.dtype)
 
 
-#: The dtype of the refinement step's residual and of rhs's common part (:func:`landmark_rhs`):
-#: fp64, or fp32 for runtimes without fp64 within
-#: ``lapformer_mm.ops.export.residual_precision('fp32')``.
-RESIDUAL_DTYPE = contextvars.ContextVar('lapformer_mm_residual_dtype', default=torch.float64)
-
-
-def apply_inverse(inverse, P, rhs, ns_refine):
+def apply_inverse(inverse, P, rhs, ns_refine, residual=torch.float64):
     """X rhs, then with ``ns_refine`` one refinement step x + X (rhs − P x), its residual in
-    fp64: an fp32 X of near-identical landmarks is accurate to ~1e-3, which the whitening
-    amplifies; the step brings the solve to an fp32 direct solve's error (docs/numerics.md)."""
+    ``residual`` (fp64; fp32 for exports to runtimes without it): an fp32 X of near-identical
+    landmarks is accurate to ~1e-3, which the whitening amplifies; the step brings the solve
+    to an fp32 direct solve's error (docs/numerics.md)."""
     x = torch.matmul(inverse, rhs)
     if not ns_refine:
         return x
-    wide = torch.promote_types(RESIDUAL_DTYPE.get(), x.dtype)
+    wide = torch.promote_types(residual, x.dtype)
     residual = rhs.to(wide) - torch.matmul(P.to(wide), x.to(wide))
     return x + torch.matmul(inverse, residual.to(x.dtype))
 
 
-def landmark_rhs(c_k, v):
-    """(R, v̄): R = k(k, L)ᵀ (v − 1 v̄ᵀ) / N (..., m, d_v), v̄ (..., 1, d_v) the mean value.
+def landmark_rhs(c_k, v, residual=torch.float64):
+    """(R, v̄): R = k(k, L)ᵀ (v − 1 v̄ᵀ) / N (..., m, d_v), v̄ (..., 1, d_v) the mean value: the
+    attention is a weighted average whatever N (docs/design.md §2.6).
 
-    The 1/N and the centring of v over the keys make the attention a weighted average
-    whatever N (docs/design.md §2.6). R is summed as (C_k − r 1ᵀ)ᵀ ṽ + 1 (rᵀ ṽ), ṽ = v − v̄,
-    r = C_k's row means over landmarks: exact in math for any r, so r's own rounding does
-    not matter. Every key is nearly equally similar to every landmark, so the output reads
-    only R's small landmark-to-landmark differences (then scaled by the whitening's s); a
-    plain fp32 N-sum loses them (docs/numerics.md). The centred N-sum runs on small values;
-    the common part rᵀ ṽ, N · d_v products, in :data:`RESIDUAL_DTYPE`: P⁻¹ does not keep an
-    error common to the landmarks common, and an fp32 N-sum of it would undo the centring's
-    gain."""
+    The output reads only R's small landmark-to-landmark differences, which a plain fp32
+    N-sum loses (docs/numerics.md): R is summed as (C_k − r 1ᵀ)ᵀ ṽ + 1 (rᵀ ṽ), ṽ = v − v̄,
+    r = C_k's row means (exact for any r), the common part in ``residual``: P⁻¹ does not
+    keep an error common to the landmarks common."""
     n = v.shape[-2]
     mean = v.mean(-2, keepdim=True)
     centred = v - mean
     row = c_k.mean(-1, keepdim=True)
-    wide = torch.promote_types(RESIDUAL_DTYPE.get(), v.dtype)
+    wide = torch.promote_types(residual, v.dtype)
     # transpose, not .mT: the TorchScript exporter has no aten::mT.
     common = torch.matmul(row.to(wide).transpose(-1, -2), centred.to(wide)).to(v.dtype)
     return (torch.matmul((c_k - row).transpose(-1, -2), centred) + common) / n, mean
 
 
-def solve_context(P, rhs, opts):
+def solve_context(P, rhs, opts, residual=torch.float64):
     """(context, X): context = P⁻¹ rhs by Newton–Schulz (with the refinement step)."""
     inverse = newton_schulz(P, opts.iters, opts.ns_init)
-    return apply_inverse(inverse, P, rhs, opts.ns_refine), inverse
+    return apply_inverse(inverse, P, rhs, opts.ns_refine, residual), inverse
 
 
 def _check_solved(info):
@@ -255,8 +231,6 @@ def _check_solved(info):
 
 def exact_solve(P, B):
     """Solve P X = B exactly; P (..., m, m), B (..., m, k) -> (..., m, k); a singular P raises."""
-    check_square('P', P)
-    check_rhs(P, B)
     dtype = compute_dtype(P.dtype)
     x, info = torch.linalg.solve_ex(P.to(dtype), B.to(dtype))
     _check_solved(info)
@@ -265,15 +239,14 @@ def exact_solve(P, B):
 
 def exact_inverse(P):
     """Exact inverse of P (..., m, m) via ``torch.linalg.inv_ex``; a singular P raises."""
-    check_square('P', P)
     inverse, info = torch.linalg.inv_ex(P.to(compute_dtype(P.dtype)))
     _check_solved(info)
     return inverse.to(P.dtype)
 
 
 def _cg_step_size(num, den, active):
-    """num / den for the active columns, 0 elsewhere and where den == 0 (the denominator is
-    replaced before dividing: a masked-out division by ~0 would still put NaN in the gradient)."""
+    """num / den for the active columns, 0 elsewhere and where den == 0 (replaced before
+    dividing: a masked-out division by ~0 would still put NaN in the gradient)."""
     active = active & (den != 0)
     safe = torch.where(active, den, torch.ones_like(den))
     return torch.where(active, num / safe, torch.zeros_like(num))
@@ -290,8 +263,6 @@ def cg_solve(P, B, iters=None):
     every ||r|| <= CG_TOL_EPS · eps(dtype) · ||b|| or ``iters`` steps (default
     CG_MAX_ITERS_PER_M · m). A converged column stops moving (its next steps would divide
     round-off by round-off); the check synchronises once per step (an ablation baseline)."""
-    check_square('P', P)
-    check_rhs(P, B)
     iters = None if iters is None else check_int('iters', iters)
     iters = CG_MAX_ITERS_PER_M * P.shape[-1] if iters is None else iters
     dtype = compute_dtype(P.dtype)
@@ -318,9 +289,8 @@ def cg_solve(P, B, iters=None):
 # 5. The injective feature map --------------------------------------------------------------------
 
 def whitening_scale(var, whiten_eps):
-    """s = (var + δ)^-½, 0 where var + δ = 0 (a column constant over the queries is all zeros
-    once centred; 0 · rsqrt(0) would be NaN, and a masked-out rsqrt(0) would still put NaN
-    into the gradient)."""
+    """s = (var + δ)^-½, 0 where var + δ = 0 (a column constant over the queries; a masked-out
+    rsqrt(0) would still put NaN into the gradient)."""
     denom = var + whiten_eps
     positive = denom > 0
     return torch.where(positive, torch.where(positive, denom, torch.ones_like(denom)).rsqrt(),
@@ -346,22 +316,25 @@ def whiten(C, whiten_eps):
 
 # 6. The forward ----------------------------------------------------------------------------------
 
-def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=False):
+def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=None):
     """Z(k(q, L)) · P⁻¹ · k(k, L)ᵀ (v − v̄) / N + v̄ -> (out (B, h, N, d_v) in q's dtype,
     context, X, stats) for q (B, h, N, d), k (None: tied to q), v (B, h, N, d_v), landmarks
     (B, h, m, d), under autograd, autocast off; X is None for the 'exact' and 'cg' solvers;
     dropout acts on Z. context (B, h, m + 1, d_v) is P⁻¹ R and, last, v̄; stats (B, h, 3, m)
     the whitening's μ and s and the keys' mean kernel row c̄ = colmean(k(k, L)) ((B, h, 1, m),
-    c̄ alone, for normalize='none')."""
+    c̄ alone, for normalize='none'). ``export``: None, or the form an exporter traces
+    (``ops.export.ExportForm``: its ``similarity`` of the tokens, its ``residual_dtype``)."""
     dtype = compute_dtype(q.dtype)
+    rows = similarity if export is None else export.similarity
+    residual = torch.float64 if export is None else export.residual_dtype
     with torch.autocast(device_type=q.device.type, enabled=False):
         qa, va, la = q.to(dtype), v.to(dtype), landmarks.to(dtype)
-        c_q = similarity(qa, la, opts.lam, opts.kernel, export)
-        c_k = c_q if k is None else similarity(k.to(dtype), la, opts.lam, opts.kernel, export)
-        P = landmark_system(la, opts.lam, opts.eps, opts.kernel, export)
-        rhs, mean_v = landmark_rhs(c_k, va)
+        c_q = rows(qa, la, opts.lam, opts.kernel)
+        c_k = c_q if k is None else rows(k.to(dtype), la, opts.lam, opts.kernel)
+        P = landmark_system(la, opts.lam, opts.eps, opts.kernel, export is not None)
+        rhs, mean_v = landmark_rhs(c_k, va, residual)
         if solver == 'newton':
-            context, inverse = solve_context(P, rhs, opts)
+            context, inverse = solve_context(P, rhs, opts, residual)
         else:
             inverse = None
             context = exact_solve(P, rhs) if solver == 'exact' else cg_solve(P, rhs, opts.iters)

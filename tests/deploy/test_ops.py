@@ -1,11 +1,10 @@
-"""The export forms of the attention's primitives (lapformer_mm.ops.reference, export=True).
+"""The export forms of the attention and its primitives (lapformer_mm.ops.export.ExportForm).
 
 Each form against an independent computation (ATen's adaptive pooling, the dense
 difference-tensor kernels, a direct inverse, the dense fp64 attention), then through
 both ONNX exporters and ONNX Runtime; and the selection: the forms are taken only while
 an exporter traces, never in eager calls or the FLOP counter's jit trace.
 """
-import contextlib
 import copy
 import os
 import tempfile
@@ -28,6 +27,7 @@ from lapformer_mm.models import LaplacianAttention
 from lapformer_mm.ops import AttentionOptions, nystrom_attention, pool_landmarks
 from lapformer_mm.ops import export as ex
 from lapformer_mm.ops import reference as ref
+from lapformer_mm.ops.backends import cpu
 
 onnx = pytest.importorskip('onnx')
 ort = pytest.importorskip('onnxruntime')
@@ -115,7 +115,7 @@ def test_export_attention_matches_dense_fp64(options, shared):
     v = smooth_tokens(2, (14, 16), 8, 1.0, seed=5)
     landmarks = pool_landmarks(k, (14, 16), 7)
     opts = AttentionOptions(impl='reference', **options)
-    got = nystrom_attention(q, k, v, landmarks, opts, export=True)
+    got = nystrom_attention(q, k, v, landmarks, opts, export=ex.ExportForm())
     dense_args = {key: val for key, val in options.items()
                   if key in ('lam', 'eps', 'whiten_eps', 'kernel', 'normalize')}
     expected = dense_attention(q, k, v, landmarks, **dense_args)
@@ -129,28 +129,16 @@ def test_export_attention_fp32_both_residuals_near_dense(precision):
     landmarks = pool_landmarks(q, (14, 16), 7)
     expected = dense_attention(q, q, v, landmarks)
     qf, vf, lf = q.float(), v.float(), landmarks.float()
-    with ex.residual_precision(precision):
-        got = nystrom_attention(qf, qf, vf, lf, AttentionOptions(), export=True)
+    got = nystrom_attention(qf, qf, vf, lf, AttentionOptions(), export=ex.ExportForm(precision))
     assert got.dtype == torch.float32
     assert relative_errors([got], [expected])[0] < 1e-5
 
 
-def test_export_switches_are_scoped_and_checked():
-    with pytest.raises(ValueError, match="'fp64', 'fp32'"):
-        with ex.residual_precision('fp16'):
-            pass
-    with pytest.raises(ValueError, match="kernel form 'tensorrt'.*'standard', 'ort'"):
-        with ex.kernel_form('tensorrt'):
-            pass
-    q = torch.randn(1, 1, 20, 4)
-    opts = AttentionOptions().op_options
-    with ex.residual_precision('fp32'), ex.kernel_form('ort'):
-        assert ref.RESIDUAL_DTYPE.get() == torch.float32
-        assert ex.ort_forward(q, None, q, q[:, :, :5], opts) is not None
-        with ex.kernel_form('standard'):
-            assert ex.ort_forward(q, None, q, q[:, :, :5], opts) is None
-    assert ref.RESIDUAL_DTYPE.get() == torch.float64
-    assert ex.ort_forward(q, None, q, q[:, :, :5], opts) is None
+def test_export_form_is_checked_when_built():
+    with pytest.raises(ValueError, match='residual'):
+        ex.ExportForm('fp16')
+    with pytest.raises(TypeError, match='ort'):
+        ex.ExportForm(ort=1)
 
 
 @pytest.mark.parametrize('options, match', [
@@ -170,6 +158,10 @@ def test_only_newton_and_reference_export(options, match):
 class Primitives(torch.nn.Module):
     """Every export form in one graph: q (B, h, N, d), v, landmarks (B, h, m, d), maps."""
 
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+
     def forward(self, q, v, landmarks, maps):
         eye = torch.eye(landmarks.shape[-2], dtype=q.dtype)
         P = ref.similarity_export(landmarks, landmarks, 4.0, 'laplacian', None) + 0.01 * eye
@@ -177,7 +169,7 @@ class Primitives(torch.nn.Module):
                 ref.similarity_export(q, landmarks, 4.0, 'gaussian'),
                 ref.newton_schulz(P, 16, 'identity'),
                 ref.adaptive_avg_pool2d_export(maps, (7, 7)),
-                nystrom_attention(q, q, v, landmarks, AttentionOptions(), export=True))
+                nystrom_attention(q, q, v, landmarks, AttentionOptions(), export=self.form))
 
 
 def primitive_inputs(num_tokens, hw, seed):
@@ -205,15 +197,16 @@ def test_primitives_through_both_exporters_and_onnx_runtime(tmp_path, exporter, 
     path = str(tmp_path / 'primitives.onnx')
     names = ['q', 'v', 'landmarks', 'maps']
     args = primitive_inputs(120, (20, 23), seed=0)
-    with torch.no_grad(), ex.residual_precision(precision):
+    module = Primitives(ex.ExportForm(precision)).eval()
+    with torch.no_grad():
         if exporter == 'dynamo':
             n = torch.export.Dim('n', min=49)
             h, w = torch.export.Dim('h', min=2), torch.export.Dim('w', min=2)
-            torch.onnx.export(Primitives().eval(), args, path, dynamo=True, verbose=False,
+            torch.onnx.export(module, args, path, dynamo=True, verbose=False,
                               input_names=names, dynamic_shapes=(
                                   {2: n}, {2: n}, None, {2: h, 3: w}))
         else:
-            torch.onnx.export(Primitives().eval(), args, path, dynamo=False, opset_version=18,
+            torch.onnx.export(module, args, path, dynamo=False, opset_version=18,
                               input_names=names, dynamic_axes={
                                   'q': {2: 'n'}, 'v': {2: 'n'}, 'maps': {2: 'h', 3: 'w'}})
     proto = onnx.load(path)
@@ -235,9 +228,13 @@ class Kernels(torch.nn.Module):
     """The tokens' kernel matrices as the attention exports them: x (B, h, N, d) against 49
     landmarks (seven whole chunks) and against 10 (a chunk tail)."""
 
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+
     def forward(self, x, y49, y10):
-        return (ref.similarity(x, y49, 2.5, 'laplacian', export=True),
-                ref.similarity(x, y10, 0.7, 'gaussian', export=True))
+        return (self.form.similarity(x, y49, 2.5, 'laplacian'),
+                self.form.similarity(x, y10, 0.7, 'gaussian'))
 
 
 def kernel_inputs(num_tokens, seed):
@@ -262,19 +259,19 @@ def test_placeholders_expand_into_exact_token_blocks(tmp_path, monkeypatch, expo
     paths = {}
     for form in ('blocks', 'plain'):
         paths[form] = path = str(tmp_path / f'{form}.onnx')
-        with torch.no_grad(), (ex.pairwise_placeholders() if form == 'blocks'
-                               else contextlib.nullcontext()):
+        module = Kernels(ex.ExportForm(blocks=form == 'blocks')).eval()
+        with torch.no_grad():
             if exporter == 'dynamo':
-                torch.onnx.export(Kernels().eval(), kernel_inputs(700, 0), path, dynamo=True,
+                torch.onnx.export(module, kernel_inputs(700, 0), path, dynamo=True,
                                   verbose=False, input_names=names, dynamic_shapes=(
                                       {2: torch.export.Dim('n', min=49)}, None, None))
             else:
-                torch.onnx.export(Kernels().eval(), kernel_inputs(700, 0), path, dynamo=False,
+                torch.onnx.export(module, kernel_inputs(700, 0), path, dynamo=False,
                                   opset_version=18, input_names=names,
                                   dynamic_axes={'x': {2: 'n'}})
     proto = onnx.load(paths['blocks'])
     assert [n.domain for n in proto.graph.node].count(ex.PLACEHOLDER_DOMAIN) == 2
-    onnx.save(ex.expand_placeholders(proto), paths['blocks'])
+    onnx.save(deploy.expand_placeholders(proto), paths['blocks'])
     onnx.checker.check_model(proto, full_check=True)
     assert non_standard_nodes(proto) == []
     assert ex.PLACEHOLDER_DOMAIN not in {o.domain for o in proto.opset_import}
@@ -540,9 +537,9 @@ def np_zeros(*shape):
 
 @pytest.mark.parametrize('shared', [True, False])
 def test_ort_form_composes_the_cpu_backends_passes(shared):
-    # Within kernel_form('ort') an fp32 export runs cpu.forward over the op library's nodes;
-    # outside exporters the nodes compute their standard forms, so the composition can be
-    # checked here, without the library, against the dense fp64 attention.
+    # ExportForm(ort=True) runs cpu.forward over the op library's nodes; outside exporters
+    # the nodes compute their standard forms, so the composition can be checked here,
+    # without the library, against the dense fp64 attention.
     q = smooth_tokens(2, (14, 16), 8, 1.0, seed=3)
     k = q if shared else smooth_tokens(2, (14, 16), 8, 1.0, seed=4)
     v = smooth_tokens(2, (14, 16), 8, 1.0, seed=5) + 2.0
@@ -550,10 +547,7 @@ def test_ort_form_composes_the_cpu_backends_passes(shared):
     expected = dense_attention(q, k, v, landmarks)
     opts = AttentionOptions().op_options
     args = (q.float(), None if shared else k.float(), v.float(), landmarks.float(), opts)
-    assert ex.ort_forward(*args) is None  # outside the form
-    with ex.kernel_form('ort'):
-        assert ex.ort_forward(q, None, v, landmarks, opts) is None  # fp64: not the library's
-        got = ex.ort_forward(*args)
+    got = cpu.forward(*args, ops=ex.OrtNodes)[0]
     assert got.shape == (2, 14 * 16, 1, 8)  # the token layout (B, N, h, d_v)
     assert relative_errors([got.transpose(1, 2)], [expected])[0] < 1e-5
 
@@ -577,8 +571,9 @@ def test_ort_op_library_attention_through_both_exporters(tmp_path, exporter):
     module = AttentionPair().eval()
     x = torch.randn(2, 130, 32)
     path = str(tmp_path / 'attention.onnx')
-    with torch.no_grad(), ex.kernel_form('ort'):
-        torch.onnx.export(module, (x, ), path, dynamo=exporter == 'dynamo', opset_version=20,
+    with torch.no_grad():
+        torch.onnx.export(deploy.prepare_for_export(module, ex.ExportForm(ort=True)), (x, ),
+                          path, dynamo=exporter == 'dynamo', opset_version=20,
                           input_names=['x'])
     proto = onnx.load(path)
     assert non_standard_nodes(proto) == sorted((ex.ORT_DOMAIN, op) for op in ex.ORT_OPS)

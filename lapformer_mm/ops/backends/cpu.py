@@ -1,11 +1,9 @@
-"""The C++ CPU kernels (``lapformer_mm/csrc/cpu``) as the attention op's 'cpu' backend.
+"""The C++ CPU kernels (``lapformer_mm/csrc/cpu``) as the attention op's 'cpu' backend: the
+kernel rows are formed and consumed in C++, the m × m middle steps are the reference's.
 
 ``setup.py`` builds one module per at::vec instruction set (``lapformer_mm._cpu_default``,
-``_cpu_avx2``, ``_cpu_avx512``); the one ``torch.backends.cpu.get_cpu_capability()`` names is
-loaded, or the best built one below it. ``LAPFORMER_CPU_EXT=0`` disables the backend; with no
-build installed :func:`available` warns once and the op runs the reference. The kernels read
-the operands in their layout and dtype and form and consume the kernel rows in C++; the m × m
-middle steps are the reference's stages.
+``_cpu_avx2``, ``_cpu_avx512``); the best one this CPU runs is loaded. ``LAPFORMER_CPU_EXT=0``
+disables the backend; with no build :func:`available` warns once and the op runs the reference.
 """
 import importlib.util
 import os
@@ -98,8 +96,7 @@ def _ops():
 
 
 def not_supported(q, k, v, landmarks, opts):
-    """Why the kernels cannot run this call (empty: they can)."""
-    # The entry has checked that all operands share q's device and dtype.
+    """Why the kernels cannot run this call (empty: they can); the operands share q's dtype."""
     if q.dtype not in DTYPES:
         return [f'dtype {q.dtype} (supported: {", ".join(map(str, DTYPES))})']
     return []
@@ -111,17 +108,16 @@ def _landmark_system(ops, landmarks, opts):
     return w, w + opts.eps * torch.eye(w.shape[-1], dtype=w.dtype)
 
 
-def forward(q, k, v, landmarks, opts, ops=None):
+def forward(q, k, v, landmarks, opts, ops=None, residual=torch.float64):
     """(out (B, N, h, d_v), context, inverse, stats) of the op's contract; ``ops``: the
     kernels (None: this build's), or the ONNX Runtime op library's nodes of the same
-    signatures (``lapformer_mm.ops.export.OrtNodes``) that an export composes so.
+    signatures (``lapformer_mm.ops.export.OrtNodes``) that an export composes so, with the
+    refinement residual in ``residual``.
 
-    Per (b, h): one pass over the rows of k (tied: q) forms k(k, L), R = k(k, L)ᵀ (v − v̄) / N,
-    v̄ and c̄ (the keys' mean kernel row, the last row of its stats); with separate keys a
-    second pass over q forms k(q, L). The query pass also sums the whitening statistics and
-    keeps k(q, L) for out = k(q, L) A + 1 bᵀ, A = (I − J/m) diag(s) context,
-    b = colsum(context) / m + v̄ (the whitening folded in; the rows centred before the
-    product).
+    One pass over the rows of k (tied: q) forms k(k, L), R = k(k, L)ᵀ (v − v̄) / N, v̄ and c̄;
+    with separate keys a second pass forms k(q, L). The query pass also sums the whitening
+    statistics and keeps k(q, L) for out = k(q, L) A + 1 bᵀ, A = (I − J/m) diag(s) context,
+    b = colsum(context) / m + v̄ (the whitening folded in).
     """
     ops, kind = ops or _ops(), reference.KERNEL_CODES[opts.kernel]
     injective = opts.normalize == 'injective'
@@ -138,7 +134,7 @@ def forward(q, k, v, landmarks, opts, ops=None):
                                                       injective, True)
         m = landmarks.shape[-2]
         mean_v = sums[:, :, m:]
-        context, inverse = reference.solve_context(P, sums[:, :, :m], opts)
+        context, inverse = reference.solve_context(P, sums[:, :, :m], opts, residual)
         if injective:
             mean = raw[:, :, :1]
             scale = reference.whitening_scale(raw[:, :, 1:2], opts.whiten_eps)
@@ -157,10 +153,10 @@ def forward(q, k, v, landmarks, opts, ops=None):
 def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
     """(dq, dk, dv, dlandmarks) of the op's contract; dk is empty when k is None.
 
-    A first pass over q recomputes C_q and sums T = c̃ᵀ G and colsum(G); the m × d_v algebra
-    in between is the reference's; a second pass forms each row's dC_q (with tied keys also
-    dC_k = (v − v̄) dR̃ᵀ and dv = C_k dR̃ + 1 w, :func:`reference.value_grads`) and the kernel
-    gradient of q and L; separate keys take a third pass over k.
+    A first pass over q recomputes C_q and sums T = c̃ᵀ G and colsum(G); after the
+    reference's m × d_v algebra a second pass forms each row's dC_q (tied keys: also dC_k and
+    dv, :func:`reference.value_grads`) and the kernel gradient of q and L; separate keys take
+    a third pass over k.
     """
     ops, kind = _ops(), reference.KERNEL_CODES[opts.kernel]
     injective = opts.normalize == 'injective'
