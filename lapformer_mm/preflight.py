@@ -1,19 +1,14 @@
-"""Check, before anything is built, that the files a config's run reads are there and usable.
+"""Check, before anything is built, that the files a config's run reads are there and usable:
+else a run without its data builds the whole model and dies deep in pycocotools (or at the
+first batch, or loading the backbone's ImageNet weights) with a long traceback.
 
-Without this, a run on a machine that lacks the data builds the whole model and then dies
-deep in pycocotools (or at the first batch, or when the backbone loads its ImageNet
-weights) with a long traceback. :func:`check_config_inputs` looks at the config alone: the
-datasets of the dataloaders the run uses (through wrappers; ``data_root``, the annotation
-file and every ``data_prefix`` folder, joined as mmengine's ``BaseDataset`` joins them), the
-evaluators' annotation files, the backbone's ``Pretrained`` checkpoint when training (for a
-LaplacianFormer: read with ``weights_only=True``, and weights of this backbone, which the
-loader would otherwise skip with a warning) and ``load_from``. Remote paths are not checked.
-
-It raises :class:`InputCheckError` with one message that names each missing input, lists
-the layout the config expects and the ways forward. ``tools/train.py`` and ``tools/test.py``
-print it and exit with status 2; with mmdet's, mmseg's or mmpretrain's own tools, call it
-before ``Runner.from_cfg``, or add ``custom_hooks = [dict(type='InputCheckHook')]``
-(:mod:`lapformer_mm.engine.hooks`), which runs it once the datasets are built.
+:func:`check_config_inputs` reads the config alone (the datasets of the run's dataloaders,
+through wrappers, joined as mmengine's ``BaseDataset`` joins them; the evaluators' annotation
+files; the backbone's ``Pretrained`` checkpoint when training, for a LaplacianFormer also read
+and compared with the backbone; ``load_from``; remote paths are not checked) and raises
+:class:`InputCheckError` naming each missing input, the layout the config expects and the ways
+forward. ``tools/train.py`` and ``tools/test.py`` print it (exit status 2); other tools can
+call it before ``Runner.from_cfg`` or add ``custom_hooks = [dict(type='InputCheckHook')]``.
 """
 import os
 import os.path as osp
@@ -23,11 +18,8 @@ from . import checkpoint
 
 # What each mode of a run reads: its dataloaders (val only with a val loop) and whether the
 # backbone's init_cfg checkpoint (only training initialises the weights).
-MODES = {
-    'train': (('train', 'val'), True),
-    'val': (('val', ), False),
-    'test': (('test', ), False),
-}
+MODES = {'train': (('train', 'val'), True), 'val': (('val', ), False),
+         'test': (('test', ), False)}
 # data_prefix keys of mmengine, mmdet, mmseg and mmpretrain datasets, as the message names them.
 PREFIX_ROLES = {'img': 'image folder', 'img_path': 'image folder', 'seg': 'label folder',
                 'seg_map_path': 'label folder', 'ann_path': 'annotation folder'}
@@ -190,19 +182,8 @@ def laplacianformer_mismatch(checkpoint_path: str, backbone_cfg: Mapping,
         return f'cannot be used: {err}'
     kwargs = {k: v for k, v in backbone_cfg.items()
               if k not in ('type', 'init_cfg', 'pretrained', '_scope_')}
-    own = LaplacianFormer(**kwargs).state_dict()
-    mismatch = backbone_mismatch(state_dict, own)
-    if mismatch is None:
-        return None
-    kind, detail = mismatch
-    if kind == 'none':
-        return f'{detail}: a checkpoint of another model, or one that needs converting'
-    if kind == 'stage4_attention':
-        return (f'does not fit stage4_attention='
-                f'{backbone_cfg.get("stage4_attention", "laplacian")!r} ({detail}): a '
-                'checkpoint of another stage4_attention')
-    return (f'does not fit arch={backbone_cfg.get("arch", "tiny")!r} ({detail}): a '
-            'checkpoint of another arch')
+    mismatch = backbone_mismatch(state_dict, LaplacianFormer(**kwargs).state_dict())
+    return None if mismatch is None else f'does not fit model.backbone: {mismatch}'
 
 
 def checkpoint_problems(cfg: Mapping) -> List[Problem]:

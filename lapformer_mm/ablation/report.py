@@ -1,11 +1,7 @@
-"""The report of a sweep: a table per variant, a loss-curve plot and a JSON of every run.
-
-A run is a dict with at least ``variant`` (its row's name) and ``seed``, and either
-``final_acc`` and ``takeoff_step`` (None: it never left the plateau), optionally
-``early_step``/``early_acc`` (the toy task, classification; accuracies are fractions in
-[0, 1]), or ``metrics``, ``classwise`` and ``final_losses`` (a tested segmentation or
-detection run, :func:`metric_rows`). Either may have ``losses`` (with ``loss_steps``, when
-not every step was logged).
+"""The report of a sweep: a table per row, a loss-curve plot and a JSON of every run. A run is a
+dict with ``variant`` (its row) and ``seed``, and ``final_acc`` and ``takeoff_step`` (the toy
+task, classification; accuracies as fractions) or ``metrics``, ``classwise`` and
+``final_losses`` (a tested segmentation or detection run); either may have ``losses``.
 """
 import json
 import os

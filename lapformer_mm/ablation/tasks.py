@@ -23,24 +23,13 @@ HUES = torch.tensor([
 class SameColourTask:
     """"Same colour, far apart": are the two objects of the image the same hue?
 
-    Each image is a dark noisy background with two objects, each a filled circle or
-    square of radius ``radius`` (uniform, in pixels), each of one of the six
-    :data:`HUES`. Their centres are at least ``min_distance`` · ``image_size`` apart.
-    Label 1 when both have the same hue (half the images), else 0 (the second hue drawn
-    from the other five).
-
-    Why this task: a linear head over mean-pooled per-token features scores
-    g(a) + g(b), a sum of one term per object, which cannot express "a equals b" over
-    six hues; so the features of one object must carry the other's hue, across at
-    least 0.55 of the image. Whether the local terms alone (the 3×3 convolutions) get
-    there is what the sweep's control without the global term measures.
-
-    Args:
-        image_size (int): S, the images are S × S. Default 64.
-        radius (tuple[float, float]): Range of the objects' radii. Default (3, 6).
-        min_distance (float): Least centre distance as a fraction of S. Default 0.55.
-        noise (float): Standard deviation of the background noise. Default 0.05.
-        background (float): Mean brightness of the background. Default 0.1.
+    Each image is a dark noisy background (``background`` ± ``noise``) with two filled circles or
+    squares of radius in ``radius`` (pixels), each of one of the six :data:`HUES`, their centres
+    at least ``min_distance`` · ``image_size`` apart; label 1 when both hues agree (half the
+    images). A linear head over mean-pooled per-token features scores g(a) + g(b), which cannot
+    express "a equals b" over six hues: the features of one object must carry the other's hue
+    across at least 0.55 of the image. Whether the local terms alone get there is what the
+    sweep's control without the global term measures.
     """
 
     num_classes = 2

@@ -16,6 +16,8 @@ from torch import nn
 
 from lapformer_mm.ops import attention
 
+from .model_zoo import count_parameters, data_samples
+
 KERNEL, SOLVE, VISIBLE = 'kernel', 'solve', 'visible'
 
 
@@ -80,15 +82,9 @@ FLOP_HANDLES = {
 
 
 def traced_name(op):
-    """The node kind (schema name) under which a ``torch.jit`` trace records a call of ``op``,
-    a dispatcher op, one of its overloads or a ``torch.library.custom_op``."""
-    if isinstance(op, torch.library.CustomOpDef):
-        op = op._opoverload
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        op = op.default
-    if isinstance(op, torch._ops.OpOverload):
-        return op._schema.name
-    raise TypeError(f'op must be a torch.ops operator or a torch.library custom op, got {op!r}')
+    """The node kind (schema name) under which a ``torch.jit`` trace records a call of ``op``
+    (a dispatcher op or one of its overloads)."""
+    return getattr(op, 'default', op)._schema.name
 
 
 def flop_analyzer(model, inputs):
@@ -129,7 +125,8 @@ def classifier_cost(arch, size, backbone_kwargs=None):
     torch.manual_seed(0)
     model = Classifier(LaplacianFormer(arch, out_indices=(3, ), **(backbone_kwargs or {})))
     totals = flop_totals(flop_analyzer(model.eval(), (torch.randn(1, 3, size, size), )))
-    return dict(params=_millions(model), backbone_params=_millions(model.backbone),
+    return dict(params=count_parameters(model) / 1e6,
+                backbone_params=count_parameters(model.backbone) / 1e6,
                 **{part: flops / 1e9 for part, flops in totals.items()})
 
 
@@ -151,7 +148,6 @@ class TensorForward(nn.Module):
 def detector_cost(model, scope, height, width):
     """Params (M) and FLOPs (G: full, visible, the backbone's share) of a built detector,
     segmentor or classifier on one height×width image, from its traced tensor forward."""
-    from .model_zoo import data_samples
     samples = None if scope == 'mmpretrain' else data_samples(scope, height, width)
     wrapped = TensorForward(model, samples)
     analyzer = flop_analyzer(wrapped, (torch.randn(1, 3, height, width), ))
@@ -159,9 +155,5 @@ def detector_cost(model, scope, height, width):
     with torch.no_grad():
         backbone = analyzer.by_module().get('model.backbone', 0)
     return dict(full=totals['full'] / 1e9, visible=totals['visible'] / 1e9,
-                backbone=backbone / 1e9, params=_millions(model),
-                backbone_params=_millions(model.backbone))
-
-
-def _millions(module):
-    return sum(p.numel() for p in module.parameters()) / 1e6
+                backbone=backbone / 1e9, params=count_parameters(model) / 1e6,
+                backbone_params=count_parameters(model.backbone) / 1e6)

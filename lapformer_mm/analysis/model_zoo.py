@@ -41,23 +41,9 @@ def _registry():
     return MODELS
 
 
-def load_weights(model, checkpoint_path):
-    """Load ``checkpoint_path`` safely and non-strictly; returns (missing, unexpected).
-
-    Any layout :func:`lapformer_mm.models.pretrained.load_backbone_weights` accepts
-    (plain, ``state_dict``, ``model``, ``backbone.``/``module.`` prefixes).
-    """
-    from lapformer_mm.models.pretrained import load_backbone_weights
-    report = load_backbone_weights(model, checkpoint_path)
-    return list(report.missing_keys), list(report.unexpected_keys)
-
-
 def build_backbone(name, checkpoint=None, config_overrides=None):
-    """Build backbone ``name`` in eval mode, randomly initialised or from ``checkpoint``.
-
-    config_overrides (dict | None): keys merged into the config (e.g. a smaller
-    ``arch`` for tests). Returns the module.
-    """
+    """Backbone ``name`` in eval mode, its config with ``config_overrides``, random weights or
+    ``checkpoint``'s (any layout ``models.pretrained.load_backbone_weights`` reads)."""
     cfg = backbone_config(name)
     cfg.update(config_overrides or {})
     from mmengine.registry import DefaultScope
@@ -68,7 +54,8 @@ def build_backbone(name, checkpoint=None, config_overrides=None):
         model = _registry().build(cfg)
     init_weights_quietly(model)
     if checkpoint is not None:
-        missing, unexpected = load_weights(model, checkpoint)
+        from lapformer_mm.models.pretrained import load_backbone_weights
+        missing, unexpected = load_backbone_weights(model, checkpoint)
         if missing:
             print(f'{name}: {len(missing)} weights not in {checkpoint} '
                   f'(e.g. {missing[:3]})')
@@ -91,9 +78,7 @@ def describe(model):
 
 
 def count_parameters(model):
-    """Number of parameters of ``model``."""
     return sum(p.numel() for p in model.parameters())
-
 
 
 def data_samples(scope, height, width, count=1):

@@ -1,24 +1,9 @@
 """Ablate the attention options: every variant × seed, one table, one plot, one JSON.
 
-On a toy task (trained here, on the CPU; ``--task``, docs/results.md "Ablations")::
-
-    python tools/ablate.py --task same_colour --variants default gaussian none cg_capped \\
-        lam=1,2,8 --seeds 5 --steps 600 --out work_dirs/ablate
-
-On a real config (``--config``: classification, segmentation or detection): writes one
-config per variant, prints the commands of every row (variant, ``--peers`` backbone,
-``--extra`` config) and seed (``--launcher train|dist|slurm``; ``--run`` runs them here,
-``--jobs`` at once, skipping finished ones), and ``--collect`` reads the finished
-work_dirs into one table (:mod:`lapformer_mm.ablation.real`)::
-
-    python tools/ablate.py --config configs/cls/lapformer_t_in1k.py --variants gaussian \\
-        --seeds 1 --launcher slurm --gpus 16 --partition P --out work_dirs/ablate_in1k
-    python tools/ablate.py --config configs/toy/upernet_lapformer_t_toy.py \\
-        --peers pvtv2_b1 swin_t r18 --seeds 3 --run --jobs 2 --out work_dirs/sweep_seg
-    python tools/ablate.py ... (the same arguments) --collect
-
-The control without the global attention term (``noglobal``) and ``default`` are always
-run. Writes ``table.md``, ``runs.json`` and ``loss_curves.png`` under ``--out``.
+On a toy task (``--task``) the runs train here; on a real config (``--config``:
+classification, segmentation or detection) one config per variant is written, the commands of
+every row (variant, ``--peers`` backbone, ``--extra`` config) and seed are printed or run
+(``--run``), and ``--collect`` reads the finished work_dirs into the table (docs/results.md).
 """
 import argparse
 import concurrent.futures
@@ -63,28 +48,31 @@ def parse_args(argv=None):
     parser.add_argument('--variants', nargs='+', default=['default'],
                         help=f'any of {", ".join(NAMED_VARIANTS)} or lam=V1,V2,...; '
                         'default and noglobal always run')
-    parser.add_argument('--seeds', type=int, default=5, help='seeds 0..N-1 per variant')
+    parser.add_argument('--seeds', type=int_at_least(1), default=5,
+                        help='seeds 0..N-1 per variant')
     parser.add_argument('--out', default='work_dirs/ablate', help='output folder')
     toy = parser.add_argument_group('toy task')
-    toy.add_argument('--steps', type=int, default=600, help='training steps per run')
+    toy.add_argument('--steps', type=int_at_least(1), default=600,
+                     help='training steps per run')
     toy.add_argument('--warmup', type=int, default=30, help='linear LR warm-up steps')
-    toy.add_argument('--batch-size', type=int, default=32)
+    toy.add_argument('--batch-size', type=int_at_least(1), default=32)
     toy.add_argument('--lr', type=positive_float, default=1e-3, help='AdamW learning rate')
-    toy.add_argument('--val-size', type=int, default=2000,
+    toy.add_argument('--val-size', type=int_at_least(1), default=2000,
                      help='images of the fixed validation set')
     toy.add_argument('--early-step', type=int, default=None,
                      help='step of the early accuracy column (default: steps // 2)')
-    toy.add_argument('--log-every', type=int, default=100, help='progress interval (steps)')
+    toy.add_argument('--log-every', type=int_at_least(1), default=100,
+                     help='progress interval (steps)')
     toy.add_argument('--resume', action='store_true',
                      help='keep the finished runs of an interrupted sweep with the same '
                      'settings (runs.partial.json under --out) and run only the others')
     toy.add_argument('--report-only', action='store_true',
                      help='with --resume: write the report of the finished runs, train none')
-    parser.add_argument('--threads', type=int, default=None,
+    parser.add_argument('--threads', type=int_at_least(1), default=None,
                         help="torch's intra-op threads per run (default: torch's own "
                         'choice on the toy task, 1 for --run); 1 is faster on a loaded '
                         'machine')
-    parser.add_argument('--jobs', type=int, default=1,
+    parser.add_argument('--jobs', type=int_at_least(1), default=1,
                         help='runs at once, each in its own process (with --threads '
                         'threads); the results do not depend on it')
     real = parser.add_argument_group('real config')
@@ -107,14 +95,8 @@ def parse_args(argv=None):
     real.add_argument('--collect', action='store_true',
                       help="read the finished work_dirs' metrics into the table")
     args = parser.parse_args(argv)
-    for name in ('seeds', 'steps', 'batch_size', 'val_size', 'log_every', 'gpus', 'jobs'):
-        if getattr(args, name) < 1:
-            parser.error(f'--{name.replace("_", "-")} must be >= 1, got '
-                         f'{getattr(args, name)}')
     if not 0 <= args.warmup < args.steps:
         parser.error(f'--warmup must be in [0, --steps={args.steps}), got {args.warmup}')
-    if args.threads is not None and args.threads < 1:
-        parser.error(f'--threads must be >= 1, got {args.threads}')
     if args.early_step is None:
         args.early_step = max(1, args.steps // 2)
     elif not 1 <= args.early_step <= args.steps:

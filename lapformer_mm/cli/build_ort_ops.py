@@ -1,14 +1,8 @@
 """Build lapformer_mm's ONNX Runtime custom-operator library (opt-in, docs/deploy.md).
 
-A plain C++ shared library (``lapformer_mm/csrc/onnxruntime``) that needs only ONNX
-Runtime's C API headers at build time (``--ort-include DIR`` or ``ORT_INCLUDE_DIR``, e.g. the
-``include/`` of an ONNX Runtime release); the pip install step does not build it.
-
-    python tools/build_ort_ops.py --ort-include /path/to/onnxruntime/include
-    make ort-ops ORT_INCLUDE_DIR=/path/to/onnxruntime/include
-
-The library goes to ``lapformer_mm/liblapformer_mm_ort.so`` (``deploy.ORT_OPS_LIBRARY``, where
-:func:`lapformer_mm.deploy.ort_ops_library` looks) unless ``--out`` names another.
+A plain C++ shared library (``lapformer_mm/csrc/onnxruntime``) that needs ONNX Runtime's C API
+headers (``--ort-include DIR`` or ``ORT_INCLUDE_DIR``); it goes to ``deploy.ORT_OPS_LIBRARY``
+unless ``--out`` names another file.
 """
 import argparse
 import os

@@ -1,14 +1,5 @@
-"""COCO evaluation of a results file with pycocotools.
-
-Prints pycocotools' table for each type and, with ``--out-json``, writes the six headline
-numbers per type as fractions (``COCOeval.stats[:6]``; ``segm`` uses mask areas). A results
-file is the standard COCO list of detections (mmdet's ``CocoMetric`` writes them with
-``outfile_prefix``); with two types, one file per type or one whose detections carry both.
-
-Example::
-
-    python tools/coco_eval.py data/toy_coco/annotations/instances_val.json \\
-        results.bbox.json results.segm.json --types bbox segm --out-json metrics.json
+"""COCO evaluation of results files with pycocotools: its table per type and, with
+``--out-json``, the six headline numbers per type as fractions (``segm`` by mask areas).
 """
 import argparse
 import contextlib

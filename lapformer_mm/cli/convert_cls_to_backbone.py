@@ -1,14 +1,8 @@
 """Turn an ImageNet classifier checkpoint into a LaplacianFormer backbone state dict.
 
-Usage:
-    python tools/convert_cls_to_backbone.py CLS_CKPT OUT_PTH [--arch medium]
-
-CLS_CKPT is an mmpretrain checkpoint of configs/cls/lapformer_*_in1k.py (or any layout
-``lapformer_mm.models.pretrained`` accepts), read with ``weights_only=True``. OUT_PTH (a
-folder gets ``<CLS_CKPT name>_backbone.pth``) gets the backbone tensors without their
-prefix, for a ``Pretrained`` init_cfg. With ``--arch`` the keys are checked against that
-backbone first: missing and unexpected ones printed (the latter left out), tensors of
-another shape or stages of another depth stop the conversion.
+CLS_CKPT is read with ``weights_only=True`` in any layout ``lapformer_mm.models.pretrained``
+reads; OUT_PTH (a folder: ``<CLS_CKPT name>_backbone.pth``) gets the backbone tensors for a
+``Pretrained`` init_cfg. With ``--arch`` they are checked against that backbone first.
 """
 import argparse
 import os
@@ -67,10 +61,8 @@ def check_against_arch(state_dict: dict, arch: str, stage4_attention: str = 'lap
             print(f'  {title}: {key}')
     mismatch = backbone_mismatch(state_dict, own)
     if mismatch is not None:
-        kind, detail = mismatch
-        what = (f'stage4_attention {stage4_attention!r} (--stage4-attention)'
-                if kind == 'stage4_attention' else f'arch {arch!r}')
-        raise ValueError(f'the checkpoint does not fit {what}: {detail}; nothing written')
+        raise ValueError(f'the checkpoint does not fit --arch {arch!r} --stage4-attention '
+                         f'{stage4_attention!r}: {mismatch}; nothing written')
     return {k: v for k, v in state_dict.items() if k in own}
 
 

@@ -1,16 +1,6 @@
-"""Export a detector's or segmentor's backbone, features or raw outputs to one ONNX file.
-
-A config, an optional checkpoint (random weights without one), mmdet-style options;
-``--verify`` runs the file in ONNX Runtime and prints its error against PyTorch at the export
-size and, for a dynamic file, two others, beside how far rounding moves eager fp32
-(docs/deploy.md). Needs the ``[deploy]`` extra.
-
-Examples::
-
-    python tools/export_onnx.py configs/retinanet_lapformer_t.py --target model \\
-        --shape 800 1344 --dynamic --out work_dirs/retinanet_t.onnx --verify
-    python tools/export_onnx.py configs/upernet_lapformer_t_ade20k.py ckpt.pth \\
-        --target model --shape 512 512 --exporter torchscript --out upernet_t.onnx
+"""Export a detector's or segmentor's backbone, features or raw outputs to one ONNX file;
+``--verify`` prints its error in ONNX Runtime against PyTorch beside how far rounding moves
+eager fp32 (docs/deploy.md). Needs the ``[deploy]`` extra.
 """
 import argparse
 import os.path as osp

@@ -1,18 +1,8 @@
-"""Write a small, deterministic COCO-format instance-segmentation data set of toy scenes
-(:mod:`lapformer_mm.scenes`; annotations are the polygons of each object's visible part) and,
-with ``--seg-out``, the same scenes as an mmseg set with label maps (0 = background, 1-4 =
-``CLASSES``).
-
-Layouts: 'toy' (``annotations/instances_{train,val}.json``, ``{train,val}/000000.png``;
-``img_dir/`` and ``ann_dir/`` under ``--seg-out``) and 'official', the names the full-size
-configs read (COCO 2017 under ``--out``, ADE20K under ``--seg-out``, the categories named as
-COCO's first four classes; :data:`LAYOUTS`). The same ``--seed`` and sizes give
-byte-identical files, with or without ``--seg-out``.
-
-Example::
-
-    python tools/make_toy_coco.py --out data/toy_coco --num-train 320 --num-val 80 \\
-        --seg-out data/toy_seg
+"""Write a small, deterministic COCO-format instance-segmentation set of toy scenes
+(:mod:`lapformer_mm.scenes`; polygons of each object's visible part) and, with ``--seg-out``,
+the same scenes as an mmseg set (label 0 background, 1-4 ``CLASSES``), in the 'toy' layout or
+the 'official' one the full-size configs read (:data:`LAYOUTS`). The same ``--seed`` and
+sizes give byte-identical files.
 """
 import argparse
 import json

@@ -1,23 +1,9 @@
 """Write a small, deterministic ImageNet-format classification set of toy shapes.
 
-The pretraining counterpart of ``tools/make_toy_coco.py``, drawn with its helpers
-(same textured backgrounds, same four shapes in their class's colour family): each
-image holds one shape, and its class is the shape. Images come in groups of one per
-class that share background, placement, size, angle and colour jitter, so the object
-alone tells the classes apart and a classifier cannot memorise backgrounds. As in the
-detection set (and as for ImageNet -> COCO), colour is a strong cue for the class.
-
-Layout written under ``--out`` (default ``data/toy_imagenet``), class folders as
-mmpretrain's ``CustomDataset`` (and torchvision's ``ImageFolder``) read them::
-
-    train/circle/000000.png ...  train/square/... train/triangle/... train/star/...
-    val/circle/000000.png ...
-
-The same ``--seed`` and sizes always give byte-identical files.
-
-Example::
-
-    python tools/make_toy_imagenet.py --out data/toy_imagenet --per-class-train 500
+Class folders as mmpretrain's ``CustomDataset`` reads them (``train/circle/000000.png``, ...);
+each image holds one shape of :mod:`lapformer_mm.scenes`, its class; the images of a group,
+one per class, share background, placement, size, angle and colour jitter, so only the object
+tells the classes apart. The same ``--seed`` and sizes give byte-identical files.
 """
 import argparse
 import os

@@ -1,16 +1,8 @@
 """Smoke-run the full-size configs on a few synthetic images at COCO's training size.
 
-For each config: two training iterations and one evaluation through ``tools/train.py``,
-the config changed only by ``--cfg-options`` (the data roots on synthetic data under
-``WORK_DIR/data``, never ``data/``; no ImageNet checkpoint; the loop length; every
-iteration's own time logged). Prints, and writes to ``WORK_DIR/summary.json``, per config:
-each training iteration's and evaluated image's time, the run's peak resident memory (its
-largest process, from ``wait4``) and the load average before and after. The checkpoints the
-runs save are deleted unless ``--keep-checkpoints``.
-
-Example (docs/full_size.md)::
-
-    python tools/smoke_fullsize.py configs/maskrcnn_lapformer_t.py configs/retinanet_lapformer_t.py
+Per config two training iterations and one evaluation through ``tools/train.py`` (data roots
+under ``WORK_DIR/data``, no ImageNet checkpoint), reporting each iteration's and image's time,
+the peak resident memory and the load average (``WORK_DIR/summary.json``; docs/full_size.md).
 """
 import argparse
 import glob

@@ -1,14 +1,5 @@
-"""Test (and evaluate) a checkpoint from a config (mmdet's ``tools/test.py`` interface).
-
-Works for mmdet and mmseg configs (the config's ``default_scope`` picks the registries).
-The checkpoint and the test data are checked before anything is built
-(``lapformer_mm.preflight``): a missing one gets one message and exit status 2.
-
-Examples::
-
-    python tools/test.py configs/toy/maskrcnn_lapformer_t_toy.py work_dirs/x/epoch_12.pth
-    python tools/test.py CONFIG CKPT --show-dir vis --out results.pkl
-    torchrun --nproc_per_node 8 tools/test.py CONFIG CKPT --launcher pytorch
+"""Test a checkpoint from an mmdet or mmseg config (mmdet's ``tools/test.py`` interface), the
+checkpoint and the test data checked before anything is built (one message, exit status 2).
 """
 import argparse
 import copy

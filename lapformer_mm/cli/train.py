@@ -1,16 +1,7 @@
-"""Train a detector or segmentor from a config (mmdet's ``tools/train.py`` interface).
-
-Works for mmdet, mmseg and mmpretrain configs alike (the config's ``default_scope`` picks
-the registries); mmdet's own ``tools/train.py`` trains ours to the same weights. This script
-adds: the model config and the run's inputs checked before anything is built (one message,
+"""Train from an mmdet, mmseg or mmpretrain config (mmdet's ``tools/train.py`` interface),
+adding: the model config and the run's inputs checked before anything is built (one message,
 exit status 2); ``--amp`` on CPU (``CPUAmpOptimWrapper``); ``--launcher pytorch`` without
 CUDA (gloo).
-
-Examples::
-
-    python tools/train.py configs/toy/maskrcnn_lapformer_t_toy.py
-    python tools/train.py CONFIG --work-dir work_dirs/run1 --resume
-    torchrun --nproc_per_node 8 tools/train.py CONFIG --launcher pytorch
 """
 import argparse
 import gc

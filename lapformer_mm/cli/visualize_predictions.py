@@ -1,18 +1,6 @@
-"""Draw a detector's or a segmentor's predictions into PNG files.
-
-Detection: the ground truth next to the predictions above ``--score-thr`` (mmdet's
-``DetLocalVisualizer``). Segmentation (``default_scope = 'mmseg'``): the image, the
-ground-truth and the predicted label maps side by side, in the dataset's palette.
-
-Examples::
-
-    python tools/visualize_predictions.py configs/toy/maskrcnn_lapformer_t_toy.py \\
-        work_dirs/main_job/epoch_6.pth --out-dir work_dirs/main_job/vis --num 6
-    python tools/visualize_predictions.py configs/toy/upernet_lapformer_t_toy.py \\
-        work_dirs/seg_job/iter_800.pth --out-dir work_dirs/seg_job/vis --num 6
-
-The config, the checkpoint and the test data are checked before anything is built, as
-``tools/test.py`` does.
+"""Draw a detector's predictions next to its ground truth (mmdet's
+``DetLocalVisualizer``), or a segmentor's image, ground-truth and predicted label maps side by
+side, into PNG files; the config, the checkpoint and the test data are checked first.
 """
 import argparse
 import os

@@ -1,9 +1,4 @@
-"""Laplacian-kernel Nyström attention module (docs/design.md §2).
-
-``qk_shared`` defaults to **True** (keys tied to queries, the SOFT layout). The
-backbone passes it per stage: tied in stages 1–3 and separate in stage 4 is the
-layout that lands on the paper's Medium size (docs/model_size.md).
-"""
+"""Laplacian-kernel Nyström attention module (docs/design.md §2)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,34 +11,14 @@ from ..ops.attention import load_backends, one_projection
 class LaplacianAttention(nn.Module):
     """Multi-head Nyström attention with a Laplacian kernel and a local term.
 
-    For x (B, N, C) on an H×W grid, with h heads of width d = C / h:
-
-    1. ``q, k, v`` by one linear layer (``k = q`` when ``qk_shared``);
-    2. landmarks: the keys average-pooled to at most ``landmark_grid``² points;
-    3. ``o = Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · k(k, L)ᵀ (v − v̄) / N + v̄`` per head
-       (:func:`lapformer_mm.ops.nystrom_attention`, which pools step 2 too: one op,
-       ``lapformer_mm::nystrom_attention``, reading 16-bit q, k, v as they are and computing
-       in fp32);
-    4. ``o + dwconv3x3(v)`` on the H×W grid, then the output projection.
-
-    The keyword-only arguments, the keys of the backbone's ``attn_cfg``, are checked here,
-    once; the forward trusts them.
-
-    Args:
-        dim (int): Channels C, divisible by ``num_heads``.
-        num_heads (int): Heads h.
-        qkv_bias (bool): Bias in the q/k/v projection. Default True.
-        attn_drop (float): Dropout on the normalised query features.
-        proj_drop (float): Dropout after the output projection.
-        qk_shared (bool): Tie keys to queries: ``qkv`` outputs [q, v], else [q, k, v], each C
-            wide, heads contiguous. Default True.
-        landmark_grid (int): Landmark grid g (m <= g²). Default 7.
-        global_term (bool): Keep step 3. False leaves the local term alone, the ablations'
-            control (:mod:`lapformer_mm.ablation`), a model that cannot carry information
-            across the image; not meant for training real models.
-        **options: the fields of :class:`lapformer_mm.ops.AttentionOptions` (docs/attention.md):
-            ``lam``, ``kernel``, ``normalize``, ``solver``, ``iters``, ``ns_init``,
-            ``ns_refine``, ``eps``, ``whiten_eps``, ``impl``.
+    For x (B, N, C) on an H×W grid, with h heads of width d = C / h: q, k, v by one linear
+    layer (k = q with ``qk_shared``, the SOFT layout: tied in stages 1-3, docs/model_size.md);
+    ``o = Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · k(k, L)ᵀ (v − v̄) / N + v̄`` per head, L the keys
+    pooled on a ``landmark_grid``² grid (:func:`lapformer_mm.ops.nystrom_attention`); then
+    ``o + dwconv3x3(v)`` and the output projection. ``global_term=False`` keeps the local term
+    alone, the ablations' control. The keyword-only arguments (the backbone's ``attn_cfg``;
+    ``**options`` the fields of :class:`lapformer_mm.ops.AttentionOptions`) are checked here,
+    once.
     """
 
     #: The form an exporter writes (``deploy.prepare_for_export`` sets it in its copy; None:

@@ -1,11 +1,7 @@
-"""LaplacianFormer: a four-stage pyramid of Laplacian-kernel attention blocks.
-
-Layout after SOFT/SOFT++ (docs/design.md §3): a convolutional stem to stride 4, then four
-stages; stages 2-4 start with a 3x3 stride-2 conv-norm-act (BatchNorm and ReLU by default).
-Each stage is a stack of pre-norm transformer blocks on the (B, H*W, C) tokens of its grid.
-The API follows mmdet's PVT/Swin backbones: attention options in ``attn_cfg``, layers in
-``norm_cfg``/``act_cfg``.
-"""
+"""LaplacianFormer: a four-stage pyramid of Laplacian-kernel attention blocks, laid out after
+SOFT/SOFT++ (docs/design.md §3): a convolutional stem to stride 4, then four stages of pre-norm
+transformer blocks on the (B, H*W, C) tokens of their grid, stages 2-4 after a 3x3 stride-2
+conv-norm-act."""
 import math
 import numbers
 import warnings
@@ -114,40 +110,16 @@ class LaplacianFormerStage(nn.Module):
 
 @MODELS.register_module()
 class LaplacianFormer(BaseModule):
-    """LaplacianFormer backbone (Laplacian-kernel linear attention pyramid); docs/backbone.md
-    describes every argument.
+    """LaplacianFormer backbone (Laplacian-kernel linear attention pyramid), with the
+    arguments of mmdet's PVT and Swin where they mean the same; docs/backbone.md describes
+    every argument.
 
-    Args:
-        arch (str | dict): 'tiny', 'small', 'medium', 'large', 'huge' (or 't'/'s'/'m'/'l'/
-            'h'), or a dict with four-element lists ``embed_dims``, ``num_heads``, ``depths``
-            and optional ``mlp_ratios`` (a number or four numbers; default 4).
-        in_channels (int): Input image channels. Default 3.
-        out_indices (Sequence[int]): Stages whose maps are returned, at strides 4, 8, 16, 32.
-        qkv_bias (bool): Bias in the q/k/v projections. Default True.
-        drop_rate (float): Dropout after the MLP and attention projections.
-        attn_drop_rate (float): Dropout on attention weights.
-        drop_path_rate (float): Stochastic depth at the last block, rising linearly from 0.
-        attn_cfg (dict | None): The keyword-only arguments of :class:`LaplacianAttention`
-            (its defaults apply); ``qk_shared`` one bool or one per stage, default (True,
-            True, True, False): keys tied to queries in stages 1-3 (the SOFT layout).
-        norm_cfg (dict): Norm of the tokens (of their last dimension). Default LN.
-        act_cfg (dict): Activation of the MLPs. Default GELU.
-        conv_norm_cfg (dict): Norm of the stem's and downsampling convolutions (NCHW maps),
-            e.g. SyncBN for multi-GPU training. Default BN.
-        conv_act_cfg (dict): Activation of those convolutions. Default ReLU. The layer configs
-            are built by mmcv's registry when installed, else from ``layers.TORCH_LAYERS``.
-        stage4_attention (str): 'laplacian' (the default: linear in pixels) or 'softmax' (plain
-            multi-head attention, SOFT's layout; ``attn_cfg`` does not apply to it).
-        frozen_stages (int): -1 freezes nothing, 0 the stem, k the stem and stages 1..k.
-        norm_eval (bool): Keep the BatchNorm layers in eval mode during training.
-        with_cp (bool): Gradient checkpointing of each block.
-        pretrained (str | None): Deprecated spelling of a ``Pretrained`` init_cfg (mmseg's
-            ``EncoderDecoder(pretrained=...)`` passes it).
-        init_cfg (dict | list[dict] | None): One ``dict(type='Pretrained', checkpoint=...,
-            prefix=..., map_location=...)`` at most: a plain state dict, an mmengine checkpoint
-            or a classifier/detector checkpoint, loaded with ``weights_only=True``.
-        num_stages (int): Build the first ``num_stages`` stages (1-4), as mmdet's PVT; the
-            per-stage settings keep four entries, so a four-stage checkpoint loads into it.
+    ``arch`` is a name ('tiny' ... 'huge', or its initial) or a dict of four-element lists
+    ``embed_dims``, ``num_heads``, ``depths`` (and ``mlp_ratios``); ``attn_cfg`` holds the
+    keyword-only arguments of :class:`LaplacianAttention`, ``qk_shared`` one bool or one per
+    stage (default: keys tied in stages 1-3); ``norm_cfg`` norms the tokens, ``conv_norm_cfg``
+    the NCHW maps of the stem and downsampling convolutions; ``stage4_attention='softmax'`` is
+    SOFT's layout; ``num_stages`` builds the first stages only, as mmdet's PVT.
     """
 
     def __init__(self,
@@ -222,22 +194,14 @@ class LaplacianFormer(BaseModule):
         for i in range(num_stages):
             heads = self.arch_settings['num_heads'][i]
             use_softmax = (i == NUM_STAGES - 1 and stage4_attention == 'softmax')
-            blocks = [
-                TransformerBlock(
-                    dims[i],
-                    SoftmaxAttention(dims[i], heads, **common) if use_softmax else
-                    LaplacianAttention(dims[i], heads, **common, **stage_attn_cfgs[i]),
-                    norm_cfg,
-                    act_cfg,
-                    mlp_ratio=self.arch_settings['mlp_ratios'][i],
-                    drop=drop_rate,
-                    drop_path_prob=block_dpr[first_block + j])
-                for j in range(depths[i])
-            ]
+            blocks = [TransformerBlock(
+                dims[i], SoftmaxAttention(dims[i], heads, **common) if use_softmax else
+                LaplacianAttention(dims[i], heads, **common, **stage_attn_cfgs[i]), norm_cfg,
+                act_cfg, self.arch_settings['mlp_ratios'][i], drop_rate,
+                block_dpr[first_block + j]) for j in range(depths[i])]
             first_block += depths[i]
-            downsample = (
-                nn.Identity() if i == 0 else conv_norm_act(
-                    dims[i - 1], dims[i], 2, conv_norm_cfg, conv_act_cfg))
+            downsample = nn.Identity() if i == 0 else conv_norm_act(
+                dims[i - 1], dims[i], 2, conv_norm_cfg, conv_act_cfg)
             self.stages.append(LaplacianFormerStage(downsample, blocks))
         for i in range(num_stages):
             self.add_module(f'norm{i}', build_token_norm(norm_cfg, dims[i]))
@@ -337,10 +301,9 @@ class LaplacianFormer(BaseModule):
         return self.stages[:max(self.out_indices) + 1]
 
     def export_min_size(self) -> int:
-        """The smallest H (and W) this backbone exports for: every stage with Laplacian
-        attention at least its landmark grid g × g, so H >= (g - 1)·s_i + 1 at stride s_i (193
-        for g = 7, 97 with a softmax stage 4). Eager calls take any size (the grid is clipped
-        to the map); the export form keeps m = g² landmarks, a static shape."""
+        """The smallest H (and W) this backbone exports for: the export form keeps m = g²
+        landmarks (eager calls clip the grid to the map), so every stage with Laplacian
+        attention must be at least g × g: H >= (g - 1)·s_i + 1 at stride s_i (193 for g = 7)."""
         minimum = 1
         for stride, stage in zip(STAGE_STRIDES, self._stages_run()):
             for block in stage.blocks:
@@ -387,9 +350,8 @@ class LaplacianFormer(BaseModule):
         return self
 
     def init_weights(self) -> None:
-        """Default initialisation, then the other ``init_cfg`` entries, then the
-        ``Pretrained`` checkpoint if any (mmengine's order). An entry with a
-        ``checkpoint`` and no ``type`` is a ``Pretrained`` one, as for mmdet's PVT."""
+        """Default initialisation, then the other ``init_cfg`` entries, then the ``Pretrained``
+        checkpoint if any (mmengine's order; an entry with a checkpoint and no type is one)."""
         entries = init_cfg_entries(self.init_cfg)
         self.apply(init_layer)
         others = [cfg for cfg in entries if not is_pretrained_cfg(cfg)]

@@ -1,8 +1,5 @@
-"""Building blocks of the LaplacianFormer backbone (torch; mmcv's layer registry when installed).
-
-Token tensors are (B, N, C) with N = H * W in row-major order of the H x W grid;
-feature maps are NCHW.
-"""
+"""Building blocks of the LaplacianFormer backbone (torch; mmcv's layer registry when
+installed). Tokens are (B, N, C), N = H * W row-major; feature maps are NCHW."""
 import functools
 import importlib
 from typing import Tuple
@@ -42,7 +39,6 @@ TORCH_LAYERS = {'LN': nn.LayerNorm, 'BN': nn.BatchNorm2d, 'SyncBN': nn.SyncBatch
 
 @functools.lru_cache(maxsize=1)
 def _mmcv_cnn():
-    """``mmcv.cnn`` when mmcv is installed, else None."""
     try:
         return importlib.import_module('mmcv.cnn')
     except ImportError:
@@ -65,8 +61,7 @@ def _torch_layer(arg: str, cfg: dict, *args) -> nn.Module:
 
 
 def build_norm(arg: str, cfg: dict, num_features: int) -> nn.Module:
-    """The norm layer of an mmcv-style config over ``num_features`` channels, as mmcv's
-    ``build_norm_layer`` (``requires_grad=False`` freezes it)."""
+    """The norm layer of an mmcv-style config, as mmcv's ``build_norm_layer``."""
     mmcv_cnn = _mmcv_cnn()
     if mmcv_cnn is not None:
         return mmcv_cnn.build_norm_layer(cfg, num_features)[1]
@@ -74,7 +69,6 @@ def build_norm(arg: str, cfg: dict, num_features: int) -> nn.Module:
 
 
 def build_activation(arg: str, cfg: dict) -> nn.Module:
-    """The activation layer of an mmcv-style config (``dict(type='GELU')``)."""
     mmcv_cnn = _mmcv_cnn()
     return mmcv_cnn.build_activation_layer(cfg) if mmcv_cnn else _torch_layer(arg, cfg)
 
@@ -91,10 +85,7 @@ def build_token_norm(cfg: dict, dim: int) -> nn.Module:
 
 def conv_norm_act(in_channels: int, out_channels: int, stride: int, norm_cfg: dict,
                   act_cfg: dict) -> nn.Sequential:
-    """3x3 convolution (no bias, the norm follows) + norm + activation.
-
-    (B, in, H, W) -> (B, out, ceil(H / stride), ceil(W / stride)).
-    """
+    """3x3 convolution (no bias, the norm follows) + norm + activation."""
     norm = build_norm('conv_norm_cfg', norm_cfg, out_channels)
     # A LayerNorm normalises the last dimension, W of these maps (mmpretrain's LN2d, a
     # subclass, normalises the channels).
@@ -111,10 +102,7 @@ STEM_HIDDEN_CHANNELS = 32
 
 
 class ConvStem(nn.Sequential):
-    """Three 3x3 conv-norm-activation layers with strides 2/1/2 (SOFT's stem).
-
-    (B, in_channels, H, W) -> (B, out_channels, ceil(ceil(H/2)/2), ...).
-    """
+    """Three 3x3 conv-norm-activation layers with strides 2/1/2 (SOFT's stem)."""
 
     def __init__(self, in_channels: int, out_channels: int, norm_cfg: dict, act_cfg: dict,
                  hidden_channels: int = STEM_HIDDEN_CHANNELS):
@@ -140,8 +128,7 @@ class Mlp(nn.Module):
 
 
 class SoftmaxAttention(nn.Module):
-    """Plain multi-head softmax self-attention (SOFT's stage-4 layout), quadratic in N: cheap
-    only where N is small (stage 4, stride 32). forward(x, hw): x (B, N, C) -> (B, N, C); hw,
+    """Plain multi-head softmax self-attention (SOFT's stage-4 layout), quadratic in N; hw,
     LaplacianAttention's second argument, is not used."""
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0,
@@ -167,11 +154,7 @@ class SoftmaxAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + DropPath(Attn(Norm(x))), then x + DropPath(MLP(Norm(x))).
-
-    Norms from ``norm_cfg`` (:func:`build_token_norm`), the MLP activation from
-    ``act_cfg``. forward(x, hw): x (B, N, C), hw = (H, W) with H * W = N -> (B, N, C).
-    """
+    """Pre-norm block: x + DropPath(Attn(Norm(x))), then x + DropPath(MLP(Norm(x)))."""
 
     def __init__(self,
                  dim: int,

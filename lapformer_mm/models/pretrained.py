@@ -16,16 +16,11 @@ BACKBONE_PREFIX = 'backbone.'
 DDP_PREFIX = 'module.'
 
 
-def extract_backbone_state_dict(
-        checkpoint: Mapping,
-        prefix: Optional[str] = None) -> Dict[str, torch.Tensor]:
-    """Backbone parameters of any accepted checkpoint layout (see module doc).
-
-    ``prefix`` (as in mmengine's ``Pretrained`` init) selects the keys that
-    start with it and strips it; by default ``backbone.`` is used when any key
-    carries it. As in mmengine, ``'backbone'`` means ``'backbone.'``; a leading
-    ``module.`` is stripped from it as from the keys.
-    """
+def extract_backbone_state_dict(checkpoint: Mapping,
+                                prefix: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """Backbone tensors of any accepted checkpoint layout (see module doc). ``prefix`` (as in
+    mmengine's ``Pretrained`` init; ``'backbone'`` means ``'backbone.'``) selects the keys
+    under it, by default ``backbone.`` where any key carries it."""
     if not isinstance(checkpoint, Mapping):  # a file of another object
         raise TypeError('checkpoint must be a mapping (state dict or '
                         f'mmengine checkpoint), got {type(checkpoint)}')
@@ -43,10 +38,7 @@ def extract_backbone_state_dict(
     if prefix is None and any(k.startswith(BACKBONE_PREFIX) for k in state_dict):
         prefix = BACKBONE_PREFIX
     if prefix:
-        state_dict = {
-            k[len(prefix):]: v
-            for k, v in state_dict.items() if k.startswith(prefix)
-        }
+        state_dict = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
     tensors = {k: v for k, v in state_dict.items() if torch.is_tensor(v)}
     if not tensors:
         raise ValueError('checkpoint holds no tensors under the accepted '
@@ -78,29 +70,30 @@ def _stage_attentions(keys: Iterable[str]) -> Dict[int, str]:
     return kinds
 
 
-def backbone_mismatch(state_dict: Mapping, own: Mapping) -> Optional[Tuple[str, str]]:
-    """Why a backbone state dict cannot initialise the model whose state dict is ``own``, as
-    (kind, detail): 'none', it holds none of the model's tensors; 'stage4_attention', stage
-    4 of the other attention (the shapes can agree, the Laplacian one's ``attn.local``
-    tensors would be missing or unexpected); 'shape', tensors of another shape; 'depth',
-    stages of another number of blocks (the same widths: tiny, small and large share
-    theirs, so no shape reveals it). None when it fits."""
+def backbone_mismatch(state_dict: Mapping, own: Mapping) -> Optional[str]:
+    """Why a backbone state dict cannot initialise the model whose state dict is ``own``, and
+    what checkpoint it then is, or None when it fits: none of the model's tensors; stage 4 of
+    the other attention (the shapes can agree); tensors of another shape; stages of another
+    number of blocks (tiny, small and large share their widths: no shape reveals it)."""
     if not any(k in own for k in state_dict):
-        return 'none', (f'holds none of the {len(own)} tensors of the model (its keys look '
-                        f'like {", ".join(repr(k) for k in list(state_dict)[:3])})')
+        return (f'it holds none of the {len(own)} tensors of the model (its keys look like '
+                f'{", ".join(repr(k) for k in list(state_dict)[:3])}): a checkpoint of another '
+                "model, or one whose backbone keys sit under a prefix other than 'backbone.' "
+                "(the Pretrained init_cfg's prefix=)")
     theirs, mine = _stage_attentions(state_dict), _stage_attentions(own)
     differ = [f'stage {i + 1} has {theirs[i]} attention in the checkpoint, {kind} in the model'
               for i, kind in sorted(mine.items()) if theirs.get(i, kind) != kind]
     if differ:
-        return 'stage4_attention', '; '.join(differ)
-    wrong = [f'{k}: checkpoint {tuple(v.shape)}, model {tuple(own[k].shape)}'
-             for k, v in state_dict.items() if k in own and v.shape != own[k].shape]
-    if wrong:
-        return 'shape', f'{len(wrong)} tensors of another shape, e.g. {"; ".join(wrong[:3])}'
-    theirs, mine = _stage_depths(state_dict), _stage_depths(own)
-    differ = [f'stage {i}: {theirs[i]} blocks in the checkpoint, {n} in the model'
-              for i, n in sorted(mine.items()) if i in theirs and theirs[i] != n]
-    return ('depth', '; '.join(differ)) if differ else None
+        return f'{"; ".join(differ)}: a checkpoint of another stage4_attention'
+    differ = [f'{k}: checkpoint {tuple(v.shape)}, model {tuple(own[k].shape)}'
+              for k, v in state_dict.items() if k in own and v.shape != own[k].shape]
+    if differ:
+        differ = [f'{len(differ)} tensors of another shape, e.g. {"; ".join(differ[:3])}']
+    else:
+        theirs, mine = _stage_depths(state_dict), _stage_depths(own)
+        differ = [f'stage {i}: {theirs[i]} blocks in the checkpoint, {n} in the model'
+                  for i, n in sorted(mine.items()) if i in theirs and theirs[i] != n]
+    return f'{"; ".join(differ)}: a checkpoint of another arch' if differ else None
 
 
 #: The keys of a ``Pretrained`` init_cfg entry: mmengine's ``PretrainedInit`` arguments.
@@ -120,32 +113,16 @@ class LoadReport(NamedTuple):
     unexpected_keys: Tuple[str, ...]
 
 
-def load_backbone_weights(module: nn.Module,
-                          path_or_url: str,
-                          logger: Optional[object] = None,
-                          prefix: Optional[str] = None,
-                          map_location='cpu') -> LoadReport:
-    """Load a checkpoint into ``module`` non-strictly and report key mismatches.
-
-    ``prefix`` and ``map_location`` as in mmengine's ``Pretrained`` init.
-
-    A checkpoint sharing no key with the model, and shape and depth mismatches are an
-    error (another model or arch), missing and unexpected keys are reported through
-    ``logger`` (anything with ``.warning``/``.info``) and returned.
-    """
+def load_backbone_weights(module: nn.Module, path_or_url: str, logger: Optional[object] = None,
+                          prefix: Optional[str] = None, map_location='cpu') -> LoadReport:
+    """Load a checkpoint into ``module`` non-strictly (``prefix`` and ``map_location`` as in
+    mmengine's ``Pretrained`` init): another model, arch or stage-4 attention is an error
+    (:func:`backbone_mismatch`); missing and unexpected keys are logged and returned."""
     state_dict = extract_backbone_state_dict(
         load_checkpoint(path_or_url, map_location=map_location), prefix)
-    own = module.state_dict()
-    mismatch = backbone_mismatch(state_dict, own)
+    mismatch = backbone_mismatch(state_dict, module.state_dict())
     if mismatch is not None:
-        kind, detail = mismatch
-        hints = dict(none="a checkpoint of another model, or one whose backbone keys sit "
-                          "under a prefix other than 'backbone.' (give it as the Pretrained "
-                          "init_cfg's prefix=)",
-                     stage4_attention='another stage4_attention')
-        hint = hints.get(kind, 'another arch?')
-        raise ValueError(f'checkpoint {path_or_url!r} does not fit the model ({hint}): '
-                         f'{detail}')
+        raise ValueError(f'checkpoint {path_or_url!r} does not fit the model: {mismatch}')
     result = module.load_state_dict(state_dict, strict=False)
     report = LoadReport(tuple(result.missing_keys), tuple(result.unexpected_keys))
     if logger is not None:

@@ -1,12 +1,8 @@
-"""Checks that a model config wires the backbone to its neck, before the first forward.
-
-mmdet's FPN (or mmseg's decode and auxiliary heads) accept any ``in_channels``: a mismatch
-surfaces at the first forward as a convolution shape error deep inside the neck. These
-compare the neck's (without a neck, every head's) ``in_channels`` with the channels the
-backbone returns and name the fix: :func:`check_model_cfg` on a config (it also names
-backbone keys LaplacianFormer does not take, kept from a ``_base_`` config, and values it
-refuses), :func:`check_built_model` on a built model, :class:`NeckChannelsCheckHook` in
-``before_run``.
+"""Checks that a model config fits LaplacianFormer and wires it to its neck, before the first
+forward: mmdet's FPN (or mmseg's heads) accept any ``in_channels``, and a mismatch surfaces at
+the first forward deep inside the neck. :func:`check_model_cfg` on a config (it also names
+backbone keys kept from a ``_base_`` config, and values the backbone refuses),
+:func:`check_built_model` on a built model, :class:`NeckChannelsCheckHook` in ``before_run``.
 """
 import inspect
 import warnings

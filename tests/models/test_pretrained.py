@@ -165,8 +165,7 @@ def test_report_lists_missing_and_unexpected_keys(source, tmp_path):
 def test_checkpoint_of_other_widths_and_the_same_depths_is_an_error(tmp_path):
     other = LaplacianFormer(dict(ARCH, embed_dims=[16, 32, 64, 64]), out_indices=(3, ))
     path = write_checkpoint('plain', other.state_dict(), tmp_path / 'wider.pth')
-    with pytest.raises(ValueError, match=r'does not fit the model .*\d+ tensors of another '
-                                         r'shape, e\.g\. stages\.2\.'):
+    with pytest.raises(ValueError, match=r'tensors of another shape, e\.g\. stages\.2\.'):
         load_backbone_weights(small_model(out_indices=(3, )), path)
 
 
@@ -208,8 +207,7 @@ def test_checkpoint_of_the_same_widths_and_other_depths_is_an_error(tmp_path, de
     model = LaplacianFormer(dict(ARCH, depths=[1, 1, 2, 1]))
     other = LaplacianFormer(dict(ARCH, depths=[1, 1, depth, 1]))
     path = write_checkpoint('plain', other.state_dict(), tmp_path / 'x.pth')
-    with pytest.raises(ValueError, match=f'does not fit the model .*stage 2: {depth} blocks in '
-                                         'the checkpoint, 2 in the model'):
+    with pytest.raises(ValueError, match=f'stage 2: {depth} blocks in the checkpoint, 2 in '):
         load_backbone_weights(model, path)
 
 
