@@ -8,6 +8,7 @@ import os
 import os.path as osp
 import statistics
 
+from ..analysis import pyplot
 from .toy import TAKEOFF_WINDOW
 
 COLUMNS = ('variant', 'attn_cfg', 'runs', 'final acc (%)', 'took off',
@@ -164,10 +165,7 @@ def running_mean(values, window):
 def plot_losses(runs, path, title=None, window=TAKEOFF_WINDOW):
     """Training-loss curves (running mean over ``window`` records), one panel per variant,
     one line per seed; saved as PNG at ``path``."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     variants = _names(runs)
     cols = min(3, len(variants))
     rows = -(-len(variants) // cols)

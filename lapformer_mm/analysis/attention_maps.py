@@ -12,6 +12,7 @@ is given: maps of a random-init layer, not of the paper's trained model.
 import numpy as np
 import torch
 
+from . import pyplot
 from .qk_capture import capture_qk
 
 MAX_DENSE_TOKENS = 8192
@@ -114,9 +115,7 @@ def kernel_gradient_curves(distances, lam):
 
 def plot_kernel_gradients(lam, r_max, path, points=400):
     """k(r) and |dk/dr| of both kernels against r in (0, r_max] -> PNG."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     r = np.linspace(r_max / points, r_max, points)
     curves = kernel_gradient_curves(r, lam)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
@@ -144,9 +143,7 @@ def _grid(row, hw):
 
 def plot_attention_rows(image, rows, hw, index, path, title):
     """The image with the query marked and every row as a heat map -> PNG."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     qy, qx = divmod(index, hw[1])
     scale_y, scale_x = image.shape[0] / hw[0], image.shape[1] / hw[1]
     fig, axes = plt.subplots(2, 4, figsize=(13, 6.6))

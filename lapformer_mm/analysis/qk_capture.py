@@ -78,47 +78,9 @@ def window_attention_qk(w_msa, windows, mask):
     return qkv[0], qkv[1], pair_mask
 
 
-def _laplacianformer_hooks(model, records):
-    """(module, pre_hook) pairs for every block attention of a LaplacianFormer."""
-    hooks = []
-    for stage_index, stage in enumerate(model.stages):
-        for block_index, block in enumerate(stage.blocks):
-            def hook(module, args, kwargs, stage=stage_index,
-                     name=f'stages.{stage_index}.blocks.{block_index}.attn'):
-                x, hw = args[0], tuple(args[1] if len(args) > 1 else kwargs['hw'])
-                q, k = laplacian_attention_qk(module, x)
-                records.append(QKRecord(stage, name, q, k, None, hw))
-            hooks.append((block.attn, hook))
-    return hooks
-
-
-def _pvt_hooks(model, records):
-    """(module, pre_hook) pairs for every spatial-reduction attention of a PVT(v2)."""
-    hooks = []
-    for stage_index, layer in enumerate(model.layers):
-        for block_index, block in enumerate(layer[1]):
-            def hook(module, args, kwargs, stage=stage_index,
-                     name=f'layers.{stage_index}.1.{block_index}.attn.attn'):
-                query = kwargs['query'] if 'query' in kwargs else args[0]
-                key = kwargs['key'] if 'key' in kwargs else args[1]
-                q, k = multihead_attention_qk(module, query, key)
-                records.append(QKRecord(stage, name, q, k))
-            hooks.append((block.attn.attn, hook))
-    return hooks
-
-
-def _swin_hooks(model, records):
-    """(module, pre_hook) pairs for every window attention of a Swin Transformer."""
-    hooks = []
-    for stage_index, stage in enumerate(model.stages):
-        for block_index, block in enumerate(stage.blocks):
-            def hook(module, args, kwargs, stage=stage_index,
-                     name=f'stages.{stage_index}.blocks.{block_index}.attn.w_msa'):
-                mask = kwargs['mask'] if 'mask' in kwargs else (args[1] if len(args) > 1 else None)
-                q, k, pair_mask = window_attention_qk(module, args[0], mask)
-                records.append(QKRecord(stage, name, q, k, pair_mask))
-            hooks.append((block.attn.w_msa, hook))
-    return hooks
+def _arg(args, kwargs, index, name, default=None):
+    """A hooked call's argument ``name``, given by keyword or at position ``index``."""
+    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else default)
 
 
 def attention_hooks(model, records):
@@ -127,13 +89,33 @@ def attention_hooks(model, records):
 
     from lapformer_mm.models import LaplacianFormer
     if isinstance(model, LaplacianFormer):
-        return _laplacianformer_hooks(model, records)
-    if isinstance(model, PyramidVisionTransformer):
-        return _pvt_hooks(model, records)
-    if isinstance(model, SwinTransformer):
-        return _swin_hooks(model, records)
-    raise TypeError('model must be a LaplacianFormer, PyramidVisionTransformer(V2) or '
-                    f'SwinTransformer, got {type(model).__name__}')
+        def capture(module, args, kwargs):
+            q, k = laplacian_attention_qk(module, args[0])
+            return q, k, None, tuple(_arg(args, kwargs, 1, 'hw'))
+        layers, path = [stage.blocks for stage in model.stages], 'stages.{}.blocks.{}.attn'
+        attention = 'attn'
+    elif isinstance(model, PyramidVisionTransformer):
+        def capture(module, args, kwargs):
+            q, k = multihead_attention_qk(module, _arg(args, kwargs, 0, 'query'),
+                                          _arg(args, kwargs, 1, 'key'))
+            return q, k, None, None
+        layers, path = [layer[1] for layer in model.layers], 'layers.{}.1.{}.attn.attn'
+        attention = 'attn.attn'
+    elif isinstance(model, SwinTransformer):
+        def capture(module, args, kwargs):
+            return (*window_attention_qk(module, args[0], _arg(args, kwargs, 1, 'mask')), None)
+        layers, path = [stage.blocks for stage in model.stages], 'stages.{}.blocks.{}.attn.w_msa'
+        attention = 'attn.w_msa'
+    else:
+        raise TypeError('model must be a LaplacianFormer, PyramidVisionTransformer(V2) or '
+                        f'SwinTransformer, got {type(model).__name__}')
+    hooks = []
+    for stage, blocks in enumerate(layers):
+        for index, block in enumerate(blocks):
+            def hook(module, args, kwargs, stage=stage, name=path.format(stage, index)):
+                records.append(QKRecord(stage, name, *capture(module, args, kwargs)))
+            hooks.append((block.get_submodule(attention), hook))
+    return hooks
 
 
 @contextlib.contextmanager

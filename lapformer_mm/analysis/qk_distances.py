@@ -10,6 +10,7 @@ import os.path as osp
 
 import numpy as np
 
+from . import pyplot
 from .model_zoo import BACKBONE_CONFIGS, build_backbone
 from .qk_capture import capture_qk
 from .tail_stats import METRICS, DistanceCollector, tail_statistics
@@ -49,9 +50,7 @@ def model_statistics(collector):
 
 def plot_model_histograms(name, collector, path, bins=80):
     """Per-stage log-density histograms of both metrics for one model -> PNG."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     stages = collector.stages()
     fig, axes = plt.subplots(len(METRICS), len(stages), figsize=(3.2 * len(stages), 5.4),
                              squeeze=False)
@@ -84,9 +83,7 @@ def median_normalised(values):
 
 def plot_normalised(collectors, path, bins=100):
     """All models, all stages pooled, distances / stage median -> PNG (log density)."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(METRICS), figsize=(10, 3.6))
     for ax, metric in zip(axes, METRICS):
         for i, (name, collector) in enumerate(collectors.items()):
