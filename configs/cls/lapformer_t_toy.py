@@ -31,7 +31,10 @@ model = dict(
         type='LaplacianFormer',
         arch='tiny',
         out_indices=(3, ),
-        drop_path_rate=0.0),
+        drop_path_rate=0.0,
+        # GroupNorm as in the toy detectors that load this backbone (their batches of 4
+        # make BN's statistics noisy: configs/toy/maskrcnn_lapformer_t_toy.py).
+        conv_norm_cfg=dict(type='GN', num_groups=8)),
     neck=dict(type='GlobalAveragePooling'),
     head=dict(
         type='LinearClsHead',

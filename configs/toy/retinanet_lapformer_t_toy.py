@@ -20,6 +20,7 @@ model = dict(
         arch='tiny',
         out_indices=(1, 2, 3),
         drop_path_rate=0.0,
+        conv_norm_cfg=dict(type='GN', num_groups=8),  # as the toy Mask R-CNN's, and why
         norm_eval=False,
         init_cfg=None),
     neck=dict(
