@@ -1,17 +1,10 @@
 """Checkpoint loading that keeps ``torch.load(weights_only=True)`` on.
 
-PyTorch >= 2.6 loads with ``weights_only=True`` by default, which refuses the few
-non-tensor objects that mmengine writes into its full checkpoints (resume, ``load_from``,
-``tools/test.py``): the message hub's ``HistoryBuffer``, numpy arrays, scalars and dtypes.
-Turning the safety off for everything would let any downloaded ``.pth`` run code when it is
-unpickled. Instead, :func:`allow_mmengine_checkpoints` adds exactly those data types to
-torch's allowlist, so mmengine's own ``torch.load`` calls keep working and a pickle that
-reaches for ``os.system`` or ``eval`` is still refused.
-
-``HistoryBuffer`` pickles its statistics methods as ``getattr(HistoryBuffer, 'min')``;
-allowing ``builtins.getattr`` itself would open the door again (attribute walks reach any
-module's globals), so a ``getattr`` that resolves only those method names is registered
-under its pickled name instead.
+torch >= 2.6 refuses the few non-tensor objects mmengine writes into full checkpoints
+(``HistoryBuffer``, numpy arrays, scalars, dtypes); :func:`allow_mmengine_checkpoints` adds
+exactly those to torch's allowlist rather than turning the safety off. ``HistoryBuffer``
+pickles its statistics as ``getattr(HistoryBuffer, 'min')``; allowing ``builtins.getattr``
+itself would reach any module's globals, so a restricted ``getattr`` takes its name.
 """
 import os
 import warnings
@@ -36,13 +29,11 @@ class CheckpointError(RuntimeError):
 
 
 def trust_requested():
-    """True when the user set torch's opt-out ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``: torch honours
-    it only where ``weights_only`` is not passed, and the loaders here pass it."""
+    # torch honours its opt-out only where weights_only is not passed; the loaders here pass it.
     return os.environ.get(TRUST_ENV, '0').lower() in ('1', 'y', 'yes', 'true')
 
 
 def _history_buffer_getattr(obj, name):
-    """``getattr`` restricted to the statistics methods of mmengine's ``HistoryBuffer``."""
     from mmengine.logging import HistoryBuffer
 
     allowed = {'min', 'max', 'current', 'mean', *HistoryBuffer._statistics_methods}
@@ -53,8 +44,7 @@ def _history_buffer_getattr(obj, name):
 
 
 def _numpy_globals():
-    """numpy's array, dtype and scalar pickling globals under both module spellings: numpy 2
-    pickles them from ``numpy._core.multiarray``, numpy 1 from ``numpy.core.multiarray``."""
+    """numpy's pickling globals under numpy 1's ``numpy.core`` and numpy 2's ``numpy._core``."""
     core = np._core if hasattr(np, '_core') else np.core
     scalar_dtypes = [type(np.dtype(t)) for t in (
         np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
@@ -66,8 +56,7 @@ def _numpy_globals():
 
 
 def allow_mmengine_checkpoints():
-    """Allowlist the data types of mmengine full checkpoints for ``weights_only`` loading
-    (idempotent)."""
+    """Allowlist the data types of mmengine full checkpoints (idempotent)."""
     safe = _numpy_globals()
     try:
         from mmengine.logging import HistoryBuffer
@@ -81,9 +70,8 @@ def allow_mmengine_checkpoints():
 
 
 def safe_load(filename, map_location='cpu'):
-    """``torch.load`` of a local file with ``weights_only=True``: FileNotFoundError,
-    IsADirectoryError, or a :class:`CheckpointError` that names the file and what was refused
-    (objects outside the allowlist) or why it cannot be read."""
+    """``torch.load(weights_only=True)`` of a local file; errors name the file and what was
+    refused or why it cannot be read."""
     _check_map_location(map_location)
     filename = os.path.expanduser(os.fspath(filename))
     if os.path.isdir(filename):
@@ -94,7 +82,6 @@ def safe_load(filename, map_location='cpu'):
         warnings.warn(f'{TRUST_ENV}=1: loading {filename!r} with full unpickling '
                       '(weights_only=False); only do this for files you trust')
         return torch.load(filename, map_location=map_location, weights_only=False)
-    # The allowlist is in place: importing this module ran lapformer_mm/__init__.py.
     try:
         return torch.load(filename, map_location=map_location, weights_only=True)
     except torch.serialization.pickle.UnpicklingError as err:
@@ -109,22 +96,18 @@ def safe_load(filename, map_location='cpu'):
 
 
 def _check_map_location(map_location):
-    """A device string torch cannot parse fails inside the load as if the file could not be
-    read: checked before it (torch.device names the string)."""
+    # Inside the load a bad device string reads as an unreadable file; torch.device names it.
     if isinstance(map_location, str):
         torch.device(map_location)
 
 
 def is_remote(path) -> bool:
-    """True for a ``scheme://`` path (http(s), s3, petrel, open-mmlab, ...), not a local file."""
     return '://' in os.fspath(path)
 
 
 def load_checkpoint(filename, map_location='cpu'):
-    """A checkpoint from a local file (:func:`safe_load`) or a ``scheme://`` path, http(s)
-    included, through mmengine's ``CheckpointLoader``, as its ``Runner`` and ``Pretrained``
-    init read them. Its loaders call ``torch.load`` without ``weights_only``: True since
-    torch 2.6, with this module's allowlist."""
+    """:func:`safe_load` of a local file; a ``scheme://`` path through mmengine's
+    ``CheckpointLoader`` (whose ``torch.load`` defaults to ``weights_only`` since torch 2.6)."""
     if not is_remote(filename):
         return safe_load(filename, map_location=map_location)
     _check_map_location(map_location)
@@ -133,8 +116,7 @@ def load_checkpoint(filename, map_location='cpu'):
 
 
 def _looks_like_a_checkpoint(filename):
-    """A zip archive (torch.save) or a pickle (the legacy format): an opcode the safe
-    loader lacks (pickle protocols 4 and 5) is then a refusal, not a file of other bytes."""
+    # Then an opcode the safe loader lacks (pickle protocols 4, 5) is a refusal, not other bytes.
     with open(filename, 'rb') as f:
         return f.read(4).startswith(CHECKPOINT_MAGIC)
 
@@ -156,7 +138,6 @@ def _unreadable(filename, err):
 
 
 def _refusal_reason(err):
-    """The line of torch's weights-only error that names the refused object."""
     lines = str(err).splitlines()
     reasons = [line.strip() for line in lines if 'GLOBAL' in line]
     return reasons[0] if reasons else (lines[0] if lines else repr(err))

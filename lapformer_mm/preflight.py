@@ -1,14 +1,7 @@
-"""Check, before anything is built, that the files a config's run reads are there and usable:
-else a run without its data builds the whole model and dies deep in pycocotools (or at the
-first batch, or loading the backbone's ImageNet weights) with a long traceback.
-
-:func:`check_config_inputs` reads the config alone (the datasets of the run's dataloaders,
-through wrappers, joined as mmengine's ``BaseDataset`` joins them; the evaluators' annotation
-files; the backbone's ``Pretrained`` checkpoint when training, for a LaplacianFormer also read
-and compared with the backbone; ``load_from``; remote paths are not checked) and raises
-:class:`InputCheckError` naming each missing input, the layout the config expects and the ways
-forward. ``tools/train.py`` and ``tools/test.py`` print it (exit status 2); other tools can
-call it before ``Runner.from_cfg`` or add ``custom_hooks = [dict(type='InputCheckHook')]``.
+"""Check, before anything is built, that the files a config's run reads are there and usable
+(a run without its data otherwise builds the model and dies deep in pycocotools or at the
+first batch): :func:`check_config_inputs` raises :class:`InputCheckError` naming each missing
+input, the expected layout and the ways forward. Remote paths are not checked.
 """
 import os
 import os.path as osp
@@ -32,11 +25,10 @@ CLS_CONFIGS = 'configs/cls/lapformer_{}_in1k.py'
 
 
 class InputCheckError(RuntimeError):
-    """The run would miss inputs; the message says which, the expected layout and what to do."""
+    pass
 
 
 class Input(NamedTuple):
-    """One path a run reads."""
     key: str            # where the config sets it, e.g. 'train_dataloader.dataset.ann_file'
     path: str           # as the run resolves it
     role: str           # 'annotation file', 'image folder', ...
@@ -51,13 +43,12 @@ class Problem(NamedTuple):
 
 
 def is_remote(path: str, backend_args: Optional[Mapping] = None) -> bool:
-    """True for a path this check cannot see: a ``scheme://`` URL or a non-local backend."""
     local = not backend_args or backend_args.get('backend', 'local') == 'local'
     return not local or checkpoint.is_remote(str(path))
 
 
 def _join(data_root: Optional[str], path: str) -> str:
-    """``path`` joined to ``data_root`` as mmengine's ``BaseDataset._join_prefix`` does."""
+    # As mmengine's BaseDataset._join_prefix.
     return osp.join(data_root, path) if data_root and not osp.isabs(path) else path
 
 
@@ -77,7 +68,6 @@ def _dataset_leaves(dataset_cfg, key: str):
 
 
 def dataset_inputs(dataset_cfg: Mapping, key: str) -> List[Input]:
-    """The local paths one dataset config reads (wrappers unwrapped); ``key`` is its config key."""
     items = []
     for leaf_key, cfg in _dataset_leaves(dataset_cfg, key):
         if is_remote('', cfg.get('backend_args')):
@@ -105,7 +95,6 @@ def dataset_inputs(dataset_cfg: Mapping, key: str) -> List[Input]:
 
 
 def evaluator_inputs(evaluator_cfg, key: str) -> List[Input]:
-    """Annotation files an evaluator config reads (one metric dict or a list of them)."""
     metrics = evaluator_cfg if isinstance(evaluator_cfg, Sequence) else [evaluator_cfg]
     items = []
     for i, metric in enumerate(metrics):
@@ -119,7 +108,6 @@ def evaluator_inputs(evaluator_cfg, key: str) -> List[Input]:
 
 
 def split_inputs(cfg: Mapping, split: str) -> List[Input]:
-    """The data inputs of the ``split`` ('train', 'val', 'test') loop, if the run has one."""
     loader = cfg.get(f'{split}_dataloader')
     if not isinstance(loader, Mapping):
         return []
@@ -133,7 +121,6 @@ def split_inputs(cfg: Mapping, split: str) -> List[Input]:
 
 
 def path_problem(item: Input) -> Optional[str]:
-    """Why ``item`` cannot be read, or None when it looks usable."""
     if not osp.exists(item.path):
         return 'does not exist'
     if item.is_dir != osp.isdir(item.path):
@@ -145,8 +132,7 @@ def path_problem(item: Input) -> Optional[str]:
 
 
 def pretrained_checkpoint(model_cfg: Mapping) -> Optional[Input]:
-    """The backbone's ``Pretrained`` checkpoint: ``init_cfg``, or the ``pretrained`` of the
-    backbone or of an mmseg segmentor (which hands it to the backbone)."""
+    # A segmentor's pretrained too: mmseg hands it to the backbone.
     backbone_cfg = model_cfg['backbone']
     for key, owner in (('model.pretrained', model_cfg),
                        ('model.backbone.pretrained', backbone_cfg)):
@@ -165,8 +151,6 @@ def pretrained_checkpoint(model_cfg: Mapping) -> Optional[Input]:
 
 def laplacianformer_mismatch(checkpoint_path: str, backbone_cfg: Mapping,
                              prefix: Optional[str]) -> Optional[str]:
-    """Why the checkpoint (read with ``weights_only=True``) cannot initialise this
-    LaplacianFormer, built alone for its tensors, or None when it can."""
     from .models import LaplacianFormer
     from .models.pretrained import backbone_mismatch, extract_backbone_state_dict
 
@@ -187,7 +171,6 @@ def laplacianformer_mismatch(checkpoint_path: str, backbone_cfg: Mapping,
 
 
 def checkpoint_problems(cfg: Mapping) -> List[Problem]:
-    """Problems with the backbone's pretrained checkpoint (only training reads it)."""
     backbone = (cfg.get('model') or {}).get('backbone')
     if not isinstance(backbone, Mapping):
         return []
@@ -202,21 +185,17 @@ def checkpoint_problems(cfg: Mapping) -> List[Problem]:
 
 
 def argument_problem(path: str, is_dir: bool = False) -> Optional[str]:
-    """Why a file (or folder) given on a tool's command line cannot be read, or None: it
-    looks usable, or it is a ``scheme://`` path this check cannot see."""
+    """Why a file (or folder) given on a tool's command line cannot be read, or None."""
     return None if is_remote(path) else path_problem(Input('', path, '', is_dir))
 
 
 def check_checkpoint_argument(path: str) -> None:
-    """Raise :class:`InputCheckError` when a checkpoint given on a tool's command line is a
-    local path that cannot be read (missing, a folder, empty)."""
     reason = argument_problem(path)
     if reason:
         raise InputCheckError(f'checkpoint {path!r} {reason}')
 
 
 def load_from_problems(cfg: Mapping) -> List[Problem]:
-    """A ``load_from`` checkpoint (test, fine-tune, ``--resume PATH``) that is not there."""
     load_from = cfg.get('load_from')
     if not load_from or is_remote(load_from):
         return []
@@ -226,7 +205,6 @@ def load_from_problems(cfg: Mapping) -> List[Problem]:
 
 
 def find_input_problems(cfg: Mapping, mode: str = 'train') -> List[Problem]:
-    """Every missing or unusable input of a ``mode`` ('train', 'val', 'test') run of ``cfg``."""
     if mode not in MODES:
         raise ValueError(f'mode must be one of {sorted(MODES)}, got {mode!r}')
     splits, reads_init_checkpoint = MODES[mode]
@@ -309,7 +287,6 @@ def _checkpoint_section(cfg: Mapping, problem: Problem) -> List[str]:
 
 
 def format_problems(cfg: Mapping, mode: str, problems: List[Problem]) -> str:
-    """The message of :class:`InputCheckError`: the problems, the layout, the ways forward."""
     name = getattr(cfg, 'filename', None) or 'the config'
     # One line per path: train and val often share a data root or a file.
     keys = {}
@@ -330,9 +307,8 @@ def format_problems(cfg: Mapping, mode: str, problems: List[Problem]) -> str:
 
 
 def check_config_inputs(cfg: Mapping, mode: str = 'train') -> None:
-    """Raise :class:`InputCheckError` when a ``mode`` run of ``cfg`` (the config with its
-    command-line options) would miss an input: 'train' reads the train and val data and the
-    backbone's pretrained checkpoint, 'val' or 'test' that loop's data, each ``load_from``."""
+    """Raise :class:`InputCheckError` when a ``mode`` ('train', 'val', 'test') run of ``cfg``
+    would miss an input."""
     problems = find_input_problems(cfg, mode)
     if problems:
         raise InputCheckError(format_problems(cfg, mode, problems))

@@ -1,14 +1,7 @@
-"""Attention rows of one query under the Laplacian kernel, the Gaussian kernel and softmax
-(``tools/analysis/attention_maps.py``, docs/analysis.md).
-
-For a query on the token grid of one LaplacianFormer block, from that block's own queries
-and keys (:mod:`.qk_capture`), over the image: the row-normalised Laplacian and Gaussian
-kernels and softmax; both kernels through the injective map with every key a landmark (the
-layer's dense limit); the layer's own row (Nyström with its pooled landmarks,
-z_i · P⁻¹ · k(k, L)ᵀ); a profile along the query's grid row. A second figure plots |dk/dr|
-of both kernels by autograd through lapformer_mm.ops. Weights are random unless a checkpoint
-is given: maps of a random-init layer, not of the paper's trained model.
-"""
+"""Attention rows of one query of one LaplacianFormer block under the Laplacian and Gaussian
+kernels and softmax, dense and injective, and the layer's own Nyström row; |dk/dr| of both
+kernels (``tools/analysis/attention_maps.py``, docs/analysis.md). Random weights unless a
+checkpoint is given."""
 import numpy as np
 import torch
 
@@ -22,8 +15,6 @@ ROW_NAMES = ('laplacian', 'gaussian', 'softmax', 'laplacian_injective',
 
 def query_index(hw, position):
     """Token index of a (row, col) position given as fractions in [0, 1] of an H×W grid."""
-    if not all(0.0 <= p <= 1.0 for p in position):
-        raise ValueError(f'query position must be two fractions in [0, 1], got {position}')
     row = int(round(position[0] * (hw[0] - 1)))
     col = int(round(position[1] * (hw[1] - 1)))
     return row * hw[1] + col
@@ -38,14 +29,13 @@ def row_normalised_kernel_row(q_i, k, kernel, lam):
 
 
 def softmax_row(q_i, k):
-    """softmax_j(q_i · k_j / sqrt(d)): q_i (h, d), k (h, N, d) -> (h, N)."""
     logits = torch.einsum('hd,hnd->hn', q_i, k) / k.shape[-1] ** 0.5
     return logits.softmax(-1)
 
 
 def injective_dense_row(q, k, index, kernel, lam, whiten_eps):
-    """Row ``index`` of injective_normalize(k(q, k)) with all keys as landmarks, q, k (h, N, d)
-    -> (h, N): the whitening needs every query's row, so N <= MAX_DENSE_TOKENS."""
+    """Row ``index`` of injective_normalize(k(q, k)), all keys landmarks: q, k (h, N, d) ->
+    (h, N). The whitening needs every query's row, hence MAX_DENSE_TOKENS."""
     from lapformer_mm.ops import gaussian_kernel, injective_normalize, laplacian_kernel
     if q.shape[-2] > MAX_DENSE_TOKENS:
         raise ValueError(f'the dense injective row needs N <= {MAX_DENSE_TOKENS} tokens, '
@@ -55,11 +45,9 @@ def injective_dense_row(q, k, index, kernel, lam, whiten_eps):
 
 
 def nystrom_row(q, k, hw, index, attn):
-    """Effective attention row of a LaplacianAttention layer for query ``index``, q, k (h, N, d)
-    -> (h, N): the weights w with z_i · S · k(k, L)ᵀ (v − v̄) / N + v̄ = w v, S the operator the
-    solve applies (Newton–Schulz's X, 2X − X P X with the refinement step; the exact inverse
-    for 'exact' and 'cg'): r − mean(r) over the keys, over N, plus 1/N, r = z_i S k(k, L)ᵀ.
-    Its product with v is the layer's Nyström output for query i."""
+    """The weights w (h, N) with w v = the layer's output for query ``index``: with
+    r = z_i S k(k, L)ᵀ (S the solve's operator: Newton–Schulz's X, 2X − XPX when refined, else
+    the inverse), w = (r − mean(r) + 1) / N."""
     from lapformer_mm.ops import (
         injective_normalize,
         kernel_matrix,
@@ -83,7 +71,6 @@ def nystrom_row(q, k, hw, index, attn):
 
 
 def attention_rows(q, k, hw, index, attn):
-    """All rows of ROW_NAMES for query ``index``; q, k (h, N, d) -> {name: (h, N)}."""
     q, k = q.double(), k.double()
     q_i = q[:, index]
     return dict(
@@ -98,8 +85,7 @@ def attention_rows(q, k, hw, index, attn):
 
 
 def kernel_gradient_curves(distances, lam):
-    """{'laplacian', 'gaussian'} -> (k(r), dk/dr) at distances r > 0 (float64 numpy), by
-    autograd through lapformer_mm.ops: in one dimension the input is the distance."""
+    """{'laplacian', 'gaussian'} -> (k(r), dk/dr) at r > 0 (float64), by autograd in 1-D."""
     from lapformer_mm.ops import gaussian_kernel, laplacian_kernel
     r = torch.as_tensor(np.asarray(distances), dtype=torch.float64)
     if (r <= 0).any():
@@ -114,7 +100,6 @@ def kernel_gradient_curves(distances, lam):
 
 
 def plot_kernel_gradients(lam, r_max, path, points=400):
-    """k(r) and |dk/dr| of both kernels against r in (0, r_max] -> PNG."""
     plt = pyplot()
     r = np.linspace(r_max / points, r_max, points)
     curves = kernel_gradient_curves(r, lam)
@@ -137,12 +122,10 @@ def plot_kernel_gradients(lam, r_max, path, points=400):
 
 
 def _grid(row, hw):
-    """(h, N) row -> (H, W) map averaged over heads, as numpy."""
     return row.mean(0).reshape(hw).numpy()
 
 
 def plot_attention_rows(image, rows, hw, index, path, title):
-    """The image with the query marked and every row as a heat map -> PNG."""
     plt = pyplot()
     qy, qx = divmod(index, hw[1])
     scale_y, scale_x = image.shape[0] / hw[0], image.shape[1] / hw[1]
@@ -180,16 +163,12 @@ def plot_attention_rows(image, rows, hw, index, path, title):
 
 
 def capture_block(model, tensor, stage, block):
-    """(q (h, N, d), k, hw, attn) of block ``block`` of stage ``stage`` (1-based) of a
-    LaplacianFormer for a (1, 3, H, W) input."""
-    stages = model.stages
-    if not 1 <= stage <= len(stages):
-        raise ValueError(f'stage must be in [1, {len(stages)}], got {stage}')
-    if not 1 <= block <= len(stages[stage - 1].blocks):
-        raise ValueError(f'block must be in [1, {len(stages[stage - 1].blocks)}] for '
-                         f'stage {stage}, got {block}')
+    """(q (h, N, d), k, hw, attn) of block ``block`` of stage ``stage`` (both 1-based)."""
+    blocks = model.stages[stage - 1].blocks if 1 <= stage <= len(model.stages) else []
+    if not 1 <= block <= len(blocks):
+        raise ValueError(f'stage {stage} has no block {block}')
     from lapformer_mm.models import LaplacianAttention
-    attn = stages[stage - 1].blocks[block - 1].attn
+    attn = blocks[block - 1].attn
     if not isinstance(attn, LaplacianAttention):
         raise ValueError(f'stage {stage} uses {type(attn).__name__}, not LaplacianAttention; '
                          'choose a Laplacian stage')

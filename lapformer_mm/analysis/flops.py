@@ -22,7 +22,6 @@ KERNEL, SOLVE, VISIBLE = 'kernel', 'solve', 'visible'
 
 
 def _shape(value):
-    """Sizes of a traced tensor value (a ``torch._C.Value``)."""
     return value.type().sizes()
 
 
@@ -30,18 +29,14 @@ def _batch(shape, core):
     return math.prod(shape[:-core])
 
 
-#: The by-operator keys of the parts the op counts (mmengine names an op's count by its name
-#: without namespace).
+# mmengine names an op's count by its name without namespace.
 PART_KEYS = {KERNEL: 'pairwise_kernel', SOLVE: 'newton_schulz'}
 
 
 def attention_flops(q_shape, v_shape, m, tied, iters, ns_refine):
-    """{'kernel', 'solve', 'visible'} multiply-adds of one op call, q (B, h, N, d), v (..., d_v).
-
-    kernel: k(q, L), k(k, L) unless tied, k(L, L): (N·m·(1 or 2) + m²)·(d + 1);
-    solve: Newton–Schulz, 2·m³·iters + m²; visible: C_kᵀ v and Z · context, 2·N·m·d_v,
-    and the m × m by m × d_v products of the solve, three with ns_refine, else one.
-    """
+    """{'kernel', 'solve', 'visible'} multiply-adds of one op call, q (B, h, N, d), v (..., d_v):
+    kernel k(q, L), k(k, L) unless tied, k(L, L); solve 2·m³·iters + m²; visible C_kᵀ v and
+    Z · context, and the solve's m × m by m × d_v products (three with ns_refine)."""
     batch = math.prod(q_shape[:-2])
     n, d = q_shape[-2], q_shape[-1]
     kernel = (n * m * (1 if tied else 2) + m * m) * (d + 1)
@@ -61,7 +56,6 @@ def nystrom_attention_flops(inputs, outputs):
 
 
 def cdist_flops(inputs, outputs):
-    """Traced ``aten::cdist(x, y, ...)``: batch · N · M · (d + 1), a kernel matrix's count."""
     x, y = _shape(inputs[0]), _shape(inputs[1])
     return Counter({PART_KEYS[KERNEL]: _batch(x, 2) * x[-2] * y[-2] * (x[-1] + 1)})
 
@@ -72,8 +66,7 @@ def softmax_attention_flops(inputs, outputs):
     return _batch(q, 2) * q[-2] * k[-2] * (q[-1] + v[-1])
 
 
-#: op -> handle: the registered ops of lapformer_mm.ops (whichever implementation runs
-#: them), and the aten op of the softmax stage, which mmengine has no handle for.
+# mmengine has no handle for the softmax stage's aten op.
 FLOP_HANDLES = {
     attention.nystrom_attention_op: nystrom_attention_flops,
     torch.ops.aten.cdist: cdist_flops,
@@ -82,13 +75,11 @@ FLOP_HANDLES = {
 
 
 def traced_name(op):
-    """The node kind (schema name) under which a ``torch.jit`` trace records a call of ``op``
-    (a dispatcher op or one of its overloads)."""
+    """The node kind under which a ``torch.jit`` trace records a call of ``op``."""
     return getattr(op, 'default', op)._schema.name
 
 
 def flop_analyzer(model, inputs):
-    """``FlopAnalyzer`` of ``model`` on the tuple ``inputs`` with :data:`FLOP_HANDLES` set."""
     from mmengine.analysis import FlopAnalyzer
     analyzer = FlopAnalyzer(model, inputs)
     analyzer.set_op_handle(**{traced_name(op): handle for op, handle in FLOP_HANDLES.items()})
@@ -107,7 +98,7 @@ def flop_totals(analyzer):
 
 
 class Classifier(nn.Module):
-    """Backbone -> global average pooling -> linear head (mmpretrain's ImageNet layout)."""
+    """mmpretrain's ImageNet layout: backbone, global average pooling, linear head."""
 
     def __init__(self, backbone, num_classes=1000):
         super().__init__()
@@ -131,8 +122,7 @@ def classifier_cost(arch, size, backbone_kwargs=None):
 
 
 class TensorForward(nn.Module):
-    """``model._forward(x, samples)`` as a one-input module for tracing (an mmpretrain
-    classifier, which takes no samples there: ``model(x, mode='tensor')``)."""
+    """A detector's, segmentor's or classifier's tensor forward as a one-input module."""
 
     def __init__(self, model, data_samples):
         super().__init__()

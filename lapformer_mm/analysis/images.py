@@ -1,10 +1,5 @@
-"""Input images for the analyses: read from a folder or synthesised.
-
-The synthetic images are "natural-ish": 1/f (pink) noise colour fields with a
-few smooth-edged blobs, which have the power spectrum and local correlation of
-photographs without claiming to be photographs. They are deterministic for a
-given seed.
-"""
+"""Input images for the analyses: read from a folder, or synthesised per seed as 1/f (pink)
+noise with a few soft blobs (the power spectrum of photographs, not photographs)."""
 import os
 import os.path as osp
 
@@ -17,7 +12,6 @@ IMAGE_SUFFIXES = ('.jpg', '.jpeg', '.png', '.bmp')
 
 
 def pink_noise(size, rng, exponent=1.0):
-    """A (H, W) field with power spectrum ~ 1/f^(2·exponent), scaled to [0, 1]."""
     height, width = size
     fy = np.fft.fftfreq(height)[:, None]
     fx = np.fft.rfftfreq(width)[None, :]
@@ -30,7 +24,6 @@ def pink_noise(size, rng, exponent=1.0):
 
 
 def synthetic_image(size, seed):
-    """A deterministic natural-ish RGB uint8 image of ``size`` = (H, W)."""
     rng = np.random.default_rng(seed)
     height, width = size
     image = np.stack([pink_noise(size, rng) for _ in range(3)], axis=-1)
@@ -38,7 +31,6 @@ def synthetic_image(size, seed):
     for _ in range(rng.integers(2, 5)):
         cy, cx = rng.uniform(0, height), rng.uniform(0, width)
         radius = rng.uniform(0.08, 0.25) * min(height, width)
-        # A soft disc: objects with edges, on top of the texture.
         alpha = 1.0 / (1.0 + np.exp((np.hypot(yy - cy, xx - cx) - radius) / 2.0))
         colour = rng.uniform(0, 1, size=3)
         image = image * (1 - alpha[..., None]) + colour * alpha[..., None]
@@ -46,9 +38,6 @@ def synthetic_image(size, seed):
 
 
 def list_images(folder):
-    """Sorted image files (by suffix) directly in ``folder``."""
-    if not osp.isdir(folder):
-        raise ValueError(f'image folder {folder!r} does not exist')
     names = sorted(n for n in os.listdir(folder) if n.lower().endswith(IMAGE_SUFFIXES))
     if not names:
         raise ValueError(f'no images with suffix {IMAGE_SUFFIXES} in {folder!r}')
@@ -56,7 +45,6 @@ def list_images(folder):
 
 
 def read_image(path, size):
-    """RGB uint8 image at ``path`` resized to ``size`` = (H, W)."""
     import cv2
     bgr = cv2.imread(path, cv2.IMREAD_COLOR)
     if bgr is None:
@@ -66,13 +54,11 @@ def read_image(path, size):
 
 
 def load_images(folder, num_images, size, seed=0):
-    """``num_images`` RGB uint8 images (H, W, 3): from ``folder`` if given, else synthetic."""
     if folder:
         return [read_image(p, size) for p in list_images(folder)[:num_images]]
     return [synthetic_image(size, seed + i) for i in range(num_images)]
 
 
 def to_tensor(images):
-    """List of (H, W, 3) uint8 RGB -> (B, 3, H, W) float, ImageNet-normalised."""
     batch = (np.stack(images).astype(np.float32) - IMAGENET_MEAN) / IMAGENET_STD
     return torch.from_numpy(batch).permute(0, 3, 1, 2).contiguous()

@@ -1,10 +1,6 @@
-"""How well each attention's landmark solve converges, measured on a model's activations.
-
-Each :class:`~lapformer_mm.models.LaplacianAttention` inverts ``P = k(L, L) + eps·I`` with a
-fixed number of Newton–Schulz steps; whether they suffice depends on the data (identical
-landmarks, a constant image, leave ``P`` resting on ``eps``). Per attention module: the
-worst residual ``||I - P X||`` of its own solver and the condition number of ``P``.
-"""
+"""How well each attention's landmark solve converges on a model's activations: the worst
+residual ``||I - P X||`` of its own solver and cond(P), P = k(L, L) + eps·I (identical
+landmarks, e.g. a constant image, leave P resting on eps)."""
 from typing import Dict, NamedTuple
 
 import torch
@@ -15,9 +11,9 @@ from ..ops import cg_solve, exact_inverse, newton_schulz_pinv
 
 class SolveReport(NamedTuple):
     """Worst case over the batch and heads of one attention call."""
-    residual: float  # max ||I - P X||_2, evaluated in fp64
-    condition: float  # max cond_2(P)
-    num_landmarks: int  # m
+    residual: float  # ||I - P X||_2 in fp64
+    condition: float
+    num_landmarks: int
 
 
 def solve_residual(p, inverse, ord=2):
@@ -31,7 +27,6 @@ def solve_residual(p, inverse, ord=2):
 
 
 def module_inverse(module: LaplacianAttention, p):
-    """The inverse of P (..., m, m) that ``module``'s solver computes (CG: solved on I)."""
     options = module.options
     if options.solver == 'newton':
         return newton_schulz_pinv(p, options.iters, options.ns_init)
@@ -42,8 +37,8 @@ def module_inverse(module: LaplacianAttention, p):
 
 
 def solve_report(module: LaplacianAttention, x: torch.Tensor, hw) -> SolveReport:
-    """:class:`SolveReport` of ``module``'s landmark solve for x (B, N, C) on hw, in fp32 as the
-    attention computes (fp64 stays fp64)."""
+    """:class:`SolveReport` of ``module``'s solve for x (B, N, C), in fp32 as the attention
+    computes (fp64 stays fp64)."""
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         x = x if x.dtype == torch.float64 else x.float()
         p = module.landmark_system(x, hw)
@@ -53,8 +48,6 @@ def solve_report(module: LaplacianAttention, x: torch.Tensor, hw) -> SolveReport
 
 
 def _run_with_attention_hooks(model, hook_factory, inputs, kwargs):
-    """``model(*inputs, **kwargs)`` without grad, with the pre-hook ``hook_factory(name)`` on
-    every LaplacianAttention."""
     handles = [module.register_forward_pre_hook(hook_factory(name))
                for name, module in model.named_modules()
                if isinstance(module, LaplacianAttention)]
@@ -68,8 +61,6 @@ def _run_with_attention_hooks(model, hook_factory, inputs, kwargs):
 
 def landmark_solve_residuals(model: torch.nn.Module, *inputs, **kwargs
                              ) -> Dict[str, SolveReport]:
-    """``{module name: SolveReport}`` of every LaplacianAttention that ran in one
-    ``model(*inputs, **kwargs)``."""
     reports: Dict[str, SolveReport] = {}
 
     def make_hook(name):
@@ -82,7 +73,6 @@ def landmark_solve_residuals(model: torch.nn.Module, *inputs, **kwargs
 
 
 def landmark_systems(model: torch.nn.Module, *inputs, **kwargs) -> Dict[str, torch.Tensor]:
-    """``{module name: P (B, h, m, m)}`` of every LaplacianAttention in one forward pass."""
     systems: Dict[str, torch.Tensor] = {}
 
     def make_hook(name):
@@ -95,8 +85,8 @@ def landmark_systems(model: torch.nn.Module, *inputs, **kwargs) -> Dict[str, tor
 
 
 def random_backbone_systems(arch, size, backbone_kwargs=None, batch=2):
-    """P (K, m, m) of every block with a full landmark grid of a fresh ``LaplacianFormer(arch)``
-    (seed 0) on a random (batch, 3, size, size) input (``tools/count_params_flops.py``)."""
+    """P (K, m, m) of every block with a full landmark grid of a seeded ``LaplacianFormer(arch)``
+    on a random input."""
     from ..models import LaplacianFormer
     torch.manual_seed(0)
     model = LaplacianFormer(arch, out_indices=(3, ), **(backbone_kwargs or {}))

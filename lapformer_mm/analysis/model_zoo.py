@@ -1,8 +1,5 @@
-"""Backbones compared in the analyses and benchmarks (``BACKBONE_CONFIGS``: ours, and mmdet's
-PVTv2 and Swin with the settings of mmdet's own configs), random weights unless a checkpoint
-is given (read with ``weights_only=True``); nothing is downloaded. Whole detectors and
-segmentors: :func:`build_from_config` (:mod:`lapformer_mm.registry`), :func:`data_samples`.
-"""
+"""Backbones compared in the analyses and benchmarks (ours, mmdet's PVTv2 and Swin as in
+mmdet's configs), random weights unless a checkpoint is given; nothing is downloaded."""
 import copy
 
 from ..registry import build_from_config, init_weights_quietly  # noqa: F401
@@ -23,16 +20,7 @@ BACKBONE_CONFIGS = {
 }
 
 
-def backbone_config(name):
-    """A copy of the config dict of backbone ``name``."""
-    if name not in BACKBONE_CONFIGS:
-        raise ValueError(f'backbone must be one of {sorted(BACKBONE_CONFIGS)}, '
-                         f'got {name!r}')
-    return copy.deepcopy(BACKBONE_CONFIGS[name])
-
-
 def _registry():
-    """mmdet's MODELS with LaplacianFormer registered (import side effect)."""
     from mmdet.registry import MODELS
     from mmdet.utils import register_all_modules
 
@@ -43,8 +31,8 @@ def _registry():
 
 def build_backbone(name, checkpoint=None, config_overrides=None):
     """Backbone ``name`` in eval mode, its config with ``config_overrides``, random weights or
-    ``checkpoint``'s (any layout ``models.pretrained.load_backbone_weights`` reads)."""
-    cfg = backbone_config(name)
+    ``checkpoint``'s."""
+    cfg = copy.deepcopy(BACKBONE_CONFIGS[name])
     cfg.update(config_overrides or {})
     from mmengine.registry import DefaultScope
 
@@ -62,13 +50,11 @@ def build_backbone(name, checkpoint=None, config_overrides=None):
         if unexpected:
             print(f'{name}: {len(unexpected)} checkpoint keys unused '
                   f'(e.g. {unexpected[:3]})')
-    # Some mmdet backbones' train() returns None, so no chaining.
     model.eval()
     return model
 
 
 def describe(model):
-    """The layout choices of a built backbone that change its cost, as a dict."""
     settings = {'class': type(model).__name__}
     for attribute in ('stage4_attention', 'qk_shared', 'arch_settings'):
         if hasattr(model, attribute):
@@ -82,7 +68,7 @@ def count_parameters(model):
 
 
 def data_samples(scope, height, width, count=1):
-    """``count`` data samples of an unscaled (height, width) image, the meta the heads read."""
+    """``count`` data samples of an unscaled (height, width) image."""
     meta = dict(img_shape=(height, width), ori_shape=(height, width),
                 pad_shape=(height, width), batch_input_shape=(height, width),
                 scale_factor=(1.0, 1.0))

@@ -1,11 +1,6 @@
-"""Capture the queries and keys of every attention layer with forward pre-hooks, which
-recompute the projections from the inputs the layers receive (the models are not changed).
-
-What counts as the keys of a query: ``LaplacianFormer``, every token of the image (keys are
-the queries with ``qk_shared``); mmdet's ``PyramidVisionTransformerV2``, every spatially
-reduced key; mmdet's ``SwinTransformer``, the keys of the window (before the 1/sqrt(d)
-scaling) that the shift mask lets attend.
-"""
+"""The queries and keys of every attention call, recomputed by forward pre-hooks from the
+layers' inputs (the models are not changed). A query's keys: LaplacianFormer's, every token;
+PVTv2's, every spatially reduced key; Swin's, its window's unmasked keys (unscaled)."""
 import contextlib
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -28,7 +23,6 @@ class QKRecord:
 
 
 def split_heads(t, num_heads):
-    """(B, N, h·d) -> (B, h, N, d)."""
     batch, num_tokens, channels = t.shape
     return t.reshape(batch, num_tokens, num_heads, channels // num_heads).transpose(1, 2)
 
@@ -46,11 +40,7 @@ def laplacian_attention_qk(attn, x):
 
 
 def multihead_attention_qk(mha, query, key):
-    """q (B, h, N, d), k (B, h, M, d) of an ``nn.MultiheadAttention`` call.
-
-    query/key are (N, B, C) unless ``mha.batch_first``; the projection is
-    ``in_proj_weight`` split into its query and key thirds.
-    """
+    """q (B, h, N, d), k (B, h, M, d) of an ``nn.MultiheadAttention`` call."""
     if not mha._qkv_same_embed_dim:
         raise ValueError('multihead_attention_qk needs a packed in_proj_weight')
     if not mha.batch_first:
@@ -62,11 +52,8 @@ def multihead_attention_qk(mha, query, key):
 
 
 def window_attention_qk(w_msa, windows, mask):
-    """q, k (B·nW, h, n, d) and pair mask of a Swin ``WindowMSA`` call.
-
-    windows: (B·nW, n, C); mask: (nW, n, n) with 0 where attention is allowed
-    (shifted windows) or None. Returns (q, k, pair_mask (B·nW, 1, n, n) | None).
-    """
+    """q, k (B·nW, h, n, d) and pair_mask (B·nW, 1, n, n) or None of a Swin ``WindowMSA`` call
+    on windows (B·nW, n, C) with its mask (nW, n, n), 0 where allowed, or None."""
     batch_windows, tokens, channels = windows.shape
     qkv = w_msa.qkv(windows).reshape(batch_windows, tokens, 3, w_msa.num_heads,
                                      channels // w_msa.num_heads).permute(2, 0, 3, 1, 4)
@@ -79,12 +66,10 @@ def window_attention_qk(w_msa, windows, mask):
 
 
 def _arg(args, kwargs, index, name, default=None):
-    """A hooked call's argument ``name``, given by keyword or at position ``index``."""
     return kwargs[name] if name in kwargs else (args[index] if len(args) > index else default)
 
 
 def attention_hooks(model, records):
-    """(module, pre_hook) pairs that append a QKRecord to ``records`` per attention call."""
     from mmdet.models.backbones import PyramidVisionTransformer, SwinTransformer
 
     from lapformer_mm.models import LaplacianFormer
@@ -120,10 +105,7 @@ def attention_hooks(model, records):
 
 @contextlib.contextmanager
 def capture_qk(model):
-    """Context in which every attention call of ``model`` appends a QKRecord.
-
-    Yields the list of records (in call order); hooks are removed on exit.
-    """
+    """Yields the list to which every attention call of ``model`` appends a QKRecord."""
     records = []
     handles = [module.register_forward_pre_hook(hook, with_kwargs=True)
                for module, hook in attention_hooks(model, records)]

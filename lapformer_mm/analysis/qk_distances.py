@@ -1,9 +1,6 @@
 """Query–key distance distributions per stage of LaplacianFormer, PVTv2 and Swin
-(``tools/analysis/qk_distances.py``, docs/analysis.md): (query, key) pairs sampled per
-layer (:mod:`.qk_capture`), pooled per stage; histograms, stage-median-normalised
-histograms, and tail statistics for ℓ1 and squared-ℓ2 distances. Weights are random unless
-a checkpoint is given: not the statistics of the paper's trained models.
-"""
+(``tools/analysis/qk_distances.py``, docs/analysis.md): histograms and tail statistics of ℓ1
+and squared-ℓ2 distances. Random weights unless a checkpoint is given."""
 import json
 import os
 import os.path as osp
@@ -20,7 +17,6 @@ DEFAULT_MODELS = ('laplacianformer-t', 'pvtv2-b1', 'swin-t')
 
 
 def parse_checkpoints(items):
-    """['model=path', ...] -> {model: path}."""
     checkpoints = {}
     for item in items or []:
         name, sep, path = item.partition('=')
@@ -32,7 +28,6 @@ def parse_checkpoints(items):
 
 
 def collect_distances(model, batches, collector):
-    """Run each (B, 3, H, W) batch through ``model``; every attention call goes to ``collector``."""
     for batch in batches:
         with capture_qk(model) as records:
             model(batch)
@@ -42,14 +37,12 @@ def collect_distances(model, batches, collector):
 
 
 def model_statistics(collector):
-    """{stage: {metric: tail_statistics}} of one collector."""
     return {stage: {metric: tail_statistics(collector.values(stage, metric))
                     for metric in METRICS}
             for stage in collector.stages()}
 
 
 def plot_model_histograms(name, collector, path, bins=80):
-    """Per-stage log-density histograms of both metrics for one model -> PNG."""
     plt = pyplot()
     stages = collector.stages()
     fig, axes = plt.subplots(len(METRICS), len(stages), figsize=(3.2 * len(stages), 5.4),
@@ -72,17 +65,12 @@ def plot_model_histograms(name, collector, path, bins=80):
 
 
 def median_normalised(values):
-    """values / median(values); the values unchanged when the median is 0.
-
-    A zero median happens when most pairs are identical tokens, e.g. Swin's
-    zero padding at sizes whose stage grids are not multiples of the window.
-    """
+    # A zero median (most pairs identical tokens, e.g. Swin's padding) leaves the values.
     median = np.median(values)
     return values / median if median > 0 else values
 
 
 def plot_normalised(collectors, path, bins=100):
-    """All models, all stages pooled, distances / stage median -> PNG (log density)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(METRICS), figsize=(10, 3.6))
     for ax, metric in zip(axes, METRICS):
@@ -100,7 +88,6 @@ def plot_normalised(collectors, path, bins=100):
 
 
 def markdown_table(all_stats):
-    """Markdown table: one row per model, stage and metric."""
     header = ('| model | stage | metric | n | excess kurtosis | outliers > Q3+1.5IQR '
               '| q50 | q90 | q99 | q99.9 | q99/q50 |')
     lines = [header, '|' + '---|' * (header.count('|') - 1)]
@@ -115,11 +102,6 @@ def markdown_table(all_stats):
 
 
 def distance_collectors(names, batches, checkpoints, seed, **limits):
-    """{name: DistanceCollector} of backbones ``names`` run on ``batches``.
-
-    checkpoints: {name: path} (others keep random weights); limits: the
-    :class:`~.tail_stats.DistanceCollector` sampling limits.
-    """
     collectors = {}
     for name in names:
         model = build_backbone(name, checkpoints.get(name))
@@ -128,11 +110,7 @@ def distance_collectors(names, batches, checkpoints, seed, **limits):
 
 
 def write_report(collectors, weights, description, out):
-    """Per-model and normalised histograms, the markdown table and the JSON under ``out``.
-
-    weights: {name: checkpoint path or 'random init'}; description: the images used,
-    one line for the markdown file. Returns the markdown table.
-    """
+    """Histograms, the markdown table and the JSON under ``out``; returns the table."""
     os.makedirs(out, exist_ok=True)
     all_stats = {name: model_statistics(c) for name, c in collectors.items()}
     for name, collector in collectors.items():

@@ -7,7 +7,6 @@ METRICS = ('l1', 'sq_l2')
 
 
 def _sample(count, limit, generator):
-    """Sorted indices of ``min(count, limit)`` distinct items out of ``count``."""
     if count <= limit:
         return torch.arange(count)
     return torch.randperm(count, generator=generator)[:limit].sort().values
@@ -15,13 +14,9 @@ def _sample(count, limit, generator):
 
 def pair_distances(q, k, pair_mask=None, max_queries=256, max_keys=256,
                    max_batches=64, generator=None):
-    """ℓ1 and squared-ℓ2 distances of sampled (query, key) pairs.
-
-    q (B, h, N, d), k (B, h, M, d), pair_mask bool (B, 1|h, N, M) or None.
-    Samples up to ``max_batches`` of the B (windows), ``max_queries`` of the N
-    and ``max_keys`` of the M, the same for every head, and keeps the pairs the
-    mask allows. Returns two float64 numpy arrays of equal length.
-    """
+    """ℓ1 and squared-ℓ2 distances (float64 numpy) of up to ``max_batches`` × ``max_queries``
+    × ``max_keys`` sampled pairs, the same for every head, that ``pair_mask`` allows:
+    q (B, h, N, d), k (B, h, M, d), pair_mask bool (B, 1|h, N, M) or None."""
     batch_idx = _sample(q.shape[0], max_batches, generator)
     query_idx = _sample(q.shape[2], max_queries, generator)
     key_idx = _sample(k.shape[2], max_keys, generator)
@@ -36,12 +31,8 @@ def pair_distances(q, k, pair_mask=None, max_queries=256, max_keys=256,
 
 
 class DistanceCollector:
-    """Per-stage pools of sampled ℓ1 / squared-ℓ2 query–key distances.
-
-    ``add(record)`` samples pairs of one QKRecord; ``values(stage, metric)``
-    returns at most ``max_samples`` of the stage's values (a uniform random
-    subset when more were collected).
-    """
+    """Per-stage pools of sampled query–key distances of QKRecords; ``values`` returns at
+    most ``max_samples`` of a stage's (a random subset)."""
 
     def __init__(self, max_queries=256, max_keys=256, max_batches=64,
                  max_samples=200_000, seed=0):
@@ -63,9 +54,6 @@ class DistanceCollector:
         return sorted(self.pools)
 
     def values(self, stage, metric):
-        """The stage's sampled distances of ``metric`` ('l1' or 'sq_l2'), 1-D float64."""
-        if metric not in METRICS:
-            raise ValueError(f'metric must be one of {METRICS}, got {metric!r}')
         values = np.concatenate(self.pools[stage][metric])
         if values.size > self.max_samples:
             # The same permutation for both metrics keeps pairs aligned.
@@ -75,7 +63,7 @@ class DistanceCollector:
 
 
 def excess_kurtosis(values):
-    """Fisher (excess) kurtosis m4 / m2² - 3 with population moments; 0 for a Gaussian."""
+    """m4 / m2² - 3 with population moments."""
     x = np.asarray(values, dtype=np.float64)
     centred = x - x.mean()
     m2 = np.mean(centred ** 2)
@@ -92,12 +80,8 @@ def upper_outlier_share(values):
 
 
 def tail_statistics(values, quantiles=QUANTILES):
-    """Summary of a 1-D sample: n, mean, std, excess kurtosis, outlier share, quantiles.
-
-    Returns a dict with keys n, mean, std, kurtosis, outlier_share,
-    q<percent> for each quantile (e.g. q50, q99.9) and q99_over_q50, the
-    scale-free tail ratio.
-    """
+    """n, mean, std, kurtosis, outlier_share, q<percent> per quantile and q99_over_q50 of a
+    1-D sample."""
     x = np.asarray(values, dtype=np.float64)
     if x.ndim != 1 or x.size < 2:
         raise ValueError(f'values must be 1-D with at least 2 entries, got shape {x.shape}')
