@@ -1,10 +1,7 @@
 """The ablation sweep on a real config: rows (attention variants, backbone peers, extra
-configs) × seeds, their commands, and the metrics of the finished work_dirs.
-
-A classification config is trained and read from its training validation (top-1). A
-segmentation or detection config is trained, then evaluated by ``tools/test.py``: its
-``metrics.json`` (the headline metrics) and ``test.log`` (mmseg's IoUMetric per-class table,
-mmdet's CocoMetric ``classwise`` tables) are the run's results.
+configs) × seeds, their commands, and the metrics of the finished work_dirs: a classifier's
+training validation (top-1); for segmentation and detection ``tools/test.py``'s
+``metrics.json`` and the per-class tables of its ``test.log``.
 
 Layout under the sweep's ``out`` folder::
 
@@ -41,12 +38,13 @@ TEST_METRICS = {
                           ('segm AP', 'coco/segm_mAP')),
                 digits=3, classwise=('bbox AP', 'bbox AP50')),
 }
+# A planned run's keys that its record repeats.
+RUN_KEYS = ('variant', 'kind', 'seed', 'attn_cfg', 'config', 'work_dir')
 # Past any iteration or epoch: the evaluation is tools/test.py's, not one in training.
 NO_VAL = 'train_cfg.val_begin=1000000'
 
 
 def config_task(config):
-    """'cls', 'seg' or 'det': the task of ``config`` by its ``default_scope``."""
     from mmengine.config import Config
     scope = Config.fromfile(config).get('default_scope')
     if scope not in SCOPE_TASKS:
@@ -59,13 +57,12 @@ def peer_config(task, peer):
 
 
 def safe_name(variant):
-    """A file-name form of a variant name: 'lam=2.5' -> 'lam2p5'."""
+    """'lam=2.5' -> 'lam2p5'."""
     return re.sub(r'[^A-Za-z0-9_]', '', variant.replace('.', 'p'))
 
 
 def write_variant_configs(config, variants, out_dir):
-    """One config per variant under ``out_dir/configs``, inheriting ``config`` and
-    setting ``model.backbone.attn_cfg`` (merged into the config's own); {variant: path}."""
+    """{variant: path} of one config per variant inheriting ``config``, its attn_cfg merged."""
     folder = osp.join(out_dir, 'configs')
     os.makedirs(folder, exist_ok=True)
     stem = osp.splitext(osp.basename(config))[0]
@@ -86,8 +83,6 @@ def run_work_dir(out_dir, variant, seed):
 
 
 def _launch(launcher, tool, args, gpus, partition, job_name):
-    """``tools/<tool>.py`` with ``args`` (the first one or two positional: config, and the
-    checkpoint for test) through ``launcher``; a list of words."""
     positional = 2 if tool == 'test' else 1
     if launcher == 'train':
         return ['python', f'tools/{tool}.py'] + args
@@ -100,9 +95,6 @@ def _launch(launcher, tool, args, gpus, partition, job_name):
 
 def train_command(launcher, config, work_dir, seed, gpus=8, partition='PARTITION',
                   job_name='ablate', options=(), resume=False):
-    """The command (a list of words) that trains ``config`` into ``work_dir`` from ``seed``
-    with ``tools/train.py``, ``tools/dist_train.sh`` or ``tools/slurm_train.sh``; with
-    ``resume``, from the work_dir's last checkpoint when it has one."""
     args = ([config, work_dir] if launcher == 'slurm' else [config, '--work-dir', work_dir])
     args += ['--resume'] * resume + ['--cfg-options', f'randomness.seed={seed}', *options]
     return _launch(launcher, 'train', args, gpus, partition, job_name)
@@ -110,8 +102,6 @@ def train_command(launcher, config, work_dir, seed, gpus=8, partition='PARTITION
 
 def test_command(launcher, task, config, work_dir, gpus=8, partition='PARTITION',
                  job_name='ablate', options=()):
-    """The shell line that evaluates the last checkpoint of ``work_dir`` with
-    ``tools/test.py`` (or its launchers) into ``work_dir``'s metrics.json and test.log."""
     options = ['test_evaluator.classwise=True'] * (task == 'det') + list(options)
     args = [config, '@CKPT', '--work-dir', osp.join(work_dir, 'test'), '--metrics-json',
             osp.join(work_dir, 'metrics.json')] + ['--cfg-options'] * bool(options) + options
@@ -155,18 +145,12 @@ def plan_runs(config, variants, seeds, out_dir, launcher='train', gpus=8,
 
 
 def metrics_path(run):
-    """The metrics.json that ``tools/test.py`` leaves in a finished run's work_dir."""
     return osp.join(run['work_dir'], 'metrics.json')
 
 
 def latest_scalars(work_dir, key='loss'):
-    """The ``<timestamp>/vis_data/scalars.json`` of the latest run in ``work_dir`` that
-    logged ``key``, or None.
-
-    mmengine's LocalVisBackend writes one JSON object per line there: training records
-    with ``loss``, ``iter`` and ``step`` (the iteration) every logger interval, and
-    validation records with the metrics and ``step`` (the epoch for epoch-based loops).
-    """
+    """The ``<timestamp>/vis_data/scalars.json`` (mmengine's LocalVisBackend: a JSON record a
+    line) of the latest run in ``work_dir`` that logged ``key``, or None."""
     for path in sorted(glob.glob(osp.join(work_dir, '*', 'vis_data', 'scalars.json')),
                        reverse=True):
         with open(path) as f:
@@ -191,18 +175,14 @@ def read_scalars(path):
 
 
 def collect_run(run, num_classes):
-    """The finished classification run's record (final and first-validation accuracy as
-    fractions, training losses, take-off step), or None when its work_dir has no
-    validation yet."""
+    """A finished classification run's record, or None before its first validation."""
     path = latest_scalars(run['work_dir'], ACCURACY_KEY)
     if path is None:
         return None
     train, val = read_scalars(path)
     losses = [record['loss'] for record in train]
     steps = [record['step'] for record in train]
-    return dict(variant=run['variant'], kind=run['kind'], seed=run['seed'],
-                attn_cfg=run['attn_cfg'], config=run['config'], work_dir=run['work_dir'],
-                scalars=path,
+    return dict(**{key: run[key] for key in RUN_KEYS}, scalars=path,
                 final_acc=val[-1][ACCURACY_KEY] / 100, final_step=val[-1]['step'],
                 early_acc=val[0][ACCURACY_KEY] / 100, early_step=val[0]['step'],
                 losses=losses, loss_steps=steps,
@@ -213,9 +193,8 @@ def collect_run(run, num_classes):
 
 
 def log_tables(path):
-    """The ASCII tables of a log (mmseg's PrettyTable, mmdet's terminaltables): a list of
-    (section, header cells, rows of cells), the section being the iou type of the last
-    ``Evaluating bbox...`` line before the table (CocoMetric's), else None."""
+    """(section, header cells, rows of cells) of each ASCII table of a log; the section is the
+    iou type of CocoMetric's last ``Evaluating bbox...`` line before it, else None."""
     tables, section, table = [], None, None
     with open(path) as f:
         for line in f:
@@ -234,9 +213,8 @@ def log_tables(path):
 
 
 def classwise_results(path, task):
-    """{'IoU': {class: value}} (seg, percent) or {'bbox AP': ..., 'bbox AP50': ...,
-    'segm AP': ..., 'segm AP50': ...} (det, fractions) from the per-class tables of
-    ``tools/test.py``'s log (mmseg's IoUMetric; mmdet's CocoMetric with classwise=True)."""
+    """{'IoU': {class: value}} (seg) or {'bbox AP': ..., 'segm AP50': ...} (det) from the
+    per-class tables of ``tools/test.py``'s log."""
     columns = ({'Class': {'IoU': 'IoU', 'Acc': 'Acc'}} if task == 'seg'
                else {'category': {'AP': 'mAP', 'AP50': 'mAP_50'}})
     out = {}
@@ -249,17 +227,14 @@ def classwise_results(path, task):
 
 
 def collect_test_run(run, task):
-    """The finished segmentation or detection run's record (tools/test.py's metrics, the
-    per-class results, the training losses), or None without its metrics.json."""
+    """A finished segmentation or detection run's record, or None without metrics.json."""
     if not osp.isfile(metrics_path(run)):
         return None
     with open(metrics_path(run)) as f:
         metrics = json.load(f)
     scalars = latest_scalars(run['work_dir'])
     train = read_scalars(scalars)[0] if scalars else []
-    return dict(variant=run['variant'], kind=run['kind'], seed=run['seed'],
-                attn_cfg=run['attn_cfg'], config=run['config'], work_dir=run['work_dir'],
-                metrics=metrics,
+    return dict(**{key: run[key] for key in RUN_KEYS}, metrics=metrics,
                 classwise=classwise_results(osp.join(run['work_dir'], 'test.log'), task),
                 final_losses={k: v for k, v in (train[-1] if train else {}).items()
                               if 'loss' in k},
@@ -268,14 +243,12 @@ def collect_test_run(run, task):
 
 
 def model_params(config):
-    """(backbone, whole model) parameters of ``config``'s model, in millions."""
     from ..analysis.model_zoo import build_from_config, count_parameters
     model, _ = build_from_config(config)
     return count_parameters(model.backbone) / 1e6, count_parameters(model) / 1e6
 
 
 def config_num_classes(config):
-    """``model.head.num_classes`` of a classification config (for the take-off level)."""
     from mmengine.config import Config
     cfg = Config.fromfile(config)
     try:

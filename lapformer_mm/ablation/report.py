@@ -1,15 +1,13 @@
-"""The report of a sweep: a table per row, a loss-curve plot and a JSON of every run. A run is a
-dict with ``variant`` (its row) and ``seed``, and ``final_acc`` and ``takeoff_step`` (the toy
-task, classification; accuracies as fractions) or ``metrics``, ``classwise`` and
-``final_losses`` (a tested segmentation or detection run); either may have ``losses``.
-"""
+"""The report of a sweep: a Markdown table, a loss-curve plot and a JSON of every run. A run
+has ``variant`` (its row) and ``seed``, and ``final_acc`` and ``takeoff_step`` (toy task,
+classification) or ``metrics``, ``classwise`` and ``final_losses`` (tested seg/det runs)."""
 import json
 import os
 import os.path as osp
 import statistics
 
 from ..analysis import pyplot
-from .toy import TAKEOFF_WINDOW
+from .toy import TAKEOFF_WINDOW, running_mean
 
 COLUMNS = ('variant', 'attn_cfg', 'runs', 'final acc (%)', 'took off',
            'mean take-off step', 'early acc (%)')
@@ -25,12 +23,10 @@ def _mean_std(values):
 
 
 def _names(runs):
-    """The rows' names (``variant``), in the order they first appear."""
     return list(dict.fromkeys(run['variant'] for run in runs))
 
 
 def summarize(runs):
-    """One row (a dict) per variant, in the order the variants first appear."""
     rows = []
     for variant in _names(runs):
         group = [run for run in runs if run['variant'] == variant]
@@ -57,7 +53,6 @@ def _pct(mean, std):
 
 
 def _cfg_text(row):
-    """A variant's attn_cfg, or the config of a peer or extra row."""
     if row.get('kind', 'variant') != 'variant':
         return row['config']
     return ', '.join(f'{k}={v!r}' for k, v in row['attn_cfg'].items()) or '(defaults)'
@@ -83,19 +78,15 @@ def format_table(rows, early_label=None):
 
 
 def _stats(values):
-    """{mean, std (the sample standard deviation; 0 for one value), n, values} of the
-    values that are not None."""
+    """mean and sample std (0 for one value) of the values that are not None, n, values."""
     mean, std = _mean_std(values)
     return dict(mean=mean, std=std, n=sum(v is not None for v in values), values=values)
 
 
 def metric_rows(runs, spec, params=None):
-    """One row per name of tested runs: ``spec``'s headline metrics (by their table names),
-    the final training loss and the per-class results, each :func:`_stats` over the seeds.
-
-    ``spec`` is one of :data:`lapformer_mm.ablation.real.TEST_METRICS`; ``params``
-    {name: (backbone, whole model) in millions}.
-    """
+    """One row per name of tested runs: ``spec``'s (:data:`.real.TEST_METRICS`) headline
+    metrics, the final training loss and the per-class results, each :func:`_stats` over the
+    seeds; ``params`` {name: (backbone, whole model) in millions}."""
     rows = []
     for name in _names(runs):
         group = [run for run in runs if run['variant'] == name]
@@ -124,8 +115,6 @@ def _cell(stats, digits):
 
 
 def format_metric_table(rows, spec):
-    """The rows of :func:`metric_rows` as Markdown: the headline table, then one per-class
-    table per ``spec['classwise']`` entry."""
     digits = spec['digits']
     labels = [label for label, _ in spec['headline']
               if any(row['metrics'][label]['mean'] is not None for row in rows)]
@@ -152,19 +141,8 @@ def format_metric_table(rows, spec):
     return '\n'.join(lines)
 
 
-def running_mean(values, window):
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
 def plot_losses(runs, path, title=None, window=TAKEOFF_WINDOW):
-    """Training-loss curves (running mean over ``window`` records), one panel per variant,
-    one line per seed; saved as PNG at ``path``."""
+    """Running-mean training-loss curves, a panel per variant, a line per seed -> PNG."""
     plt = pyplot()
     variants = _names(runs)
     cols = min(3, len(variants))
@@ -199,8 +177,7 @@ def plot_losses(runs, path, title=None, window=TAKEOFF_WINDOW):
 def write_report(runs, out_dir, settings, plot_title=None, early_label=None, spec=None,
                  params=None):
     """Write ``table.md``, ``runs.json`` and ``loss_curves.png`` under ``out_dir``; return
-    (table text, {kind: path}). With ``spec`` (and ``params``) the runs are tested ones
-    (:func:`metric_rows`)."""
+    (table text, {kind: path}). With ``spec`` the runs are tested ones."""
     os.makedirs(out_dir, exist_ok=True)
     if spec:
         rows = metric_rows(runs, spec, params)

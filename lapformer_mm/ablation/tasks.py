@@ -1,10 +1,6 @@
-"""Synthetic tasks for the ablations, generated on the fly from a seed (no files).
-
-A task is a class with ``num_classes``, ``image_size`` and ``sample(num, generator)``
-returning float images (num, 3, S, S) in [0, 1] and int64 labels (num,). The same
-generator state gives the same batch. Register a new one in :data:`TASKS`; ``--task``
-takes its key.
-"""
+"""Synthetic tasks for the ablations, drawn from a generator (no files): a class with
+``num_classes``, ``image_size`` and ``sample(num, generator)`` -> images (num, 3, S, S) in
+[0, 1], int64 labels (num,); ``--task`` takes its key in :data:`TASKS`."""
 import math
 
 import torch
@@ -55,11 +51,8 @@ class SameColourTask:
         self.background = float(background)
 
     def _centres(self, num, generator):
-        """Two centres per image (num, 2, 2) as (y, x), at least min_distance·S apart.
-
-        Rejection sampling, redrawn only where the pair is too close: about a third of
-        the pairs pass at the defaults, so a few rounds suffice.
-        """
+        """Two centres (y, x) per image (num, 2, 2), at least min_distance·S apart; about a
+        third of the pairs pass at the defaults, so a few redraws suffice."""
         low, high = self.radius[1], self.image_size - 1 - self.radius[1]
         need = self.min_distance * self.image_size
         centres = torch.empty(num, 2, 2)
@@ -88,8 +81,6 @@ class SameColourTask:
                     centres=centres, radii=radii, squares=squares)
 
     def render(self, scenes, generator):
-        """Images (num, 3, S, S) in [0, 1] of :meth:`layout`'s ``scenes``; the
-        background noise is drawn from ``generator``."""
         size = self.image_size
         num = len(scenes['labels'])
         images = (self.background
@@ -108,7 +99,6 @@ class SameColourTask:
         return images.clamp_(0.0, 1.0)
 
     def sample(self, num, generator):
-        """``num`` images (num, 3, S, S) in [0, 1] and labels (num,) from ``generator``."""
         scenes = self.layout(num, generator)
         return self.render(scenes, generator), scenes['labels']
 
@@ -118,12 +108,8 @@ class SameColourTask:
                 f'{self.min_distance:g}*{self.image_size} apart, {len(HUES)} hues')
 
 
-#: The tasks ``--task`` names.
 TASKS = {'same_colour': SameColourTask}
 
 
 def build_task(name, **kwargs):
-    """The task registered as ``name`` in :data:`TASKS`, built with ``kwargs``."""
-    if name not in TASKS:
-        raise ValueError(f'--task must be one of {", ".join(sorted(TASKS))}, got {name!r}')
     return TASKS[name](**kwargs)

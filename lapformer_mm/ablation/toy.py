@@ -45,29 +45,28 @@ class ToyClassifier(nn.Module):
         return self.head(features.mean(dim=(2, 3)))
 
 
+def running_mean(values, window):
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def takeoff_step(losses, num_classes, window=TAKEOFF_WINDOW, fraction=TAKEOFF_FRACTION,
                  steps=None):
-    """The first step (1-based) at which the running mean of ``losses`` over ``window``
-    steps is below ``fraction`` · ln(num_classes), or None if it never is.
-
-    ``steps`` are the steps of the losses (default 1, 2, ...), for logs that record
-    every n-th step; the window then counts records.
-    """
-    steps = list(range(1, len(losses) + 1)) if steps is None else list(steps)
+    """The first of ``steps`` (default 1, 2, ...) at which the running mean of ``losses`` over
+    ``window`` records is below ``fraction`` · ln(num_classes), or None."""
+    steps = range(1, len(losses) + 1) if steps is None else steps
     threshold = fraction * math.log(num_classes)
-    total = 0.0
-    for i, loss in enumerate(losses):
-        total += loss
-        if i >= window:
-            total -= losses[i - window]
-        if i + 1 >= window and total / window < threshold:
-            return steps[i]
-    return None
+    return next((step for i, (step, mean) in enumerate(zip(steps, running_mean(losses, window)))
+                 if i + 1 >= window and mean < threshold), None)
 
 
 def lr_factor(step, steps, warmup, floor=0.01):
-    """LR multiplier at ``step`` (0-based): linear warm-up over ``warmup`` steps, then a
-    cosine from 1 down to ``floor`` at the last step."""
+    """Linear warm-up over ``warmup`` steps, then a cosine from 1 down to ``floor``."""
     if step < warmup:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
@@ -87,19 +86,13 @@ def accuracy(model, images, labels, batch_size=250):
 
 
 def validation_set(task, size):
-    """The fixed validation set of ``task``: ``size`` images from :data:`VAL_SEED`."""
     return task.sample(size, torch.Generator().manual_seed(VAL_SEED))
 
 
 def train_run(task, attn_cfg, seed, steps, val_set, warmup=30, batch_size=32, lr=1e-3,
               weight_decay=0.05, early_step=None, progress=None, log_every=100):
-    """Train one model on ``task`` from ``seed``; return the run's record (a dict).
-
-    The record: ``seed``, ``attn_cfg``, ``losses`` (training loss of every step),
-    ``takeoff_step`` (:func:`takeoff_step`), ``early_step`` and ``early_acc`` (validation
-    accuracy there; None when ``early_step`` is None or past ``steps``), ``final_acc``
-    and ``seconds``. ``progress(text)`` is called every ``log_every`` steps.
-    """
+    """Train one model on ``task`` from ``seed``; return the run's record (``early_acc`` None
+    when ``early_step`` is None or past ``steps``)."""
     start = time.perf_counter()
     torch.manual_seed(seed)
     model = ToyClassifier(attn_cfg, task.num_classes).train()

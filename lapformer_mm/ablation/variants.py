@@ -1,4 +1,6 @@
 """Variant names of ``--variants`` and the backbone ``attn_cfg`` each one stands for."""
+import math
+
 from ..ops import DEFAULT_NS_ITERS
 
 #: The named variants: ``attn_cfg`` overrides of the backbone's defaults (Laplacian
@@ -20,14 +22,13 @@ LAM_PREFIX = 'lam='
 
 
 def _lam_variants(token):
-    values = token[len(LAM_PREFIX):].split(',')
     out = []
-    for text in values:
+    for text in token[len(LAM_PREFIX):].split(','):
         try:
             lam = float(text)
         except ValueError:
-            lam = None
-        if lam is None or not lam > 0 or lam != lam or lam == float('inf'):
+            lam = math.nan
+        if not 0 < lam < math.inf:
             raise ValueError(f'--variants: {token!r} must be lam= followed by positive '
                              f'numbers separated by commas (e.g. lam=1,2,8), got {text!r}')
         out.append((f'lam={lam:g}', {'lam': lam}))
@@ -35,11 +36,8 @@ def _lam_variants(token):
 
 
 def parse_variants(tokens):
-    """``--variants`` tokens -> [(name, attn_cfg)], :data:`ALWAYS` first, no repeats.
-
-    A token is a key of :data:`NAMED_VARIANTS` or ``lam=V1,V2,...`` (one variant per
-    value, named ``lam=V``). Raises ValueError naming the token and the allowed ones.
-    """
+    """``--variants`` tokens (names or ``lam=V1,V2,...``) -> [(name, attn_cfg)],
+    :data:`ALWAYS` first, no repeats."""
     if isinstance(tokens, str):
         tokens = tokens.split()
     parsed = [(name, dict(NAMED_VARIANTS[name])) for name in ALWAYS]
@@ -52,9 +50,4 @@ def parse_variants(tokens):
             raise ValueError(f'--variants: unknown variant {token!r}; allowed: '
                              f'{", ".join(NAMED_VARIANTS)} or lam=V1,V2,... (positive '
                              f'numbers)')
-    seen, variants = set(), []
-    for name, cfg in parsed:
-        if name not in seen:
-            seen.add(name)
-            variants.append((name, cfg))
-    return variants
+    return list(dict(parsed).items())  # a name stands for one attn_cfg

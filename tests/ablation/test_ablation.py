@@ -58,9 +58,7 @@ def test_same_colour_geometry_hues_and_labels():
     assert images[:, :, 0, 0].mean() < 0.2
 
 
-def test_unknown_task_names_the_argument_and_the_choices():
-    with pytest.raises(ValueError, match=r"--task must be one of same_colour, got 'mnist'"):
-        build_task('mnist')
+def test_a_task_without_room_for_its_objects_is_refused():
     with pytest.raises(ValueError, match='min_distance'):
         SameColourTask(min_distance=1.5)
 
@@ -75,15 +73,9 @@ def test_variant_tokens_parse_into_attention_options():
     assert [name for name, _ in parse_variants([])] == ['default', 'noglobal']
 
 
-@pytest.mark.parametrize('token, match', [
-    ('softmax', r"unknown variant 'softmax'; allowed: default, noglobal, gaussian"),
-    ('lam=', r"'lam=' must be lam= followed by positive numbers .* got ''"),
-    ('lam=1,0', r"got '0'"),
-    ('lam=2,x', r"got 'x'"),
-    ('lam=nan', r"got 'nan'"),
-])
-def test_bad_variants_name_the_argument_and_the_allowed(token, match):
-    with pytest.raises(ValueError, match=r'--variants: .*' + match):
+@pytest.mark.parametrize('token', ['softmax', 'lam=', 'lam=1,0', 'lam=2,x', 'lam=nan', 'lam=inf'])
+def test_bad_variants_name_the_argument(token):
+    with pytest.raises(ValueError, match='--variants'):
         parse_variants([token])
 
 
@@ -126,22 +118,10 @@ def test_takeoff_step_is_where_the_loss_window_leaves_the_plateau():
 
 
 def test_cli_rejects_bad_input(capsys):
-    with pytest.raises(SystemExit):
-        ablate.parse_args(['--variants', 'softmax'])
-    assert "unknown variant 'softmax'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        ablate.parse_args(['--task', 'mnist'])
-    err = capsys.readouterr().err
-    assert "--task: invalid choice: 'mnist'" in err and 'same_colour' in err
-    with pytest.raises(SystemExit):
-        ablate.parse_args(['--steps', '10', '--warmup', '10'])
-    assert '--warmup must be in [0, --steps=10)' in capsys.readouterr().err
-    for lr in ('-1', 'nan', '0'):
-        with pytest.raises(SystemExit):
-            ablate.parse_args(['--lr', lr])
-        assert (f'argument --lr: must be a finite number > 0, got {lr}'
-                in capsys.readouterr().err)
-    for argv, name in ((['--config', TOY_CLS_CONFIG, '--peers', 'r18'], '--peers'),
+    for argv, name in ((['--variants', 'softmax'], '--variants'), (['--task', 'mnist'], '--task'),
+                       (['--steps', '10', '--warmup', '10'], '--warmup'),
+                       (['--lr', '-1'], '--lr'), (['--lr', 'nan'], '--lr'), (['--lr', '0'], '--lr'),
+                       (['--config', TOY_CLS_CONFIG, '--peers', 'r18'], '--peers'),
                        (['--peers', 'r18'], '--peers'),
                        (['--config', TOY_SEG_CONFIG, '--peers', 'vit'], '--peers'),
                        (['--config', TOY_SEG_CONFIG, '--extra', TOY_SEG_CONFIG], '--extra'),
