@@ -1,12 +1,8 @@
-"""The mmengine internals that :mod:`lapformer_mm.engine` relies on, in one place.
-
-mmengine 0.10 has no public way to reorder ``CheckpointHook``'s rotation, to change where
-the ``Runner``'s auto-resume looks, or to load a checkpoint dict into a model the way
-``Runner.load_checkpoint`` does. Everything that reaches past mmengine's public API goes
-through this module, and :data:`PINNED` records the source each piece was written
-against: ``tests/engine/test_mmengine_private.py`` fails when mmengine changes any of
-them, so an upgrade is reviewed here rather than discovered as a silent misbehaviour.
-"""
+"""Every mmengine internal that :mod:`lapformer_mm.engine` reaches (0.10 has no public way to
+reorder the checkpoint rotation, steer auto-resume or load a checkpoint dict as the Runner
+does). :data:`PINNED` holds the source digest each piece was written against, which
+``tests/engine/test_mmengine_private.py`` checks: an upgrade is reviewed here, not found as
+a silent misbehaviour."""
 import hashlib
 import inspect
 
@@ -34,32 +30,25 @@ PINNED = {
 
 
 def source_digest(obj):
-    """First 16 hex digits of the sha256 of ``obj``'s source code."""
     return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
 
 
 def load_checkpoint_to_model(model, checkpoint, strict, revise_keys):
-    """Load the state dict of a loaded ``checkpoint`` into ``model`` as mmengine's Runner does
-    (``revise_keys`` rewrites the keys, e.g. strips ``module.``)."""
     return _load_checkpoint_to_model(model, checkpoint, strict, revise_keys=revise_keys)
 
 
 def auto_resume_pending(runner):
-    """True when ``runner`` was asked to resume without a path and has not loaded yet."""
     return runner._resume and runner._load_from is None and not runner._has_loaded
 
 
 def set_resume_path(runner, path):
-    """Make ``runner``'s ``load_or_resume`` resume from ``path``."""
     runner._load_from = path
 
 
 def mark_loaded(runner):
-    """Record that ``runner`` has loaded a checkpoint (``load_or_resume`` then does nothing)."""
     runner._has_loaded = True
 
 
 def built_loops(runner):
-    """The loops ('train', 'val', 'test') that ``runner`` has built so far, in that order."""
     return [name for name in ('train', 'val', 'test')
             if isinstance(getattr(runner, f'_{name}_loop', None), BaseLoop)]

@@ -17,7 +17,7 @@ CPU_AMP_DTYPES = ('bfloat16', 'float16')
 @contextlib.contextmanager
 def mmcv_cpu_ops_in_fp32():
     """Within the block, mmcv's ``roi_align`` and ``nms`` compute in float32 (mmdet calls
-    both through their modules' globals, swapped back on exit)."""
+    both through their modules' globals)."""
     import mmcv.ops  # noqa: F401  (loads the two modules below)
     nms_module = sys.modules['mmcv.ops.nms']
     roi_module = sys.modules['mmcv.ops.roi_align']
@@ -39,14 +39,8 @@ def mmcv_cpu_ops_in_fp32():
 
 @OPTIM_WRAPPERS.register_module()
 class CPUAmpOptimWrapper(OptimWrapper):
-    """``OptimWrapper`` whose forward runs under ``torch.autocast('cpu', dtype)``.
-
-    Args:
-        dtype (str | torch.dtype): 'bfloat16' (default; no loss scale needed) or 'float16'.
-        loss_scale (str | float | dict): float16 only, as in mmengine's ``AmpOptimWrapper``:
-            'dynamic' (default), a static float, or ``torch.amp.GradScaler`` arguments.
-        **kwargs: ``OptimWrapper`` arguments (``optimizer``, ``clip_grad``, ...).
-    """
+    """``OptimWrapper`` whose forward runs under ``torch.autocast('cpu', dtype)``, dtype
+    'bfloat16' or 'float16'; ``loss_scale`` (float16 only) as mmengine's ``AmpOptimWrapper``'s."""
 
     def __init__(self, dtype='bfloat16', loss_scale='dynamic', **kwargs):
         super().__init__(**kwargs)

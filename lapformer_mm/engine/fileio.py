@@ -1,10 +1,6 @@
-"""Atomic local writes as an mmengine file backend: ``backend_args=dict(backend='atomic_local')``.
-
-mmengine's ``LocalBackend.put`` writes a checkpoint in place, so a run killed during the
-write (SIGKILL, OOM killer, preemption) leaves a truncated ``epoch_N.pth`` that ``--resume``
-cannot read. Registered under a name only (no URI prefix): mmengine's choice of backend for
-every other path stays as it was.
-"""
+"""Atomic local writes as an mmengine file backend, ``backend_args=dict(backend='atomic_local')``:
+mmengine's ``LocalBackend.put`` writes in place, so a run killed mid-write leaves a truncated
+checkpoint. Registered by name only: no other path changes backend."""
 import os
 
 from mmengine.fileio import LocalBackend, register_backend
@@ -12,8 +8,7 @@ from mmengine.fileio import LocalBackend, register_backend
 
 def atomic_write_bytes(data, filepath):
     """Write ``data`` to ``filepath`` so that a reader sees the old file or the whole new one:
-    a fsynced temporary file in the same directory, renamed over it (``os.replace`` is
-    atomic within one file system); a kill mid-write leaves only a stray ``.tmp`` file."""
+    a fsynced temporary file renamed over it (a kill leaves a stray ``.tmp``)."""
     filepath = os.fspath(filepath)
     directory = os.path.dirname(os.path.abspath(filepath))
     os.makedirs(directory, exist_ok=True)
@@ -33,8 +28,6 @@ def atomic_write_bytes(data, filepath):
 
 @register_backend('atomic_local')
 class AtomicLocalBackend(LocalBackend):
-    """mmengine's ``LocalBackend`` whose writes replace the target atomically
-    (``SafeCheckpointRunner`` selects it for a local checkpoint directory)."""
 
     def put(self, obj, filepath):
         atomic_write_bytes(obj, filepath)

@@ -13,18 +13,12 @@ from .fileio import atomic_write_bytes
 
 @HOOKS.register_module()
 class SafeCheckpointHook(CheckpointHook):
-    """``CheckpointHook`` that deletes an outdated checkpoint only after the new one is recorded.
-
-    mmengine's deletes the checkpoint that falls out of ``max_keep_ckpts`` before it writes
-    the new one and rewrites ``last_checkpoint`` in place: a run killed in between is left with
-    no checkpoint, or a ``last_checkpoint`` that is empty or names a deleted file. This one
-    writes the new checkpoint, replaces ``last_checkpoint`` atomically, then deletes; a save
-    that fails deletes nothing (a replaced ``best_*.pth`` goes first, as in mmengine).
-    """
+    """``CheckpointHook`` that deletes an outdated checkpoint only after the new one is recorded
+    (``last_checkpoint`` replaced atomically): mmengine's deletes first, so a run killed in
+    between has no checkpoint, or a ``last_checkpoint`` naming a deleted one."""
 
     def _save_checkpoint_with_step(self, runner, step, meta):
-        # Overrides mmengine's private method (pinned in _mmengine_private.PINNED): the
-        # same steps as mmengine's, with the deletion moved to the end.
+        # mmengine's private method (pinned), with the deletion moved to the end.
         outdated = self._rotate(runner, step)
         ckpt_filename = self.filename_tmpl.format(step)
         self.last_ckpt = self.file_backend.join_path(self.out_dir, ckpt_filename)
@@ -47,11 +41,8 @@ class SafeCheckpointHook(CheckpointHook):
             self._remove(outdated)
 
     def _rotate(self, runner, step):
-        """Record ``step`` among the kept checkpoints; return the path that falls out, if any.
-
-        ``_save_checkpoint`` and ``_save_best_checkpoint`` may both save one step: the
-        second call changes nothing.
-        """
+        """Record ``step`` among the kept checkpoints; return the path that falls out, if any
+        (a second save of one step, the best checkpoint's, changes nothing)."""
         if self.max_keep_ckpts <= 0 or (self.keep_ckpt_ids and self.keep_ckpt_ids[-1] == step):
             return None
         outdated = None
@@ -63,7 +54,7 @@ class SafeCheckpointHook(CheckpointHook):
         return outdated
 
     def _remove(self, path):
-        """Delete a checkpoint file, or a checkpoint directory (DeepSpeed saves those)."""
+        # DeepSpeed saves directories.
         if self.file_backend.isfile(path):
             self.file_backend.remove(path)
         elif self.file_backend.isdir(path):
@@ -72,12 +63,9 @@ class SafeCheckpointHook(CheckpointHook):
 
 @HOOKS.register_module()
 class InputCheckHook(Hook):
-    """Stop a run whose inputs are missing, with one message that says what to do:
-    :func:`lapformer_mm.preflight.check_config_inputs` in ``before_run``, before the first
-    image is read and the backbone loads its checkpoint. mmengine builds the datasets before
-    any hook runs (a missing annotation file has failed by then with mmdet's or mmseg's own
-    error): ``tools/train.py`` and ``tools/test.py`` check before ``Runner.from_cfg``.
-    """
+    """:func:`lapformer_mm.preflight.check_config_inputs` in ``before_run``. mmengine builds the
+    datasets before any hook runs, so a missing annotation file fails first with mmdet's own
+    error: ``tools/train.py`` and ``tools/test.py`` check before ``Runner.from_cfg``."""
 
     priority = 'VERY_HIGH'
 

@@ -1,10 +1,6 @@
-"""``SafeCheckpointRunner``: mmengine's ``Runner`` with safe checkpoint loading, saving and resume.
-
-Selected with ``runner_type='SafeCheckpointRunner'`` (``configs/_base_/safe_runtime.py``).
-mmengine forbids one key in two ``_base_`` files, and every codebase's runtime or schedule
-already sets ``default_hooks``; so the runner, not the config fragment, upgrades the
-checkpoint hook, and one fragment serves mmdet, mmseg and mmpretrain configs alike.
-"""
+"""``SafeCheckpointRunner``: mmengine's ``Runner`` with safe checkpoint loading, saving and
+resume. The runner, not ``configs/_base_/safe_runtime.py``, upgrades the checkpoint hook:
+every codebase's runtime sets ``default_hooks``, and mmengine forbids a key in two bases."""
 import os
 import re
 
@@ -21,11 +17,8 @@ ATOMIC_BACKEND_ARGS = dict(backend='atomic_local')
 
 
 def safe_checkpoint_hook_cfg(cfg):
-    """The ``SafeCheckpointHook`` config for a ``CheckpointHook`` config; others unchanged.
-
-    A hook that writes to a local directory and names no file backend of its own gets the
-    atomic one. Built hooks (instances) and other hook types are left as they are.
-    """
+    """The ``SafeCheckpointHook`` config for a ``CheckpointHook`` config, on the atomic backend
+    where it writes locally and names none; anything else unchanged."""
     if not isinstance(cfg, dict) or cfg.get('type') not in ('CheckpointHook', CheckpointHook):
         return cfg
     safe = dict(cfg, type='SafeCheckpointHook')
@@ -39,8 +32,8 @@ _CHECKPOINT_NAME = re.compile(r'(?:epoch|iter)_(\d+)\.pth')
 
 
 def _resumable_checkpoints(folder):
-    """``epoch_N.pth`` / ``iter_N.pth`` in ``folder`` (files, or DeepSpeed's directories), oldest
-    first by N. ``best_*.pth`` and other weights are left out: they hold no optimizer state."""
+    """``epoch_N.pth`` / ``iter_N.pth`` in ``folder``, by N (``best_*.pth`` hold no optimizer
+    state)."""
     if not os.path.isdir(folder):
         return []
     found = [(int(m.group(1)), os.path.getmtime(os.path.join(folder, name)), name)
@@ -50,16 +43,10 @@ def _resumable_checkpoints(folder):
 
 
 def find_latest_checkpoint(path):
-    """mmengine's ``find_latest_checkpoint`` that survives a run killed while checkpointing,
-    and a work dir that was moved.
-
-    A kill can leave mmengine's ``last_checkpoint`` record empty or naming a checkpoint that
-    rotation deleted, and a moved work dir makes its absolute path stale. Then, with a
-    warning: the recorded file's name in ``path``, else the ``epoch_N.pth``/``iter_N.pth``
-    with the largest N beside the recorded file, else in ``path``. None without a record or
-    a checkpoint (a fresh start); ``FileNotFoundError`` for a record with nothing to resume
-    from, rather than training from scratch without a word.
-    """
+    """mmengine's ``find_latest_checkpoint`` that survives a ``last_checkpoint`` left empty or
+    stale by a kill or a moved work dir: then, with a warning, the recorded name in ``path``,
+    else the largest N beside the record, else in ``path``. None for a fresh start;
+    ``FileNotFoundError`` for a record with nothing to resume from (not a silent restart)."""
     record = os.path.join(path, 'last_checkpoint')
     recorded = None
     if os.path.isfile(record):
@@ -93,12 +80,9 @@ def find_latest_checkpoint(path):
 
 @RUNNERS.register_module()
 class SafeCheckpointRunner(Runner):
-    """``Runner`` whose checkpoints survive a kill and whose loads refuse code-running pickles:
-    local checkpoints read with :func:`lapformer_mm.checkpoint.safe_load` (other schemes by
-    mmengine's ``CheckpointLoader``), auto-resume by :func:`find_latest_checkpoint`, and the
-    ``CheckpointHook`` built as :class:`~lapformer_mm.engine.hooks.SafeCheckpointHook`, writing
-    through the ``atomic_local`` backend where the directory is local and names none.
-    """
+    """``Runner`` whose checkpoints survive a kill and whose loads refuse code-running pickles
+    (:func:`~lapformer_mm.checkpoint.load_checkpoint`, :func:`find_latest_checkpoint`,
+    :class:`~lapformer_mm.engine.hooks.SafeCheckpointHook`)."""
 
     def register_default_hooks(self, hooks=None):
         hooks = dict(hooks or {})
