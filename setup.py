@@ -1,6 +1,11 @@
-"""Install lapformer_mm. The CUDA sources (``lapformer_mm/csrc/cuda``) ship as package data.
+"""Install lapformer_mm. The kernel sources live in the top-level ``ops/`` (one copy).
 
-The CPU kernels (``lapformer_mm/csrc/cpu``) are built here as C++ extensions, one module per
+A wheel ships ``ops/cuda`` (compiled at run time by NVRTC, lapformer_mm/ops/backends/cuda.py)
+and ``ops/onnxruntime`` (the ONNX Runtime op library, built on request by
+tools/build_ort_ops.py) as ``lapformer_mm/ops_src/``; an editable install and a source
+checkout read ``ops/`` itself (``lapformer_mm.ops.backends.kernel_sources``).
+
+The CPU kernels (``ops/cpu``) are built here as C++ extensions, one module per
 at::vec instruction set (``lapformer_mm._cpu_default``, ``_cpu_avx2``, ``_cpu_avx512`` on
 x86-64). A failed build (no compiler, no torch at build time) does not fail the install: the
 package then warns once on first use and runs the PyTorch reference
@@ -13,6 +18,7 @@ import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).parent
 
@@ -44,7 +50,7 @@ def cpu_kernel_build():
         return [], {}
     x86 = platform.machine().lower() in ('x86_64', 'amd64')
     names = list(CPU_CAPABILITY_FLAGS) if x86 else ['default']
-    modules = [CppExtension(f'lapformer_mm._cpu_{name}', [f'lapformer_mm/csrc/cpu/cpu_{name}.cpp'],
+    modules = [CppExtension(f'lapformer_mm._cpu_{name}', [f'ops/cpu/cpu_{name}.cpp'],
                             extra_compile_args=CPU_COMMON_FLAGS + CPU_CAPABILITY_FLAGS[name],
                             extra_link_args=CPU_OPENMP_FLAGS)
                for name in names]
@@ -91,7 +97,27 @@ def cpu_kernel_build():
     return modules, {'build_ext': OptionalBuildExtension}
 
 
+#: The kernel sources a wheel ships under lapformer_mm/ops_src/, by folder of ops/.
+SHIPPED_SOURCES = {'cuda': ('*.cu', '*.cuh'), 'onnxruntime': ('*.cpp', '*.h', '*.map')}
+
+
+class BuildPyWithKernelSources(build_py):
+    """build_py, plus ops/cuda and ops/onnxruntime copied to lapformer_mm/ops_src/."""
+
+    def run(self):
+        super().run()
+        if self.editable_mode:  # the checkout's ops/ serves an editable install
+            return
+        for kind, patterns in SHIPPED_SOURCES.items():
+            dest = Path(self.build_lib, 'lapformer_mm', 'ops_src', kind)
+            self.mkpath(str(dest))
+            for pattern in patterns:
+                for source in sorted((HERE / 'ops' / kind).glob(pattern)):
+                    self.copy_file(str(source), str(dest / source.name))
+
+
 EXT_MODULES, CMDCLASS = cpu_kernel_build()
+CMDCLASS['build_py'] = BuildPyWithKernelSources
 
 
 def package_constant(name):
@@ -110,12 +136,6 @@ setup(
     license='Apache-2.0',
     python_requires='>=3.9',
     packages=find_packages(include=['lapformer_mm', 'lapformer_mm.*']),
-    # The CUDA sources are compiled at run time by NVRTC (lapformer_mm/ops/backends/
-    # cuda.py); the ONNX Runtime op library's ship so that an installed package can
-    # build it (tools/build_ort_ops.py, opt-in: it needs ONNX Runtime's C headers).
-    package_data={'lapformer_mm': ['csrc/cuda/*.cu', 'csrc/cuda/*.cuh',
-                                   'csrc/onnxruntime/*.cpp', 'csrc/onnxruntime/*.h',
-                                   'csrc/onnxruntime/*.map']},
     install_requires=[f"torch>={package_constant('TORCH_FLOOR')}", 'numpy', 'mmengine>=0.10,<1'],
     extras_require={
         'det': ['mmcv>=2.0.0,<2.2.0', 'mmdet>=3.3,<3.4', 'pycocotools'],

@@ -3,7 +3,7 @@
 Used by the emulation tests and by scripts that run the CUDA path on the CPU
 (benchmarks/numerics_stages.py); :func:`emulate` switches a process over.
 
-``lapformer_mm/csrc/cuda/nystrom_attention.cu`` compiles unchanged under
+``ops/cuda/nystrom_attention.cu`` compiles unchanged under
 ``tests/cuda_emu/shim.h`` (threads of a block are fibers on one OS thread switched at
 each ``__syncthreads``, ``__shared__`` static storage, blocks one at a time), one library per tile
 variant with the same ``-D`` options NVRTC gets; :func:`make_launch` gives a stand-in for
@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EMU_DIR = ROOT / 'tests' / 'cuda_emu'
-CUDA_DIR = ROOT / 'lapformer_mm' / 'csrc' / 'cuda'
+CUDA_DIR = ROOT / 'ops' / 'cuda'
 #: The variant built with every element type; the others are built for fp32 only.
 FULL_VARIANT = 'dv32_tb32'
 

@@ -30,7 +30,7 @@ log() { echo "[setup +${SECONDS}s] $*"; }
 # The C++ sources count: the editable install builds the CPU kernels from them in place.
 inputs_hash() {
     cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/requirements.txt" "$ROOT"/requirements/*.txt \
-        "$ROOT/tools/setup_env.sh" "$ROOT"/lapformer_mm/csrc/*/* | sha256sum | cut -d' ' -f1
+        "$ROOT/tools/setup_env.sh" "$ROOT"/ops/*/* | sha256sum | cut -d' ' -f1
 }
 
 stack_imports() { "$PY" -c "import $STACK_MODULES" >/dev/null 2>&1; }

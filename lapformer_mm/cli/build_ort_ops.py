@@ -1,6 +1,6 @@
 """Build lapformer_mm's ONNX Runtime custom-operator library (opt-in, docs/deploy.md).
 
-A plain C++ shared library (``lapformer_mm/csrc/onnxruntime``) that needs ONNX Runtime's C API
+A plain C++ shared library (``ops/onnxruntime``) that needs ONNX Runtime's C API
 headers (``--ort-include DIR`` or ``ORT_INCLUDE_DIR``); it goes to ``deploy.ORT_OPS_LIBRARY``
 unless ``--out`` names another file.
 """
@@ -16,16 +16,16 @@ import tempfile
 
 from lapformer_mm.cli import output_path
 from lapformer_mm.deploy import ORT_OPS_LIBRARY
+from lapformer_mm.ops.backends import kernel_sources
 
-PACKAGE = osp.dirname(osp.dirname(osp.abspath(__file__)))
-SOURCES = osp.join(PACKAGE, 'csrc', 'onnxruntime')
+SOURCES = str(kernel_sources('onnxruntime'))
 LIBRARY_NAME = osp.basename(ORT_OPS_LIBRARY)
 INCLUDE_ENV = 'ORT_INCLUDE_DIR'
 HEADER = 'onnxruntime_c_api.h'
 COMMON_FLAGS = ['-std=c++17', '-O3', '-fPIC', '-fvisibility=hidden', '-fno-math-errno',
                 '-ffp-contract=fast',
                 '-Wall', '-Wextra', '-Werror']
-#: One object per instruction set, as the CPU kernels (lapformer_mm/csrc) are built; the
+#: One object per instruction set, as the CPU kernels (ops/cpu) are built; the
 #: library picks one at registration (register_ops.cpp).
 KERNELS = {'default': [], 'avx2': ['-mavx2', '-mfma', '-mno-avx256-split-unaligned-load',
                                         '-mno-avx256-split-unaligned-store'],

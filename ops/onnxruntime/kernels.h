@@ -8,7 +8,7 @@
 // Vectorisation is GCC's vector extension at the build's width: y is transposed to
 // (d, M) padded to whole vectors, and each step broadcasts one x value against a tile of
 // landmark columns held in registers, so no (N, M, d) difference exists. The passes follow
-// lapformer_mm/csrc/cpu/cpu_kernels.h (attention_rows_forward, attention_rows_apply), which
+// ops/cpu/cpu_kernels.h (attention_rows_forward, attention_rows_apply), which
 // the eager CPU backend runs: the same sums, in the same precisions.
 #ifndef LAPF_ISA
 #error "define LAPF_ISA (and LAPF_LANES, LAPF_ROWS) before including kernels.h"

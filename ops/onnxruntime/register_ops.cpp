@@ -7,7 +7,7 @@
 //
 // lam (float) and kind ('laplacian': l1 distance, 'gaussian': squared l2 distance) on the
 // first two; AttentionRows' want_stats / want_rows (int) and AttentionApply's centre (int)
-// are lapformer_mm/csrc/cpu's attention_rows_forward / attention_rows_apply flags, the two
+// are ops/cpu's attention_rows_forward / attention_rows_apply flags, the two
 // passes of the eager CPU backend (lapformer_mm/ops/backends/cpu.py composes them; so does
 // the exported graph): with C = K(X, L), rhs = [C^T (v - v̄) / N; v̄] (one pass, the
 // centring applied to its sums after it), stats the column mean and variance over rows of the

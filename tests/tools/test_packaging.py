@@ -1,38 +1,26 @@
-"""A regular (non-editable) install: the wheel of a fresh checkout builds the CPU kernels
-without a warning and loads the one this CPU selects, ships the CUDA sources and finds them
-at run time (both tests share conftest.py's ``built_wheel``)."""
+"""Packaging: the kernel sources' one copy in ops/ serves a checkout (the editable install);
+a wheel builds the CPU kernels and ships the CUDA and ONNX Runtime sources, which a regular
+install finds; the torch floor is stated once."""
 import os
 import platform
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
-from _shared import OWN_FILES_ONLY, ROOT
+from _shared import ROOT
 
 
-@pytest.mark.slow
-def test_wheel_ships_cuda_sources_and_runtime_finds_them(built_wheel, tmp_path):
-    """The session's wheel (conftest.py's ``built_wheel``, a fresh copy of the checkout; its
-    CPU kernels are checked by test_fresh_checkout_wheel_builds_the_extension_which_loads)."""
-    folder = Path(ROOT, 'lapformer_mm', 'csrc', 'cuda')
-    sources = sorted(p.name for p in folder.iterdir() if p.suffix in ('.cu', '.cuh'))
-    assert sources
-    with zipfile.ZipFile(built_wheel.wheel) as archive:
-        shipped = sorted(Path(n).name for n in archive.namelist()
-                         if n.startswith('lapformer_mm/csrc/cuda/'))
-    assert shipped == sources
-
-    # From the unpacked wheel alone (outside the repo), the backend finds and inlines them.
-    site = built_wheel.site
-    code = ('from lapformer_mm.ops.backends import cuda as cl; '
-            'print(cl.source_dir()); assert "struct nys_params" in cl.load_source()')
-    found = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, check=True,
-                           capture_output=True, text=True,
-                           env={'PYTHONPATH': str(site), 'PATH': '/usr/bin:/bin'})
-    assert Path(found.stdout.strip()) == site / 'lapformer_mm' / 'csrc' / 'cuda'
+def test_a_checkout_reads_the_kernel_sources_from_ops():
+    """The editable install (and a source tree) reads the one copy in the top-level ops/."""
+    from lapformer_mm.cli import build_ort_ops
+    from lapformer_mm.ops.backends import cuda
+    assert cuda.source_dir() == Path(ROOT, 'ops', 'cuda')
+    assert Path(build_ort_ops.SOURCES) == Path(ROOT, 'ops', 'onnxruntime')
+    assert not Path(ROOT, 'lapformer_mm', 'ops_src').exists()
 
 
 def test_torch_floor_is_stated_once_and_required_everywhere(tmp_path):
@@ -63,27 +51,51 @@ _BUILT_HERE = (('default', 'avx2', 'avx512') if platform.machine().lower() in ('
 
 
 @pytest.mark.slow(seconds=100)  # the session wheel build
-def test_fresh_checkout_wheel_builds_the_extension_which_loads(built_wheel):
-    """setup.py's ext_modules, built from the checkout's files alone (conftest.py's
-    ``built_wheel``: pip wheel of a fresh copy, shared with the test above),
-    build without a warning, and the installed package loads the build this CPU selects and
-    computes with it."""
+def test_wheel_installed_in_a_fresh_venv_ships_and_finds_what_it_needs(built_wheel, tmp_path):
+    """conftest.py's ``built_wheel`` (pip wheel of a fresh copy of the checkout) builds the
+    CPU kernels without a warning and ships ops/cuda and ops/onnxruntime as
+    lapformer_mm/ops_src/. pip installs it into a fresh venv (torch and the rest from this
+    venv's site-packages, the checkout out of reach), where the CUDA backend and the ORT op
+    build find the installed sources and the CPU kernels this CPU selects compute."""
     assert 'WARNING' not in built_wheel.log, built_wheel.log[-4000:]
-    shipped = sorted(p.name.split('.')[0] for p in
-                     (built_wheel.site / 'lapformer_mm').glob('_cpu_*.so'))
-    assert shipped == sorted(f'_cpu_{name}' for name in _BUILT_HERE)
-    code = ('import torch; from lapformer_mm.ops.backends import cpu\n'
-            'print(cpu.__file__)\n'
+    with zipfile.ZipFile(built_wheel.wheel) as archive:
+        names = archive.namelist()
+    for kind in ('cuda', 'onnxruntime'):
+        shipped = sorted(n.rsplit('/', 1)[1] for n in names
+                         if n.startswith(f'lapformer_mm/ops_src/{kind}/'))
+        assert shipped == sorted(p.name for p in Path(ROOT, 'ops', kind).iterdir()), kind
+    assert sorted(Path(n).name.split('.')[0] for n in names if '/_cpu_' in n) == \
+        sorted(f'_cpu_{name}' for name in _BUILT_HERE)
+
+    venv = tmp_path / 'venv'
+    subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(venv)], check=True)
+    python = venv / 'bin' / 'python'
+    subprocess.run([sys.executable, '-m', 'pip', '--python', str(python), 'install', '-q',
+                    '--no-deps', '--disable-pip-version-check', str(built_wheel.wheel)],
+                   check=True, timeout=300)
+    site = Path(subprocess.run([str(python), '-c', 'import sysconfig; '
+                                'print(sysconfig.get_paths()["purelib"])'],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    # A path line only: this venv's .pth files (the editable finder) are not run there.
+    (site / 'deps.pth').write_text(sysconfig.get_paths()['purelib'] + '\n')
+    code = ('import torch, lapformer_mm\n'
+            'from lapformer_mm.cli import build_ort_ops\n'
+            'from lapformer_mm.ops.backends import cpu, cuda\n'
+            'print(lapformer_mm.__file__, cuda.source_dir(), build_ort_ops.SOURCES)\n'
+            'assert "struct nys_params" in cuda.load_source()\n'
             'x = torch.randn(1, 1, 5, 3, dtype=torch.float64)\n'
             'd = (x[:, :, :, None] - x[:, :, None]).abs().sum(-1)\n'
             'print(cpu.build(), torch.allclose(cpu._ops().pairwise_forward(x, x, 2.0, 0), '
             '(-d / 2.0).exp()))')
-    result = subprocess.run([sys.executable, '-c', OWN_FILES_ONLY + code], cwd=built_wheel.site,
-                            env={**os.environ, 'PYTHONPATH': str(built_wheel.site)},
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run([str(python), '-c', code], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600, env={'PATH': os.environ['PATH'],
+                                                         'OMP_NUM_THREADS': '1'})
     assert result.returncode == 0, result.stderr
+    package, cuda_dir, ort_dir, loaded, computed = result.stdout.split()
+    installed = (site / 'lapformer_mm').resolve()
+    assert Path(package).resolve().parent == installed
+    assert Path(cuda_dir) == installed / 'ops_src' / 'cuda'
+    assert Path(ort_dir) == installed / 'ops_src' / 'onnxruntime'
     expected = {'AVX512': 'avx512', 'AVX2': 'avx2'}.get(
         torch.backends.cpu.get_cpu_capability(), 'default')
-    module, *loaded = result.stdout.split()
-    assert Path(module).is_relative_to(built_wheel.site), module
-    assert loaded == [expected, 'True']
+    assert (loaded, computed) == (expected, 'True')

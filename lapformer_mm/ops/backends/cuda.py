@@ -1,6 +1,6 @@
 """The CUDA backend of the attention op (``impl='cupy'``): 4 launches forward, 5 backward.
 
-The kernels (``lapformer_mm/csrc/cuda/nystrom_attention.cu``, the math of
+The kernels (``ops/cuda/nystrom_attention.cu``, the math of
 :mod:`lapformer_mm.ops.reference`) are compiled at run time by NVRTC through CuPy, for the
 device's own architecture, and run on PyTorch's current stream. Three parts:
 
@@ -20,13 +20,13 @@ import functools
 import re
 import threading
 import warnings
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ..reference import KERNEL_CODES
+from . import kernel_sources
 from .cuda_plan import (  # noqa: F401 (the plan's names, read as this module's)
     BACKWARD,
     DEFAULT_SMEM,
@@ -186,8 +186,8 @@ def import_cupy():
 
 
 def source_dir():
-    """lapformer_mm/csrc/cuda, shipped with the package."""
-    return Path(__file__).resolve().parents[2] / 'csrc' / 'cuda'
+    """ops/cuda: the copy shipped with the package, else the checkout's."""
+    return kernel_sources('cuda')
 
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
