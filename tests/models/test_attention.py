@@ -22,34 +22,6 @@ def test_forward_matches_manual_composition(qk_shared, hw):
     torch.testing.assert_close(out, dense_attention_module(module, x, hw, qk_shared, 7))
 
 
-def test_options_reach_the_computation():
-    """Every non-default option changes the output the way the dense reference says."""
-    torch.manual_seed(0)
-    options = dict(lam=2.0, kernel='gaussian', eps=0.05, whiten_eps=1e-3)
-    module = LaplacianAttention(32, 2, qk_shared=False, landmark_grid=3, solver='exact',
-                                **options).double().eval()
-    x = torch.randn(2, 8 * 9, 32, dtype=torch.float64)
-    expected = dense_attention_module(module, x, (8, 9), False, 3, **options)
-    torch.testing.assert_close(module(x, (8, 9)), expected)
-    plain = LaplacianAttention(32, 2, qk_shared=False, landmark_grid=3, solver='exact',
-                               normalize='none', **options).double().eval()
-    plain.load_state_dict(module.state_dict())
-    torch.testing.assert_close(
-        plain(x, (8, 9)),
-        dense_attention_module(plain, x, (8, 9), False, 3, normalize='none', **options))
-
-
-def test_qk_shared_drops_the_key_projection():
-    shared = LaplacianAttention(64, 2)
-    separate = LaplacianAttention(64, 2, qk_shared=False)
-    assert shared.qk_shared is True
-    assert shared.qkv.weight.shape == (128, 64)
-    assert separate.qkv.weight.shape == (192, 64)
-    n_shared = sum(p.numel() for p in shared.parameters())
-    n_separate = sum(p.numel() for p in separate.parameters())
-    assert n_separate - n_shared == 64 * 64 + 64
-
-
 @pytest.mark.parametrize('copy', ['built', 'deepcopy', 'double', 'contiguous', 'assign'])
 def test_gradients_reach_every_parameter_with_its_strides(copy):
     """DistributedDataParallel warns when a gradient's strides differ from its parameter's."""
@@ -225,13 +197,6 @@ def test_global_term_false_leaves_the_local_term_alone():
         explicit.load_state_dict(module.state_dict())
         assert torch.equal(explicit(x, (6, 5)), module(x, (6, 5)))
     assert 'global_term=False' in repr(control) and 'global_term' not in repr(module)
-
-
-def test_global_term_is_an_attn_cfg_key():
-    from lapformer_mm.models import LaplacianFormer
-    model = LaplacianFormer(dict(embed_dims=[16] * 4, num_heads=[1] * 4, depths=[1] * 4),
-                            attn_cfg=dict(global_term=False))
-    assert all(not stage.blocks[0].attn.global_term for stage in model.stages)
 
 
 @pytest.mark.parametrize('hw', [(1, 1), (1, 5), (2, 3), (6, 6), (7, 1)])

@@ -40,13 +40,8 @@ def test_output_shapes_any_size(tiny, hw):
         outs = tiny(torch.randn(1, 3, *hw))
     assert [tuple(o.shape) for o in outs] == expected_shapes(*hw, TINY_DIMS)
     assert all(torch.isfinite(o).all() for o in outs)
-
-
-def test_outputs_are_contiguous_nchw_for_mmcv_ops(tiny):
-    """mmcv's RoIAlign indexes raw memory as NCHW (open-mmlab/mmcv#2203): on a channels-last
-    view it pools scrambled features, which kept the toy Mask R-CNN at bbox AP50 0.04."""
-    with torch.no_grad():
-        outs = tiny(torch.randn(2, 3, 128, 96))
+    # mmcv's RoIAlign reads raw memory as NCHW (open-mmlab/mmcv#2203): a channels-last view
+    # pooled scrambled features, which kept the toy Mask R-CNN at bbox AP50 0.04.
     assert all(o.is_contiguous() for o in outs)
 
 
@@ -97,12 +92,8 @@ def test_stages_after_the_last_returned_one_do_not_run_and_are_named():
 
 
 def block_params(c, hidden, attention):
-    """Closed form of one pre-norm block with C channels and MLP width ``hidden``.
-
-    attention: 'softmax' ([q, k, v] and output projection), 'tied' (Laplacian with
-    [q, v]) or 'separate' (Laplacian with [q, k, v]); the Laplacian ones add a
-    depth-wise 3x3 local term with bias.
-    """
+    """Parameters of one block: attention 'softmax' ([q, k, v], proj), 'tied' ([q, v]) or
+    'separate' ([q, k, v]), the Laplacian ones with a depth-wise 3x3 local term."""
     norms = 2 * 2 * c
     mlp = c * hidden + hidden + hidden * c + c
     projections = 2 if attention == 'tied' else 3
@@ -161,9 +152,10 @@ def test_other_arches_param_count_and_forward(name):
     assert [tuple(o.shape) for o in outs] == expected_shapes(16, 16, dims)
 
 
-def test_arch_dict_and_alias():
-    arch = dict(embed_dims=[16, 32, 64, 64], num_heads=[1, 1, 2, 2], depths=[1, 1, 1, 1],
-                mlp_ratios=2)
+def test_arch_dict_numpy_numbers_and_alias():
+    import numpy as np
+    arch = dict(embed_dims=[np.int64(c) for c in (16, 32, 64, 64)], num_heads=[1, 1, 2, 2],
+                depths=np.array([1, 1, 1, 1]).astype(np.int32).tolist(), mlp_ratios=np.float32(2))
     model = LaplacianFormer(arch).eval()
     outs = model(torch.randn(1, 3, 32, 32))
     assert [o.shape[1] for o in outs] == [16, 32, 64, 64]
@@ -227,13 +219,6 @@ def test_bad_arguments_name_the_argument(kwargs, exc, name):
         MODELS.build(dict(type='LaplacianFormer', **dict(dict(arch=SMALL_ARCH), **kwargs)))
 
 
-def test_arch_dict_takes_numpy_integers():
-    import numpy as np
-    arch = dict(embed_dims=[np.int64(c) for c in (16, 32, 32, 64)], num_heads=[1, 1, 1, 2],
-                depths=np.array([1, 1, 1, 1]).astype(np.int32).tolist(), mlp_ratios=np.float32(2))
-    assert LaplacianFormer(arch).embed_dims == [16, 32, 32, 64]
-
-
 def test_attn_cfg_reaches_every_laplacian_attention():
     """The options of attn_cfg are what each stage computes (dense fp64 reference)."""
     torch.manual_seed(0)
@@ -274,14 +259,11 @@ def test_layer_cfgs_build_the_named_layers():
     assert not any(isinstance(m, (nn.BatchNorm2d, nn.GELU)) for m in model.modules())
     outs = model(torch.randn(2, 3, 32, 32))
     assert [o.shape[1] for o in outs] == SMALL_ARCH['embed_dims']
-
-
-def test_default_layers_are_layernorm_gelu_and_a_batchnorm_relu_stem():
-    model = LaplacianFormer(SMALL_ARCH)
-    block = model.stages[0].blocks[0]
+    default = LaplacianFormer(SMALL_ARCH)
+    block = default.stages[0].blocks[0]
     assert type(block.norm1) is nn.LayerNorm and block.norm1.eps == 1e-5
     assert type(block.mlp.act) is nn.GELU
-    conv, norm, act = model.stem[0]
+    conv, norm, act = default.stem[0]
     assert type(norm) is nn.BatchNorm2d and type(act) is nn.ReLU and act.inplace
 
 
