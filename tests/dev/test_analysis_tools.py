@@ -103,12 +103,6 @@ def test_attention_maps_block_past_the_stage_is_an_argument_error(tmp_path, caps
     assert not list(tmp_path.iterdir())
 
 
-def test_qk_distances_rejects_bad_checkpoint_argument():
-    from lapformer_mm.analysis.qk_distances import parse_checkpoints
-    with pytest.raises(ValueError, match='MODEL=PATH'):
-        parse_checkpoints(['resnet=x.pth'])
-
-
 @pytest.mark.slow
 def test_attention_maps_cli_writes_both_figures(tmp_path):
     out = run_cli('attention_maps.py', '--size', '32', '32', '--stage', '2', '--block', '2',
@@ -129,10 +123,9 @@ def test_attention_maps_cli_writes_both_figures(tmp_path):
 def test_attention_maps_rejects_softmax_stage():
     model = model_zoo.build_backbone('laplacianformer-t-softmax4', config_overrides=dict(
         arch=dict(embed_dims=[8, 8, 8, 8], num_heads=[1, 1, 1, 1], depths=[1, 1, 1, 1])))
-    with pytest.raises(ValueError, match='not LaplacianAttention'):
-        attention_maps.capture_block(model, torch.randn(1, 3, 32, 32), stage=4, block=1)
-    with pytest.raises(ValueError, match='block'):
-        attention_maps.capture_block(model, torch.randn(1, 3, 32, 32), stage=1, block=2)
+    for stage, block, match in ((4, 1, 'LaplacianAttention'), (1, 2, 'block'), (0, 1, 'block')):
+        with pytest.raises(ValueError, match=match):
+            attention_maps.capture_block(model, torch.randn(1, 3, 32, 32), stage, block)
 
 
 def _entry(cpu, wall=None):
@@ -160,29 +153,37 @@ def test_benchmark_summary_uses_medians():
     assert entry['slow']
 
 
-def test_benchmark_planned_configs_and_argument_checks(capsys):
+def test_benchmark_planned_configs():
     args = bench.parse_args(['--sizes', '64x64', '2048x2048', '--modes', 'fwd', 'fwdbwd'])
     assert bench.planned_configs(args) == [('fwd', (64, 64)), ('fwd', (2048, 2048)),
                                            ('fwdbwd', (64, 64))]
-    with pytest.raises(SystemExit):
-        bench.parse_args(['--skip', 'resnet@64x64'])
-    assert '--skip' in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench.parse_args(['--sizes', '64by64'])
-    assert '--sizes' in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('argv, name', [
-    (['--device', 'gpu'], '--device'), (['--device', 'cuda'], '--device cuda'),
-    (['--threads', '-2'], '--threads'), (['--max-call-s', '-1'], '--max-call-s'),
-    (['--fwdbwd-max-pixels', '-1'], '--fwdbwd-max-pixels'),
-    (['--from-json', 'no/such.json'], '--from-json'),
+@pytest.mark.parametrize('module, argv, name', [
+    ('backbones', ['--skip', 'resnet@64x64'], '--skip'),
+    ('backbones', ['--sizes', '64by64'], '--sizes'),
+    ('backbones', ['--device', 'gpu'], '--device'),
+    ('backbones', ['--device', 'cuda'], '--device cuda'),
+    ('backbones', ['--threads', '-2'], '--threads'),
+    ('backbones', ['--max-call-s', '-1'], '--max-call-s'),
+    ('backbones', ['--fwdbwd-max-pixels', '-1'], '--fwdbwd-max-pixels'),
+    ('backbones', ['--from-json', 'no/such.json'], '--from-json'),
+    ('padding', ['--image', '64x64'], '--image'),
+    ('padding', ['--image', '50x70'], '--image'),
+    ('padding', ['--image', '192x160', '--canvas', '256x256', '128x128'], '--canvas'),
+    ('inference', ['configs/nonexist.py'], 'nonexist.py'),
+    ('inference', [TOY_CONFIG, '--shape', '0', '0'], '--shape'),
+    ('inference', [TOY_CONFIG, '--device', 'cuda'], '--device cuda'),
+    ('inference', [TOY_CONFIG, '--device', 'gpu'], '--device'),
 ])
-def test_benchmark_argument_errors(argv, name, monkeypatch, capsys):
+def test_benchmark_argument_errors(module, argv, name, monkeypatch, capsys):
+    import importlib
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)  # a GPU machine too
-    with pytest.raises(SystemExit):
-        bench.parse_args(argv)
-    assert name in capsys.readouterr().err
+    entry = 'main' if module == 'padding' else 'parse_args'
+    with pytest.raises(SystemExit) as exit_info:
+        getattr(importlib.import_module(f'benchmarks.{module}'), entry)(argv)
+    assert exit_info.value.code == 2
+    assert 'error: ' in (err := capsys.readouterr().err) and name in err, err
 
 
 def test_benchmark_fwdbwd_call_leaves_no_gradients():
@@ -221,32 +222,3 @@ def test_padding_benchmark_compares_the_image_region_alone_and_padded():
     moved = padding.change(model, image, (192, 192))
     assert len(moved) == 4 and min(moved) > 0.1, moved
     assert padding.parse_size('192x160') == (192, 160)
-
-
-@pytest.mark.parametrize('argv, message', [
-    (['--image', '64x64'], '--image 64x64: H and W must be multiples of 32 and at least 96'),
-    (['--image', '50x70'], '--image 50x70: H and W must be multiples of 32 and at least 96'),
-    (['--image', '192x160', '--canvas', '256x256', '128x128'],
-     '--canvas 128x128: smaller than --image 192x160'),
-])
-def test_padding_benchmark_argument_errors(argv, message, capsys):
-    from benchmarks import padding
-    with pytest.raises(SystemExit) as exit_info:
-        padding.main(argv)
-    assert exit_info.value.code == 2
-    assert 'error: ' + message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize('argv, message', [
-    (['configs/nonexist.py'], "config 'configs/nonexist.py' does not exist"),
-    ([TOY_CONFIG, '--shape', '0', '0'], 'argument --shape: must be >= 1, got 0'),
-    ([TOY_CONFIG, '--device', 'cuda'], '--device cuda: no CUDA device here'),
-    ([TOY_CONFIG, '--device', 'gpu'], "argument --device: expected cpu, cuda or cuda:N, got "
-                                      "'gpu'"),
-])
-def test_inference_benchmark_argument_errors(argv, message, monkeypatch, capsys):
-    from benchmarks import inference
-    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)  # a GPU machine too
-    with pytest.raises(SystemExit):
-        inference.parse_args(argv)
-    assert 'error: ' + message in capsys.readouterr().err

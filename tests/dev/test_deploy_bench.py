@@ -43,7 +43,7 @@ def test_every_optimizer_is_scoped():
     assert deploy.ORT_DISABLED_OPTIMIZERS == kept == ['SkipLayerNormFusion']
 
 
-def test_parity_norms_measure_the_stage_map(capsys):
+def test_parity_norms_measure_the_stage_map():
     import numpy as np
     ref = torch.randn(1, 8, 5, 7)
     out = ref + 1e-3 * torch.randn_like(ref)
@@ -53,25 +53,20 @@ def test_parity_norms_measure_the_stage_map(capsys):
     assert bench.PARITY_NORMS['l2'][1](out, ref) == pytest.approx(
         np.sqrt((d ** 2).sum() / (r ** 2).sum()), rel=1e-9)
     assert bench.parse_args(['--parity', '--norm', 'l2']).norm == 'l2'
-    with pytest.raises(SystemExit):
-        bench.parse_args(['--parity', '--norm', 'rms'])
-    assert "error: argument --norm: invalid choice: 'rms'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize('argv, message', [
-    (['--models', 'foo'], "argument --models: invalid choice: 'foo' (choose from "),
-    (['--repeats', '0'], 'argument --repeats: must be >= 1, got 0'),
-    (['--threads', '1', '0'], 'argument --threads: must be >= 1, got 0'),
-    (['--parity', '--size', '64x64', '--threads', '2'],
-     'not used by --parity: --size, --threads'),
-    (['--precision', '--exporter', 'dynamo'], 'not used by --precision: --exporter'),
-    (['--norm', 'l2'], 'not used by the speed table (no --parity): --norm'),
-    (['--parity', '--precision'], '--parity and --precision: one mode per run'),
+@pytest.mark.parametrize('argv, names', [
+    (['--parity', '--norm', 'rms'], ['--norm']), (['--models', 'foo'], ['--models']),
+    (['--repeats', '0'], ['--repeats']), (['--threads', '1', '0'], ['--threads']),
+    (['--parity', '--size', '64x64', '--threads', '2'], ['--parity', '--size', '--threads']),
+    (['--precision', '--exporter', 'dynamo'], ['--precision', '--exporter']),
+    (['--norm', 'l2'], ['--norm']), (['--parity', '--precision'], ['--parity', '--precision']),
 ])
-def test_argument_errors(argv, message, capsys):
+def test_argument_errors(argv, names, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
-    assert 'error: ' + message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert 'error: ' in err and all(name in err for name in names), err
 
 
 def test_mode_options_are_accepted_in_their_mode():
