@@ -1,10 +1,5 @@
-"""What several test modules share: the checkout's paths, the tool runner, the toy COCO
-writer, the options of the session's toy training run and the fresh-checkout copy.
-``conftest.py`` builds the session's toy data set with :func:`write_toy_coco`, its toy run
-with :func:`toy_run_options` and its wheel from :func:`copy_checkout`.
-
-Import these (``from _shared import ROOT, run_tool``); no test module imports another.
-"""
+"""What several test modules share (``from _shared import ROOT, run_tool``): the paths, the
+tool runner, the toy data and toy run options, the fresh-checkout copy."""
 import contextlib
 import io
 import os
@@ -14,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-# The checkout the tests run from (the parent of tests/), and its folders.
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TESTS = osp.join(ROOT, 'tests')
 TOOLS = osp.join(ROOT, 'tools')
@@ -30,8 +24,6 @@ OWN_FILES_ONLY = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
 
 
 def tool_env(extra_env=None):
-    """This environment, with one thread and the checkout on PYTHONPATH (``extra_env`` on
-    top)."""
     env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
                PYTHONPATH=ROOT, PYTHON=sys.executable)
     env.update(extra_env or {})
@@ -39,8 +31,7 @@ def tool_env(extra_env=None):
 
 
 def run_tool(args, cwd=ROOT, extra_env=None, timeout=600, returncode=0):
-    """Run a tool (``args``, starting with this interpreter or a shell) in :func:`tool_env`;
-    check its exit status; return its stdout+stderr."""
+    """Run a tool in :func:`tool_env`, check its exit status, return its stdout+stderr."""
     proc = subprocess.run([str(a) for a in args], cwd=cwd, env=tool_env(extra_env),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
@@ -49,11 +40,8 @@ def run_tool(args, cwd=ROOT, extra_env=None, timeout=600, returncode=0):
 
 
 def write_toy_coco(folder, num_train, seg=False):
-    """A tiny toy COCO set (64 px images, 2 val images, at most 2 objects each) under
-    ``folder/toy_coco`` (``num_train`` train images); return that path.
-
-    With ``seg``, also the same scenes as an mmseg set with label maps under ``folder/toy_seg``.
-    """
+    """A toy COCO set of 64 px images under ``folder/toy_coco`` (with ``seg``, the same scenes
+    as an mmseg set under ``folder/toy_seg``); return its path."""
     # Here, not at the top: every test run loads this module through conftest.py, and the GPU
     # check's runs happen where cv2 and pycocotools (which make_toy_coco needs) may be missing.
     from lapformer_mm.cli import make_toy_coco
@@ -76,12 +64,9 @@ def toy_data_options(root):
 
 
 def toy_run_options(root, max_epochs):
-    """``--cfg-options`` of the session's toy run (conftest.py's ``toy_run``): the toy
-    Mask R-CNN on the 8 train images of ``root`` at 64 px, batches of 2 (4 iterations per
-    epoch), a checkpoint every epoch (3 kept), a log line every iteration, no evaluation.
-
-    A test that continues the run (``--resume``) or trains the same with another script
-    passes the same options (with its own ``max_epochs``)."""
+    """``--cfg-options`` of the session's toy run: 64 px, batches of 2, a checkpoint every
+    epoch (3 kept), a log line every iteration, no evaluation; a test that continues it passes
+    the same."""
     return ['--cfg-options', *toy_data_options(root),
             'train_dataloader.dataset.pipeline.2.scale=(64,64)',
             'train_dataloader.batch_size=2', f'train_cfg.max_epochs={max_epochs}',
@@ -90,8 +75,7 @@ def toy_run_options(root, max_epochs):
 
 
 def copy_run(work_dir, dest):
-    """A copy of a training run's work dir (checkpoints, last_checkpoint) at ``dest`` whose
-    ``last_checkpoint`` names the copy's own checkpoint: continue a shared run there."""
+    """A copy of a run's work dir whose ``last_checkpoint`` names the copy's own checkpoint."""
     shutil.copytree(work_dir, dest)
     record = Path(dest, 'last_checkpoint')
     if record.exists():

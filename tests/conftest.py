@@ -1,19 +1,5 @@
-"""The suite's fixtures and markers.
-
-- ``gpu`` tests are skipped without CUDA and CuPy;
-- ``toy_data`` (with ``toy_coco`` and ``toy_seg``): the session's toy data set, written once;
-- ``toy_run``: one epoch of the toy Mask R-CNN through ``tools/train.py``, trained once and
-  shared by the tests of the train/test/resume tools and of mmdet's own train script;
-- ``built_wheel``: ``pip wheel`` of a fresh copy of the checkout (the CPU kernels compiled
-  in it), built once and shared by the packaging and kernel-build tests;
-- ``mmdet_scope``: builds under mmdet's default scope whatever an earlier test's Runner left;
-- ``evil``: a backbone checkpoint that runs code when unpickled, and the marker file it
-  creates if it does.
-
-The paths (``ROOT``, ``TOOLS``, ``CONFIG_DIR``, ``TOY_CONFIG``) and the tool runner
-(``run_tool``) are constants and functions of ``_shared.py``, which test modules import.
-The ``slow`` marker is registered in pytest.ini; ``make test-fast`` leaves those tests out.
-"""
+"""The suite's fixtures (session ones built once and only read: copy what a test breaks) and
+the ``gpu`` marker's skip; paths and helpers are in ``_shared.py``, ``slow`` in pytest.ini."""
 import os
 import os.path as osp
 import subprocess
@@ -65,14 +51,8 @@ def pytest_configure(config):
 
 @pytest.fixture(scope='session')
 def toy_data(tmp_path_factory):
-    """The folder of the toy COCO set (``toy_coco/``: 8 train / 2 val images of 64 px, at most
-    2 objects each; 4 iterations per epoch at the toy configs' batch 2) and the same scenes as
-    an mmseg set with label maps (``toy_seg/``).
-
-    Shared by the whole session: read it, never change it (copy what a test breaks). A test
-    that needs fewer train images selects the first ones (``dataset.indices``): the first N
-    images of the set are those of an N-image set.
-    """
+    """``toy_coco/`` (8 train / 2 val images of 64 px: 4 iterations an epoch at batch 2) and
+    the same scenes as ``toy_seg/``; the first N images are those of an N-image set."""
     folder = tmp_path_factory.mktemp('toy_data')
     write_toy_coco(folder, num_train=8, seg=True)
     return folder
@@ -80,24 +60,18 @@ def toy_data(tmp_path_factory):
 
 @pytest.fixture(scope='session')
 def toy_coco(toy_data):
-    """The root of the session's toy COCO set (a str)."""
     return str(toy_data / 'toy_coco')
 
 
 @pytest.fixture(scope='session')
 def toy_seg(toy_data):
-    """The root of the session's toy mmseg set (a str): img_dir/ and ann_dir/."""
     return str(toy_data / 'toy_seg')
 
 
 @pytest.fixture(scope='session')
 def toy_run(tmp_path_factory, toy_coco):
-    """One epoch (4 iterations) of the toy Mask R-CNN through ``tools/train.py`` with
-    :func:`_shared.toy_run_options`: ``work`` (its work dir: epoch_1.pth, last_checkpoint),
-    ``checkpoint`` (epoch_1.pth), ``log`` (the tool's output) and ``data`` (the data root).
-
-    Shared by the whole session: read it, never change it; a test that continues the run
-    does so in a copy (:func:`_shared.copy_run`)."""
+    """One epoch of the toy Mask R-CNN through ``tools/train.py``; continue it in a copy
+    (:func:`_shared.copy_run`)."""
     work = str(tmp_path_factory.mktemp('toy_run') / 'work')
     log = run_tool([sys.executable, TRAIN_TOOL, TOY_CONFIG, '--work-dir', work] +
                    toy_run_options(toy_coco, max_epochs=1))
@@ -107,11 +81,8 @@ def toy_run(tmp_path_factory, toy_coco):
 
 @pytest.fixture(scope='session')
 def built_wheel(tmp_path_factory):
-    """``pip wheel --no-build-isolation`` of a fresh copy of the checkout (the files git
-    tracks or does not ignore), built once: setup.py compiles the CPU kernels into it.
-
-    ``wheel`` (its path), ``site`` (the wheel unpacked: what a regular install puts in
-    site-packages), ``log`` (pip's verbose output, the build's stderr included)."""
+    """``pip wheel`` of a fresh copy of the checkout (the CPU kernels compiled in): ``wheel``,
+    ``site`` (unpacked, as a regular install) and ``log`` (pip's verbose output)."""
     base = tmp_path_factory.mktemp('wheel')
     checkout = base / 'checkout'
     copy_checkout(checkout)
@@ -129,7 +100,6 @@ def built_wheel(tmp_path_factory):
 
 @pytest.fixture
 def mmdet_scope():
-    """Build under mmdet's scope whatever an earlier test's Runner left as default scope."""
     from mmengine.registry import DefaultScope
     with DefaultScope.overwrite_default_scope('mmdet'):
         yield
