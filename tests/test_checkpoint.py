@@ -82,16 +82,31 @@ def test_load_checkpoint_into_model(full_checkpoint):
     torch.testing.assert_close(model.linear.weight.data, expected)
 
 
-def test_code_executing_pickle_is_refused(tmp_path):
-    marker = tmp_path / 'ran'
-    path = tmp_path / 'evil.pth'
-    torch.save({'state_dict': {}, 'payload': RunsCode(marker)}, path)
+def object_array(marker):
+    payload = np.empty(1, dtype=object)  # numpy arrays are allowlisted; object ones must not be
+    payload[0] = RunsCode(marker)
+    return payload
 
-    with pytest.raises(RuntimeError, match='Refused to load checkpoint') as info:
+
+@pytest.mark.parametrize('payload, protocol', [
+    (RunsCode, 2), (lambda marker: WalksAttributes(), 2), (object_array, 2),
+    # Protocols 4 and 5 use opcodes the safe loader lacks: a checkpoint all the same, which
+    # the trust opt-in loads, not a file of other bytes.
+    (lambda marker: {'w': torch.ones(2)}, 5),
+])
+@pytest.mark.filterwarnings('ignore:Detected pickle protocol 5:UserWarning')
+def test_what_is_not_plain_weights_is_refused_with_the_trust_hint(tmp_path, payload, protocol):
+    marker, path = tmp_path / 'ran', tmp_path / 'evil.pth'
+    torch.save({'state_dict': {}, 'payload': payload(marker)}, path, pickle_protocol=protocol)
+    with pytest.raises(RuntimeError, match='Refused') as info:
         safe_load(path)
-    assert 'TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD' in str(info.value)
-    assert 'system' in str(info.value)
-    # mmengine's own loader is untouched by the import and refused by torch itself.
+    assert TRUST_ENV in str(info.value)
+    assert not marker.exists()
+
+
+def test_mmengines_own_loader_is_left_to_torchs_refusal(tmp_path):
+    marker, path = tmp_path / 'ran', tmp_path / 'evil.pth'
+    torch.save({'state_dict': {}, 'payload': RunsCode(marker)}, path)
     from mmengine.runner import CheckpointLoader
     for load in (torch.load, CheckpointLoader.load_checkpoint):
         with pytest.raises(Exception, match='Weights only load failed'):
@@ -99,21 +114,11 @@ def test_code_executing_pickle_is_refused(tmp_path):
     assert not marker.exists()
 
 
-def test_getattr_is_limited_to_history_buffer_statistics(tmp_path):
-    path = tmp_path / 'walk.pth'
-    torch.save({'x': WalksAttributes()}, path)
-    with pytest.raises(RuntimeError, match='Refused to load checkpoint'):
-        safe_load(path)
-
-
-def test_missing_file_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match='nope.pth'):
-        safe_load(tmp_path / 'nope.pth')
-
-
-def test_a_folder_is_not_called_missing(tmp_path):
-    with pytest.raises(IsADirectoryError, match='folder'):
-        safe_load(tmp_path)
+@pytest.mark.parametrize('name, error', [('nope.pth', FileNotFoundError),
+                                         ('', IsADirectoryError)])
+def test_a_missing_file_or_a_folder_is_named(tmp_path, name, error):
+    with pytest.raises(error, match=str(tmp_path / name)):
+        safe_load(tmp_path / name)
 
 
 class HarmlessCustomObject:
@@ -121,19 +126,6 @@ class HarmlessCustomObject:
 
     def __init__(self):
         self.note = 'trusted'
-
-
-@pytest.mark.usefixtures('mmdet_scope')
-def test_numpy_object_array_cannot_smuggle_a_payload(tmp_path):
-    """numpy arrays are allowlisted (mmengine writes them); object arrays must not open a door."""
-    marker = tmp_path / 'ran'
-    payload = np.empty(1, dtype=object)
-    payload[0] = RunsCode(marker)
-    path = tmp_path / 'npobj.pth'
-    torch.save({'state_dict': {}, 'meta': {'arr': payload}}, path)
-    with pytest.raises(RuntimeError, match='Refused to load checkpoint'):
-        safe_load(path)
-    assert not marker.exists()
 
 
 @pytest.mark.usefixtures('mmdet_scope')
@@ -156,8 +148,7 @@ def test_a_file_that_is_no_checkpoint_is_named_so_not_refused_as_unsafe(tmp_path
     says the file is no checkpoint, and offers no trust opt-in for it."""
     path = tmp_path / 'notes.pth'
     path.write_bytes(content)
-    with pytest.raises(RuntimeError, match="'.*notes.pth' cannot be read as a torch "
-                                           'checkpoint') as info:
+    with pytest.raises(RuntimeError, match='notes.pth') as info:
         safe_load(path)
     assert TRUST_ENV not in str(info.value)
 
@@ -165,9 +156,8 @@ def test_a_file_that_is_no_checkpoint_is_named_so_not_refused_as_unsafe(tmp_path
 def test_a_whole_checkpoint_that_fails_to_load_is_not_called_truncated(tmp_path):
     path = tmp_path / 'fine.pth'
     torch.save({'w': torch.ones(2)}, path)
-    match = r"'.*fine.pth' cannot be loaded \(RuntimeError: "
     # A location torch cannot restore, given where safe_load does not check it (in a dict).
-    with pytest.raises(RuntimeError, match=match) as info:
+    with pytest.raises(RuntimeError, match='fine.pth') as info:
         safe_load(path, map_location={'cpu': 'nonsense'})
     assert 'truncated' not in str(info.value)
 
@@ -185,14 +175,3 @@ def test_a_bad_map_location_is_named_not_blamed_on_the_file(tmp_path):
     for location in ('cpu', torch.device('cpu'), None, {'cpu': 'cpu'},
                      lambda storage, tag: storage):
         assert torch.equal(safe_load(path, map_location=location)['w'], torch.ones(2))
-
-
-@pytest.mark.filterwarnings('ignore:Detected pickle protocol 5:UserWarning')
-def test_a_checkpoint_in_pickle_protocol_5_is_refused_with_the_trust_hint(tmp_path):
-    """Protocols 4 and 5 use opcodes the safe loader lacks: a checkpoint all the same, which
-    the trust opt-in loads, not a file of other bytes."""
-    path = tmp_path / 'p5.pth'
-    torch.save({'w': torch.ones(2)}, path, pickle_protocol=5)
-    with pytest.raises(RuntimeError, match='Refused to load checkpoint') as info:
-        safe_load(path)
-    assert TRUST_ENV in str(info.value)

@@ -141,68 +141,44 @@ def test_safe_rotation_with_save_best_keeps_the_latest_checkpoint(tmp_path):
     assert (tmp_path / 'last_checkpoint').read_text() == str(tmp_path / 'epoch_3.pth')
 
 
-def write_checkpoints(folder, names):
-    folder.mkdir(exist_ok=True)
-    for age, name in enumerate(names):
-        (folder / name).write_bytes(b'x')
-        os.utime(folder / name, (1_000_000 + age, 1_000_000 + age))
+RESUMABLE = ['epoch_2.pth', 'epoch_10.pth', 'epoch_3.pth', 'best_coco_bbox_mAP_epoch_3.pth',
+             'pretrained.pth']
 
 
-@pytest.mark.parametrize('record', [None, '', 'epoch_11.pth'])
-def test_auto_resume_falls_back_to_the_checkpoint_with_the_largest_step(tmp_path, record):
-    """Largest N, not newest file: a best_*.pth (no optimizer state) or a copied file is
-    newer, and is not a checkpoint to resume from."""
-    write_checkpoints(tmp_path, ['epoch_2.pth', 'epoch_10.pth', 'epoch_3.pth',
-                                 'best_coco_bbox_mAP_epoch_3.pth', 'pretrained.pth'])
-    if record is not None:
-        (tmp_path / 'last_checkpoint').write_text(record and str(tmp_path / record))
-    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'epoch_10.pth')
-
-
-def test_auto_resume_uses_an_intact_record_and_starts_fresh_on_an_empty_dir(tmp_path):
-    write_checkpoints(tmp_path, ['epoch_1.pth', 'epoch_2.pth'])
-    (tmp_path / 'last_checkpoint').write_text(str(tmp_path / 'epoch_1.pth') + '\n')
-    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'epoch_1.pth')
-    assert find_latest_checkpoint(str(tmp_path / 'nothing_here')) is None
-
-
-def test_auto_resume_accepts_a_recorded_checkpoint_directory(tmp_path):
-    """DeepSpeed saves a checkpoint as a directory named like the file."""
-    (tmp_path / 'iter_8.pth').mkdir()
-    (tmp_path / 'last_checkpoint').write_text(str(tmp_path / 'iter_8.pth'))
-    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'iter_8.pth')
-
-
-@pytest.mark.parametrize('recorded, expected', [('epoch_2.pth', 'epoch_2.pth'),
-                                                   ('epoch_5.pth', 'epoch_3.pth')])
-def test_auto_resume_finds_the_checkpoints_of_a_moved_work_dir(tmp_path, recorded, expected):
-    """The record holds an absolute path; a re-queued job sees the work dir elsewhere."""
-    moved = tmp_path / 'new_mount' / 'work_dir'
-    moved.parent.mkdir()
-    write_checkpoints(moved, ['epoch_1.pth', 'epoch_3.pth', 'epoch_2.pth'])
-    (moved / 'last_checkpoint').write_text(str(tmp_path / 'old_mount' / 'work_dir' / recorded))
-    assert find_latest_checkpoint(str(moved)) == str(moved / expected)
-
-
-@pytest.mark.parametrize('recorded', ['', 'last_checkpoint'])
-def test_auto_resume_takes_only_a_checkpoint_name_from_a_stale_record(tmp_path, recorded):
-    """A record naming a folder or another file: the work dir's largest checkpoint, not
-    the work dir itself or the record."""
-    write_checkpoints(tmp_path, ['epoch_1.pth', 'epoch_2.pth'])
-    (tmp_path / 'last_checkpoint').write_text(os.path.join('/gone', 'work_dir', recorded))
-    assert find_latest_checkpoint(str(tmp_path)) == str(tmp_path / 'epoch_2.pth')
-
-
-@pytest.mark.parametrize('record, message', [
-    ('epoch_4.pth', 'epoch_4.pth, which does not exist'),
-    ('', 'last_checkpoint is empty'),
+@pytest.mark.parametrize('files, record, expected', [
+    # Largest N, not newest file: a best_*.pth (no optimizer state) or a copied file is newer.
+    (RESUMABLE, None, 'epoch_10.pth'), (RESUMABLE, '', 'epoch_10.pth'),
+    (RESUMABLE, 'WORK/epoch_11.pth', 'epoch_10.pth'),
+    (['epoch_1.pth', 'epoch_2.pth'], 'WORK/epoch_1.pth\n', 'epoch_1.pth'),  # intact
+    ([], None, None),  # a fresh start
+    (['iter_8.pth/'], 'WORK/iter_8.pth', 'iter_8.pth'),  # DeepSpeed saves a directory
+    # A moved work dir: the record's name here, else the largest N.
+    (['epoch_1.pth', 'epoch_3.pth', 'epoch_2.pth'], '/old/work_dir/epoch_2.pth', 'epoch_2.pth'),
+    (['epoch_1.pth', 'epoch_3.pth', 'epoch_2.pth'], '/old/work_dir/epoch_5.pth', 'epoch_3.pth'),
+    # A stale record naming a folder or another file: never the work dir or the record.
+    (['epoch_1.pth', 'epoch_2.pth'], '/gone/work_dir/', 'epoch_2.pth'),
+    (['epoch_1.pth', 'epoch_2.pth'], '/gone/work_dir/last_checkpoint', 'epoch_2.pth'),
 ])
-def test_auto_resume_refuses_a_record_with_nothing_to_resume_from(tmp_path, record, message):
+def test_auto_resume_finds_the_checkpoint_to_resume_from(tmp_path, files, record, expected):
+    for age, name in enumerate(files):
+        if name.endswith('/'):
+            (tmp_path / name).mkdir()
+        else:
+            (tmp_path / name).write_bytes(b'x')
+            os.utime(tmp_path / name, (1_000_000 + age, 1_000_000 + age))
+    if record is not None:
+        (tmp_path / 'last_checkpoint').write_text(record.replace('WORK', str(tmp_path)))
+    found = find_latest_checkpoint(str(tmp_path))
+    assert found == (expected and str(tmp_path / expected))
+
+
+@pytest.mark.parametrize('record', ['epoch_4.pth', ''])
+def test_auto_resume_refuses_a_record_with_nothing_to_resume_from(tmp_path, record):
     """A record exists only after a save, so a fresh start would silently lose the run
     (e.g. checkpoints written to CheckpointHook's out_dir, not beside the record)."""
-    write_checkpoints(tmp_path, ['best_coco_bbox_mAP_epoch_3.pth'])
+    (tmp_path / 'best_coco_bbox_mAP_epoch_3.pth').write_bytes(b'x')
     (tmp_path / 'last_checkpoint').write_text(record and str(tmp_path / record))
-    with pytest.raises(FileNotFoundError, match=f"{message}.*out_dir"):
+    with pytest.raises(FileNotFoundError, match='out_dir'):
         find_latest_checkpoint(str(tmp_path))
 
 
