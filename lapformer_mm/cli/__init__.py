@@ -1,8 +1,5 @@
-"""The command-line tools' code, importable; ``tools/*.py`` are thin entry points.
-
-Each module has ``main(argv=None)`` returning an exit code. Not imported by
-``import lapformer_mm``.
-"""
+"""The command-line tools' code, importable (``main(argv=None)`` each); ``tools/*.py`` are thin
+entry points. Not imported by ``import lapformer_mm``."""
 import argparse
 import math
 import os
@@ -10,7 +7,7 @@ import os.path as osp
 
 
 def int_at_least(minimum):
-    """An ``argparse`` type: an integer >= ``minimum``, else the argument's error."""
+    """An ``argparse`` type: an integer >= ``minimum``."""
     def parse(text):
         try:
             value = int(text)
@@ -23,19 +20,16 @@ def int_at_least(minimum):
 
 
 def positive_float(text):
-    """An ``argparse`` type: a finite number > 0, else the argument's error."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'expected a number, got {text!r}') from None
-    if not math.isfinite(value) or value <= 0:
+    """An ``argparse`` type: a finite number > 0."""
+    value = float(text)  # not a number: argparse's "invalid positive_float value"
+    if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f'must be a finite number > 0, got {text}')
     return value
 
 
 def output_path(out, default_name):
-    """``--out`` as a file path: ``default_name`` in it when it names a folder (one that
-    exists, or any path ending with a separator), ``default_name`` here when not given."""
+    """``--out`` as a file: ``default_name`` in it when it names a folder (an existing one, or
+    any path ending with a separator), ``default_name`` here when not given."""
     if not out:
         return default_name
     out = os.fspath(out)

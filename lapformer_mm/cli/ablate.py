@@ -1,9 +1,6 @@
-"""Ablate the attention options: every variant × seed, one table, one plot, one JSON.
-
-On a toy task (``--task``) the runs train here; on a real config (``--config``:
-classification, segmentation or detection) one config per variant is written, the commands of
-every row (variant, ``--peers`` backbone, ``--extra`` config) and seed are printed or run
-(``--run``), and ``--collect`` reads the finished work_dirs into the table (docs/results.md).
+"""Ablate the attention options: every variant × seed, one table, one plot, one JSON. A toy
+task (``--task``) trains here; for a real config (``--config``) the commands of every row and
+seed are printed or run (``--run``), and ``--collect`` reads their work_dirs (docs/results.md).
 """
 import argparse
 import concurrent.futures
@@ -42,9 +39,7 @@ def parse_args(argv=None):
     source = parser.add_mutually_exclusive_group()
     source.add_argument('--task', choices=sorted(TASKS), default=None,
                         help='toy task trained here (default: same_colour)')
-    source.add_argument('--config', help='classification, segmentation or detection config: '
-                        'write a config per variant, print/run the commands, --collect '
-                        'the results')
+    source.add_argument('--config', help='classification, segmentation or detection config')
     parser.add_argument('--variants', nargs='+', default=['default'],
                         help=f'any of {", ".join(NAMED_VARIANTS)} or lam=V1,V2,...; '
                         'default and noglobal always run')
@@ -52,8 +47,7 @@ def parse_args(argv=None):
                         help='seeds 0..N-1 per variant')
     parser.add_argument('--out', default='work_dirs/ablate', help='output folder')
     toy = parser.add_argument_group('toy task')
-    toy.add_argument('--steps', type=int_at_least(1), default=600,
-                     help='training steps per run')
+    toy.add_argument('--steps', type=int_at_least(1), default=600, help='steps per run')
     toy.add_argument('--warmup', type=int, default=30, help='linear LR warm-up steps')
     toy.add_argument('--batch-size', type=int_at_least(1), default=32)
     toy.add_argument('--lr', type=positive_float, default=1e-3, help='AdamW learning rate')
@@ -63,18 +57,15 @@ def parse_args(argv=None):
                      help='step of the early accuracy column (default: steps // 2)')
     toy.add_argument('--log-every', type=int_at_least(1), default=100,
                      help='progress interval (steps)')
-    toy.add_argument('--resume', action='store_true',
-                     help='keep the finished runs of an interrupted sweep with the same '
-                     'settings (runs.partial.json under --out) and run only the others')
+    toy.add_argument('--resume', action='store_true', help='keep the finished runs of an '
+                     'interrupted sweep with the same settings and run only the others')
     toy.add_argument('--report-only', action='store_true',
                      help='with --resume: write the report of the finished runs, train none')
     parser.add_argument('--threads', type=int_at_least(1), default=None,
-                        help="torch's intra-op threads per run (default: torch's own "
-                        'choice on the toy task, 1 for --run); 1 is faster on a loaded '
-                        'machine')
+                        help="torch's threads per run (default: torch's choice on the toy "
+                        'task, 1 for --run)')
     parser.add_argument('--jobs', type=int_at_least(1), default=1,
-                        help='runs at once, each in its own process (with --threads '
-                        'threads); the results do not depend on it')
+                        help='runs at once, each in its own process')
     real = parser.add_argument_group('real config')
     real.add_argument('--launcher', choices=LAUNCHERS, default='train',
                       help='tools/train.py, tools/dist_train.sh or tools/slurm_train.sh')
@@ -82,16 +73,13 @@ def parse_args(argv=None):
                       help='GPUS of dist/slurm launchers')
     real.add_argument('--partition', default='PARTITION', help='Slurm partition')
     real.add_argument('--peers', nargs='+', choices=PEERS, default=[],
-                      help='rows of the toy baselines of a segmentation or detection '
-                      'config: configs/toy/{upernet,maskrcnn}_PEER_toy_baseline.py')
+                      help='rows of the toy baselines of a segmentation or detection config')
     real.add_argument('--extra', nargs='+', default=[], metavar='NAME=CONFIG',
                       help='rows of other configs (e.g. architecture variants)')
     real.add_argument('--cfg-options', nargs='+', default=[], metavar='KEY=VALUE',
                       help="every run's --cfg-options (training and test)")
-    real.add_argument('--run', action='store_true',
-                      help='run the commands here, --jobs at once, each run whose '
-                      'metrics.json (segmentation, detection) is there skipped; else '
-                      'print them')
+    real.add_argument('--run', action='store_true', help='run the commands here, --jobs at '
+                      'once, skipping each run whose metrics.json is there; else print them')
     real.add_argument('--collect', action='store_true',
                       help="read the finished work_dirs' metrics into the table")
     args = parser.parse_args(argv)
@@ -139,8 +127,7 @@ RUN_SETTINGS = ('task', 'steps', 'warmup', 'batch_size', 'lr', 'val_size', 'earl
 
 
 def _resumable_runs(path, settings):
-    """({(variant, seed): run}, settings) of ``path`` (runs.partial.json), if it was
-    written with the same :data:`RUN_SETTINGS`; else none, with a message why."""
+    """({(variant, seed): run}, settings) of ``path`` if written with the same RUN_SETTINGS."""
     if not osp.exists(path):
         return {}, {}
     with open(path) as f:
@@ -158,8 +145,7 @@ _WORKER = {}
 
 
 def _stop_with_parent(parent):
-    """Linux: a worker stops when the sweep's process dies (killed alone, ``kill PID``)
-    instead of training on until its run ends; elsewhere it stops after that run."""
+    """Linux: a worker stops when the sweep's process dies (``kill PID``), not after its run."""
     if sys.platform.startswith('linux'):
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the parent died before the prctl call
@@ -188,8 +174,8 @@ def _train(name, attn_cfg, seed, prefix, options):
 
 
 def _finished_runs(args, task_name, todo, options):
-    """Yield (index, prefix, run) of every job of ``todo`` as it finishes: here, one after
-    the other, for ``--jobs 1``; else in ``--jobs`` processes."""
+    """(index, prefix, run) of every job of ``todo`` as it finishes, here or in ``--jobs``
+    processes."""
     worker_args = (task_name, args.val_size, args.threads)
     if args.jobs == 1:
         _init_worker(*worker_args)
@@ -248,8 +234,7 @@ def run_toy(args):
                     else f"took off at step {run['takeoff_step']}")
         print(f"{prefix} final acc {100 * run['final_acc']:.1f} %, {took_off}, "
               f"{run['seconds']:.0f} s", flush=True)
-        # Partial results survive an interrupted sweep (--resume); kept runs not reached
-        # yet stay in the file.
+        # For --resume; kept runs not reached yet stay in the file.
         with open(partial, 'w') as f:
             json.dump(dict(settings=settings, runs=[finished[i] for i in sorted(finished)]
                            + list(done.values())), f)
@@ -278,9 +263,9 @@ def run_toy(args):
 
 
 def run_commands(runs, jobs, threads):
-    """Run each run's command (a shell line), ``jobs`` at once, with ``threads`` torch
-    threads and this interpreter as ``python``, its output in its work_dir's run.log; a
-    tested run whose metrics.json is there is skipped. Returns the failed runs."""
+    """Run each run's shell command, ``jobs`` at once, ``threads`` threads each, this
+    interpreter as ``python``, the output in its work_dir's run.log; a run whose metrics.json
+    is there is skipped. Returns the failed runs."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                PATH=osp.dirname(sys.executable) + os.pathsep + os.environ.get('PATH', ''))
     todo = [run for run in runs if not osp.isfile(metrics_path(run))]
@@ -311,7 +296,6 @@ def run_commands(runs, jobs, threads):
 
 
 def collect(args, runs, seeds):
-    """Write the report of the finished runs; 1 when none has finished."""
     spec = TEST_METRICS.get(args.config_task)
     if spec is None:
         num_classes = config_num_classes(args.config)

@@ -18,15 +18,13 @@ from lapformer_mm.models.pretrained import backbone_mismatch, extract_backbone_s
 
 
 def convert(src: str, dst: str, arch=None, stage4_attention: str = 'laplacian') -> dict:
-    """Write the backbone tensors of ``src`` to ``dst`` (checked against ``arch`` with
-    ``stage4_attention`` first, when ``arch`` is given: :func:`check_against_arch`); returns
-    them."""
+    """Write the backbone tensors of ``src`` to ``dst``, first checked against ``arch`` when
+    given (:func:`check_against_arch`); returns them."""
     state_dict = extract_backbone_state_dict(load_checkpoint(src))
     state_dict = {k: v.detach().clone().contiguous() for k, v in state_dict.items()}
     if arch is not None:
         state_dict = check_against_arch(state_dict, arch, stage4_attention)
-    out_dir = os.path.dirname(os.path.abspath(dst))
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
     # Opened here, a path that cannot be written is an OSError naming it, not torch's
     # "[enforce fail at inline_container.cc]".
     with open(dst, 'wb') as f:
@@ -34,16 +32,9 @@ def convert(src: str, dst: str, arch=None, stage4_attention: str = 'laplacian') 
     return state_dict
 
 
-def default_name(src: str) -> str:
-    """The file name a folder OUT_PTH gets: ``<src name>_backbone.pth``."""
-    return f'{osp.splitext(osp.basename(src))[0]}_backbone.pth'
-
-
 def check_against_arch(state_dict: dict, arch: str, stage4_attention: str = 'laplacian') -> dict:
-    """The tensors of ``state_dict`` that a detection-style backbone of ``arch`` has, with
-    the keys it lacks or does not use printed; ValueError for a bad ``arch`` or a checkpoint
-    that cannot initialise it (none of its tensors, another shape, another depth:
-    ``backbone_mismatch``)."""
+    """The tensors of ``state_dict`` that a backbone of ``arch`` has, the keys it lacks or does
+    not use printed; ValueError for a bad ``arch`` or a checkpoint that cannot initialise it."""
     from lapformer_mm.models import LaplacianFormer
 
     try:
@@ -76,12 +67,10 @@ def main(argv=None) -> int:
                         help="the classifier's stage4_attention, for --arch (default "
                              'laplacian)')
     args = parser.parse_args(argv)
-    dst = output_path(args.dst, default_name(args.src))
+    dst = output_path(args.dst, f'{osp.splitext(osp.basename(args.src))[0]}_backbone.pth')
     try:
         state_dict = convert(args.src, dst, args.arch, args.stage4_attention)
-    # A missing or unreadable source, a checkpoint without backbone tensors (ValueError; a
-    # TypeError when it is no mapping) or that does not fit --arch, a destination that
-    # cannot be written.
+    # TypeError: a checkpoint that is no mapping.
     except (OSError, CheckpointError, ValueError, TypeError) as err:
         print(f'convert_cls_to_backbone: {err}', file=sys.stderr)
         return 2

@@ -1,9 +1,8 @@
 """Write a small, deterministic ImageNet-format classification set of toy shapes.
 
-Class folders as mmpretrain's ``CustomDataset`` reads them (``train/circle/000000.png``, ...);
-each image holds one shape of :mod:`lapformer_mm.scenes`, its class; the images of a group,
-one per class, share background, placement, size, angle and colour jitter, so only the object
-tells the classes apart. The same ``--seed`` and sizes give byte-identical files.
+Class folders as mmpretrain's ``CustomDataset`` reads them (``train/circle/000000.png``, ...),
+each image one shape of :mod:`lapformer_mm.scenes`. The same ``--seed`` and sizes give
+byte-identical files.
 """
 import argparse
 import os
@@ -23,12 +22,9 @@ from lapformer_mm.scenes import (
 
 
 def render_group(rng, img_size):
-    """One (H, W, 3) uint8 image per class, in ``CLASSES`` order.
-
-    The images of a group share the background, placement, size (35-80 % of the side),
-    angle and colour jitter; each shape has its class's colour family, as in the
-    detection set. Only the object tells the classes apart, never the background.
-    """
+    """One (H, W, 3) uint8 image per class, in ``CLASSES`` order, sharing the background,
+    placement, size (35-80 % of the side), angle and colour jitter: only the object (in its
+    class's colour family) tells the classes apart."""
     background = textured_background(rng, img_size, img_size)
     size = float(rng.uniform(0.35, 0.8) * img_size)
     margin = size * 0.4

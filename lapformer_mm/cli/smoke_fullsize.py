@@ -26,22 +26,19 @@ LOG_TIME = re.compile(r'\((train|val)\)\s+(?:\[\d+\])?\[\s*\d+/\d+\].*?\beta: \S
 
 def write_data(data_dir, img_size):
     """The synthetic COCO and ADE20K sets under ``data_dir`` (the layout of ``data/``)."""
-    make_toy_coco.main([
-        '--layout', 'official', '--img-size', *map(str, img_size), '--num-train',
-        str(NUM_TRAIN), '--num-val', str(NUM_VAL), '--out', osp.join(data_dir, 'coco'),
-        '--seg-out', osp.join(data_dir, 'ade', 'ADEChallengeData2016')])
+    make_toy_coco.main(['--layout', 'official', '--img-size', *map(str, img_size),
+                        '--num-train', str(NUM_TRAIN), '--num-val', str(NUM_VAL),
+                        '--out', osp.join(data_dir, 'coco'),
+                        '--seg-out', osp.join(data_dir, 'ade', 'ADEChallengeData2016')])
 
 
 def smoke_options(cfg, data_dir):
     """The ``--cfg-options`` of a smoke run of ``cfg`` on the data in ``data_dir``."""
     from lapformer_mm.preflight import data_root_options
 
-    def new_root(root):
-        # The configs read data/<set>; the synthetic sets mirror that under data_dir.
-        rel = osp.relpath(osp.normpath(root), 'data')
-        return osp.join(data_dir, rel)
-
-    options = data_root_options(cfg, ('train', 'val', 'test'), new_root)
+    # The configs read data/<set>; the synthetic sets mirror that under data_dir.
+    options = data_root_options(cfg, ('train', 'val', 'test'), lambda root: osp.join(
+        data_dir, osp.relpath(osp.normpath(root), 'data')))
     if 'max_epochs' in cfg.train_cfg:
         options += ['train_cfg.max_epochs=1', 'train_cfg.val_interval=1']
     else:
@@ -58,16 +55,14 @@ def run_measured(cmd, log_path):
         # wait4's ru_maxrss covers the process and the descendants it waited for
         # (the dataloader workers): the largest of them, in KiB on Linux.
         _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss / 2**20, time.perf_counter() - start
+    return (os.waitstatus_to_exitcode(status), usage.ru_maxrss / 2**20,
+            time.perf_counter() - start)
 
 
 def parse_times(log_text):
     """Per-iteration seconds of the training and evaluation lines of an mmengine log."""
-    times = {'train': [], 'val': []}
-    for mode, seconds in LOG_TIME.findall(log_text):
-        times[mode].append(float(seconds))
-    return times
+    found = LOG_TIME.findall(log_text)
+    return {mode: [float(s) for m, s in found if m == mode] for mode in ('train', 'val')}
 
 
 def smoke(config, work_root, data_dir, keep_checkpoints):
@@ -83,11 +78,10 @@ def smoke(config, work_root, data_dir, keep_checkpoints):
     log_path = osp.join(work_dir, 'smoke.log')
     code, peak_gib, wall = run_measured(cmd, log_path)
     with open(log_path) as f:
-        log_text = f.read()
+        times = parse_times(f.read())
     if not keep_checkpoints:
         for path in glob.glob(osp.join(work_dir, '*.pth')):
             os.remove(path)
-    times = parse_times(log_text)
     return dict(config=config, exit_code=code, train_iter_s=times['train'],
                 val_image_s=times['val'], peak_rss_gib=round(peak_gib, 2),
                 wall_s=round(wall, 1), load_before=[round(x, 2) for x in load_before],

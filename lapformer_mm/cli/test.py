@@ -19,34 +19,23 @@ from lapformer_mm.cli.train import (
     setup_cpu_distributed,
 )
 from lapformer_mm.models.validation import ConfigError
-from lapformer_mm.preflight import check_checkpoint_argument
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Test (and evaluate) a model')
     parser.add_argument('config', help='test config file path')
     parser.add_argument('checkpoint', help='checkpoint file')
-    parser.add_argument(
-        '--work-dir', help='the dir to save the file containing evaluation metrics')
-    parser.add_argument(
-        '--out', type=str,
-        help='detection: dump predictions to this .pkl file; segmentation: '
-        'write predicted label maps into this folder')
-    parser.add_argument(
-        '--metrics-json',
-        help='also write the evaluation metrics (a flat dict) to this file')
+    parser.add_argument('--work-dir', help='the dir to save the evaluation metrics in')
+    parser.add_argument('--out', help='detection: dump predictions to this .pkl file; '
+                        'segmentation: write predicted label maps into this folder')
+    parser.add_argument('--metrics-json', help='also write the metrics (a flat dict) here')
     parser.add_argument('--show', action='store_true', help='show predictions')
-    parser.add_argument(
-        '--show-dir',
-        help='save painted predictions: an mmdet config under work_dir/<timestamp>/SHOW_DIR, '
-        "an mmseg config in SHOW_DIR/vis_data (every interval-th image of the visualization "
-        "hook, 50 by default), as mmdet's and mmseg's tools")
-    parser.add_argument(
-        '--wait-time', type=float, default=2, help='the interval of show (s)')
-    parser.add_argument(
-        '--tta', action='store_true',
-        help="test-time augmentation: the config's tta_model and tta_pipeline (a box "
-        "detector without them: mmdet's horizontal flip and NMS)")
+    parser.add_argument('--show-dir', help='save painted predictions (mmdet: under '
+                        'work_dir/<timestamp>/SHOW_DIR; mmseg: SHOW_DIR/vis_data)')
+    parser.add_argument('--wait-time', type=float, default=2, help='the interval of show (s)')
+    parser.add_argument('--tta', action='store_true', help="test-time augmentation: the "
+                        "config's tta_model and tta_pipeline (a box detector without them: "
+                        "mmdet's horizontal flip and NMS)")
     args = parse_run_args(parser, argv)
     if args.out is not None and not osp.isdir(args.out) and \
             osp.splitext(args.out)[1] not in ('', '.pkl', '.pickle'):
@@ -55,12 +44,9 @@ def parse_args(argv=None):
 
 
 def enable_visualization(cfg, args):
-    """Turn on the scope's visualization hook (mmdet's or mmseg's) for --show/--show-dir."""
     hook = cfg.get('default_hooks', {}).get('visualization')
     if hook is None:
-        raise ConfigError(
-            '--show/--show-dir need a `visualization` entry in default_hooks '
-            '(DetVisualizationHook or SegVisualizationHook)')
+        raise ConfigError('--show/--show-dir need a `visualization` entry in default_hooks')
     hook['draw'] = True
     if args.show:
         hook['show'] = True
@@ -80,23 +66,21 @@ DET_TTA_PACK = dict(type='PackDetInputs', meta_keys=(
 
 
 def apply_tta(cfg):
-    """mmdet's and mmseg's ``--tta``: ``tta_model`` wraps the model and ``tta_pipeline``
-    replaces the test pipeline. A box detector without them gets mmdet's defaults (each
-    image as is and flipped, the boxes merged by NMS); mmseg configs carry theirs (its
-    dataset and runtime bases). mmdet's DetTTAModel merges no masks: refused for them."""
+    """mmdet's and mmseg's ``--tta``: ``tta_model`` wraps the model, ``tta_pipeline`` replaces
+    the test pipeline; a box detector without them gets mmdet's defaults (mmdet's DetTTAModel
+    merges no masks)."""
     dataset = cfg.test_dataloader.dataset
     while 'dataset' in dataset:
         dataset = dataset['dataset']
     if cfg.get('default_scope') == 'mmseg':
         missing = [key for key in ('tta_model', 'tta_pipeline') if key not in cfg]
         if missing:
-            raise ConfigError(f'--tta needs {" and ".join(missing)} in the config (mmseg '
-                              'defines them in its dataset and runtime bases)')
+            raise ConfigError(f'--tta needs {" and ".join(missing)} in the config')
     else:
         if cfg.model.get('roi_head', {}).get('mask_head') is not None and (
                 'tta_model' not in cfg):
-            raise ConfigError("--tta: mmdet's DetTTAModel merges boxes, not masks; this "
-                              'config predicts masks and defines no tta_model of its own')
+            raise ConfigError("--tta: mmdet's DetTTAModel merges boxes, not masks, and this "
+                              'config defines no tta_model of its own')
         if 'tta_model' not in cfg:
             cfg.tta_model = DET_TTA_MODEL
         if 'tta_pipeline' not in cfg:
@@ -110,10 +94,8 @@ def apply_tta(cfg):
 
 
 def build_cfg(args):
-    """The test config with the command line applied."""
     cfg = load_cfg(args)
-    check_checkpoint_argument(args.checkpoint)
-    cfg.load_from = args.checkpoint
+    cfg.load_from = args.checkpoint  # checked with the other inputs (checked_cfg)
     cfg.resume = False
     if args.tta:
         apply_tta(cfg)
@@ -121,8 +103,7 @@ def build_cfg(args):
         enable_visualization(cfg, args)
     if args.out is not None and cfg.get('default_scope') == 'mmseg':
         if osp.splitext(args.out)[1] in ('.pkl', '.pickle'):
-            raise ConfigError(f'--out of a segmentor names a folder for the predicted masks '
-                              f'(PNG files), got {args.out!r}')
+            raise ConfigError(f'--out of a segmentor names a folder, got {args.out!r}')
         cfg.test_evaluator['output_dir'] = args.out
         cfg.test_evaluator['keep_results'] = True
     return cfg
@@ -147,7 +128,7 @@ def coco_table(metrics):
 
 
 def evaluate(cfg, args):
-    """Build the runner and test; the runner is gone on return (see close_distributed)."""
+    """The metrics; the runner is gone on return (close_distributed)."""
     runner = build_runner(cfg)
     if args.out is not None and cfg.get('default_scope') != 'mmseg':
         from mmdet.evaluation import DumpDetResults

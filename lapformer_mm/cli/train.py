@@ -1,7 +1,6 @@
 """Train from an mmdet, mmseg or mmpretrain config (mmdet's ``tools/train.py`` interface),
-adding: the model config and the run's inputs checked before anything is built (one message,
-exit status 2); ``--amp`` on CPU (``CPUAmpOptimWrapper``); ``--launcher pytorch`` without
-CUDA (gloo).
+with the config and the run's inputs checked before anything is built (one message, exit
+status 2), ``--amp`` on CPU and ``--launcher pytorch`` without CUDA (gloo).
 """
 import argparse
 import gc
@@ -27,28 +26,22 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description='Train a detector or segmentor')
     parser.add_argument('config', help='train config file path')
     parser.add_argument('--work-dir', help='the dir to save logs and models')
-    parser.add_argument(
-        '--amp', action='store_true', default=False,
-        help='enable automatic-mixed-precision training')
-    parser.add_argument(
-        '--auto-scale-lr', action='store_true',
-        help='scale the LR by (total batch size / auto_scale_lr.base_batch_size)')
-    parser.add_argument(
-        '--resume', nargs='?', type=str, const='auto',
-        help='resume from this checkpoint; without a path, from the latest '
-        'checkpoint in the work directory')
+    parser.add_argument('--amp', action='store_true',
+                        help='enable automatic-mixed-precision training')
+    parser.add_argument('--auto-scale-lr', action='store_true',
+                        help='scale the LR by (total batch size / auto_scale_lr.base_batch_size)')
+    parser.add_argument('--resume', nargs='?', type=str, const='auto',
+                        help='resume from this checkpoint; without a path, from the latest '
+                        'checkpoint in the work directory')
     return parse_run_args(parser, argv)
 
 
 def parse_run_args(parser, argv):
-    """``parser``'s arguments, with those of a run that tools/train.py and tools/test.py
-    share: --cfg-options, --launcher, --local-rank."""
-    parser.add_argument(
-        '--cfg-options', nargs='+', action=DictAction,
-        help='override config settings, key=value (e.g. train_cfg.max_epochs=1)')
-    parser.add_argument(
-        '--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
-        default='none', help='job launcher')
+    """``parser``'s arguments and those tools/train.py and tools/test.py share."""
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings, key=value (e.g. train_cfg.max_epochs=1)')
+    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+                        default='none', help='job launcher')
     # torch.distributed.launch passes --local-rank; torchrun sets LOCAL_RANK.
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args(argv)
@@ -57,9 +50,8 @@ def parse_run_args(parser, argv):
 
 
 def enable_amp(cfg):
-    """Mixed precision for the device at hand: mmengine's ``AmpOptimWrapper`` on a GPU (fp16,
-    dynamic loss scale), ``CPUAmpOptimWrapper`` on CPU (bf16; ``optim_wrapper.dtype=float16``
-    for fp16), which mmengine's wrapper refuses."""
+    """mmengine's ``AmpOptimWrapper`` on a GPU, ``CPUAmpOptimWrapper`` on CPU (which mmengine's
+    refuses; bf16, or fp16 with ``optim_wrapper.dtype=float16``)."""
     from mmengine.device import get_device
     wanted = 'CPUAmpOptimWrapper' if get_device() == 'cpu' else 'AmpOptimWrapper'
     current = cfg.optim_wrapper.get('type', 'OptimWrapper')
@@ -67,8 +59,7 @@ def enable_amp(cfg):
         return
     if current not in ('OptimWrapper', 'AmpOptimWrapper', 'CPUAmpOptimWrapper'):
         raise ConfigError(f'--amp replaces the optimizer wrapper with {wanted}, but the config '
-                         f'sets optim_wrapper.type={current!r}; drop --amp or use one of '
-                         "'OptimWrapper', 'AmpOptimWrapper', 'CPUAmpOptimWrapper'")
+                          f'sets optim_wrapper.type={current!r}')
     cfg.optim_wrapper.type = wanted
     cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
     if wanted == 'CPUAmpOptimWrapper':
@@ -81,7 +72,7 @@ def enable_amp(cfg):
 
 def load_cfg(args):
     """The config with ``--cfg-options``, ``--launcher`` and ``--work-dir`` applied, its model
-    checked (:func:`lapformer_mm.models.check_model_cfg`). Shared with ``tools/test.py``."""
+    checked."""
     cfg = Config.fromfile(args.config)
     cfg.launcher = args.launcher
     if args.cfg_options is not None:
@@ -95,7 +86,6 @@ def load_cfg(args):
 
 
 def build_cfg(args):
-    """The training config with the command line applied."""
     cfg = load_cfg(args)
     if args.amp:
         enable_amp(cfg)
@@ -114,9 +104,8 @@ def build_cfg(args):
 
 
 def checked_cfg(build, args, mode):
-    """``build(args)``, checked for the inputs of a ``mode`` run (``lapformer_mm.preflight``): a
-    missing config file or input, or a config error, ends the run before anything is built,
-    its message alone on stderr and exit status 2."""
+    """``build(args)``, its inputs checked for a ``mode`` run: a problem ends the run before
+    anything is built, its message alone on stderr and exit status 2."""
     try:
         cfg = build(args)
         check_config_inputs(cfg, mode)
@@ -127,30 +116,25 @@ def checked_cfg(build, args, mode):
 
 
 def setup_cpu_distributed(cfg):
-    """``--launcher pytorch`` without CUDA: mmengine's launcher calls
-    ``torch.cuda.set_device`` and wraps the model with ``device_ids=[LOCAL_RANK]``. A gloo
-    group started here makes mmengine skip its own, and a wrapper without device ids gives
-    CPU DDP."""
+    """``--launcher pytorch`` without CUDA, where mmengine's launcher calls
+    ``torch.cuda.set_device``: a gloo group started here makes mmengine skip its own, and a
+    wrapper without device ids gives CPU DDP."""
     if cfg.launcher != 'pytorch' or torch.cuda.is_available():
         return
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend='gloo', rank=int(os.environ['RANK']),
-            world_size=int(os.environ['WORLD_SIZE']))
+        dist.init_process_group(backend='gloo', rank=int(os.environ['RANK']),
+                                world_size=int(os.environ['WORLD_SIZE']))
     if cfg.get('model_wrapper_cfg') is None:
         cfg.model_wrapper_cfg = dict(
-            type='MMDistributedDataParallel',
-            device_ids=None,
-            broadcast_buffers=False,
+            type='MMDistributedDataParallel', device_ids=None, broadcast_buffers=False,
             find_unused_parameters=cfg.get('find_unused_parameters', False))
 
 
 def close_distributed():
-    """Destroy the process groups while the interpreter is still whole: a gloo thread still
-    releasing a collective's tensors at finalization aborts the process ("terminate called
-    without an active exception"). Destroying a group joins its threads once nothing holds it:
-    the caller drops its runner (the DDP model holds the group), the collection here frees the
-    runner's reference cycles."""
+    """Destroy the process groups while the interpreter is whole: a gloo thread releasing a
+    collective's tensors at finalization aborts the process. That joins the threads once
+    nothing holds the group: the caller drops its runner (its DDP model holds it), the
+    collection here frees the runner's reference cycles."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     dist.barrier()
@@ -158,10 +142,9 @@ def close_distributed():
     world = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()
     if world() is not None:
-        warnings.warn(
-            'the default process group outlives destroy_process_group (something still '
-            'holds it, e.g. a model wrapped in DDP); a gloo group\'s threads can then abort '
-            'the process at exit', RuntimeWarning, stacklevel=2)
+        warnings.warn('the default process group outlives destroy_process_group (something '
+                      'still holds it, e.g. a model wrapped in DDP)', RuntimeWarning,
+                      stacklevel=2)
 
 
 def build_runner(cfg):

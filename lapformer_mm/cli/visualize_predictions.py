@@ -8,31 +8,27 @@ import os.path as osp
 
 import mmcv
 import numpy as np
-from mmengine.config import Config, DictAction
+from mmengine.config import DictAction
 from mmengine.registry import init_default_scope
 
 import lapformer_mm  # noqa: F401  (registers LaplacianFormer)
 from lapformer_mm.cli import int_at_least
-from lapformer_mm.cli.train import checked_cfg
-from lapformer_mm.models import check_model_cfg
-from lapformer_mm.preflight import check_checkpoint_argument
+from lapformer_mm.cli.train import checked_cfg, load_cfg
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description='Write PNGs of predicted boxes and masks')
+    parser = argparse.ArgumentParser(description='Write PNGs of predicted boxes and masks')
     parser.add_argument('config', help='detector or segmentor config')
     parser.add_argument('checkpoint', help='checkpoint file')
     parser.add_argument('--out-dir', required=True, help='where PNGs go')
-    parser.add_argument(
-        '--num', type=int_at_least(1), default=6, help='first N test images (default 6)')
-    parser.add_argument(
-        '--score-thr', type=float, default=0.3,
-        help='detection: draw predictions scoring at least this (default 0.3)')
+    parser.add_argument('--num', type=int_at_least(1), default=6,
+                        help='first N test images (default 6)')
+    parser.add_argument('--score-thr', type=float, default=0.3,
+                        help='detection: draw predictions scoring at least this (default 0.3)')
     parser.add_argument('--device', default='cpu')
-    parser.add_argument(
-        '--cfg-options', nargs='+', action=DictAction,
-        help='override config settings, key=value')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings, key=value')
+    parser.set_defaults(launcher='none', work_dir=None)  # what load_cfg reads
     args = parser.parse_args(argv)
     if not 0.0 <= args.score_thr <= 1.0:
         parser.error(f'--score-thr must be in [0, 1], got {args.score_thr}')
@@ -42,23 +38,16 @@ def parse_args(argv=None):
 
 
 def build_cfg(args):
-    """The config with ``--cfg-options`` applied, its model and checkpoint checked: mmdet's
-    and mmseg's init functions read the checkpoint only after building the model, and
-    name a missing one in a traceback."""
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
-    check_model_cfg(cfg.model)
-    check_checkpoint_argument(args.checkpoint)
+    cfg = load_cfg(args)
+    # Checked with the other inputs (checked_cfg): mmdet's and mmseg's init functions read
+    # the checkpoint only after building the model, and name a missing one in a traceback.
+    cfg.load_from = args.checkpoint
     return cfg
 
 
 def original_scale_gt(data_sample):
-    """GT instances of a packed test sample in original-image pixels.
-
-    The test pipeline resizes; boxes are scaled back, masks (kept only when
-    the image was not resized) are drawn as they are.
-    """
+    """GT instances of a packed test sample in original-image pixels: the boxes scaled back,
+    the masks kept only where the test pipeline did not resize."""
     gt = data_sample.gt_instances
     sx, sy = data_sample.metainfo.get('scale_factor', (1.0, 1.0))
     boxes = gt.bboxes.tensor if hasattr(gt.bboxes, 'tensor') else gt.bboxes
@@ -76,8 +65,7 @@ def visualize_detection(cfg, checkpoint, out_dir, num, score_thr, device='cpu'):
     init_default_scope(cfg.get('default_scope', 'mmdet'))
     model = init_detector(cfg, checkpoint, device=device)
     dataset = DATASETS.build(cfg.test_dataloader.dataset)
-    visualizer = VISUALIZERS.build(
-        dict(type='DetLocalVisualizer', name='lapformer_vis'))
+    visualizer = VISUALIZERS.build(dict(type='DetLocalVisualizer', name='lapformer_vis'))
     visualizer.dataset_meta = model.dataset_meta
     os.makedirs(out_dir, exist_ok=True)
     paths = []
@@ -87,19 +75,17 @@ def visualize_detection(cfg, checkpoint, out_dir, num, score_thr, device='cpu'):
         result = inference_detector(model, img_path)
         result.gt_instances = original_scale_gt(dataset[idx]['data_samples'])
         img = mmcv.imread(img_path, channel_order='rgb')
-        out_file = osp.join(out_dir, osp.splitext(osp.basename(img_path))[0] +
-                            '_pred.png')
-        visualizer.add_datasample(
-            osp.basename(img_path), img, data_sample=result, draw_gt=True,
-            draw_pred=True, show=False, pred_score_thr=score_thr,
-            out_file=out_file)
+        out_file = osp.join(out_dir, osp.splitext(osp.basename(img_path))[0] + '_pred.png')
+        visualizer.add_datasample(osp.basename(img_path), img, data_sample=result,
+                                  draw_gt=True, draw_pred=True, show=False,
+                                  pred_score_thr=score_thr, out_file=out_file)
         paths.append(out_file)
     return paths
 
 
 def paint_labels(img, label_map, palette, alpha=0.6):
-    """``img`` (H, W, 3) with each pixel of a class label > 0 blended with its
-    palette colour; background (0) and the ignore index (255) stay unpainted."""
+    """``img`` (H, W, 3) with each pixel of a class label > 0 blended with its palette colour;
+    background (0) and the ignore index (255) stay unpainted."""
     palette = np.asarray(palette, np.float32)
     painted = img.astype(np.float32)
     shown = (label_map > 0) & (label_map < len(palette))
@@ -109,8 +95,7 @@ def paint_labels(img, label_map, palette, alpha=0.6):
 
 
 def visualize_segmentation(cfg, checkpoint, out_dir, num, device='cpu'):
-    """Write ``num`` PNGs (image | ground truth | prediction) into ``out_dir``;
-    return their paths."""
+    """Write ``num`` PNGs (image | ground truth | prediction) into ``out_dir``; their paths."""
     from mmseg.apis import inference_model, init_model
     from mmseg.registry import DATASETS
 
@@ -127,26 +112,22 @@ def visualize_segmentation(cfg, checkpoint, out_dir, num, device='cpu'):
         pred = inference_model(model, info['img_path']).pred_sem_seg.data[0]
         panels = [img, paint_labels(img, gt, palette),
                   paint_labels(img, pred.cpu().numpy(), palette)]
-        out_file = osp.join(out_dir, osp.splitext(
-            osp.basename(info['img_path']))[0] + '_pred.png')
+        out_file = osp.join(out_dir, osp.splitext(osp.basename(info['img_path']))[0]
+                            + '_pred.png')
         mmcv.imwrite(mmcv.rgb2bgr(np.concatenate(panels, axis=1)), out_file)
         paths.append(out_file)
     return paths
 
 
-def visualize(cfg, checkpoint, out_dir, num, score_thr, device='cpu'):
-    """Write ``num`` PNGs into ``out_dir`` (mmseg or mmdet by the config's
-    ``default_scope``); return their paths."""
-    if cfg.get('default_scope') == 'mmseg':
-        return visualize_segmentation(cfg, checkpoint, out_dir, num, device)
-    return visualize_detection(cfg, checkpoint, out_dir, num, score_thr, device)
-
-
 def main(argv=None):
     args = parse_args(argv)
     cfg = checked_cfg(build_cfg, args, 'test')
-    paths = visualize(cfg, args.checkpoint, args.out_dir, args.num,
-                      args.score_thr, args.device)
+    if cfg.get('default_scope') == 'mmseg':
+        paths = visualize_segmentation(cfg, args.checkpoint, args.out_dir, args.num,
+                                       args.device)
+    else:
+        paths = visualize_detection(cfg, args.checkpoint, args.out_dir, args.num,
+                                    args.score_thr, args.device)
     print(f'wrote {len(paths)} PNGs to {args.out_dir}')
 
 
