@@ -15,7 +15,7 @@ from _shared import CONFIG_DIR, ROOT, TOOLS, TOY_CONFIG, run_tool
 from lapformer_mm.ablation.real import PEERS, collect_run, peer_config, plan_runs
 from lapformer_mm.ablation.tasks import HUES, SameColourTask, build_task
 from lapformer_mm.ablation.toy import takeoff_step
-from lapformer_mm.ablation.variants import parse_variants
+from lapformer_mm.ablation.variants import NAMED_VARIANTS, parse_variants
 from lapformer_mm.cli import ablate
 
 TOY_CLS_CONFIG = osp.join(CONFIG_DIR, 'cls', 'lapformer_t_toy.py')
@@ -26,19 +26,14 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def test_same_colour_is_deterministic_per_seed():
+def test_same_colour_is_deterministic_per_seed_with_its_geometry_hues_and_labels():
     task = build_task('same_colour')
     images, labels = task.sample(16, gen(3))
     again, labels_again = task.sample(16, gen(3))
     assert torch.equal(images, again) and torch.equal(labels, labels_again)
-    other, _ = task.sample(16, gen(4))
-    assert not torch.equal(images, other)
+    assert not torch.equal(images, task.sample(16, gen(4))[0])
     assert images.shape == (16, 3, 64, 64) and labels.dtype == torch.int64
     assert 0 <= images.min() and images.max() <= 1
-
-
-def test_same_colour_geometry_hues_and_labels():
-    task = SameColourTask()
     scenes = task.layout(500, gen(0))
     centres = scenes['centres']
     assert ((centres[:, 0] - centres[:, 1]).norm(dim=-1) >= 0.55 * 64).all()
@@ -232,16 +227,24 @@ def _state(pid):
         return 'zombie'
 
 
+PARTIAL_SETTINGS = dict(task='same_colour', steps=2, warmup=1, batch_size=2, lr=1e-3,
+                        val_size=4, early_step=1, started='2026-12-01 21:00 UTC')
+
+
+def write_partial(out, variant, seed, final_acc):
+    out.mkdir()
+    fake = dict(variant=variant, seed=seed, attn_cfg=dict(NAMED_VARIANTS[variant]),
+                losses=[0.7, 0.6], takeoff_step=None, early_step=1, early_acc=0.5,
+                final_acc=final_acc, seconds=1.0)
+    (out / 'runs.partial.json').write_text(json.dumps(dict(settings=PARTIAL_SETTINGS,
+                                                           runs=[fake])))
+
+
 def test_resume_keeps_finished_runs(tmp_path, capsys, one_thread):
     out = tmp_path / 'ablate'
     args = ['--variants', 'default', '--seeds', '1', '--steps', '2', '--warmup', '1',
             '--batch-size', '2', '--val-size', '4', '--out', str(out)] + one_thread
-    fake = dict(variant='default', seed=0, attn_cfg={}, losses=[0.7, 0.6],
-                takeoff_step=None, early_step=1, early_acc=0.5, final_acc=0.25, seconds=1.0)
-    settings = dict(task='same_colour', steps=2, warmup=1, batch_size=2, lr=1e-3,
-                    val_size=4, early_step=1)
-    out.mkdir()
-    (out / 'runs.partial.json').write_text(json.dumps(dict(settings=settings, runs=[fake])))
+    write_partial(out, 'default', 0, 0.25)
     assert ablate.main(args + ['--resume']) == 0
     assert 'kept from' in capsys.readouterr().out
     runs = json.loads((out / 'runs.json').read_text())['runs']
@@ -297,6 +300,9 @@ def test_real_config_writes_configs_and_prints_commands(tmp_path, capsys):
 
 def test_real_config_collects_finished_work_dirs(tmp_path, capsys):
     out = tmp_path / 'real'
+    assert ablate.main(['--config', TOY_CLS_CONFIG, '--seeds', '1', '--out',
+                        str(tmp_path), '--collect']) == 1
+    assert 'no finished run to collect' in capsys.readouterr().err
     runs = plan_runs(TOY_CLS_CONFIG, parse_variants([]), [0, 1], str(out))
     by_key = {(r['variant'], r['seed']): r for r in runs}
     plateau = [math.log(4)] * 4
@@ -322,21 +328,9 @@ def test_real_config_collects_finished_work_dirs(tmp_path, capsys):
     assert (out / 'loss_curves.png').exists()
 
 
-def test_collect_without_finished_runs_fails(tmp_path, capsys):
-    assert ablate.main(['--config', TOY_CLS_CONFIG, '--seeds', '1', '--out',
-                        str(tmp_path), '--collect']) == 1
-    assert 'no finished run to collect' in capsys.readouterr().err
-
-
 def test_report_only_writes_the_finished_runs_of_an_interrupted_sweep(tmp_path, capsys):
     out = tmp_path / 'ablate'
-    out.mkdir()
-    settings = dict(task='same_colour', steps=2, warmup=1, batch_size=2, lr=1e-3,
-                    val_size=4, early_step=1, started='2026-12-01 21:00 UTC')
-    fake = dict(variant='noglobal', seed=1, attn_cfg={'global_term': False},
-                losses=[0.7, 0.7], takeoff_step=None, early_step=1, early_acc=0.5,
-                final_acc=0.5, seconds=2.0)
-    (out / 'runs.partial.json').write_text(json.dumps(dict(settings=settings, runs=[fake])))
+    write_partial(out, 'noglobal', 1, 0.5)
     args = ['--seeds', '2', '--steps', '2', '--warmup', '1', '--batch-size', '2',
             '--val-size', '4', '--out', str(out), '--resume', '--report-only']
     assert ablate.main(args) == 0
