@@ -1,18 +1,15 @@
 """Attention math for LaplacianFormer: one registered op with its backends, over a reference.
-
-Shapes are (batch, heads, tokens, head width) = (B, h, N, d). Reading order:
-:mod:`.reference` (the math, in the order it runs), :mod:`.attention` (the options, the op and
-its entry :func:`nystrom_attention`), :mod:`.backends` (CUDA and C++ CPU kernels),
-:mod:`.functional` (checked primitives), :mod:`.export` (what the exporters need).
-"""
+Shapes are (B, h, N, d). Reading order: :mod:`.reference` (the math, in the order it runs),
+:mod:`.attention` (options, op, entry), :mod:`.backends` (CUDA and C++ CPU kernels),
+:mod:`.functional` (checked primitives), :mod:`.export` (what the exporters need)."""
 from .attention import AttentionOptions, nystrom_attention, resolve_impl, select_backend
 from .functional import (
-    gaussian_kernel,
-    injective_normalize,
-    kernel_matrix,
-    landmark_matrix,
-    laplacian_kernel,
-    newton_schulz_pinv,
+                         gaussian_kernel,
+                         injective_normalize,
+                         kernel_matrix,
+                         landmark_matrix,
+                         laplacian_kernel,
+                         newton_schulz_pinv,
 )
 from .reference import DEFAULT_NS_ITERS, cg_solve, exact_inverse, exact_solve, pool_landmarks
 

@@ -1,21 +1,17 @@
-"""The Nyström attention op: its options, the registered op pair, autograd, and the entry
-:func:`nystrom_attention`. Newton–Schulz without dropout runs as the op on the backend
-:func:`select_backend` picks (else the reference); dropout, the 'exact' and 'cg' solvers and
-exports run ``reference.forward`` under autograd (the op library's export: the CPU backend's
-composition over :class:`.export.OrtNodes`).
+"""The Nyström attention: options, the registered op pair, autograd, the entry. Newton–Schulz
+without dropout runs as the op on the backend :func:`select_backend` picks (else the reference);
+dropout, the 'exact' and 'cg' solvers and exports run ``reference.forward`` under autograd.
 
-Op contract (per batch element and head; every backend keeps it):
-``nystrom_attention(q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
-whiten_eps, impl) -> (out, context, inverse, stats)`` for q (B, h, N, d), k like q or None (keys
-tied to queries), v (B, h, N, d_v), landmarks (B, h, m, d), any strides, one dtype and device.
-out (B, N, h, d_v), contiguous, q's dtype (the token layout the module needs next) = Z ·
-context[:m] + context[m], Z the injective map of k(q, L) (itself for normalize='none'); context
-(B, h, m + 1, d_v) = [P⁻¹ k(k, L)ᵀ (v − v̄) / N; v̄]; inverse (B, h, m, m) the Newton–Schulz X;
-stats (B, h, 3, m) the whitening's μ and s and c̄ = colmean(k(k, L)) (c̄ alone for 'none'); fp32
-(fp64 for fp64 inputs), saved for the backward as flash-attn saves softmax_lse.
-``nystrom_attention_backward(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam, eps,
-ns_refine, normalize, whiten_eps, impl) -> (dq, dk, dv, dlandmarks)``: grad (B, N, h, d_v), any
-strides; dk empty when k is None; each gradient in its operand's dtype.
+Op contract (every backend keeps it): ``nystrom_attention(q, k, v, landmarks, kernel, lam, eps,
+iters, ns_init, ns_refine, normalize, whiten_eps, impl) -> (out, context, inverse, stats)`` for
+q (B, h, N, d), k like q or None (tied), v (B, h, N, d_v), landmarks (B, h, m, d), any strides,
+one dtype and device: out (B, N, h, d_v), contiguous, q's dtype, = Z · context[:m] + context[m];
+context (B, h, m + 1, d_v) = [P⁻¹ k(k, L)ᵀ (v − v̄) / N; v̄]; inverse (B, h, m, m) the
+Newton–Schulz X; stats (B, h, 3, m) = μ, s of the whitening and c̄ = colmean(k(k, L)) (c̄ alone
+for 'none'); the three saved for the backward, fp32 (fp64 for fp64 inputs).
+``nystrom_attention_backward(grad (B, N, h, d_v) any strides, q, k, v, landmarks, context,
+inverse, stats, kernel, lam, eps, ns_refine, normalize, whiten_eps, impl) -> (dq, dk (empty when
+k is None), dv, dlandmarks)``, each in its operand's dtype.
 """
 import dataclasses
 import functools
@@ -25,18 +21,7 @@ from typing import Optional
 
 import torch
 
-from . import reference
-from ._checks import (
-    KERNELS,
-    NORMALIZATIONS,
-    NS_INITS,
-    SOLVERS,
-    check_bool,
-    check_choice,
-    check_int,
-    check_non_negative,
-    check_positive,
-)
+from . import _checks, reference
 from .backends import cpu, cuda
 from .export import ExportForm, OrtNodes, check_exportable, exporting
 
@@ -46,21 +31,10 @@ IMPLS = ('reference',) + tuple(BACKENDS)
 ENV_VAR = 'LAPFORMER_OPS'
 
 
-def requested_impl(impl=None):
-    """The validated ``impl`` argument, else the environment variable, else None."""
-    name = 'impl' if impl is not None else f'environment variable {ENV_VAR}'
-    impl = impl if impl is not None else os.environ.get(ENV_VAR) or None
-    if impl is not None and impl not in IMPLS:
-        raise ValueError(f'{name}={impl!r} is not supported; allowed: '
-                         f'{", ".join(repr(i) for i in IMPLS)} or None')
-    return impl
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
-    """Validated options of the Nyström attention, checked once when built; docs/attention.md
-    gives each field's meaning and values. ``impl=None`` reads the environment variable
-    ``LAPFORMER_OPS`` here, once; unset, :func:`select_backend` picks per call."""
+    """Validated options of the Nyström attention, checked once when built (docs/attention.md).
+    ``impl=None`` reads ``LAPFORMER_OPS`` here, once; unset, :func:`select_backend` picks."""
     kernel: str = 'laplacian'
     lam: float = 4.0
     eps: float = 0.01
@@ -73,38 +47,27 @@ class AttentionOptions:
     impl: Optional[str] = None
 
     def __post_init__(self):
+        impl = self.impl if self.impl is not None else os.environ.get(ENV_VAR) or None
+        name = 'impl' if self.impl is not None else f'environment variable {ENV_VAR}'
         checked = dict(
-            kernel=check_choice('kernel', self.kernel, KERNELS),
-            lam=check_positive('lam', self.lam),
-            eps=check_non_negative('eps', self.eps),
-            solver=check_choice('solver', self.solver, SOLVERS),
-            iters=None if self.iters is None else check_int('iters', self.iters),
-            ns_init=check_choice('ns_init', self.ns_init, NS_INITS),
-            ns_refine=check_bool('ns_refine', self.ns_refine),
-            normalize=check_choice('normalize', self.normalize, NORMALIZATIONS),
-            whiten_eps=check_non_negative('whiten_eps', self.whiten_eps),
-            impl=requested_impl(self.impl))
+            kernel=_checks.check_choice('kernel', self.kernel, _checks.KERNELS),
+            lam=_checks.check_positive('lam', self.lam),
+            eps=_checks.check_non_negative('eps', self.eps),
+            solver=_checks.check_choice('solver', self.solver, _checks.SOLVERS),
+            iters=None if self.iters is None else _checks.check_int('iters', self.iters),
+            ns_init=_checks.check_choice('ns_init', self.ns_init, _checks.NS_INITS),
+            ns_refine=_checks.check_bool('ns_refine', self.ns_refine),
+            normalize=_checks.check_choice('normalize', self.normalize, _checks.NORMALIZATIONS),
+            whiten_eps=_checks.check_non_negative('whiten_eps', self.whiten_eps),
+            impl=None if impl is None else _checks.check_choice(name, impl, IMPLS))
         for name, value in checked.items():
             object.__setattr__(self, name, value)
         newton_default = self.iters is None and self.solver == 'newton'
         iters = reference.DEFAULT_NS_ITERS if newton_default else self.iters
-        # What the op and the backends read (not a field: derived, not compared or printed).
+        # What the op and the backends read (derived: not a field, not compared or printed).
         object.__setattr__(self, 'op_options', reference.OpOptions(
             self.kernel, self.lam, self.eps, iters, self.ns_init, self.ns_refine,
             self.normalize, self.whiten_eps))
-
-
-def check_operands(q, k, v, landmarks):
-    """q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) on one device, with q's batch
-    dims, N and d: the math would broadcast others without a word, and the kernels read
-    another device's memory as their own (landmarks None before they are pooled)."""
-    if (k.shape != q.shape or v.shape[:-1] != q.shape[:-1] or landmarks is not None and (
-            landmarks.shape[:-2] != q.shape[:-2] or landmarks.shape[-1] != q.shape[-1])
-            or len({t.device for t in (q, k, v, landmarks) if t is not None}) > 1):
-        raise ValueError(
-            'nystrom_attention: q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) '
-            f'must agree and share a device, got q {tuple(q.shape)}, k {tuple(k.shape)}, v '
-            f'{tuple(v.shape)}, landmarks {None if landmarks is None else tuple(landmarks.shape)}')
 
 
 @functools.lru_cache(maxsize=None)  # once per backend and reasons
@@ -115,16 +78,13 @@ def _warn_fallback(name, reasons):
 
 
 def load_backends():
-    """Load the C++ CPU kernels' library now, quietly (a missing build warns at the first call
-    that would run it): the modules call it when built, since a first load inside a
-    ``torch.compile`` trace breaks the graph."""
+    """Load the CPU kernels now (a first load inside a ``torch.compile`` trace breaks it)."""
     cpu.load()
 
 
 def select_backend(q, k, v, landmarks, options):
-    """The backend module that runs this call, or None for the reference (the rule of
-    docs/attention.md: impl=None warns once of a backend's reasons and passes it over, an
-    explicit 'cupy' or 'cpu' raises them)."""
+    """The backend module that runs this call, or None for the reference (docs/attention.md:
+    impl=None warns once of a backend's reasons and passes it over; an explicit impl raises)."""
     impl = options.impl
     if impl == 'reference':
         return None
@@ -149,19 +109,17 @@ def select_backend(q, k, v, landmarks, options):
 
 
 def one_projection(device):
-    """Whether the attention on ``device`` takes q, k, v as strided views of one product (the
-    CUDA kernels read them so)."""
+    """Whether q, k, v on ``device`` come as views of one product (the CUDA kernels' read)."""
     return device.type == cuda.DEVICE
 
 
 def resolve_impl(q, k, v, landmarks, options):
-    """The name of the implementation that runs this call ('reference', 'cupy' or 'cpu')."""
+    """The name of the implementation that runs this call."""
     backend = select_backend(q, None if k is q else k, v, landmarks, options)
     return 'reference' if backend is None else backend.NAME
 
 
-# The registered ops: define/impl with an autograd.Function outside, the cheapest way to attach
-# autograd per call (docs/cuda.md, host path).
+# define/impl with an autograd.Function outside: the cheapest autograd per call (docs/cuda.md).
 
 _LIBRARY = torch.library.Library('lapformer_mm', 'FRAGMENT')
 _LIBRARY.define(
@@ -200,8 +158,7 @@ def _backward_impl(grad, q, k, v, landmarks, context, inverse, stats, kernel, la
 
 
 def _in_layout_of(t, ref):
-    """t with the strides of ``torch.empty_like(ref)``, which the fake kernel declares (the
-    fused kernels write each gradient in its operand's layout already; others pay a copy)."""
+    """t with the strides of ``torch.empty_like(ref)``, which the fake kernel declares."""
     if t.stride() == ref.stride():
         return t
     out = torch.empty_like(ref)
@@ -239,8 +196,7 @@ def _(grad, q, k, v, landmarks, context, inverse, stats, kernel, lam, eps, ns_re
 
 
 class NystromAttentionFunction(torch.autograd.Function):
-    """Autograd of the op: the backward op recomputes the kernel rows from the saved context,
-    inverse and stats."""
+    """Autograd of the op; the backward recomputes the kernel rows."""
 
     @staticmethod
     def forward(ctx, q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
@@ -267,17 +223,10 @@ class NystromAttentionFunction(torch.autograd.Function):
 
 def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmark_grid=7,
                       dropout_p=0.0, export=None, **kwargs):
-    """Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · k(k, L)ᵀ (v − v̄) / N + v̄, evaluated right to left:
-    every row of weights sums to 1 over the N keys (docs/design.md §2.6).
-
-    q, k (..., N, d) (k None or ``k is q``: tied keys), v (..., N, d_v) -> (..., N, d_v) in q's
-    dtype (4-D operands: a view of the op's (B, N, h, d_v) layout). The landmarks L
-    (..., m, d), or, given ``hw`` = (H, W) of the N = H·W tokens instead, the keys (B, h, N, d)
-    pooled on a ``landmark_grid`` × ``landmark_grid`` grid (:func:`~.reference.pool_landmarks`).
-    options: an :class:`AttentionOptions`, or its fields as keywords. dropout_p: dropout on Z.
-    export: the :class:`~.export.ExportForm` to trace (None: the default one while an exporter
-    traces, else eager). Computes in fp32 (fp64 stays fp64).
-    """
+    """Z(k(q, L)) · (k(L, L) + eps·I)⁻¹ · k(k, L)ᵀ (v − v̄) / N + v̄ (docs/design.md §2.6) for q,
+    k (..., N, d) (k None or q: tied), v (..., N, d_v) -> (..., N, d_v) in q's dtype, landmarks
+    (..., m, d) or ``hw`` = (H, W) to pool them from the keys; options: an
+    :class:`AttentionOptions` or its fields as keywords; export: an :class:`~.export.ExportForm`."""
     if options is None:
         options = AttentionOptions(**kwargs)
     elif kwargs:  # they would be ignored
@@ -288,8 +237,16 @@ def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmar
                         '(H, W), to pool them from the keys')
     k = q if k is None else k
     export = (ExportForm() if exporting() else None) if export is None else export
-    if export is None:  # an export's sizes are symbols (or a jit trace's tensors)
-        check_operands(q, k, v, landmarks)
+    # Shapes the math would broadcast, devices a kernel would read as its own (not while
+    # exporting: the sizes are symbols or a trace's tensors).
+    if export is None and (
+            k.shape != q.shape or v.shape[:-1] != q.shape[:-1] or landmarks is not None and (
+                landmarks.shape[:-2] != q.shape[:-2] or landmarks.shape[-1] != q.shape[-1])
+            or len({t.device for t in (q, k, v, landmarks) if t is not None}) > 1):
+        raise ValueError(
+            'nystrom_attention: q, k (..., N, d), v (..., N, d_v) and landmarks (..., m, d) '
+            f'must agree and share a device, got q {tuple(q.shape)}, k {tuple(k.shape)}, v '
+            f'{tuple(v.shape)}, landmarks {None if landmarks is None else tuple(landmarks.shape)}')
     if hw is not None:
         landmarks = reference.pool_landmarks(k, hw, landmark_grid, export is not None)
     if q.dim() == 4:
@@ -302,7 +259,6 @@ def nystrom_attention(q, k, v, landmarks=None, options=None, *, hw=None, landmar
 
 
 def _attention(q, k, v, landmarks, options, dropout_p, export):
-    """:func:`nystrom_attention` of 4-D operands and landmarks (``k is q``: tied)."""
     tied = k is q
     if export is not None:
         check_exportable(options)
@@ -313,12 +269,10 @@ def _attention(q, k, v, landmarks, options, dropout_p, export):
         # The reference under autograd; an exported graph has no dropout.
         return reference.forward(q, None if tied else k, v, landmarks, options.op_options,
                                  options.solver, 0.0 if export else dropout_p, export)[0]
-    # The backends read one element type: an odd operand follows q (under autocast all four
-    # are the 16-bit outputs of one linear layer and nothing is cast).
+    # The backends read one element type: an odd operand follows q.
     k, v, landmarks = (None if tied else k.to(q.dtype)), v.to(q.dtype), landmarks.to(q.dtype)
     backend = select_backend(q, k, v, landmarks, options)
-    # Without a backend the op runs the reference: its closed-form backward (the solve taken
-    # as exact) is what every backend computes, and it saves no N × m matrix.
+    # Without a backend the op runs the reference: its closed-form backward is every backend's.
     args = (q, k, v, landmarks, *options.op_options,
             'reference' if backend is None else backend.NAME)
     if torch.jit.is_tracing():

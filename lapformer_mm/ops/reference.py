@@ -1,21 +1,8 @@
-"""The attention's math in plain PyTorch: the ground truth on every device, and the stages the
-backends share. Read top to bottom, it is the attention in the order it runs (docs/design.md §2):
-
-1. landmarks            :func:`pool_landmarks`    L = the keys averaged on a g × g grid
-2. similarity           :func:`similarity`        k(x, y) = exp(-dist(x, y) / λ), dist ℓ1
-                                                  ('laplacian') or squared ℓ2 ('gaussian')
-3. landmark system      :func:`landmark_system`   P = k(L, L) + εI
-4. solve                :func:`solve_context`     context = X R, X ≈ P⁻¹ by Newton–Schulz,
-                                                  R = k(k, L)ᵀ (v − v̄) / N; exact and CG
-                                                  solves for the ablations
-5. feature map          :func:`whiten`            Z = c̃ diag(s) + 1/m
-6. output               :func:`forward`           out = Z · context + v̄
-7. backward             :func:`backward`          closed form, shared with the CPU backend
-
-Everything computes in fp32 (fp64 stays fp64). The standard-operator forms of the two
-primitives the exporters cannot take, ``torch.cdist`` and adaptive pooling, come last. This
-module imports torch and the argument checks only.
-"""
+"""The attention's math in plain PyTorch (docs/design.md §2), the ground truth on every device and
+the stages the backends share, in the order it runs: 1. landmarks, 2. the similarity k(x, y) =
+exp(-dist / λ), 3. P = k(L, L) + εI, 4. context = P⁻¹ k(k, L)ᵀ (v − v̄) / N, 5. Z = c̃ diag(s) + 1/m,
+6. out = Z · context + v̄, 7. the closed-form backward; then the exporters' forms of ``cdist`` and
+adaptive pooling. All in fp32 (fp64 stays fp64). A leaf: it imports torch and the checks."""
 from typing import NamedTuple
 
 import torch
@@ -23,8 +10,7 @@ import torch.nn.functional as F
 
 from ._checks import KERNELS, check_int
 
-#: A kernel's code in the compiled kernels (the C++ and CUDA KIND template argument, the ONNX
-#: Runtime nodes' attribute): its index in ``KERNELS``.
+#: A kernel's code in the compiled kernels (KIND template argument, ONNX attribute).
 KERNEL_CODES = {name: code for code, name in enumerate(KERNELS)}
 
 
@@ -41,15 +27,13 @@ class OpOptions(NamedTuple):
 
 
 def compute_dtype(dtype):
-    """fp64 stays fp64; every other floating dtype computes in fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # 1. Landmarks ------------------------------------------------------------------------------------
-
 def pool_landmarks(t, hw, grid=7, export=False):
-    """Adaptive average pooling of tokens t (B, h, N, d) on an H×W grid -> (B, h, m, d),
-    m = min(grid, H) · min(grid, W), row-major; the heads pool as channels of one map."""
+    """Tokens t (B, h, N, d) averaged on a min(grid, H) × min(grid, W) grid -> (B, h, m, d),
+    row-major; the heads pool as channels of one map."""
     batch, heads, _, width = t.shape
     if export:
         return pool_landmarks_export(t, hw, grid)
@@ -61,18 +45,13 @@ def pool_landmarks(t, hw, grid=7, export=False):
 
 
 # 2. Similarity: the kernel function k(x, y) and its gradient -------------------------------------
-
-#: Byte budget of the (rows, M, d) sign tensor of the chunked ℓ1 gradient.
-CHUNK_BYTES = 32 * 2 ** 20
-
 #: Rows of b per ``_cdist_backward`` call: it rereads b once per row of a, so blocks that stay
 #: in cache are faster for the landmark gradient's sum over N (docs/cpu.md).
 NATIVE_BLOCK_ROWS = 512
 
 
 def _l1_grad_native(g, a3, b3):
-    """sum_j g[:, i, j] · sign(a_i - b_j) by ``aten._cdist_backward`` (CPU tensors); its
-    ``cdist`` argument, read only for p not in {1, 2, inf}, gets the block for its shape."""
+    """sum_j g[:, i, j] · sign(a_i - b_j) by ``aten._cdist_backward`` (CPU)."""
     grad = None
     for start in range(0, b3.shape[1], NATIVE_BLOCK_ROWS):
         g_block = g[:, :, start:start + NATIVE_BLOCK_ROWS].contiguous()
@@ -83,9 +62,9 @@ def _l1_grad_native(g, a3, b3):
     return grad
 
 
-def _l1_grad_chunked(g, a3, b3, chunk_bytes=CHUNK_BYTES):
-    """sum_j g[:, i, j] · sign(a_i - b_j), rows of a in chunks (CUDA's ``_cdist_backward``
-    allocates an (N, M, d) buffer)."""
+def _l1_grad_chunked(g, a3, b3, chunk_bytes=32 * 2 ** 20):
+    """The same, rows of a in chunks of a (rows, M, d) sign tensor of at most ``chunk_bytes``
+    (CUDA's ``_cdist_backward`` allocates (N, M, d))."""
     batch, num_a, width = a3.shape
     per_row = batch * b3.shape[1] * width * a3.element_size()
     rows = max(1, chunk_bytes // max(per_row, 1))
@@ -97,23 +76,12 @@ def _l1_grad_chunked(g, a3, b3, chunk_bytes=CHUNK_BYTES):
     return grad
 
 
-def similarity_grad(w, rows, red, lam, kernel):
-    """d/d rows of Σ_ij g_ij K_ij given w = g ⊙ K: (batch, n_rows, n_red) -> (batch, n_rows, d);
-    dK/d dist = -K / lam, d|t|/dt = sign(t) (0 at t = 0), d t²/dt = 2t."""
-    if kernel == 'laplacian':
-        if rows.device.type == 'cpu' and w.numel() > 0:
-            return _l1_grad_native(w, rows, red).mul_(-1.0 / lam)
-        return _l1_grad_chunked(w, rows, red).mul_(-1.0 / lam)
-    return (w.sum(-1, keepdim=True) * rows - torch.bmm(w, red)).mul_(-2.0 / lam)
-
-
 def _as3(t):
-    """(..., n, d) -> (batch, n, d)."""
     return t.reshape(-1, t.shape[-2], t.shape[-1])
 
 
 class _Similarity(torch.autograd.Function):
-    """k(x, y) with the gradient of :func:`similarity_grad`: no (..., N, M, d) tensor."""
+    """k(x, y) with the gradient of :func:`similarity_grads`: no (..., N, M, d) tensor."""
 
     @staticmethod
     def forward(ctx, x, y, lam, kernel):
@@ -131,17 +99,21 @@ class _Similarity(torch.autograd.Function):
 
 
 def similarity_grads(w, x, y, lam, kernel, needs=(True, True)):
-    """(dx, dy) in the shapes of x (..., N, d) and y (..., M, d) (None where ``needs`` is
-    False) of Σ_ij g_ij k(x_i, y_j), given w = g ⊙ k(x, y) (..., N, M)."""
+    """(dx, dy) of Σ_ij g_ij k(x_i, y_j) given w = g ⊙ k(x, y) (None where not ``needs``):
+    dk/d dist = -k / lam, d|t|/dt = sign(t) (0 at t = 0), d t²/dt = 2t."""
+    def grad(w, rows, red):
+        if kernel == 'gaussian':
+            return (w.sum(-1, keepdim=True) * rows - torch.bmm(w, red)).mul_(-2.0 / lam)
+        native = rows.device.type == 'cpu' and w.numel() > 0
+        return (_l1_grad_native if native else _l1_grad_chunked)(w, rows, red).mul_(-1.0 / lam)
     w3, x3, y3 = _as3(w), _as3(x), _as3(y)
-    dx = similarity_grad(w3, x3, y3, lam, kernel).view(x.shape) if needs[0] else None
-    dy = similarity_grad(w3.mT, y3, x3, lam, kernel).view(y.shape) if needs[1] else None
-    return dx, dy
+    return (grad(w3, x3, y3).view(x.shape) if needs[0] else None,
+            grad(w3.mT, y3, x3).view(y.shape) if needs[1] else None)
 
 
 def similarity(x, y, lam, kernel):
-    """The kernel matrix exp(-dist(x_i, y_j) / lam) (..., N, M) of x (..., N, d), y (..., M, d).
-    The squared ℓ2 comes from coordinate differences: |x|² + |y|² − 2x·y cancels in fp32."""
+    """exp(-dist(x_i, y_j) / lam) (..., N, M). The squared ℓ2 comes from coordinate
+    differences: |x|² + |y|² − 2x·y cancels in fp32."""
     # A jit trace (the FLOP counter's) must see aten::cdist, not an opaque Function.
     if (torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
             and not torch.jit.is_tracing()):
@@ -154,10 +126,8 @@ def similarity(x, y, lam, kernel):
 
 
 # 3–4. The landmark system and its solve ----------------------------------------------------------
-
 def landmark_system(landmarks, lam, eps, kernel, export=False):
-    """P = k(L, L) + eps·I (..., m, m)."""
-    # All m landmarks in one step while exporting: the m × m matrix is small.
+    """P = k(L, L) + eps·I (..., m, m); exports take all m landmarks in one step."""
     w = (similarity_export(landmarks, landmarks, lam, kernel, chunk=None) if export
          else similarity(landmarks, landmarks, lam, kernel))
     return w + eps * torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
@@ -170,9 +140,8 @@ DEFAULT_NS_ITERS = 16
 
 def newton_schulz(P, iters, init):
     """X ≈ P⁻¹ for SPD P (..., m, m): X_{t+1} = 2 X_t − X_t P X_t from X₀ = I / ||P||_inf
-    (init 'identity': every eigenvalue of P X₀ in (0, 1]) or 1.8 / ||P||_inf² · P ('authors',
-    the LaplacianFormer code's start). In fp64 on CUDA, where fp32 matmuls follow the user's
-    TF32 setting (residual ~1e-3)."""
+    ('identity': every eigenvalue of P X₀ in (0, 1]) or 1.8 / ||P||_inf² · P ('authors', the
+    LaplacianFormer code's start). fp64 on CUDA, where fp32 matmuls may be TF32 (~1e-3)."""
     p = _as3(P.double() if P.is_cuda else P)
     norm = p.abs().sum(-1).amax(-1).view(-1, 1, 1)
     if init == 'identity':
@@ -186,10 +155,8 @@ def newton_schulz(P, iters, init):
 
 
 def apply_inverse(inverse, P, rhs, ns_refine, residual=torch.float64):
-    """X rhs, then with ``ns_refine`` one refinement step x + X (rhs − P x), its residual in
-    ``residual`` (fp64; fp32 for exports to runtimes without it): an fp32 X of near-identical
-    landmarks is accurate to ~1e-3, which the whitening amplifies; the step brings the solve
-    to an fp32 direct solve's error (docs/numerics.md)."""
+    """X rhs, then with ``ns_refine`` x + X (rhs − P x), the residual in ``residual``: this step
+    brings an fp32 X of near-identical landmarks to a direct solve's error (docs/numerics.md)."""
     x = torch.matmul(inverse, rhs)
     if not ns_refine:
         return x
@@ -199,13 +166,9 @@ def apply_inverse(inverse, P, rhs, ns_refine, residual=torch.float64):
 
 
 def landmark_rhs(c_k, v, residual=torch.float64):
-    """(R, v̄): R = k(k, L)ᵀ (v − 1 v̄ᵀ) / N (..., m, d_v), v̄ (..., 1, d_v) the mean value: the
-    attention is a weighted average whatever N (docs/design.md §2.6).
-
-    The output reads only R's small landmark-to-landmark differences, which a plain fp32
-    N-sum loses (docs/numerics.md): R is summed as (C_k − r 1ᵀ)ᵀ ṽ + 1 (rᵀ ṽ), ṽ = v − v̄,
-    r = C_k's row means (exact for any r), the common part in ``residual``: P⁻¹ does not
-    keep an error common to the landmarks common."""
+    """(R, v̄): R = k(k, L)ᵀ (v − v̄) / N (..., m, d_v), v̄ (..., 1, d_v). The output reads only
+    R's small landmark-to-landmark differences, which a plain fp32 N-sum loses: R = (C_k − r 1ᵀ)ᵀ
+    ṽ + 1 (rᵀ ṽ), r = C_k's row means, the common part in ``residual`` (docs/numerics.md)."""
     n = v.shape[-2]
     mean = v.mean(-2, keepdim=True)
     centred = v - mean
@@ -217,31 +180,22 @@ def landmark_rhs(c_k, v, residual=torch.float64):
 
 
 def solve_context(P, rhs, opts, residual=torch.float64):
-    """(context, X): context = P⁻¹ rhs by Newton–Schulz (with the refinement step)."""
+    """(context, X): context = P⁻¹ rhs by Newton–Schulz and the refinement step."""
     inverse = newton_schulz(P, opts.iters, opts.ns_init)
     return apply_inverse(inverse, P, rhs, opts.ns_refine, residual), inverse
 
 
-def _check_solved(info):
-    """Raise for the ``info`` of a ``torch.linalg`` ``*_ex`` call that met a singular P."""
+def exact_solve(P, B):
+    """P⁻¹ B for P (..., m, m), B (..., m, k); a singular P raises."""
+    x, info = torch.linalg.solve_ex(P.to(compute_dtype(P.dtype)), B.to(compute_dtype(P.dtype)))
     if bool((info != 0).any()):
         raise ValueError('the landmark matrix P = k(L, L) + eps·I is singular (identical '
                          'landmarks with eps=0?): use eps > 0 (default 0.01)')
-
-
-def exact_solve(P, B):
-    """Solve P X = B exactly; P (..., m, m), B (..., m, k) -> (..., m, k); a singular P raises."""
-    dtype = compute_dtype(P.dtype)
-    x, info = torch.linalg.solve_ex(P.to(dtype), B.to(dtype))
-    _check_solved(info)
     return x.to(B.dtype)
 
 
 def exact_inverse(P):
-    """Exact inverse of P (..., m, m) via ``torch.linalg.inv_ex``; a singular P raises."""
-    inverse, info = torch.linalg.inv_ex(P.to(compute_dtype(P.dtype)))
-    _check_solved(info)
-    return inverse.to(P.dtype)
+    return exact_solve(P, torch.eye(P.shape[-1], dtype=P.dtype, device=P.device).expand_as(P))
 
 
 def _cg_step_size(num, den, active):
@@ -252,19 +206,15 @@ def _cg_step_size(num, den, active):
     return torch.where(active, num / safe, torch.zeros_like(num))
 
 
-#: CG stops when every column's residual is below this share of its right-hand side's (times
-#: the dtype's epsilon), or after CG_MAX_ITERS_PER_M · m steps.
+#: CG stops at ||r|| <= CG_TOL_EPS · eps(dtype) · ||b|| per column, or CG_MAX_ITERS_PER_M · m steps.
 CG_TOL_EPS = 10.0
 CG_MAX_ITERS_PER_M = 10
 
 
 def cg_solve(P, B, iters=None):
-    """Conjugate gradient for SPD P (..., m, m), all columns of B (..., m, k) at once, until
-    every ||r|| <= CG_TOL_EPS · eps(dtype) · ||b|| or ``iters`` steps (default
-    CG_MAX_ITERS_PER_M · m). A converged column stops moving (its next steps would divide
-    round-off by round-off); the check synchronises once per step (an ablation baseline)."""
-    iters = None if iters is None else check_int('iters', iters)
-    iters = CG_MAX_ITERS_PER_M * P.shape[-1] if iters is None else iters
+    """CG for SPD P (..., m, m), all columns of B (..., m, k) at once; a converged column stops
+    (its next steps would divide round-off by round-off). Synchronises once per step."""
+    iters = CG_MAX_ITERS_PER_M * P.shape[-1] if iters is None else check_int('iters', iters)
     dtype = compute_dtype(P.dtype)
     P, residual = P.to(dtype), B.to(dtype)
     x = torch.zeros_like(residual)
@@ -287,7 +237,6 @@ def cg_solve(P, B, iters=None):
 
 
 # 5. The injective feature map --------------------------------------------------------------------
-
 def whitening_scale(var, whiten_eps):
     """s = (var + δ)^-½, 0 where var + δ = 0 (a column constant over the queries; a masked-out
     rsqrt(0) would still put NaN into the gradient)."""
@@ -298,16 +247,15 @@ def whitening_scale(var, whiten_eps):
 
 
 def centre_rows(C):
-    """c̃ = C − rowmean(C) over landmarks, centred twice: a row's values nearly agree, so the
-    first mean's rounding is most of what is left, common to the row, and the whitening's s
-    scales it into every column (docs/numerics.md). The backward recomputes c̃ with it."""
+    """C − rowmean(C), centred twice: a row's values nearly agree, so the first mean's rounding
+    is most of what is left, and s scales it into every column (docs/numerics.md)."""
     centred = C - C.mean(-1, keepdim=True)
     return centred - centred.mean(-1, keepdim=True)
 
 
 def whiten(C, whiten_eps):
     """(Z, stats) for C (..., N, m): Z = c̃ diag(s) + 1/m, c̃ centred over landmarks and whitened
-    over queries; stats (..., 2, m) = the column mean μ of c̃ and s = (var + δ)^-½ over queries."""
+    over queries; stats (..., 2, m) = c̃'s column mean μ and s = (var + δ)^-½ (biased var)."""
     centred = centre_rows(C)
     mean = centred.mean(-2, keepdim=True)
     scale = whitening_scale((centred - mean).square().mean(-2, keepdim=True), whiten_eps)
@@ -315,15 +263,10 @@ def whiten(C, whiten_eps):
 
 
 # 6. The forward ----------------------------------------------------------------------------------
-
 def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=None):
-    """Z(k(q, L)) · P⁻¹ · k(k, L)ᵀ (v − v̄) / N + v̄ -> (out (B, h, N, d_v) in q's dtype,
-    context, X, stats) for q (B, h, N, d), k (None: tied to q), v (B, h, N, d_v), landmarks
-    (B, h, m, d), under autograd, autocast off; X is None for the 'exact' and 'cg' solvers;
-    dropout acts on Z. context (B, h, m + 1, d_v) is P⁻¹ R and, last, v̄; stats (B, h, 3, m)
-    the whitening's μ and s and the keys' mean kernel row c̄ = colmean(k(k, L)) ((B, h, 1, m),
-    c̄ alone, for normalize='none'). ``export``: None, or the form an exporter traces
-    (``ops.export.ExportForm``: its ``similarity`` of the tokens, its ``residual_dtype``)."""
+    """(out, context, X, stats) of the op contract (:mod:`.attention`), out (B, h, N, d_v), for
+    k None (tied to q); X is None for the 'exact' and 'cg' solvers; dropout acts on Z.
+    ``export``: None, or the ``ops.export.ExportForm`` an exporter traces."""
     dtype = compute_dtype(q.dtype)
     rows = similarity if export is None else export.similarity
     residual = torch.float64 if export is None else export.residual_dtype
@@ -351,13 +294,10 @@ def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=Non
 
 
 # 7. The backward (closed form; it treats the solve as exact) -------------------------------------
-
 def context_grads(t, gsum, context, stats, n, normalize):
-    """(dcontext, a, scaled) from T = c̃ᵀ G (or C_qᵀ G) and colsum(G) (..., 1, d_v).
-
-    injective: dcontext = diag(s) T + 1 colsum(G)ᵀ / m, a_j = s_j³ Σ_e T_je context_je / N,
-    scaled = diag(s) context; 'none': dcontext = T, and a, scaled are None and context.
-    """
+    """(dcontext, a, scaled) from T = c̃ᵀ G (or C_qᵀ G) and colsum(G): dcontext = diag(s) T +
+    1 colsum(G)ᵀ / m, a_j = s_j³ Σ_e T_je context_je / N, scaled = diag(s) context ('none': T,
+    None, context)."""
     if normalize != 'injective':
         return t, None, context
     scale = stats[..., 1:2, :]
@@ -368,25 +308,22 @@ def context_grads(t, gsum, context, stats, n, normalize):
 
 
 def solve_grads(inverse, P, d_context, context, ns_refine):
-    """(dR, dP): dR = P⁻¹ dcontext (X, refined as the forward), dP = −dR contextᵀ; context
-    (..., m, d_v) without v̄'s row."""
+    """(dR, dP): dR = P⁻¹ dcontext (X, refined as the forward), dP = −dR contextᵀ."""
     d_rhs = apply_inverse(inverse, P, d_context, ns_refine)
     return d_rhs, -torch.matmul(d_rhs, context.mT)
 
 
 def value_grads(d_rhs, gsum, key_mean, n):
-    """(dR̃, w) of R = C_kᵀ (v − 1 v̄ᵀ) / N and out's + v̄, for dR (..., m, d_v), colsum(G)
-    (..., 1, d_v) and c̄ (..., 1, m): dR̃ = dR / N, so dC_k = (v − 1 v̄ᵀ) dR̃ᵀ and
-    dv = C_k dR̃ + 1 w, w = colsum(G) / N − c̄ dR̃ (v̄'s share of both paths)."""
+    """(dR̃, w) of R = C_kᵀ (v − 1 v̄ᵀ) / N and out's + v̄: dR̃ = dR / N, so dC_k = (v − 1 v̄ᵀ)
+    dR̃ᵀ and dv = C_k dR̃ + 1 w, w = colsum(G) / N − c̄ dR̃ (v̄'s share of both paths)."""
     d_rhs = d_rhs / n
     return d_rhs, gsum / n - torch.matmul(key_mean, d_rhs)
 
 
 def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
-    """(dq, dk, dv, dlandmarks) of :func:`forward` for grad G (B, h, N, d_v) of its output:
-    dc̃ = G contextᵀ diag(s) − (c̃ − μ) diag(a), dC_q = dc̃ − rowmean(dc̃),
-    dC_k = (v − v̄) dR̃ᵀ, dv = C_k dR̃ + 1 w (:func:`value_grads`), then the similarity
-    gradients; dk is empty when k is None (it is in dq)."""
+    """(dq, dk, dv, dlandmarks) of :func:`forward` for grad G (B, h, N, d_v):
+    dc̃ = G contextᵀ diag(s) − (c̃ − μ) diag(a), dC_q = dc̃ − rowmean(dc̃), dC_k = (v − v̄) dR̃ᵀ,
+    dv = C_k dR̃ + 1 w, then the similarity gradients; dk is empty when k is None."""
     dtype = compute_dtype(q.dtype)
     tied = k is None
     with torch.autocast(device_type=q.device.type, enabled=False):
@@ -425,20 +362,14 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
 
 
 # Export forms of the two primitives (standard operators only) ------------------------------------
-
 #: Landmarks per step of the exported similarity (one row of the default 7 × 7 grid): each
 #: step holds a (..., 7, d, N) difference, 7× the input, and one node per step is traced.
 LANDMARK_CHUNK = 7
 
 
 def similarity_export(x, y, lam, kernel, chunk=LANDMARK_CHUNK):
-    """:func:`similarity` from coordinate differences, ``chunk`` landmarks y_j per step (None:
-    all at once).
-
-    No (..., N, M, d) tensor of the whole input exists; M must be static (the landmark grid).
-    The differences are laid out (..., chunk, d, N): ONNX Runtime's broadcast then subtracts
-    one scalar from a run of N values and reduces over d across whole rows.
-    """
+    """:func:`similarity` from differences laid out (..., chunk, d, N), ``chunk`` landmarks a
+    step (None: all; M static): ONNX Runtime then reduces over d across whole rows."""
     num = y.shape[-2]
     step = num if chunk is None else chunk
     xt = x.transpose(-1, -2).unsqueeze(-3)
@@ -456,11 +387,8 @@ def similarity_export(x, y, lam, kernel, chunk=LANDMARK_CHUNK):
 
 
 def bin_average_matrix(size, bins, dtype, device):
-    """(bins, size) averaging matrix of adaptive pooling's bins over ``size`` inputs.
-
-    Bin i covers [floor(i·size / bins), ceil((i + 1)·size / bins)), ATen's integer edges;
-    ``size`` may be an int, a SymInt or a traced size.
-    """
+    """(bins, size) matrix of adaptive pooling's bins, ATen's edges: bin i covers
+    [floor(i·size / bins), ceil((i + 1)·size / bins)); ``size`` may be symbolic or traced."""
     index = torch.arange(bins, device=device)
     start = torch.div(index * size, bins, rounding_mode='floor')
     end = torch.div((index + 1) * size + (bins - 1), bins, rounding_mode='floor')
@@ -475,11 +403,8 @@ def adaptive_avg_pool2d_export(maps, output_size):
     lead, (height, width) = maps.shape[:-2], maps.shape[-2:]
     rows = bin_average_matrix(height, out_h, maps.dtype, maps.device)
     cols = bin_average_matrix(width, out_w, maps.dtype, maps.device)
-    # Batched products over one leading dim, the bin matrices expanded to it: torch.matmul of
-    # a 4-D map by a matrix folds the map to (B·C·H, W), and with symbolic H that fold makes
-    # torch.export guard on ``B·C % (B·C·ceil(H/4)) != 0``, which it cannot prove over a
-    # user's Dim range ("Constraints violated (h)"). The count is spelled out, not -1:
-    # inferring it divides the symbolic numel, another guard it cannot always prove.
+    # bmm over one leading dim of spelled-out count: matmul's fold to (B·C·H, W), or a -1,
+    # makes torch.export guard on divisions it cannot prove over a user's Dim range.
     count = 1
     for size in lead:
         count = count * size
@@ -495,8 +420,7 @@ def pool_landmarks_export(t, hw, grid):
     batch, heads, _, width = t.shape
     height, cols = hw
     if torch.compiler.is_exporting():
-        # Symbolic sizes: a runtime check in the exported program and a clear error at export
-        # time (the TorchScript exporter's traced sizes have none).
+        # A runtime check in the exported program, a clear error at export time.
         message = f'every stage map must be at least {grid} × {grid} to export (docs/deploy.md)'
         torch._check(height >= grid, lambda: message)
         torch._check(cols >= grid, lambda: message)
