@@ -141,20 +141,16 @@ def test_import_adds_only_its_own_modules_to_a_loaded_mmengine():
     assert proc.stdout.strip() == '[]'
 
 
-@pytest.mark.parametrize('registry, name', [
-    ('MODELS', 'LaplacianFormer'), ('HOOKS', 'SafeCheckpointHook'),
-    ('HOOKS', 'NeckChannelsCheckHook'), ('RUNNERS', 'SafeCheckpointRunner'),
-    ('OPTIM_WRAPPERS', 'CPUAmpOptimWrapper')])
-def test_parts_are_registered_in_mmengine_root_registries(registry, name):
+def test_parts_are_registered_in_mmengine_root_registries_the_backend_by_name_only():
     import mmengine.registry
-
-    import lapformer_mm  # noqa: F401
-    assert name in getattr(mmengine.registry, registry).module_dict
-
-
-def test_atomic_backend_is_registered_by_name_only():
     from mmengine.fileio.io import backends, prefix_to_backends
 
+    import lapformer_mm  # noqa: F401
     from lapformer_mm.engine.fileio import AtomicLocalBackend
+    for registry, name in [('MODELS', 'LaplacianFormer'), ('HOOKS', 'SafeCheckpointHook'),
+                           ('HOOKS', 'NeckChannelsCheckHook'), ('HOOKS', 'InputCheckHook'),
+                           ('RUNNERS', 'SafeCheckpointRunner'),
+                           ('OPTIM_WRAPPERS', 'CPUAmpOptimWrapper')]:
+        assert name in getattr(mmengine.registry, registry).module_dict
     assert backends['atomic_local'] is AtomicLocalBackend
     assert AtomicLocalBackend not in prefix_to_backends.values()

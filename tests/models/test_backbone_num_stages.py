@@ -48,9 +48,6 @@ def test_fewer_stages_are_a_prefix_of_the_full_model():
 def test_ranges_follow_num_stages(kwargs, name):
     with pytest.raises(ValueError, match=name):
         build(**kwargs)
-
-
-def test_frozen_stages_up_to_num_stages():
     model = build(num_stages=2, out_indices=(0, 1), frozen_stages=2).train()
     assert not any(p.requires_grad for p in model.parameters())
     assert not model.stages[1].training
@@ -85,5 +82,4 @@ def test_full_checkpoint_loads_into_fewer_stages(tmp_path):
 
 def test_default_is_four_stages_positional_arguments_unchanged():
     model = LaplacianFormer(ARCH, 3, (0, 3))
-    assert model.num_stages == 4 and len(model.stages) == 4
-    assert model.out_indices == (0, 3)
+    assert model.num_stages == len(model.stages) == 4 and model.out_indices == (0, 3)
