@@ -12,23 +12,16 @@ from lapformer_mm.ops import DEFAULT_NS_ITERS
 
 
 def identical_landmark_residual(m, eps, iters):
-    """||I - P X_iters||_2 for P = J + eps·I (m×m), X_0 = I/||P||_inf.
-
-    P X_0 has eigenvalues 1 (the ones vector) and eps/(m + eps); Newton–Schulz squares
-    each eigenvalue's error 1 - λ every step.
-    """
+    """||I - P X_iters||_2 for P = J + eps·I (m×m), X_0 = I/||P||_inf: P X_0 has eigenvalues 1
+    and eps/(m + eps), and Newton–Schulz squares each one's error 1 - λ every step."""
     return (1.0 - eps / (m + eps)) ** (2 ** iters)
 
 
 @pytest.mark.parametrize('eps, iters', [(0.01, None), (0.01, 13), (0.1, None)])
 def test_identical_landmarks_residual_matches_closed_form(eps, iters):
-    """A constant input makes every landmark equal: k(L, L) = J, P = J + eps·I.
-
-    In fp64 the reported residual is the closed form. In fp32 (what the attention runs)
-    it is at least the closed form and at most 3x it or the round-off floor
-    m·cond(P)·2^-24 (measured: 2.8e-3 against 1.25e-3 for eps=0.01 and the default 15
-    iterations; 4.2e-4 against ~0 for eps=0.1). The output stays finite either way.
-    """
+    """A constant input makes every landmark equal, P = J + eps·I: in fp64 the residual is the
+    closed form; in fp32 between it and 3x it or the round-off floor m·cond(P)·2^-24
+    (measured 2.8e-3 against 1.25e-3 for eps=0.01, 4.2e-4 against ~0 for eps=0.1)."""
     torch.manual_seed(0)
     attn = LaplacianAttention(32, 1, eps=eps, iters=iters).eval()
     x = torch.randn(1, 1, 32).expand(2, 64, 32).contiguous()
@@ -60,10 +53,8 @@ def test_backbone_residuals_small_and_maps_finite_at_image_scales(scale):
 
 @pytest.mark.parametrize('solver', ['exact', 'cg', 'newton'])
 def test_solve_report_measures_the_module_solvers_inverse(solver):
-    """Each solver's own inverse is what the report measures (CG: solved on the identity).
-
-    Well-conditioned random input (cond(P) ~ 22): measured 0.5e-6 to 1.2e-6 for all three.
-    """
+    """Each solver's own inverse is what the report measures; cond(P) ~ 22 here: measured
+    0.5e-6 to 1.2e-6 for all three."""
     bound = 1e-5
     torch.manual_seed(0)
     attn = LaplacianAttention(32, 2, solver=solver).eval()

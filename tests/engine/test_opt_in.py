@@ -1,11 +1,5 @@
-"""The engine parts are opt-in: our configs select them, stock jobs are untouched.
-
-- every config of ours includes configs/_base_/safe_runtime.py (the detection and segmentation
-  configs: checked in tests/tools/test_detection.py, which builds them);
-- (mmdet's own tools/train.py trains the toy config through ``custom_imports`` alone:
-  tests/tools/test_tools.py, beside the other test of the session's toy run);
-- a stock mmengine job runs the same with and without ``import lapformer_mm``.
-"""
+"""The engine parts are opt-in: our configs select them (the detection and segmentation ones
+in tests/tools/test_detection.py), a stock mmengine job runs the same with the import."""
 import glob
 import json
 import os
@@ -17,8 +11,6 @@ import pytest
 from _shared import CONFIG_DIR, ROOT, TESTS
 from mmengine.config import Config
 
-# The classification configs; tests/tools/test_detection.py checks the runtime of the
-# detection/segmentation configs (configs/*.py, configs/toy/*.py) while it builds them.
 CONFIGS = sorted(glob.glob(osp.join(CONFIG_DIR, 'cls', '*.py')))
 
 
