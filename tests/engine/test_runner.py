@@ -6,10 +6,9 @@ checked to behave as it always did after ``import lapformer_mm``.
 """
 import os
 
-import numpy as np
 import pytest
 import torch
-from _runner_helpers import TinyModel, assert_refused_with_hint, make_runner
+from _runner_helpers import assert_refused_with_hint, make_runner
 from mmengine.evaluator import BaseMetric, Evaluator
 from mmengine.runner import Runner
 
@@ -28,29 +27,6 @@ def test_load_from_and_resume_refuse_code_running_checkpoint(evil, tmp_path, res
         runner.train()
     assert_refused_with_hint(str(info.value), path)
     assert not marker.exists()
-
-
-@pytest.mark.usefixtures('mmdet_scope')
-def test_stock_runner_is_left_to_torchs_refusal_which_names_no_file(evil, tmp_path):
-    """Without the fragment mmengine loads as before: torch refuses, without naming the file."""
-    path, marker = evil
-    with pytest.raises(Exception, match='Weights only load failed') as info:
-        make_runner(tmp_path, 1, load_from=path).train()
-    assert 'Refused to load checkpoint' not in str(info.value)
-    assert not marker.exists()
-
-
-@pytest.mark.usefixtures('mmdet_scope')
-def test_safe_runner_still_loads_mmengine_checkpoints(tmp_path):
-    from mmengine.runner.checkpoint import save_checkpoint
-    model = TinyModel()
-    path = str(tmp_path / 'ok.pth')
-    save_checkpoint({'state_dict': model.state_dict(), 'meta': {'epoch': 3},
-                     'arr': np.arange(3)}, path)
-    runner = make_runner(tmp_path, 1, runner_cls=SafeCheckpointRunner)
-    checkpoint = runner.load_checkpoint(path)
-    assert checkpoint['meta']['epoch'] == 3
-    torch.testing.assert_close(runner.model.linear.weight, model.linear.weight)
 
 
 def test_safe_runner_checkpoints_atomically(tmp_path):
