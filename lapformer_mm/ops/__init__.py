@@ -1,7 +1,5 @@
-"""Attention math for LaplacianFormer: one registered op with its backends, over a reference.
-Shapes are (B, h, N, d). Reading order: :mod:`.reference` (the math, in the order it runs),
-:mod:`.attention` (options, op, entry), :mod:`.backends` (CUDA and C++ CPU kernels),
-:mod:`.functional` (checked primitives), :mod:`.export` (what the exporters need)."""
+"""The attention: :mod:`.reference` (the math), :mod:`.attention` (options, op, entry),
+:mod:`.backends` (kernels), :mod:`.functional` (checked primitives), :mod:`.export`."""
 from .attention import AttentionOptions, nystrom_attention, resolve_impl, select_backend
 from .functional import (
                          gaussian_kernel,

@@ -1,5 +1,4 @@
-"""Argument checks, run where the options are built: each error names the argument, its value
-and what is allowed."""
+"""Argument checks for where options are built: each error names the argument and its value."""
 import math
 from numbers import Integral, Real
 

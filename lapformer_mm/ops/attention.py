@@ -25,7 +25,6 @@ from . import _checks, reference
 from .backends import cpu, cuda
 from .export import ExportForm, OrtNodes, check_exportable, exporting
 
-#: The implementations: the reference on every device, and the backends by their names.
 BACKENDS = {cuda.NAME: cuda, cpu.NAME: cpu}
 IMPLS = ('reference',) + tuple(BACKENDS)
 ENV_VAR = 'LAPFORMER_OPS'
@@ -83,8 +82,7 @@ def load_backends():
 
 
 def select_backend(q, k, v, landmarks, options):
-    """The backend module that runs this call, or None for the reference (docs/attention.md:
-    impl=None warns once of a backend's reasons and passes it over; an explicit impl raises)."""
+    """The backend that runs this call, or None for the reference (docs/attention.md)."""
     impl = options.impl
     if impl == 'reference':
         return None
@@ -120,7 +118,6 @@ def resolve_impl(q, k, v, landmarks, options):
 
 
 # define/impl with an autograd.Function outside: the cheapest autograd per call (docs/cuda.md).
-
 _LIBRARY = torch.library.Library('lapformer_mm', 'FRAGMENT')
 _LIBRARY.define(
     'nystrom_attention(Tensor q, Tensor? k, Tensor v, Tensor landmarks, str kernel, float lam, '
@@ -199,15 +196,12 @@ class NystromAttentionFunction(torch.autograd.Function):
     """Autograd of the op; the backward recomputes the kernel rows."""
 
     @staticmethod
-    def forward(ctx, q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
-                whiten_eps, impl):
-        out, context, inverse, stats = nystrom_attention_op(
-            q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
-            whiten_eps, impl)
+    def forward(ctx, q, k, v, landmarks, *options):
+        out, context, inverse, stats = nystrom_attention_op(q, k, v, landmarks, *options)
         ctx.save_for_backward(q, k, v, landmarks, context, inverse, stats)
         ctx.mark_non_differentiable(context, inverse, stats)
         ctx.set_materialize_grads(False)
-        ctx.options = (kernel, lam, eps, ns_refine, normalize, whiten_eps, impl)
+        ctx.options = options[:3] + options[5:]  # all but iters and ns_init
         return out, context, inverse, stats
 
     @staticmethod

@@ -1,7 +1,5 @@
-"""What the exporters need of the attention (docs/deploy.md): when they trace (:func:`exporting`),
-the form they write (:class:`ExportForm`), the op library's nodes (:class:`OrtNodes`), what can
-export (:func:`check_exportable`), and the token-block placeholders (:func:`pairwise_placeholder`,
-expanded by ``deploy.expand_placeholders``)."""
+"""What the exporters need of the attention (docs/deploy.md): the form they write, the op
+library's nodes, what can export, and the token-block placeholders."""
 import dataclasses
 import warnings
 
@@ -11,8 +9,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from . import reference
 from ._checks import KERNELS, check_bool, check_choice
 
-#: Precisions of the refinement step's residual in an exported attention: 'fp64' as in eager,
-#: 'fp32' for runtimes without fp64 (TensorRT, mobile delegates).
+#: The refinement residual's precision: 'fp64' as in eager, 'fp32' for runtimes without fp64.
 RESIDUAL_PRECISIONS = {'fp64': torch.float64, 'fp32': torch.float32}
 #: The ONNX domain of the op library, its operators and their version.
 ORT_DOMAIN = 'lapformer_mm'
@@ -31,9 +28,8 @@ def exporting():
 
 @dataclasses.dataclass(frozen=True)
 class ExportForm:
-    """How an exported attention is written; ``deploy.prepare_for_export`` sets it. residual:
-    a key of :data:`RESIDUAL_PRECISIONS`; ort: the op library's nodes for fp32 operands, else
-    standard operators; blocks: the tokens' kernel matrices as token-block placeholders."""
+    """How an exported attention is written: ort, the op library's nodes for fp32 operands (else
+    standard operators); blocks, the tokens' kernel matrices as token-block placeholders."""
     residual: str = 'fp64'
     ort: bool = False
     blocks: bool = False
@@ -48,7 +44,6 @@ class ExportForm:
         return RESIDUAL_PRECISIONS[self.residual]
 
     def similarity(self, x, y, lam, kernel):
-        """The tokens' kernel matrix k(x, y) in this form's operators."""
         return (pairwise_placeholder if self.blocks else reference.similarity_export)(
             x, y, lam, kernel)
 
@@ -120,9 +115,8 @@ def apply_reference(rows, a, bias, centre):
 
 
 class OrtNodes:
-    """The op library's nodes with the signatures of the CPU kernels, which
-    ``backends.cpu.forward`` composes; they read q, k, v in the token layout (B, N, h, d) the
-    projections write (the exported graph's transposes cancel)."""
+    """The op library's nodes with the CPU kernels' signatures (``backends.cpu.forward`` composes
+    them), reading q, k, v in the token layout (B, N, h, d): the graph's transposes cancel."""
 
     @staticmethod
     def pairwise_forward(x, y, lam, kind):
@@ -140,10 +134,8 @@ class OrtNodes:
             (b, n, h, _), m, dv = x.shape, landmarks.shape[-2], v.shape[-1]
             return [(b, h, m + 1, dv), (b, h, 2 * want_stats + bool(dv), m),
                     (b, h, n if want_rows else 0, m)]
-        return _node(ORT_ROWS_OP, (x, landmarks, v), attrs,
-                     lambda x, landmarks, v: rows_reference(x, landmarks, v, attrs['lam'],
-                                                            attrs['kind'], want_stats,
-                                                            want_rows), shapes)
+        return _node(ORT_ROWS_OP, (x, landmarks, v), attrs, lambda *a: rows_reference(
+            *a, attrs['lam'], attrs['kind'], want_stats, want_rows), shapes)
 
     @staticmethod
     def attention_rows_apply(rows, a, bias, centre, dtype):
@@ -158,8 +150,7 @@ class OrtNodes:
 # The standard file's kernel matrices in token blocks --------------------------------------------
 #: The domain of ``ExportForm(blocks=True)``'s placeholders; no file written keeps one.
 PLACEHOLDER_DOMAIN = 'lapformer_mm.placeholder'
-#: Bytes of one block's difference tensor (one image, h heads, ``LANDMARK_CHUNK`` landmarks, d,
-#: N / blocks), so that the step's passes run from the cache (docs/deploy.md).
+#: Bytes of one token block's difference tensor, for passes from the cache (docs/deploy.md).
 BLOCK_BYTES = 4 << 20
 #: At most this many blocks: each is 3 nodes per landmark chunk.
 MAX_BLOCKS = 32

@@ -1,7 +1,5 @@
-"""The attention's primitives as public functions over :mod:`.reference`, for tests, analysis
-and users who compose their own attention. Each refuses what the math would take without a
-word: an unknown kernel or start, batch dims it would broadcast, a bandwidth or ridge that is
-no positive number. All compute in fp32 (fp64 stays fp64) and return the input's dtype."""
+"""The attention's primitives over :mod:`.reference` for users: in fp32 (fp64 stays fp64), the
+input's dtype out, refusing what the math would take without a word."""
 import torch
 
 from . import reference
@@ -9,8 +7,7 @@ from ._checks import KERNELS, NS_INITS, check_choice, check_int, check_non_negat
 
 
 def kernel_matrix(kernel, x, y, lam=4.0):
-    """k(x, y) (..., N, M) for x (..., N, d), y (..., M, d), without an (N, M, d) tensor; the
-    gradient of |t| at t = 0 is 0."""
+    """k(x, y) (..., N, M) for x (..., N, d), y (..., M, d), without an (N, M, d) tensor."""
     check_choice('kernel', kernel, KERNELS)
     if x.shape[:-2] != y.shape[:-2]:
         raise ValueError(f'x (..., N, d) and y (..., M, d) must share their batch dims, got '
@@ -32,8 +29,7 @@ def gaussian_kernel(x, y, lam=4.0):
 
 
 def newton_schulz_pinv(P, iters=None, init='identity'):
-    """P⁻¹ of the SPD P (..., m, m) (the caller adds εI) by :func:`~.reference.newton_schulz`
-    in ``iters`` steps (None: ``DEFAULT_NS_ITERS``); differentiable."""
+    """P⁻¹ of the SPD P (..., m, m) in ``iters`` Newton–Schulz steps (None: the default)."""
     iters = reference.DEFAULT_NS_ITERS if iters is None else check_int('iters', iters)
     check_choice('init', init, NS_INITS)
     return reference.newton_schulz(P.to(reference.compute_dtype(P.dtype)), iters,
@@ -47,6 +43,5 @@ def injective_normalize(C, whiten_eps=1e-5):
 
 def landmark_matrix(landmarks, options):
     """P = k(L, L) + eps·I (..., m, m) for landmarks (..., m, d) and an ``AttentionOptions``."""
-    dtype = reference.compute_dtype(landmarks.dtype)
-    return reference.landmark_system(landmarks.to(dtype), options.lam, options.eps,
-                                     options.kernel)
+    return reference.landmark_system(landmarks.to(reference.compute_dtype(landmarks.dtype)),
+                                     options.lam, options.eps, options.kernel)

@@ -32,8 +32,7 @@ def compute_dtype(dtype):
 
 # 1. Landmarks ------------------------------------------------------------------------------------
 def pool_landmarks(t, hw, grid=7, export=False):
-    """Tokens t (B, h, N, d) averaged on a min(grid, H) × min(grid, W) grid -> (B, h, m, d),
-    row-major; the heads pool as channels of one map."""
+    """t (B, h, N, d) averaged on a min(grid, H) × min(grid, W) grid -> (B, h, m, d), row-major."""
     batch, heads, _, width = t.shape
     if export:
         return pool_landmarks_export(t, hw, grid)
@@ -45,8 +44,7 @@ def pool_landmarks(t, hw, grid=7, export=False):
 
 
 # 2. Similarity: the kernel function k(x, y) and its gradient -------------------------------------
-#: Rows of b per ``_cdist_backward`` call: it rereads b once per row of a, so blocks that stay
-#: in cache are faster for the landmark gradient's sum over N (docs/cpu.md).
+#: Rows of b per ``_cdist_backward`` call, which rereads b per row of a: cache-sized (docs/cpu.md).
 NATIVE_BLOCK_ROWS = 512
 
 
@@ -63,16 +61,14 @@ def _l1_grad_native(g, a3, b3):
 
 
 def _l1_grad_chunked(g, a3, b3, chunk_bytes=32 * 2 ** 20):
-    """The same, rows of a in chunks of a (rows, M, d) sign tensor of at most ``chunk_bytes``
-    (CUDA's ``_cdist_backward`` allocates (N, M, d))."""
+    """The same in chunks of a's rows of ``chunk_bytes`` (CUDA's op allocates (N, M, d))."""
     batch, num_a, width = a3.shape
     per_row = batch * b3.shape[1] * width * a3.element_size()
     rows = max(1, chunk_bytes // max(per_row, 1))
     grad = torch.empty_like(a3)
     for start in range(0, num_a, rows):
-        stop = min(start + rows, num_a)
-        sign = torch.sign(a3[:, start:stop, None, :] - b3[:, None, :, :])
-        grad[:, start:stop] = torch.einsum('bij,bijd->bid', g[:, start:stop], sign)
+        sign = torch.sign(a3[:, start:start + rows, None, :] - b3[:, None, :, :])
+        grad[:, start:start + rows] = torch.einsum('bij,bijd->bid', g[:, start:start + rows], sign)
     return grad
 
 
@@ -199,8 +195,7 @@ def exact_inverse(P):
 
 
 def _cg_step_size(num, den, active):
-    """num / den for the active columns, 0 elsewhere and where den == 0 (replaced before
-    dividing: a masked-out division by ~0 would still put NaN in the gradient)."""
+    """num / den on active columns with den != 0, else 0 (den replaced first: no NaN gradient)."""
     active = active & (den != 0)
     safe = torch.where(active, den, torch.ones_like(den))
     return torch.where(active, num / safe, torch.zeros_like(num))
@@ -238,8 +233,7 @@ def cg_solve(P, B, iters=None):
 
 # 5. The injective feature map --------------------------------------------------------------------
 def whitening_scale(var, whiten_eps):
-    """s = (var + δ)^-½, 0 where var + δ = 0 (a column constant over the queries; a masked-out
-    rsqrt(0) would still put NaN into the gradient)."""
+    """s = (var + δ)^-½, 0 where var + δ = 0 (replaced first: no NaN gradient)."""
     denom = var + whiten_eps
     positive = denom > 0
     return torch.where(positive, torch.where(positive, denom, torch.ones_like(denom)).rsqrt(),
@@ -264,9 +258,8 @@ def whiten(C, whiten_eps):
 
 # 6. The forward ----------------------------------------------------------------------------------
 def forward(q, k, v, landmarks, opts, solver='newton', dropout_p=0.0, export=None):
-    """(out, context, X, stats) of the op contract (:mod:`.attention`), out (B, h, N, d_v), for
-    k None (tied to q); X is None for the 'exact' and 'cg' solvers; dropout acts on Z.
-    ``export``: None, or the ``ops.export.ExportForm`` an exporter traces."""
+    """(out (B, h, N, d_v), context, X, stats) of the op contract (:mod:`.attention`); X None
+    for 'exact' and 'cg'; dropout on Z; ``export``: None or the ``ExportForm`` traced."""
     dtype = compute_dtype(q.dtype)
     rows = similarity if export is None else export.similarity
     residual = torch.float64 if export is None else export.residual_dtype
@@ -362,8 +355,7 @@ def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
 
 
 # Export forms of the two primitives (standard operators only) ------------------------------------
-#: Landmarks per step of the exported similarity (one row of the default 7 × 7 grid): each
-#: step holds a (..., 7, d, N) difference, 7× the input, and one node per step is traced.
+#: Landmarks per step of the exported similarity: a (..., 7, d, N) difference, one node a step.
 LANDMARK_CHUNK = 7
 
 
@@ -371,7 +363,7 @@ def similarity_export(x, y, lam, kernel, chunk=LANDMARK_CHUNK):
     """:func:`similarity` from differences laid out (..., chunk, d, N), ``chunk`` landmarks a
     step (None: all; M static): ONNX Runtime then reduces over d across whole rows."""
     num = y.shape[-2]
-    step = num if chunk is None else chunk
+    step = chunk or num
     xt = x.transpose(-1, -2).unsqueeze(-3)
     yt = y.unsqueeze(-1)
     parts = []
@@ -415,8 +407,7 @@ def adaptive_avg_pool2d_export(maps, output_size):
 
 
 def pool_landmarks_export(t, hw, grid):
-    """:func:`pool_landmarks` with bin matrices; every stage is at least grid × grid in the
-    export's size range (docs/deploy.md), so m = grid² is static."""
+    """:func:`pool_landmarks` by bin matrices; m = grid² (every map is at least grid × grid)."""
     batch, heads, _, width = t.shape
     height, cols = hw
     if torch.compiler.is_exporting():
