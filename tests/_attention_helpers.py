@@ -148,3 +148,9 @@ def dense_attention_grads(q, k, v, landmarks, grad, tied, **options):
 
 def finite(*tensors):
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def randn(*shapes, seed=0, dtype=torch.float64):
+    """One normal tensor per shape, from one seeded generator."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(shape, generator=gen, dtype=dtype) for shape in shapes)
