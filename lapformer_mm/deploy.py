@@ -1,11 +1,7 @@
-"""Export LaplacianFormer models to ONNX (:func:`export_onnx`, either of torch's exporters,
-static or with symbolic batch, height and width) or ``torch.export`` (:func:`export_program`)
-and check the files in ONNX Runtime against eager (:func:`verify_onnx`); docs/deploy.md.
-
-An :class:`ExportModule` exports a detector's or segmentor's 'backbone', 'features' (with the
-neck) or 'model' (the raw head outputs; a two-stage detector's stop at the RPN maps), from the
-normalised, padded batch the data preprocessor makes. onnx and onnxruntime (the ``[deploy]``
-extra) are imported only where needed.
+"""Export LaplacianFormer models to ONNX (:func:`export_onnx`, either exporter, static or with
+symbolic batch, height and width) or ``torch.export`` (:func:`export_program`), and check the
+files in ONNX Runtime against eager (:func:`verify_onnx`); docs/deploy.md. onnx and
+onnxruntime (the ``[deploy]`` extra) are imported only where needed.
 """
 import contextlib
 import copy
@@ -23,26 +19,22 @@ from .ops.reference import LANDMARK_CHUNK, adaptive_avg_pool2d_export
 
 TARGETS = ('backbone', 'features', 'model')
 EXPORTERS = ('dynamo', 'torchscript')
-#: The opset both exporters write: 20 has a Gelu operator (ONNX Runtime runs it as one
-#: kernel instead of the five nodes of its erf form). ONNX Runtime >= 1.16 and TensorRT
-#: >= 10 read it, TensorRT 8.6 reads 18; below 17 (LayerNormalization) the TorchScript
-#: exporter writes LayerNorm as its primitive nodes.
+#: 20 has a Gelu operator (one kernel in ONNX Runtime instead of the five nodes of its erf
+#: form). ONNX Runtime >= 1.16 and TensorRT >= 10 read it, TensorRT 8.6 reads 18.
 DEFAULT_OPSET = 20
 #: From this opset on the standard file's kernel matrices are token blocks (Split and
 #: ReduceSum take their sizes as inputs).
 BLOCKS_MIN_OPSET = 13
-#: The lowest opset each exporter writes for these models. The dynamo exporter builds
-#: opset 18 and converts down to a lower one, which fails on these graphs (ONNX's version
-#: converter needs constant ``axes`` inputs) and then keeps 18 with a log line only; the
-#: TorchScript exporter has no dynamic Slice below 10.
+#: The dynamo exporter builds opset 18 and cannot convert these graphs lower (ONNX's version
+#: converter needs constant ``axes``); the TorchScript exporter has no dynamic Slice below 10.
 LOWEST_OPSET = {'dynamo': 18, 'torchscript': 10}
 INPUT_NAME = 'input'
-#: Largest weight size written into the .onnx file itself (protobuf's 2 GiB limit, with
-#: room for the graph); above it the weights go to an external data file.
+#: Largest weight size kept in the .onnx file (protobuf's 2 GiB limit, with room for the
+#: graph); above it the weights go to an external data file.
 SINGLE_FILE_BYTES = 2 ** 31 - 2 ** 26
 DEPLOY_HINT = "pip install 'lapformer_mm[deploy]' (onnx, onnxscript, onnxruntime)"
-#: Where ``tools/build_ort_ops.py`` puts the op library, and :func:`ort_ops_library` looks
-#: for it unless ``$LAPFORMER_ORT_OPS_LIBRARY`` names another file.
+#: Where ``tools/build_ort_ops.py`` puts the op library unless $LAPFORMER_ORT_OPS_LIBRARY
+#: names another file.
 ORT_OPS_LIBRARY = osp.join(osp.dirname(osp.abspath(__file__)), 'liblapformer_mm_ort.so')
 ORT_OPS_ENV = 'LAPFORMER_ORT_OPS_LIBRARY'
 ORT_OPS_HINT = ('build it with `python tools/build_ort_ops.py --ort-include DIR` (DIR: the '
@@ -59,61 +51,44 @@ def _import(name):
 
 
 def _check_opset(opset, exporter):
-    """``opset`` within what ``exporter`` writes, checked before the export (minutes): from
-    :data:`LOWEST_OPSET` to the highest the installed exporter knows (torch's for TorchScript;
-    for dynamo what both onnx and onnxscript's version converter know: past the converter's
-    range torch falls back to onnx's, which has no adapters for these graphs)."""
+    """Before the export (minutes; the TorchScript exporter refuses too high an opset itself):
+    past onnxscript's version converter torch falls back to onnx's, which has no adapters for
+    these graphs."""
     highest = None
     with contextlib.suppress(ImportError, AttributeError):
-        if exporter == 'torchscript':
-            from torch.onnx import _constants
-            highest = getattr(_constants, 'ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET',
-                              _constants.ONNX_MAX_OPSET)
-        else:
+        if exporter == 'dynamo':
             from onnxscript.version_converter import _version_converter
             highest = min(_import('onnx').defs.onnx_opset_version(),
                           _version_converter.SUPPORTED_MAX_ONNX_OPSET)
     if not LOWEST_OPSET[exporter] <= opset <= (highest or opset):
         raise ValueError(f'opset={opset!r} is not supported by the {exporter} exporter; allowed: '
-                         f'{LOWEST_OPSET[exporter]} to {highest}')
+                         f'{LOWEST_OPSET[exporter]} to {highest or "its highest"}')
 
 
 def export_min_size(model: nn.Module) -> int:
-    """The smallest H and W the LaplacianFormer backbones in ``model`` export for (1: none)."""
     from .models.backbone import LaplacianFormer
-    sizes = [m.export_min_size() for m in model.modules() if isinstance(m, LaplacianFormer)]
-    return max(sizes, default=1)
-
-
-def _head_output_names(head) -> Tuple[str, ...]:
-    """Names of the lists a dense head's forward returns (RetinaNet, RPN, FCOS-like)."""
-    from mmdet.models.dense_heads import RPNHead
-    if isinstance(head, RPNHead):
-        return ('rpn_cls', 'rpn_bbox')
-    return ('cls_score', 'bbox_pred', 'centerness', 'extra')
+    return max((m.export_min_size() for m in model.modules() if isinstance(m, LaplacianFormer)),
+               default=1)
 
 
 class ExportModule(nn.Module):
-    """``target`` of a detector, segmentor or backbone as a module with tensor outputs.
-
-    forward(x) returns a flat tuple of tensors; :attr:`output_names` names them once
-    a forward has run. ``target='backbone'`` of a bare backbone is the backbone.
-    """
+    """``target`` of a detector, segmentor or bare backbone as a module returning a flat tuple
+    of tensors, named in :attr:`output_names` once a forward has run: 'backbone', 'features'
+    (with the neck) or 'model' (the raw head outputs; a two-stage detector's stop at the RPN
+    maps), from the normalised, padded batch the data preprocessor makes."""
 
     def __init__(self, model: nn.Module, target: str = 'backbone'):
         super().__init__()
         self.target = check_choice('target', target, TARGETS)
         self.model = model
-        is_network = hasattr(model, 'backbone')
-        if not is_network and target != 'backbone':
-            raise ValueError(f"target={target!r} needs a detector or segmentor (a model with "
-                             f"a backbone); {type(model).__name__} supports only 'backbone'")
+        # Else the forward fails later on a missing attribute.
+        if target != 'backbone' and not hasattr(model, 'backbone'):
+            raise ValueError(f'target={target!r} needs a detector or segmentor; '
+                             f"{type(model).__name__} supports only 'backbone'")
         if target == 'model' and not any(hasattr(model, head) for head in
                                          ('decode_head', 'rpn_head', 'bbox_head')):
-            raise ValueError(
-                f"target='model' supports mmdet single-stage detectors (bbox_head), "
-                f'two-stage detectors (rpn_head: FPN features and RPN maps) and mmseg '
-                f'encoder-decoders (decode_head); {type(model).__name__} has none of them')
+            raise ValueError(f"target='model' needs a decode_head, rpn_head or bbox_head; "
+                             f'{type(model).__name__} has none')
         self.output_names: List[str] = []
 
     def _named_outputs(self, x) -> List[Tuple[str, torch.Tensor]]:
@@ -121,7 +96,7 @@ class ExportModule(nn.Module):
         if self.target == 'backbone':
             backbone = getattr(model, 'backbone', model)
             outs = _as_list(backbone(x))
-            # Named by stage (outputs come in stage order), as PVT and Swin number them.
+            # Named by stage, as PVT and Swin number them.
             stages = sorted(getattr(backbone, 'out_indices', ()))
             if len(stages) != len(outs) or not all(isinstance(i, int) and i >= 0
                                                    for i in stages):
@@ -133,11 +108,13 @@ class ExportModule(nn.Module):
             return named
         if hasattr(model, 'decode_head'):
             return [('seg_logits', model.decode_head(feats))]
-        head = model.rpn_head if hasattr(model, 'rpn_head') else model.bbox_head
-        outs = [(f'{name}{i}', t)
-                for name, level_outs in zip(_head_output_names(head), head(feats))
+        two_stage = hasattr(model, 'rpn_head')
+        head = model.rpn_head if two_stage else model.bbox_head
+        names = ('cls_score', 'bbox_pred', 'centerness', 'extra')
+        names = ('rpn_cls', 'rpn_bbox', 'rpn_centerness', 'rpn_extra') if two_stage else names
+        outs = [(f'{name}{i}', t) for name, level_outs in zip(names, head(feats))
                 for i, t in enumerate(level_outs)]
-        return named + outs if hasattr(model, 'rpn_head') else outs
+        return named + outs if two_stage else outs
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         named = self._named_outputs(x)
@@ -150,8 +127,8 @@ def _as_list(outs):
 
 
 class AdaptiveAvgPool2dExport(nn.Module):
-    """``nn.AdaptiveAvgPool2d`` from two averaging matrices, for any input size: what
-    :func:`prepare_for_export` puts in place of mmseg's pyramid pooling in its copy."""
+    """``nn.AdaptiveAvgPool2d`` from two averaging matrices, for any input size (mmseg's
+    pyramid pooling in :func:`prepare_for_export`'s copy)."""
 
     def __init__(self, output_size):
         super().__init__()
@@ -165,15 +142,11 @@ class AdaptiveAvgPool2dExport(nn.Module):
     def forward(self, x):
         return adaptive_avg_pool2d_export(x, self.output_size)
 
-    def extra_repr(self):
-        return f'output_size={self.output_size}'
-
 
 class UpsampleExport(nn.Module):
-    """mmseg's ``Upsample`` by a whole factor, with the factor in the graph: its own
+    """mmseg's ``Upsample`` by a whole factor, the factor in the graph: its own
     ``int(size * factor)`` fixes the traced size (TorchScript) and is a shape guard that
-    dynamic sizes violate (dynamo). The same output: for whole factors the interpolation
-    weights from the factor and from the size ratio are equal."""
+    dynamic sizes violate (dynamo). For whole factors the output is the same."""
 
     def __init__(self, scale_factor, mode, align_corners):
         super().__init__()
@@ -183,12 +156,8 @@ class UpsampleExport(nn.Module):
         return nn.functional.interpolate(x, scale_factor=self.scale_factor, mode=self.mode,
                                          align_corners=self.align_corners)
 
-    def extra_repr(self):
-        return f'scale_factor={self.scale_factor}, mode={self.mode!r}'
-
 
 def _export_form(child: nn.Module) -> Optional[nn.Module]:
-    """The export form of a module the exporters cannot trace for any size, or None."""
     if isinstance(child, nn.AdaptiveAvgPool2d):
         return AdaptiveAvgPool2dExport(child.output_size)
     # A model holding mmseg's Upsample has imported mmseg; others must not import it here.
@@ -204,20 +173,13 @@ def _export_form(child: nn.Module) -> Optional[nn.Module]:
 
 def prepare_for_export(model: nn.Module, form: Optional[ExportForm] = None) -> nn.Module:
     """An eval-mode copy of ``model`` that the exporters can trace, its attentions in ``form``
-    (None: the default :class:`~lapformer_mm.ops.export.ExportForm`).
-
-    SyncBatchNorm becomes BatchNorm (mmengine's ``revert_sync_batchnorm``),
-    ``nn.AdaptiveAvgPool2d`` (mmseg's pyramid pooling) and mmseg's ``Upsample`` by a
-    whole factor (Semantic FPN's head) their export forms; the attention options are
-    checked (:func:`~lapformer_mm.ops.export.check_exportable`).
-    """
+    (None: the default ExportForm): SyncBatchNorm as BatchNorm, ``nn.AdaptiveAvgPool2d`` and
+    mmseg's ``Upsample`` by a whole factor in their export forms."""
     from .models.attention import LaplacianAttention
     prepared = copy.deepcopy(model).eval()
-    try:
+    with contextlib.suppress(ImportError):
         from mmengine.model import revert_sync_batchnorm
         prepared = revert_sync_batchnorm(prepared)
-    except ImportError:
-        pass
     for name, module in list(prepared.named_modules()):
         if isinstance(module, LaplacianAttention):
             try:
@@ -260,17 +222,14 @@ IMAGE_STD = (58.395, 57.12, 57.375)
 
 def toy_image_input(shape, batch, seed=0, dtype=torch.float32, max_objects=4):
     """A fixed (batch, 3, H, W) input as the data preprocessor makes it: image i the toy scene
-    (:mod:`lapformer_mm.scenes`) of seed + i, normalised with :data:`IMAGE_MEAN` and
-    :data:`IMAGE_STD`."""
+    (:mod:`lapformer_mm.scenes`) of seed + i, normalised with IMAGE_MEAN and IMAGE_STD."""
     import numpy as np
 
     from .scenes import render_image
     height, width = shape
-    images = []
-    for index in range(batch):
-        image, _, _ = render_image(np.random.default_rng(seed + index), width, height,
-                                   max_objects)
-        images.append(torch.from_numpy(image.astype(np.float64)).permute(2, 0, 1))
+    images = [torch.from_numpy(render_image(np.random.default_rng(seed + index), width, height,
+                                            max_objects)[0].astype(np.float64)).permute(2, 0, 1)
+              for index in range(batch)]
     mean = torch.tensor(IMAGE_MEAN, dtype=torch.float64).view(3, 1, 1)
     std = torch.tensor(IMAGE_STD, dtype=torch.float64).view(3, 1, 1)
     return ((torch.stack(images) - mean) / std).to(dtype)
@@ -291,25 +250,22 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
                 batch: int = 1, dynamic: bool = False, exporter: str = 'dynamo',
                 residual: str = 'fp64', opset: int = DEFAULT_OPSET,
                 ort_ops: bool = False) -> List[str]:
-    """Write ``model`` (e.g. an :class:`ExportModule`; not modified) as one ONNX file ``out``;
-    returns the output names. Weights go into the file unless they exceed ~2 GB.
+    """Write ``model`` (e.g. an :class:`ExportModule`; not modified) as the ONNX file ``out``;
+    returns the output names.
 
     Args:
-        shape: (H, W) of the example input; at least :func:`export_min_size`.
-        batch: batch of the example input.
+        shape, batch: the example input's (H, W), at least :func:`export_min_size`, and batch.
         dynamic: symbolic batch, height and width (from :func:`export_min_size` to 16384).
-        exporter: 'dynamo' (``torch.export``, then the dynamo ONNX exporter) or
-            'torchscript' (``dynamo=False``, ``dynamic_axes``).
-        residual: precision of the attention's refinement residual, 'fp64' (the eager
-            numerics) or 'fp32' (no fp64 tensor, for TensorRT and mobile runtimes).
+        exporter: 'dynamo' (``torch.export``, then the dynamo ONNX exporter) or 'torchscript'.
+        residual: the attention's refinement residual, 'fp64' (the eager numerics) or 'fp32'
+            (no fp64 tensor, for TensorRT and mobile runtimes).
         opset: the ONNX opset; from 13 on the kernel matrices are written in token blocks.
-        ort_ops: write each attention as the ONNX Runtime op library's nodes
-            (:func:`ort_ops_library`), a file only ONNX Runtime with the library runs.
+        ort_ops: each attention as the op library's nodes (:func:`ort_ops_library`).
     """
     check_choice('exporter', exporter, EXPORTERS)  # another would take the TorchScript branch
     _check_opset(opset, exporter)
     # The standard file's kernel matrices as placeholders, expanded into token blocks after
-    # the export (the op-library file has none: no rewrite of it).
+    # the export.
     blocks = not ort_ops and opset >= BLOCKS_MIN_OPSET
     module = prepare_for_export(model, ExportForm(residual, ort_ops, blocks))
     x, dims = _example(model, shape, batch, dynamic)
@@ -330,20 +286,16 @@ def export_onnx(model: nn.Module, out: str, *, shape: Sequence[int] = (800, 1333
             torch.onnx.export(module, (x, ), out, dynamo=False, input_names=[INPUT_NAME],
                               output_names=names, opset_version=opset, dynamic_axes=axes)
     if blocks:
-        # External weights stay where they are.
-        onnx = _import('onnx')
+        onnx = _import('onnx')  # external weights stay where they are
         onnx.save(expand_placeholders(onnx.load(out, load_external_data=False)), out)
     return names
 
 
 def expand_placeholders(proto):
-    """Replace each placeholder node in ``proto`` (an ``onnx.ModelProto``, changed in place)
-    with ``reference.similarity_export``'s standard operators, the tokens in blocks.
-
-    Each block is its own ``Sub → Abs → ReduceSum`` steps (``Mul`` for the Gaussian) of
-    ``LANDMARK_CHUNK`` landmarks, the block bounds ⌊i·N / blocks⌋ computed from
-    the input's shape: every sum is the unblocked form's, in the same order. The nodes of
-    the i-th are named ``lapformer_mm_kernel<i>/...``."""
+    """Each placeholder node in ``proto`` (an ``onnx.ModelProto``, changed in place) as
+    ``reference.similarity_export``'s standard operators, the tokens in blocks (bounds
+    ⌊i·N / blocks⌋ from the input's shape; every sum the unblocked form's, in the same order),
+    the i-th's nodes named ``lapformer_mm_kernel<i>/...``."""
     from onnx import helper
     graph = proto.graph
     if any(node.domain == PLACEHOLDER_DOMAIN for f in proto.functions for node in f.node):
@@ -443,6 +395,7 @@ def _save_program(program, out, output_names, opset):
         program, program.example_inputs[0], dynamo=True, input_names=[INPUT_NAME],
         opset_version=opset, verbose=False,
         output_names=list(output_names) if output_names else None)
+    # Where its conversion fails, the exporter keeps opset 18 with a log line only.
     written = onnx_program.model.opset_imports.get('')
     if written != opset:
         raise ValueError(f'opset={opset}: the dynamo exporter made opset {written} instead '
@@ -453,8 +406,8 @@ def _save_program(program, out, output_names, opset):
 
 
 def _name_input_dims(onnx_program):
-    """The dynamic input dimensions named as the TorchScript export names them (batch,
-    height, width) instead of torch.export's symbols, in every shape that uses them."""
+    """The dynamic input dimensions named batch, height and width (as the TorchScript export
+    names them) instead of torch.export's symbols, in every shape that uses them."""
     shape = onnx_program.model.graph.inputs[0].shape
     if shape is None or len(shape) != 4:
         return
@@ -470,12 +423,8 @@ def _name_input_dims(onnx_program):
 
 
 def ort_ops_library(path: Optional[str] = None) -> str:
-    """The path of the ONNX Runtime op library (``tools/build_ort_ops.py``).
-
-    ``path``, else $LAPFORMER_ORT_OPS_LIBRARY, else :data:`ORT_OPS_LIBRARY`. Raises
-    FileNotFoundError, with the build command, when there is no file there. Nothing is loaded
-    here.
-    """
+    """The path of the ONNX Runtime op library: ``path``, else $LAPFORMER_ORT_OPS_LIBRARY, else
+    :data:`ORT_OPS_LIBRARY`; FileNotFoundError, with the build command, when it is missing."""
     path = path or os.environ.get(ORT_OPS_ENV) or ORT_OPS_LIBRARY
     if not os.path.isfile(path):
         raise FileNotFoundError(f'the ONNX Runtime op library {path!r} does not exist: '
@@ -484,25 +433,21 @@ def ort_ops_library(path: Optional[str] = None) -> str:
 
 
 def uses_ort_ops(path: str) -> bool:
-    """True when the ONNX file at ``path`` imports the op library's domain."""
-    onnx = _import('onnx')
-    proto = onnx.load(path, load_external_data=False)
+    proto = _import('onnx').load(path, load_external_data=False)
     return any(o.domain == ORT_DOMAIN for o in proto.opset_import)
 
 
-#: ONNX Runtime graph optimizers :func:`ort_session` leaves out: SkipLayerNormFusion (a
-#: residual Add and the LayerNormalization after it as one kernel) made that pair 3-4× slower
-#: on one thread at the backbone's widths (docs/deploy.md) and is known to change results
-#: (onnxruntime#17689).
+#: Left out by :func:`ort_session`: SkipLayerNormFusion made a residual Add and its LayerNorm
+#: 3-4× slower on one thread at the backbone's widths (docs/deploy.md) and is known to change
+#: results (onnxruntime#17689).
 ORT_DISABLED_OPTIMIZERS = ['SkipLayerNormFusion']
 
 
 def ort_session(path: str, threads: Optional[int] = None, ort_ops=None,
                 profile: Optional[str] = None):
-    """An ONNX Runtime CPU session of ``path``; ``threads`` intra-op threads (None: all), the
-    graph optimizers but :data:`ORT_DISABLED_OPTIMIZERS`; ``ort_ops`` registers the op library:
-    True, False, a library path, or None (when the file uses it); ``profile``, a path prefix,
-    times every node (``session.end_profiling()`` writes the trace)."""
+    """An ONNX Runtime CPU session of ``path``; ``threads`` intra-op threads (None: all);
+    ``ort_ops`` registers the op library: True, False, a library path, or None (when the file
+    uses it); ``profile``, a path prefix, times every node (``session.end_profiling()``)."""
     ort = _import('onnxruntime')
     options = ort.SessionOptions()
     if threads is not None:
@@ -515,9 +460,6 @@ def ort_session(path: str, threads: Optional[int] = None, ort_ops=None,
     if ort_ops is None:
         ort_ops = uses_ort_ops(path)
     if ort_ops is not False:
-        if ort_ops is not True and not isinstance(ort_ops, (str, os.PathLike)):
-            raise ValueError(f'ort_ops must be True, False, None or a library path, got '
-                             f'{ort_ops!r}')
         library = ort_ops_library(None if ort_ops is True else os.fspath(ort_ops))
         try:
             options.register_custom_ops_library(library)
@@ -529,7 +471,6 @@ def ort_session(path: str, threads: Optional[int] = None, ort_ops=None,
 
 
 def run_onnx(session, x: torch.Tensor) -> List[torch.Tensor]:
-    """Outputs of an ONNX Runtime ``session`` on ``x``, as tensors."""
     outs = session.run(None, {session.get_inputs()[0].name: x.detach().cpu().numpy()})
     return [torch.from_numpy(o) for o in outs]
 
@@ -559,17 +500,16 @@ def verify_sizes(shape: Sequence[int], min_size: int) -> List[Tuple[int, int]]:
             (height + 45, max(min_size, width * 3 // 4 + 11))]
 
 
-#: The inputs :func:`verify_onnx` can check a file on: toy COCO scenes as the data
-#: preprocessor makes them (:func:`toy_image_input`), smooth random fields
-#: (:func:`smooth_input`), white noise (:func:`example_input`; no image, on which the model
-#: itself is ill-conditioned at large sizes).
+#: What :func:`verify_onnx` can feed: toy COCO scenes as the data preprocessor makes them,
+#: smooth random fields, or white noise (no image; the model itself is ill-conditioned on it
+#: at large sizes).
 VERIFY_INPUTS = {'toy': toy_image_input, 'smooth': smooth_input, 'noise': example_input}
 
 
 def rounding_change(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """``x`` with each element multiplied by 1 + u, |u| <= 2⁻²⁴ (fp32's unit roundoff), a fixed
-    random u, and rounded back: kept or moved by one ulp (about a quarter of the values
-    move), the size of change any evaluation that rounds differently makes."""
+    random u, and rounded back: kept or moved by one ulp, the size of change any evaluation
+    that rounds differently makes."""
     gen = torch.Generator().manual_seed(seed)
     step = (torch.rand(x.shape, generator=gen, dtype=torch.float64) * 2 - 1) * 2.0 ** -24
     return (x.double() * (1 + step)).to(x.dtype)
@@ -578,26 +518,27 @@ def rounding_change(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
 def verify_onnx(path: str, model: nn.Module, sizes: Sequence[Sequence[int]], batch: int = 1,
                 threads: Optional[int] = None, fp64: bool = True,
                 inputs: str = 'toy', images: int = 1) -> List[Dict]:
-    """ONNX Runtime against eager PyTorch (fp32) on ``images`` inputs of each (H, W) of
-    ``sizes`` (each at least :func:`export_min_size`), of the kind ``inputs`` names.
+    """ONNX Runtime against eager PyTorch (fp32) on ``images`` inputs (of the kind
+    :data:`VERIFY_INPUTS` names) of each (H, W) of ``sizes``, each at least
+    :func:`export_min_size`.
 
     One dict per size and image: size, image, batch, max_abs, max_rel (:func:`output_error`);
     rounding_rel, how far rounding alone moves eager fp32 on this input (:func:`rounding_change`:
     the scale to read max_rel against); with ``fp64``, fp32_vs_fp64_rel.
     """
-    make_input = VERIFY_INPUTS[check_choice('inputs', inputs, tuple(VERIFY_INPUTS))]
+    make_input = VERIFY_INPUTS[inputs]
     images = check_int('images', images)  # 0: no rows, which would read as a pass
     sizes = [tuple(size) for size in sizes]
-    # ONNX Runtime does not enforce a dynamic file's declared size range: below it the file
-    # runs, to outputs wrong by far more than rounding, which a row would pass off as error.
+    # ONNX Runtime does not enforce a dynamic file's size range: below it the file runs, to
+    # outputs wrong by far more than rounding, which a row would pass off as error.
     minimum = export_min_size(model)
     for i, size in enumerate(sizes):
         if min(size) < minimum:
             raise ValueError(f'sizes[{i}] {size} is below the export size range: H and W must '
                              f'be >= {minimum} for this model (export_min_size)')
     session = ort_session(path, threads)
-    module = ExportModule(model) if not hasattr(model, 'output_names') else model
-    module = copy.deepcopy(module).eval()
+    module = copy.deepcopy(model if hasattr(model, 'output_names') else ExportModule(model))
+    module = module.eval()
     module64 = copy.deepcopy(module).double() if fp64 else None
     rows = []
     for size in sizes:
@@ -627,13 +568,11 @@ def build_model(config, checkpoint: Optional[str] = None, cfg_options: Optional[
         state = safe_load(checkpoint)
         state = state.get('state_dict', state) if isinstance(state, dict) else state
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-            raise ValueError(f'checkpoint {checkpoint!r} holds no state dict (a dict of '
-                             f'weights, or one under "state_dict")')
+            raise ValueError(f'checkpoint {checkpoint!r} holds no state dict')
         state = {k[len('module.'):] if k.startswith('module.') else k: v
                  for k, v in state.items()}
-        # Tensors of another shape are torch's RuntimeError. The load's own report: the
-        # modules' load hooks (BatchNorm's num_batches_tracked, mmdet's renamed heads) fill or
-        # map keys a comparison of the dicts would miss.
+        # Another shape is torch's RuntimeError. The load's own report: its hooks
+        # (BatchNorm's num_batches_tracked, mmdet's renamed heads) fill or map keys.
         report = model.load_state_dict(state, strict=False)
         if report.missing_keys or report.unexpected_keys:
             raise ValueError(
@@ -647,44 +586,25 @@ def build_model(config, checkpoint: Optional[str] = None, cfg_options: Optional[
 def export_config(config, out: str, *, checkpoint: Optional[str] = None,
                   target: str = 'backbone', cfg_options: Optional[dict] = None,
                   **export_kwargs) -> Tuple[ExportModule, List[str]]:
-    """Build the model of ``config`` and :func:`export_onnx` its ``target`` to ``out``.
-
-    Returns the (unprepared) :class:`ExportModule` and the output names.
-    """
+    """:func:`export_onnx` of the ``target`` of ``config``'s model to ``out``; the
+    (unprepared) :class:`ExportModule` and the output names."""
     model, _ = build_model(config, checkpoint, cfg_options)
     module = ExportModule(model, target)
     return module, export_onnx(module, out, **export_kwargs)
 
 
-def graph_summary(path: str) -> Dict:
-    """Facts about an ONNX file: opset, node domains, fp64 tensors, file size."""
-    onnx = _import('onnx')
-    proto = onnx.load(path)
-    inferred = onnx.shape_inference.infer_shapes(proto)
-    double = onnx.TensorProto.DOUBLE
-    values = list(inferred.graph.value_info) + list(inferred.graph.output)
-    fp64 = sorted({v.name for v in values if v.type.tensor_type.elem_type == double}
-                  | {t.name for t in proto.graph.initializer if t.data_type == double})
-    return dict(opset=[(o.domain or 'ai.onnx', o.version) for o in proto.opset_import],
-                domains=sorted({n.domain or 'ai.onnx' for n in proto.graph.node}),
-                nodes=len(proto.graph.node), fp64_tensors=len(fp64),
-                megabytes=os.path.getsize(path) / 2 ** 20)
-
-
-# Far above the spread of honest files against the rounding column (docs/deploy.md,
-# What accuracy to expect), far below a file with a size fixed in its trace.
+#: Far above the spread of honest files against the rounding column (docs/deploy.md, What
+#: accuracy to expect), far below a file with a size fixed in its trace.
 WRONG_FACTOR = 100.
 
 
 def wrong_rows(rows: Sequence[Dict], factor: float = WRONG_FACTOR) -> List[Dict]:
-    """The :func:`verify_onnx` rows whose error is more than ``factor`` times how far
-    rounding alone moves eager fp32 (at least 1e-6, fp32's scale): a file that does not
-    compute the model at that size."""
+    """The :func:`verify_onnx` rows more than ``factor`` times further from eager than
+    rounding alone moves it (at least 1e-6): the file does not compute the model there."""
     return [r for r in rows if r['max_rel'] > factor * max(r['rounding_rel'], 1e-6)]
 
 
 def format_rows(rows: Sequence[Dict]) -> str:
-    """A markdown table of :func:`verify_onnx` rows."""
     has64 = any('fp32_vs_fp64_rel' in r for r in rows)
     head = ('| size | image | batch | max abs error | max rel error | eager fp32, input '
             'changed by rounding (rel) |' + (' eager fp32 vs fp64 (rel) |' if has64 else ''))

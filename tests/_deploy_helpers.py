@@ -1,5 +1,4 @@
-"""Shared pieces of the deploy tests: a tiny backbone, the accuracy measure, graph checks,
-the ONNX Runtime op library."""
+"""The deploy tests' tiny backbone, accuracy measure, graph checks and op library."""
 import copy
 import functools
 import os
@@ -11,22 +10,17 @@ from _shared import ROOT
 
 from lapformer_mm.models import LaplacianFormer
 
-#: ONNX Runtime's C API headers for the op library: $ORT_INCLUDE_DIR, else the copy in the
-#: shared folder beside the checkout (what CI has).
+#: ONNX Runtime's C API headers: $ORT_INCLUDE_DIR, else the copy CI has beside the checkout.
 ORT_INCLUDE = os.environ.get('ORT_INCLUDE_DIR') or osp.join(
     osp.dirname(ROOT), 'shared', 'third_party', 'onnxruntime-1.29', 'include')
 
-#: Four stages of one block each, narrow: the export paths of the default layout
-#: (keys tied in stages 1-3, separate in stage 4) at a fraction of the trace time.
+#: Four stages of one block each, narrow: the default layout's export paths, traced fast.
 TINY_ARCH = dict(embed_dims=[16, 32, 40, 64], num_heads=[1, 2, 2, 4], depths=[1, 1, 1, 1])
 
-#: An exported graph may be this many times further from eager fp32 than eager fp32 is
-#: from eager fp64 on the same input (per output, relative to its largest value). The
-#: whitening amplifies rounding about 1000× (fp32 itself is ~1e-4 from fp64 at random
-#: weights), and ONNX Runtime's kernels round differently from ATen's (other summation
-#: orders, batch norm folded into convolutions), so an honest graph is 1.2-4.2× as far
-#: from eager fp32 (measured 2026-12-01 on the tiny backbone, Mask R-CNN and UperNet at
-#: 231×257 to 320×480); a wrong bin edge or a dropped landmark chunk is 1e-2 or more.
+#: An exported graph may be this many times further from eager fp32 than eager fp32 is from
+#: fp64 (per output, relative to its largest value): the whitening amplifies rounding ~1000×
+#: and ONNX Runtime rounds differently from ATen, so an honest graph is 1.2-4.2× as far
+#: (measured 2026-12-01); a wrong bin edge or a dropped landmark chunk is 1e-2 or more.
 FACTOR = 8.0
 #: Rounding floor of the fp32-vs-fp64 error (an output that fp32 computes exactly).
 FLOOR = 1e-6
@@ -50,22 +44,14 @@ def relative_errors(outs, refs):
     return errors
 
 
-def eager_references(module, x):
-    """(fp32 outputs, fp64 outputs) of ``module`` (a copy goes to fp64) on ``x``."""
-    module64 = copy.deepcopy(module).double()
-    with torch.no_grad():
-        out32 = module(x)
-        out64 = module64(x.double())
-    return as_list(out32), as_list(out64)
-
-
 def as_list(outs):
     return [outs] if isinstance(outs, torch.Tensor) else list(outs)
 
 
 def assert_as_close_as_fp32(outs, module, x, what=''):
     """Each of ``outs`` within FACTOR × (eager fp32 vs fp64) of eager fp32 on ``x``."""
-    ref32, ref64 = eager_references(module, x)
+    with torch.no_grad():
+        ref32, ref64 = as_list(module(x)), as_list(copy.deepcopy(module).double()(x.double()))
     errors = relative_errors(outs, ref32)
     budget = [FACTOR * max(e, FLOOR) for e in relative_errors(ref32, ref64)]
     bad = [(i, f'{e:.2e} > {b:.2e}') for i, (e, b) in enumerate(zip(errors, budget)) if e > b]
@@ -149,31 +135,21 @@ def stage_sizes(shape):
 
 
 @functools.lru_cache(maxsize=None)
-def _built_ort_library():
+def ort_library():
+    """The op library built once per test process, or None without the headers."""
     from lapformer_mm.cli import build_ort_ops
+    if not osp.isfile(osp.join(ORT_INCLUDE, 'onnxruntime_c_api.h')):
+        return None
     folder = tempfile.mkdtemp(prefix='lapformer_ort_ops_')
     return build_ort_ops.build(ORT_INCLUDE, osp.join(folder, build_ort_ops.LIBRARY_NAME))
 
 
-def _have_ort_headers():
-    return osp.isfile(osp.join(ORT_INCLUDE, 'onnxruntime_c_api.h'))
-
-
-def ort_library():
-    """The op library built once per test process (from ORT_INCLUDE), or None when the
-    headers are absent."""
-    return _built_ort_library() if _have_ort_headers() else None
-
-
 def require_ort_headers():
-    """Skip the test (with the reason) when the op library cannot be built."""
     import pytest
-    if not _have_ort_headers():
-        pytest.skip(f'no ONNX Runtime C API headers at {ORT_INCLUDE} (set ORT_INCLUDE_DIR): '
-                    'the op library cannot be built')
+    if not osp.isfile(osp.join(ORT_INCLUDE, 'onnxruntime_c_api.h')):
+        pytest.skip(f'no ONNX Runtime C API headers at {ORT_INCLUDE} (set ORT_INCLUDE_DIR)')
 
 
 def require_ort_library():
-    """:func:`ort_library`, skipping the test (with the reason) when it cannot be built."""
     require_ort_headers()
-    return _built_ort_library()
+    return ort_library()

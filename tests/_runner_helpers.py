@@ -1,6 +1,5 @@
-"""What the checkpoint, resume and amp tests share: a one-layer mmengine model and Runner, a
-pickle payload that stands for code execution (with the message a refusal of it must give),
-the source of a file write that kills its process, and the steps a loss scale skipped."""
+"""What the checkpoint, resume and amp tests share: a one-layer mmengine Runner, a pickle
+payload that stands for code execution, a file write that kills its process."""
 import itertools
 import math
 import os
@@ -46,13 +45,11 @@ class TinyModel(BaseModel):
 
 def make_runner(work_dir, max_epochs, num_samples=8, checkpoint=None, runner_cls=Runner,
                 **kwargs):
-    """TinyModel, batches of 2 (num_samples / 2 iterations per epoch), AdamW with a step at
-    epoch 1, a checkpoint every epoch (more CheckpointHook arguments in ``checkpoint``);
-    ``kwargs`` go to the runner, an instance of ``runner_cls``."""
+    """TinyModel, batches of 2, AdamW with a step at epoch 1, a checkpoint every epoch (more
+    CheckpointHook arguments in ``checkpoint``)."""
     dataset = [dict(inputs=torch.full((2,), float(i))) for i in range(num_samples)]
-    # mmengine names the message hub after the experiment, by default the start time to the
-    # second: two runners started within one second would share it, and its record of
-    # the kept checkpoints.
+    # The message hub is named after the experiment, by default the start time to the second:
+    # two runners started within a second would share its record of the kept checkpoints.
     kwargs.setdefault('experiment_name', f'tiny_{next(_RUNNER_IDS)}')
     return runner_cls(
         model=TinyModel(), work_dir=str(work_dir),
@@ -104,8 +101,7 @@ class DiesMidWrite:
 
 
 def skipped_steps(scaler_state):
-    """Steps a dynamic loss scale skipped: it starts at 2^16 and halves on each overflow
-    (and would double only after 2000 clean steps)."""
+    """Steps a dynamic loss scale skipped: it starts at 2^16 and halves on each overflow."""
     skipped = 16 - math.log2(scaler_state['scale'])
     assert skipped == int(skipped), scaler_state
     return int(skipped)

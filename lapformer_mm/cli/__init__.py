@@ -7,7 +7,6 @@ import os.path as osp
 
 
 def int_at_least(minimum):
-    """An ``argparse`` type: an integer >= ``minimum``."""
     def parse(text):
         try:
             value = int(text)
@@ -20,7 +19,6 @@ def int_at_least(minimum):
 
 
 def positive_float(text):
-    """An ``argparse`` type: a finite number > 0."""
     value = float(text)  # not a number: argparse's "invalid positive_float value"
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f'must be a finite number > 0, got {text}')

@@ -17,7 +17,7 @@ REQUIRED_KEY = {'bbox': 'bbox', 'segm': 'segmentation'}
 
 
 class EvalInputError(ValueError):
-    """The annotation or results file cannot be evaluated; the message says why."""
+    pass
 
 
 def read_json(path, what):

@@ -57,7 +57,6 @@ LAYOUTS = {
 
 
 def coco_annotation(ann_id, image_id, category_id, polys, width, height):
-    """One COCO annotation dict; bbox and area come from the polygon mask."""
     rle = mask_utils.merge(mask_utils.frPyObjects(polys, height, width))
     return dict(id=ann_id, image_id=image_id, category_id=category_id, segmentation=polys,
                 area=float(mask_utils.area(rle)),

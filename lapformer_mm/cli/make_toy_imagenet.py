@@ -43,7 +43,6 @@ def render_group(rng, img_size):
 
 
 def make_split(out_dir, split, per_class, img_size, seed):
-    """Write ``per_class`` images of every class under ``out_dir/split/<class>/``."""
     rng = np.random.default_rng(seed)
     for name in CLASSES:
         os.makedirs(osp.join(out_dir, split, name), exist_ok=True)

@@ -25,7 +25,6 @@ LOG_TIME = re.compile(r'\((train|val)\)\s+(?:\[\d+\])?\[\s*\d+/\d+\].*?\beta: \S
 
 
 def write_data(data_dir, img_size):
-    """The synthetic COCO and ADE20K sets under ``data_dir`` (the layout of ``data/``)."""
     make_toy_coco.main(['--layout', 'official', '--img-size', *map(str, img_size),
                         '--num-train', str(NUM_TRAIN), '--num-val', str(NUM_VAL),
                         '--out', osp.join(data_dir, 'coco'),
@@ -33,7 +32,6 @@ def write_data(data_dir, img_size):
 
 
 def smoke_options(cfg, data_dir):
-    """The ``--cfg-options`` of a smoke run of ``cfg`` on the data in ``data_dir``."""
     from lapformer_mm.preflight import data_root_options
 
     # The configs read data/<set>; the synthetic sets mirror that under data_dir.
@@ -48,7 +46,6 @@ def smoke_options(cfg, data_dir):
 
 
 def run_measured(cmd, log_path):
-    """Run ``cmd`` with its output in ``log_path``; (exit code, peak RSS in GiB, seconds)."""
     start = time.perf_counter()
     with open(log_path, 'w') as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -60,7 +57,6 @@ def run_measured(cmd, log_path):
 
 
 def parse_times(log_text):
-    """Per-iteration seconds of the training and evaluation lines of an mmengine log."""
     found = LOG_TIME.findall(log_text)
     return {mode: [float(s) for m, s in found if m == mode] for mode in ('train', 'val')}
 

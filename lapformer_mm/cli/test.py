@@ -114,7 +114,6 @@ COCO_KEYS = (('AP', 'mAP'), ('AP50', 'mAP_50'), ('AP75', 'mAP_75'),
 
 
 def coco_table(metrics):
-    """Markdown table of CocoMetric's bbox/segm numbers (as fractions), or ''."""
     rows = []
     for iou_type, label in (('bbox', 'bbox (APb)'), ('segm', 'segm (APm)')):
         keys = [f'coco/{iou_type}_{k}' for _, k in COCO_KEYS]
@@ -127,20 +126,16 @@ def coco_table(metrics):
     return '\n'.join([header, '|---' * (len(COCO_KEYS) + 1) + '|'] + rows)
 
 
-def evaluate(cfg, args):
-    """The metrics; the runner is gone on return (close_distributed)."""
-    runner = build_runner(cfg)
-    if args.out is not None and cfg.get('default_scope') != 'mmseg':
-        from mmdet.evaluation import DumpDetResults
-        runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
-    return runner.test()
-
-
 def main(argv=None):
     args = parse_args(argv)
     cfg = checked_cfg(build_cfg, args, 'test')
     setup_cpu_distributed(cfg)
-    metrics = evaluate(cfg, args)
+    runner = build_runner(cfg)
+    if args.out is not None and cfg.get('default_scope') != 'mmseg':
+        from mmdet.evaluation import DumpDetResults
+        runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))
+    metrics = runner.test()
+    del runner  # its DDP model holds the process group (close_distributed)
     if is_main_process():
         table = coco_table(metrics)
         if table:

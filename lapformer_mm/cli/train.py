@@ -37,7 +37,6 @@ def parse_args(argv=None):
 
 
 def parse_run_args(parser, argv):
-    """``parser``'s arguments and those tools/train.py and tools/test.py share."""
     parser.add_argument('--cfg-options', nargs='+', action=DictAction,
                         help='override config settings, key=value (e.g. train_cfg.max_epochs=1)')
     parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],

@@ -58,7 +58,6 @@ def original_scale_gt(data_sample):
 
 
 def visualize_detection(cfg, checkpoint, out_dir, num, score_thr, device='cpu'):
-    """Write ``num`` PNGs into ``out_dir``; return their paths."""
     from mmdet.apis import inference_detector, init_detector
     from mmdet.registry import DATASETS, VISUALIZERS
 
@@ -95,7 +94,6 @@ def paint_labels(img, label_map, palette, alpha=0.6):
 
 
 def visualize_segmentation(cfg, checkpoint, out_dir, num, device='cpu'):
-    """Write ``num`` PNGs (image | ground truth | prediction) into ``out_dir``; their paths."""
     from mmseg.apis import inference_model, init_model
     from mmseg.registry import DATASETS
 

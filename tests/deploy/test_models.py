@@ -1,12 +1,7 @@
-"""Whole networks through ONNX Runtime: a tiny Mask R-CNN (FPN features and RPN maps),
-a tiny UperNet (segmentor logits, its pyramid pooling in the export form), a tiny
-Semantic FPN (its head's upsampling in the export form), a tiny RetinaNet through the
-command-line tool.
-
-Each is exported with dynamic sizes at one size and batch 2, then run at two other sizes
-with batch 1, held to the measure of tests/deploy/test_backbone.py (FACTOR × eager fp32's
-own error against fp64). The eager reference is the unchanged model, whose pyramid
-pooling is ATen's ``adaptive_avg_pool2d``.
+"""Whole networks through ONNX Runtime: a tiny Mask R-CNN (FPN features and RPN maps), UperNet
+(its pyramid pooling in the export form), Semantic FPN (its head's upsampling in the export
+form) and, through the command-line tool, RetinaNet; exported dynamic at batch 2, run at two
+other sizes, held to FACTOR × eager fp32's error against fp64 (the eager model unchanged).
 """
 import os.path as osp
 import re
@@ -103,21 +98,17 @@ def test_targets_of_a_network(models):
 
 def test_build_model_loads_a_checkpoint_or_names_what_does_not_fit(models, tmp_path):
     config, options = UPERNET
-    # Weights no fresh build has (the built model's, shifted), to tell a load from none.
+    # Weights no fresh build has; a DDP-wrapped run's checkpoint ('module.' keys) without
+    # num_batches_tracked, which BatchNorm's load hook fills.
     state = {k: v + 0.5 if v.is_floating_point() else v
              for k, v in models['upernet'].state_dict().items()}
-    # A DDP-wrapped run's checkpoint: the keys under 'module.', in mmengine's 'state_dict',
-    # without num_batches_tracked, which BatchNorm's load hook fills.
     tracked = [k for k in state if k.endswith('num_batches_tracked')]
-    assert tracked
     path = str(tmp_path / 'ddp.pth')
     torch.save({'state_dict': {f'module.{k}': v for k, v in state.items() if k not in tracked}},
                path)
     loaded = deploy.build_model(config, path, options)[0].state_dict()
     assert loaded.keys() == state.keys()
     assert all(torch.equal(v, state[k]) for k, v in loaded.items() if k not in tracked)
-    # A checkpoint without the decode head: its keys are missing (not num_batches_tracked,
-    # which the hook fills).
     torch.save({k: v for k, v in state.items() if not k.startswith('decode_head.')}, path)
     with pytest.raises(ValueError, match='missing keys'):
         deploy.build_model(config, path, options)
@@ -126,13 +117,12 @@ def test_build_model_loads_a_checkpoint_or_names_what_does_not_fit(models, tmp_p
     with pytest.raises(RuntimeError, match=key):
         deploy.build_model(config, path, options)
     torch.save([state[key]], path)
-    with pytest.raises(ValueError, match='state dict'):
+    with pytest.raises(ValueError, match='checkpoint'):
         deploy.build_model(config, path, options)
 
 
 def tiny_retinanet_config(folder):
-    """A user config on top of the toy RetinaNet with the tiny backbone (--cfg-options
-    cannot turn the arch name into a dict)."""
+    """The toy RetinaNet with the tiny backbone (--cfg-options cannot make the arch a dict)."""
     path = folder / 'retinanet_tiny.py'
     path.write_text(f"_base_ = [{osp.join(ROOT, RETINANET[0])!r}]\n"
                     f"model = dict(backbone=dict(arch={ARCH!r}), "
@@ -141,8 +131,7 @@ def tiny_retinanet_config(folder):
 
 
 def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys, monkeypatch):
-    # With --ort-ops where the op library can be built: --verify then registers it.
-    library = ort_library()
+    library = ort_library()  # --ort-ops where the op library builds: --verify registers it
     ort_args = [] if library is None else ['--ort-ops']
     if library is not None:
         monkeypatch.setenv(deploy.ORT_OPS_ENV, library)
@@ -157,7 +146,6 @@ def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert 'ONNX Runtime against PyTorch eager on toy COCO scenes' in printed
-    # The jit trace sees sizes as tensors: our shape checks compare them without a warning.
     ours = [f'{w.filename}:{w.lineno}' for w in caught if issubclass(w.category, TracerWarning)
             and osp.dirname(lapformer_mm.__file__) in w.filename]
     assert not ours, ours
@@ -188,10 +176,6 @@ def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys, monkeypatch):
     sizes = re.findall(r'(\d+)x(\d+) \(', err)
     assert err.startswith('export_onnx: ') and len(sizes) == 2, err
     assert tuple(map(int, sizes[0])) != EXPORT_SHAPE
-    with pytest.raises(SystemExit) as exit_:
-        cli.main([tiny_retinanet_config(tmp_path), '--verify-images', '0'])
-    assert exit_.value.code == 2
-    assert '--verify-images' in capsys.readouterr().err
 
 
 def test_rounding_change_moves_values_by_at_most_one_ulp():

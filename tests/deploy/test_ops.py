@@ -1,9 +1,7 @@
-"""The export forms of the attention and its primitives (lapformer_mm.ops.export.ExportForm).
-
-Each form against an independent computation (ATen's adaptive pooling, the dense
-difference-tensor kernels, a direct inverse, the dense fp64 attention), then through
-both ONNX exporters and ONNX Runtime; and the selection: the forms are taken only while
-an exporter traces, never in eager calls or the FLOP counter's jit trace.
+"""The export forms of the attention and its primitives against independent computations
+(ATen's adaptive pooling, the dense kernels, a direct inverse, the dense fp64 attention), then
+through both ONNX exporters and ONNX Runtime; the op library; and the selection: the forms
+are taken only while an exporter traces.
 """
 import copy
 import os
@@ -43,12 +41,8 @@ def test_adaptive_avg_pool2d_export_matches_aten(hw, out):
                                rtol=1e-12, atol=1e-13)
     module = deploy.AdaptiveAvgPool2dExport(out)
     torch.testing.assert_close(module(maps), expected, rtol=1e-12, atol=1e-13)
-
-
-def test_adaptive_pool_module_rejects_bad_sizes():
-    for bad in (0, (3, ), (2, None), 'x'):
-        with pytest.raises(ValueError, match='output_size'):
-            deploy.AdaptiveAvgPool2dExport(bad)
+    with pytest.raises(ValueError, match='output_size'):  # None: the input's size
+        deploy.AdaptiveAvgPool2dExport((2, None))
 
 
 @pytest.mark.parametrize('hw', [(7, 7), (9, 8), (29, 37)])
@@ -70,8 +64,7 @@ def test_pairwise_kernel_export_matches_dense(kind, num_landmarks, chunk):
 
 
 def test_gaussian_export_is_exact_at_large_norms():
-    # The difference form: k(x, x) = 1 in fp32 at any norm (the matmul expansion gives
-    # 0.14 at |x| ~ 5700, docs/numerics.md).
+    # k(x, x) = 1 in fp32 at any norm (the matmul expansion gives 0.14 at |x| ~ 5700).
     x = torch.full((1, 4, 32), 1000.0)
     got = ref.similarity_export(x, x, 4.0, 'gaussian')
     torch.testing.assert_close(torch.diagonal(got, dim1=-2, dim2=-1), torch.ones(1, 4))
@@ -121,18 +114,14 @@ def test_export_form_is_checked_when_built():
         ex.ExportForm(ort=1)
 
 
-@pytest.mark.parametrize('options, match', [
-    (dict(solver='exact'), "solver='exact' does not export: only solver='newton'"),
-    (dict(solver='cg'), "solver='cg' does not export"),
-    (dict(impl='cupy'), "impl='cupy' does not export.*reference"),
-    (dict(impl='cpu'), "impl='cpu' does not export"),
-])
-def test_only_newton_and_reference_export(options, match):
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize('options', [dict(solver='exact'), dict(solver='cg'),
+                                     dict(impl='cupy'), dict(impl='cpu')])
+def test_only_newton_and_reference_export(options):
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=name):
         ex.check_exportable(AttentionOptions(**options))
-    model = tiny_backbone(attn_cfg=options)
-    with pytest.raises(ValueError, match='stages.0.blocks.0.attn: ' + match.split(' ')[0]):
-        deploy.prepare_for_export(model)
+    with pytest.raises(ValueError, match=f'stages.0.blocks.0.attn: {name}'):
+        deploy.prepare_for_export(tiny_backbone(attn_cfg=options))
 
 
 class Primitives(torch.nn.Module):
@@ -269,37 +258,40 @@ def test_placeholders_expand_into_exact_token_blocks(tmp_path, monkeypatch, expo
         assert max(errors) < 1e-6, (num_tokens, errors)
 
 
-class StandaloneAttention(torch.nn.Module):
-    """A LaplacianAttention outside the backbone, on a 10 × 13 map that the 7 × 7 grid does not
-    divide: nothing passes it an export flag, the entry asks torch."""
+class AttentionPair(torch.nn.Module):
+    """A LaplacianAttention with tied keys and one with separate keys outside the backbone, on
+    a 10 × 13 map the 7 × 7 grid does not divide."""
 
     def __init__(self):
         super().__init__()
-        self.attn = LaplacianAttention(32, 2, qk_shared=False)
+        self.tied = LaplacianAttention(32, 2)
+        self.separate = LaplacianAttention(32, 2, qk_shared=False)
 
     def forward(self, x):
-        return self.attn(x, (10, 13))
+        return self.tied(x, (10, 13)), self.separate(x, (10, 13))
 
 
 @pytest.mark.parametrize('exporter', ['torchscript', 'torch.export'])
 def test_standalone_attention_exports_its_reference_form(tmp_path, exporter):
+    # Nothing passes these an export form: the entry asks torch whether it traces.
     torch.manual_seed(0)
-    module = StandaloneAttention().eval()
+    module = AttentionPair().eval()
     x = torch.randn(2, 130, 32)
     with torch.no_grad():
         if exporter == 'torch.export':
             program = torch.export.export(module, (x, ))
             assert not [n.target for n in program.graph.nodes if 'lapformer_mm' in str(n.target)]
-            out = program.module()(x)
+            outs = program.module()(x)
         else:
             path = str(tmp_path / 'attention.onnx')
             torch.onnx.export(module, (x, ), path, dynamo=False, opset_version=18,
                               input_names=['x'])
             assert non_standard_nodes(onnx.load(path)) == []
-            out = torch.from_numpy(deploy.ort_session(path).run(None, {'x': x.numpy()})[0])
-    module64 = copy.deepcopy(module.attn).double()
-    expected = dense_attention_module(module64, x.double(), (10, 13), False, 7)
-    assert relative_errors([out], [expected])[0] < 1e-5
+            outs = deploy.run_onnx(deploy.ort_session(path), x)
+    for out, attn, shared in zip(outs, (module.tied, module.separate), (True, False)):
+        expected = dense_attention_module(copy.deepcopy(attn).double(), x.double(), (10, 13),
+                                          shared, 7)
+        assert relative_errors([out], [expected])[0] < 1e-5
 
 
 def _cpu_isas():
@@ -440,14 +432,6 @@ def test_ort_op_library_sessions_keep_the_instruction_set_they_registered(monkey
     assert (generic.run(None, feed)[0] == first).all()
 
 
-def test_ort_op_library_refused_by_onnx_runtime_is_an_os_error(monkeypatch):
-    library = require_ort_library()
-    monkeypatch.setenv('LAPFORMER_ORT_ISA', 'sse')
-    with pytest.raises(OSError, match="cannot register the op library .*LAPFORMER_ORT_ISA="
-                                      "'sse' is not supported; allowed: auto, default"):
-        _op_session(library, ex.ORT_KERNEL_OP, ['x', 'y'], ['k'], lam=1.0, kind='laplacian')
-
-
 def test_ort_op_library_shares_one_domain_per_build(tmp_path):
     # ONNX Runtime calls RegisterCustomOps once per session options: a process that opens
     # many sessions must not gain a domain each time, sessions opened from several threads
@@ -482,28 +466,30 @@ def test_ort_op_library_shares_one_domain_per_build(tmp_path):
     assert int(counts['released']) == len(isas) and int(counts['double released']) == 0, counts
 
 
-def test_ort_op_library_names_bad_operands_and_attributes():
+def test_ort_op_library_names_bad_operands_and_attributes(monkeypatch):
     library = require_ort_library()
+    with monkeypatch.context() as patch:  # refused by ONNX Runtime: an OSError
+        patch.setenv('LAPFORMER_ORT_ISA', 'sse')
+        with pytest.raises(OSError, match='LAPFORMER_ORT_ISA'):
+            _op_session(library, ex.ORT_KERNEL_OP, ['x', 'y'], ['k'], lam=1.0, kind='laplacian')
     x, landmarks, v = _rows_case(20, 5, 4, seed=0)
     session = _op_session(library, ex.ORT_ROWS_OP, ['x', 'l', 'v'], ['rhs', 'stats', 'rows'],
                           lam=4.0, kind='laplacian', want_stats=1, want_rows=1)
-    with pytest.raises(Exception, match=r'AttentionRows: V must be \(B, N, H, dv\) with B, N '
-                                        r'and H of X'):
+    with pytest.raises(Exception, match='AttentionRows: V '):
         session.run(None, {'x': x.numpy(), 'l': landmarks.numpy(), 'v': v[:, :7].numpy()})
-    with pytest.raises(Exception, match=r'AttentionRows: L must be \(B, H, m, d\)'):
+    with pytest.raises(Exception, match='AttentionRows: L '):
         session.run(None, {'x': x.numpy(), 'l': landmarks[..., :4].numpy(), 'v': v.numpy()})
-    with pytest.raises(Exception, match='attribute want_stats must be 0 or 1, got 2'):
+    with pytest.raises(Exception, match='want_stats'):
         _op_session(library, ex.ORT_ROWS_OP, ['x', 'l', 'v'], ['rhs', 'stats', 'rows'],
                     lam=4.0, kind='laplacian', want_stats=2, want_rows=1)
     for kind in ('cosine', 'laplacian' * 5):  # any length
-        with pytest.raises(Exception, match=f"kind='{kind}' is not supported; allowed: 'lapl"):
+        with pytest.raises(Exception, match='kind'):
             _op_session(library, ex.ORT_KERNEL_OP, ['x', 'y'], ['k'], lam=4.0, kind=kind)
     # 1 / lam overflows fp32: every exact match would be 0 * -inf = NaN.
-    with pytest.raises(Exception, match=r'lam must be > 0 with a finite 1 / lam, got 1e-39'):
+    with pytest.raises(Exception, match='lam'):
         _op_session(library, ex.ORT_KERNEL_OP, ['x', 'y'], ['k'], lam=1e-39, kind='laplacian')
     apply = _op_session(library, ex.ORT_APPLY_OP, ['c', 'a', 'b'], ['out'], centre=1)
-    with pytest.raises(Exception, match=r'AttentionApply: A must be \(B, H, m, dv\) with B, H '
-                                        r'and m of rows'):
+    with pytest.raises(Exception, match='AttentionApply: A '):
         apply.run(None, {'c': np_zeros(2, 3, 20, 5), 'a': np_zeros(2, 3, 6, 4),
                          'b': np_zeros(2, 3, 1, 4)})
 
@@ -527,18 +513,6 @@ def test_ort_form_composes_the_cpu_backends_passes(shared):
     got = cpu.forward(*args, ops=ex.OrtNodes)[0]
     assert got.shape == (2, 14 * 16, 1, 8)  # the token layout (B, N, h, d_v)
     assert relative_errors([got.transpose(1, 2)], [expected])[0] < 1e-5
-
-
-class AttentionPair(torch.nn.Module):
-    """A LaplacianAttention with tied keys and one with separate keys on a 10 × 13 map."""
-
-    def __init__(self):
-        super().__init__()
-        self.tied = LaplacianAttention(32, 2)
-        self.separate = LaplacianAttention(32, 2, qk_shared=False)
-
-    def forward(self, x):
-        return self.tied(x, (10, 13)), self.separate(x, (10, 13))
 
 
 @pytest.mark.parametrize('exporter', ['dynamo', 'torchscript'])
@@ -583,50 +557,17 @@ def test_ort_op_library_exports_only_its_entry_point():
 def test_ort_op_library_needs_headers_and_is_named_when_missing(tmp_path, monkeypatch):
     from lapformer_mm.cli import build_ort_ops
     monkeypatch.delenv('ORT_INCLUDE_DIR', raising=False)
-    with pytest.raises(FileNotFoundError, match='--ort-include DIR or set ORT_INCLUDE_DIR'):
+    with pytest.raises(FileNotFoundError, match='ORT_INCLUDE_DIR'):
         build_ort_ops.build()
-    with pytest.raises(FileNotFoundError, match='onnxruntime_c_api.h is not in'):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         build_ort_ops.build(str(tmp_path))
     assert build_ort_ops.main(['--ort-include', str(tmp_path)]) == 2
     missing = str(tmp_path / 'none.so')
-    with pytest.raises(FileNotFoundError, match='tools/build_ort_ops.py --ort-include'):
+    with pytest.raises(FileNotFoundError, match='tools/build_ort_ops.py'):
         deploy.ort_ops_library(missing)
     monkeypatch.setenv(deploy.ORT_OPS_ENV, missing)
     with pytest.raises(FileNotFoundError, match='none.so'):
         deploy.ort_ops_library()
-    with pytest.raises(ValueError, match='ort_ops must be True, False, None or a library'):
-        deploy.ort_session(__file__, ort_ops=3)
-    assert ORT_INCLUDE  # the tests' header location is always defined
-
-
-_SEEN = []
-
-
-class _Flags(torch.nn.Module):
-    """Records :func:`~lapformer_mm.ops.export.exporting` at each call, in a module-level
-    list: torch.export traces a copy of the module's state."""
-
-    def forward(self, x):
-        _SEEN.append(ex.exporting())
-        return x + 1
-
-
-def test_exporting_flag_only_under_exporters(tmp_path):
-    probe = _Flags()
-    x = torch.ones(2)
-    _SEEN.clear()
-    probe(x)
-    torch.jit.trace(probe, (x, ), check_trace=False)
-    assert _SEEN == [False, False]  # the FLOP counter's trace keeps the registered ops
-    _SEEN.clear()
-    torch.export.export(probe, (x, ))
-    assert _SEEN and all(_SEEN)
-    _SEEN.clear()
-    torch.onnx.export(probe, (x, ), str(tmp_path / 'f.onnx'), dynamo=False)
-    assert _SEEN and all(_SEEN)
-    _SEEN.clear()
-    probe(x)
-    assert _SEEN == [False]
 
 
 class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
@@ -640,6 +581,8 @@ class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_eager_and_flop_count_unchanged_outside_exporters(tmp_path):
+    # The export forms under exporters only (the standalone attention's exports above): not
+    # in eager calls, nor in the FLOP counter's jit trace.
     from lapformer_mm.analysis.flops import flop_analyzer, flop_totals
     model = tiny_backbone()
     x = torch.randn(1, 3, 200, 232)

@@ -1,7 +1,5 @@
-"""Every user config builds its model; the T-size detectors/segmentor train and predict.
-
-Small inputs on CPU; pretrained checkpoints are switched off (none exist here).
-"""
+"""Every user config builds its model; the T-size detectors and segmentors train and predict
+(small inputs on CPU, no pretrained checkpoint)."""
 import copy
 import glob
 import os.path as osp
@@ -37,15 +35,10 @@ def load_cfg(name):
 
 def test_all_configs_are_collected():
     names = {osp.relpath(c, CONFIG_DIR) for c in CONFIGS}
-    for size in 'tsml':
-        assert f'maskrcnn_lapformer_{size}.py' in names
-        assert f'maskrcnn_lapformer_{size}_3x.py' in names
-        assert f'retinanet_lapformer_{size}.py' in names
-    for size in 'tsm':
-        assert f'upernet_lapformer_{size}_ade20k.py' in names
-        assert f'fpn_lapformer_{size}_ade20k.py' in names
-    assert 'toy/maskrcnn_lapformer_t_toy.py' in names
-    assert 'toy/upernet_lapformer_t_toy.py' in names
+    assert {f'{kind}_lapformer_{size}{tail}.py' for size in 'tsml'
+            for kind, tail in (('maskrcnn', ''), ('maskrcnn', '_3x'), ('retinanet', ''))} | {
+        f'{kind}_lapformer_{size}_ade20k.py' for size in 'tsm' for kind in ('upernet', 'fpn')} | {
+        'toy/maskrcnn_lapformer_t_toy.py', 'toy/upernet_lapformer_t_toy.py'} <= names
 
 
 @pytest.mark.parametrize(
@@ -169,29 +162,21 @@ def loss_and_predict(model, data):
 
 
 @pytest.mark.slow
-def test_maskrcnn_t_loss_and_predict():
-    cfg = no_pretrained(load_cfg('maskrcnn_lapformer_t.py'))
+@pytest.mark.parametrize('name, loss_keys', [
+    ('maskrcnn_lapformer_t.py', {'loss_rpn_cls', 'loss_cls', 'loss_bbox', 'loss_mask'}),
+    ('retinanet_lapformer_t.py', {'loss_cls', 'loss_bbox'})])
+def test_coco_t_loss_and_predict(name, loss_keys):
+    """Every parameter gets a gradient (DDP without find_unused_parameters; RetinaNet does
+    not return stage 1)."""
+    cfg = no_pretrained(load_cfg(name))
+    with_mask = 'mask' in name
     model = models_registry('mmdet').build(cfg.model)
-    losses, missing, preds = loss_and_predict(model, det_inputs(80))
-    assert {'loss_rpn_cls', 'loss_cls', 'loss_bbox', 'loss_mask'} <= set(losses)
-    assert not missing
-    assert len(preds) == 2
-    inst = preds[0].pred_instances
-    assert inst.bboxes.shape[1] == 4
-    assert inst.masks.shape[1:] == (96, 96)
-
-
-@pytest.mark.slow
-def test_retinanet_t_loss_predict_and_no_unused_parameters():
-    """Stage 1 is not returned; every parameter still gets a gradient (DDP)."""
-    cfg = no_pretrained(load_cfg('retinanet_lapformer_t.py'))
-    model = models_registry('mmdet').build(cfg.model)
-    losses, missing, preds = loss_and_predict(
-        model, det_inputs(80, with_mask=False))
-    assert {'loss_cls', 'loss_bbox'} <= set(losses)
-    assert missing == []
+    losses, missing, preds = loss_and_predict(model, det_inputs(80, with_mask=with_mask))
+    assert loss_keys <= set(losses) and missing == []
     assert cfg.get('find_unused_parameters', False) is False
-    assert preds[0].pred_instances.bboxes.shape[1] == 4
+    inst = preds[0].pred_instances
+    assert len(preds) == 2 and inst.bboxes.shape[1] == 4
+    assert not with_mask or inst.masks.shape[1:] == (96, 96)
 
 
 @pytest.mark.slow

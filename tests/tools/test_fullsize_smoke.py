@@ -1,11 +1,6 @@
 """One training iteration of the full-size Mask R-CNN-LaplacianFormer-T config at COCO's
-training size (1333×800), through ``tools/train.py``'s config path.
-
-The config is unchanged except for the data root (synthetic scenes in COCO's layout,
-``tools/make_toy_coco.py --layout official``), ``init_cfg=None``, one image per batch, no
-evaluation and no checkpoint; ``tools/smoke_fullsize.py`` runs the whole smoke (two
-iterations of two images and an evaluation, every full-size config) and docs/full_size.md
-has its times.
+training size (1333×800) through ``tools/train.py``'s config path, on synthetic scenes in
+COCO's layout (``tools/smoke_fullsize.py`` runs the whole smoke; docs/full_size.md).
 """
 import math
 import os.path as osp
@@ -20,15 +15,8 @@ CONFIG = osp.join(CONFIG_DIR, 'maskrcnn_lapformer_t.py')
 WIDTH, HEIGHT = 1333, 800
 
 
-@pytest.fixture(autouse=True)
-def mmdet_scope():
-    """Build under mmdet's scope whatever an earlier test's Runner left as default scope."""
-    from mmengine.registry import DefaultScope
-    with DefaultScope.overwrite_default_scope('mmdet'):
-        yield
-
-
 @pytest.mark.slow(seconds=45)
+@pytest.mark.usefixtures('mmdet_scope')
 def test_maskrcnn_t_trains_one_iteration_at_full_size(tmp_path):
     from mmengine.config import Config
 
