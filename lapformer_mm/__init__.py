@@ -1,13 +1,6 @@
-"""LaplacianFormer for OpenMMLab: Laplacian-kernel linear attention backbones.
-
-``import lapformer_mm`` (or ``custom_imports=dict(imports=['lapformer_mm'])``) registers the
-backbone, its hooks, runner, CPU AMP wrapper and ``atomic_local`` file backend in mmengine's
-root registries (:mod:`.registry`); none is used until a config selects it. It imports none
-of mmdet, mmseg, mmpretrain or ``mmcv.ops``, and its one global action is additive:
-:func:`~lapformer_mm.checkpoint.allow_mmengine_checkpoints` lets
-``torch.load(weights_only=True)`` read mmengine checkpoints. ``lapformer_mm.ops`` needs only
-torch (and CuPy on GPU).
-"""
+"""LaplacianFormer for OpenMMLab. ``import lapformer_mm`` registers the backbone and the
+engine parts in mmengine's root registries (none used until a config selects it), imports no
+codebase, and lets ``torch.load(weights_only=True)`` read mmengine checkpoints."""
 import re
 
 import torch

@@ -1,11 +1,7 @@
-"""glibc ``malloc`` settings that keep large CPU tensors from being page-faulted in afresh.
-
-glibc serves every request above its mmap threshold (at most 32 MiB unless set) with a fresh
-``mmap`` and returns it on ``free``, so each such tensor is faulted in again page by page
-every time it is allocated: at 2048×2048 those faults made the forward time grow faster than
-the pixels (``benchmarks/malloc_faults.py``, docs/analysis.md). Raising glibc's mmap and trim
-thresholds is the in-process equivalent of PyTorch's advice to use jemalloc or tcmalloc.
-"""
+"""glibc ``malloc`` settings that keep large CPU tensors from being page-faulted in afresh:
+glibc serves requests above its mmap threshold with a fresh ``mmap`` returned on ``free``, and
+at 2048×2048 those faults made the forward grow faster than the pixels (docs/analysis.md). The
+in-process equivalent of PyTorch's advice to use jemalloc or tcmalloc."""
 import ctypes
 import ctypes.util
 

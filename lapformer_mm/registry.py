@@ -1,18 +1,11 @@
-"""Registration in mmengine's root registries.
-
-mmdet's, mmseg's and mmpretrain's registries are children of mmengine's and fall back to
-it, so one registration serves all three without importing any of them (as mmdet's own
-PVT and Swin are found by mmseg configs). Every part registers itself with the registry's
-decorator where it is defined; this module only imports them, and builds models from configs
-(:func:`build_from_config`, for the deploy and analysis tools).
-"""
+"""Registration in mmengine's root registries, which mmdet's, mmseg's and mmpretrain's fall
+back to: one registration serves all three without importing any. Each part registers itself
+where it is defined; this module imports them, and builds models from configs."""
 import logging
 
 
 def register_all_modules():
-    """Import the registered parts: ``LaplacianFormer`` (MODELS), ``NeckChannelsCheckHook``
-    (HOOKS) and :mod:`lapformer_mm.engine`'s; False when mmengine is not installed (nothing to
-    register into)."""
+    """Import the registered parts; False when mmengine is not installed."""
     try:
         import mmengine.registry  # noqa: F401
     except ModuleNotFoundError as err:
@@ -24,9 +17,8 @@ def register_all_modules():
 
 
 def init_weights_quietly(model):
-    """``model.init_weights()`` without mmengine's INFO line per parameter (hundreds on the
-    console for a detector), by a filter of its own per call: calls overlapping in threads
-    leave the logger as they found it."""
+    """``model.init_weights()`` without mmengine's INFO line per parameter, by a filter of
+    its own per call (calls overlapping in threads leave the logger as they found it)."""
     from mmengine.logging import MMLogger
 
     def only_warnings(record):

@@ -18,10 +18,7 @@ MIN_VISIBLE_AREA = 30
 
 
 def shape_polygon(name, centre, size, angle):
-    """Outline of one shape as an (K, 2) float array of (x, y) vertices.
-
-    ``size`` is the shape's diameter in pixels, ``angle`` a rotation in radians.
-    """
+    """(K, 2) float (x, y) vertices of one shape of diameter ``size`` px, rotated by ``angle``."""
     if name == 'circle':
         t = np.linspace(0, 2 * np.pi, 40, endpoint=False)
         radii = np.full_like(t, size / 2)
@@ -62,7 +59,6 @@ def textured_background(rng, width, height):
 
 
 def rasterize(poly, width, height):
-    """Binary (height, width) uint8 mask of a polygon."""
     mask = np.zeros((height, width), np.uint8)
     pts = np.round(poly * 16).astype(np.int32)  # 4 fractional bits
     cv2.fillPoly(mask, [pts], 1, lineType=cv2.LINE_8, shift=4)
@@ -82,10 +78,8 @@ def visible_polygons(mask):
 
 
 def sample_objects(rng, width, height, max_objects):
-    """Random (class, centre, size, angle, colour) tuples for one image.
-
-    Sizes are relative to the shorter side, so scenes look alike at any resolution.
-    """
+    """(class, centre, size, angle, colour) of one image's objects, sized relative to the
+    shorter side so that scenes look alike at any resolution."""
     img_size = min(width, height)
     n = int(rng.integers(2, max_objects + 1))
     objects = []
@@ -114,7 +108,6 @@ def visible_masks(full_masks):
 
 
 def first_hidden(full_masks, visible):
-    """Index of the first object too occluded to annotate, or None."""
     for i, (mask, vis) in enumerate(zip(full_masks, visible)):
         if (vis.sum() < MIN_VISIBLE_AREA
                 or vis.sum() < MIN_VISIBLE_FRACTION * mask.sum()):
@@ -123,12 +116,9 @@ def first_hidden(full_masks, visible):
 
 
 def render_image(rng, width, height, max_objects):
-    """Image (H, W, 3) uint8, its annotations [(class index, polys)] and its
-    (H, W) uint8 label map (0 = background, class index + 1 per visible pixel).
-
-    Objects that would be mostly hidden are dropped before painting, so
-    every visible shape in the image is annotated.
-    """
+    """Image (H, W, 3) uint8, its annotations [(class index, polys)] and label map (0 =
+    background, class index + 1); mostly hidden objects are dropped before painting, so every
+    visible shape is annotated."""
     img = textured_background(rng, width, height)
     objects = sample_objects(rng, width, height, max_objects)
     full_masks = [

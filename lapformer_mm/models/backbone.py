@@ -38,8 +38,6 @@ ATTN_CFG_DEFAULTS = dict(qk_shared=(True, True, True, False))
 
 
 def resolve_arch(arch: Union[str, dict]) -> Dict[str, List]:
-    """Per-stage settings of ``arch`` (a name or a dict): four-element lists ``embed_dims``,
-    ``num_heads``, ``depths`` and ``mlp_ratios``."""
     if isinstance(arch, str):
         name = ARCH_ALIASES.get(arch.lower(), arch.lower())
         if name not in ARCH_SETTINGS:
@@ -73,8 +71,6 @@ def resolve_arch(arch: Union[str, dict]) -> Dict[str, List]:
 
 
 def resolve_attn_cfg(attn_cfg: Optional[dict]) -> List[dict]:
-    """LaplacianAttention keyword arguments of each stage from the backbone's ``attn_cfg``:
-    :data:`ATTN_CFG_DEFAULTS`, then the attention's; ``qk_shared`` one bool or one per stage."""
     cfg = dict(ATTN_CFG_DEFAULTS, **(attn_cfg or {}))
     if 'backend' in cfg:  # the name before 2026-12
         if 'impl' in cfg:
@@ -99,8 +95,7 @@ def tokens_to_map(x: torch.Tensor, hw: Tuple[int, int]) -> torch.Tensor:
 
 
 class LaplacianFormerStage(nn.Module):
-    """The modules of one stage: an optional stride-2 downsampling conv, then a stack of
-    blocks; :meth:`LaplacianFormer.forward` runs them, as mmdet's PVT runs its layers."""
+    """A stage's downsampling conv and blocks; :meth:`LaplacianFormer.forward` runs them."""
 
     def __init__(self, downsample: nn.Module, blocks: List[nn.Module]):
         super().__init__()
@@ -110,17 +105,10 @@ class LaplacianFormerStage(nn.Module):
 
 @MODELS.register_module()
 class LaplacianFormer(BaseModule):
-    """LaplacianFormer backbone (Laplacian-kernel linear attention pyramid), with the
-    arguments of mmdet's PVT and Swin where they mean the same; docs/backbone.md describes
-    every argument.
-
-    ``arch`` is a name ('tiny' ... 'huge', or its initial) or a dict of four-element lists
-    ``embed_dims``, ``num_heads``, ``depths`` (and ``mlp_ratios``); ``attn_cfg`` holds the
-    keyword-only arguments of :class:`LaplacianAttention`, ``qk_shared`` one bool or one per
-    stage (default: keys tied in stages 1-3); ``norm_cfg`` norms the tokens, ``conv_norm_cfg``
-    the NCHW maps of the stem and downsampling convolutions; ``stage4_attention='softmax'`` is
-    SOFT's layout; ``num_stages`` builds the first stages only, as mmdet's PVT.
-    """
+    """LaplacianFormer backbone, with the arguments of mmdet's PVT and Swin where they mean the
+    same (docs/backbone.md describes each): ``arch`` a name or a dict of four-element lists;
+    ``attn_cfg`` :class:`LaplacianAttention`'s keyword-only arguments, ``qk_shared`` one bool
+    or one per stage; ``norm_cfg`` norms the tokens, ``conv_norm_cfg`` the NCHW maps."""
 
     def __init__(self,
                  arch: Union[str, dict] = 'tiny',
@@ -209,8 +197,7 @@ class LaplacianFormer(BaseModule):
 
     @staticmethod
     def _check_init_cfg(init_cfg) -> None:
-        """At most one ``Pretrained`` entry, with a checkpoint and mmengine's keys:
-        init_weights loads one checkpoint and reads those keys, dropping others unseen."""
+        # init_weights loads one checkpoint and reads mmengine's keys, dropping others unseen.
         entries = init_cfg_entries(init_cfg)
         if not all(isinstance(e, dict) for e in entries):
             raise TypeError(f'init_cfg must be a dict, a list of dicts or None, got '
@@ -227,7 +214,6 @@ class LaplacianFormer(BaseModule):
     @staticmethod
     def _check_out_indices(out_indices: Sequence[int],
                            num_stages: int = NUM_STAGES) -> Tuple[int, ...]:
-        """``out_indices`` (an int or ints, negative from the end) as sorted stage indices."""
         if isinstance(out_indices, int):
             out_indices = (out_indices, )
         indices = sorted({i + num_stages if isinstance(i, int) and i < 0 else i
@@ -240,7 +226,6 @@ class LaplacianFormer(BaseModule):
 
     @property
     def embed_dims(self) -> List[int]:
-        """Channels of the stage outputs (``num_stages`` of them)."""
         return list(self.arch_settings['embed_dims'][:self.num_stages])
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -297,7 +282,6 @@ class LaplacianFormer(BaseModule):
         return num_layers - 1, num_layers
 
     def _stages_run(self) -> nn.ModuleList:
-        """The stages forward runs: up to the last one returned."""
         return self.stages[:max(self.out_indices) + 1]
 
     def export_min_size(self) -> int:
@@ -340,7 +324,6 @@ class LaplacianFormer(BaseModule):
             module.requires_grad_(False)
 
     def train(self, mode: bool = True) -> 'LaplacianFormer':
-        """Switch mode, keeping frozen stages and (norm_eval) BNs in eval."""
         super().train(mode)
         self._freeze_stages()
         if mode and self.norm_eval:
@@ -367,14 +350,12 @@ class LaplacianFormer(BaseModule):
 
 
 def init_cfg_entries(init_cfg) -> list:
-    """An ``init_cfg`` (None, one entry or a list) as a list of its entries."""
     if init_cfg is None:
         return []
     return list(init_cfg) if isinstance(init_cfg, list) else [init_cfg]
 
 
 def init_layer(module: nn.Module) -> None:
-    """Truncated-normal linears, unit LayerNorm/BN/GN, fan-out convs."""
     if isinstance(module, nn.Linear):
         nn.init.trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:

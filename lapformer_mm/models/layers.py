@@ -1,5 +1,4 @@
-"""Building blocks of the LaplacianFormer backbone (torch; mmcv's layer registry when
-installed). Tokens are (B, N, C), N = H * W row-major; feature maps are NCHW."""
+"""Building blocks of the backbone: tokens (B, N, C), N = H * W row-major; maps NCHW."""
 import functools
 import importlib
 from typing import Tuple
@@ -46,7 +45,6 @@ def _mmcv_cnn():
 
 
 def _torch_layer(arg: str, cfg: dict, *args) -> nn.Module:
-    """The layer of an mmcv-style ``cfg`` from :data:`TORCH_LAYERS` (mmcv not installed)."""
     kwargs = dict(cfg)
     layer_type = kwargs.pop('type')
     if layer_type not in TORCH_LAYERS and not isinstance(layer_type, type):
@@ -61,7 +59,6 @@ def _torch_layer(arg: str, cfg: dict, *args) -> nn.Module:
 
 
 def build_norm(arg: str, cfg: dict, num_features: int) -> nn.Module:
-    """The norm layer of an mmcv-style config, as mmcv's ``build_norm_layer``."""
     mmcv_cnn = _mmcv_cnn()
     if mmcv_cnn is not None:
         return mmcv_cnn.build_norm_layer(cfg, num_features)[1]
@@ -74,8 +71,7 @@ def build_activation(arg: str, cfg: dict) -> nn.Module:
 
 
 def build_token_norm(cfg: dict, dim: int) -> nn.Module:
-    """The norm of (B, N, C) tokens from ``norm_cfg``: a norm of the last dimension. Batch,
-    instance and group norms normalise dimension 1, which for tokens is N."""
+    # Batch, instance and group norms normalise dimension 1, which for tokens is N.
     layer = build_norm('norm_cfg', cfg, dim)
     if isinstance(layer, (_NormBase, nn.GroupNorm)):
         raise ValueError(f'norm_cfg={cfg!r} builds {type(layer).__name__}, a norm of NCHW maps; '
@@ -85,7 +81,6 @@ def build_token_norm(cfg: dict, dim: int) -> nn.Module:
 
 def conv_norm_act(in_channels: int, out_channels: int, stride: int, norm_cfg: dict,
                   act_cfg: dict) -> nn.Sequential:
-    """3x3 convolution (no bias, the norm follows) + norm + activation."""
     norm = build_norm('conv_norm_cfg', norm_cfg, out_channels)
     # A LayerNorm normalises the last dimension, W of these maps (mmpretrain's LN2d, a
     # subclass, normalises the channels).
@@ -97,12 +92,11 @@ def conv_norm_act(in_channels: int, out_channels: int, stride: int, norm_cfg: di
                   bias=False), norm, build_activation('conv_act_cfg', act_cfg))
 
 
-#: The channels of the stem's first two layers.
 STEM_HIDDEN_CHANNELS = 32
 
 
 class ConvStem(nn.Sequential):
-    """Three 3x3 conv-norm-activation layers with strides 2/1/2 (SOFT's stem)."""
+    """SOFT's stem: three 3x3 conv-norm-activation layers, strides 2/1/2."""
 
     def __init__(self, in_channels: int, out_channels: int, norm_cfg: dict, act_cfg: dict,
                  hidden_channels: int = STEM_HIDDEN_CHANNELS):
@@ -113,7 +107,6 @@ class ConvStem(nn.Sequential):
 
 
 class Mlp(nn.Module):
-    """Linear -> activation -> dropout -> Linear -> dropout; (B, N, C) -> (B, N, C)."""
 
     def __init__(self, dim: int, hidden_dim: int, act_cfg: dict, drop: float = 0.0):
         super().__init__()
@@ -128,8 +121,7 @@ class Mlp(nn.Module):
 
 
 class SoftmaxAttention(nn.Module):
-    """Plain multi-head softmax self-attention (SOFT's stage-4 layout), quadratic in N; hw,
-    LaplacianAttention's second argument, is not used."""
+    """Multi-head softmax self-attention (SOFT's stage 4); ``hw`` is not used."""
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0):
@@ -154,7 +146,6 @@ class SoftmaxAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + DropPath(Attn(Norm(x))), then x + DropPath(MLP(Norm(x)))."""
 
     def __init__(self,
                  dim: int,

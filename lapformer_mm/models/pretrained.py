@@ -18,9 +18,8 @@ DDP_PREFIX = 'module.'
 
 def extract_backbone_state_dict(checkpoint: Mapping,
                                 prefix: Optional[str] = None) -> Dict[str, torch.Tensor]:
-    """Backbone tensors of any accepted checkpoint layout (see module doc). ``prefix`` (as in
-    mmengine's ``Pretrained`` init; ``'backbone'`` means ``'backbone.'``) selects the keys
-    under it, by default ``backbone.`` where any key carries it."""
+    """Backbone tensors of any accepted checkpoint layout; ``prefix`` as mmengine's
+    ``Pretrained`` reads it, by default ``backbone.`` where any key carries it."""
     if not isinstance(checkpoint, Mapping):  # a file of another object
         raise TypeError('checkpoint must be a mapping (state dict or '
                         f'mmengine checkpoint), got {type(checkpoint)}')
@@ -58,8 +57,7 @@ def _stage_depths(keys: Iterable[str]) -> Dict[int, int]:
 
 
 def _stage_attentions(keys: Iterable[str]) -> Dict[int, str]:
-    """Stage index -> 'laplacian' where its blocks have the depth-wise ``attn.local`` conv of
-    LaplacianAttention, else 'softmax' (SoftmaxAttention has none)."""
+    # SoftmaxAttention has no depth-wise attn.local.
     kinds: Dict[int, str] = {}
     for key in keys:
         match = re.match(r'stages\.(\d+)\.blocks\.\d+\.attn\.(\w+)\.', key)
@@ -96,7 +94,7 @@ def backbone_mismatch(state_dict: Mapping, own: Mapping) -> Optional[str]:
     return f'{"; ".join(differ)}: a checkpoint of another arch' if differ else None
 
 
-#: The keys of a ``Pretrained`` init_cfg entry: mmengine's ``PretrainedInit`` arguments.
+# mmengine's PretrainedInit arguments.
 PRETRAINED_KEYS = ('type', 'checkpoint', 'prefix', 'map_location')
 
 
@@ -115,9 +113,8 @@ class LoadReport(NamedTuple):
 
 def load_backbone_weights(module: nn.Module, path_or_url: str, logger: Optional[object] = None,
                           prefix: Optional[str] = None, map_location='cpu') -> LoadReport:
-    """Load a checkpoint into ``module`` non-strictly (``prefix`` and ``map_location`` as in
-    mmengine's ``Pretrained`` init): another model, arch or stage-4 attention is an error
-    (:func:`backbone_mismatch`); missing and unexpected keys are logged and returned."""
+    """Load a checkpoint into ``module`` non-strictly: another model, arch or stage-4 attention
+    is an error; missing and unexpected keys are logged and returned."""
     state_dict = extract_backbone_state_dict(
         load_checkpoint(path_or_url, map_location=map_location), prefix)
     mismatch = backbone_mismatch(state_dict, module.state_dict())

@@ -1,9 +1,6 @@
-"""Checks that a model config fits LaplacianFormer and wires it to its neck, before the first
-forward: mmdet's FPN (or mmseg's heads) accept any ``in_channels``, and a mismatch surfaces at
-the first forward deep inside the neck. :func:`check_model_cfg` on a config (it also names
-backbone keys kept from a ``_base_`` config, and values the backbone refuses),
-:func:`check_built_model` on a built model, :class:`NeckChannelsCheckHook` in ``before_run``.
-"""
+"""Checks, before the first forward, that a model config fits LaplacianFormer and its neck
+(mmdet's FPN and mmseg's heads accept any ``in_channels`` and fail deep inside at the first
+forward): on a config, on a built model, and in ``NeckChannelsCheckHook``."""
 import inspect
 import warnings
 from typing import List, Mapping, Sequence
@@ -23,7 +20,7 @@ class ConfigError(ValueError):
 
 
 class ModelConfigError(ConfigError):
-    """A model config whose backbone does not fit the rest."""
+    pass
 
 
 #: mmseg's decode heads take the last map by default (BaseDecodeHead(in_index=-1)); a neck
@@ -51,8 +48,6 @@ def _consumers(model_cfg: Mapping):
 
 
 def _heads(decode_head, auxiliary_head, several):
-    """[(name, head)] of a segmentor's decode head and auxiliary head(s), named as in its
-    config; ``several(auxiliary_head)`` tells a list of auxiliary heads."""
     heads = [('decode_head', decode_head)]
     if several(auxiliary_head):
         return heads + [(f'auxiliary_head.{i}', h) for i, h in enumerate(auxiliary_head)]
@@ -60,14 +55,11 @@ def _heads(decode_head, auxiliary_head, several):
 
 
 def unknown_backbone_keys(backbone_cfg: Mapping) -> List[str]:
-    """Keys of a LaplacianFormer config that its constructor does not take."""
     taken = set(inspect.signature(LaplacianFormer.__init__).parameters) - {'self'}
     return sorted(k for k in backbone_cfg if k not in taken | {'type', '_scope_'})
 
 
 def _compare(where, got, out_channels, consumer, backbone):
-    """Raise unless ``got``, a consumer's ``in_channels`` (None: not checked), fits the maps it
-    takes: all of them, or a head's by its ``in_index``."""
     if got is None:
         return
     index = consumer.get('in_index')
@@ -158,7 +150,6 @@ def check_model_cfg(model_cfg: Mapping) -> None:
 
 
 def check_built_model(model) -> None:
-    """:func:`check_model_cfg` for a built detector/segmentor (DDP wrappers unwrapped)."""
     model = getattr(model, 'module', model)
     backbone = getattr(model, 'backbone', None)
     if not isinstance(backbone, LaplacianFormer):
@@ -179,8 +170,6 @@ def check_built_model(model) -> None:
 
 @HOOKS.register_module()
 class NeckChannelsCheckHook(Hook):
-    """``custom_hooks = [dict(type='NeckChannelsCheckHook')]``: fail before the first
-    iteration when the neck does not fit the backbone."""
 
     priority = 'VERY_HIGH'
 
