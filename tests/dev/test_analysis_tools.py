@@ -144,9 +144,6 @@ def test_benchmark_table_ratios_and_growth():
                         'median_cpu_s') == pytest.approx(4.25)
     assert bench.growth(results, 'fwdbwd', 'swin-t', (1024, 1024), (2048, 2048),
                         'median_cpu_s') is None
-
-
-def test_benchmark_summary_uses_medians():
     entry = bench.summarise([(5.0, 1.0), (1.0, 3.0), (2.0, 2.0)], max_call_s=4.0,
                             load='1', peak_mib=None)
     assert entry['median_s'] == 2.0 and entry['median_cpu_s'] == 2.0
