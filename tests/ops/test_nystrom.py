@@ -9,6 +9,7 @@ from _attention_helpers import (
     dense_l1_kernel,
     finite,
     nearly_equal_columns_cases,
+    randn,
 )
 from _property_strategies import PROPERTY, attention_cases, run_attention
 from hypothesis import given
@@ -25,30 +26,22 @@ from lapformer_mm.ops import (
 from lapformer_mm.ops.backends import cpu, cuda
 
 
-def qkv(shape, seed=0, dtype=torch.float64):
-    gen = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(shape, generator=gen, dtype=dtype) for _ in range(3))
+def qkv(shape, seed=0):
+    return randn(shape, shape, shape, seed=seed)
 
 
 @pytest.mark.parametrize('normalize', ['injective', 'none'])
 def test_exact_limit_equals_dense_attention(normalize):
     q, k, v = qkv((2, 3, 20, 6))
-    # A landmark grid as large as the input grid pools nothing: L = all keys.
+    # A landmark grid at least the input grid pools nothing (clipped to it): L = all keys.
     landmarks = pool_landmarks(k, (4, 5), grid=5)
     torch.testing.assert_close(landmarks, k, rtol=0, atol=1e-15)
+    assert pool_landmarks(torch.zeros(1, 2, 99, 3), (9, 11), grid=7).shape == (1, 2, 49, 3)
     out = nystrom_attention(q, k, v, landmarks, eps=0.0, solver='exact', normalize=normalize)
     dense = dense_l1_kernel(q, k, 4.0)
     expected = dense_average(dense_injective(dense, 1e-5) if normalize == 'injective' else dense,
                              v)
     assert ((out - expected).norm() / expected.norm()) < 1e-6
-
-
-def test_pool_landmarks_averages_blocks_and_clips_grid():
-    t = torch.arange(32, dtype=torch.float64).view(2, 1, 16, 1)
-    expected = t.view(2, 1, 2, 2, 2, 2).mean((3, 5)).reshape(2, 1, 4, 1)
-    torch.testing.assert_close(pool_landmarks(t, (4, 4), grid=2), expected)
-    assert pool_landmarks(torch.zeros(1, 2, 15, 3), (3, 5), grid=7).shape == (1, 2, 15, 3)
-    assert pool_landmarks(torch.zeros(1, 2, 99, 3), (9, 11), grid=7).shape == (1, 2, 49, 3)
 
 
 def test_injective_normalize_matches_definition_and_gradcheck():
@@ -57,8 +50,7 @@ def test_injective_normalize_matches_definition_and_gradcheck():
     C = C[:1, :1].clone().requires_grad_()
     assert torch.autograd.gradcheck(lambda c: injective_normalize(c, 1e-3), (C,))
     # Rows 0.7 ± 1e-4 in fp32: centred once, the mean's rounding times s ≈ 316 left 2.7e-4.
-    gen = torch.Generator().manual_seed(0)
-    C = (0.7 + 1e-4 * torch.randn(2, 3, 512, 49, generator=gen, dtype=torch.float64)).float()
+    C = (0.7 + 1e-4 * randn((2, 3, 512, 49))[0]).float()
     expected = dense_injective(C.double(), 1e-5)
     assert (injective_normalize(C).double() - expected).abs().max() / expected.abs().max() < 1e-6
 
@@ -135,9 +127,10 @@ def test_attention_rejects_operands_that_would_broadcast_and_ambiguous_landmarks
 
 
 @pytest.mark.parametrize('impl', ['reference', 'cpu'])
-def test_empty_sizes_give_empty_outputs_and_zero_width_the_mean(impl):
-    """No batch or no tokens: an empty output; keys of width 0 are all equally similar, so
-    every query gets the mean value."""
+def test_degenerate_sizes(impl):
+    """No batch or no tokens: an empty output. Keys of width 0 are all equally similar: every
+    query gets the mean value. One landmark with whiten_eps = 0: a constant feature column
+    (variance 0), Z = 1, every query gets the solved context, finite with its gradients."""
     for shape in ((0, 2, 6, 3), (1, 2, 0, 3)):
         q, v = torch.randn(shape), torch.randn(*shape[:3], 5)
         out = nystrom_attention(q, q, v, torch.randn(*shape[:2], 4, 3), impl=impl)
@@ -145,6 +138,11 @@ def test_empty_sizes_give_empty_outputs_and_zero_width_the_mean(impl):
     q, v = torch.randn(1, 2, 6, 0), torch.randn(1, 2, 6, 5)
     out = nystrom_attention(q, q, v, q[..., :4, :], impl=impl)
     torch.testing.assert_close(out, v.mean(-2, keepdim=True).expand_as(out))
+    q, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(2))
+    out = nystrom_attention(q, q, v, hw=(4, 4), landmark_grid=1, whiten_eps=0.0, impl=impl)
+    out.square().sum().backward()
+    assert finite(out, q.grad, v.grad)
+    torch.testing.assert_close(out, out[..., :1, :].expand_as(out))
 
 
 def test_resolve_impl_takes_the_first_backend_without_reasons(monkeypatch):
@@ -202,8 +200,7 @@ def test_identical_landmarks_stay_finite_or_name_a_singular_matrix(solver, eps):
     """eps = 0 makes P = J exactly singular: newton and CG (whose converged columns stop,
     not divide 0 by 0) stay finite; exact names the problem."""
     torch.manual_seed(0)
-    q = torch.randn(2, 2, 30, 16, requires_grad=True)
-    v = torch.randn(2, 2, 30, 16, requires_grad=True)
+    q, v = (torch.randn(2, 2, 30, 16, requires_grad=True) for _ in range(2))
     landmarks = q.mean(-2, keepdim=True).expand(2, 2, 25, 16)
     if solver == 'exact' and eps == 0:
         with pytest.raises(ValueError, match='eps'):
@@ -238,29 +235,14 @@ def test_feature_scales_finite_forward_and_backward(dtype, scale, normalize):
 def test_fp32_default_newton_within_3x_of_an_fp32_direct_solve(spread):
     """q = k, v and landmarks within ``spread`` of one point (cond(P) 1.3e3-4.8e3): with the
     refinement step fp32 Newton–Schulz is within 3x of an fp32 direct solve."""
-    gen = torch.Generator().manual_seed(0)
-    base = torch.randn(1, 1, 1, 32, generator=gen, dtype=torch.float64)
-    q = base + spread * torch.randn(1, 1, 400, 32, generator=gen, dtype=torch.float64)
-    v = torch.randn(1, 1, 400, 32, generator=gen, dtype=torch.float64)
-    landmarks = base + spread * torch.randn(1, 1, 49, 32, generator=gen, dtype=torch.float64)
+    base, q, v, landmarks = randn((1, 1, 1, 32), (1, 1, 400, 32), (1, 1, 400, 32), (1, 1, 49, 32))
+    q, landmarks = base + spread * q, base + spread * landmarks
     expected = dense_attention(q, q, v, landmarks)
 
     def error(**options):
         out = nystrom_attention(q.float(), q.float(), v.float(), landmarks.float(), **options)
         return ((out.double() - expected).norm() / expected.norm()).item()
     assert error() <= 3 * error(solver='exact')
-
-
-def test_zero_whiten_eps_on_a_one_by_one_grid_is_finite():
-    """One landmark: every feature column is constant (variance 0), Z = 1/m = 1, and the
-    output the solved context, the same for every query."""
-    torch.manual_seed(0)
-    q = torch.randn(2, 2, 16, 8, requires_grad=True)
-    v = torch.randn(2, 2, 16, 8, requires_grad=True)
-    out = nystrom_attention(q, q, v, pool_landmarks(q, (4, 4), 1), whiten_eps=0.0)
-    out.square().sum().backward()
-    assert finite(out, q.grad, v.grad)
-    torch.testing.assert_close(out, out[..., :1, :].expand_as(out))
 
 
 @PROPERTY
