@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _attention_helpers import dense_attention_module, finite
 from torch import nn
 
@@ -364,3 +365,19 @@ def test_backbone_runs_images_down_to_one_pixel(size):
     assert finite(*outs, img.grad)
     with torch.no_grad():
         assert finite(*model.eval()(img[:1]))
+
+
+def test_block_is_two_pre_norm_residuals():
+    """x + attn(norm1(x)), then + mlp(norm2(·)): the composition written out (the attention
+    itself is checked against its dense form in test_attention.py)."""
+    torch.manual_seed(0)
+    block = LaplacianFormer(SMALL_ARCH, drop_path_rate=0.0).eval().stages[1].blocks[0]
+    for norm in (block.norm1, block.norm2):
+        nn.init.normal_(norm.weight)
+        nn.init.normal_(norm.bias)
+    x, hw = torch.randn(2, 8 * 6, 32), (8, 6)
+    with torch.no_grad():
+        h = x + block.attn(F.layer_norm(x, (32, ), block.norm1.weight, block.norm1.bias), hw)
+        h2 = F.layer_norm(h, (32, ), block.norm2.weight, block.norm2.bias)
+        expected = h + block.mlp.fc2(F.gelu(block.mlp.fc1(h2)))
+        torch.testing.assert_close(block(x, hw), expected)
