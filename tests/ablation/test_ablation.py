@@ -105,6 +105,7 @@ def test_every_variant_builds_the_backbone_with_its_attention_options():
 def test_takeoff_step_is_where_the_loss_window_leaves_the_plateau():
     plateau = [math.log(2)] * 30
     assert takeoff_step(plateau, 2) is None
+    assert takeoff_step([0.1] * 30, 2) == 25  # not before the window is full
     losses = plateau + [0.2] * 30
     step = takeoff_step(losses, 2)
     # The 25-step mean falls below 0.8 ln 2 once enough low losses are in the window.
