@@ -236,12 +236,9 @@ def test_an_opset_the_dynamo_exporter_falls_back_from_is_refused(tmp_path, monke
     assert onnx.load(str(path)).opset_import[0].version == 21
 
 
-def test_verify_sizes_grow_from_the_export_size_within_the_range():
+def test_verify_inputs_sizes_and_measure():
     assert deploy.verify_sizes([224, 300], 193) == [(224, 300), (193, 337), (269, 236)]
-
-
-def test_smooth_input_has_unit_spread_wherever_the_field_varies():
-    """A constant field (one pixel or one cell along each direction) is refused, not NaN."""
+    # Unit spread wherever the field varies; a constant one is refused, not NaN.
     for shape, cells in (((1, 2), (2, 2)), ((2, 1), (2, 2)), ((3, 5), (2, 2)),
                          ((224, 224), (1, 8)), ((5, 1), (2, 1))):
         x = deploy.smooth_input(shape, 2, cells=cells)
@@ -250,17 +247,20 @@ def test_smooth_input_has_unit_spread_wherever_the_field_varies():
     for shape, cells in (((1, 1), (6, 8)), ((5, 1), (1, 8)), ((1, 7), (6, 1))):
         with pytest.raises(ValueError, match='cells'):
             deploy.smooth_input(shape, 1, cells=cells)
-
-
-def test_output_error_of_nothing_is_refused():
-    """No values would read as a match; a missing output or one of another shape would be
-    dropped or broadcast."""
+    # No values would read as a match; a missing output or one of another shape would be
+    # dropped or broadcast.
     one = torch.ones(2, 3)
     assert deploy.output_error([one, -one], [one, 2 * one]) == dict(max_abs=3.0, max_rel=1.5)
     for outs, refs in (([], []), ([one, torch.ones(0, 3)], [one, torch.ones(0, 3)]),
                        ([one, one], [one]), ([one], [one[:1]])):  # zip and broadcasting
         with pytest.raises(ValueError, match='outs and refs'):
             deploy.output_error(outs, refs)
+    one = torch.randn(2, 3, 16, 16)
+    moved = deploy.rounding_change(one, seed=3)
+    step = (moved - one).abs()  # at most one ulp, about a quarter of the values
+    assert (step <= torch.finfo(torch.float32).eps * one.abs()).all()
+    assert 0.2 < (step > 0).double().mean() < 0.8
+    assert torch.equal(moved, deploy.rounding_change(one, seed=3))
 
 
 def test_backbone_outputs_are_named_by_stage():
