@@ -19,6 +19,11 @@ OPS = torch.ops.lapformer_mm
 OPTIONS = ('laplacian', 4.0, 0.01, 16, 'identity', True, 'injective', 1e-5, 'reference')
 
 
+@pytest.fixture(autouse=True)
+def _reference(monkeypatch):  # the CPU backend has its dense tests in tests/ops/cpu
+    monkeypatch.setenv('LAPFORMER_OPS', 'reference')
+
+
 def inputs(batch, heads, hw, d, dv, grid, tied, dtype=torch.float64, seed=0):
     n = hw[0] * hw[1]
     q, k, v = randn((batch, heads, n, d), (batch, heads, n, d), (batch, heads, n, dv), seed=seed)
@@ -32,8 +37,7 @@ def inputs(batch, heads, hw, d, dv, grid, tied, dtype=torch.float64, seed=0):
 def test_values_and_gradients_match_dense_fp64(kernel, lam, normalize, tied):
     """Odd N (35), m = 12 < 49, d = 5 and d_v = 7 (not multiples of anything)."""
     q, k, v, landmarks = inputs(2, 3, (5, 7), 5, 7, 4, tied, seed=1)
-    leaves = [t.clone().requires_grad_() for t in (q, v, landmarks)]
-    qa, va, la = leaves
+    qa, va, la = (t.clone().requires_grad_() for t in (q, v, landmarks))
     ka = qa if tied else k.clone().requires_grad_()
     options = dict(kernel=kernel, lam=lam, normalize=normalize)
     out = nystrom_attention(qa, ka, va, la, iters=40, **options)
@@ -52,8 +56,7 @@ def test_raw_op_layouts_and_saved_statistics_match_dense():
     q, _, v, landmarks = inputs(2, 3, (5, 5), 3, 2, 3, True, seed=4)
     out = nystrom_attention(q, None, v, landmarks)
     assert out.transpose(1, 2).is_contiguous()
-    raw = OPS.nystrom_attention(q, None, v, landmarks, 'laplacian', 4.0, 0.01, 40, 'identity',
-                                True, 'injective', 1e-5, 'reference')
+    raw = OPS.nystrom_attention(q, None, v, landmarks, *OPTIONS[:3], 40, *OPTIONS[4:])
     assert [tuple(t.shape) for t in raw] == [(2, 25, 3, 2), (2, 3, 10, 2), (2, 3, 9, 9),
                                              (2, 3, 3, 9)]
     _, context, inverse, stats = raw
