@@ -1,8 +1,5 @@
-"""``import lapformer_mm`` registers and does nothing else.
-
-Each check runs in a fresh interpreter, so that what the import pulls in, and what it
-could have replaced, is seen from a clean start.
-"""
+"""``import lapformer_mm`` registers and does nothing else, each check in a fresh interpreter
+that sees what the import pulls in and could have replaced."""
 import json
 import subprocess
 import sys
@@ -123,12 +120,8 @@ def test_import_replaces_nothing_in_the_codebases_already_loaded():
 
 
 def test_import_adds_only_its_own_modules_to_a_loaded_mmengine():
-    """What the import costs a job that has mmengine's runner loaded: its own modules only.
-
-    ``import torch, mmengine`` alone does not load ``mmengine.model``; that import
-    (torch.distributed's optimizers, FSDP, DTensor, sympy) is most of the time of any
-    import that defines an mmengine module, this one included (docs/reliability.md).
-    """
+    """What the import costs a job that has mmengine's runner (and so ``mmengine.model``, most
+    of any such import's time: docs/reliability.md) loaded: its own modules only."""
     code = ('import sys, torch, mmengine.runner, mmengine.model, mmengine.hooks, '
             'mmengine.optim, mmengine.fileio\n'
             'before = set(sys.modules)\n'

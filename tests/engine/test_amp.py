@@ -1,6 +1,5 @@
-"""lapformer_mm.engine.amp: CPUAmpOptimWrapper (what ``tools/train.py --amp`` uses on CPU) and
-the fp32 islands it gives mmcv's fp32-only CPU ops; 50 fp16 or bf16 steps of the toy config's
-backbone under it stay finite and learn."""
+"""CPUAmpOptimWrapper (``tools/train.py --amp`` on CPU) and the fp32 islands it gives mmcv's
+fp32-only CPU ops."""
 import copy
 import json
 import math

@@ -1,6 +1,5 @@
-"""lapformer_mm.engine.fileio: ``atomic_write_bytes`` and the ``atomic_local`` backend leave
-the previous checkpoint intact when the process dies mid-write (SIGKILL in a child process);
-mmengine's own in-place write, unchanged by ``import lapformer_mm``, does not."""
+"""The ``atomic_local`` backend keeps the previous checkpoint when the process is killed
+mid-write; mmengine's own in-place write, unchanged by the import, does not."""
 import os
 import os.path as osp
 import signal

@@ -1,9 +1,6 @@
-"""lapformer_mm.engine.runner and .hooks: SafeCheckpointRunner reads checkpoints through
-``safe_load`` (an unsafe one is refused, naming the file), installs SafeCheckpointHook on the
-atomic backend (the previous checkpoint survives a failed save), and its auto-resume
-tolerates a broken ``last_checkpoint``. Stock mmengine (``Runner``, ``CheckpointHook``) is
-checked to behave as it always did after ``import lapformer_mm``.
-"""
+"""SafeCheckpointRunner: unsafe checkpoints refused naming the file, SafeCheckpointHook on the
+atomic backend, an auto-resume that tolerates a broken ``last_checkpoint``; stock mmengine
+behaves as it always did after ``import lapformer_mm``."""
 import os
 
 import pytest

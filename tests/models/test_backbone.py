@@ -48,10 +48,8 @@ def test_output_shapes_any_size(tiny, hw):
 
 @pytest.mark.filterwarnings('ignore:LaplacianFormer. out_indices=')
 def test_out_indices_select_outputs_without_changing_them():
-    """Every stage ends with its norm, returned or not, as mmdet's PVT: the same weights
-    give the same stage maps whichever stages are returned, so a classifier's weights
-    (out_indices=(3,)) run unchanged in a detector's (0, 1, 2, 3). (With a norm in the
-    stream only for the stages returned, stage 4 differed by more than its own size.)"""
+    """Every stage ends with its norm, returned or not, as mmdet's PVT: a classifier's weights
+    (out_indices=(3,)) run unchanged in a detector's (0, 1, 2, 3)."""
     torch.manual_seed(0)
     full = LaplacianFormer(SMALL_ARCH, drop_path_rate=0.0)
     full.init_weights()
@@ -352,11 +350,8 @@ def test_constant_image_gives_finite_gradients_and_small_residuals():
 
 @pytest.mark.parametrize('size', [(1, 1), (3, 5), (17, 9)])
 def test_backbone_runs_images_down_to_one_pixel(size):
-    """Images down to 1x1 px: every stage is 1x1 or more, one landmark at the end.
-
-    Batch 2: in training mode BatchNorm (stem, downsampling) needs more than one value
-    per channel, so a 1x1 map at batch 1 is torch's error, as for any CNN backbone.
-    """
+    """Every stage 1x1 or more, one landmark at the end; batch 2, as training-mode BatchNorm
+    needs more than one value per channel."""
     model = LaplacianFormer(arch=TINY)
     img = torch.randn(2, 3, *size, requires_grad=True)
     outs = model(img)
