@@ -7,15 +7,12 @@ import os.path as osp
 
 
 def int_at_least(minimum):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f'expected an integer, got {text!r}') from None
+    def integer(text):
+        value = int(text)  # not an integer: argparse's "invalid integer value"
         if value < minimum:
             raise argparse.ArgumentTypeError(f'must be >= {minimum}, got {value}')
         return value
-    return parse
+    return integer
 
 
 def positive_float(text):
