@@ -44,7 +44,7 @@ def test_mmengine_in_place_save_killed_mid_write_corrupts_the_file(tmp_path):
     """Why the atomic backend exists: mmengine's default, unchanged by ``import lapformer_mm``,
     truncates the old file first."""
     path = kill_during_save(tmp_path, 'in_place')
-    with pytest.raises(RuntimeError, match='latest.pth.* cannot be read .* truncated'):
+    with pytest.raises(RuntimeError, match='latest.pth'):
         safe_load(path)
 
 
