@@ -1,10 +1,6 @@
-"""The C++ CPU kernels (``lapformer_mm/csrc/cpu``) as the attention op's 'cpu' backend: the
-kernel rows are formed and consumed in C++, the m × m middle steps are the reference's.
-
-``setup.py`` builds one module per at::vec instruction set (``lapformer_mm._cpu_default``,
-``_cpu_avx2``, ``_cpu_avx512``); the best one this CPU runs is loaded. ``LAPFORMER_CPU_EXT=0``
-disables the backend; with no build :func:`available` warns once and the op runs the reference.
-"""
+"""The C++ CPU kernels (``ops/cpu``, one ``lapformer_mm._cpu_<build>`` per at::vec instruction
+set; the best this CPU runs is loaded) as the op's 'cpu' backend: kernel rows in C++, the m × m
+steps the reference's. ``LAPFORMER_CPU_EXT=0`` disables it; without a build the op warns once."""
 import importlib.util
 import os
 import warnings
@@ -23,39 +19,30 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # torch.backends.cpu.get_cpu_capability() -> the builds that may run there, best first.
 _BUILDS = {'AVX512': ('avx512', 'avx2', 'default'), 'AVX2': ('avx2', 'default')}
 
-# (the ops namespace of the loaded build or None, its name or why none loaded), filled once;
-# a plain global, so a compiled graph reads it as a constant.
-_LOADED = []
+# Filled once (load(), disabled()); plain globals, which a compiled graph reads as constants.
+_LOADED, _DISABLED, _WARNED = [], [], []
 
 
 def load():
     """(the ops namespace of the best build this CPU runs, its name), or (None, why none
     loaded); loads once, warns nothing."""
-    if _LOADED:
-        return _LOADED[0]
-    capability = torch.backends.cpu.get_cpu_capability()
-    tried = []
-    result = None
-    for build in _BUILDS.get(capability, ('default',)):
+    if not _LOADED:
+        _LOADED.append(_load())
+    return _LOADED[0]
+
+
+def _load():
+    builds = _BUILDS.get(torch.backends.cpu.get_cpu_capability(), ('default',))
+    for build in builds:
         spec = importlib.util.find_spec(f'lapformer_mm._cpu_{build}')
-        if spec is None or spec.origin is None:
-            tried.append(build)
-            continue
-        try:
-            torch.ops.load_library(spec.origin)
-            result = getattr(torch.ops, f'lapformer_mm_cpu_{build}'), build
-        except OSError as err:
-            result = None, f'lapformer_mm._cpu_{build} does not load: {err}'
-        break
-    if result is None:
-        result = None, (f'no build of the CPU kernels is installed (looked for '
-                        f'{", ".join(f"lapformer_mm._cpu_{b}" for b in tried)}; '
-                        f'{INSTALL_HINT})')
-    _LOADED.append(result)
-    return result
-
-
-_DISABLED = []
+        if spec is not None and spec.origin is not None:
+            try:
+                torch.ops.load_library(spec.origin)
+            except OSError as err:
+                return None, f'lapformer_mm._cpu_{build} does not load: {err}'
+            return getattr(torch.ops, f'lapformer_mm_cpu_{build}'), build
+    return None, (f'no build of the CPU kernels is installed (looked for '
+                  f'{", ".join(f"lapformer_mm._cpu_{b}" for b in builds)}; {INSTALL_HINT})')
 
 
 def disabled():
@@ -65,12 +52,9 @@ def disabled():
     return _DISABLED[0]
 
 
-_WARNED = []
-
-
 def available():
     """Whether a build is loaded and the backend not disabled; warns once when none is built
-    (at the first attention that would run it, not when a model is built)."""
+    (at the first attention that would run it)."""
     if disabled():
         return False
     ops, detail = load()
@@ -84,8 +68,8 @@ def available():
 
 def build():
     """The loaded build ('avx512', 'avx2', 'default') or None."""
-    ops, detail = load()
-    return detail if ops is not None else None
+    ops, name = load()
+    return None if ops is None else name
 
 
 def _ops():
@@ -109,16 +93,11 @@ def _landmark_system(ops, landmarks, opts):
 
 
 def forward(q, k, v, landmarks, opts, ops=None, residual=torch.float64):
-    """(out (B, N, h, d_v), context, inverse, stats) of the op's contract; ``ops``: the
-    kernels (None: this build's), or the ONNX Runtime op library's nodes of the same
-    signatures (``lapformer_mm.ops.export.OrtNodes``) that an export composes so, with the
-    refinement residual in ``residual``.
-
-    One pass over the rows of k (tied: q) forms k(k, L), R = k(k, L)ᵀ (v − v̄) / N, v̄ and c̄;
-    with separate keys a second pass forms k(q, L). The query pass also sums the whitening
-    statistics and keeps k(q, L) for out = k(q, L) A + 1 bᵀ, A = (I − J/m) diag(s) context,
-    b = colsum(context) / m + v̄ (the whitening folded in).
-    """
+    """(out (B, N, h, d_v), context, inverse, stats) of the op's contract; ``ops``: the kernels
+    (None: this build's) or the ONNX Runtime op library's nodes of the same signatures
+    (``export.OrtNodes``), which an export composes so, refining in ``residual``. A pass over
+    k forms R = k(k, L)ᵀ (v − v̄) / N, v̄ and c̄; the query pass (the same one when tied) sums the
+    whitening statistics, folded in as out = k(q, L) (I − J/m) diag(s) context + 1 bᵀ."""
     ops, kind = ops or _ops(), reference.KERNEL_CODES[opts.kernel]
     injective = opts.normalize == 'injective'
     with torch.autocast(device_type='cpu', enabled=False):
@@ -151,13 +130,9 @@ def forward(q, k, v, landmarks, opts, ops=None, residual=torch.float64):
 
 
 def backward(grad, q, k, v, landmarks, context, inverse, stats, opts):
-    """(dq, dk, dv, dlandmarks) of the op's contract; dk is empty when k is None.
-
-    A first pass over q recomputes C_q and sums T = c̃ᵀ G and colsum(G); after the
-    reference's m × d_v algebra a second pass forms each row's dC_q (tied keys: also dC_k and
-    dv, :func:`reference.value_grads`) and the kernel gradient of q and L; separate keys take
-    a third pass over k.
-    """
+    """(dq, dk, dv, dlandmarks) of the op's contract; dk is empty when k is None. A pass over
+    q sums T = c̃ᵀ G and colsum(G); after the reference's m × d_v algebra a second forms each
+    row's dC_q (tied: also dC_k and dv) and the gradients of q and L; separate keys a third."""
     ops, kind = _ops(), reference.KERNEL_CODES[opts.kernel]
     injective = opts.normalize == 'injective'
     g = grad.transpose(1, 2)

@@ -1,12 +1,7 @@
-"""The plan of the CUDA backend (:mod:`.cuda`): what its kernels take and how they are laid out.
-
-Plain Python, shared with the g++ emulation (devtools/cuda_emulation.py) and the NVRTC
-checks (devtools/sass.py): the stages and their kernels' names, the tile geometry
-(:data:`VARIANTS`, NVRTC ``-D`` options), each kernel's shared memory, :func:`plan` (the
-variant that fits a device's shared-memory opt-in limit), :func:`splits` (row slices),
-:func:`fit` (whether the kernels take a call's operands on a device) and the kernels' one
-by-value argument ``nys_params`` (:data:`PARAMS_DTYPE`, which CuPy 13 and 14 pass as a numpy
-array of size one).
+"""The plan of the CUDA backend (:mod:`.cuda`), plain Python shared with the g++ emulation
+(devtools/cuda_emulation.py) and the NVRTC checks (devtools/sass.py): the kernels' names, the
+tile variants (NVRTC ``-D`` options) and their shared memory, :func:`plan`, :func:`splits`,
+:func:`fit` and ``nys_params`` (:data:`PARAMS_DTYPE`: CuPy passes a numpy array of size one).
 """
 import functools
 from typing import NamedTuple
@@ -44,8 +39,7 @@ DEFAULT_SMEM = 48 * 1024
 
 
 def kernel_name(stage, element_type, kind):
-    """A stage's kernel as the host names it (the emulation's template instantiation);
-    the stages of :data:`NO_KIND` have no KIND."""
+    """A stage's kernel as the host names it (the emulation's template instantiation)."""
     return f'{stage}<{element_type}>' if stage in NO_KIND else f'{stage}<{element_type}, {kind}>'
 
 
@@ -56,8 +50,7 @@ def kernel_names(element_types=tuple(ELEMENT_TYPES.values())):
 
 
 def entry_name(stage, kind):
-    """The C name of a stage's kernel in a module of one element type (the .cu's entry
-    points): ``<stage>_<kernel function>``, ``<stage>_entry`` for :data:`NO_KIND`."""
+    """The C name of a stage's kernel in a module of one element type (the .cu's end)."""
     return f'{stage}_entry' if stage in NO_KIND else f'{stage}_{_KERNEL_OF_CODE[kind]}'
 
 
@@ -67,10 +60,9 @@ def stage_of(entry):
 
 
 class Variant(NamedTuple):
-    """Tile geometry (the .cu's NYS_* macros): landmark and value columns of a tile (mp, dv),
-    rows of a row-pass / gradient tile (tn, tb), the staged d-chunk (tk), threads (tx, ty),
-    entries per block of the slice merges (lanes: one warp's coalesced row), value columns
-    per block of the context kernel (cc) and thread rows of the forward solve (sy)."""
+    """Tile geometry (the .cu's NYS_* macros): a tile's landmark and value columns (mp, dv), rows
+    of a row-pass / gradient tile (tn, tb), staged d-chunk (tk), threads (tx, ty), entries per
+    merge block (lanes), context columns per block (cc), forward-solve thread rows (sy)."""
     name: str
     mp: int
     dv: int
@@ -114,8 +106,7 @@ def ceil_div(a, b):
 
 
 def ns_layout(m):
-    """(mp, ld): m padded to the 4 x 4 micro-tile and the row stride of ns_iterate's
-    matrices (lap_common.cuh's ns_stride)."""
+    """(m padded to the 4 x 4 micro-tile, row stride): lap_common.cuh's ns_stride."""
     mp = ceil_div(m, 4) * 4
     return mp, (NS_LD_NARROW if mp <= NS_LD_NARROW else NS_LD_WIDE)
 
@@ -128,8 +119,7 @@ def grads_smem(v):
 
 
 def row_pass_static_smem(v):
-    """Static shared memory (bytes) of the largest row-pass kernel (nys_forward_out or
-    nys_forward_stats); it must stay within the 48 KiB every device has."""
+    """Static shared memory (bytes) of the largest row pass, within the 48 KiB of any device."""
     staging = v.tk * (v.tn + 1) + v.tk * (v.mp + 1) + v.tn * (v.mp + 1) + 2 * v.tn
     # The values, the statistics' group sums and the fp64 group sums of the common part
     # and of sum r.
@@ -150,12 +140,9 @@ def landmark_tile_floats(v):
 
 
 def ns_partials(v, m, smem_limit):
-    """Floats of ns_iterate's k-split partials in nys_forward_solve on a device with this
-    limit, for Newton's P X and X (P X) over all nt^2 4 x 4 tiles, the product steps' X R
-    beside R R over the upper triangle's nt (nt + 1) twice and the last one's X R over
-    nt (nt + 1) / 2. Splits per product as
-    lap_common.cuh's ns_splits: tiles x splits threads fill the block as far as the room
-    P, X and T leave holds the partials of the splits past the first."""
+    """Floats of ns_iterate's k-split partials in nys_forward_solve (lap_common.cuh's
+    ns_splits, over the nt^2, nt (nt + 1) / 2 and nt (nt + 1) tiles of its products): tiles x
+    splits threads fill the block as far as the room P, X and T leave holds the partials."""
     mp, ld = ns_layout(m)
     nt, room = mp // 4, max(0, (smem_limit - NS_STATIC_SMEM) // 4 - 3 * mp * ld)
     return NS_PART_STRIDE * max(
@@ -165,8 +152,7 @@ def ns_partials(v, m, smem_limit):
 
 def solve_smem(v, m, partials):
     """Dynamic shared memory (bytes) of nys_forward_solve: P, X, T and the k-split partials,
-    or P and the landmark tile, whichever is more (a merge job, 5 floats a thread, needs
-    less than both: the .cu asserts it)."""
+    or P and the landmark tile (a merge job needs less than both: the .cu asserts it)."""
     mp, ld = ns_layout(m)
     return 4 * max(mp * ld + landmark_tile_floats(v), 3 * mp * ld + partials)
 
@@ -187,15 +173,14 @@ class Plan(NamedTuple):
 
 
 def variant_fits(v, smem_limit):
-    """Whether the variant's kernels fit a device whose blocks may use ``smem_limit`` bytes
-    of shared memory, whatever m (the solves' needs on m are :func:`plan`'s)."""
+    """Whether the variant's kernels fit ``smem_limit`` bytes of shared memory, whatever m."""
     return row_pass_static_smem(v) <= DEFAULT_SMEM and grads_smem(v) <= smem_limit
 
 
 @functools.lru_cache(maxsize=None)
 def plan(m, dv, smem_limit):
-    """A :class:`Plan` for m landmarks and d_v value columns on a device whose blocks may
-    use ``smem_limit`` bytes of shared memory, or a tuple of reasons none fits."""
+    """A :class:`Plan` for m landmarks and d_v value columns within ``smem_limit`` bytes of
+    shared memory, or a tuple of reasons none fits."""
     if not 1 <= m <= MAX_M:
         return (f'm = {m} landmarks; the CUDA kernels take 1 to {MAX_M}',)
     if not 1 <= dv <= MAX_DV:
@@ -224,9 +209,8 @@ def plan(m, dv, smem_limit):
 
 @functools.lru_cache(maxsize=None)
 def splits(bh, n, target_blocks, tile_rows):
-    """(splits, chunk): the N rows of each (batch, head) cut into ``splits`` slices of
-    ``chunk`` rows (a multiple of the tile heights) so that about ``target_blocks`` blocks
-    exist. Depends only on the shapes and the device: results are deterministic."""
+    """(splits, chunk): each (batch, head)'s N rows in slices of ``chunk`` rows (whole tiles),
+    about ``target_blocks`` blocks in all; shapes and device alone decide (deterministic)."""
     tiles = ceil_div(max(n, 1), tile_rows)
     count = min(tiles, max(1, ceil_div(target_blocks, bh)), MAX_GRID_X)
     chunk = ceil_div(tiles, count) * tile_rows
@@ -238,17 +222,6 @@ class DeviceLimits(NamedTuple):
     sms: int
     smem_optin: int       # shared memory a block may opt into (static + dynamic), bytes
     nvrtc_major: int      # 0 when unknown
-
-
-@functools.lru_cache(maxsize=None)
-def device_reasons(limits):
-    if limits.capability < MIN_CAPABILITY:
-        return (f'compute capability {limits.capability[0]}.{limits.capability[1]}; the CUDA '
-                f'kernels need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later',)
-    if limits.nvrtc_major >= 13 and limits.capability < NVRTC13_MIN_CAPABILITY:
-        return (f'NVRTC {limits.nvrtc_major} cannot compile for sm_{limits.capability[0]}'
-                f'{limits.capability[1]}; install cupy-cuda12x (NVRTC 12)',)
-    return ()
 
 
 def fit(q, v, landmarks, opts, limits):
@@ -263,9 +236,13 @@ def fit(q, v, landmarks, opts, limits):
                  elements=max(q.numel(), v.numel()))
     reasons += [f'{name} = {value:,} exceeds the kernels\' 32-bit index range'
                 for name, value in sizes.items() if value > _MAX_SIZE]
-    if opts.kernel not in KERNEL_CODES:
-        reasons.append(f'kernel {opts.kernel!r}; the CUDA kernels take {", ".join(KERNEL_CODES)}')
-    reasons += device_reasons(limits)
+    major, minor = limits.capability
+    if limits.capability < MIN_CAPABILITY:
+        reasons.append(f'compute capability {major}.{minor}; the CUDA kernels need '
+                       f'{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later')
+    elif limits.nvrtc_major >= 13 and limits.capability < NVRTC13_MIN_CAPABILITY:
+        reasons.append(f'NVRTC {limits.nvrtc_major} cannot compile for sm_{major}{minor}; '
+                       'install cupy-cuda12x (NVRTC 12)')
     found = plan(landmarks.shape[2], v.shape[3], limits.smem_optin)
     if not isinstance(found, Plan):
         reasons += found

@@ -1,15 +1,10 @@
-"""The host path of the CUDA backend with a fake CuPy (devtools/fake_cupy.py): no GPU needed.
-
-What makes the CuPy path thin, per-device and CUDA-graph safe, checked on the CPU: one
-module per (variant, element type) with the variant's -D geometry, its kernels under fixed C
-names that CuPy's kernel cache serves to a later process (under both of CuPy's cache keys),
-the opt-in to the device's own limit done once at load, nothing compiled or loaded inside a
-capture (a clear error, or warmup() first), every launch on PyTorch's current stream (so a
-capture stream is followed and CuPy's own current stream, the legacy default stream, is
-never used) with no deprecated CuPy API, a device context entered only when the device is
-not current, strided operands passed without copies, one struct argument per launch, one
-check per call, and reasons instead of exceptions for what the kernels cannot take.
+"""The host path of the CUDA backend with a fake CuPy (devtools/fake_cupy.py), no GPU: one
+module per (variant, element type) that CuPy's cache serves later processes (both cache keys),
+the opt-in at the device's own limit once, nothing loaded inside a capture, launches on
+PyTorch's current stream without deprecated API, operands as they are, one check per call, and
+reasons instead of exceptions for what the kernels cannot take.
 """
+import re
 import warnings
 
 import numpy as np
@@ -24,6 +19,7 @@ from lapformer_mm.ops.backends import cuda
 from lapformer_mm.ops.reference import OpOptions
 
 H200 = emulated_limits(smem_optin=227 * 1024, sms=2)
+OPTIONS = OpOptions('laplacian', 4.0, 0.01, 16, 'identity', True, 'injective', 1e-5)
 # The backend's load at a call's check (the routing to CPU tensors takes it as done).
 ENSURE_LOADED = cuda.ensure_loaded
 
@@ -50,16 +46,25 @@ def launches(cupy):
     return [e for e in cupy.events if e[0] == 'launch']
 
 
-def test_one_compile_per_variant_and_element_type_with_its_geometry(fake):
-    cupy, _ = fake
+def test_one_compile_per_variant_and_element_type_one_struct_per_launch_current_stream(fake):
+    """Launches follow PyTorch's current stream (a capture stream, say) from the next one on;
+    the fake refuses a launch without a stream and warns at CuPy 14's ExternalStream."""
+    cupy, streams = fake
     q, k, v, landmarks = attention_inputs()
-    for _ in range(3):
-        nystrom_attention(q, k, v, landmarks)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        for handle in (12345, 12345, 777):
+            streams.handle = handle
+            nystrom_attention(q, k, v, landmarks)
+    n = len(cuda.FORWARD)
+    assert [e[-1] for e in launches(cupy)] == [12345] * (2 * n) + [777] * n
+    nystrom_attention(q, k, v, landmarks, kernel='gaussian', lam=2.0, ns_init='authors')
     compiles = [e for e in cupy.events if e[0] in ('compile', 'load')]
     variant = cuda.VARIANT_BY_NAME['dv32_tb32']
     assert compiles == [('compile', (), cuda.NVRTC_OPTIONS + variant.defines
                          + ('-DNYS_ELEMENT=float',), 'nvrtc')]
-    assert [e[1] for e in launches(cupy)] == [cuda.entry_name(s, 0) for s in cuda.FORWARD] * 3
+    assert [e[1] for e in launches(cupy)] == ([cuda.entry_name(s, 0) for s in cuda.FORWARD] * 3
+                                              + [cuda.entry_name(s, 1) for s in cuda.FORWARD])
     # One argument per launch: the parameter struct, a numpy array of size one.
     assert all(len(e[4]) == 1 and e[4][0].dtype == cuda.PARAMS_DTYPE and e[4][0].size == 1
                for e in launches(cupy))
@@ -67,6 +72,17 @@ def test_one_compile_per_variant_and_element_type_with_its_geometry(fake):
     assert all(e[3] == ((variant.tx, variant.sy, 1) if 'solve' in e[1] else variant.block)
                for e in launches(cupy))
     assert variant.tx * variant.sy == 2 * variant.threads
+    # Pointers, strides, sizes and options (of the last call).
+    p = launches(cupy)[-1][4][0][0]
+    assert p['q']['ptr'] == q.data_ptr()
+    assert tuple(int(p['q'][s]) for s in ('sb', 'sh', 'sn', 'sd')) == q.stride()
+    assert p['k']['ptr'] == k.data_ptr() and p['L']['ptr'] == landmarks.data_ptr()
+    assert (int(p['bh_count']), int(p['heads']), int(p['n']), int(p['m']), int(p['d']),
+            int(p['dv'])) == (4, 2, 48, landmarks.shape[2], 32, 32)
+    assert p['neg_inv_lam'] == np.float32(-0.5) and p['neg_coef'] == np.float32(-1.0)
+    assert p['init_authors'] == 1 and p['injective'] == 1 and p['refine'] == 1
+    nystrom_attention(q, q, v, landmarks)
+    assert launches(cupy)[-1][4][0][0]['k']['ptr'] == 0
 
 
 def test_opt_in_happens_once_at_load_to_the_devices_limit(fake):
@@ -104,8 +120,8 @@ def test_a_first_call_inside_a_capture_raises_and_warmup_prevents_it(fake, monke
     cupy, _ = fake
     q, k, v, landmarks = attention_inputs()
     monkeypatch.setattr(cuda, 'capturing', lambda device_index: True)
-    with pytest.raises(cuda.CaptureError, match=r'Run the attention once eagerly.*warmup\(\)'):
-        cuda.forward(q, k, v, landmarks, cuda_options())
+    with pytest.raises(cuda.CaptureError, match='warmup'):
+        cuda.forward(q, k, v, landmarks, OPTIONS)
     monkeypatch.setattr(cuda, 'capturing', lambda device_index: False)
     loaded = cuda.warmup(torch.device('cuda', 0), dtypes=(torch.float32,), value_dims=(32,))
     assert loaded == [('dv32_tb32', torch.float32)]
@@ -114,28 +130,6 @@ def test_a_first_call_inside_a_capture_raises_and_warmup_prevents_it(fake, monke
     group = cuda.load_group(0, cuda.VARIANT_BY_NAME['dv32_tb32'], 'float')
     assert len(group) == len(cuda.kernel_names(('float',)))
     assert len([e for e in cupy.events if e[0] == 'compile']) == compiles
-
-
-def cuda_options(**overrides):
-    fields = dict(kernel='laplacian', lam=4.0, eps=0.01, iters=16, ns_init='identity',
-                  ns_refine=True, normalize='injective', whiten_eps=1e-5)
-    fields.update(overrides)
-    return OpOptions(**fields)
-
-
-def test_launches_follow_pytorchs_current_stream_without_deprecated_cupy_api(fake):
-    """A new current stream (a capture stream, say) is used from the next launch on. The fake
-    refuses a launch without a stream and warns at CuPy 14's deprecated ExternalStream."""
-    cupy, streams = fake
-    q, k, v, landmarks = attention_inputs()
-    with warnings.catch_warnings():
-        warnings.simplefilter('error')
-        nystrom_attention(q, k, v, landmarks)
-        nystrom_attention(q, k, v, landmarks)
-        streams.handle = 777
-        nystrom_attention(q, k, v, landmarks)
-    n = len(cuda.FORWARD)
-    assert [e[-1] for e in launches(cupy)] == [12345] * (2 * n) + [777] * n
 
 
 def test_device_context_only_when_the_device_is_not_current(fake):
@@ -180,22 +174,6 @@ def test_strided_operands_are_passed_as_they_are(fake):
     assert counter.totals()['launches'] == len(cuda.BACKWARD)
 
 
-def test_the_struct_carries_pointers_strides_and_options(fake):
-    cupy, _ = fake
-    q, k, v, landmarks = attention_inputs()
-    nystrom_attention(q, k, v, landmarks, kernel='gaussian', lam=2.0, ns_init='authors')
-    p = launches(cupy)[0][4][0][0]
-    assert p['q']['ptr'] == q.data_ptr()
-    assert tuple(int(p['q'][s]) for s in ('sb', 'sh', 'sn', 'sd')) == q.stride()
-    assert p['k']['ptr'] == k.data_ptr() and p['L']['ptr'] == landmarks.data_ptr()
-    assert (int(p['bh_count']), int(p['heads']), int(p['n']), int(p['m']), int(p['d']),
-            int(p['dv'])) == (4, 2, 48, landmarks.shape[2], 32, 32)
-    assert p['neg_inv_lam'] == np.float32(-0.5) and p['neg_coef'] == np.float32(-1.0)
-    assert p['init_authors'] == 1 and p['injective'] == 1 and p['refine'] == 1
-    tied = nystrom_attention(q, q, v, landmarks)
-    assert tied is not None and launches(cupy)[-1][4][0][0]['k']['ptr'] == 0
-
-
 def test_plans_are_cached_per_shape():
     cuda.splits.cache_clear()
     for _ in range(3):
@@ -206,55 +184,37 @@ def test_plans_are_cached_per_shape():
     assert splits * chunk >= 16650 > (splits - 1) * chunk and chunk % 64 == 0
 
 
+def broken_device(device):
+    raise RuntimeError('CUDA driver version is insufficient')
+
+
 @pytest.mark.parametrize('limits, shapes, reason', [
-    (H200, dict(dtype=torch.float64), r'dtype torch.float64; the CUDA kernels take'),
-    (H200, dict(m=81), r'm = 81 landmarks; the CUDA kernels take 1 to 64'),
-    (H200, dict(dv=96), r'd_v = 96 value columns'),
-    (H200, dict(n=0), r'empty operands'),
-    (emulated_limits(capability=(5, 2)), {}, r'compute capability 5.2; .* 6.0 or later'),
-    (emulated_limits(capability=(7, 0))._replace(nvrtc_major=13), {},
-     r'NVRTC 13 cannot compile for sm_70; install cupy-cuda12x'),
-    (emulated_limits(smem_optin=48 * 1024), dict(m=64, dv=64),
-     r'variant dv64_tb16: the gradient kernel needs 56,576 bytes .* allows 49,152'),
-])
-def test_not_supported_names_the_reason(monkeypatch, limits, shapes, reason):
-    monkeypatch.setattr(cuda, 'device_limits', lambda device: limits)
-    size = dict(n=10, m=9, dv=8, dtype=torch.float32)
-    size.update(shapes)
+    (H200, dict(dtype=torch.float64), 'float64'), (H200, dict(m=81), 'm = 81'),
+    (H200, dict(dv=96), 'd_v = 96'), (H200, dict(n=0), 'empty'),
+    (emulated_limits(capability=(5, 2)), {}, 'capability 5.2'),
+    (emulated_limits(capability=(7, 0))._replace(nvrtc_major=13), {}, 'cupy-cuda12x'),
+    (emulated_limits(smem_optin=48 * 1024), dict(m=64, dv=64), 'dv64_tb16.* 56,576 bytes'),
+    (broken_device, {}, 'insufficient'), (H200, {}, None)])
+def test_not_supported_names_the_reason_and_never_raises(monkeypatch, limits, shapes, reason):
+    fake_cupy.install(cuda, monkeypatch.setattr)
+    monkeypatch.setattr(cuda, 'device_limits', limits if callable(limits) else lambda d: limits)
+    size = dict(dict(n=10, m=9, dv=8, dtype=torch.float32), **shapes)
     q = torch.zeros(1, 2, size['n'], 4, dtype=size['dtype'])
     v = torch.zeros(1, 2, size['n'], size['dv'], dtype=size['dtype'])
     landmarks = torch.zeros(1, 2, size['m'], 4, dtype=size['dtype'])
-    reasons = cuda.not_supported(q, None, v, landmarks, cuda_options())
-    assert any(__import__('re').search(reason, r) for r in reasons), reasons
+    reasons = cuda.not_supported(q, None, v, landmarks, OPTIONS)
+    assert (reasons == ()) if reason is None else any(re.search(reason, r) for r in reasons)
 
 
-def test_not_supported_never_raises(monkeypatch):
-    def broken(device):
-        raise RuntimeError('CUDA driver version is insufficient')
-    fake_cupy.install(cuda, monkeypatch.setattr)
-    monkeypatch.setattr(cuda, 'device_limits', broken)
-    q = torch.zeros(1, 1, 4, 4)
-    reasons = cuda.not_supported(q, None, q, q, cuda_options())
-    assert reasons and 'insufficient' in reasons[0]
-    monkeypatch.setattr(cuda, 'device_limits', lambda device: H200)
-    assert cuda.not_supported(q, None, q, q, cuda_options()) == ()
-
-
-def test_warmup_names_what_the_kernels_do_not_take(fake, monkeypatch):
-    with pytest.raises(ValueError, match=r'dtypes: the CUDA kernels take torch.float32, '
-                                         r'torch.float16, torch.bfloat16, got torch.float64'):
-        cuda.warmup(torch.device('cuda', 0), dtypes=(torch.float64,))
-    with pytest.raises(ValueError, match=r'value_dims: no kernels for d_v = 96 on device 0 '
-                                         r'\(d_v = 96 value columns; the CUDA kernels take 1 '
-                                         r'to 64\)'):
-        cuda.warmup(torch.device('cuda', 0), value_dims=(96,))
-    # A width asked for that no m can use on the device is refused.
-    pascal = emulated_limits(smem_optin=48 * 1024, sms=2)
-    monkeypatch.setattr(cuda, 'device_limits', lambda device: pascal)
-    with pytest.raises(ValueError, match=r'value_dims: no kernels for d_v = 64 on device 0 '
-                                         r'\(variant dv64_tb32: .*; variant dv64_tb16: the '
-                                         r'gradient kernel needs 56,576 bytes'):
-        cuda.warmup(torch.device('cuda', 0), value_dims=(64, ))
+@pytest.mark.parametrize('kib, kwargs, name', [(227, dict(dtypes=(torch.float64,)), 'dtypes'),
+                                               (227, dict(value_dims=(96,)), 'value_dims'),
+                                               (48, dict(value_dims=(64,)), 'value_dims')])
+def test_warmup_names_what_the_kernels_do_not_take(fake, monkeypatch, kib, kwargs, name):
+    """A dtype without kernels, a width beyond the tiles, a width no m fits on the device."""
+    limits = emulated_limits(smem_optin=kib * 1024, sms=2)
+    monkeypatch.setattr(cuda, 'device_limits', lambda device: limits)
+    with pytest.raises(ValueError, match=name):
+        cuda.warmup(torch.device('cuda', 0), **kwargs)
 
 
 @pytest.mark.parametrize('kib', [48, 64, 100, 227])
