@@ -49,5 +49,5 @@ def test_large_tensors_are_reused_instead_of_faulted_in():
 
 @pytest.mark.parametrize('threshold', [0, -1, 2**31, 1.5, '1G'])
 def test_threshold_must_fit_a_c_int(threshold):
-    with pytest.raises(ValueError, match=r'threshold must be an int in \[1, 2\*\*31 - 1\]'):
+    with pytest.raises(ValueError, match='threshold'):
         keep_large_blocks(threshold)

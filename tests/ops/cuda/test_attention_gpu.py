@@ -1,13 +1,7 @@
-"""The fused attention op on a GPU: values, gradients, determinism, streams, CUDA graphs.
-
-Marked ``gpu``: skipped without CUDA and CuPy (tests/conftest.py); tools/gpu_check.sh runs
-it, the torch.compile test in a step of its own. The tests of the attention module import
-lapformer_mm.models, which needs mmengine: without it they skip with that reason (the script
-reports such skips apart from the others, which fail it); the others import no OpenMMLab
-package.
-The same kernels run on the CPU through the emulation in tests/ops/cuda/test_fused_emulation.py.
-Every value test asserts which kernels ran (the ``ran`` fixture counts launches), so a
-silent fall-back to the reference cannot pass it.
+"""The fused attention op on a GPU (marked ``gpu``; tools/gpu_check.sh runs it, the
+torch.compile test in a step of its own): values, gradients, determinism, streams, CUDA graphs.
+The module's tests need mmengine (lapformer_mm.models) and skip without it. Every value test
+asserts which kernels ran (``ran``), so a silent fall-back to the reference cannot pass.
 """
 import warnings
 

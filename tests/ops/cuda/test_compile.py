@@ -1,17 +1,9 @@
-"""The CUDA kernels compile with NVRTC for each variant, within their shared memory, with
-the hot-loop instruction counts docs/cuda.md states; no GPU.
-
-NVRTC is the compiler CuPy uses at run time; here it is loaded from the
-``nvidia-cuda-nvrtc-cu12`` wheel through ctypes (no driver, toolkit or GPU). Each compile
-goes to SASS (ptxas runs too, so resource overflows fail), with the exact source text
-(headers inlined), the run-time options and the variant's -D geometry. One compile per
-(variant, architecture) serves the resource and SASS checks (devtools.sass.compile_variant
-caches it); the architecture is sm_90 where the claim does not depend on it, sm_75 (T4,
-every element type) and sm_70 (V100, NVRTC 12) for the support table. A variant that
-differs from an earlier one only in the gradient tile's rows compiles, at sm_90, only the
-gradient kernel: the others are the same code. The SASS bounds hold
-the desk-review fixes in place: |x - y| folded into the FADD as an operand modifier (2
-FADDs per Laplacian term) and no integer sign in the gradient.
+"""The CUDA kernels compile with NVRTC (CuPy's run-time compiler, from the
+``nvidia-cuda-nvrtc-cu12`` wheel through ctypes; no GPU) to SASS for each variant, with the
+exact source, options and -D geometry of run time, within their shared memory and with the
+hot-loop instruction counts docs/cuda.md states: |x - y| folded into the FADD (2 FADDs per
+Laplacian term), no integer sign in the gradient. One compile per (variant, architecture),
+cached (devtools.sass.compile_variant); sm_90, and sm_75 / sm_70 for the support table.
 """
 import re
 
@@ -32,6 +24,14 @@ def nvrtc():
     if not path:
         pytest.fail(f'libnvrtc not found: pip install {NVRTC_PACKAGE} (or set LAPFORMER_NVRTC_LIB)')
     return Nvrtc(path)
+
+
+@pytest.fixture(scope='module')
+def nvdisasm():
+    found = sass.find_nvdisasm()
+    if not found:
+        pytest.fail('nvdisasm not found: pip install nvidia-cuda-nvdisasm (requirements/tests.txt)')
+    return found
 
 
 def resources(log):
@@ -99,12 +99,11 @@ def stages_to_compile(variant):
 
 
 @pytest.mark.parametrize('variant', [v.name for v in cuda.VARIANTS])
-def test_each_variant_compiles_within_its_shared_memory_and_hot_loop_bounds(nvrtc, variant):
+def test_each_variant_compiles_within_its_shared_memory_and_hot_loop_bounds(nvrtc, nvdisasm,
+                                                                          variant):
     stages = stages_to_compile(variant)
     lowered, used = compiled(nvrtc, variant, 'sm_90', stages=stages)
     check_static_smem(variant, lowered, used)
-    if not sass.find_nvdisasm():
-        pytest.fail('nvdisasm not found: pip install nvidia-cuda-nvdisasm (requirements/tests.txt)')
     rows = {r['kernel']: r for r in sass.report(variant, 'sm_90', stages)}
     # The kernel tiles (the same loop in every variant): 3.28, 3.32-3.45 and 3.22-3.25
     # instructions per term when measured (benchmarks/cuda_sass.py --variant NAME).
@@ -128,7 +127,7 @@ def test_each_variant_compiles_within_its_shared_memory_and_hot_loop_bounds(nvrt
     # The gradient's own sums (sign terms, one FADD each): the innermost unrolled loops
     # with FSETP, 4.03-4.13 instructions per term measured.
     _, _, lowered, cubin = sass.compile_variant(variant, 'sm_90', stages=stages)
-    functions = sass.disassemble(sass.find_nvdisasm(), cubin)
+    functions = sass.disassemble(nvdisasm, cubin)
 
     def innermost_ops(kernel):
         code = functions[lowered[kernel]]
@@ -162,7 +161,7 @@ def test_only_the_gradient_kernel_reads_its_rows():
                                                                            'dv64_tb16']
 
 
-def test_the_modules_the_backend_loads_are_the_kernels_checked_here(nvrtc):
+def test_the_modules_the_backend_loads_are_the_kernels_checked_here(nvrtc, nvdisasm):
     """What CuPy compiles (one element type, -DNYS_ELEMENT, no name expressions) exports
     every stage's entry point under its C name, and nothing else, each the same SASS
     instructions as the template instantiation the tests here check (dv32_tb32, fp32)."""
@@ -172,9 +171,6 @@ def test_the_modules_the_backend_loads_are_the_kernels_checked_here(nvrtc):
     status, log, _, cubin = nvrtc.compile(cuda.load_source(), cuda.SOURCE, options, [])
     assert status == 0, log
     _, _, lowered, templates = sass.compile_variant('dv32_tb32', 'sm_90')
-    nvdisasm = sass.find_nvdisasm()
-    if not nvdisasm:
-        pytest.fail('nvdisasm not found: pip install nvidia-cuda-nvdisasm (requirements/tests.txt)')
     module, reference = sass.disassemble(nvdisasm, cubin), sass.disassemble(nvdisasm, templates)
     entries = {cuda.kernel_name(stage, 'float', kind): cuda.entry_name(stage, kind)
                for stage in cuda.STAGES for kind in cuda.KERNEL_CODES.values()}
@@ -184,34 +180,27 @@ def test_the_modules_the_backend_loads_are_the_kernels_checked_here(nvrtc):
                 == [op for _, op, _, _ in reference[lowered[name]]]), name
 
 
-def test_host_sizes_the_solve_with_the_sources_layout():
-    """backends.cuda's copies of lap_common.cuh's Newton-Schulz layout constants."""
+def test_sources_are_found_inlined_and_sized_as_the_host_assumes():
+    """The headers inlined; backends.cuda's copies of lap_common.cuh's Newton-Schulz layout."""
     text = cuda.load_source()
+    assert '#include "' not in text
+    assert 'struct lap_half' in text and 'struct nys_params' in text
     for name in ('NS_PART_STRIDE', 'NS_LD_NARROW', 'NS_LD_WIDE'):
         defined = re.search(rf'^#define {name} (\d+)', text, re.MULTILINE)
         assert defined and int(defined.group(1)) == getattr(cuda, name), name
 
 
-def test_every_element_type_compiles_for_the_t4(nvrtc):
-    """sm_75 (T4, RTX 20xx: 64 KiB) with the variant the plan gives there at m = 64, d_v = 64:
-    every kernel of dv64_tb16, which its sm_90 test compiles only the gradient kernel of."""
-    lowered, used = compiled(nvrtc, 'dv64_tb16', 'sm_75', tuple(cuda.ELEMENT_TYPES.values()))
-    check_static_smem('dv64_tb16', lowered, used)
-
-
-def test_sm70_compiles_with_nvrtc_12(nvrtc):
-    """V100: NVRTC 12 still targets sm_70 (NVRTC 13 does not: the backend says so)."""
-    lowered, used = compiled(nvrtc, 'dv32_tb32', 'sm_70')
-    check_static_smem('dv32_tb32', lowered, used)
+@pytest.mark.parametrize('variant, arch, element_types', [
+    ('dv64_tb16', 'sm_75', tuple(cuda.ELEMENT_TYPES.values())), ('dv32_tb32', 'sm_70', ('float',))])
+def test_the_support_tables_older_architectures_compile(nvrtc, variant, arch, element_types):
+    """sm_75 (T4, RTX 20xx: 64 KiB) with the variant the plan gives there at m = d_v = 64, every
+    kernel and element type (its sm_90 test compiles only the gradient kernel); sm_70 (V100)
+    with NVRTC 12 (NVRTC 13 does not target it: the backend says so)."""
+    lowered, used = compiled(nvrtc, variant, arch, element_types)
+    check_static_smem(variant, lowered, used)
 
 
 def test_the_source_refuses_to_compile_without_a_variants_geometry(nvrtc):
     options = ('--gpu-architecture=sm_90',) + cuda.NVRTC_OPTIONS + CUPY_ADDED_OPTIONS
     status, log, _, _ = nvrtc.compile(cuda.load_source(), cuda.SOURCE, options, [])
     assert status != 0 and 'compile with the tile geometry of a variant' in log, log
-
-
-def test_sources_are_found_and_inlined():
-    text = cuda.load_source()
-    assert '#include "' not in text
-    assert 'struct lap_half' in text and 'struct nys_params' in text

@@ -1,13 +1,8 @@
-"""The fused attention kernels (lapformer_mm/csrc/cuda), run on the CPU by the emulation.
-
-The whole CUDA path of ``lapformer_mm::nystrom_attention``: the public entry picks
-impl='cupy' for CPU tensors, the CUDA backend (lapformer_mm/ops/backends/cuda.py) plans the
-variant for the device's shared-memory limit and fills the parameter struct it would hand a
-GPU, and the g++ emulation (devtools/cuda_emulation.py) runs the kernels. Values and
-gradients are compared with autograd of the dense fp64 reference ``dense_attention``:
-fp32, bf16 and fp16 inputs, tied and separate keys, both kernels and normalisations, odd
-N, m < 49, d not a multiple of 16, several row slices, more (batch, head) pairs than the
-grid allows.
+"""The fused attention kernels (ops/cuda) on the CPU: the entry picks impl='cupy' for CPU
+tensors, the CUDA backend plans and fills the struct it would hand a GPU, and the g++ emulation
+(devtools/cuda_emulation.py) runs the kernels. Values and gradients against autograd of the
+dense fp64 ``dense_attention``: fp32, bf16, fp16, tied and separate keys, both kernels and
+normalisations, odd sizes, several row slices, more (batch, head) pairs than the grid allows.
 """
 
 import shutil
@@ -85,14 +80,20 @@ def run(q, k, v, landmarks, tied, grad_seed=1, **options):
     return out, torch.autograd.grad(out, wrt, grad), grad
 
 
-def dense(q, k, v, landmarks, tied, grad, **options):
-    return dense_attention_grads(q, k, v, landmarks, grad, tied, **options)
-
-
 def assert_close_scaled(got, expected, tol):
     """|got - expected| <= tol · max|expected| + tol · |expected|, per tensor."""
     scale = expected.abs().max().item() or 1.0
     torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * scale)
+
+
+def assert_dense(out, grads, grad, q, k, v, landmarks, tied, tol=2e-5, grad_tol=2e-4,
+                 **options):
+    """Output and gradients against the dense fp64 attention's, within tol and grad_tol."""
+    expected, expected_grads = dense_attention_grads(q, k, v, landmarks, grad, tied, **options)
+    assert_close_scaled(out, expected, tol)
+    assert len(grads) == len(expected_grads)
+    for got, want in zip(grads, expected_grads):
+        assert_close_scaled(got, want, grad_tol)
 
 
 FORWARD = [cuda.kernel_name(s, 'float', 0) for s in cuda.FORWARD]
@@ -111,10 +112,7 @@ def test_fp32_matches_dense_fp64_with_gradients(launches, kernel, lam, normalize
     names = [entry[0].replace(', 1>', ', 0>') for entry in launches]
     assert names == FORWARD + BACKWARD
     assert launches[0][1] == (2, 3)  # (row slices, batch·heads)
-    expected, expected_grads = dense(q, k, v, landmarks, tied, grad, **options)
-    assert_close_scaled(out, expected, 2e-5)
-    for got, want in zip(grads, expected_grads):
-        assert_close_scaled(got, want, 2e-4)
+    assert_dense(out, grads, grad, q, k, v, landmarks, tied, **options)
 
 
 @pytest.mark.parametrize('dtype, tol, grad_tol', [(torch.bfloat16, 2e-2, 5e-2),
@@ -128,10 +126,7 @@ def test_16_bit_inputs_match_dense_fp64(launches, dtype, tol, grad_tol, tied):
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
     element = cuda.ELEMENT_TYPES[dtype]
     assert [e[0] for e in launches] == [cuda.kernel_name(s, element, 0) for s in cuda.STAGES]
-    expected, expected_grads = dense(q, k, v, landmarks, tied, grad)
-    assert_close_scaled(out, expected, tol)
-    for got, want in zip(grads, expected_grads):
-        assert_close_scaled(got, want, grad_tol)
+    assert_dense(out, grads, grad, q, k, v, landmarks, tied, tol, grad_tol)
 
 
 def test_fp16_stays_finite_where_the_whitening_scale_reaches_its_bound(launches):
@@ -157,10 +152,7 @@ def test_fp16_stays_finite_where_the_whitening_scale_reaches_its_bound(launches)
                               dtype=torch.float64)
     grads = torch.autograd.grad(out, leaves, grad.half())
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
-    expected, expected_grads = dense(q, k, v, landmarks, False, grad.half())
-    assert_close_scaled(out, expected, 3e-3)
-    for got, want in zip(grads, expected_grads):
-        assert_close_scaled(got, want, 1e-2)
+    assert_dense(out, grads, grad.half(), q, k, v, landmarks, False, 3e-3, 1e-2)
 
 
 def test_strided_operands_and_gradient(launches):
@@ -175,10 +167,7 @@ def test_strided_operands_and_gradient(launches):
     grad = torch.randn(2, 35, 2, 12, generator=torch.Generator().manual_seed(9)).transpose(1, 2)
     assert not grad.is_contiguous()
     got = torch.autograd.grad(out, (qa, ka, va, la), grad)
-    expected, expected_grads = dense(q, k, v, landmarks, False, grad.double())
-    assert_close_scaled(out, expected, 2e-5)
-    for g, want in zip(got, expected_grads):
-        assert_close_scaled(g, want, 2e-4)
+    assert_dense(out, got, grad.double(), q, k, v, landmarks, False)
 
 
 @pytest.mark.slow
@@ -188,10 +177,7 @@ def test_largest_and_smallest_landmark_and_value_counts(launches):
                                   ((1, 9), 1, 5, 2, 12)):
         q, k, v, landmarks = make_inputs(1, 1, hw, d, dv, grid, False, torch.float32, seed=seed)
         out, grads, grad = run(q, k, v, landmarks, False)
-        expected, expected_grads = dense(q, k, v, landmarks, False, grad)
-        assert_close_scaled(out, expected, 2e-5)
-        for got, want in zip(grads, expected_grads):
-            assert_close_scaled(got, want, 2e-4)
+        assert_dense(out, grads, grad, q, k, v, landmarks, False)
 
 
 def test_blocks_loop_over_heads_and_tiles_beyond_the_grid_limits(launches, monkeypatch):
@@ -207,10 +193,7 @@ def test_blocks_loop_over_heads_and_tiles_beyond_the_grid_limits(launches, monke
     finally:
         cuda.splits.cache_clear()
     assert all(entry[1] in ((1, 1), (1,)) for entry in launches), launches
-    expected, expected_grads = dense(q, k, v, landmarks, False, grad)
-    assert_close_scaled(out, expected, 2e-5)
-    for got, want in zip(grads, expected_grads):
-        assert_close_scaled(got, want, 2e-4)
+    assert_dense(out, grads, grad, q, k, v, landmarks, False)
 
 
 def test_reruns_are_bit_equal_and_slices_only_reorder_sums(launches, monkeypatch):
@@ -236,12 +219,10 @@ def test_options_reach_the_kernels(launches, ns_init, iters):
     options = dict(ns_refine=False, ns_init=ns_init, iters=iters, eps=0.05, lam=3.0,
                    whiten_eps=1e-3)
     out, grads, grad = run(q, k, v, landmarks, False, **options)
-    expected, expected_grads = dense(q, k, v, landmarks, False, grad, **options)
+    expected = dense_attention(q, k, v, landmarks, **options)
     converged = dense_attention(q, k, v, landmarks, **dict(options, iters=None))
     assert (expected - converged).abs().max() > 1e-3 * converged.abs().max()
-    assert_close_scaled(out, expected, 2e-5)
-    for got, want in zip(grads, expected_grads):
-        assert_close_scaled(got, want, 2e-4)
+    assert_dense(out, grads, grad, q, k, v, landmarks, False, **options)
 
 
 @pytest.mark.parametrize('centre, first', [(48, 41), (40, 40)])
@@ -265,20 +246,6 @@ def test_unconverged_iterate_at_49_landmarks_is_newtons(launches, centre, first)
     converged = dense_attention(q, k, v, landmarks)
     assert (expected - converged).abs().max() > 1e-3 * converged.abs().max()
     assert_close_scaled(out, expected, 2e-5)
-
-
-def test_unsupported_sizes_take_the_reference_math(launches):
-    """m = 81 > 64 landmarks (and fp64 operands) run the reference implementation, with a
-    warning that names the reason."""
-    attention._warn_fallback.cache_clear()
-    q, k, v, landmarks = make_inputs(1, 1, (9, 9), 4, 4, 9, False, torch.float32, seed=16)
-    with pytest.warns(RuntimeWarning, match='m = 81 landmarks; the CUDA kernels take 1 to 64'):
-        run(q, k, v, landmarks, False)
-    q64 = make_inputs(1, 1, (4, 4), 4, 4, 2, False, torch.float64, seed=17)
-    with pytest.warns(RuntimeWarning, match=r'dtype torch.float64; the CUDA kernels take '
-                                            r'torch.float32, torch.float16, torch.bfloat16'):
-        run(*q64, False)
-    assert not launches
 
 
 @pytest.mark.slow
@@ -350,7 +317,7 @@ def test_refinement_step_holds_near_identical_landmarks(launches, kernel, spread
     _, grads, grad = run(q, q, v, landmarks, True, kernel=kernel)
     assert [e[0].split('<')[0] for e in launches] == [n.split('<')[0] for n in FORWARD + BACKWARD]
     _, reference_grads, _ = run(q, q, v, landmarks, True, kernel=kernel, impl='reference')
-    _, expected_grads = dense(q, q, v, landmarks, True, grad, kernel=kernel)
+    _, expected_grads = dense_attention_grads(q, q, v, landmarks, grad, True, kernel=kernel)
     for name, got, ref, want in zip('q v landmarks'.split(), grads, reference_grads,
                                     expected_grads):
         scale = want.abs().max().item()
@@ -458,10 +425,7 @@ def test_each_shared_memory_limit_picks_a_variant_or_the_reference(launches, mon
         else:
             assert not launches and plan
             assert len(fallbacks) == 1 and f'the device allows {kib * 1024:,}' in fallbacks[0]
-        expected, expected_grads = dense(q, k, v, landmarks, False, grad)
-        assert_close_scaled(out, expected, 2e-5)
-        for got, want in zip(grads, expected_grads):
-            assert_close_scaled(got, want, 2e-4)
+        assert_dense(out, grads, grad, q, k, v, landmarks, False)
 
 
 def test_the_variants_the_support_table_states():

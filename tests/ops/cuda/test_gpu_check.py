@@ -1,15 +1,9 @@
-"""tools/gpu_check.sh run on the CPU: the steps that need no GPU run on a stub device (wheels,
-env and its module probe, compile, under both of CuPy's kernel-cache keys, and a cache broken
-on purpose), the steps whose tool or package is missing are SKIPs, a host without Nsight
-Compute's counter permission is a SKIP, the sanitizer's four tools run at once and count our
-kernels' errors alone, and every Python snippet of the script compiles and finds what it
-imports of lapformer_mm.
-
-The stub (written by :func:`stub_gpu`, loaded as ``sitecustomize`` by every Python process the
-script starts) makes torch report one CUDA device with an H100's limits and stands
-devtools/fake_cupy.py in for CuPy (the version ``FAKE_CUPY_VERSION``), with CuPy's kernel
-cache a folder shared by the processes, so the script's own Python runs as it would there.
-Every limit is scaled (``LIMIT_SCALE``): this machine is not the GPU machine.
+"""tools/gpu_check.sh on the CPU: the steps that need no GPU pass on a stub device (wheels, env,
+compile under both of CuPy's cache keys; a cache broken on purpose fails), a missing tool,
+package or counter permission is a SKIP, the sanitizer counts our kernels' errors alone, and
+every Python snippet compiles. The stub (``sitecustomize`` of every process the script starts)
+reports an H100 to torch and stands devtools/fake_cupy.py in for CuPy, its kernel cache a
+shared folder; limits are scaled (``LIMIT_SCALE``).
 """
 import ast
 import importlib
@@ -280,13 +274,18 @@ def test_sanitizer_tools_run_at_once_on_our_kernels_and_ncu_without_permission_i
 MODELS_TESTS = 'module or kernels_per_attention'
 
 
+def blocking_stub_gpu(tmp_path, *modules):
+    stub = blocking(tmp_path / 'stub', *modules)
+    (stub / 'sitecustomize.py').write_text((stub / 'sitecustomize.py').read_text() + STUB)
+    return stub
+
+
 def test_without_mmengine_the_gpu_tests_needing_it_and_the_backbones_step_are_skips(tmp_path):
     """(The rest of the tests step, a CUDA-graph capture, cannot run on the stub and is not
     looked at.)"""
-    stub = blocking(tmp_path / 'stub', *OPENMMLAB)
-    (stub / 'sitecustomize.py').write_text((stub / 'sitecustomize.py').read_text() + STUB)
     out = tmp_path / 'out'
-    proc = run_script(stub, out, 'tests backbones', PYTEST_ADDOPTS=f'-k "{MODELS_TESTS}"')
+    proc = run_script(blocking_stub_gpu(tmp_path, *OPENMMLAB), out, 'tests backbones',
+                      PYTEST_ADDOPTS=f'-k "{MODELS_TESTS}"')
     assert verdict(out, 'tests') == 'PASS: tests', proc.stdout + proc.stderr
     assert verdict(out, 'tests needing mmengine') == (
         'SKIP: tests needing mmengine (2 skipped: mmengine is not installed)')
@@ -302,10 +301,9 @@ def test_mmengine_without_a_module_it_needs_skips_backbones_and_fails_tests_sayi
     without rich, ``import mmengine`` fails too. Either way ``import lapformer_mm`` fails where
     mmengine is installed, so no GPU test could run: the tests step says so instead of
     running them, and the backbones step is a SKIP."""
-    stub = blocking(tmp_path / 'stub', *OPENMMLAB[1:], needed)
-    (stub / 'sitecustomize.py').write_text((stub / 'sitecustomize.py').read_text() + STUB)
     out = tmp_path / 'out'
-    proc = run_script(stub, out, 'tests backbones')
+    proc = run_script(blocking_stub_gpu(tmp_path, *OPENMMLAB[1:], needed), out,
+                      'tests backbones')
     assert proc.returncode == 1
     assert re.fullmatch(rf'FAIL \(exit 1\): tests \(mmengine is installed but .*\b{needed}\b.* '
                         'is missing or broken, so import lapformer_mm fails: bring them as '

@@ -1,11 +1,6 @@
-"""Launches plus ATen compute ops per LaplacianAttention call on the emulated CUDA path.
-
-The module runs with impl='cupy' on CPU tensors, its launches executed by the g++
-emulation (devtools/cuda_emulation.py), so the host code is the GPU's. A TorchDispatchMode
-(devtools/op_counts.py) counts every ATen op outside and inside our ops; views (outputs
-aliasing an input, ``_unsafe_view``) and allocations (``empty*``, no kernel) are counted
-apart. Targets of issue #24: at most 10 forward, at most 30 forward+backward (the layer
-before the fused op: 35 and 104).
+"""Launches plus ATen compute ops per LaplacianAttention call on the emulated CUDA path (the
+host code the GPU's), counted by devtools/op_counts.py, views and allocations apart. Issue
+#24's targets: at most 10 forward, 30 forward+backward (before the fused op: 35 and 104).
 """
 
 import pytest
