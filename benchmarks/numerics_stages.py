@@ -7,7 +7,7 @@ fp64 runs). fp32 is the model in fp32; bf16 and fp16 are that model under the dt
 autocast, as mmdet's ``--amp`` runs it. Per stage: max |out − out_fp64| / max |out_fp64|.
 
 LaplacianFormer-T runs impl=None: on a GPU with CuPy the fused kernels
-(ops/nystrom_attention.cu); with ``--emulate`` on the CPU the same kernels through the g++
+(ops/cuda/nystrom_attention.cu); with ``--emulate`` on the CPU the same kernels through the g++
 emulation (devtools/cuda_emulation.py), at a size the CPU allows. PVTv2-b1 is timm's
 ``pvt_v2_b1`` (``--baseline timm``, the GPU machine) or mmdet's PyramidVisionTransformerV2
 with the b1 settings (``--baseline mmdet``).

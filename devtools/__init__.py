@@ -1,6 +1,6 @@
 """Development tooling of a source checkout, not part of the installed package.
 
-- :mod:`.nvrtc`: NVRTC through ctypes, to compile ``ops/*.cu`` without a GPU (the CI
+- :mod:`.nvrtc`: NVRTC through ctypes, to compile ``ops/cuda/*.cu`` without a GPU (the CI
   compile test);
 - :mod:`.sass`: instruction counts of the kernels' hot loops from ``nvdisasm``
   (``benchmarks/cuda_sass.py``, the SASS test);

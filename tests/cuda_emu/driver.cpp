@@ -1,4 +1,4 @@
-// Exposes every kernel instantiation of lapformer_mm/csrc/cuda/nystrom_attention.cu,
+// Exposes every kernel instantiation of ops/cuda/nystrom_attention.cu,
 // compiled for the CPU through shim.h with one variant's tile geometry (-D options from
 // lapformer_mm/ops/backends/cuda.py), behind one C entry point with CUDA's
 // launch ABI: an array of pointers to the argument values, here the one nys_params.

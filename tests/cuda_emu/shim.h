@@ -1,4 +1,4 @@
-// CPU emulation of the small part of CUDA C++ that ops/*.cu use, so that g++
+// CPU emulation of the small part of CUDA C++ that ops/cuda/*.cu use, so that g++
 // can compile the kernels unchanged and run them on the CPU for the tests.
 //
 // A launch runs the blocks one after another, and `__shared__` variables are `static`
