@@ -189,12 +189,6 @@ def argument_problem(path: str, is_dir: bool = False) -> Optional[str]:
     return None if is_remote(path) else path_problem(Input('', path, '', is_dir))
 
 
-def check_checkpoint_argument(path: str) -> None:
-    reason = argument_problem(path)
-    if reason:
-        raise InputCheckError(f'checkpoint {path!r} {reason}')
-
-
 def load_from_problems(cfg: Mapping) -> List[Problem]:
     load_from = cfg.get('load_from')
     if not load_from or is_remote(load_from):

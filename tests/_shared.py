@@ -74,15 +74,6 @@ def toy_run_options(root, max_epochs):
             'default_hooks.checkpoint.max_keep_ckpts=3', 'default_hooks.logger.interval=1']
 
 
-def copy_run(work_dir, dest):
-    """A copy of a run's work dir whose ``last_checkpoint`` names the copy's own checkpoint."""
-    shutil.copytree(work_dir, dest)
-    record = Path(dest, 'last_checkpoint')
-    if record.exists():
-        record.write_text(record.read_text().replace(str(work_dir), str(dest)))
-    return str(dest)
-
-
 def copy_checkout(dest):
     """The files git tracks or does not ignore, as in a fresh clone of this working tree."""
     listed = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard'],

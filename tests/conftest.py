@@ -70,8 +70,7 @@ def toy_seg(toy_data):
 
 @pytest.fixture(scope='session')
 def toy_run(tmp_path_factory, toy_coco):
-    """One epoch of the toy Mask R-CNN through ``tools/train.py``; continue it in a copy
-    (:func:`_shared.copy_run`)."""
+    """One epoch of the toy Mask R-CNN through ``tools/train.py``."""
     work = str(tmp_path_factory.mktemp('toy_run') / 'work')
     log = run_tool([sys.executable, TRAIN_TOOL, TOY_CONFIG, '--work-dir', work] +
                    toy_run_options(toy_coco, max_epochs=1))
