@@ -1,8 +1,5 @@
-"""A tiny LaplacianFormer exported once per exporter (batch 2, EXPORT_SHAPE, dynamic batch,
-height and width, the fp32 residual) and run in ONNX Runtime and OpenVINO at that size and two
-others, each output held to FACTOR × eager fp32's distance from fp64 (tests/_deploy_helpers.py);
-torch.export and the dynamo ONNX call as a user writes them, with plain dims and no wrapper.
-"""
+"""A tiny LaplacianFormer exported once per exporter and run in ONNX Runtime and OpenVINO,
+each output held to FACTOR × eager fp32's distance from fp64 (tests/_deploy_helpers.py)."""
 import re
 
 import pytest

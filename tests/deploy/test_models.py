@@ -1,8 +1,5 @@
-"""Whole networks through ONNX Runtime: a tiny Mask R-CNN (FPN features and RPN maps), UperNet
-(its pyramid pooling in the export form), Semantic FPN (its head's upsampling in the export
-form) and, through the command-line tool, RetinaNet; exported dynamic at batch 2, run at two
-other sizes, held to FACTOR × eager fp32's error against fp64 (the eager model unchanged).
-"""
+"""Whole networks through ONNX Runtime at two other sizes than the export's, held to
+FACTOR × eager fp32's error against fp64."""
 import os.path as osp
 import re
 import warnings

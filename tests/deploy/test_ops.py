@@ -1,8 +1,5 @@
-"""The export forms of the attention and its primitives against independent computations
-(ATen's adaptive pooling, the dense kernels, a direct inverse, the dense fp64 attention), then
-through both ONNX exporters and ONNX Runtime; the op library; and the selection: the forms
-are taken only while an exporter traces.
-"""
+"""The export forms and the ONNX Runtime op library against independent fp64 computations,
+through both ONNX exporters; the forms are taken only while an exporter traces."""
 import copy
 import os
 import tempfile

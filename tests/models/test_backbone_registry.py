@@ -1,7 +1,5 @@
-"""`import lapformer_mm` makes LaplacianFormer buildable through mmdet/mmseg/mmpretrain MODELS.
-
-It is registered once, in mmengine's root MODELS, which their registries fall back to.
-"""
+"""`import lapformer_mm` makes LaplacianFormer buildable through mmdet/mmseg/mmpretrain MODELS
+(registered once, in mmengine's root MODELS)."""
 import importlib
 import subprocess
 import sys

@@ -1,7 +1,5 @@
-"""One training iteration of the full-size Mask R-CNN-LaplacianFormer-T config at COCO's
-training size (1333×800) through ``tools/train.py``'s config path, on synthetic scenes in
-COCO's layout (``tools/smoke_fullsize.py`` runs the whole smoke; docs/full_size.md).
-"""
+"""One training iteration of the full-size Mask R-CNN-LaplacianFormer-T config at 1333×800
+on synthetic scenes in COCO's layout."""
 import math
 import os.path as osp
 

@@ -1,7 +1,5 @@
 """The inputs of a run are checked before anything is built: ``lapformer_mm.preflight``,
-the tools (one message, exit status 2, nothing built) and ``InputCheckHook``;
-``tools/make_toy_coco.py --layout official`` writes what the full-size configs read.
-"""
+the tools (one message, exit status 2, nothing built) and ``InputCheckHook``."""
 import json
 import os
 import os.path as osp

@@ -1,7 +1,4 @@
-"""The toy semantic-segmentation path (CPU): tools/make_toy_coco.py --seg-out, tools/train.py,
-tools/test.py (mmseg's IoUMetric), tools/visualize_predictions.py, and mmseg's own train
-script loading the plugin through the config's custom_imports.
-"""
+"""The toy semantic-segmentation path (CPU): data, train, test, visualize, mmseg's script."""
 import contextlib
 import filecmp
 import glob

@@ -1,8 +1,4 @@
-"""The user-facing tools on a tiny generated data set (CPU): tools/make_toy_coco.py
-determinism, tools/coco_eval.py against pycocotools computed here, 2-process torchrun (gloo)
-training then testing and the process group's teardown, tools/get_flops.py, tools/test.py's
-options, and mmdet's own train script through custom_imports to our weights.
-"""
+"""The user-facing tools on a tiny generated data set (CPU)."""
 import contextlib
 import gc
 import importlib.util

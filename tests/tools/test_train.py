@@ -1,7 +1,4 @@
-"""tools/train.py: bad arguments named, ``--amp`` training that stays finite (mmengine's
-``AmpOptimWrapper`` on a GPU, ``CPUAmpOptimWrapper`` on CPU), a resume that continues a
-SIGKILLed run exactly (SafeCheckpointRunner), and unsafe checkpoints refused.
-"""
+"""tools/train.py: --auto-scale-lr, --amp, a resume after SIGKILL, unsafe checkpoints."""
 import glob
 import hashlib
 import json

@@ -1,8 +1,5 @@
-"""The fused attention op on a GPU (marked ``gpu``; tools/gpu_check.sh runs it, the
-torch.compile test in a step of its own): values, gradients, determinism, streams, CUDA graphs.
-The module's tests need mmengine (lapformer_mm.models) and skip without it. Every value test
-asserts which kernels ran (``ran``), so a silent fall-back to the reference cannot pass.
-"""
+"""The fused attention op on a GPU (tools/gpu_check.sh). Every value test asserts which
+kernels ran (``ran``), so a silent fall-back to the reference cannot pass."""
 import warnings
 
 import pytest

@@ -1,10 +1,5 @@
-"""The CUDA kernels compile with NVRTC (CuPy's run-time compiler, from the
-``nvidia-cuda-nvrtc-cu12`` wheel through ctypes; no GPU) to SASS for each variant, with the
-exact source, options and -D geometry of run time, within their shared memory and with the
-hot-loop instruction counts docs/cuda.md states: |x - y| folded into the FADD (2 FADDs per
-Laplacian term), no integer sign in the gradient. One compile per (variant, architecture),
-cached (devtools.sass.compile_variant); sm_90, and sm_75 / sm_70 for the support table.
-"""
+"""The CUDA kernels compiled by NVRTC (no GPU) to SASS with run time's source and options:
+shared memory and the hot-loop instruction counts docs/cuda.md states."""
 import re
 
 import pytest

@@ -1,7 +1,5 @@
-"""Where the CUDA backend cannot run a call (docs/cuda.md): impl=None warns once with the
-reason and runs the reference, impl='cupy' raises it. CuPy absent, broken or faked
-(devtools/fake_cupy.py); CPU tensors routed to the backend (devtools/cuda_emulation.py).
-"""
+"""Where the CUDA backend cannot run a call: impl=None warns once with the reason and runs
+the reference, impl='cupy' raises it."""
 import importlib.abc
 import importlib.machinery
 import sys

@@ -1,10 +1,5 @@
-"""The fused attention kernels (ops/cuda) on the CPU: the entry picks impl='cupy' for CPU
-tensors, the CUDA backend plans and fills the struct it would hand a GPU, and the g++ emulation
-(devtools/cuda_emulation.py) runs the kernels. Values and gradients against autograd of the
-dense fp64 ``dense_attention``: fp32, bf16, fp16, tied and separate keys, both kernels and
-normalisations, odd sizes, several row slices, more (batch, head) pairs than the grid allows.
-"""
-
+"""The fused attention kernels (ops/cuda) on the CPU through the g++ emulation
+(devtools/cuda_emulation.py): values and gradients against the dense fp64 attention."""
 import shutil
 import subprocess
 import warnings

@@ -1,10 +1,5 @@
-"""tools/gpu_check.sh on the CPU: the steps that need no GPU pass on a stub device (wheels, env,
-compile under both of CuPy's cache keys; a cache broken on purpose fails), a missing tool,
-package or counter permission is a SKIP, the sanitizer counts our kernels' errors alone, and
-every Python snippet compiles. The stub (``sitecustomize`` of every process the script starts)
-reports an H100 to torch and stands devtools/fake_cupy.py in for CuPy, its kernel cache a
-shared folder; limits are scaled (``LIMIT_SCALE``).
-"""
+"""tools/gpu_check.sh on the CPU: ``STUB`` (the ``sitecustomize`` of every process the script
+starts) reports an H100 to torch and stands devtools/fake_cupy.py in for CuPy."""
 import ast
 import importlib
 import importlib.util
@@ -88,9 +83,7 @@ sys.modules['cupy'] = cupy
 '''
 
 
-# Loaded as ``sitecustomize`` too: the machine the script runs on has none of these packages
-# (OpenMMLab's) or may lack them (those of the toy data writer), so every Python process the
-# test starts finds them missing.
+# Loaded as ``sitecustomize`` too: every Python process the test starts finds them missing.
 BLOCK = '''
 import sys
 
@@ -116,8 +109,7 @@ def blocking(folder, *modules):
 
 
 def step_command(step):
-    """The command of the script's ``run_step STEP`` call, "$PY" as this interpreter and the
-    script's variables as it sets them."""
+    """The command of the script's ``run_step STEP`` call, "$PY" as this interpreter."""
     text = SCRIPT.read_text().replace('\\\n', ' ')
     variables = dict(re.findall(r'^(COMPILED_TEST)=(\S+)$', text, re.M))
     match = re.search(rf'^\s*run_step {step} "\$LIMIT_\w+" "\$OUT/[\w.]+" (.*)$', text, re.M)
@@ -127,9 +119,7 @@ def step_command(step):
 
 
 def test_the_tests_step_collects_without_openmmlab_or_the_toy_data_writers_packages(tmp_path):
-    """The step's pytest loads tests/conftest.py and tests/_shared.py before any test: neither
-    may need what the GPU machine lacks (OpenMMLab, and cv2 / pycocotools of the toy data
-    writer)."""
+    """tests/conftest.py and tests/_shared.py load without what the GPU machine lacks."""
     stub = blocking(tmp_path / 'block', *OPENMMLAB, 'cv2', 'pycocotools')
     env = dict(os.environ, PYTHONPATH=f'{stub}{os.pathsep}{ROOT}')
     proc = subprocess.run(step_command('tests') + ['--collect-only'], cwd=ROOT, env=env,
@@ -188,10 +178,7 @@ def fake_wheel(folder, name, version, code=''):
 
 @pytest.mark.parametrize('version', ['13.6.0', '14.2.0'])
 def test_the_first_steps_pass_on_a_stub_gpu_under_both_cache_keys(stub_gpu, tmp_path, version):
-    """wheels, env (with its module probe) and compile: the wheels installed on PYTHONPATH
-    (the probe finds the carried module's version), the backend's plans, and the 12 modules
-    compiled by parallel workers, then every one loaded from the (stub's) kernel cache by
-    another process, as CuPy up to 14.0 and from 14.1 keys it."""
+    """The 12 modules compiled, then each loaded from the kernel cache by another process."""
     out = tmp_path / 'out'
     # termcolor as mmengine uses it (lapformer_mm imports mmengine where it is installed).
     fake_wheel(tmp_path / 'wheels', 'termcolor', '9.9.9', 'def colored(text, *args, **kw):\n'
@@ -214,8 +201,7 @@ def test_the_first_steps_pass_on_a_stub_gpu_under_both_cache_keys(stub_gpu, tmp_
 
 
 def test_a_kernel_cache_that_serves_nothing_fails_the_compile_step(stub_gpu, tmp_path):
-    """Broken on purpose (CUPY_CACHE_IN_MEMORY=1: CuPy keeps no binary on disk), every later
-    process would compile again: the step says so and fails."""
+    """CUPY_CACHE_IN_MEMORY=1: CuPy keeps no binary on disk."""
     out = tmp_path / 'out'
     proc = run_script(stub_gpu, out, 'compile', CUPY_CACHE_IN_MEMORY='1')
     assert proc.returncode == 1
@@ -248,8 +234,7 @@ echo "$(basename "$0") $*"
 
 def test_sanitizer_tools_run_at_once_on_our_kernels_and_ncu_without_permission_is_a_skip(
         stub_gpu, tmp_path):
-    """Stand-ins for the tools: compute-sanitizer reports an error only under racecheck (it
-    must be that tool's FAIL alone), ncu prints the counter permission error."""
+    """compute-sanitizer fails racecheck alone; ncu prints the counter permission error."""
     tools = tmp_path / 'tools'
     tools.mkdir()
     for name, body in (('compute-sanitizer', '[ "$2" = racecheck ] && exit 3; exit 0'),
@@ -281,8 +266,6 @@ def blocking_stub_gpu(tmp_path, *modules):
 
 
 def test_without_mmengine_the_gpu_tests_needing_it_and_the_backbones_step_are_skips(tmp_path):
-    """(The rest of the tests step, a CUDA-graph capture, cannot run on the stub and is not
-    looked at.)"""
     out = tmp_path / 'out'
     proc = run_script(blocking_stub_gpu(tmp_path, *OPENMMLAB), out, 'tests backbones',
                       PYTEST_ADDOPTS=f'-k "{MODELS_TESTS}"')
@@ -297,10 +280,7 @@ def test_without_mmengine_the_gpu_tests_needing_it_and_the_backbones_step_are_sk
 @pytest.mark.parametrize('needed', ['cv2', 'rich'])
 def test_mmengine_without_a_module_it_needs_skips_backbones_and_fails_tests_saying_why(
         tmp_path, needed):
-    """Without cv2, ``import mmengine`` works but ``import lapformer_mm.models`` does not;
-    without rich, ``import mmengine`` fails too. Either way ``import lapformer_mm`` fails where
-    mmengine is installed, so no GPU test could run: the tests step says so instead of
-    running them, and the backbones step is a SKIP."""
+    """Without cv2 or rich, ``import lapformer_mm`` fails where mmengine is installed."""
     out = tmp_path / 'out'
     proc = run_script(blocking_stub_gpu(tmp_path, *OPENMMLAB[1:], needed), out,
                       'tests backbones')

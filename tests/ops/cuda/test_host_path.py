@@ -1,9 +1,4 @@
-"""The host path of the CUDA backend with a fake CuPy (devtools/fake_cupy.py), no GPU: one
-module per (variant, element type) that CuPy's cache serves later processes (both cache keys),
-the opt-in at the device's own limit once, nothing loaded inside a capture, launches on
-PyTorch's current stream without deprecated API, operands as they are, one check per call, and
-reasons instead of exceptions for what the kernels cannot take.
-"""
+"""The host path of the CUDA backend with a fake CuPy (devtools/fake_cupy.py), no GPU."""
 import re
 import warnings
 
@@ -47,8 +42,7 @@ def launches(cupy):
 
 
 def test_one_compile_per_variant_and_element_type_one_struct_per_launch_current_stream(fake):
-    """Launches follow PyTorch's current stream (a capture stream, say) from the next one on;
-    the fake refuses a launch without a stream and warns at CuPy 14's ExternalStream."""
+    """Launches follow PyTorch's current stream; the fake warns at CuPy 14's ExternalStream."""
     cupy, streams = fake
     q, k, v, landmarks = attention_inputs()
     with warnings.catch_warnings():
@@ -86,8 +80,7 @@ def test_one_compile_per_variant_and_element_type_one_struct_per_launch_current_
 
 
 def test_opt_in_happens_once_at_load_to_the_devices_limit(fake):
-    """The solve and gradient kernels are opted into all the device allows when the module
-    loads, so no later call (inside a capture, say) changes a function attribute."""
+    """The solve and gradient kernels opted into all the device allows when the module loads."""
     cupy, _ = fake
     q, k, v, landmarks = (t.detach().requires_grad_() for t in attention_inputs())
     nystrom_attention(q, k, v, landmarks).sum().backward()
@@ -159,9 +152,7 @@ def test_compile_and_launch_failures_name_kernel_and_shapes(monkeypatch):
 
 
 def test_strided_operands_are_passed_as_they_are(fake):
-    """Head views of one projection go in as they are: no ATen op copies q, k, v or the
-    landmarks; the forward allocates its outputs and one workspace, the backward its
-    gradients and one workspace, and neither computes anything outside our launches."""
+    """No ATen op copies or computes; the forward allocates its outputs and one workspace."""
     q, k, v, landmarks = (t.detach().requires_grad_() for t in attention_inputs())
     assert not q.is_contiguous()
     out, counter = count_call(lambda: nystrom_attention(q, k, v, landmarks), cuda)
@@ -240,10 +231,8 @@ def test_warmup_loads_every_variant_a_call_can_select_on_the_device(fake, monkey
 
 @pytest.mark.parametrize('version', ['13.6.0', '14.2.0'])
 def test_a_later_process_loads_the_module_from_cupys_cache(monkeypatch, version):
-    """CuPy's kernel cache keys a module without name expressions by its source and options
-    under every CuPy from 13 on: a second process (a second fake over the same disk cache)
-    loads the binary and launches the same kernels, and says so; each element type is a
-    module of its own; CUPY_CACHE_IN_MEMORY=1 keeps nothing."""
+    """A second fake over the same disk cache loads the binary; each element type is a module
+    of its own; CUPY_CACHE_IN_MEMORY=1 keeps nothing."""
     disk, q, k, v, landmarks = {}, *attention_inputs()
 
     def process(*operands):
@@ -265,7 +254,6 @@ def test_a_later_process_loads_the_module_from_cupys_cache(monkeypatch, version)
     assert list(cuda.loaded_from.values()) == ['compiled']
 
 
-
 @pytest.mark.parametrize('version, later', [('13.6.0', 'compile'), ('14.2.0', 'load')])
 def test_the_fake_keys_modules_with_name_expressions_as_cupy_does(version, later):
     """What the fake models of a module reached by name expressions: up to CuPy 14.0 it is
@@ -284,9 +272,7 @@ def test_the_fake_keys_modules_with_name_expressions_as_cupy_does(version, later
 
 
 def test_a_module_exposes_the_entry_points_of_its_element_type_only():
-    """The .cu's C entry points exist where the host defines NYS_ELEMENT (as the fake's
-    preprocessing reads the source), one per stage and kernel function, named as
-    entry_name says; without a variant's geometry the source stops at its #error."""
+    """One C entry point per stage and kernel function where the host defines NYS_ELEMENT."""
     variant, source = cuda.VARIANT_BY_NAME['dv32_tb32'], cuda.load_source()
     lines = fake_cupy.active_lines(source, cuda.compile_options(variant, 'lap_bf16'))
     entries = fake_cupy._ENTRY.findall('\n'.join(lines))

@@ -1,7 +1,5 @@
-"""Launches plus ATen compute ops per LaplacianAttention call on the emulated CUDA path (the
-host code the GPU's), counted by devtools/op_counts.py, views and allocations apart. Issue
-#24's targets: at most 10 forward, 30 forward+backward (before the fused op: 35 and 104).
-"""
+"""Launches plus ATen compute ops per LaplacianAttention call on the emulated CUDA path
+(devtools/op_counts.py): at most 10 forward, 30 forward+backward (issue #24)."""
 
 import pytest
 import torch
