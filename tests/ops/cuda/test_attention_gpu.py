@@ -134,9 +134,7 @@ def test_each_shared_memory_variant_on_the_device(ran, monkeypatch, kib, m_grid,
 
 
 def test_reruns_are_bit_equal_and_grid_limits_loop(ran):
-    """70000 (batch, head) pairs exceed gridDim.y (65535): blocks loop over them. The heads
-    past 65,535 (the only ones the loop reaches) and the last ones are compared with the
-    dense reference, not only with a rerun."""
+    """70000 (batch, head) pairs exceed gridDim.y: the heads past 65,535 against dense too."""
     q, k, v, landmarks = attention_inputs(1, 70_000, (3, 3), 8, 8, False, torch.float32, seed=1)
     grad = torch.randn(1, 70_000, 9, 8, device='cuda', dtype=torch.float64)
     first = grads_of(q, k, v, landmarks, False, grad, impl='cupy')
@@ -187,9 +185,8 @@ def _warm_up(fn):
 @pytest.mark.parametrize('tied', [True, False])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_cuda_graph_replay_of_the_op_on_new_inputs_is_bit_equal_to_eager(tied, dtype):
-    """Capture the op's forward and backward after a warm-up; replaying with new inputs
-    copied into the static ones gives the eager results bit for bit (a kernel launched on
-    the legacy default stream would escape the capture and replay stale values)."""
+    """Replaying the captured forward and backward on new inputs is bit-equal to eager (a
+    launch on the legacy default stream would escape the capture)."""
     from lapformer_mm.ops import nystrom_attention
     static = [t.detach().clone().requires_grad_() for t in
               attention_inputs(2, 2, (20, 30), 32, 32, tied, dtype, seed=3)]
@@ -220,9 +217,7 @@ def test_cuda_graph_replay_of_the_op_on_new_inputs_is_bit_equal_to_eager(tied, d
 
 
 def test_cuda_graph_of_a_training_step_of_the_module():
-    """The whole module forward + backward captured (PyTorch's whole-network pattern):
-    replay on new inputs matches eager (the projections' GEMMs may pick other algorithms
-    under capture, so this one compares to 1e-6)."""
+    """Module forward + backward captured: replay matches eager to 1e-6 (GEMMs may differ)."""
     module = _module(qk_shared=False)
     hw = (24, 32)
     static_x = torch.randn(2, 768, 64, device='cuda', requires_grad=True)
@@ -255,10 +250,8 @@ def test_cuda_graph_of_a_training_step_of_the_module():
 
 
 def test_gpu_kernels_per_attention_forward():
-    """Profiler count of one LaplacianAttention forward (fp32): the 4 kernels of ours, in
-    order, asserted; the layer's own (projections, pooling, local conv, sum; docs/cuda.md
-    counts 5 ATen ops) reported in a warning, not asserted: how many kernels cuBLAS or cuDNN
-    launch for one op (an epilogue, a split-K reduction) is theirs."""
+    """Our 4 kernels per forward, in order; the layer's ATen kernels only reported (how many
+    cuBLAS or cuDNN launch is theirs)."""
     from torch.profiler import ProfilerActivity, profile
 
     from lapformer_mm.ops.backends import cuda
@@ -280,9 +273,8 @@ def test_gpu_kernels_per_attention_forward():
 
 
 def test_torch_compile_reduce_overhead_runs_the_kernels(ran):
-    """The attention module (landmark pooling, local conv, the op: what a backbone adds is
-    layers of its own) under torch.compile(mode='reduce-overhead'): the trace selects the
-    kernels, the eager warm-up loads and runs them, the CUDA graph replays them."""
+    """torch.compile(mode='reduce-overhead') of the module: the CUDA graph replays our
+    kernels."""
     from lapformer_mm.ops.backends import cuda
     module = _module().eval()
     x = torch.randn(2, 768, 64, device='cuda')
@@ -300,10 +292,8 @@ def test_torch_compile_reduce_overhead_runs_the_kernels(ran):
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(attention_cases(solvers=('newton', )))
 def test_nystrom_attention_cupy_is_as_exact_as_the_reference(inputs):
-    """Random shapes down to 1 and feature scales 1e-4 … 1e4: the fused output's error
-    against the dense fp64 attention with the same 16 Newton–Schulz steps and refinement
-    at most 2x the reference path's (on the CPU, same landmarks) plus 1e-6 of the largest
-    value (calibrated in the emulation: 0.9-1.2x)."""
+    """Random shapes and feature scales: the fused error against dense fp64 at most 2x the
+    reference path's plus 1e-6 of the largest value (emulation: 0.9-1.2x)."""
     from lapformer_mm.ops import nystrom_attention, pool_landmarks
     from lapformer_mm.ops.reference import DEFAULT_NS_ITERS
     q, k, v, hw, options = inputs

@@ -83,10 +83,8 @@ GRADIENT_ROWS_STAGES = ('nys_backward_grads',)
 
 
 def stages_to_compile(variant):
-    """The stages a variant's sm_90 test compiles: all of them, or only the gradient kernel
-    where an earlier variant differs from this one only in the gradient tile's rows
-    (NYS_TB), which no other kernel reads (test_only_the_gradient_kernel_reads_its_rows):
-    the other kernels are then the same code as that variant's."""
+    """All stages, or only the gradient kernel where an earlier variant differs only in NYS_TB
+    (test_only_the_gradient_kernel_reads_its_rows)."""
     v = cuda.VARIANT_BY_NAME[variant]
     earlier = cuda.VARIANTS[:cuda.VARIANTS.index(v)]
     return GRADIENT_ROWS_STAGES if any(u._replace(name=v.name, tb=v.tb) == v
@@ -157,9 +155,8 @@ def test_only_the_gradient_kernel_reads_its_rows():
 
 
 def test_the_modules_the_backend_loads_are_the_kernels_checked_here(nvrtc, nvdisasm):
-    """What CuPy compiles (one element type, -DNYS_ELEMENT, no name expressions) exports
-    every stage's entry point under its C name, and nothing else, each the same SASS
-    instructions as the template instantiation the tests here check (dv32_tb32, fp32)."""
+    """CuPy's module exports every stage's C entry point, each the SASS of the template
+    instantiation checked here."""
     options = (('--gpu-architecture=sm_90',)
                + cuda.compile_options(cuda.VARIANT_BY_NAME['dv32_tb32'], 'float')
                + CUPY_ADDED_OPTIONS)
@@ -188,9 +185,7 @@ def test_sources_are_found_inlined_and_sized_as_the_host_assumes():
 @pytest.mark.parametrize('variant, arch, element_types', [
     ('dv64_tb16', 'sm_75', tuple(cuda.ELEMENT_TYPES.values())), ('dv32_tb32', 'sm_70', ('float',))])
 def test_the_support_tables_older_architectures_compile(nvrtc, variant, arch, element_types):
-    """sm_75 (T4, RTX 20xx: 64 KiB) with the variant the plan gives there at m = d_v = 64, every
-    kernel and element type (its sm_90 test compiles only the gradient kernel); sm_70 (V100)
-    with NVRTC 12 (NVRTC 13 does not target it: the backend says so)."""
+    """sm_75 with the variant the plan gives at m = d_v = 64; sm_70 with NVRTC 12."""
     lowered, used = compiled(nvrtc, variant, arch, element_types)
     check_static_smem(variant, lowered, used)
 

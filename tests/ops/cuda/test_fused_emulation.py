@@ -34,8 +34,7 @@ def use_limits(monkeypatch, smem_optin=227 * 1024, sms=2):
 
 @pytest.fixture
 def launches(emu_lib, monkeypatch):  # noqa: F811 (the imported fixture)
-    """impl=None on CPU tensors picks the CUDA backend; its launches run in the emulation,
-    on an H200's 227 KiB shared-memory limit with 8 target blocks."""
+    """impl=None on CPU tensors picks the CUDA backend; its launches run in the emulation."""
     record = []
     monkeypatch.setattr(cuda, 'launch', make_launch(emu_lib, record))
     route_cpu_tensors_to_cuda_backend(monkeypatch.setattr)
@@ -99,8 +98,7 @@ BACKWARD = [cuda.kernel_name(s, 'float', 0) for s in cuda.BACKWARD]
 @pytest.mark.parametrize('normalize', ['injective', 'none'])
 @pytest.mark.parametrize('tied', [True, False])
 def test_fp32_matches_dense_fp64_with_gradients(launches, kernel, lam, normalize, tied):
-    """N = 67 (two row tiles of 64 with a tail, three of 32), m = 12, d = 20 (a d-chunk tail),
-    d_v = 24; target_blocks = 8 over 3 (batch, head) pairs gives 2 row slices."""
+    """Row-tile and d-chunk tails; 8 target blocks over 3 (batch, head) pairs: 2 row slices."""
     q, k, v, landmarks = make_inputs(1, 3, (67, 1), 20, 24, 12, tied, torch.float32, seed=3)
     options = dict(kernel=kernel, lam=lam, normalize=normalize)
     out, grads, grad = run(q, k, v, landmarks, tied, iters=30, **options)
@@ -114,8 +112,7 @@ def test_fp32_matches_dense_fp64_with_gradients(launches, kernel, lam, normalize
                                                   (torch.float16, 3e-3, 1e-2)])
 @pytest.mark.parametrize('tied', [True, False])
 def test_16_bit_inputs_match_dense_fp64(launches, dtype, tol, grad_tol, tied):
-    """16-bit operands are read directly (no cast kernels); fp32 inside, output in the input
-    dtype, so the error is one rounding of the output (and of each gradient)."""
+    """16-bit operands read directly (no cast kernels), output in the input dtype."""
     q, k, v, landmarks = make_inputs(2, 1, (7, 5), 16, 16, 4, tied, dtype, seed=4)
     out, grads, grad = run(q, k, v, landmarks, tied)
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
@@ -125,10 +122,8 @@ def test_16_bit_inputs_match_dense_fp64(launches, dtype, tol, grad_tol, tied):
 
 
 def test_fp16_stays_finite_where_the_whitening_scale_reaches_its_bound(launches):
-    """36 equal queries, keys of spread 0.3 and values of std 3000 (tests/ops/
-    test_attention_op.py's case): each query column's variance is 0, the whitening scale
-    exactly 1/sqrt(whiten_eps) = 316, and s · context (~8e4) would overflow fp16 (65504) if
-    it were stored in the input dtype; statistics and context stay fp32."""
+    """Equal queries: the whitening scale is 1/sqrt(whiten_eps) = 316 and s · context (~8e4)
+    would overflow fp16 if stored in the input dtype; statistics and context stay fp32."""
     gen = torch.Generator().manual_seed(6)
     q = torch.zeros(1, 1, 36, 8, dtype=torch.float16)
     k = (0.3 * torch.randn(1, 1, 36, 8, generator=gen, dtype=torch.float64)).half()
@@ -151,8 +146,7 @@ def test_fp16_stays_finite_where_the_whitening_scale_reaches_its_bound(launches)
 
 
 def test_strided_operands_and_gradient(launches):
-    """q, k, v as head views of one (B, N, 3C) projection and a non-contiguous output
-    gradient: the kernels read them in place, nothing is copied first."""
+    """Head views of one projection and a non-contiguous output gradient, read in place."""
     q, k, v, landmarks = make_inputs(2, 2, (5, 7), 12, 12, 3, False, torch.float32, seed=7,
                                      strided=True)
     assert not q.is_contiguous() and not v.is_contiguous()
@@ -176,8 +170,7 @@ def test_largest_and_smallest_landmark_and_value_counts(launches):
 
 
 def test_blocks_loop_over_heads_and_tiles_beyond_the_grid_limits(launches, monkeypatch):
-    """With every grid extent capped at 1, one block must walk all (batch, head) pairs, row
-    tiles and slices, as it does past 65535 pairs on a GPU."""
+    """Every grid extent capped at 1: one block walks all (batch, head) pairs and row tiles."""
     monkeypatch.setattr(cuda, 'MAX_GRID_YZ', 1)
     monkeypatch.setattr(cuda, 'MAX_GRID_X', 1)
     monkeypatch.setattr(cuda_plan, 'MAX_GRID_X', 1)  # the row slices (splits)
@@ -207,9 +200,7 @@ def test_reruns_are_bit_equal_and_slices_only_reorder_sums(launches, monkeypatch
 
 @pytest.mark.parametrize('ns_init, iters', [('authors', 6), ('identity', 5)])
 def test_options_reach_the_kernels(launches, ns_init, iters):
-    """ns_refine off, either start, other eps/lam/whiten_eps and too few iterations to
-    converge: the fused path equals the dense fp64 attention with that unconverged iterate
-    (from the identity start the kernel's product-form steps reach Newton's iterate)."""
+    """Each option against the dense fp64 attention with the same unconverged iterate."""
     q, k, v, landmarks = make_inputs(1, 2, (6, 7), 8, 8, 3, False, torch.float32, seed=15)
     options = dict(ns_refine=False, ns_init=ns_init, iters=iters, eps=0.05, lam=3.0,
                    whiten_eps=1e-3)
@@ -222,11 +213,8 @@ def test_options_reach_the_kernels(launches, ns_init, iters):
 
 @pytest.mark.parametrize('centre, first', [(48, 41), (40, 40)])
 def test_unconverged_iterate_at_49_landmarks_is_newtons(launches, centre, first):
-    """Five steps from the identity start at m = 49 with ||P||_inf's largest row sum in row
-    `centre` (41 landmarks far apart, 8 from `first` on in a cluster around it): the last
-    row, alone in the last group of the kernel's two-level maximum, or the first row of a
-    group. The norm, the product-form steps and the element loops over the 52 x 52 layout
-    (each thread several entries) reach the dense fp64 attention's unconverged output."""
+    """Five steps at m = 49 with ||P||_inf's largest row sum in row `centre` (the last row, or
+    a group's first in the kernel's two-level maximum): the dense fp64 unconverged output."""
     gen = torch.Generator().manual_seed(3)
     landmarks = 3.0 * torch.randn(1, 2, 49, 8, generator=gen)
     point = torch.randn(8, generator=gen)
@@ -245,11 +233,8 @@ def test_unconverged_iterate_at_49_landmarks_is_newtons(launches, centre, first)
 
 @pytest.mark.slow
 def test_backbone_on_the_emulated_cuda_path_is_as_exact_as_the_reference_math(launches):
-    """LaplacianFormer-T's widths and heads with one block per stage (4 attention layers:
-    tied keys, then separate at stage 4; m from 49 down to 2) end to end against its fp64
-    evaluation: the fused path's feature maps and input gradient are within 3x the
-    reference path's own fp32 error (both amplified by the whitening). One block per
-    stage, not Tiny's 1-2-3-2: every stage's attention once, at half the emulation time."""
+    """LaplacianFormer-T's widths, one block per stage, against its fp64 evaluation: maps and
+    input gradient within 3x the reference path's own fp32 error."""
     pytest.importorskip('mmengine')
     import copy
 
@@ -283,13 +268,9 @@ def test_backbone_on_the_emulated_cuda_path_is_as_exact_as_the_reference_math(la
 @pytest.mark.parametrize('kernel', ['laplacian', 'gaussian'])
 @pytest.mark.parametrize('spread', [0.1, 0.003])
 def test_refinement_step_holds_near_identical_landmarks(launches, kernel, spread):
-    """Tokens within ``spread`` of one point (a flat image region) make P = k(L, L) + eps I
-    ill-conditioned and every row of C nearly constant: the fused output as close to the
-    dense fp64 attention as the reference path's, in the part the attention adds to the
-    mean value v̄ (measured 0.7-1.0x; with c~ centred once, up to 1.6x the fused error),
-    and the refinement step worth at least 10x at spread 0.1 (measured 19x, 29x). At 0.003
-    the keys are so alike that the output is v̄ within a few fp32 roundings of it, which
-    hide the step (3x, 1x)."""
+    """Tokens within ``spread`` of one point: the fused output's deviation from v̄ as close to
+    fp64 as the reference path's (measured 0.7-1.0x), the refinement step worth >= 10x at
+    spread 0.1 (measured 19x, 29x); at 0.003 fp32 rounding of v̄ hides the step."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 1, 1, 8, generator=gen) + spread * torch.randn(1, 2, 49, 8, generator=gen)
     v = torch.randn(1, 2, 49, 8, generator=gen)
@@ -323,12 +304,9 @@ def test_refinement_step_holds_near_identical_landmarks(launches, kernel, spread
 
 @pytest.mark.parametrize('m', [49, 64])
 def test_inverse_is_as_accurate_as_newtons_form(launches, m):
-    """nys_forward_solve runs all but the last step in product form (X <- X + X R,
-    R <- R R; lap_common.cuh: ns_iterate), which alone left X 5-12x further from the fp64
-    inverse than Newton's form at cond(P) 75-4901 (measured). Its X against the fp64
-    inverse of P: at most 1.5x the error of Newton's form run in fp32 on the CPU
-    (reference.newton_schulz), over landmark spreads from cond(P) = 100 m + 1 down to ~75
-    (measured 0.8-1.2x), and exactly symmetric."""
+    """nys_forward_solve's X (product-form steps, then Newton's) against the fp64 inverse of P:
+    at most 1.5x the error of reference.newton_schulz in fp32 (measured 0.8-1.2x; product
+    form alone 5-12x), and exactly symmetric."""
     gen = torch.Generator().manual_seed(0)
     for spread in (0.0, 0.003, 0.01, 0.03, 0.1):
         centre = torch.randn(1, 1, 1, 32, generator=gen, dtype=torch.float64)
@@ -353,13 +331,8 @@ def test_inverse_is_as_accurate_as_newtons_form(launches, m):
 
 @pytest.mark.slow(seconds=40)
 def test_fp32_attention_of_nearly_equal_kernel_columns_stays_near_fp64(launches):
-    """tests/ops/test_nystrom.py's case of that name on the emulated CUDA path: every key
-    nearly equally similar to every landmark, so the output reads only R's small
-    landmark-to-landmark differences. nys_forward_stats sums R about the key rows' means r
-    (centred in fp32, the common part in fp64) with no pass for v̄, as reference.landmark_rhs
-    sums it about v̄ too. Its error relative to the attention's deviation from v̄ (the
-    values are offset by 3): 6.6e-6–8.6e-6 (mean 7.8e-6; the reference path's 1.1e-5);
-    with R summed without r, 2.2e-5–2.9e-5."""
+    """tests/ops/test_nystrom.py's case on the emulated CUDA path: the error relative to the
+    deviation from v̄ measured 6.6e-6–8.6e-6 (R summed without the rows' means: 2.2e-5)."""
     errors = []
     for q, v, landmarks, expected in nearly_equal_columns_cases():
         launches.clear()
@@ -383,9 +356,7 @@ def host_params_layout():
 
 
 def test_parameter_struct_layout_matches_the_c_struct(emu_lib):  # noqa: F811
-    """The numpy dtype the host fills is nys_params byte for byte as g++ lays it out
-    (offsetof / sizeof from the emulation library; NVRTC uses the same x86-64 / NVPTX
-    natural alignment for these 8- and 4-byte fields)."""
+    """The numpy dtype the host fills is nys_params as g++ lays it out (offsetof / sizeof)."""
     lib = emu_lib.library(cuda.VARIANT_BY_NAME['dv32_tb32'])
     assert params_layout(lib) == host_params_layout()
 
@@ -397,10 +368,8 @@ LIMIT_CASES = [((7, 9), 7, 32), ((8, 9), 8, 64)]
 @pytest.mark.slow
 @pytest.mark.parametrize('kib', [48, 64, 96, 100, 164, 227])
 def test_each_shared_memory_limit_picks_a_variant_or_the_reference(launches, monkeypatch, kib):
-    """Per device limit (Pascal 48, T4 64, V100 96, RTX 30/40 100, A100 164, H100/H200 227
-    KiB): the variant the plan picks is the one that runs, every launch asks no more shared
-    memory than the limit (the emulation refuses more), and values and gradients match the
-    dense fp64 reference; where nothing fits, no kernel runs and the reference answers."""
+    """Per device limit: the planned variant runs within the limit and matches dense fp64;
+    where nothing fits, the reference answers."""
     use_limits(monkeypatch, smem_optin=kib * 1024)
     attention._warn_fallback.cache_clear()
     for (hw, grid, dv) in LIMIT_CASES:
@@ -444,10 +413,8 @@ def test_the_variants_the_support_table_states():
 
 @pytest.mark.slow
 def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):
-    """tests/cuda_emu/tsan_main.cpp launches every stage on the emulation of the 16-row
-    gradient variant built with -fsanitize=thread, the solves in three column passes: a
-    missing __syncthreads() between a shared-memory write and another thread's read is a
-    reported race."""
+    """tests/cuda_emu/tsan_main.cpp launches every stage under -fsanitize=thread: a missing
+    __syncthreads() is a reported race."""
     if shutil.which('g++') is None:
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
     exe = tmp_path / 'tsan_main'

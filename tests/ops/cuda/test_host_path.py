@@ -21,8 +21,7 @@ ENSURE_LOADED = cuda.ensure_loaded
 
 @pytest.fixture
 def fake(monkeypatch):
-    """CuPy faked; the fused op's CuPy path chosen for CPU tensors (the kernels do not run:
-    outputs are uninitialised, only the host side is exercised)."""
+    """CuPy faked and chosen for CPU tensors (the kernels do not run: the host side only)."""
     cupy, streams = fake_cupy.install(cuda, monkeypatch.setattr, current_device=None)
     route_cpu_tensors_to_cuda_backend(monkeypatch.setattr, H200)
     return cupy, streams
@@ -94,9 +93,8 @@ def test_opt_in_happens_once_at_load_to_the_devices_limit(fake):
 
 def test_a_variant_loaded_under_a_smaller_forced_limit_serves_a_full_size_launch(fake,
                                                                                   monkeypatch):
-    """A plan made for 64 KiB (a test forcing a smaller device's plan) loads dv32_tb32
-    first; the device's own limit's plan at m = 64 then launches the forward solve with
-    73,984 bytes, which the fake refuses over the opt-in, as CUDA does."""
+    """dv32_tb32 loaded under a 64 KiB plan, then launched with 73,984 bytes of the device's
+    own limit (the fake refuses over the opt-in)."""
     cupy, _ = fake
     q = torch.randn(1, 2, 64, 32)
     landmarks = pool_landmarks(q, (8, 8), 8)
@@ -210,9 +208,7 @@ def test_warmup_names_what_the_kernels_do_not_take(fake, monkeypatch, kib, kwarg
 
 @pytest.mark.parametrize('kib', [48, 64, 100, 227])
 def test_warmup_loads_every_variant_a_call_can_select_on_the_device(fake, monkeypatch, kib):
-    """What warmup() loads against the plans of every m and d_v the kernels take: on a
-    48 KiB device (Pascal) dv32_tb16, the only variant there, takes m <= 60 at every
-    d_v <= 32 and nothing wider."""
+    """warmup() loads the variants of every m and d_v; 48 KiB: dv32_tb16, m <= 60, d_v <= 32."""
     limits = emulated_limits(smem_optin=kib * 1024, sms=2)
     monkeypatch.setattr(cuda, 'device_limits', lambda device: limits)
     selectable = {found.variant.name for m in range(1, cuda.MAX_M + 1)
@@ -256,9 +252,7 @@ def test_a_later_process_loads_the_module_from_cupys_cache(monkeypatch, version)
 
 @pytest.mark.parametrize('version, later', [('13.6.0', 'compile'), ('14.2.0', 'load')])
 def test_the_fake_keys_modules_with_name_expressions_as_cupy_does(version, later):
-    """What the fake models of a module reached by name expressions: up to CuPy 14.0 it is
-    compiled in every process; from 14.1 the cache keys it by the names too, so the same
-    source and options without them is another module, with no template in it."""
+    """Name expressions: compiled in every process up to CuPy 14.0, cached by them from 14.1."""
     disk, code = {}, 'template <int K> __global__ void f() {}\nextern "C" __global__ void g() {}'
     for expected in ('compile', later):
         cupy = fake_cupy.FakeCupy(disk=disk, version=version)
@@ -284,8 +278,7 @@ def test_a_module_exposes_the_entry_points_of_its_element_type_only():
 
 
 def test_one_check_per_call(fake, monkeypatch):
-    """The selection's not_supported checks a call and loads its kernels; the op's body and
-    the backward find that check (nothing evaluated or loaded twice)."""
+    """not_supported checks and loads once; the op's body and backward reuse that check."""
     q, k, v, landmarks = (t.detach().requires_grad_() for t in attention_inputs())
     nystrom_attention(q, k, v, landmarks)
     fits, loads = [], []
