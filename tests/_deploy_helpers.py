@@ -97,11 +97,8 @@ _SHAPE_PLUMBING = {'Concat': None, 'Unsqueeze': 1, 'Squeeze': 1, 'Cast': 1, 'Ide
 
 
 def frozen_reshapes(proto, sizes):
-    """Reshape nodes whose target shape has a constant piece that is one of ``sizes``.
-
-    The target is followed back through Concat/Unsqueeze/Squeeze/Cast: the TorchScript
-    exporter assembles it from a dynamic batch and constant sizes.
-    """
+    """Reshape nodes whose target shape (followed back through Concat/Unsqueeze/Squeeze/Cast)
+    has a constant piece that is one of ``sizes``."""
     constants = constant_values(proto)
     producers = {out: node for node in proto.graph.node for out in node.output}
 

@@ -1,6 +1,5 @@
-"""The hypothesis strategies of the property tests (ops and, on a GPU, CuPy against the
-reference): random shapes down to 1 and feature scales 1e-4 … 1e4. ``derandomize=True``
-keeps CI runs reproducible."""
+"""The hypothesis strategies of the property tests: shapes down to 1, feature scales 1e-4 …
+1e4; ``derandomize=True`` keeps CI runs reproducible."""
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st

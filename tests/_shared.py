@@ -64,9 +64,7 @@ def toy_data_options(root):
 
 
 def toy_run_options(root, max_epochs):
-    """``--cfg-options`` of the session's toy run: 64 px, batches of 2, a checkpoint every
-    epoch (3 kept), a log line every iteration, no evaluation; a test that continues it passes
-    the same."""
+    """``--cfg-options`` of the session's toy run (64 px, batches of 2, no evaluation)."""
     return ['--cfg-options', *toy_data_options(root),
             'train_dataloader.dataset.pipeline.2.scale=(64,64)',
             'train_dataloader.batch_size=2', f'train_cfg.max_epochs={max_epochs}',

@@ -1,6 +1,5 @@
-"""The order of the test files under pytest-xdist (tests/conftest.py): longest first, so that
-no long file starts when the other worker is nearly done. Imports nothing heavy, so that
-tests/dev/test_suite_order.py can run it in a small pytest of its own."""
+"""The order of the test files under pytest-xdist (tests/conftest.py): longest first. Imports
+nothing heavy (tests/dev/test_suite_order.py runs it in a small pytest of its own)."""
 
 
 def longest_files_first(items):

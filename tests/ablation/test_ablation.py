@@ -139,8 +139,7 @@ def one_thread():
 
 
 def test_smoke_sweep_writes_table_json_and_plot(tmp_path, capsys, one_thread):
-    """Two variants (default and the control), one seed, a few steps: the fast tier's check
-    of `make ablate`."""
+    """Two variants (default and the control), one seed, a few steps."""
     out = tmp_path / 'ablate'
     assert ablate.main(['--task', 'same_colour', '--variants', 'default', '--seeds', '1',
                         '--steps', '3', '--warmup', '1', '--batch-size', '4',
@@ -162,8 +161,7 @@ def test_smoke_sweep_writes_table_json_and_plot(tmp_path, capsys, one_thread):
 
 @pytest.mark.slow  # two spawned processes each import torch and the package
 def test_parallel_jobs_train_the_same_runs(tmp_path, one_thread):
-    """--jobs 2 (two spawned processes) gives every run bit for bit as --jobs 1 does, in the
-    same order."""
+    """--jobs 2 gives every run bit for bit as --jobs 1 does, in the same order."""
     runs = {}
     for jobs in ('1', '2'):
         out = tmp_path / f'jobs{jobs}'
@@ -253,9 +251,7 @@ def test_resume_keeps_finished_runs(tmp_path, capsys, one_thread):
 
 
 def fabricate_work_dir(work_dir, accs, losses):
-    """A finished mmengine run as 0.10.7's LocalVisBackend writes it:
-    <timestamp>/vis_data/scalars.json, one JSON record per line (train every logger
-    interval, val with mmpretrain's accuracy/top1 in percent, step = epoch)."""
+    """A finished run's <timestamp>/vis_data/scalars.json as mmengine 0.10.7 writes it."""
     folder = osp.join(work_dir, '20261201_120000', 'vis_data')
     os.makedirs(folder)
     lines = []
@@ -344,9 +340,7 @@ def command_lines(out):
 
 
 def test_peers_and_extras_are_rows_trained_then_tested(tmp_path, capsys):
-    """Segmentation: peers map to the toy UperNet baselines, an extra config is a row as
-    given, every run trains (resumable, no validation) and then tests its last checkpoint;
-    detection: the Mask R-CNN baselines, CocoMetric's classwise tables on."""
+    """Segmentation and detection: every run trains (resumable) then tests its checkpoint."""
     extra = tmp_path / 'wide.py'
     extra.write_text(f'_base_ = [{TOY_SEG_CONFIG!r}]\n')
     out = tmp_path / 'seg'
@@ -422,9 +416,7 @@ def mmengine_line(text):
 
 
 def fabricate_tested_run(work_dir, metrics, log, losses):
-    """A finished segmentation or detection run of the sweep: tools/test.py's
-    --metrics-json (a flat dict) and output (test.log), mmengine's scalars.json of the
-    training (a record every logger interval, losses per head)."""
+    """A finished run of the sweep: --metrics-json, test.log and the training's scalars.json."""
     folder = osp.join(work_dir, '20261207_051517', 'vis_data')
     os.makedirs(folder)
     with open(osp.join(folder, 'scalars.json'), 'w') as f:

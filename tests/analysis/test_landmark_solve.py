@@ -19,9 +19,8 @@ def identical_landmark_residual(m, eps, iters):
 
 @pytest.mark.parametrize('eps, iters', [(0.01, None), (0.01, 13), (0.1, None)])
 def test_identical_landmarks_residual_matches_closed_form(eps, iters):
-    """A constant input makes every landmark equal, P = J + eps·I: in fp64 the residual is the
-    closed form; in fp32 between it and 3x it or the round-off floor m·cond(P)·2^-24
-    (measured 2.8e-3 against 1.25e-3 for eps=0.01, 4.2e-4 against ~0 for eps=0.1)."""
+    """Equal landmarks, P = J + eps·I: the closed-form residual in fp64; in fp32 within 3x it
+    or the round-off floor m·cond(P)·2^-24."""
     torch.manual_seed(0)
     attn = LaplacianAttention(32, 1, eps=eps, iters=iters).eval()
     x = torch.randn(1, 1, 32).expand(2, 64, 32).contiguous()

@@ -1,6 +1,5 @@
 """The q/k capture hooks of lapformer_mm.analysis on tiny LaplacianFormer, PVTv2 and Swin
-models: record counts and shapes, and q/k that reproduce each model's own attention; the
-model zoo's builds keep mmengine's initialisation log off the console."""
+models: q/k that reproduce each model's own attention."""
 import logging
 
 import pytest

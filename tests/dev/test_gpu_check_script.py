@@ -1,6 +1,4 @@
-"""tools/gpu_check.sh, read on the CPU: every command runs under a limit at least twice its
-estimated cold time, as its header's table states, the limits add up to at most 6 minutes,
-at most 8 result files come back, and everything it runs exists."""
+"""tools/gpu_check.sh, read on the CPU: its limits, result files and commands."""
 import re
 import subprocess
 from pathlib import Path

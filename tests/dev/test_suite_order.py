@@ -1,6 +1,4 @@
-"""`make test`'s pytest-xdist options keep the order tests/conftest.py gives the files
-(tests/_xdist_order.py): the file with the most CI seconds (its slow markers) runs first,
-whatever its number of tests."""
+"""`make test`'s pytest-xdist options keep the order tests/_xdist_order.py gives the files."""
 import os
 import re
 import shlex

@@ -19,9 +19,7 @@ from lapformer_mm.engine.amp import CPUAmpOptimWrapper, mmcv_cpu_ops_in_fp32
 @pytest.mark.slow(seconds=15)
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
 def test_backbone_autocast_50_steps_stay_finite_and_learn(toy_coco, dtype):
-    """The toy config's backbone under ``tools/train.py --amp``'s optim_wrapper, 50 steps of
-    batches of 1 on the toy set's first 4 images, a linear head naming the classes each
-    shows: finite, the loss falls, the fp16 scale skipped a few steps (measured: 2)."""
+    """The toy backbone under ``--amp``'s optim_wrapper, 50 steps: finite, the loss falls."""
     import cv2
     from mmengine.optim import build_optim_wrapper
 
@@ -82,9 +80,7 @@ def tiny_wrapper(dtype, **kwargs):
 
 
 def test_cpu_amp_step_is_the_fp32_step_within_the_dtypes_precision():
-    """A clipped SGD step under the wrapper (float16: its loss scale unscaled before the
-    clipping) against the same step of mmengine's fp32 OptimWrapper. The scale is one whose
-    scaled gradients do not overflow (the dynamic scale's first 2**16 skips this step)."""
+    """A clipped SGD step (fp16: unscaled before the clipping) against mmengine's fp32 one."""
     from mmengine.optim import OptimWrapper
     lr, max_norm = 1.0, 0.5
     for dtype, tol in (('bfloat16', 2e-2), ('float16', 2e-3)):

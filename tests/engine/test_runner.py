@@ -1,6 +1,4 @@
-"""SafeCheckpointRunner: unsafe checkpoints refused naming the file, SafeCheckpointHook on the
-atomic backend, an auto-resume that tolerates a broken ``last_checkpoint``; stock mmengine
-behaves as it always did after ``import lapformer_mm``."""
+"""SafeCheckpointRunner; stock mmengine unchanged by ``import lapformer_mm``."""
 import os
 
 import pytest
@@ -27,8 +25,7 @@ def test_load_from_and_resume_refuse_code_running_checkpoint(evil, tmp_path, res
 
 
 def test_safe_runner_checkpoints_atomically(tmp_path):
-    """A whole run with SafeCheckpointRunner: its CheckpointHook became SafeCheckpointHook on
-    the atomic backend; checkpoints load and no temporary file remains."""
+    """CheckpointHook becomes SafeCheckpointHook on the atomic backend; no .tmp remains."""
     from lapformer_mm.engine import AtomicLocalBackend, SafeCheckpointHook
 
     runner = make_runner(tmp_path, 2, num_samples=4, runner_cls=SafeCheckpointRunner)
@@ -56,9 +53,7 @@ def test_safe_runner_keeps_a_chosen_backend_and_other_hook_types(tmp_path):
                          [(Runner, []), (SafeCheckpointRunner, ['epoch_1.pth'])])
 def test_save_failing_mid_rotation_leaves_a_checkpoint_only_with_the_safe_runner(
         tmp_path, runner_cls, kept):
-    """max_keep_ckpts=1 and the save of epoch 2 fails. Stock mmengine (unchanged by the import)
-    has already deleted epoch_1.pth, which last_checkpoint still names: nothing to resume
-    from. SafeCheckpointRunner keeps epoch_1.pth."""
+    """max_keep_ckpts=1, the save of epoch 2 fails: stock mmengine has deleted epoch_1.pth."""
     runner = make_runner(tmp_path, 2, num_samples=4, checkpoint=dict(max_keep_ckpts=1),
                          runner_cls=runner_cls)
     save = runner.save_checkpoint

@@ -152,9 +152,7 @@ def test_forward_does_not_revalidate_the_options(monkeypatch):
 
 @pytest.mark.parametrize('qk_shared', [True, False])
 def test_torch_compile_traces_one_graph_equal_to_eager(qk_shared):
-    """fullgraph=True: the dispatch decision, the op's fake kernels and the module trace
-    without a graph break (what mode='reduce-overhead' and inductor need); values and input
-    gradient bit-equal to eager on the device's default implementation."""
+    """fullgraph=True traces without a graph break; values and input gradient bit-equal."""
     torch.manual_seed(0)
     module = LaplacianAttention(64, 2, qk_shared=qk_shared).train()
     x = torch.randn(2, 63, 64, requires_grad=True)
@@ -167,9 +165,7 @@ def test_torch_compile_traces_one_graph_equal_to_eager(qk_shared):
 
 
 def test_torch_compile_before_any_eager_call_traces_one_graph(monkeypatch):
-    """The backends load when the module is built: a compile before any eager call (the
-    usual order) must not load them inside its trace, where their torch calls that return
-    no tensor break the graph."""
+    """The backends load when the module is built, not inside the first trace."""
     from lapformer_mm.ops.backends import cpu
     monkeypatch.setattr(cpu, '_LOADED', [])
     torch.manual_seed(0)

@@ -133,10 +133,8 @@ def test_converter_refuses_code_running_checkpoint(evil, tmp_path):
 
 
 def test_layer_wise_lr_decay_of_mmpretrain_reads_the_block_order():
-    """mmpretrain's LearningRateDecayOptimWrapperConstructor (fine-tuning recipes) asks the
-    backbone for each parameter's depth: the stem gets the smallest rate, each block
-    rate**-1 more than the one before, a stage's downsampling the rate of the block before
-    it, a stage's norm that of its last block, the head the base rate."""
+    """mmpretrain's LearningRateDecayOptimWrapperConstructor: the stem the smallest rate, each
+    block rate**-1 more, downsampling and norm as their neighbouring block, the head base."""
     from mmengine.optim import build_optim_wrapper
     from mmengine.registry import DefaultScope
     from mmpretrain.registry import MODELS

@@ -194,9 +194,7 @@ def test_extract_rejects_tensorless_checkpoints():
 
 @pytest.mark.filterwarnings('ignore:LaplacianFormer. pretrained= is deprecated')
 def test_backbone_init_cfg_refuses_code_running_checkpoint(source, tmp_path):
-    """``init_cfg=dict(type='Pretrained', ...)`` and the deprecated ``pretrained=``, built as a
-    config builds them (mmdet's MODELS): refused with the file and the opt-in named, the
-    payload not run."""
+    """``init_cfg`` Pretrained and ``pretrained=`` through mmdet's MODELS: refused, not run."""
     from mmdet.registry import MODELS
     from mmengine.registry import DefaultScope
     marker = tmp_path / 'payload_ran'

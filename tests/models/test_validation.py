@@ -1,6 +1,4 @@
-"""lapformer_mm.models.validation: the neck's (or heads') ``in_channels`` checked against the
-backbone, on the config before building and in ``NeckChannelsCheckHook``; each error names the
-argument and the value to set."""
+"""lapformer_mm.models.validation: ``in_channels`` of necks and heads against the backbone."""
 import copy
 import os.path as osp
 from types import SimpleNamespace
@@ -42,8 +40,7 @@ def test_neck_in_channels_follow_out_indices_and_arch():
 
 
 def test_neck_check_hook_fails_before_the_first_iteration():
-    """mmdet alone builds the bad model and fails deep inside FPN at the first forward; the
-    hook names the fix before it, also for a model under a DDP wrapper (runner.model.module)."""
+    """Also for a model under a DDP wrapper (runner.model.module)."""
     from mmdet.registry import MODELS
     from mmengine.registry import HOOKS
 
@@ -62,8 +59,7 @@ def test_neck_check_hook_fails_before_the_first_iteration():
 
 
 def test_segmentor_heads_checked_through_their_in_index():
-    """mmseg's auxiliary FCN head takes the stage-3 map (in_index=2): 320 channels for tiny,
-    288 for medium; a mismatch was a convolution error at the first iteration."""
+    """mmseg's auxiliary FCN head takes the stage-3 map (in_index=2)."""
     model = Config.fromfile(UPERNET_CONFIG).model
     check_model_cfg(model)
     model.decode_head.in_channels = [64, 128, 320]
@@ -110,8 +106,7 @@ def test_built_segmentor_checks_its_auxiliary_heads():
 
 
 def test_heads_without_in_index_take_the_last_map_and_list_necks_are_left_alone():
-    """mmseg's BaseDecodeHead defaults to in_index=-1; a list of necks (mmengine builds a
-    Sequential) takes the maps in its first neck, whose channels are not checked here."""
+    """mmseg's BaseDecodeHead defaults to in_index=-1."""
     model = Config.fromfile(UPERNET_CONFIG).model
     model.auxiliary_head.pop('in_index', None)
     model.auxiliary_head.in_channels = 512
@@ -151,8 +146,7 @@ def test_config_errors_name_the_key(update, name):
 
 
 def test_backbone_check_leaves_the_warnings_to_the_build(recwarn):
-    """The constructor runs on the meta device, without its warnings: the Runner's build,
-    which comes next, gives them."""
+    """The constructor runs on the meta device; the Runner's build gives the warnings."""
     model = toy_model_cfg(in_channels=[64, 128])
     model.backbone.update(out_indices=(0, 1), arch='huge')
     check_model_cfg(model)
@@ -160,9 +154,7 @@ def test_backbone_check_leaves_the_warnings_to_the_build(recwarn):
 
 
 def test_a_segmentor_pretrained_from_mmseg_resnet_bases_is_named(tmp_path):
-    """The README's snippet on mmseg's upernet_r50.py base: its model.pretrained (a ResNet of
-    mmcv's zoo) reached the backbone beside its init_cfg (the build failed inside the
-    Runner) or, trained from scratch, instead of it (a download of ResNet-50)."""
+    """On mmseg's upernet_r50.py base, model.pretrained (a ResNet) reached the backbone."""
     config = tmp_path / 'upernet_on_r50.py'
     config.write_text(
         "_base_ = ['mmseg::_base_/models/upernet_r50.py']\n"

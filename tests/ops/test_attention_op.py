@@ -101,9 +101,7 @@ def test_fp16_does_not_overflow_where_the_whitening_scale_reaches_its_bound():
 
 
 def test_entry_forms_give_the_dense_result():
-    """Head views of one (B, N, 3C) projection (as the module hands them over), other batch
-    ranks (folded into the op), and hw instead of landmarks (the keys pooled on the grid),
-    tied (k None or q) or not."""
+    """Head views, other batch ranks, hw instead of landmarks, tied (k None or q) or not."""
     qkv, = randn((2, 20, 36), seed=8)
     q, k, v = (t.view(2, 20, 3, 4).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
     landmarks = pool_landmarks(k, (4, 5), 2)

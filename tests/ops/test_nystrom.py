@@ -128,9 +128,8 @@ def test_attention_rejects_operands_that_would_broadcast_and_ambiguous_landmarks
 
 @pytest.mark.parametrize('impl', ['reference', 'cpu'])
 def test_degenerate_sizes(impl):
-    """No batch or no tokens: an empty output. Keys of width 0 are all equally similar: every
-    query gets the mean value. One landmark with whiten_eps = 0: a constant feature column
-    (variance 0), Z = 1, every query gets the solved context, finite with its gradients."""
+    """Empty outputs; keys of width 0 give the mean value; one landmark with whiten_eps = 0
+    gives every query the solved context, finite with its gradients."""
     for shape in ((0, 2, 6, 3), (1, 2, 0, 3)):
         q, v = torch.randn(shape), torch.randn(*shape[:3], 5)
         out = nystrom_attention(q, q, v, torch.randn(*shape[:2], 4, 3), impl=impl)

@@ -358,9 +358,8 @@ def test_test_tool_refuses_code_running_checkpoint(evil, toy_coco, tmp_path):
 
 @pytest.mark.slow
 def test_mmdet_train_script_gives_our_result_through_custom_imports(toy_run, tmp_path):
-    """mmdet's tools/train.py (shipped as .mim/tools/train.py), run outside this repository
-    with no PYTHONPATH: the config's custom_imports is all it gets. It trains the session's
-    toy run (conftest.py's ``toy_run``: tools/train.py, one epoch) to the same weights."""
+    """mmdet's tools/train.py outside this repository, with only the config's custom_imports:
+    the same weights as conftest.py's ``toy_run``."""
     import mmdet
     mmdet_train = osp.join(osp.dirname(mmdet.__file__), '.mim', 'tools', 'train.py')
     work_dir = str(tmp_path / 'mmdet')

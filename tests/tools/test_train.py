@@ -62,9 +62,7 @@ def amp_train(toy_coco, work, dtype, max_epochs):
 @pytest.mark.slow
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
 def test_train_tool_amp_trains_finite_in_both_16_bit_types(toy_coco, tmp_path, dtype):
-    """4 iterations (fp16 on CPU takes torch's slow reference paths; 50 steps of the backbone:
-    tests/engine/test_amp.py): finite losses and weights; bf16 keeps no loss scale on CPU,
-    fp16's dynamic loss scale skipped at most 3 of the 4 steps."""
+    """4 iterations: finite; bf16 keeps no loss scale on CPU, fp16 skipped at most 3 steps."""
     wrapper, losses, checkpoint = amp_train(toy_coco, str(tmp_path / 'work'), dtype, 1)
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses), losses
     if dtype == 'float16':
@@ -157,9 +155,8 @@ def logged_lrs(log):
 @pytest.mark.slow(seconds=30)
 def test_sigkill_while_saving_keeps_the_previous_checkpoint_and_resume_continues_exactly(
         run_setup):
-    """max_keep_ckpts=1, SIGKILL halfway through writing epoch_2.pth: epoch_1.pth, which stock
-    mmengine deletes first, is intact and recorded; --resume continues at [2][1/4] with its
-    iter, learning rates and bit-identical AdamW state, step for step as the killed run."""
+    """max_keep_ckpts=1, SIGKILL while writing epoch_2.pth: epoch_1.pth intact; --resume
+    continues step for step as the killed run (bit-identical AdamW state)."""
     base, root, config = run_setup
     work = osp.join(base, 'work')
     one_kept = ['default_hooks.checkpoint.max_keep_ckpts=1']

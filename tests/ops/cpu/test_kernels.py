@@ -1,6 +1,4 @@
-"""The C++ CPU kernels (ops/cpu, lapformer_mm.ops.backends.cpu) against dense fp64 (explicit
-(N, M, d) differences, a direct solve: tests/_attention_helpers.py), skipped where not built.
-"""
+"""The C++ CPU kernels against dense fp64 (tests/_attention_helpers.py), skipped unbuilt."""
 import importlib.util
 import os
 import subprocess
@@ -173,8 +171,8 @@ def test_attention_matches_dense_fp64(case, tied, kernel, normalize):
 
 
 def _rows_dense(x, y, v, lam, kind):
-    """(rhs, stats) of attention_rows_forward with v and the statistics, in fp64:
-    rhs = [C^T (v - v̄) / N; v̄], stats = (column mean, biased variance of the row-centred C, c̄)."""
+    """(rhs, stats) of attention_rows_forward in fp64: rhs = [C^T (v - v̄) / N; v̄], stats =
+    (column mean, biased variance of the row-centred C, c̄)."""
     c = dense_kernel(x.double(), y.double(), lam, kind)
     v = v.double()
     mean_v = v.mean(-2, keepdim=True)
@@ -190,10 +188,8 @@ def _rows_dense(x, y, v, lam, kind):
 @pytest.mark.parametrize('dtype, rtol', [(torch.float64, 1e-12), (torch.float32, 3e-5),
                                          (torch.bfloat16, 3e-5)])
 def test_keys_pass_sums_match_dense_fp64(ops, kind, dtype, rtol):
-    """The keys' pass: R = C^T (v - v̄) / N, v̄ and c̄, from sums of v offset by 3 times its
-    spread, centred after the pass (R's error 5-7x that of centring v first, 1.1e-5 at most
-    in fp32 here; end to end on nearly_equal_columns_cases the same as centring first); 16-bit
-    v read as it is."""
+    """R = C^T (v - v̄) / N, v̄ and c̄ with v offset by 3 times its spread (fp32: R's error
+    1.1e-5 at most here); 16-bit v read as it is."""
     x = (_randn(2, 3, 600, 7, seed=50) * 0.2).to(dtype)
     y = (_randn(2, 3, 9, 7, seed=51) * 0.2).to(dtype)
     v = (_randn(2, 3, 600, 33, seed=52) + 3.0).to(dtype)
@@ -394,9 +390,7 @@ def test_the_install_step_built_the_extension():
 
 @needs_ext
 def test_every_build_calls_the_openmp_runtime():
-    """at::parallel_for is inline: compiled without -fopenmp it runs every range on the
-    calling thread (the first build did, at the speed of one thread with two). A module
-    compiled with OpenMP calls GOMP_parallel."""
+    """Without -fopenmp the inline at::parallel_for runs on the calling thread alone."""
     for build in ('default', 'avx2', 'avx512'):
         spec = importlib.util.find_spec(f'lapformer_mm._cpu_{build}')
         if spec is not None:
