@@ -16,8 +16,7 @@ def dense_gaussian_kernel(x, y, lam):
 
 
 def dense_kernel(x, y, lam, kind):
-    """The kernel named ``kind`` ('laplacian' or 'gaussian'), through an explicit difference
-    tensor."""
+    """The kernel named ``kind`` through an explicit difference tensor."""
     return {'laplacian': dense_l1_kernel, 'gaussian': dense_gaussian_kernel}[kind](x, y, lam)
 
 

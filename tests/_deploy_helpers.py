@@ -121,8 +121,7 @@ def frozen_reshapes(proto, sizes):
 
 
 def stage_sizes(shape):
-    """The spatial numbers a graph traced at ``shape`` could freeze: H, W of the input
-    and of each stage, and each stage's H·W."""
+    """The spatial numbers a graph traced at ``shape`` could freeze (H, W, H·W per stage)."""
     height, width = shape
     sizes = {height, width, height * width}
     for stride in (2, 4, 8, 16, 32):

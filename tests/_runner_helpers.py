@@ -1,5 +1,4 @@
-"""What the checkpoint, resume and amp tests share: a one-layer mmengine Runner, a pickle
-payload that stands for code execution, a file write that kills its process."""
+"""Shared by the checkpoint, resume and amp tests: a tiny Runner, a code-running payload."""
 import itertools
 import math
 import os
@@ -45,8 +44,7 @@ class TinyModel(BaseModel):
 
 def make_runner(work_dir, max_epochs, num_samples=8, checkpoint=None, runner_cls=Runner,
                 **kwargs):
-    """TinyModel, batches of 2, AdamW with a step at epoch 1, a checkpoint every epoch (more
-    CheckpointHook arguments in ``checkpoint``)."""
+    """TinyModel, batches of 2, AdamW, a checkpoint every epoch (``checkpoint``: more args)."""
     dataset = [dict(inputs=torch.full((2,), float(i))) for i in range(num_samples)]
     # The message hub is named after the experiment, by default the start time to the second:
     # two runners started within a second would share its record of the kept checkpoints.

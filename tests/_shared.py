@@ -1,5 +1,4 @@
-"""What several test modules share (``from _shared import ROOT, run_tool``): the paths, the
-tool runner, the toy data and toy run options, the fresh-checkout copy."""
+"""What several test modules share: the paths, the tool runner, the toy data."""
 import contextlib
 import io
 import os
@@ -40,8 +39,7 @@ def run_tool(args, cwd=ROOT, extra_env=None, timeout=600, returncode=0):
 
 
 def write_toy_coco(folder, num_train, seg=False):
-    """A toy COCO set of 64 px images under ``folder/toy_coco`` (with ``seg``, the same scenes
-    as an mmseg set under ``folder/toy_seg``); return its path."""
+    """A toy COCO set under ``folder/toy_coco`` (with ``seg``, ``folder/toy_seg`` too)."""
     # Here, not at the top: every test run loads this module through conftest.py, and the GPU
     # check's runs happen where cv2 and pycocotools (which make_toy_coco needs) may be missing.
     from lapformer_mm.cli import make_toy_coco

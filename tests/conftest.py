@@ -1,5 +1,4 @@
-"""The suite's fixtures (session ones built once and only read: copy what a test breaks) and
-the ``gpu`` marker's skip; paths and helpers are in ``_shared.py``, ``slow`` in pytest.ini."""
+"""The suite's fixtures (session ones read-only: copy what a test breaks) and the gpu skip."""
 import os
 import os.path as osp
 import subprocess

@@ -1,5 +1,4 @@
-"""``import lapformer_mm`` registers and does nothing else, each check in a fresh interpreter
-that sees what the import pulls in and could have replaced."""
+"""``import lapformer_mm`` registers and does nothing else (each check a fresh interpreter)."""
 import json
 import subprocess
 import sys

@@ -1,5 +1,4 @@
-"""tools/ablate.py: the toy task, the variant names, the smoke sweep, the real-data path
-(classification; segmentation and detection with backbone peers and extra configs)."""
+"""tools/ablate.py: the toy task, the variants, the smoke sweep, the real-data path."""
 import json
 import math
 import os
@@ -493,8 +492,7 @@ def test_collect_seg_writes_mean_spread_and_per_class_iou(tmp_path, capsys):
 
 
 def det_test_log(bbox, segm):
-    """mmdet 3.3.0 CocoMetric's output with classwise=True (an AsciiTable per iou type),
-    then tools/test.py's own table."""
+    """mmdet 3.3.0 CocoMetric's classwise output, then tools/test.py's own table."""
     from terminaltables import AsciiTable
     text = ''
     for iou_type, rows in (('bbox', bbox), ('segm', segm)):
@@ -537,8 +535,7 @@ def test_collect_det_reads_the_bbox_tables_of_cocometric(tmp_path, monkeypatch):
 
 @pytest.mark.slow(seconds=120)
 def test_peer_sweep_trains_tests_and_collects(toy_seg, tmp_path, monkeypatch):
-    """Two iterations of the toy UperNet per row on the session's tiny label maps, through
-    the real tools: the table's metrics and per-class IoU are the test step's."""
+    """Two iterations per row through the real tools: the metrics are the test step's."""
     monkeypatch.chdir(ROOT)
     out = tmp_path / 'sweep'
     options = [f'{part}.dataset.data_root={toy_seg}/' for part in

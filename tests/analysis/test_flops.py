@@ -1,5 +1,4 @@
-"""The FLOP handles of lapformer_mm.analysis.flops are keyed on the node kinds that
-torch.jit's tracer really records for each op type."""
+"""The FLOP handles are keyed on the node kinds torch.jit's tracer records."""
 import torch
 import torch.nn.functional as F
 

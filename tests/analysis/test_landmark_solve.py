@@ -1,5 +1,4 @@
-"""lapformer_mm.analysis.landmark_solve: the reported residual ‖I − P X‖₂ and cond(P) of each
-attention's landmark solve, against a closed form where one exists (identical landmarks)."""
+"""lapformer_mm.analysis.landmark_solve against a closed form (identical landmarks)."""
 import math
 
 import pytest

@@ -130,8 +130,7 @@ def test_models_are_built_without_mmengine_init_lines():
 
 
 def test_build_backbone_loads_a_checkpoint(tmp_path):
-    """Any layout models.pretrained reads (tests/models/test_pretrained.py): here a DDP
-    detector's."""
+    """Here a DDP detector's checkpoint layout."""
     model = model_zoo.build_backbone('laplacianformer-t', config_overrides=TINY_LAPLACIAN)
     state = model.state_dict()
     path = tmp_path / 'det.pth'

@@ -1,5 +1,4 @@
-"""Tail statistics, pair distances, attention rows and kernel gradients of
-lapformer_mm.analysis against independent numpy/scipy computations."""
+"""lapformer_mm.analysis statistics against independent numpy/scipy computations."""
 import numpy as np
 import pytest
 import torch

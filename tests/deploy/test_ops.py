@@ -191,8 +191,7 @@ def test_primitives_through_both_exporters_and_onnx_runtime(tmp_path, exporter, 
 
 
 class Kernels(torch.nn.Module):
-    """The tokens' kernel matrices as the attention exports them: x (B, h, N, d) against 49
-    landmarks (seven whole chunks) and against 10 (a chunk tail)."""
+    """x (B, h, N, d) against 49 landmarks (whole chunks) and 10 (a chunk tail)."""
 
     def __init__(self, form):
         super().__init__()
@@ -256,8 +255,7 @@ def test_placeholders_expand_into_exact_token_blocks(tmp_path, monkeypatch, expo
 
 
 class AttentionPair(torch.nn.Module):
-    """A LaplacianAttention with tied keys and one with separate keys outside the backbone, on
-    a 10 × 13 map the 7 × 7 grid does not divide."""
+    """Tied and separate keys outside the backbone, on a 10 × 13 map the grid does not divide."""
 
     def __init__(self):
         super().__init__()

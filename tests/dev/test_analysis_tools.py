@@ -1,5 +1,4 @@
-"""The command lines of tools/analysis (their files: shapes and colours of the figures, the
-statistics) and the helpers of benchmarks/backbones.py (tiny inputs; no timing is asserted)."""
+"""tools/analysis command lines and benchmarks/backbones.py helpers (no timing asserted)."""
 import json
 import os
 import os.path as osp

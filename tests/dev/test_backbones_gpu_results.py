@@ -76,8 +76,7 @@ def test_the_script_needs_a_gpu(monkeypatch):
 
 
 def test_the_json_holds_each_row_as_soon_as_it_is_measured(monkeypatch, tmp_path):
-    """A run stopped by a time limit keeps the rows it measured: the file is written after
-    each row, not at the end."""
+    """The file is written after each row, not at the end (a time limit may stop the run)."""
     path = tmp_path / 'backbones_h100.json'
     seen = []
 

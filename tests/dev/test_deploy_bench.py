@@ -1,5 +1,4 @@
-"""benchmarks/deploy.py: --profile (ONNX Runtime's per-node trace summed by operator type), the
---parity norms."""
+"""benchmarks/deploy.py: --profile and the --parity norms."""
 import onnx
 import pytest
 import torch

@@ -1,5 +1,4 @@
-"""CPUAmpOptimWrapper (``tools/train.py --amp`` on CPU) and the fp32 islands it gives mmcv's
-fp32-only CPU ops."""
+"""CPUAmpOptimWrapper and the fp32 islands it gives mmcv's fp32-only CPU ops."""
 import copy
 import json
 import math

@@ -1,5 +1,4 @@
-"""The ``atomic_local`` backend keeps the previous checkpoint when the process is killed
-mid-write; mmengine's own in-place write, unchanged by the import, does not."""
+"""The ``atomic_local`` backend keeps the previous checkpoint when killed mid-write."""
 import os
 import os.path as osp
 import signal
@@ -41,8 +40,7 @@ def kill_during_save(tmp_path, mode):
 
 
 def test_mmengine_in_place_save_killed_mid_write_corrupts_the_file(tmp_path):
-    """Why the atomic backend exists: mmengine's default, unchanged by ``import lapformer_mm``,
-    truncates the old file first."""
+    """mmengine's default (unchanged by the import) truncates the old file first."""
     path = kill_during_save(tmp_path, 'in_place')
     with pytest.raises(RuntimeError, match='latest.pth'):
         safe_load(path)

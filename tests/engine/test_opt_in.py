@@ -1,5 +1,4 @@
-"""The engine parts are opt-in: our configs select them (the detection and segmentation ones
-in tests/tools/test_detection.py), a stock mmengine job runs the same with the import."""
+"""The engine parts are opt-in: a stock mmengine job runs the same with the import."""
 import glob
 import json
 import os

@@ -93,8 +93,7 @@ class RisingScore(BaseMetric):
 
 
 def test_safe_rotation_with_save_best_keeps_the_latest_checkpoint(tmp_path):
-    """A new best makes mmengine save the step's checkpoint a second time; that second
-    save must not rotate the step's own checkpoint out."""
+    """A new best saves the step's checkpoint again; that must not rotate it out."""
     runner = make_runner(
         tmp_path, 3, num_samples=4,
         checkpoint=dict(max_keep_ckpts=1, save_best='score', rule='greater'),
@@ -151,8 +150,7 @@ def test_auto_resume_refuses_a_record_with_nothing_to_resume_from(tmp_path, reco
 
 
 def test_safe_runner_resumes_past_an_empty_last_checkpoint(tmp_path):
-    """SafeCheckpointRunner's auto-resume continues, not restarts: the first two epochs'
-    checkpoints are not written again."""
+    """Auto-resume continues: the first two epochs' checkpoints are not written again."""
     make_runner(tmp_path, 2, num_samples=4).train()
     (tmp_path / 'last_checkpoint').write_text('')
     written = {n: os.stat(tmp_path / n).st_mtime_ns for n in ('epoch_1.pth', 'epoch_2.pth')}

@@ -1,5 +1,4 @@
-"""LaplacianFormer(num_stages=k): only the first k stages, out_indices checked against k,
-a checkpoint of the four-stage model loads into it."""
+"""LaplacianFormer(num_stages=k): the first k stages; four-stage checkpoints load."""
 import pytest
 import torch
 

@@ -1,5 +1,4 @@
-"""The op ``lapformer_mm::nystrom_attention`` (reference implementation, CPU) through the entry
-and the raw op, against the dense fp64 attention: values, gradients, layouts, dtypes, paths."""
+"""``lapformer_mm::nystrom_attention`` (reference, CPU) against the dense fp64 attention."""
 import pytest
 import torch
 import torch.nn.functional as F

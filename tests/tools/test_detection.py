@@ -1,5 +1,4 @@
-"""Every user config builds its model; the T-size detectors and segmentors train and predict
-(small inputs on CPU, no pretrained checkpoint)."""
+"""Every user config builds; the T-size detectors and segmentors train and predict."""
 import copy
 import glob
 import os.path as osp

@@ -1,6 +1,4 @@
-"""Packaging: the kernel sources' one copy in ops/ serves a checkout (the editable install);
-a wheel builds the CPU kernels and ships the CUDA and ONNX Runtime sources, which a regular
-install finds; the torch floor is stated once."""
+"""Packaging: ops/ serves a checkout; a wheel builds the CPU kernels and ships the sources."""
 import os
 import platform
 import subprocess

@@ -1,5 +1,4 @@
-"""The pretraining path: toy ImageNet-format set, a few mmpretrain iterations through
-tools/train.py, and the classifier -> backbone conversion into the detection backbone."""
+"""The pretraining path: toy ImageNet set, mmpretrain iterations, backbone conversion."""
 import hashlib
 import os.path as osp
 import sys

@@ -153,8 +153,7 @@ def test_coco_eval_ends_a_file_it_cannot_score_with_one_line_naming_it(tmp_path,
 
 
 def test_train_tool_resume_options():
-    """--resume PATH loads that checkpoint, --resume alone the work dir's latest (the
-    SIGKILLed run resumed exactly: tests/tools/test_train.py)."""
+    """--resume PATH loads that checkpoint, --resume alone the work dir's latest."""
     cfg = cli_train.build_cfg(cli_train.parse_args([TOY_CONFIG, '--resume', 'epoch_1.pth']))
     assert cfg.resume and cfg.load_from == 'epoch_1.pth'
     cfg = cli_train.build_cfg(cli_train.parse_args([TOY_CONFIG, '--resume']))

@@ -30,8 +30,7 @@ def nvdisasm():
 
 
 def resources(log):
-    """{mangled entry name: (registers, static shared bytes, spill store bytes)} from ptxas
-    -v output."""
+    """{mangled entry: (registers, static smem, spill store bytes)} from ptxas -v."""
     found, current, spills = {}, None, 0
     for line in log.splitlines():
         entry = re.search(r"Compiling entry function '([^']+)'", line)

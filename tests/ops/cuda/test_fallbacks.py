@@ -24,8 +24,7 @@ def attention_inputs(dtype=torch.float32):
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """The backend's once-per-process checks undone; CPU tensors taken as CUDA ones (the
-    CPU backend left out, as it would be for them)."""
+    """The backend's once-per-process checks undone; CPU tensors taken as CUDA ones."""
     monkeypatch.setattr(cuda, '_AVAILABILITY', [])
     monkeypatch.setattr(cuda, '_WARNED', [])
     monkeypatch.setattr(cuda, 'DEVICE', 'cpu')
@@ -34,8 +33,7 @@ def fresh(monkeypatch):
 
 
 class CupyFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``import cupy`` as on a machine where it is absent (error None) or installed and
-    raising ``error`` when imported."""
+    """``import cupy`` absent (error None) or raising ``error``."""
 
     def __init__(self, error=None):
         self.error = error
