@@ -22,11 +22,8 @@ def _cuda_and_cupy():
     return True
 
 
-# Under pytest-xdist (`make test`: -n auto --dist loadfile) one worker runs a whole file, so a
-# file's tests share their module-scoped fixtures (the emulation build, the NVRTC compiles);
-# the tests of each shared session fixture (toy_run, built_wheel) sit in one file for the same
-# reason. The longest files go first (_xdist_order.py; the Makefile's --no-loadscope-reorder
-# keeps that order, where xdist would put the files with the most tests first).
+# Under pytest-xdist (`make test`: --dist loadfile) one worker runs a whole file and its
+# module-scoped fixtures; the longest files go first (_xdist_order.py).
 def pytest_collection_modifyitems(config, items):
     if not _cuda_and_cupy():
         skip = pytest.mark.skip(reason='needs CUDA and CuPy')

@@ -6,10 +6,8 @@ import sys
 import pytest
 from _shared import ROOT
 
-# Every global of these modules, and every attribute of the classes they define, is
-# recorded by identity before the import and compared after it: a replaced function,
-# method or table shows up as a changed id. The mmengine objects the plugin used to patch
-# are named on top, so that a failure says which.
+# Every global of these modules and attribute of their classes, by identity before and after
+# the import: a replaced one is a changed id (the objects the plugin used to patch named).
 SNAPSHOT = r'''
 import importlib, inspect, json, sys, warnings
 
@@ -29,9 +27,8 @@ preload = sys.argv[1:]
 for name in preload:
     importlib.import_module(name)
 PREFIXES = ('mmengine', 'mmcv', 'mmdet', 'mmseg', 'mmpretrain', 'torch')
-# What torch's registration APIs change: torch.serialization.add_safe_globals (mmengine's
-# checkpoint metadata, docs/reliability.md) rebinds this set, and torch.library adds the
-# ops' namespace.
+# What torch's registration APIs change: add_safe_globals rebinds this set, torch.library
+# adds the ops' namespace.
 ALLOWED = {'torch._weights_only_unpickler._marked_safe_globals_set', 'torch.ops.lapformer_mm'}
 
 

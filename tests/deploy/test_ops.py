@@ -383,8 +383,7 @@ def test_ort_op_library_ops_match_dense_fp64(monkeypatch):
 
 
 def test_ort_op_library_statistics_do_not_hinge_on_the_first_token(monkeypatch):
-    # As the CPU kernels' (tests/ops/cpu/test_kernels.py): token 0 far from every other,
-    # whose kernel rows vary by ~1e-6; around token 0 the variance lost 1e-3 of its value.
+    # As tests/ops/cpu/test_kernels.py's: token 0 far from every other.
     library = require_ort_library()
     gen = torch.Generator().manual_seed(60)
     landmarks = 0.3 * torch.randn(1, 1, 49, 8, generator=gen)
@@ -405,8 +404,7 @@ def test_ort_op_library_statistics_do_not_hinge_on_the_first_token(monkeypatch):
 
 
 def test_ort_op_library_sessions_keep_the_instruction_set_they_registered(monkeypatch):
-    # LAPFORMER_ORT_ISA is read at each registration; a later session must not switch the
-    # kernels of one already open (they round differently, so a switch shows bitwise).
+    # The builds round differently: a switch of an open session's kernels shows bitwise.
     library = require_ort_library()
     others = [isa for isa, ok in _cpu_isas().items() if ok and isa != 'default']
     if not others:
@@ -426,10 +424,8 @@ def test_ort_op_library_sessions_keep_the_instruction_set_they_registered(monkey
 
 
 def test_ort_op_library_shares_one_domain_per_build(tmp_path):
-    # ONNX Runtime calls RegisterCustomOps once per session options: a process that opens
-    # many sessions must not gain a domain each time, sessions opened from several threads
-    # at once must not race for it, and the domains go when the library does. The library
-    # and a stub of ONNX Runtime's side (it counts domains) under ThreadSanitizer.
+    # One domain per build however many sessions, no race between threads, released with the
+    # library: the library and a stub of ONNX Runtime's side under ThreadSanitizer.
     import shutil
     import subprocess
 
@@ -491,9 +487,7 @@ def np_zeros(*shape):
 
 @pytest.mark.parametrize('shared', [True, False])
 def test_ort_form_composes_the_cpu_backends_passes(shared):
-    # ExportForm(ort=True) runs cpu.forward over the op library's nodes; outside exporters
-    # the nodes compute their standard forms, so the composition can be checked here,
-    # without the library, against the dense fp64 attention.
+    # Outside exporters the op library's nodes compute their standard forms: no library needed.
     q = smooth_tokens(2, (14, 16), 8, 1.0, seed=3)
     k = q if shared else smooth_tokens(2, (14, 16), 8, 1.0, seed=4)
     v = smooth_tokens(2, (14, 16), 8, 1.0, seed=5) + 2.0
@@ -572,16 +566,13 @@ class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_eager_and_flop_count_unchanged_outside_exporters(tmp_path):
-    # The export forms under exporters only (the standalone attention's exports above): not
-    # in eager calls, nor in the FLOP counter's jit trace.
     from lapformer_mm.analysis.flops import flop_analyzer, flop_totals
     model = tiny_backbone()
     x = torch.randn(1, 3, 200, 232)
     with torch.no_grad():
         before = model(x)
     flops_before = flop_totals(flop_analyzer(model, (x, )))
-    # The registered ops carry the FLOP handles: a count that saw the export form
-    # instead would have no kernel or solve part.
+    # The registered ops carry the FLOP handles: the export form would have no kernel part.
     assert flops_before['kernel'] > 0 and flops_before['solve'] > 0
     recorder = _OpRecorder()
     with torch.no_grad(), recorder:

@@ -9,8 +9,7 @@ from _shared import ROOT
 from lapformer_mm.cpu_malloc import keep_large_blocks
 
 # Median minor page faults of allocating a fresh 64 MiB tensor (16 384 pages of 4 KiB), after
-# warm-up allocations: torch allocates with 64-byte alignment, so glibc reuses a freed block
-# only once neighbouring free blocks have merged, which took up to four allocations here.
+# warm-up allocations (glibc reuses a freed block once its neighbours merged: up to four).
 FAULTS_PER_ALLOCATION = '''
 import resource, statistics, sys
 import torch
