@@ -67,8 +67,7 @@ def check_static_smem(variant, lowered, used):
             assert static <= cuda.row_pass_static_smem(v) <= cuda.DEFAULT_SMEM, (name, static)
         elif stage == 'nys_forward_solve':
             assert static <= cuda.NS_STATIC_SMEM, (name, static)
-            # At the 128 registers the block allows: its jobs in local memory, no spills
-            # (by-value job copies spilled 56 bytes and lengthened the k-quad loops).
+            # No spills at the 128 registers the block allows.
             assert used[mangled][2] == 0, (name, used[mangled])
         elif stage == 'nys_forward_context':
             assert static <= cuda.context_static_smem(v) <= cuda.DEFAULT_SMEM, (name, static)
@@ -97,8 +96,7 @@ def test_each_variant_compiles_within_its_shared_memory_and_hot_loop_bounds(nvrt
     lowered, used = compiled(nvrtc, variant, 'sm_90', stages=stages)
     check_static_smem(variant, lowered, used)
     rows = {r['kernel']: r for r in sass.report(variant, 'sm_90', stages)}
-    # The kernel tiles (the same loop in every variant): 3.28, 3.32-3.45 and 3.22-3.25
-    # instructions per term when measured (benchmarks/cuda_sass.py --variant NAME).
+    # The kernel tiles: 3.28, 3.32-3.45 and 3.22-3.25 per term measured (benchmarks/cuda_sass.py).
     if stages is None:  # the row passes
         for stage, bound in (('nys_forward_stats', 3.3), ('nys_forward_out', 3.46),
                              ('nys_backward_reduce', 3.26)):
@@ -108,16 +106,12 @@ def test_each_variant_compiles_within_its_shared_memory_and_hot_loop_bounds(nvrt
                     and 'FSETP' not in row['histogram'])
     grads = rows['nys_backward_grads<float, 0>']
     assert 'I2FP' not in grads['histogram'], grads
-    # The loop with the most FADDs here is the C_q kernel tile of NYS_TB rows (2 FADDs a
-    # term, 4 NYS_TB terms a d-chunk): its staging (about 190 instructions, mostly the
-    # 64-bit products of the struct's strides for each staged entry) is shared by 128
-    # terms at 32 rows, 64 at 16, instead of the row passes' 256: 4.25-4.26 and 6.27 per
-    # term measured.
+    # The C_q tile of NYS_TB rows: its staging (~190 instructions) shared by 128 terms at 32
+    # rows, 64 at 16, not 256: 4.25-4.26 and 6.27 per term measured.
     tb = cuda.VARIANT_BY_NAME[variant].tb
     assert grads['terms'] == 4 * tb == grads['histogram']['FADD'] // 2, grads
     assert grads['per_term'] <= (4.26 if tb == 32 else 6.27), grads
-    # The gradient's own sums (sign terms, one FADD each): the innermost unrolled loops
-    # with FSETP, 4.03-4.13 instructions per term measured.
+    # The gradient's sign sums (innermost loops with FSETP): 4.03-4.13 per term measured.
     _, _, lowered, cubin = sass.compile_variant(variant, 'sm_90', stages=stages)
     functions = sass.disassemble(nvdisasm, cubin)
 
@@ -130,9 +124,7 @@ def test_each_variant_compiles_within_its_shared_memory_and_hot_loop_bounds(nvrt
                 if 'FSETP' in ops and ops.count('FADD') >= 32]
     assert per_term and max(per_term) <= 4.15, per_term
     if stages is None:
-        # Newton-Schulz's k-quads (X R beside R R, P X, X (P X), at each of the two row
-        # strides), which docs/cuda.md's estimate of the solve counts: 64 FFMAs and 8
-        # 16-byte loads in 79 instructions each, measured.
+        # Newton-Schulz's k-quads as docs/cuda.md counts them: 64 FFMAs, 8 loads in 79.
         quads = [ops for ops in innermost_ops('nys_forward_solve<float, 0>')
                  if ops.count('FFMA') == 64]
         assert len(quads) == 6, [len(ops) for ops in quads]
