@@ -37,8 +37,6 @@ def test_tail_statistics_quantiles_and_moments(heavy_tailed):
     assert result['std'] == pytest.approx(heavy_tailed.std())
     assert result['q99_over_q50'] == pytest.approx(
         np.percentile(heavy_tailed, 99) / np.median(heavy_tailed))
-
-
     with pytest.raises(ValueError, match='values'):  # 2-D: quantiles of the flattened sample
         tail_stats.tail_statistics(np.ones((3, 3)))
 
