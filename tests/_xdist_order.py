@@ -3,9 +3,7 @@ nothing heavy (tests/dev/test_suite_order.py runs it in a small pytest of its ow
 
 
 def longest_files_first(items):
-    """``items`` regrouped by file, the files by their CI seconds, most first (a stable
-    sort: files of equal seconds keep their collection order). A slow test counts its
-    marker's ``seconds`` (a CI measurement), else 10; any other test 0.2."""
+    """``items`` by file, the files by their CI seconds (slow markers' ``seconds``), most first."""
     files = {}
     for item in items:
         files.setdefault(item.nodeid.split('::')[0], []).append(item)

@@ -76,8 +76,7 @@ def toy_run(tmp_path_factory, toy_coco):
 
 @pytest.fixture(scope='session')
 def built_wheel(tmp_path_factory):
-    """``pip wheel`` of a fresh copy of the checkout (the CPU kernels compiled in): ``wheel``,
-    ``site`` (unpacked, as a regular install) and ``log`` (pip's verbose output)."""
+    """``pip wheel`` of a fresh copy of the checkout: ``wheel``, ``site`` (unpacked) and ``log``."""
     base = tmp_path_factory.mktemp('wheel')
     checkout = base / 'checkout'
     copy_checkout(checkout)

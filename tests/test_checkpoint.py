@@ -135,8 +135,7 @@ def test_trust_opt_in_named_in_the_message_works(tmp_path, monkeypatch):
                                      b"auto_scale_lr = dict(base_batch_size=16)\n"],
                          ids=['text', 'json', 'bytes', 'config'])
 def test_a_file_that_is_no_checkpoint_is_named_so_not_refused_as_unsafe(tmp_path, content):
-    """Other bytes fail torch's unpickler with a KeyError or an unknown opcode: the message
-    says the file is no checkpoint, and offers no trust opt-in for it."""
+    """Other bytes: named as no checkpoint, with no trust opt-in offered."""
     path = tmp_path / 'notes.pth'
     path.write_bytes(content)
     with pytest.raises(RuntimeError, match='notes.pth') as info:

@@ -51,8 +51,7 @@ def test_backbone_residuals_small_and_maps_finite_at_image_scales(scale):
 
 @pytest.mark.parametrize('solver', ['exact', 'cg', 'newton'])
 def test_solve_report_measures_the_module_solvers_inverse(solver):
-    """Each solver's own inverse is what the report measures; cond(P) ~ 22 here: measured
-    0.5e-6 to 1.2e-6 for all three."""
+    """Each solver's own inverse is what the report measures (measured 0.5e-6 to 1.2e-6)."""
     bound = 1e-5
     torch.manual_seed(0)
     attn = LaplacianAttention(32, 2, solver=solver).eval()

@@ -86,8 +86,7 @@ def test_onnx_runtime_as_close_as_fp32_at_other_sizes(exported, backbone, size, 
 
 def test_verify_refuses_sizes_below_the_export_range_and_runs_from_the_minimum(
         exported, backbone):
-    """ONNX Runtime runs a dynamic file below its range, to outputs 0.05-1 (relative) from
-    eager: such a size is refused, not reported as an error row."""
+    """ONNX Runtime runs a file below its range, far from eager: such a size is refused."""
     for sizes in ([EXPORT_SHAPE, (192, 296)], [(33, 47)]):
         with pytest.raises(ValueError, match='sizes'):
             deploy.verify_onnx(exported, backbone, sizes)
@@ -185,8 +184,7 @@ def test_fp64_residual_default_and_the_op_library(backbone, tmp_path):
 
 
 def test_export_size_below_the_range_names_the_minimum(backbone, tmp_path):
-    """Every exporter: a smaller example would trace a wrong graph (TorchScript) or a static
-    program that fails the rule."""
+    """A smaller example would trace a wrong graph (TorchScript) or a program failing the rule."""
     assert backbone.export_min_size() == 193
     small = deploy.example_input((160, 256), 1)
     for export in (lambda: deploy.export_onnx(backbone, str(tmp_path / 'x.onnx'),
@@ -217,8 +215,7 @@ def test_bad_export_arguments_are_named(backbone, tmp_path):
 
 
 def test_an_opset_the_dynamo_exporter_falls_back_from_is_refused(tmp_path, monkeypatch):
-    """Where its conversion fails the dynamo exporter keeps 18 with a log line only: refused,
-    no file written (the failure forced here)."""
+    """The dynamo exporter keeps 18 with a log line only: refused, no file written."""
     module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.GELU()).eval()
     program = torch.export.export(module, (torch.randn(1, 3, 8, 8), ))
     path = tmp_path / 'x.onnx'
@@ -283,8 +280,7 @@ def test_toy_image_input_is_a_normalised_toy_scene():
 
 
 def test_preparing_a_model_without_mmseg_parts_imports_no_codebase():
-    """An mmdet export must not import (and register) mmseg, nor fail with an mmseg that does
-    not import beside this mmcv."""
+    """An mmdet export neither imports mmseg nor fails with an mmseg that does not import."""
     import subprocess
     import sys
     code = ('import sys; from lapformer_mm import deploy; '

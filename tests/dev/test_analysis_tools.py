@@ -206,8 +206,7 @@ def test_benchmark_memory_child_reports_a_positive_peak():
 
 
 def test_padding_benchmark_compares_the_image_region_alone_and_padded():
-    """benchmarks/padding.py: no change on a canvas of the image's own size; LaplacianFormer's
-    features inside the image move with the padding (the property the table records)."""
+    """benchmarks/padding.py: no change at the image's own size; features move with padding."""
     from benchmarks import padding
     from lapformer_mm.models import LaplacianFormer
     torch.manual_seed(0)

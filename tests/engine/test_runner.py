@@ -141,8 +141,7 @@ def test_auto_resume_finds_the_checkpoint_to_resume_from(tmp_path, files, record
 
 @pytest.mark.parametrize('record', ['epoch_4.pth', ''])
 def test_auto_resume_refuses_a_record_with_nothing_to_resume_from(tmp_path, record):
-    """A record exists only after a save, so a fresh start would silently lose the run
-    (e.g. checkpoints written to CheckpointHook's out_dir, not beside the record)."""
+    """A record exists only after a save: a fresh start would silently lose the run."""
     (tmp_path / 'best_coco_bbox_mAP_epoch_3.pth').write_bytes(b'x')
     (tmp_path / 'last_checkpoint').write_text(record and str(tmp_path / record))
     with pytest.raises(FileNotFoundError, match='out_dir'):

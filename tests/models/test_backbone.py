@@ -48,8 +48,7 @@ def test_output_shapes_any_size(tiny, hw):
 
 @pytest.mark.filterwarnings('ignore:LaplacianFormer. out_indices=')
 def test_out_indices_select_outputs_without_changing_them():
-    """Every stage ends with its norm, returned or not, as mmdet's PVT: a classifier's weights
-    (out_indices=(3,)) run unchanged in a detector's (0, 1, 2, 3)."""
+    """Every stage ends with its norm, returned or not: a classifier's weights run unchanged."""
     torch.manual_seed(0)
     full = LaplacianFormer(SMALL_ARCH, drop_path_rate=0.0)
     full.init_weights()
@@ -191,8 +190,7 @@ def test_attn_cfg_backend_is_the_old_name_of_impl():
 ])
 @pytest.mark.filterwarnings('ignore::FutureWarning')
 def test_bad_arguments_name_the_argument(kwargs, exc, name):
-    """Each was accepted without a word or failed elsewhere; a user who builds from a config
-    (mmdet's MODELS.build) gets the same type and name as direct construction."""
+    """Through mmdet's MODELS.build: the same type and name as direct construction."""
     from mmdet.registry import MODELS
     from mmengine.registry import DefaultScope
     with DefaultScope.overwrite_default_scope('mmdet'), pytest.raises(exc, match=name):
@@ -315,8 +313,7 @@ def test_drop_path_linear_over_blocks():
 
 
 def test_autocast_bfloat16_forward_and_backward_follow_fp32():
-    """Under bf16 autocast the maps and the gradients are fp32's within bf16's precision (an
-    error of about 1-7 % in the maps, growing with depth, and 10 % in the gradient)."""
+    """bf16 autocast: maps and gradients within bf16's precision of fp32's (1-7 %, 10 %)."""
     torch.manual_seed(0)
     model = LaplacianFormer(SMALL_ARCH, drop_path_rate=0.0).train()
     fp32 = copy.deepcopy(model)
@@ -350,8 +347,7 @@ def test_constant_image_gives_finite_gradients_and_small_residuals():
 
 @pytest.mark.parametrize('size', [(1, 1), (3, 5), (17, 9)])
 def test_backbone_runs_images_down_to_one_pixel(size):
-    """Every stage 1x1 or more, one landmark at the end; batch 2, as training-mode BatchNorm
-    needs more than one value per channel."""
+    """Every stage 1x1 or more; batch 2, as training-mode BatchNorm needs."""
     model = LaplacianFormer(arch=TINY)
     img = torch.randn(2, 3, *size, requires_grad=True)
     outs = model(img)
@@ -363,8 +359,7 @@ def test_backbone_runs_images_down_to_one_pixel(size):
 
 
 def test_block_is_two_pre_norm_residuals():
-    """x + attn(norm1(x)), then + mlp(norm2(·)): the composition written out (the attention
-    itself is checked against its dense form in test_attention.py)."""
+    """x + attn(norm1(x)), then + mlp(norm2(·)): the composition written out."""
     torch.manual_seed(0)
     block = LaplacianFormer(SMALL_ARCH, drop_path_rate=0.0).eval().stages[1].blocks[0]
     for norm in (block.norm1, block.norm2):

@@ -50,8 +50,7 @@ def test_registration_is_idempotent():
 
 
 def test_core_imports_without_openmmlab_downstream_packages():
-    """mmcv, mmdet, mmseg and mmpretrain blocked: the backbone needs only torch + mmengine,
-    and builds its layer configs from torch's layers."""
+    """mmcv, mmdet, mmseg and mmpretrain blocked: the backbone needs only torch + mmengine."""
     code = """
 import sys
 for name in ('mmcv', 'mmdet', 'mmseg', 'mmpretrain'):

@@ -68,8 +68,7 @@ def test_pretrained_init_cfg_loads_each_kind(kind, init_cfg, source, tmp_path):
 
 
 def test_other_init_cfg_entries_run_before_the_checkpoint(source, tmp_path):
-    """A list init_cfg: its other entries apply, then Pretrained overwrites what it holds
-    (mmengine's order); here the checkpoint lacks the norms norm0-norm2."""
+    """A list init_cfg: its other entries apply, then Pretrained (mmengine's order)."""
     path = write_checkpoint('classifier', without_norms(source.state_dict()),
                             tmp_path / 'cls.pth')
     target = small_model(init_cfg=[
@@ -85,8 +84,7 @@ def test_other_init_cfg_entries_run_before_the_checkpoint(source, tmp_path):
                                         [dict(type='Constant', layer='LayerNorm', val=0.5,
                                               bias=0.25)]])
 def test_init_cfg_without_a_checkpoint_keeps_the_default_init_elsewhere(init_cfg):
-    """The entries apply after the default init (truncated-normal linears with zero bias),
-    not instead of it (PyTorch's own uniform init with nonzero biases)."""
+    """The entries apply after the default init (truncated-normal linears), not instead."""
     torch.manual_seed(0)
     target = small_model(init_cfg=init_cfg)
     target.init_weights()
@@ -98,8 +96,7 @@ def test_init_cfg_without_a_checkpoint_keeps_the_default_init_elsewhere(init_cfg
 @pytest.mark.parametrize('saved_by_ddp', [False, True])
 @pytest.mark.parametrize('prefix', ['student.backbone', 'student.backbone.'])
 def test_prefix_is_read_as_mmengine_reads_it(source, tmp_path, prefix, saved_by_ddp):
-    """mmpretrain's configs write prefix='backbone' (mmengine adds the dot); on a checkpoint
-    saved from a DDP-wrapped model, mmengine's prefix carries the wrapper's 'module.'."""
+    """With or without the dot; a DDP-saved checkpoint's prefix carries 'module.'."""
     from mmengine.runner.checkpoint import _load_checkpoint_with_prefix
     lead = 'module.' if saved_by_ddp else ''
     weights = {f'{lead}student.backbone.{k}': v for k, v in source.state_dict().items()}

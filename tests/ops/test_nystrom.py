@@ -80,8 +80,7 @@ def test_attention_gradients_pass_gradcheck_in_fp64(kernel, normalize, solver):
 
 
 def test_distinct_queries_give_distinct_attention_rows():
-    """Attention rows (N × N), obtained by attending to v = I: no two alike, also for a query
-    shifted off another."""
+    """Attention rows (v = I): no two alike, also for a query shifted off another."""
     q, k, _ = qkv((1, 1, 64, 8), seed=3)
     q, k = torch.cat([q, q[..., :1, :] + 0.3], -2), torch.cat([k, k[..., :1, :]], -2)
     eye = torch.eye(65, dtype=torch.float64).view(1, 1, 65, 65)
@@ -218,8 +217,7 @@ def test_identical_landmarks_stay_finite_or_name_a_singular_matrix(solver, eps):
     *((torch.float32, s, n) for s in (1e-4, 1e-2, 1.0, 1e2, 1e4) for n in ('injective', 'none')),
     *((d, s, 'injective') for d in (torch.float16, torch.bfloat16) for s in (1e-4, 1e3))])
 def test_feature_scales_finite_forward_and_backward(dtype, scale, normalize):
-    """16-bit inputs compute in fp32; where every kernel value underflows the weights are
-    uniform and the output the mean value."""
+    """16-bit inputs compute in fp32; underflowing kernel values give the mean value."""
     torch.manual_seed(0)
     q, k = ((torch.randn(1, 2, 48, 16) * scale).to(dtype).requires_grad_() for _ in range(2))
     v = torch.randn(1, 2, 48, 16).to(dtype).requires_grad_()

@@ -63,8 +63,7 @@ def test_newton_schulz_fp64_converges_fully_and_its_gradient_is_the_inverse_s():
 
 
 def test_default_iterations_are_the_fewest_that_meet_the_worst_case():
-    """Identical landmarks with eps = 0.01: the default leaves 1.6e-6 < 1e-3; one step fewer
-    1.25e-3."""
+    """Identical landmarks, eps = 0.01: the default leaves 1.6e-6 < 1e-3, one step fewer 1.25e-3."""
     P = torch.ones(1, 49, 49, dtype=torch.float64) + 0.01 * torch.eye(49, dtype=torch.float64)
     residual = [spectral_residual(P, newton_schulz(P, n, 'identity')).item()
                 for n in (DEFAULT_NS_ITERS, DEFAULT_NS_ITERS - 1)]

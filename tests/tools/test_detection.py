@@ -165,8 +165,7 @@ def loss_and_predict(model, data):
     ('maskrcnn_lapformer_t.py', {'loss_rpn_cls', 'loss_cls', 'loss_bbox', 'loss_mask'}),
     ('retinanet_lapformer_t.py', {'loss_cls', 'loss_bbox'})])
 def test_coco_t_loss_and_predict(name, loss_keys):
-    """Every parameter gets a gradient (DDP without find_unused_parameters; RetinaNet does
-    not return stage 1)."""
+    """Every parameter gets a gradient (DDP without find_unused_parameters)."""
     cfg = no_pretrained(load_cfg(name))
     with_mask = 'mask' in name
     model = models_registry('mmdet').build(cfg.model)

@@ -160,8 +160,7 @@ def free_port():
 
 @pytest.mark.slow(seconds=35)
 def test_dist_train_then_dist_test_two_processes(toy_coco, tmp_path):
-    """tools/dist_train.sh then tools/dist_test.sh on its checkpoint, 2 gloo ranks each; each
-    rank destroys its process group before exit (no warning from close_distributed)."""
+    """2 gloo ranks each; each destroys its process group before exit (no warning)."""
     work = str(tmp_path / 'work')
     log = run_tool(['bash', osp.join(TOOLS, 'dist_train.sh'), TOY_CONFIG, '2', '--work-dir',
                     work] + toy_run_options(toy_coco, 1),
@@ -195,8 +194,7 @@ def wait_for_exit(threads, seconds=5):
 
 
 def test_close_distributed_joins_gloo_threads_or_warns_the_group_is_held(tmp_path):
-    """Destroying the group joins gloo's threads (which would abort the interpreter at exit
-    if still releasing tensors); a group something still holds gets a warning."""
+    """Destroying the group joins gloo's threads; a group still held gets a warning."""
     def start(name):
         before = process_threads()
         dist.init_process_group('gloo', init_method=f'file://{tmp_path / name}',

@@ -40,8 +40,7 @@ def test_train_tool_resume_refuses_code_running_checkpoint(evil, toy_coco, tmp_p
 
 
 def amp_train(toy_coco, work, dtype, max_epochs):
-    """``tools/train.py --amp`` on the toy set's first 4 images, batches of 1 (4 iterations
-    per epoch); the log and the last checkpoint."""
+    """``tools/train.py --amp``, 4 iterations per epoch; the log and the last checkpoint."""
     log = run_tool(
         [sys.executable, osp.join(TOOLS, 'train.py'), TOY_CONFIG, '--amp', '--work-dir', work,
          '--cfg-options', *toy_data_options(toy_coco), 'train_dataloader.dataset.indices=4',

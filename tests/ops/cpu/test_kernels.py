@@ -307,8 +307,7 @@ def test_results_bit_equal_with_1_and_2_threads(kind):
 @needs_ext
 @pytest.mark.parametrize('tied', [True, False], ids=['tied', 'separate'])
 def test_attention_bit_equal_with_1_and_2_threads(tied):
-    """The whole op, forward and gradients: its m x m and m x d_v products are too small for
-    the BLAS to split, the row passes are chunked."""
+    """The whole op, forward and gradients (its small products are not split by the BLAS)."""
     proj = _randn(2, 1200, 3 * 64, seed=40, dtype=torch.float32).requires_grad_()
 
     def run():
@@ -411,8 +410,7 @@ def _outlier_first_token(n, d, m, spread, seed):
 @needs_ext
 @pytest.mark.parametrize('kind', KINDS)
 def test_whitening_statistics_do_not_hinge_on_the_first_token(kind):
-    """The one-pass statistics sum around a shift; with token 0 as the shift, a token far from
-    the rest cost the variance 1e-3 of its value here."""
+    """With token 0 as the shift, a token far from the rest cost the variance 1e-3 of it."""
     x, y = _outlier_first_token(4096, 8, 49, 1e-3, seed=60)
     code = KINDS.index(kind)
     _, stats, _ = cpu_ext._ops().attention_rows_forward(x, y, None, 1.0, code, True, True)

@@ -102,8 +102,7 @@ def test_fused_matches_dense_fp64(ran, dtype, tied):
 @pytest.mark.parametrize('tied', [True, False])
 def test_gradients_of_every_option_the_fused_path_takes(ran, kernel, lam, normalize, ns_refine,
                                                         ns_init, tied):
-    """Enough Newton-Schulz steps that the inverse is exact to fp32 for either start, so
-    the dense fp64 reference (a direct solve) is the truth for every combination."""
+    """Enough Newton-Schulz steps that the dense fp64 direct solve is the truth for every one."""
     q, k, v, landmarks = attention_inputs(1, 2, (14, 15), 32, 32, tied, torch.float32, seed=8)
     grad = torch.randn(1, 2, 210, 32, device='cuda', dtype=torch.float64)
     options = dict(kernel=kernel, lam=lam, normalize=normalize)
@@ -117,8 +116,7 @@ def test_gradients_of_every_option_the_fused_path_takes(ran, kernel, lam, normal
 @pytest.mark.parametrize('kib, m_grid, dv', [(48, 7, 32), (64, 7, 32), (64, 8, 64),
                                              (100, 8, 64)])
 def test_each_shared_memory_variant_on_the_device(ran, monkeypatch, kib, m_grid, dv):
-    """The plan for a smaller device's limit, forced on this one: the 16-row gradient tiles
-    and the solves' column passes run on hardware, each against the dense reference."""
+    """A smaller device's plan forced on this one, each variant against the dense reference."""
     from lapformer_mm.ops.backends import cuda
     real = cuda.device_limits(torch.device('cuda'))
     monkeypatch.setattr(cuda, 'device_limits',
@@ -273,8 +271,7 @@ def test_gpu_kernels_per_attention_forward():
 
 
 def test_torch_compile_reduce_overhead_runs_the_kernels(ran):
-    """torch.compile(mode='reduce-overhead') of the module: the CUDA graph replays our
-    kernels."""
+    """torch.compile(mode='reduce-overhead'): the CUDA graph replays our kernels."""
     from lapformer_mm.ops.backends import cuda
     module = _module().eval()
     x = torch.randn(2, 768, 64, device='cuda')

@@ -146,8 +146,7 @@ def test_only_the_gradient_kernel_reads_its_rows():
 
 
 def test_the_modules_the_backend_loads_are_the_kernels_checked_here(nvrtc, nvdisasm):
-    """CuPy's module exports every stage's C entry point, each the SASS of the template
-    instantiation checked here."""
+    """CuPy's module exports every stage's C entry point, the SASS checked here."""
     options = (('--gpu-architecture=sm_90',)
                + cuda.compile_options(cuda.VARIANT_BY_NAME['dv32_tb32'], 'float')
                + CUPY_ADDED_OPTIONS)

@@ -81,8 +81,7 @@ def insufficient_driver():
     ('broken', 'libnvrtc'), ('no_init', 'cudaErrorInsufficientDriver'), ('absent', 'pip install')])
 def test_a_cupy_that_cannot_serve_warns_once_or_raises_its_own_error(fresh, monkeypatch, state,
                                                                      reason):
-    """Broken or without CUDA: impl=None warns once, impl='cupy' raises; only an absent CuPy
-    advises installing it."""
+    """impl=None warns once, impl='cupy' raises; only an absent CuPy advises installing it."""
     if state == 'no_init':
         monkeypatch.setitem(sys.modules, 'cupy', types.SimpleNamespace(
             __version__='14.0.0', cuda=types.SimpleNamespace(
@@ -174,8 +173,7 @@ def test_the_registered_ops_called_with_impl_cupy_raise_the_reasons(routed, dtyp
 
 def test_a_build_that_fails_after_a_trace_chose_the_kernels_says_so_and_what_to_do(
         failing_build):
-    """Chosen unbuilt under torch.compile, the build fails at the graph's first run: named,
-    with the way out."""
+    """Chosen unbuilt under torch.compile, the build fails at the first run: named, a way out."""
     torch._dynamo.reset()
     try:
         compiled = torch.compile(nystrom_attention, backend='eager')

@@ -368,8 +368,7 @@ LIMIT_CASES = [((7, 9), 7, 32), ((8, 9), 8, 64)]
 @pytest.mark.slow
 @pytest.mark.parametrize('kib', [48, 64, 96, 100, 164, 227])
 def test_each_shared_memory_limit_picks_a_variant_or_the_reference(launches, monkeypatch, kib):
-    """Per device limit: the planned variant runs within the limit and matches dense fp64;
-    where nothing fits, the reference answers."""
+    """Per device limit: the planned variant within the limit, or the reference; dense fp64."""
     use_limits(monkeypatch, smem_optin=kib * 1024)
     attention._warn_fallback.cache_clear()
     for (hw, grid, dv) in LIMIT_CASES:
@@ -413,8 +412,7 @@ def test_the_variants_the_support_table_states():
 
 @pytest.mark.slow
 def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):
-    """tests/cuda_emu/tsan_main.cpp launches every stage under -fsanitize=thread: a missing
-    __syncthreads() is a reported race."""
+    """tests/cuda_emu/tsan_main.cpp: every stage under -fsanitize=thread, no race reported."""
     if shutil.which('g++') is None:
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
     exe = tmp_path / 'tsan_main'
