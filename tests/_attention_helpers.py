@@ -127,8 +127,7 @@ def dense_attention_module(module, x, hw, qk_shared, landmark_grid, **options):
 
 
 def dense_local_term(module, v, hw):
-    """A LaplacianAttention's depth-wise 3×3 term of v (B, N, C) on hw, from its weights
-    through an NCHW copy (the module views channels-last tokens instead)."""
+    """A LaplacianAttention's depth-wise 3×3 term of v (B, N, C) on hw, through NCHW."""
     batch, _, channels = v.shape
     local = F.conv2d(v.transpose(1, 2).reshape(batch, channels, *hw), module.local.weight,
                      module.local.bias, padding=1, groups=channels)

@@ -116,8 +116,7 @@ def test_import_replaces_nothing_in_the_codebases_already_loaded():
 
 
 def test_import_adds_only_its_own_modules_to_a_loaded_mmengine():
-    """What the import costs a job that has mmengine's runner (and so ``mmengine.model``, most
-    of any such import's time: docs/reliability.md) loaded: its own modules only."""
+    """With mmengine's runner loaded, the import adds its own modules only."""
     code = ('import sys, torch, mmengine.runner, mmengine.model, mmengine.hooks, '
             'mmengine.optim, mmengine.fileio\n'
             'before = set(sys.modules)\n'

@@ -18,8 +18,7 @@ def identical_landmark_residual(m, eps, iters):
 
 @pytest.mark.parametrize('eps, iters', [(0.01, None), (0.01, 13), (0.1, None)])
 def test_identical_landmarks_residual_matches_closed_form(eps, iters):
-    """Equal landmarks, P = J + eps·I: the closed-form residual in fp64; in fp32 within 3x it
-    or the round-off floor m·cond(P)·2^-24."""
+    """P = J + eps·I: the closed form in fp64; fp32 within 3x it or m·cond(P)·2^-24."""
     torch.manual_seed(0)
     attn = LaplacianAttention(32, 1, eps=eps, iters=iters).eval()
     x = torch.randn(1, 1, 32).expand(2, 64, 32).contiguous()

@@ -133,8 +133,7 @@ def test_converter_refuses_code_running_checkpoint(evil, tmp_path):
 
 
 def test_layer_wise_lr_decay_of_mmpretrain_reads_the_block_order():
-    """mmpretrain's LearningRateDecayOptimWrapperConstructor: the stem the smallest rate, each
-    block rate**-1 more, downsampling and norm as their neighbouring block, the head base."""
+    """mmpretrain's LearningRateDecayOptimWrapperConstructor reads each parameter's depth."""
     from mmengine.optim import build_optim_wrapper
     from mmengine.registry import DefaultScope
     from mmpretrain.registry import MODELS

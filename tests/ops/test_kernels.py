@@ -57,8 +57,7 @@ def test_gradients_match_autograd_of_dense_and_gradcheck(fn, dense):
 
 
 def test_l1_gradient_paths_match_dense_sum():
-    """``aten._cdist_backward`` (blocked over b) and the chunked loop (CUDA's): the gradient of
-    |t| at a tie (t = 0) is 0."""
+    """``aten._cdist_backward`` and the chunked loop (CUDA's): |t|'s gradient at t = 0 is 0."""
     a, b, g = randn((2, 37, 5), (2, 1100, 5), (2, 37, 1100), seed=3)
     b[:, 0] = a[:, 0]  # exact ties exercise sign(0) = 0
     dense = (g.unsqueeze(-1) * torch.sign(a.unsqueeze(-2) - b.unsqueeze(-3))).sum(-2)

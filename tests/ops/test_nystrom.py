@@ -195,8 +195,7 @@ def test_tied_keys_evaluate_the_query_kernel_once(monkeypatch, dtype):
 @pytest.mark.parametrize('solver', ['newton', 'exact', 'cg'])
 @pytest.mark.parametrize('eps', [0.01, 0.0])
 def test_identical_landmarks_stay_finite_or_name_a_singular_matrix(solver, eps):
-    """eps = 0 makes P = J exactly singular: newton and CG (whose converged columns stop,
-    not divide 0 by 0) stay finite; exact names the problem."""
+    """eps = 0, P = J singular: newton and CG stay finite; exact names the problem."""
     torch.manual_seed(0)
     q, v = (torch.randn(2, 2, 30, 16, requires_grad=True) for _ in range(2))
     landmarks = q.mean(-2, keepdim=True).expand(2, 2, 25, 16)
@@ -230,8 +229,7 @@ def test_feature_scales_finite_forward_and_backward(dtype, scale, normalize):
 
 @pytest.mark.parametrize('spread', [1e-4, 1e-3, 1e-2])
 def test_fp32_default_newton_within_3x_of_an_fp32_direct_solve(spread):
-    """q = k, v and landmarks within ``spread`` of one point (cond(P) 1.3e3-4.8e3): with the
-    refinement step fp32 Newton–Schulz is within 3x of an fp32 direct solve."""
+    """Tokens within ``spread`` of one point: fp32 Newton–Schulz within 3x of a direct solve."""
     base, q, v, landmarks = randn((1, 1, 1, 32), (1, 1, 400, 32), (1, 1, 400, 32), (1, 1, 49, 32))
     q, landmarks = base + spread * q, base + spread * landmarks
     expected = dense_attention(q, q, v, landmarks)

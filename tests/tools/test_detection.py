@@ -63,8 +63,7 @@ def test_every_config_builds_its_model_through_the_plugin(path):
 
 
 def _scale_free(node):
-    """A pipeline with each keep-ratio scale as (shorter, longer): mmdet's configs write
-    (800, 1333) where ours write (1333, 800), the same resize."""
+    """A pipeline with each keep-ratio scale as (shorter, longer): (800, 1333) is (1333, 800)."""
     if isinstance(node, dict):
         return {k: _scale_free(v) for k, v in node.items() if k != 'backend_args'}
     if isinstance(node, (list, tuple)):

@@ -94,8 +94,7 @@ def pycocotools_stats(ann_file, results, iou_type):
 
 
 def test_coco_eval_matches_pycocotools(tmp_path, capsys):
-    """One results file for both types (RLE masks), then one file per type as mmdet's
-    CocoMetric writes them, with polygons, as other tools write them."""
+    """One file for both types (RLE masks), then one per type with polygons."""
     ann_file, res_file, results = write_eval_fixture(tmp_path)
     out_json = str(tmp_path / 'metrics.json')
     assert coco_eval.main([ann_file, res_file, '--types', 'bbox', 'segm', '--out-json',

@@ -397,8 +397,7 @@ def test_every_build_calls_the_openmp_runtime():
 
 
 def _outlier_first_token(n, d, m, spread, seed):
-    """x (1, 1, n, d): every token within ``spread`` of one point but token 0, far from the
-    landmarks y (1, 1, m, d); the statistics' columns vary by ~spread², token 0 by ~1."""
+    """x (1, 1, n, d) within ``spread`` of one point but token 0; landmarks y (1, 1, m, d)."""
     gen = torch.Generator().manual_seed(seed)
     y = 0.3 * torch.randn(1, 1, m, d, generator=gen)
     x = 0.3 * torch.randn(1, 1, 1, d, generator=gen) + spread * torch.randn(1, 1, n, d,
