@@ -92,6 +92,18 @@ def test_export_attention_matches_dense_fp64(options, shared):
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize('precision', ex.RESIDUAL_PRECISIONS)
+def test_export_attention_fp32_both_residuals_near_dense(precision):
+    q = smooth_tokens(1, (14, 16), 8, 1.0, seed=6)
+    v = smooth_tokens(1, (14, 16), 8, 1.0, seed=7)
+    landmarks = pool_landmarks(q, (14, 16), 7)
+    expected = dense_attention(q, q, v, landmarks)
+    qf, vf, lf = q.float(), v.float(), landmarks.float()
+    got = nystrom_attention(qf, qf, vf, lf, AttentionOptions(), export=ex.ExportForm(precision))
+    assert got.dtype == torch.float32
+    assert relative_errors([got], [expected])[0] < 1e-5
+
+
 def test_export_form_is_checked_when_built():
     with pytest.raises(ValueError, match='residual'):
         ex.ExportForm('fp16')
