@@ -135,8 +135,7 @@ def dense_local_term(module, v, hw):
 
 
 def dense_attention_grads(q, k, v, landmarks, grad, tied, **options):
-    """(out, gradients) of :func:`dense_attention` in fp64 for the output gradient ``grad``;
-    the gradients of (q, v, landmarks) when ``tied`` (k is q), else of (q, k, v, landmarks)."""
+    """(out, gradients) of :func:`dense_attention` for ``grad``; no k gradient when ``tied``."""
     qd, vd, ld = (t.detach().double().requires_grad_() for t in (q, v, landmarks))
     kd = qd if tied else k.detach().double().requires_grad_()
     out = dense_attention(qd, kd, vd, ld, **options)

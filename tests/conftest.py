@@ -47,8 +47,7 @@ def pytest_configure(config):
 
 @pytest.fixture(scope='session')
 def toy_data(tmp_path_factory):
-    """``toy_coco/`` (8 train / 2 val images of 64 px: 4 iterations an epoch at batch 2) and
-    the same scenes as ``toy_seg/``; the first N images are those of an N-image set."""
+    """``toy_coco/`` (8 train / 2 val images of 64 px) and the same scenes as ``toy_seg/``."""
     folder = tmp_path_factory.mktemp('toy_data')
     write_toy_coco(folder, num_train=8, seg=True)
     return folder

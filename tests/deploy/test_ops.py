@@ -323,8 +323,7 @@ def _rows_case(n, m, dv, seed):
 
 
 def _rows_dense(x, landmarks, v, lam, kind):
-    """(rhs, stats, rows) of AttentionRows in fp64 with the dense kernel: rhs
-    [C^T (v - v̄) / N; v̄], stats the row-centred C's column mean and variance, then c̄."""
+    """(rhs, stats, rows) of AttentionRows in fp64 with the dense kernel."""
     c = dense_kernel(x.double().transpose(1, 2), landmarks.double(), lam, kind)
     v = v.double().transpose(1, 2)
     mean_v = v.mean(-2, keepdim=True)

@@ -83,8 +83,7 @@ def test_stages_after_the_last_returned_one_do_not_run_and_are_named():
 
 
 def block_params(c, hidden, attention):
-    """Parameters of one block: attention 'softmax' ([q, k, v], proj), 'tied' ([q, v]) or
-    'separate' ([q, k, v]), the Laplacian ones with a depth-wise 3x3 local term."""
+    """Parameters of one block with attention 'softmax', 'tied' ([q, v]) or 'separate'."""
     norms = 2 * 2 * c
     mlp = c * hidden + hidden + hidden * c + c
     projections = 2 if attention == 'tied' else 3

@@ -54,8 +54,7 @@ def test_toy_imagenet_rejects_tiny_images(tmp_path):
 @pytest.mark.slow
 def test_pretraining_iterations_through_the_train_tool_convert_into_the_detection_backbone(
         tmp_path):
-    """The classifier returns stage 4 only, and holds every stage's norm all the same: its
-    converted checkpoint initialises the detection backbone with no key left over."""
+    """The converted classifier initialises the detection backbone with no key left over."""
     make_toy_imagenet(tmp_path / 'data', per_class=2)
     work_dir = tmp_path / 'work'
     data_root = f"{tmp_path / 'data'}/"

@@ -42,8 +42,7 @@ def _close(got, want, rtol):
 
 
 def _pairwise_matches_dense(ops, x, y, g, lam, kind, rtol, grad_rtol, k_layout=lambda k: k):
-    """k(x, y) and its gradients for the upstream ``g`` (given k in ``k_layout``) against
-    autograd of the dense fp64 kernel of the same (rounded) inputs; returns (k, dx)."""
+    """k(x, y) and its gradients against autograd of the dense fp64 kernel; returns (k, dx)."""
     xd, yd = (t.detach().double().requires_grad_() for t in (x, y))
     want = dense_kernel(xd, yd, lam, kind)
     dx_want, dy_want = torch.autograd.grad((want * g.double()).sum(), (xd, yd))

@@ -81,8 +81,7 @@ GRADIENT_ROWS_STAGES = ('nys_backward_grads',)
 
 
 def stages_to_compile(variant):
-    """All stages, or only the gradient kernel where an earlier variant differs only in NYS_TB
-    (test_only_the_gradient_kernel_reads_its_rows)."""
+    """All stages, or only the gradient kernel where only NYS_TB differs from an earlier variant."""
     v = cuda.VARIANT_BY_NAME[variant]
     earlier = cuda.VARIANTS[:cuda.VARIANTS.index(v)]
     return GRADIENT_ROWS_STAGES if any(u._replace(name=v.name, tb=v.tb) == v

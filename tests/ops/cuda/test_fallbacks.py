@@ -61,8 +61,7 @@ BROKEN = ImportError('CuPy failed to load libnvrtc.so.12: OSError: libnvrtc.so.1
 
 
 def warns_once_and_runs_the_reference(match, q, k, v, landmarks):
-    """The op's output on its first call (which warns, matching ``match``) and its second
-    (which does not), each the reference's; returns (first output, the reference's)."""
+    """(first output, the reference's): the first call warns (``match``), the second does not."""
     with pytest.warns(RuntimeWarning, match=match):
         out = nystrom_attention(q, k, v, landmarks)
     with warnings.catch_warnings():
@@ -107,8 +106,7 @@ OPTIONS = OpOptions('laplacian', 4.0, 0.01, 16, 'identity', True, 'injective', 1
 
 @pytest.fixture
 def failing_build(fresh, monkeypatch):
-    """CuPy faked, its compiles failing as NVRTC's do; the backend checks its kernels at
-    selection as on a GPU (the routing's stand-in for that check undone)."""
+    """CuPy faked, its compiles failing as NVRTC's do; kernels checked at selection."""
     check = cuda.ensure_loaded
     cupy, _ = fake_cupy.install(cuda, monkeypatch.setattr, fail_compile=True)
     route_cpu_tensors_to_cuda_backend(monkeypatch.setattr, emulated_limits())

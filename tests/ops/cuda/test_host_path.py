@@ -227,8 +227,7 @@ def test_warmup_loads_every_variant_a_call_can_select_on_the_device(fake, monkey
 
 @pytest.mark.parametrize('version', ['13.6.0', '14.2.0'])
 def test_a_later_process_loads_the_module_from_cupys_cache(monkeypatch, version):
-    """A second fake over the same disk cache loads the binary; each element type is a module
-    of its own; CUPY_CACHE_IN_MEMORY=1 keeps nothing."""
+    """A second fake over the same disk cache loads the binary; in-memory caching keeps none."""
     disk, q, k, v, landmarks = {}, *attention_inputs()
 
     def process(*operands):
