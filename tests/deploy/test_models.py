@@ -127,6 +127,7 @@ def tiny_retinanet_config(folder):
     return str(path)
 
 
+@pytest.mark.slow(seconds=15)  # 12 s on 2 cores: over the fast tier's ~10 s
 def test_cli_exports_retinanet_maps_and_verifies(tmp_path, capsys, monkeypatch):
     library = ort_library()  # --ort-ops where the op library builds: --verify registers it
     ort_args = [] if library is None else ['--ort-ops']
