@@ -196,12 +196,15 @@ class NystromAttentionFunction(torch.autograd.Function):
     """Autograd of the op; the backward recomputes the kernel rows."""
 
     @staticmethod
-    def forward(ctx, q, k, v, landmarks, *options):
-        out, context, inverse, stats = nystrom_attention_op(q, k, v, landmarks, *options)
+    def forward(ctx, q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
+                whiten_eps, impl):
+        out, context, inverse, stats = nystrom_attention_op(
+            q, k, v, landmarks, kernel, lam, eps, iters, ns_init, ns_refine, normalize,
+            whiten_eps, impl)
         ctx.save_for_backward(q, k, v, landmarks, context, inverse, stats)
         ctx.mark_non_differentiable(context, inverse, stats)
         ctx.set_materialize_grads(False)
-        ctx.options = options[:3] + options[5:]  # all but iters and ns_init
+        ctx.options = (kernel, lam, eps, ns_refine, normalize, whiten_eps, impl)
         return out, context, inverse, stats
 
     @staticmethod
