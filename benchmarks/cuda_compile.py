@@ -33,10 +33,10 @@ def _load(variant_name, dtype_name):
     the current device."""
     import torch
 
-    from lapformer_mm.ops.backends import cuda
+    from lapformer_mm.ops.backends import cuda, cuda_plan
     dtype = {'fp32': torch.float32, 'fp16': torch.float16, 'bf16': torch.bfloat16}[dtype_name]
     index = torch.cuda.current_device()
-    variant, element = cuda.VARIANT_BY_NAME[variant_name], cuda.ELEMENT_TYPES[dtype]
+    variant, element = cuda_plan.VARIANT_BY_NAME[variant_name], cuda_plan.ELEMENT_TYPES[dtype]
     start = time.perf_counter()
     try:
         cuda.load_group(index, variant, element)
@@ -50,9 +50,9 @@ def device_variants():
     """The variants whose kernels fit the current device's shared memory."""
     import torch
 
-    from lapformer_mm.ops.backends import cuda
+    from lapformer_mm.ops.backends import cuda, cuda_plan
     limits = cuda.device_limits(torch.device('cuda', torch.cuda.current_device()))
-    return [v.name for v in cuda.VARIANTS if cuda.variant_fits(v, limits.smem_optin)]
+    return [v.name for v in cuda_plan.VARIANTS if cuda_plan.variant_fits(v, limits.smem_optin)]
 
 
 def main(argv=None):

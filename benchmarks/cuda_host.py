@@ -43,6 +43,7 @@ from lapformer_mm.ops.attention import _backward_impl as nystrom_attention_backw
 from lapformer_mm.ops.attention import _forward_impl as nystrom_attention_kernel
 from lapformer_mm.ops.attention import nystrom_attention_op
 from lapformer_mm.ops.backends import cuda as cuda_backend
+from lapformer_mm.ops.backends import cuda_plan
 
 OPTIONS = ('laplacian', 4.0, 0.01, 16, 'identity', True, 'injective', 1e-5)
 
@@ -72,7 +73,7 @@ def install_fake():
         saved.setdefault(name, getattr(obj, name))
         setattr(obj, name, value)
     fake_cupy.install(cuda_backend, setattr_, current_device=None, record=False)
-    route_cpu_tensors_to_cuda_backend(setattr_, cuda_backend.DeviceLimits((9, 0), 132,
+    route_cpu_tensors_to_cuda_backend(setattr_, cuda_plan.DeviceLimits((9, 0), 132,
                                                                           227 * 1024, 13))
 
     def undo():

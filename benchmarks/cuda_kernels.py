@@ -27,7 +27,7 @@ def kernel_times(bh, n, repeats, m_grid=7, d=32, profiler=True):
     from torch.profiler import ProfilerActivity, profile
 
     from lapformer_mm.ops import nystrom_attention, pool_landmarks
-    from lapformer_mm.ops.backends.cuda import stage_of
+    from lapformer_mm.ops.backends.cuda_plan import stage_of
     side = int(n ** 0.5)
     hw = (side, -(-n // side))
     n = hw[0] * hw[1]

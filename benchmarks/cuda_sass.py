@@ -20,7 +20,7 @@ from devtools.sass import SassToolError, report
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--variant', default='dv64_tb32', help='a name of backends.cuda.VARIANTS')
+    p.add_argument('--variant', default='dv64_tb32', help='a name of backends.cuda_plan.VARIANTS')
     p.add_argument('--arch', default='sm_90')
     p.add_argument('--kernels', default='float', help='substring of the instantiations to show')
     args = p.parse_args(argv)

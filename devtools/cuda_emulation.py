@@ -106,7 +106,7 @@ def make_launch(emulation, record=None, hooks=()):
 
 def emulated_limits(smem_optin=227 * 1024, sms=2, capability=(9, 0)):
     """The device limits the CUDA backend reads, for a device that is not there."""
-    from lapformer_mm.ops.backends.cuda import DeviceLimits
+    from lapformer_mm.ops.backends.cuda_plan import DeviceLimits
     return DeviceLimits(capability, sms, smem_optin, 12)
 
 

@@ -142,10 +142,15 @@ def _runtime():
     return cuda
 
 
+def _plan():
+    from lapformer_mm.ops.backends import cuda_plan
+    return cuda_plan
+
+
 def kernel_names(element_types=('float',), stages=None):
     """The instantiations of ``stages`` (every stage when None) the host can launch for
     these element types."""
-    return [name for name in _runtime().kernel_names(element_types)
+    return [name for name in _plan().kernel_names(element_types)
             if stages is None or name.split('<')[0] in stages]
 
 
@@ -160,7 +165,7 @@ def compile_variant(variant_name, arch, element_types=('float',), stages=None):
 @functools.lru_cache(maxsize=None)
 def _compile(variant_name, arch, element_types, stages):
     cl = _runtime()
-    variant = cl.VARIANT_BY_NAME[variant_name]
+    variant = _plan().VARIANT_BY_NAME[variant_name]
     names = kernel_names(element_types, stages)
     options = ((f'--gpu-architecture={arch}', '--ptxas-options=-v') + cl.NVRTC_OPTIONS
                + variant.defines + CUPY_ADDED_OPTIONS)
@@ -184,7 +189,7 @@ def report(variant_name='dv64_tb32', arch='sm_90', stages=None):
         if counts is None:
             rows.append(dict(kernel=name, instructions=0, terms=0, per_term=None, histogram={}))
             continue
-        terms = terms_per_iteration(name, counts, _runtime().VARIANT_BY_NAME[variant_name])
+        terms = terms_per_iteration(name, counts, _plan().VARIANT_BY_NAME[variant_name])
         total = sum(counts.values())
         rows.append(dict(kernel=name, instructions=total, terms=terms,
                          per_term=total / terms if terms else None,

@@ -1116,7 +1116,7 @@ __device__ void nys_kernel_grads(const T* __restrict__ x, long long xsn, long lo
 // Dynamic shared memory (floats, fixed by the variant):
 // 2 NYS_MP (NYS_DV + 1) + 2 NYS_TB (NYS_MP + 1) + 2 NYS_TB (NYS_DW + 1)
 // + NYS_TK (NYS_TB + 1) + NYS_TK (NYS_MP + 1) + 3 NYS_MP + 2 NYS_TB + 2 NYS_DV, as laid
-// out below; backends.cuda.grads_smem is the same number of bytes.
+// out below; backends.cuda_plan.grads_smem is the same number of bytes.
 template <typename T, int KIND>
 NYS_KERNEL(NYS_THREADS) nys_backward_grads(NYS_PARAMS p) {
     LAP_DYNAMIC_SHARED_BYTES(smem_bytes);
@@ -1329,7 +1329,7 @@ NYS_KERNEL(NYS_THREADS) nys_backward_landmarks(NYS_PARAMS p) {
 // The entry points of a module of one element type, under fixed C names, so that the host
 // needs no name expressions and CuPy's kernel cache serves the module by its source and
 // options alone: <stage>_<kernel function> for the stages that evaluate one, <stage>_entry
-// for the two that do not (backends.cuda.entry_name).
+// for the two that do not (backends.cuda_plan.entry_name).
 extern "C" __global__ void __launch_bounds__(NYS_THREADS)
 nys_forward_stats_laplacian(const nys_params p) { nys_forward_stats<NYS_ELEMENT, 0>(p); }
 extern "C" __global__ void __launch_bounds__(NYS_THREADS)

@@ -27,10 +27,6 @@ NVRTC_OPTIONS = ('-std=c++17',)
 _F32 = torch.float32
 
 
-def __getattr__(name):  # the plan's other names (VARIANTS, FORWARD, ...) read as this module's
-    return getattr(cuda_plan, name)
-
-
 # == Runtime: CuPy, the device, one module per (device, variant, element type) ==
 
 # [(why the backend cannot run here or None, whether CuPy is installed)], filled at the first

@@ -26,9 +26,9 @@ def ran(monkeypatch):
 
 
 def stages(record, dtype=torch.float32, kind=0, backward=True):
-    from lapformer_mm.ops.backends import cuda
-    names = cuda.STAGES if backward else cuda.FORWARD
-    return [cuda.kernel_name(s, cuda.ELEMENT_TYPES[dtype], kind) for s in names]
+    from lapformer_mm.ops.backends import cuda, cuda_plan
+    names = cuda.STAGES if backward else cuda_plan.FORWARD
+    return [cuda_plan.kernel_name(s, cuda_plan.ELEMENT_TYPES[dtype], kind) for s in names]
 
 
 def assert_rounded(got, expected, dtype, fp32_tol):
@@ -252,7 +252,7 @@ def test_gpu_kernels_per_attention_forward():
     cuBLAS or cuDNN launch is theirs)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from lapformer_mm.ops.backends import cuda
+    from lapformer_mm.ops.backends import cuda_plan
     module = _module().eval()
     x = torch.randn(2, 768, 64, device='cuda')
     with torch.no_grad():
@@ -263,8 +263,8 @@ def test_gpu_kernels_per_attention_forward():
             torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and 'memcpy' not in e.name.lower() and 'memset' not in e.name.lower()]
-    ours = [cuda.stage_of(name) for name in kernels if name.startswith('nys_')]
-    assert ours == list(cuda.FORWARD), kernels
+    ours = [cuda_plan.stage_of(name) for name in kernels if name.startswith('nys_')]
+    assert ours == list(cuda_plan.FORWARD), kernels
     others = [name for name in kernels if not name.startswith('nys_')]
     warnings.warn(f'kernels per LaplacianAttention forward: {len(ours)} ours + {len(others)} '
                   f'others: {others}')
@@ -272,7 +272,7 @@ def test_gpu_kernels_per_attention_forward():
 
 def test_torch_compile_reduce_overhead_runs_the_kernels(ran):
     """torch.compile(mode='reduce-overhead'): the CUDA graph replays our kernels."""
-    from lapformer_mm.ops.backends import cuda
+    from lapformer_mm.ops.backends import cuda_plan
     module = _module().eval()
     x = torch.randn(2, 768, 64, device='cuda')
     with torch.no_grad():
@@ -281,7 +281,8 @@ def test_torch_compile_reduce_overhead_runs_the_kernels(ran):
         for _ in range(3):
             out = compiled(x, (24, 32))
     # The eager call's launches, then the compiled graph's warm-up (and capture) ones.
-    assert [name.split('<')[0] for name, _ in ran[len(cuda.FORWARD):]][:4] == list(cuda.FORWARD)
+    forward = list(cuda_plan.FORWARD)
+    assert [name.split('<')[0] for name, _ in ran[len(forward):]][:4] == forward
     torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from devtools import sass
 from devtools.nvrtc import CUPY_ADDED_OPTIONS, Nvrtc, find_nvrtc
-from lapformer_mm.ops.backends import cuda
+from lapformer_mm.ops.backends import cuda, cuda_plan
 
 NVRTC_PACKAGE = 'nvidia-cuda-nvrtc-cu12'
 # A variant's fp32 kernels take 10-15 s per architecture on 2 cores.
@@ -60,17 +60,19 @@ def compiled(nvrtc, variant, arch, element_types=('float',), stages=None):
 def check_static_smem(variant, lowered, used):
     """Static shared memory as the plan assumes: the row passes within the 48 KiB every
     device has (and the host's count), the solves' only static the Newton-Schulz norm."""
-    v = cuda.VARIANT_BY_NAME[variant]
+    v = cuda_plan.VARIANT_BY_NAME[variant]
     for name, mangled in lowered.items():
         stage, static = name.split('<')[0], used[mangled][1]
         if stage in ('nys_forward_stats', 'nys_forward_out', 'nys_backward_reduce'):
-            assert static <= cuda.row_pass_static_smem(v) <= cuda.DEFAULT_SMEM, (name, static)
+            assert static <= cuda_plan.row_pass_static_smem(v) <= cuda_plan.DEFAULT_SMEM, (
+                name, static)
         elif stage == 'nys_forward_solve':
-            assert static <= cuda.NS_STATIC_SMEM, (name, static)
+            assert static <= cuda_plan.NS_STATIC_SMEM, (name, static)
             # No spills at the 128 registers the block allows.
             assert used[mangled][2] == 0, (name, used[mangled])
         elif stage == 'nys_forward_context':
-            assert static <= cuda.context_static_smem(v) <= cuda.DEFAULT_SMEM, (name, static)
+            assert static <= cuda_plan.context_static_smem(v) <= cuda_plan.DEFAULT_SMEM, (
+                name, static)
         elif stage in ('nys_backward_merge', 'nys_backward_landmarks'):
             assert static <= 4 * v.threads, (name, static)  # the merge's group sums
         else:
@@ -82,13 +84,13 @@ GRADIENT_ROWS_STAGES = ('nys_backward_grads',)
 
 def stages_to_compile(variant):
     """All stages, or only the gradient kernel where only NYS_TB differs from an earlier variant."""
-    v = cuda.VARIANT_BY_NAME[variant]
-    earlier = cuda.VARIANTS[:cuda.VARIANTS.index(v)]
+    v = cuda_plan.VARIANT_BY_NAME[variant]
+    earlier = cuda_plan.VARIANTS[:cuda_plan.VARIANTS.index(v)]
     return GRADIENT_ROWS_STAGES if any(u._replace(name=v.name, tb=v.tb) == v
                                        for u in earlier) else None
 
 
-@pytest.mark.parametrize('variant', [v.name for v in cuda.VARIANTS])
+@pytest.mark.parametrize('variant', [v.name for v in cuda_plan.VARIANTS])
 def test_each_variant_compiles_within_its_shared_memory_and_hot_loop_bounds(nvrtc, nvdisasm,
                                                                           variant):
     stages = stages_to_compile(variant)
@@ -107,7 +109,7 @@ def test_each_variant_compiles_within_its_shared_memory_and_hot_loop_bounds(nvrt
     assert 'I2FP' not in grads['histogram'], grads
     # The C_q tile of NYS_TB rows: its staging (~190 instructions) shared by 128 terms at 32
     # rows, 64 at 16, not 256: 4.25-4.26 and 6.27 per term measured.
-    tb = cuda.VARIANT_BY_NAME[variant].tb
+    tb = cuda_plan.VARIANT_BY_NAME[variant].tb
     assert grads['terms'] == 4 * tb == grads['histogram']['FADD'] // 2, grads
     assert grads['per_term'] <= (4.26 if tb == 32 else 6.27), grads
     # The gradient's sign sums (innermost loops with FSETP): 4.03-4.13 per term measured.
@@ -140,20 +142,20 @@ def test_only_the_gradient_kernel_reads_its_rows():
     outside = [line.split('//')[0].strip() for line in (text[:start] + text[end:]).splitlines()]
     uses = [line for line in outside if 'NYS_TB' in line and not line.startswith(('#if', '#error'))]
     assert uses == ['NYS_TN % NYS_TY == 0 && NYS_TB % NYS_TY == 0,'], uses
-    assert [v.name for v in cuda.VARIANTS if stages_to_compile(v.name)] == ['dv32_tb16',
+    assert [v.name for v in cuda_plan.VARIANTS if stages_to_compile(v.name)] == ['dv32_tb16',
                                                                            'dv64_tb16']
 
 
 def test_the_modules_the_backend_loads_are_the_kernels_checked_here(nvrtc, nvdisasm):
     """CuPy's module exports every stage's C entry point, the SASS checked here."""
     options = (('--gpu-architecture=sm_90',)
-               + cuda.compile_options(cuda.VARIANT_BY_NAME['dv32_tb32'], 'float')
+               + cuda.compile_options(cuda_plan.VARIANT_BY_NAME['dv32_tb32'], 'float')
                + CUPY_ADDED_OPTIONS)
     status, log, _, cubin = nvrtc.compile(cuda.load_source(), cuda.SOURCE, options, [])
     assert status == 0, log
     _, _, lowered, templates = sass.compile_variant('dv32_tb32', 'sm_90')
     module, reference = sass.disassemble(nvdisasm, cubin), sass.disassemble(nvdisasm, templates)
-    entries = {cuda.kernel_name(stage, 'float', kind): cuda.entry_name(stage, kind)
+    entries = {cuda_plan.kernel_name(stage, 'float', kind): cuda_plan.entry_name(stage, kind)
                for stage in cuda.STAGES for kind in cuda.KERNEL_CODES.values()}
     assert sorted(module) == sorted(set(entries.values()))
     for name, entry in entries.items():
@@ -162,17 +164,18 @@ def test_the_modules_the_backend_loads_are_the_kernels_checked_here(nvrtc, nvdis
 
 
 def test_sources_are_found_inlined_and_sized_as_the_host_assumes():
-    """The headers inlined; backends.cuda's copies of lap_common.cuh's Newton-Schulz layout."""
+    """The headers inlined; backends.cuda_plan's copies of lap_common.cuh's Newton-Schulz layout."""
     text = cuda.load_source()
     assert '#include "' not in text
     assert 'struct lap_half' in text and 'struct nys_params' in text
     for name in ('NS_PART_STRIDE', 'NS_LD_NARROW', 'NS_LD_WIDE'):
         defined = re.search(rf'^#define {name} (\d+)', text, re.MULTILINE)
-        assert defined and int(defined.group(1)) == getattr(cuda, name), name
+        assert defined and int(defined.group(1)) == getattr(cuda_plan, name), name
 
 
 @pytest.mark.parametrize('variant, arch, element_types', [
-    ('dv64_tb16', 'sm_75', tuple(cuda.ELEMENT_TYPES.values())), ('dv32_tb32', 'sm_70', ('float',))])
+    ('dv64_tb16', 'sm_75', tuple(cuda_plan.ELEMENT_TYPES.values())),
+    ('dv32_tb32', 'sm_70', ('float',))])
 def test_the_support_tables_older_architectures_compile(nvrtc, variant, arch, element_types):
     """sm_75 with the variant the plan gives at m = d_v = 64; sm_70 with NVRTC 12."""
     lowered, used = compiled(nvrtc, variant, arch, element_types)

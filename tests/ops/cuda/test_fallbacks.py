@@ -12,7 +12,7 @@ import torch
 from devtools import fake_cupy
 from devtools.cuda_emulation import emulated_limits, route_cpu_tensors_to_cuda_backend
 from lapformer_mm.ops import attention, nystrom_attention, pool_landmarks
-from lapformer_mm.ops.backends import cuda
+from lapformer_mm.ops.backends import cuda, cuda_plan
 from lapformer_mm.ops.reference import OpOptions
 
 
@@ -134,7 +134,7 @@ def test_a_build_that_fails_warns_once_runs_the_reference_and_is_not_retried(fai
         nystrom_attention(*attention_inputs(), impl='cupy')
     # The launch path raises the remembered error without compiling again.
     with pytest.raises(cuda.CudaOpsError, match='"oops"'):
-        cuda.load_group(None, cuda.VARIANT_BY_NAME['dv32_tb32'], 'float')
+        cuda.load_group(None, cuda_plan.VARIANT_BY_NAME['dv32_tb32'], 'float')
     with pytest.warns(RuntimeWarning, match=r'dv32_tb32, lap_half\)'):
         nystrom_attention(*attention_inputs(torch.float16))
     with warnings.catch_warnings():

@@ -90,8 +90,8 @@ def assert_dense(out, grads, grad, q, k, v, landmarks, tied, tol=2e-5, grad_tol=
         assert_close_scaled(got, want, grad_tol)
 
 
-FORWARD = [cuda.kernel_name(s, 'float', 0) for s in cuda.FORWARD]
-BACKWARD = [cuda.kernel_name(s, 'float', 0) for s in cuda.BACKWARD]
+FORWARD = [cuda_plan.kernel_name(s, 'float', 0) for s in cuda_plan.FORWARD]
+BACKWARD = [cuda_plan.kernel_name(s, 'float', 0) for s in cuda_plan.BACKWARD]
 
 
 @pytest.mark.parametrize('kernel, lam', [('laplacian', 4.0), ('gaussian', 12.0)])
@@ -116,8 +116,8 @@ def test_16_bit_inputs_match_dense_fp64(launches, dtype, tol, grad_tol, tied):
     q, k, v, landmarks = make_inputs(2, 1, (7, 5), 16, 16, 4, tied, dtype, seed=4)
     out, grads, grad = run(q, k, v, landmarks, tied)
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
-    element = cuda.ELEMENT_TYPES[dtype]
-    assert [e[0] for e in launches] == [cuda.kernel_name(s, element, 0) for s in cuda.STAGES]
+    element = cuda_plan.ELEMENT_TYPES[dtype]
+    assert [e[0] for e in launches] == [cuda_plan.kernel_name(s, element, 0) for s in cuda.STAGES]
     assert_dense(out, grads, grad, q, k, v, landmarks, tied, tol, grad_tol)
 
 
@@ -173,12 +173,12 @@ def test_blocks_loop_over_heads_and_tiles_beyond_the_grid_limits(launches, monke
     monkeypatch.setattr(cuda, 'MAX_GRID_YZ', 1)
     monkeypatch.setattr(cuda, 'MAX_GRID_X', 1)
     monkeypatch.setattr(cuda_plan, 'MAX_GRID_X', 1)  # the row slices (splits)
-    cuda.splits.cache_clear()
+    cuda_plan.splits.cache_clear()
     try:
         q, k, v, landmarks = make_inputs(2, 3, (10, 13), 8, 8, 3, False, torch.float32, seed=13)
         out, grads, grad = run(q, k, v, landmarks, False)
     finally:
-        cuda.splits.cache_clear()
+        cuda_plan.splits.cache_clear()
     assert all(entry[1] in ((1, 1), (1,)) for entry in launches), launches
     assert_dense(out, grads, grad, q, k, v, landmarks, False)
 
@@ -345,18 +345,18 @@ def test_fp32_attention_of_nearly_equal_kernel_columns_stays_near_fp64(launches)
 def host_params_layout():
     """{field: byte offset} of the host's PARAMS_DTYPE, operands as 'q.ptr' ..., plus 'sizeof'."""
     layout = {}
-    for name, (dtype, offset) in cuda.PARAMS_DTYPE.fields.items():
+    for name, (dtype, offset) in cuda_plan.PARAMS_DTYPE.fields.items():
         if dtype.fields:
             layout.update({f'{name}.{sub}': offset + o for sub, (_, o) in dtype.fields.items()})
         else:
             layout[name] = offset
-    layout['sizeof'] = cuda.PARAMS_DTYPE.itemsize
+    layout['sizeof'] = cuda_plan.PARAMS_DTYPE.itemsize
     return layout
 
 
 def test_parameter_struct_layout_matches_the_c_struct(emu_lib):  # noqa: F811
     """The numpy dtype the host fills is nys_params as g++ lays it out (offsetof / sizeof)."""
-    lib = emu_lib.library(cuda.VARIANT_BY_NAME['dv32_tb32'])
+    lib = emu_lib.library(cuda_plan.VARIANT_BY_NAME['dv32_tb32'])
     assert params_layout(lib) == host_params_layout()
 
 
@@ -379,7 +379,7 @@ def test_each_shared_memory_limit_picks_a_variant_or_the_reference(launches, mon
             warnings.simplefilter('always')
             out, grads, grad = run(q, k, v, landmarks, False)
         fallbacks = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-        if isinstance(plan, cuda.Plan):
+        if isinstance(plan, cuda_plan.Plan):
             assert [e[0] for e in launches] == FORWARD + BACKWARD
             assert {e[4] for e in launches} == {plan.variant.name}
             assert max(e[3] for e in launches) <= kib * 1024
@@ -396,7 +396,7 @@ def test_the_variants_the_support_table_states():
     def picked(kib, m, dv):
         plan = cuda.plan(m, dv, kib * 1024)
         return (plan.variant.name, plan.backward_solve_cols) \
-            if isinstance(plan, cuda.Plan) else None
+            if isinstance(plan, cuda_plan.Plan) else None
     assert picked(48, 49, 32) == ('dv32_tb16', 32)
     assert picked(48, 64, 32) is None and picked(48, 64, 64) is None
     assert picked(64, 49, 32) == ('dv32_tb32', 32)
@@ -405,8 +405,8 @@ def test_the_variants_the_support_table_states():
     for kib in (96, 100, 164, 227):
         assert picked(kib, 49, 32) == ('dv32_tb32', 32)
         assert picked(kib, 64, 64) == ('dv64_tb32', 64)
-    assert all(max(cuda.row_pass_static_smem(v), cuda.context_static_smem(v)) <= cuda.DEFAULT_SMEM
-               for v in cuda.VARIANTS)
+    assert all(max(cuda_plan.row_pass_static_smem(v), cuda_plan.context_static_smem(v))
+               <= cuda_plan.DEFAULT_SMEM for v in cuda_plan.VARIANTS)
 
 
 @pytest.mark.slow
@@ -415,7 +415,7 @@ def test_kernels_are_free_of_data_races_under_thread_sanitizer(tmp_path):
     if shutil.which('g++') is None:
         pytest.skip('g++ (C++20) is needed to build the CPU emulation of the CUDA kernels')
     exe = tmp_path / 'tsan_main'
-    variant = cuda.VARIANT_BY_NAME['dv32_tb16']
+    variant = cuda_plan.VARIANT_BY_NAME['dv32_tb16']
     command = build_command(exe, variant.defines + ('-DEMU_FLOAT_ONLY', '-DEMU_THREADS'),
                             '-fsanitize=thread', '-g', str(EMU_DIR / 'tsan_main.cpp'))
     build = subprocess.run([c if c != '-O2' else '-O1' for c in command], capture_output=True,

@@ -10,7 +10,7 @@ from devtools import fake_cupy
 from devtools.cuda_emulation import emulated_limits, route_cpu_tensors_to_cuda_backend
 from devtools.op_counts import count_call
 from lapformer_mm.ops import nystrom_attention, pool_landmarks
-from lapformer_mm.ops.backends import cuda
+from lapformer_mm.ops.backends import cuda, cuda_plan
 from lapformer_mm.ops.reference import OpOptions
 
 H200 = emulated_limits(smem_optin=227 * 1024, sms=2)
@@ -49,17 +49,17 @@ def test_one_compile_per_variant_and_element_type_one_struct_per_launch_current_
         for handle in (12345, 12345, 777):
             streams.handle = handle
             nystrom_attention(q, k, v, landmarks)
-    n = len(cuda.FORWARD)
+    n = len(cuda_plan.FORWARD)
     assert [e[-1] for e in launches(cupy)] == [12345] * (2 * n) + [777] * n
     nystrom_attention(q, k, v, landmarks, kernel='gaussian', lam=2.0, ns_init='authors')
     compiles = [e for e in cupy.events if e[0] in ('compile', 'load')]
-    variant = cuda.VARIANT_BY_NAME['dv32_tb32']
+    variant = cuda_plan.VARIANT_BY_NAME['dv32_tb32']
     assert compiles == [('compile', (), cuda.NVRTC_OPTIONS + variant.defines
                          + ('-DNYS_ELEMENT=float',), 'nvrtc')]
-    assert [e[1] for e in launches(cupy)] == ([cuda.entry_name(s, 0) for s in cuda.FORWARD] * 3
-                                              + [cuda.entry_name(s, 1) for s in cuda.FORWARD])
+    entries = [[cuda_plan.entry_name(s, kind) for s in cuda_plan.FORWARD] for kind in (0, 1)]
+    assert [e[1] for e in launches(cupy)] == entries[0] * 3 + entries[1]
     # One argument per launch: the parameter struct, a numpy array of size one.
-    assert all(len(e[4]) == 1 and e[4][0].dtype == cuda.PARAMS_DTYPE and e[4][0].size == 1
+    assert all(len(e[4]) == 1 and e[4][0].dtype == cuda_plan.PARAMS_DTYPE and e[4][0].size == 1
                for e in launches(cupy))
     # The Newton-Schulz solve on NYS_TX x NYS_SY threads, every other kernel on tx x ty.
     assert all(e[3] == ((variant.tx, variant.sy, 1) if 'solve' in e[1] else variant.block)
@@ -84,8 +84,8 @@ def test_opt_in_happens_once_at_load_to_the_devices_limit(fake):
     q, k, v, landmarks = (t.detach().requires_grad_() for t in attention_inputs())
     nystrom_attention(q, k, v, landmarks).sum().backward()
     nystrom_attention(q, k, v, landmarks).sum().backward()
-    optins = {cuda.stage_of(e[1]): e[2] for e in cupy.events if e[0] == 'optin'}
-    assert optins == {'nys_forward_solve': cupy.smem_optin - cuda.NS_STATIC_SMEM,
+    optins = {cuda_plan.stage_of(e[1]): e[2] for e in cupy.events if e[0] == 'optin'}
+    assert optins == {'nys_forward_solve': cupy.smem_optin - cuda_plan.NS_STATIC_SMEM,
                       'nys_backward_solve': cupy.smem_optin,
                       'nys_backward_grads': cupy.smem_optin}
     assert len([e for e in cupy.events if e[0] == 'optin']) == 3 * 2  # both kinds, once
@@ -102,7 +102,7 @@ def test_a_variant_loaded_under_a_smaller_forced_limit_serves_a_full_size_launch
         monkeypatch.setattr(cuda, 'device_limits',
                             lambda device, kib=kib: emulated_limits(smem_optin=kib * 1024))
         nystrom_attention(q, q, q.clone(), landmarks)
-    solves = [e[5] for e in launches(cupy) if cuda.stage_of(e[1]) == 'nys_forward_solve']
+    solves = [e[5] for e in launches(cupy) if cuda_plan.stage_of(e[1]) == 'nys_forward_solve']
     assert solves == [cuda.plan(64, 32, 64 * 1024).solve_smem, 73_984]
     assert len([e for e in cupy.events if e[0] == 'compile']) == 1
 
@@ -118,16 +118,16 @@ def test_a_first_call_inside_a_capture_raises_and_warmup_prevents_it(fake, monke
     assert loaded == [('dv32_tb32', torch.float32)]
     compiles = len([e for e in cupy.events if e[0] == 'compile'])
     monkeypatch.setattr(cuda, 'capturing', lambda device_index: True)
-    group = cuda.load_group(0, cuda.VARIANT_BY_NAME['dv32_tb32'], 'float')
-    assert len(group) == len(cuda.kernel_names(('float',)))
+    group = cuda.load_group(0, cuda_plan.VARIANT_BY_NAME['dv32_tb32'], 'float')
+    assert len(group) == len(cuda_plan.kernel_names(('float',)))
     assert len([e for e in cupy.events if e[0] == 'compile']) == compiles
 
 
 def test_device_context_only_when_the_device_is_not_current(fake):
     cupy, _ = fake
     tensor = fake_cupy.FakeCudaTensor()
-    name = cuda.kernel_name('nys_forward_stats', 'float', 0)
-    variant, params = cuda.VARIANTS[0], np.zeros(1, cuda.PARAMS_DTYPE)
+    name = cuda_plan.kernel_name('nys_forward_stats', 'float', 0)
+    variant, params = cuda_plan.VARIANTS[0], np.zeros(1, cuda_plan.PARAMS_DTYPE)
     cupy.current_device = 1
     cuda.launch(name, variant, tensor, (1, 1), variant.block, params)
     first = len([e for e in cupy.events if e[0] == 'device'])
@@ -139,14 +139,14 @@ def test_device_context_only_when_the_device_is_not_current(fake):
 
 
 def test_compile_and_launch_failures_name_kernel_and_shapes(monkeypatch):
-    name = cuda.kernel_name('nys_forward_out', 'float', 1)
+    name = cuda_plan.kernel_name('nys_forward_out', 'float', 1)
     for kwargs, pattern in ((dict(fail_compile=True), r'dv64_tb16, float.*oops'),
                             (dict(fail_launch=True),
                              r'nys_forward_out<float, 1> \(dv64_tb16.*q \(1, 2\).*too many')):
         fake_cupy.install(cuda, monkeypatch.setattr, current_device=1, **kwargs)
         with pytest.raises(cuda.CudaOpsError, match=pattern):
-            cuda.launch(name, cuda.VARIANT_BY_NAME['dv64_tb16'], fake_cupy.FakeCudaTensor(), (1,),
-                      (16, 16, 1), np.zeros(1, cuda.PARAMS_DTYPE), shapes='q (1, 2)')
+            cuda.launch(name, cuda_plan.VARIANT_BY_NAME['dv64_tb16'], fake_cupy.FakeCudaTensor(),
+                      (1,), (16, 16, 1), np.zeros(1, cuda_plan.PARAMS_DTYPE), shapes='q (1, 2)')
 
 
 def test_strided_operands_are_passed_as_they_are(fake):
@@ -156,20 +156,20 @@ def test_strided_operands_are_passed_as_they_are(fake):
     out, counter = count_call(lambda: nystrom_attention(q, k, v, landmarks), cuda)
     assert not counter.compute, dict(counter.compute)
     assert counter.totals()['allocations'] == 5
-    assert counter.totals()['launches'] == len(cuda.FORWARD)
+    assert counter.totals()['launches'] == len(cuda_plan.FORWARD)
     grad = torch.ones_like(out)
     _, counter = count_call(lambda: torch.autograd.grad(out, (q, k, v, landmarks), grad), cuda)
     assert not counter.compute, dict(counter.compute)
-    assert counter.totals()['launches'] == len(cuda.BACKWARD)
+    assert counter.totals()['launches'] == len(cuda_plan.BACKWARD)
 
 
 def test_plans_are_cached_per_shape():
-    cuda.splits.cache_clear()
+    cuda_plan.splits.cache_clear()
     for _ in range(3):
-        cuda.splits(8, 16650, 528, 64)
-    info = cuda.splits.cache_info()
+        cuda_plan.splits(8, 16650, 528, 64)
+    info = cuda_plan.splits.cache_info()
     assert info.misses == 1 and info.hits == 2
-    splits, chunk = cuda.splits(8, 16650, 528, 64)
+    splits, chunk = cuda_plan.splits(8, 16650, 528, 64)
     assert splits * chunk >= 16650 > (splits - 1) * chunk and chunk % 64 == 0
 
 
@@ -211,17 +211,18 @@ def test_warmup_loads_every_variant_a_call_can_select_on_the_device(fake, monkey
     """warmup() loads the variants of every m and d_v; 48 KiB: dv32_tb16, m <= 60, d_v <= 32."""
     limits = emulated_limits(smem_optin=kib * 1024, sms=2)
     monkeypatch.setattr(cuda, 'device_limits', lambda device: limits)
-    selectable = {found.variant.name for m in range(1, cuda.MAX_M + 1)
-                  for dv in range(1, cuda.MAX_DV + 1)
-                  if isinstance(found := cuda.plan(m, dv, limits.smem_optin), cuda.Plan)}
+    selectable = {found.variant.name for m in range(1, cuda_plan.MAX_M + 1)
+                  for dv in range(1, cuda_plan.MAX_DV + 1)
+                  if isinstance(found := cuda.plan(m, dv, limits.smem_optin), cuda_plan.Plan)}
     dtypes = (torch.float32, torch.bfloat16)
     loaded = cuda.warmup(torch.device('cuda', 0), dtypes=dtypes)
     assert sorted(loaded, key=str) == sorted(((name, dtype) for name in selectable
                                               for dtype in dtypes), key=str)
     assert ('dv32_tb16' in selectable) == (kib == 48)
     if kib == 48:
-        fits = {(m, dv) for m in range(1, cuda.MAX_M + 1) for dv in range(1, cuda.MAX_DV + 1)
-                if isinstance(cuda.plan(m, dv, limits.smem_optin), cuda.Plan)}
+        fits = {(m, dv) for m in range(1, cuda_plan.MAX_M + 1)
+                for dv in range(1, cuda_plan.MAX_DV + 1)
+                if isinstance(cuda.plan(m, dv, limits.smem_optin), cuda_plan.Plan)}
         assert fits == {(m, dv) for m in range(1, 61) for dv in range(1, 33)}
 
 
@@ -266,10 +267,10 @@ def test_the_fake_keys_modules_with_name_expressions_as_cupy_does(version, later
 
 def test_a_module_exposes_the_entry_points_of_its_element_type_only():
     """One C entry point per stage and kernel function where the host defines NYS_ELEMENT."""
-    variant, source = cuda.VARIANT_BY_NAME['dv32_tb32'], cuda.load_source()
+    variant, source = cuda_plan.VARIANT_BY_NAME['dv32_tb32'], cuda.load_source()
     lines = fake_cupy.active_lines(source, cuda.compile_options(variant, 'lap_bf16'))
     entries = fake_cupy._ENTRY.findall('\n'.join(lines))
-    assert sorted(entries) == sorted({cuda.entry_name(stage, kind) for stage in cuda.STAGES
+    assert sorted(entries) == sorted({cuda_plan.entry_name(stage, kind) for stage in cuda.STAGES
                                       for kind in cuda.KERNEL_CODES.values()})
     assert not fake_cupy._ENTRY.findall('\n'.join(fake_cupy.active_lines(source, variant.defines)))
     with pytest.raises(RuntimeError, match='tile geometry'):

@@ -9,6 +9,7 @@ from devtools.cuda_emulation import make_launch, route_cpu_tensors_to_cuda_backe
 from devtools.op_counts import module_call_counts
 from lapformer_mm.models.attention import LaplacianAttention
 from lapformer_mm.ops.backends import cuda as rt
+from lapformer_mm.ops.backends import cuda_plan
 
 # Ops that wait for the device (a CUDA tensor's value read on the host).
 HOST_SYNCS = {'aten::_local_scalar_dense', 'aten::item', 'aten::is_nonzero', 'aten::equal'}
@@ -30,7 +31,7 @@ def test_launches_plus_aten_ops_per_attention_call(cupy_path, qk_shared):
     totals_f, totals_b = forward.totals(), both.totals()
     print(f'qk_shared={qk_shared}: forward {totals_f} {dict(forward.compute)}; '
           f'forward+backward {totals_b} {dict(both.compute)}')
-    assert dict(forward.launches) == {name: 1 for name in rt.FORWARD}
+    assert dict(forward.launches) == {name: 1 for name in cuda_plan.FORWARD}
     assert dict(both.launches) == {name: 1 for name in rt.STAGES}
     assert totals_f['launches+compute'] <= 10
     assert totals_b['launches+compute'] <= 30
@@ -50,7 +51,7 @@ def test_16_bit_operands_are_not_cast(cupy_path):
     x = torch.randn(2, 63, 64)
     with torch.autocast('cpu', dtype=torch.bfloat16):
         forward, _ = module_call_counts(module, x, (7, 9), rt, backward=False)
-    assert dict(forward.launches) == {name: 1 for name in rt.FORWARD}
+    assert dict(forward.launches) == {name: 1 for name in cuda_plan.FORWARD}
     # Autocast's own casts of the fp32 input x and of the weights and biases of the two
     # linear layers and the conv: 7. q, k, v and the landmarks are never converted.
     assert forward.compute['aten::_to_copy'] == 7, dict(forward.compute)
