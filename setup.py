@@ -51,6 +51,7 @@ def cpu_kernel_build():
     x86 = platform.machine().lower() in ('x86_64', 'amd64')
     names = list(CPU_CAPABILITY_FLAGS) if x86 else ['default']
     modules = [CppExtension(f'lapformer_mm._cpu_{name}', [f'ops/cpu/cpu_{name}.cpp'],
+                            depends=['ops/cpu/cpu_kernels.h'],  # a newer header rebuilds
                             extra_compile_args=CPU_COMMON_FLAGS + CPU_CAPABILITY_FLAGS[name],
                             extra_link_args=CPU_OPENMP_FLAGS)
                for name in names]

@@ -1,14 +1,12 @@
 """The suite's fixtures (session ones read-only: copy what a test breaks) and the gpu skip."""
 import os
 import os.path as osp
-import subprocess
 import sys
-import zipfile
 from types import SimpleNamespace
 
 import pytest
 import torch
-from _shared import TOY_CONFIG, TRAIN_TOOL, copy_checkout, run_tool, toy_run_options, write_toy_coco
+from _shared import TOY_CONFIG, TRAIN_TOOL, run_tool, toy_run_options, write_toy_coco
 from _xdist_order import longest_files_first
 
 
@@ -71,24 +69,6 @@ def toy_run(tmp_path_factory, toy_coco):
                    toy_run_options(toy_coco, max_epochs=1))
     return SimpleNamespace(work=work, checkpoint=osp.join(work, 'epoch_1.pth'), log=log,
                            data=toy_coco)
-
-
-@pytest.fixture(scope='session')
-def built_wheel(tmp_path_factory):
-    """``pip wheel`` of a fresh copy of the checkout: ``wheel``, ``site`` (unpacked) and ``log``."""
-    base = tmp_path_factory.mktemp('wheel')
-    checkout = base / 'checkout'
-    copy_checkout(checkout)
-    proc = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps',
-                           '--no-build-isolation', '--disable-pip-version-check', '-v',
-                           '-w', str(base / 'dist'), str(checkout)],
-                          capture_output=True, text=True, timeout=1800)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    wheel, = (base / 'dist').glob('lapformer_mm-*.whl')
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extractall(base / 'site')
-    return SimpleNamespace(wheel=wheel, site=base / 'site', log=log)
 
 
 @pytest.fixture

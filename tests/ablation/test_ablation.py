@@ -184,6 +184,7 @@ if __name__ == '__main__':
 """
 
 
+@pytest.mark.slow  # a sweep process started and killed: 12 s
 @pytest.mark.skipif(not sys.platform.startswith('linux'), reason='PR_SET_PDEATHSIG is Linux')
 def test_a_worker_stops_when_the_sweep_process_is_killed(tmp_path):
     """A --jobs worker whose parent is SIGKILLed exits within seconds, not after its run."""

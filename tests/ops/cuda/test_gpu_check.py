@@ -176,23 +176,28 @@ def fake_wheel(folder, name, version, code=''):
     return path
 
 
-@pytest.mark.parametrize('version', ['13.6.0', '14.2.0'])
-def test_the_first_steps_pass_on_a_stub_gpu_under_both_cache_keys(stub_gpu, tmp_path, version):
+# The cache key differs by CuPy version in the compile step alone.
+@pytest.mark.parametrize('version, steps', [('14.2.0', 'wheels env compile'),
+                                            ('13.6.0', 'compile')])
+def test_the_first_steps_pass_on_a_stub_gpu_under_both_cache_keys(stub_gpu, tmp_path, version,
+                                                                   steps):
     """The 12 modules compiled, then each loaded from the kernel cache by another process."""
     out = tmp_path / 'out'
     # termcolor as mmengine uses it (lapformer_mm imports mmengine where it is installed).
     fake_wheel(tmp_path / 'wheels', 'termcolor', '9.9.9', 'def colored(text, *args, **kw):\n'
                                                          '    return text\n')
-    proc = run_script(stub_gpu, out, 'wheels env compile', FAKE_CUPY_VERSION=version)
+    proc = run_script(stub_gpu, out, steps, FAKE_CUPY_VERSION=version)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [verdict(out, step) for step in ('wheels', 'env', 'modules', 'compile')] == [
-        'PASS: wheels', 'PASS: env', 'PASS: modules', 'PASS: compile'], summary(out)
     env = (out / 'env.txt').read_text()
-    assert 'gpu NVIDIA H100 80GB HBM3 cc 9.0 sms 132 smem optin 232448' in env
-    assert 'CuPy compiled and loaded a kernel' in env
-    assert 'import without OpenMMLab packages' in env
-    assert "plan m=49 dv=32: Plan(variant=Variant(name='dv32_tb32'" in env, env
-    assert 'module termcolor 9.9.9' in env
+    if 'env' in steps:
+        assert [verdict(out, step) for step in ('wheels', 'env', 'modules')] == [
+            'PASS: wheels', 'PASS: env', 'PASS: modules'], summary(out)
+        assert 'gpu NVIDIA H100 80GB HBM3 cc 9.0 sms 132 smem optin 232448' in env
+        assert 'CuPy compiled and loaded a kernel' in env
+        assert 'import without OpenMMLab packages' in env
+        assert "plan m=49 dv=32: Plan(variant=Variant(name='dv32_tb32'" in env, env
+        assert 'module termcolor 9.9.9' in env
+    assert verdict(out, 'compile') == 'PASS: compile', summary(out)
     pairs = [(v, d) for v in ('dv32_tb32', 'dv32_tb16', 'dv64_tb32', 'dv64_tb16')
              for d in ('fp32', 'fp16', 'bf16')]
     for variant, dtype in pairs:
