@@ -1,4 +1,4 @@
-"""Packaging: ops/ serves a checkout; a wheel builds the CPU kernels and ships the sources."""
+"""Packaging: ops/ serves a checkout; a wheel ships the CPU kernels and the kernel sources."""
 import os
 import platform
 import shutil
