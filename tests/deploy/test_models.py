@@ -66,7 +66,7 @@ def models():
                                             ('fpn', FPN_SEG))}
 
 
-@pytest.mark.parametrize('exporter', [pytest.param('dynamo', marks=pytest.mark.slow(seconds=60)),
+@pytest.mark.parametrize('exporter', [pytest.param('dynamo', marks=pytest.mark.slow(seconds=15)),
                                       'torchscript'])
 @pytest.mark.parametrize('name', ['maskrcnn', 'upernet', 'fpn'])
 def test_network_outputs_through_onnx_runtime(models, tmp_path, name, exporter):
